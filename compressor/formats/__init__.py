@@ -1,0 +1,1 @@
+"""On-disk formats written and read by kvq."""

