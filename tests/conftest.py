@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random-init models built in the test (no downloads)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def tiny_config(**kw):
+    from transformers import LlamaConfig
+
+    base = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=True, rms_norm_eps=1e-5,
+    )
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def tiny_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained on the embedded corpus (deterministic, offline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from compressor.calib import load_text
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = load_text("embedded", part="calib").text[:200_000]
+    tok.train_from_iterator([text[i : i + 2000] for i in range(0, len(text), 2000)], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def make_model_dir(path: Path, tokenizer, seed: int = 0, **cfg_kw) -> Path:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(vocab_size=len(tokenizer), **cfg_kw)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # give the norms some spread so AWQ has something to fold
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("tiny") / "model", tokenizer)

@@ -1,0 +1,62 @@
+import torch
+
+from compressor.quant.awq import candidate_scales, search_clip, search_scales, weight_mean
+from compressor.quant.primitives import fake_quantize
+
+
+def _outlier_problem(seed=0, n=2048, d_in=128, d_out=96):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    x[:, :4] *= 40.0  # a few salient input channels with large activations (AWQ, Fig. 2)
+    w = torch.randn(d_out, d_in, generator=g) * 0.05
+    return x, w
+
+
+def test_awq_beats_rtn_on_outlier_channels():
+    x, w = _outlier_problem()
+    ref = x @ w.t()
+
+    def loss_fn(cands):
+        return (x @ cands[0].t() - ref).pow(2).mean()
+
+    s, ratio, losses = search_scales(x.abs().mean(0), [w], loss_fn, 4, 32, False, n_grid=20)
+    rtn_loss = float(loss_fn([fake_quantize(w, 4, 32, False)]))
+    awq_loss = float(loss_fn([fake_quantize(w * s, 4, 32, False) / s]))
+    # without duo scaling, ratio 0 gives s = 1: the first grid point is exactly RTN
+    _, _, plain = search_scales(x.abs().mean(0), [w], loss_fn, 4, 32, False, n_grid=4, duo_scaling=False)
+    assert plain[0] == rtn_loss
+    assert ratio > 0
+    assert awq_loss < 0.8 * rtn_loss
+
+
+def test_scales_finite_with_dead_channels_and_zero_weights():
+    x_mean = torch.rand(64)
+    x_mean[:8] = 0.0  # dead input channels
+    w = torch.randn(32, 64)
+    w[:, 8:16] = 0.0  # all-zero weight columns
+    wm = weight_mean([w], 32)
+    for ratio in (0.0, 0.5, 0.95):
+        s = candidate_scales(x_mean, wm, ratio)
+        assert torch.isfinite(s).all() and (s > 0).all()
+
+
+def test_half_precision_statistics_stay_finite():
+    x_mean = (torch.rand(64) * 60000).half()  # near fp16 max: squaring would overflow in half
+    s = candidate_scales(x_mean, weight_mean([torch.randn(16, 64).half()], 32), 0.9)
+    assert s.dtype == torch.float32 and torch.isfinite(s).all()
+
+
+def test_clip_search_never_worse_than_no_clip():
+    x, w = _outlier_problem(seed=1)
+    w[:, 7] = 1.0  # an outlier weight column that clipping should tame
+    clip = search_clip(w, x[:256], 4, 32, False, clip_grid=20, max_shrink=0.5)
+    org_max = w.reshape(96, 4, 32).abs().amax(-1)
+    assert clip.shape == (96, 4) and torch.all(clip <= org_max + 1e-6) and torch.all(clip >= 0.5 * org_max - 1e-6)
+    from compressor.quant.rtn import rtn_quantize
+    from compressor.quant.primitives import dequantize
+
+    def err(cm):
+        q, sc, zp = rtn_quantize(w, 4, 32, False, cm)
+        return (x[:256] @ dequantize(q, sc, zp, 32).t() - x[:256] @ w.t()).pow(2).mean()
+
+    assert err(clip) <= err(None) * 1.0001

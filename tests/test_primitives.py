@@ -1,0 +1,114 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compressor.errors import InputError
+from compressor.formats.compressed_tensors import pack_int32, unpack_int32
+from compressor.quant.primitives import (
+    compute_qparams, dequantize, fake_quantize, fake_quantize_grouped, qrange, quantize,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bits=st.integers(2, 8),
+    rows=st.integers(1, 9),
+    groups=st.integers(1, 4),
+    gs=st.sampled_from([8, 16, 32]),
+    symmetric=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_quantize_dequantize_error_bound(bits, rows, groups, gs, symmetric, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, groups * gs, generator=g) * torch.rand(1, generator=g) * 3
+    scale, zp = compute_qparams(w, bits, gs, symmetric)
+    q = quantize(w, scale, zp, bits, gs)
+    qmin, qmax = qrange(bits)
+    assert q.dtype == torch.int8 and int(q.min()) >= qmin and int(q.max()) <= qmax
+    if symmetric:
+        assert torch.all(zp == 0)
+    w_hat = dequantize(q, scale, zp, gs)
+    # every value lies inside the representable range, so the error is at most half a step
+    # (the symmetric grid loses the top half-step at +absmax: one full step there)
+    step = scale.repeat_interleave(gs, dim=1)
+    bound = step * (1.0 if symmetric else 0.5) + 1e-5
+    assert torch.all((w_hat - w).abs() <= bound)
+    # quantize(dequantize(q)) is the identity on the integer grid
+    assert torch.equal(quantize(w_hat, scale, zp, bits, gs), q)
+
+
+def test_matches_compressed_tensors_qparams():
+    ct = pytest.importorskip("compressed_tensors.quantization.utils.helpers")
+    from compressed_tensors.quantization import QuantizationArgs
+
+    w = torch.randn(16, 64)
+    for symmetric in (True, False):
+        args = QuantizationArgs(num_bits=4, symmetric=symmetric, strategy="group", group_size=32)
+        wg = w.reshape(16, 2, 32)
+        s_ct, z_ct = ct.calculate_qparams(wg.amin(-1), wg.amax(-1), args)
+        scale, zp = compute_qparams(w, 4, 32, symmetric)
+        torch.testing.assert_close(scale, s_ct.float(), rtol=1e-6, atol=1e-8)
+        assert torch.equal(zp.to(torch.int32), z_ct.to(torch.int32))
+
+
+def test_all_zero_group_gets_unit_scale_not_nan():
+    w = torch.zeros(4, 64)
+    w[0, :32] = 1.0
+    for symmetric in (True, False):
+        scale, zp = compute_qparams(w, 4, 32, symmetric)
+        assert torch.isfinite(scale).all() and (scale > 0).all()
+        assert torch.equal(fake_quantize(w, 4, 32, symmetric)[1:], w[1:])
+
+
+def test_per_channel_group_size_minus_one():
+    w = torch.randn(8, 48)
+    scale, zp = compute_qparams(w, 8, -1, True)
+    assert scale.shape == (8, 1)
+    assert (fake_quantize(w, 8, -1, True) - w).abs().max() < w.abs().max() / 100
+
+
+def test_grouped_helper_matches_fake_quantize():
+    w = torch.randn(6, 64)
+    for symmetric in (True, False):
+        a = fake_quantize(w, 3, 16, symmetric)
+        b = fake_quantize_grouped(w.reshape(6, 4, 16), 3, symmetric).reshape(6, 64)
+        torch.testing.assert_close(a, b)
+
+
+def test_bad_bits_and_group():
+    with pytest.raises(InputError):
+        qrange(9)
+    with pytest.raises(InputError, match="does not divide"):
+        compute_qparams(torch.randn(4, 48), 4, 32, True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.integers(2, 8), rows=st.integers(1, 12), cols=st.integers(1, 70), dim=st.sampled_from([0, 1]),
+       seed=st.integers(0, 2**16))
+def test_pack_round_trip(bits, rows, cols, dim, seed):
+    qmin, qmax = qrange(bits)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(qmin, qmax + 1, (rows, cols), generator=g, dtype=torch.int8)
+    packed = pack_int32(q, bits, dim)
+    assert packed.dtype == torch.int32
+    n = -(-(cols if dim == 1 else rows) * bits // 32)
+    assert packed.shape == ((rows, n) if dim == 1 else (n, cols))
+    assert torch.equal(unpack_int32(packed, bits, (rows, cols), dim), q)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_pack_matches_compressed_tensors(bits, dim):
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    qmin, qmax = qrange(bits)
+    q = torch.randint(qmin, qmax + 1, (24, 72), dtype=torch.int8)
+    assert torch.equal(pack_int32(q, bits, dim), helpers.pack_to_int32(q, bits, packed_dim=dim))
+    ours = pack_int32(q, bits, dim)
+    theirs = helpers.unpack_from_int32(ours, bits, torch.Size(q.shape), packed_dim=dim)
+    assert torch.equal(theirs.to(torch.int8), q)
+
+
+def test_pack_refuses_out_of_range():
+    with pytest.raises(InputError, match="range"):
+        pack_int32(torch.tensor([[8]], dtype=torch.int8), 4)
