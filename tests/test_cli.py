@@ -1,0 +1,161 @@
+"""CLI contract: one-line errors, exit codes 0/1/2, nothing written on error."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compressor.cli import main
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return exc.value.code, cap.out, cap.err
+
+
+def assert_clean_error(code, err, expected_code, pattern, parent: Path | None = None):
+    assert code == expected_code, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("kvq: error:") or "Error:" in err, err
+    assert "Traceback" not in err
+    assert pattern in err, err
+    if parent is not None:
+        assert not [p for p in parent.iterdir() if "kvq-tmp" in p.name], "temp folder left behind"
+
+
+QUICK = ["--calib-samples", "4", "--calib-seqlen", "32", "--group-size", "32"]
+
+
+def test_help_mentions_every_command(capsys):
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0
+    for cmd in ("quantize", "verify", "recipes"):
+        assert cmd in out
+    code, out, _ = run(["recipes"], capsys)
+    assert code == 0 and "w4a16-awq-g64" in out
+
+
+def test_missing_model(tmp_path, capsys):
+    code, _, err = run(["quantize", tmp_path / "nope", "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, "not found", tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_gguf(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    code, _, err = run(["quantize", bad, "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, "cannot read GGUF", tmp_path)
+    bad.write_bytes(b"GGUF" + b"\x00" * 12)  # right magic, truncated body
+    code, _, err = run(["quantize", bad, "-o", tmp_path / "out", "--algorithm", "rtn"], capsys)
+    assert_clean_error(code, err, 2, "cannot load model", tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_safetensors_header(tmp_path, tiny_model_dir, capsys):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    code, _, err = run(["quantize", model, "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, "bad safetensors header", tmp_path)
+
+
+def test_pickle_only_folder_refused(tmp_path, capsys):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    code, _, err = run(["quantize", model, "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, "pickle", tmp_path)
+
+
+def test_empty_and_short_calibration(tmp_path, tiny_model_dir, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--calib", empty, *QUICK], capsys)
+    assert_clean_error(code, err, 2, "is empty", tmp_path)
+    short = tmp_path / "short.txt"
+    short.write_text("just a few words")
+    code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--calib", short, *QUICK], capsys)
+    assert_clean_error(code, err, 2, "shorter than one sample", tmp_path)
+    code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--calib", tmp_path / "x.csv", *QUICK], capsys)
+    assert_clean_error(code, err, 2, "not found", tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_jsonl_calibration_and_field(tmp_path, tiny_model_dir, capsys):
+    from compressor.calib import load_text
+
+    text = load_text("embedded").text
+    f = tmp_path / "c.jsonl"
+    f.write_text("\n".join(json.dumps({"body": text[i : i + 500]}) for i in range(0, 20000, 500)))
+    code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--calib", f, *QUICK], capsys)
+    assert_clean_error(code, err, 2, "no column 'text'", tmp_path)
+    code, out, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--calib", f, "--calib-field", "body", "--json", *QUICK], capsys)
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["calibration"]["source"] == str(f) and summary["calibration"]["samples"] == 4
+
+
+def test_group_size_that_does_not_divide(tmp_path, tiny_model_dir, capsys):
+    code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--group-size", "48", "--algorithm", "rtn"], capsys)
+    assert_clean_error(code, err, 2, "group_size 48 does not divide", tmp_path)
+    assert "use --group-size" in err
+    code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--group-size", "big"], capsys)
+    assert code == 2 and "Traceback" not in err
+
+
+def test_output_exists_needs_overwrite(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    code, _, err = run(["quantize", tiny_model_dir, "-o", out, "--algorithm", "rtn", "--group-size", "32"], capsys)
+    assert_clean_error(code, err, 2, "exists", tmp_path)
+    assert (out / "keep.txt").exists()
+    code, _, err = run(["quantize", tiny_model_dir, "-o", out, "--algorithm", "rtn", "--group-size", "32", "--overwrite"], capsys)
+    assert code == 0, err
+    assert not (out / "keep.txt").exists() and (out / "kvq-manifest.json").exists()
+
+
+def test_bad_recipe(tmp_path, tiny_model_dir, capsys):
+    r = tmp_path / "r.yaml"
+    r.write_text("algorithm: awq\nweights:\n  num_bitz: 4\n")
+    code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--recipe", r], capsys)
+    assert_clean_error(code, err, 2, "weights.num_bitz: unknown key", tmp_path)
+    code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--recipe", "no-such-recipe"], capsys)
+    assert_clean_error(code, err, 2, "neither a file nor a bundled recipe", tmp_path)
+
+
+def test_verify_exit_codes(tmp_path, tiny_model_dir, capsys):
+    code, _, err = run(["verify", tmp_path], capsys)
+    assert_clean_error(code, err, 2, "no kvq-manifest.json")
+    out = tmp_path / "a"
+    code, _, err = run(["quantize", tiny_model_dir, "-o", out, *QUICK], capsys)
+    assert code == 0, err
+    code, out_json, err = run(["verify", out, "--seqlen", "64", "--max-windows", "2", "--json"], capsys)
+    assert code == 0, err
+    rep = json.loads(out_json)
+    assert rep["passed"] and rep["perplexity"]["reference"] > 0
+    code, _, err = run(["verify", out, "--seqlen", "64", "--max-windows", "2", "--max-ppl-increase", "-1"], capsys)
+    assert code == 2  # click range check: usage error
+    with open(out / "model.safetensors", "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x00\x01\x02")
+    code, out_json, err = run(["verify", out, "--hashes-only", "--json"], capsys)
+    assert code == 1
+    assert json.loads(out_json)["hashes"]["modified_tensors"]
+
+
+def test_console_script_one_line_error(tmp_path):
+    """The installed `kvq` entry point: exit 2, a single stderr line, no traceback."""
+    exe = Path(sys.executable).with_name("kvq")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "compressor"]
+    p = subprocess.run([*cmd, "quantize", str(tmp_path / "missing"), "-o", str(tmp_path / "o")], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("kvq: error:")
