@@ -121,7 +121,8 @@ def quantize(model, output, recipe, algorithm, bits, group_size, symmetric, cali
 @click.option("--hashes-only", is_flag=True, help="Only recheck file and tensor digests against the manifest.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, device, as_json):
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report to this file.")
+def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, device, as_json, json_out):
     """Check ARTIFACT's integrity and quality against the original model.
 
     \b
@@ -144,6 +145,11 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     report = run_verify(opts, console=None if as_json else _console())
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True))
+    if json_out is not None:
+        try:
+            json_out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        except OSError as e:
+            raise InputError(f"cannot write --json-out {json_out}: {e.strerror}") from None
     if not report["passed"]:
         sys.exit(1)
 

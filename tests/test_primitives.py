@@ -68,12 +68,16 @@ def test_per_channel_group_size_minus_one():
     assert (fake_quantize(w, 8, -1, True) - w).abs().max() < w.abs().max() / 100
 
 
-def test_grouped_helper_matches_fake_quantize():
-    w = torch.randn(6, 64)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_fake_quantize_equals_quantize_then_dequantize(bits):
+    w = torch.randn(6, 64) * 2
+    w[0, :16] = 0.0
     for symmetric in (True, False):
-        a = fake_quantize(w, 3, 16, symmetric)
-        b = fake_quantize_grouped(w.reshape(6, 4, 16), 3, symmetric).reshape(6, 64)
-        torch.testing.assert_close(a, b)
+        scale, zp = compute_qparams(w, bits, 16, symmetric)
+        explicit = dequantize(quantize(w, scale, zp, bits, 16), scale, zp, 16)
+        torch.testing.assert_close(fake_quantize(w, bits, 16, symmetric), explicit, rtol=0, atol=1e-6)
+        grouped = fake_quantize_grouped(w.reshape(6, 4, 16), bits, symmetric).reshape(6, 64)
+        torch.testing.assert_close(grouped, explicit, rtol=0, atol=1e-6)
 
 
 def test_bad_bits_and_group():

