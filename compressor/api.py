@@ -127,10 +127,13 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     float_bytes = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
     # timings vary run to run: they go to the provenance block, outside the content digest
     quality = {
-        "layers": [{k: v for k, v in f.items() if k != "seconds"} for f in result.layers],
+        "layers": [{k: v for k, v in f.items() if k not in ("seconds", "phase_seconds")} for f in result.layers],
         "mean_rel_error": round(sum(f["mean_rel_error"] for f in result.layers) / len(result.layers), 6),
     }
     timing = {"quantize_seconds": round(result.seconds, 2), "layer_seconds": [f["seconds"] for f in result.layers]}
+    if result.layers and "phase_seconds" in result.layers[0]:
+        timing["phase_seconds"] = {k: round(sum(f["phase_seconds"][k] for f in result.layers), 2)
+                                   for k in result.layers[0]["phase_seconds"]}
     source_fp = source.fingerprint()
     if source.kind == "hf" or opts.model not in ("smollm2-135m",):
         source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
@@ -150,6 +153,7 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         "artifact_bytes": size,
         "float32_bytes": float_bytes,
         "quantize_seconds": timing["quantize_seconds"],
+        "phase_seconds": timing.get("phase_seconds"),
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "peak_rss_mib": _peak_rss_mib(),
         "mean_rel_error": quality["mean_rel_error"],

@@ -205,6 +205,8 @@ def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss
                 stored[rel].append(x.detach().float())
         return hook
 
+    phases = {}
+    tp = time.perf_counter()
     handles = [m.register_forward_pre_hook(make_hook(rel)) for rel, m in linears.items()]
     float_out = []
     seen = 0
@@ -224,6 +226,7 @@ def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss
     originals = {rel: m.weight.detach().clone() for rel, m in linears.items()}
     col_scale: dict[str, torch.Tensor] = {}
     ratios = {}
+    phases["observe"], tp = time.perf_counter() - tp, time.perf_counter()
 
     # 2. AWQ scale search, one scaling group at a time
     for group in arch.awq_groups:
@@ -269,6 +272,7 @@ def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss
             x_loss[r] = scaled_x
 
     # 3. clip search and quantization
+    phases["scale_search"], tp = time.perf_counter() - tp, time.perf_counter()
     errs = []
     for rel, lin in linears.items():
         name = prefix + rel
@@ -286,6 +290,7 @@ def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss
         errs.append(e)
 
     # 4. recompute this layer's outputs with the quantized weights -> next layer's inputs
+    phases["clip_and_quantize"], tp = time.perf_counter() - tp, time.perf_counter()
     new_hidden = [_layer_forward(layer, h, pe, pos) for h in hidden]
     for j, h in enumerate(new_hidden):
         if not torch.isfinite(h).all():
@@ -293,4 +298,7 @@ def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss
     q_out = torch.cat(new_hidden)[:loss_n]
     f_out = torch.cat(float_out)
     out_err = float((q_out - f_out).norm() / f_out.norm().clamp(min=1e-12))
-    return new_hidden, _figures(i, recipe, quantizer.gs, errs, out_err, ratios, 0.0)
+    phases["recompute"] = time.perf_counter() - tp
+    fig = _figures(i, recipe, quantizer.gs, errs, out_err, ratios, 0.0)
+    fig["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
+    return new_hidden, fig

@@ -1,0 +1,69 @@
+import json
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compressor.errors import InputError
+from compressor.safetensors_io import read_header, tensor_digests
+
+
+def _write(path, header: dict | str, data: bytes = b""):
+    raw = header if isinstance(header, str) else json.dumps(header)
+    raw = raw.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def test_valid_file_and_digests(tmp_path):
+    from safetensors.torch import save_file
+
+    f = tmp_path / "ok.safetensors"
+    save_file({"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 2, dtype=torch.int32)}, str(f))
+    h = read_header(f)
+    assert h["a"].shape == (6,) and h["b"].dtype == "I32"
+    import hashlib
+
+    assert tensor_digests(f)["a"] == hashlib.sha256(torch.arange(6, dtype=torch.float32).numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "header,data,msg",
+    [
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "past the end"),
+        ({"a": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "unknown dtype"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "do not match"),
+        ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}}, b"\0" * 8, "bad shape"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+          "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "overlap"),
+        ('{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', b"\0" * 4, "duplicate"),
+        ("{not json", b"", "invalid JSON"),
+    ],
+)
+def test_hostile_headers(tmp_path, header, data, msg):
+    f = _write(tmp_path / "bad.safetensors", header, data)
+    with pytest.raises(InputError, match=msg):
+        read_header(f)
+
+
+def test_header_length_beyond_file_and_truncated(tmp_path):
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(struct.pack("<Q", 10**9) + b"{}")
+    with pytest.raises(InputError, match="exceeds"):
+        read_header(f)
+    f.write_bytes(b"\x01\x02")
+    with pytest.raises(InputError, match="shorter than 8 bytes"):
+        read_header(f)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=200))
+def test_fuzz_never_crashes_unexpectedly(tmp_path_factory, blob):
+    f = tmp_path_factory.mktemp("fz") / "f.safetensors"
+    f.write_bytes(struct.pack("<Q", len(blob)) + blob)
+    try:
+        read_header(f)
+    except InputError:
+        pass
