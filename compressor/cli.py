@@ -166,6 +166,12 @@ def recipes():
 
 def main(argv=None) -> None:
     """Console entry point: maps errors to one line and an exit code, never a traceback."""
+    import signal
+
+    def _terminate(signum, frame):  # SIGTERM (CI timeouts, kill): unwind so temp folders are removed
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         cli.main(args=argv, standalone_mode=False)
     except click.exceptions.Abort:

@@ -51,7 +51,7 @@ class AWQOptions(_Strict):
     clip_grid: int = Field(20, ge=2, le=100)
     clip_max_shrink: float = Field(0.5, gt=0.0, lt=1.0)
     clip_tokens: int = Field(512, ge=16)
-    loss_samples: int = Field(16, ge=1)
+    loss_samples: int = Field(8, ge=1)
 
 
 class Gates(_Strict):
