@@ -93,6 +93,7 @@ def quantize(model, output, recipe, algorithm, bits, group_size, symmetric, cali
       kvq quantize smollm2-135m --recipe w4a16-awq-g64 \\
           --calib ../shared/data/wikitext-2/valid.txt -o out/smollm2-w4
     """
+    _quiet_libraries()
     from .api import QuantizeOptions, run_quantize
 
     if group_size is not None and group_size != "auto":
@@ -105,7 +106,6 @@ def quantize(model, output, recipe, algorithm, bits, group_size, symmetric, cali
         symmetric=symmetric, calib=calib, calib_field=calib_field, calib_samples=calib_samples,
         calib_seqlen=calib_seqlen, seed=seed, device=_device(device), dtype=dtype, overwrite=overwrite,
     )
-    _quiet_libraries()
     summary = run_quantize(opts, console=None if as_json else _console())
     if as_json:
         click.echo(json.dumps(summary, indent=2, sort_keys=True))
@@ -135,13 +135,13 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     Example:
       kvq verify out/smollm2-w4 --eval ../shared/data/wikitext-2-raw/wiki.test.raw --max-windows 8
     """
+    _quiet_libraries()
     from .api import VerifyOptions, run_verify
 
     opts = VerifyOptions(
         artifact=artifact, reference=reference, eval_text=eval_text, seqlen=seqlen, max_windows=max_windows,
         max_ppl_increase=max_ppl_increase, hashes_only=hashes_only, device=_device(device),
     )
-    _quiet_libraries()
     report = run_verify(opts, console=None if as_json else _console())
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True))
