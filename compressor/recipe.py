@@ -57,7 +57,7 @@ class AWQOptions(_Strict):
 class Gates(_Strict):
     """Verification thresholds used by ``kvq verify`` when no flag overrides them."""
 
-    max_ppl_increase_pct: float = Field(10.0, ge=0.0)
+    max_ppl_increase_pct: float = Field(20.0, ge=0.0)
 
 
 class Recipe(_Strict):
