@@ -28,7 +28,7 @@ test: install
 
 # quantize -> verify on the real default model (AWQ W4, group 64)
 demo: install
-	@set -e; \
+	@set -e; mkdir -p $(DEMO); \
 	if [ -f "$(SHARED)/wikitext-2/valid.txt" ]; then \
 	  calib="$(SHARED)/wikitext-2/valid.txt"; eval="$(SHARED)/wikitext-2-raw/wiki.test.raw"; \
 	else \
