@@ -198,7 +198,7 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
         if hashes["ok"]:
             console.print(f"[green]hashes ok[/]: {hashes['tensors_checked']} tensors, {hashes['files_checked']} files match the manifest")
         else:
-            for key in ("modified_tensors", "missing_tensors", "extra_tensors", "modified_files", "missing_files", "extra_files"):
+            for key in ("unreadable_files", "modified_tensors", "missing_tensors", "extra_tensors", "modified_files", "missing_files", "extra_files"):
                 for name in hashes[key]:
                     console.print(f"[red]{key.replace('_', ' ')[:-1]}[/]: {name}")
     if not hashes["ok"] or opts.hashes_only:

@@ -267,7 +267,14 @@ def check_hashes(folder: str | Path) -> dict:
         p = folder / shard
         if not p.is_file():
             continue
-        for tname, digest in tensor_digests(p).items():
+        try:
+            digests = tensor_digests(p)
+        except InputError as e:  # truncated or corrupted header: a failed integrity check, not a usage error
+            report.setdefault("unreadable_files", []).append(f"{shard}: {e}")
+            if shard not in report["modified_files"]:
+                report["modified_files"].append(shard)
+            continue
+        for tname, digest in digests.items():
             seen.add(tname)
             rec = manifest.tensors.get(tname)
             if rec is None:
@@ -278,6 +285,7 @@ def check_hashes(folder: str | Path) -> dict:
     for k in report:
         report[k] = sorted(report[k])
     report["ok"] = not any(report[k] for k in list(report))
+    report.setdefault("unreadable_files", [])
     report["tensors_checked"] = len(seen)
     report["files_checked"] = len(listed & present)
     return report

@@ -119,7 +119,7 @@ def quantize(model, output, recipe, algorithm, bits, group_size, symmetric, cali
 @click.option("--max-windows", type=click.IntRange(1, None), default=None, help="Evaluate only the first N windows (default: all).")
 @click.option("--max-ppl-increase", type=click.FloatRange(0, None), default=None, help="Gate: maximum perplexity increase in percent (default: the recipe's gates.max_ppl_increase_pct).")
 @click.option("--hashes-only", is_flag=True, help="Only recheck file and tensor digests against the manifest.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where perplexity is computed.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report to this file.")
 def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, device, as_json, json_out):
@@ -135,6 +135,8 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     Example:
       kvq verify out/smollm2-w4 --eval ../shared/data/wikitext-2-raw/wiki.test.raw --max-windows 8
     """
+    if json_out is not None and not json_out.resolve().parent.is_dir():
+        raise InputError(f"cannot write --json-out {json_out}: its folder does not exist")
     _quiet_libraries()
     from .api import VerifyOptions, run_verify
 

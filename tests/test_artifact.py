@@ -162,3 +162,14 @@ def test_bad_manifest_is_input_error(artifact, tmp_path):
     (art / "kvq-manifest.json").write_text(json.dumps(data))
     with pytest.raises(InputError, match="unsafe file name"):
         check_hashes(art)
+
+
+def test_truncated_or_corrupt_weights_are_a_failed_check(artifact, tmp_path):
+    """Corruption of a listed file is a failed integrity check (exit 1), not an input error."""
+    art = _fresh_copy(artifact, tmp_path)
+    f = art / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1])
+    rep = check_hashes(art)
+    assert not rep["ok"] and rep["modified_files"] == ["model.safetensors"]
+    assert "past the end" in rep["unreadable_files"][0]
+    assert run_verify(VerifyOptions(artifact=art))["passed"] is False
