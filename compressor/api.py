@@ -17,7 +17,7 @@ from .errors import InputError
 from .evaluate import perplexity, windows
 from .formats.compressed_tensors import quantization_config
 from .manifest import load_manifest
-from .models import load_model, resolve_source
+from .models import ALIASES, load_model, resolve_source
 from .pipeline import quantize_model
 from .recipe import load_recipe, with_overrides
 
@@ -135,7 +135,7 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         timing["phase_seconds"] = {k: round(sum(f["phase_seconds"][k] for f in result.layers), 2)
                                    for k in result.layers[0]["phase_seconds"]}
     source_fp = source.fingerprint()
-    if source.kind == "hf" or opts.model not in ("smollm2-135m",):
+    if opts.model not in ALIASES:  # record paths absolutely so verify finds the reference from anywhere
         source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
     manifest = write_artifact(
         out, model, tokenizer, result.modules, qcfg,

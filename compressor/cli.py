@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -16,17 +15,12 @@ import click
 
 from .errors import InputError, KvqError
 
-DEFAULT_SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
 
 def _console():
     from rich.console import Console
 
     return Console(stderr=True)
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _quiet_libraries() -> None:
