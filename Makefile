@@ -37,12 +37,12 @@ demo: install
 	fi; \
 	echo "demo: calibration $$calib, $(DEMO_SAMPLES) x 512 tokens (the default is 128 x 512; the benchmark uses it)"; \
 	echo "demo: evaluation $$eval, first $(DEMO_WINDOWS) windows of 2048 tokens"; \
-	$(BIN)/kvq quantize smollm2-135m --recipe w4a16-awq-g64 --calib "$$calib" \
-	  --calib-samples $(DEMO_SAMPLES) --calib-seqlen 512 -o $(DEMO)/smollm2-w4a16-awq-g64 --overwrite; \
-	$(BIN)/kvq verify $(DEMO)/smollm2-w4a16-awq-g64 --eval "$$eval" --seqlen 2048 --max-windows $(DEMO_WINDOWS) \
+	$(BIN)/kvq quantize smollm2-135m --recipe w4a16-awq --calib "$$calib" \
+	  --calib-samples $(DEMO_SAMPLES) --calib-seqlen 512 -o $(DEMO)/smollm2-w4a16-awq --overwrite; \
+	$(BIN)/kvq verify $(DEMO)/smollm2-w4a16-awq --eval "$$eval" --seqlen 2048 --max-windows $(DEMO_WINDOWS) \
 	  --json-out $(DEMO)/verify.json || { echo "demo: verify FAILED, see $(DEMO)/verify.json"; exit 1; }; \
 	$(BIN)/python -c "import json; r=json.load(open('$(DEMO)/verify.json')); p=r['perplexity']; print(f\"demo: verify passed: perplexity {p['artifact']:.3f} vs reference {p['reference']:.3f} ({p['increase_pct']:+.2f} %), {r['hashes']['tensors_checked']} tensor hashes ok\")"; \
-	echo "demo: artifact in $(DEMO)/smollm2-w4a16-awq-g64, report in $(DEMO)/verify.json"
+	echo "demo: artifact in $(DEMO)/smollm2-w4a16-awq, report in $(DEMO)/verify.json"
 
 bench: install
 	$(BIN)/python bench/run_bench.py

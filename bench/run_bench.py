@@ -79,7 +79,7 @@ def main():
     WORK.mkdir(parents=True, exist_ok=True)
     fp = step("ppl-fp32", lambda: ppl("smollm2-135m", "fp32", FP_WINDOWS))
     rows = [("FP32 (GGUF dequantized)", fp, None)]
-    runs = (("w4a16-rtn-g64", "rtn-w4g64"), ("w4a16-awq-g64", "awq-w4g64"))
+    runs = (("w4a16-rtn-g64", "rtn-w4g64"), ("w4a16-awq", "awq-w4g64"))
     # all quantize runs first (their wall time and RSS are the figures that matter), then evaluations
     qs = {name: step(f"quantize-{name}", lambda r=recipe, n=name: quantize(r, n)) for recipe, name in runs}
     for recipe, name in runs:

@@ -15,7 +15,7 @@ from .artifact import DTYPES, check_hashes, check_output, load_artifact, tool_in
 from .calib import load_text, sample_windows, tokenize
 from .errors import InputError
 from .evaluate import perplexity, windows
-from .formats.compressed_tensors import quantization_config
+from .formats import check_format, check_shapes, format_config, gptq_checkpoint_format, pack_modules
 from .manifest import load_manifest
 from .models import ALIASES, load_model, resolve_source
 from .pipeline import quantize_model
@@ -32,7 +32,7 @@ class QuantizeOptions:
 
     model: str
     output: Path
-    recipe: str = "w4a16-awq-g64"
+    recipe: str = "w4a16-awq"
     algorithm: Optional[str] = None
     bits: Optional[int] = None
     group_size: Optional[Union[int, str]] = None
@@ -45,6 +45,9 @@ class QuantizeOptions:
     device: str = "cpu"
     dtype: str = "float16"
     overwrite: bool = False
+    format: str = "compressed-tensors"
+    act_order: Optional[bool] = None
+    settings: tuple = ()  # (dotted recipe key, value) pairs from --set
 
 
 @dataclass
@@ -86,15 +89,19 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     recipe = with_overrides(
         load_recipe(opts.recipe),
         algorithm=opts.algorithm,
-        **{"weights.num_bits": opts.bits, "weights.group_size": opts.group_size, "weights.symmetric": opts.symmetric},
+        **{"weights.num_bits": opts.bits, "weights.group_size": opts.group_size, "weights.symmetric": opts.symmetric,
+           "gptq.act_order": opts.act_order, **dict(opts.settings)},
     )
+    check_format(opts.format, recipe, opts.dtype)
     source = resolve_source(opts.model)
-    text = load_text(opts.calib, opts.calib_field, part="calib") if recipe.algorithm == "awq" else None
+    text = load_text(opts.calib, opts.calib_field, part="calib") if recipe.algorithm in ("awq", "gptq") else None
     if console and text is not None and text.note:
         console.print(f"[yellow]calibration:[/] {text.note}")
     if console:
         console.print(f"loading {source.spec} ({source.kind}) ...")
     model, tokenizer = load_model(source)
+    check_shapes(opts.format, {n: m.out_features for n, m in model.named_modules()
+                               if isinstance(m, torch.nn.Linear) and not recipe.is_ignored(n) and n != "lm_head"})
     calib_ids, calibration = None, None
     if text is not None:
         calib_ids = sample_windows(tokenize(tokenizer, text.text), opts.calib_samples, opts.calib_seqlen, opts.seed)
@@ -110,20 +117,31 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         )
     del calib_ids
     gc.collect()
+    schemes = {n: r.scheme for n, r in result.modules.items()}
     quant = {
         "algorithm": recipe.algorithm,
+        "format": opts.format,
         "num_bits": recipe.weights.num_bits,
         "group_size": result.group_size,
         "symmetric": recipe.weights.symmetric,
         "modules": len(result.modules),
         "storage_dtype": opts.dtype,
     }
+    if recipe.is_mixed:
+        quant["schemes"] = [{"num_bits": b, "group_size": g, "symmetric": y, "modules": sorted(n for n, v in schemes.items() if v == (b, g, y))}
+                            for b, g, y in sorted(set(schemes.values()))]
+    if recipe.algorithm == "gptq":
+        quant["act_order"] = recipe.gptq.act_order
+        quant["static_groups"] = recipe.gptq.static_groups
+        if opts.format == "gptq":
+            quant["gptq_checkpoint_format"] = gptq_checkpoint_format(recipe.weights.symmetric)
     import compressed_tensors
 
-    ignore = ["lm_head"] + sorted({n.rsplit(".weight", 1)[0] for n, _ in model.named_parameters()
-                                   if n.endswith(".weight") and recipe.is_ignored(n[: -len(".weight")])})
-    qcfg = quantization_config(recipe.weights.num_bits, result.group_size, recipe.weights.symmetric, ignore,
-                               compressed_tensors.__version__)
+    ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in result.modules)
+    qcfg = format_config(opts.format, recipe, schemes, [n for n in ignored if n != "lm_head"],
+                         {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]})
+    packed = pack_modules(result.modules, opts.format, DTYPES[opts.dtype])
+    result.modules.clear()
     float_bytes = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
     # timings vary run to run: they go to the provenance block, outside the content digest
     quality = {
@@ -138,7 +156,7 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     if opts.model not in ALIASES:  # record paths absolutely so verify finds the reference from anywhere
         source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
     manifest = write_artifact(
-        out, model, tokenizer, result.modules, qcfg,
+        out, model, tokenizer, packed, qcfg,
         {"tool": tool_info(), "source": source_fp, "recipe": recipe.model_dump(mode="json"),
          "calibration": calibration, "quantization": quant, "quality": quality},
         provenance={"timing": timing, "device": opts.device},

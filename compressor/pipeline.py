@@ -18,24 +18,47 @@ import torch
 
 from .arch import ArchSpec, get_arch, get_module
 from .errors import InputError, QuantizationError
-from .formats.compressed_tensors import module_tensors
 from .quant.awq import search_clip, search_scales
+from .quant.gptq import HessianAccumulator, gptq_quantize
 from .quant.primitives import dequantize
 from .quant.rtn import rtn_quantize
 from .recipe import Recipe, resolve_group_size
 
 
 @dataclass
+class QuantizedLinear:
+    """One quantized Linear in the internal (compressed-tensors, signed) convention.
+
+    ``q`` int8 ``[out, in]``; ``scale`` ``[out, G]`` in the storage dtype; ``zero_point``
+    int8 ``[out, G]`` or ``None`` (symmetric); ``g_idx`` int32 ``[in]`` or ``None`` (groups
+    are contiguous, ``c // group_size``). Format writers (``compressor.formats``) pack it.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    num_bits: int
+    group_size: int
+    symmetric: bool
+
+    @property
+    def scheme(self) -> tuple[int, int, bool]:
+        return (self.num_bits, self.group_size, self.symmetric)
+
+
+@dataclass
 class QuantizeResult:
     """What the pipeline produced.
 
-    ``modules``: full module name -> stored compressed-tensors tensors (``weight_packed``,
-    ``weight_scale``, ``weight_zero_point``, ``weight_shape``). ``layers``: per-layer
-    figures (mean relative weight error, relative output error, AWQ ratios, seconds).
+    ``modules``: full module name -> :class:`QuantizedLinear`. ``group_size``: the group
+    size of the recipe's base scheme after ``auto`` resolution. ``layers``: per-layer
+    figures (mean relative weight error, relative output error, AWQ ratios / GPTQ
+    damping, seconds).
     """
 
     group_size: int
-    modules: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    modules: dict[str, QuantizedLinear] = field(default_factory=dict)
     layers: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -53,6 +76,48 @@ def target_modules(model, recipe: Recipe, arch: ArchSpec) -> dict[str, torch.nn.
             if not recipe.is_ignored(name):
                 out[name] = mod
     return out
+
+
+def resolve_schemes(recipe: Recipe, targets: dict[str, torch.nn.Linear], arch: ArchSpec) -> dict[str, tuple[int, int, bool]]:
+    """Module name -> ``(num_bits, group_size, symmetric)`` with ``auto`` group sizes resolved.
+
+    Modules that share a recipe scheme share one resolved group size.
+
+    Raises:
+        InputError: a group size does not fit; linears vLLM fuses (q/k/v, gate/up) were
+            given different schemes or were only partly ignored.
+    """
+    by_scheme: dict[tuple, dict[str, int]] = {}
+    for name, mod in targets.items():
+        ws = recipe.scheme_for(name)
+        by_scheme.setdefault((ws.num_bits, ws.group_size, ws.symmetric), {})[name] = mod.in_features
+    out = {}
+    for (bits, gs, sym), in_features in by_scheme.items():
+        scheme = recipe.weights.model_copy(update={"num_bits": bits, "group_size": gs, "symmetric": sym})
+        resolved = resolve_group_size(recipe.model_copy(update={"weights": scheme}), in_features)
+        for name in in_features:
+            out[name] = (bits, resolved, sym)
+    for i in _layer_indices(targets, arch):
+        for fused in arch.fused:
+            names = [f"{arch.layers}.{i}.{rel}" for rel in fused]
+            present = [n for n in names if n in out]
+            if present and len(present) != len(names):
+                raise InputError(
+                    f"{', '.join(names)} are fused into one kernel by vLLM: quantize all of them or none "
+                    f"(only {', '.join(p.rsplit('.', 1)[-1] for p in present)} targeted)"
+                )
+            if len({out[n] for n in present}) > 1:
+                raise InputError(
+                    f"{', '.join(names)} are fused into one kernel by vLLM and must share one weight scheme; "
+                    "adjust the recipe's overrides"
+                )
+    return out
+
+
+def _layer_indices(targets: dict[str, torch.nn.Module], arch: ArchSpec) -> list[int]:
+    """Sorted decoder-layer indices that hold at least one target."""
+    prefix = arch.layers + "."
+    return sorted({int(n[len(prefix):].split(".", 1)[0]) for n in targets})
 
 
 def check_finite(model) -> None:
@@ -73,24 +138,33 @@ def _inspect_forward(module, x, pe, is_attention):
 
 
 class _Quantizer:
-    def __init__(self, recipe: Recipe, group_size: int, dtype: torch.dtype):
-        self.recipe, self.gs, self.dtype = recipe, group_size, dtype
-        self.bits, self.sym = recipe.weights.num_bits, recipe.weights.symmetric
+    """Per-module schemes plus the storage dtype; turns a Linear into a :class:`QuantizedLinear`."""
 
-    def quantize_linear(self, name, lin, clip_max=None, col_scale=None, original=None):
-        """Quantize one Linear in place; returns (stored tensors, relative error vs original)."""
-        w = lin.weight.detach()
-        q, scale, zp = rtn_quantize(w, self.bits, self.gs, self.sym, clip_max)
+    def __init__(self, schemes: dict[str, tuple[int, int, bool]], dtype: torch.dtype):
+        self.schemes, self.dtype = schemes, dtype
+
+    def finish(self, name, lin, q, scale, zp, g_idx, col_scale=None, original=None):
+        """Store ``(q, scale, zp, g_idx)``, write the dequantized weight into ``lin``; returns (record, rel. error)."""
+        bits, gs, sym = self.schemes[name]
         scale = scale.to(self.dtype)  # what the artifact stores and loaders dequantize with
-        deq = dequantize(q, scale, None if self.sym else zp, self.gs, dtype=torch.float32)
+        deq = dequantize(q, scale, None if sym else zp, gs, dtype=torch.float32, g_idx=g_idx)
         if not (torch.isfinite(scale.float()).all() and torch.isfinite(deq).all()):
             raise QuantizationError(f"quantizing {name} produced NaN or Inf; nothing was written")
-        ref = (original if original is not None else w).float()
+        ref = (original if original is not None else lin.weight.detach()).float()
         eff = deq / col_scale if col_scale is not None else deq
         rel = float((eff - ref.to(eff.device)).norm() / ref.norm().clamp(min=1e-12))
         lin.weight.data.copy_(deq.to(lin.weight.dtype))
-        tensors = module_tensors(q.cpu(), scale.cpu(), None if self.sym else zp.cpu(), self.bits, self.dtype)
-        return tensors, rel
+        record = QuantizedLinear(
+            q=q.cpu(), scale=scale.cpu().contiguous(), zero_point=None if sym else zp.cpu(),
+            g_idx=None if g_idx is None else g_idx.cpu().to(torch.int32), num_bits=bits, group_size=gs, symmetric=sym,
+        )
+        return record, rel
+
+    def quantize_linear(self, name, lin, clip_max=None, col_scale=None, original=None):
+        """Round-to-nearest (optionally clipped) quantization of one Linear, in place."""
+        bits, gs, sym = self.schemes[name]
+        q, scale, zp = rtn_quantize(lin.weight.detach(), bits, gs, sym, clip_max)
+        return self.finish(name, lin, q, scale, zp, None, col_scale, original)
 
 
 @torch.no_grad()
@@ -103,34 +177,36 @@ def quantize_model(
     batch_size: int = 8,
     on_layer: Callable[[int, int, dict], None] | None = None,
 ) -> QuantizeResult:
-    """Quantize ``model`` in place according to ``recipe``.
+    """Quantize ``model`` in place according to ``recipe`` (RTN, AWQ or GPTQ).
 
     Args:
         model: a float decoder-only causal LM whose ``config.model_type`` is in the
             architecture table.
         recipe: the effective recipe.
-        calib_ids: int64 ``[n_samples, seqlen]`` calibration tokens (required for AWQ;
-            ignored by RTN).
+        calib_ids: int64 ``[n_samples, seqlen]`` calibration tokens (required for AWQ and
+            GPTQ; ignored by RTN).
         device: ``cpu`` or ``cuda``: where each layer is processed.
         dtype: storage dtype of scales in the artifact (the in-memory model stays float32).
         on_layer: progress callback ``(layer_index, n_layers, layer_figures)``.
 
     Raises:
         InputError: unsupported architecture, group size that does not fit, non-finite
-            source weights, missing calibration for AWQ.
+            source weights, missing calibration, fused linears with different schemes.
         QuantizationError: a non-finite scale or weight was produced (names the module).
     """
     t0 = time.perf_counter()
     arch = get_arch(model.config.model_type)
     targets = target_modules(model, recipe, arch)
     if not targets:
-        raise InputError("the recipe's ignore list excludes every linear module; nothing to quantize")
-    gs = resolve_group_size(recipe, {n: m.in_features for n, m in targets.items()})
+        raise InputError("the recipe's targets/ignore lists exclude every linear module; nothing to quantize")
+    schemes = resolve_schemes(recipe, targets, arch)
+    base = [s for n, s in schemes.items() if not recipe.overrides or recipe.scheme_for(n) == recipe.weights]
+    gs = base[0][1] if base else next(iter(schemes.values()))[1]
     check_finite(model)
-    if recipe.algorithm == "awq" and calib_ids is None:
-        raise InputError("AWQ needs calibration data (--calib)")
+    if recipe.algorithm in ("awq", "gptq") and calib_ids is None:
+        raise InputError(f"{recipe.algorithm.upper()} needs calibration data (--calib)")
     result = QuantizeResult(group_size=gs)
-    quantizer = _Quantizer(recipe, gs, dtype)
+    quantizer = _Quantizer(schemes, dtype)
     layers = get_module(model, arch.layers)
     n_layers = len(layers)
 
@@ -143,14 +219,14 @@ def quantize_model(
                 if name in targets:
                     result.modules[name], e = quantizer.quantize_linear(name, targets[name])
                     errs.append(e)
-            fig = _figures(i, recipe, gs, errs, None, {}, time.perf_counter() - t1)
+            fig = _figures(i, schemes, f"{arch.layers}.{i}.", errs, None, time.perf_counter() - t1)
             result.layers.append(fig)
             if on_layer:
                 on_layer(i, n_layers, fig)
         result.seconds = time.perf_counter() - t0
         return result
 
-    # ---- AWQ: sequential pass over calibration activations ----
+    # ---- AWQ / GPTQ: sequential pass over calibration activations ----
     embed = get_module(model, arch.embed_tokens)
     rotary = get_module(model, arch.rotary_emb).to(device)
     seqlen = calib_ids.shape[1]
@@ -158,10 +234,11 @@ def quantize_model(
     hidden = [embed(b).float().to(device) for b in calib_ids.split(batch_size)]
     pe = rotary(hidden[0][:1], pos)
     loss_n = min(recipe.awq.loss_samples, calib_ids.shape[0])
+    layer_fn = _awq_layer if recipe.algorithm == "awq" else _gptq_layer
     for i, layer in enumerate(layers):
         t1 = time.perf_counter()
         layer.to(device)
-        hidden, fig = _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss_n, result)
+        hidden, fig = layer_fn(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss_n, result)
         layer.to("cpu")
         fig["seconds"] = round(time.perf_counter() - t1, 3)
         result.layers.append(fig)
@@ -172,17 +249,107 @@ def quantize_model(
     return result
 
 
-def _figures(i, recipe, gs, errs, out_err, ratios, seconds):
+def _figures(i, schemes, prefix, errs, out_err, seconds, **extra):
+    layer_schemes = sorted({v for k, v in schemes.items() if k.startswith(prefix)})
+    bits = [b for b, _, _ in layer_schemes]
+    sizes = [g for _, g, _ in layer_schemes]
     return {
         "layer": i,
-        "num_bits": recipe.weights.num_bits,
-        "group_size": gs,
+        "num_bits": (bits[0] if len(set(bits)) == 1 else sorted(set(bits))) if bits else None,
+        "group_size": (sizes[0] if len(set(sizes)) == 1 else sorted(set(sizes))) if sizes else None,
         "modules": len(errs),
         "mean_rel_error": round(sum(errs) / len(errs), 6) if errs else None,
         "output_rel_error": None if out_err is None else round(out_err, 6),
-        "awq_ratios": ratios,
+        **extra,
         "seconds": round(seconds, 3),
     }
+
+
+def _recompute(i, layer, hidden, pe, pos):
+    new_hidden = [_layer_forward(layer, h, pe, pos) for h in hidden]
+    for j, h in enumerate(new_hidden):
+        if not torch.isfinite(h).all():
+            raise QuantizationError(f"decoder layer {i} produced NaN/Inf after quantization (batch {j}); nothing was written")
+    return new_hidden
+
+
+def _out_error(q_out: torch.Tensor, f_out: torch.Tensor) -> float:
+    return float((q_out - f_out).norm() / f_out.norm().clamp(min=1e-12))
+
+
+class _StopForward(Exception):
+    """Raised by a hook once the inputs it needs are captured (skips the rest of the layer)."""
+
+
+def _gptq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss_n, result):
+    """GPTQ for one decoder layer: Hessians per stage (true-sequential) or all at once, then quantize."""
+    opts = recipe.gptq
+    prefix = f"{arch.layers}.{i}."
+    phases: dict[str, float] = {}
+    tp = time.perf_counter()
+    n_ref = min(loss_n, hidden[0].shape[0])
+    float_out = _layer_forward(layer, hidden[0][:n_ref], pe, pos)  # reference for the output error
+    stages = [tuple(r for r in st if prefix + r in targets) for st in arch.sequential]
+    stages = [st for st in stages if st]
+    passes = stages if opts.true_sequential else [tuple(r for st in stages for r in st)]
+    errs, damps, retries, dead = [], [], 0, 0
+    phases["reference"], tp = time.perf_counter() - tp, time.perf_counter()
+    hess_t = quant_t = 0.0
+    for group in passes:
+        # one Hessian per distinct input: the first linear of each stage in this pass
+        readers = [st[0] for st in stages if st[0] in group]
+        accs = {rel: HessianAccumulator(get_module(layer, rel).in_features, device=pe[0].device) for rel in readers}
+        last = readers[-1]
+
+        def make_hook(rel):
+            def hook(_mod, args):
+                accs[rel].add(args[0])
+                if rel == last:
+                    raise _StopForward
+            return hook
+
+        t_h = time.perf_counter()
+        handles = [get_module(layer, rel).register_forward_pre_hook(make_hook(rel)) for rel in readers]
+        try:
+            for h in hidden:
+                try:
+                    _layer_forward(layer, h, pe, pos)
+                except _StopForward:
+                    pass
+        finally:
+            for hd in handles:
+                hd.remove()
+        hess_t += time.perf_counter() - t_h
+        t_q = time.perf_counter()
+        for st in stages:
+            if st[0] not in accs:
+                continue
+            H = accs[st[0]].hessian()
+            for rel in st:
+                name = prefix + rel
+                lin = get_module(layer, rel)
+                bits, gs, sym = quantizer.schemes[name]
+                r = gptq_quantize(
+                    lin.weight.detach(), H, bits, gs, sym, block_size=opts.block_size, damp=opts.damp,
+                    damp_increment=opts.damp_increment, act_order=opts.act_order,
+                    static_groups=opts.static_groups, scale_dtype=quantizer.dtype, name=name,
+                )
+                result.modules[name], e = quantizer.finish(name, lin, r.q, r.scale, r.zero_point, r.g_idx)
+                errs.append(e)
+                damps.append(r.damp)
+                retries += r.retries
+                dead += r.dead_channels
+            del H
+        quant_t += time.perf_counter() - t_q
+    phases["hessian"], phases["gptq"] = hess_t, quant_t
+    tp = time.perf_counter()
+    new_hidden = _recompute(i, layer, hidden, pe, pos)
+    out_err = _out_error(new_hidden[0][:n_ref], float_out)
+    phases["recompute"] = time.perf_counter() - tp
+    fig = _figures(i, quantizer.schemes, prefix, errs, out_err, 0.0,
+                   gptq={"max_damp": max(damps) if damps else None, "damp_retries": retries, "dead_channels": dead})
+    fig["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
+    return new_hidden, fig
 
 
 def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss_n, result):
@@ -255,9 +422,10 @@ def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss
                     m.weight.data.copy_(w)
 
         name = f"{prefix}{group.prev_op} -> {', '.join(group.linears)}"
+        specs = [quantizer.schemes.get(prefix + r, quantizer.schemes[next(iter(quantizer.schemes))]) for r in group.linears]
         s, ratio, _ = search_scales(
-            x_mean[group.linears[0]], weights, loss_fn, quantizer.bits, quantizer.gs, quantizer.sym,
-            n_grid=opts.n_grid, duo_scaling=opts.duo_scaling, name=name,
+            x_mean[group.linears[0]], weights, loss_fn, [b for b, _, _ in specs], [g for _, g, _ in specs],
+            [y for _, _, y in specs], n_grid=opts.n_grid, duo_scaling=opts.duo_scaling, name=name,
         )
         ratios[group.prev_op] = ratio
         # fold: prev_op output /= s, consumers' input channels *= s (float function unchanged)
@@ -282,8 +450,8 @@ def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss
         if opts.clip and rel not in arch.clip_skip:
             xs = x_loss[rel].reshape(-1, in_dim[rel])
             idx = torch.linspace(0, xs.shape[0] - 1, min(opts.clip_tokens, xs.shape[0])).long()
-            clip_max = search_clip(lin.weight.detach(), xs[idx], quantizer.bits, quantizer.gs, quantizer.sym,
-                                   opts.clip_grid, opts.clip_max_shrink)
+            bits, gs, sym = quantizer.schemes[name]
+            clip_max = search_clip(lin.weight.detach(), xs[idx], bits, gs, sym, opts.clip_grid, opts.clip_max_shrink)
         result.modules[name], e = quantizer.quantize_linear(
             name, lin, clip_max, col_scale.get(rel), originals[rel]
         )
@@ -291,14 +459,9 @@ def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss
 
     # 4. recompute this layer's outputs with the quantized weights -> next layer's inputs
     phases["clip_and_quantize"], tp = time.perf_counter() - tp, time.perf_counter()
-    new_hidden = [_layer_forward(layer, h, pe, pos) for h in hidden]
-    for j, h in enumerate(new_hidden):
-        if not torch.isfinite(h).all():
-            raise QuantizationError(f"decoder layer {i} produced NaN/Inf after quantization (batch {j}); nothing was written")
-    q_out = torch.cat(new_hidden)[:loss_n]
-    f_out = torch.cat(float_out)
-    out_err = float((q_out - f_out).norm() / f_out.norm().clamp(min=1e-12))
+    new_hidden = _recompute(i, layer, hidden, pe, pos)
+    out_err = _out_error(torch.cat(new_hidden)[:loss_n], torch.cat(float_out))
     phases["recompute"] = time.perf_counter() - tp
-    fig = _figures(i, recipe, quantizer.gs, errs, out_err, ratios, 0.0)
+    fig = _figures(i, quantizer.schemes, prefix, errs, out_err, 0.0, awq_ratios=ratios)
     fig["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
     return new_hidden, fig

@@ -1,7 +1,7 @@
 """Recipes: what to quantize and how, as validated data (YAML in ``recipes/``).
 
 A recipe is a pydantic model with ``extra="forbid"``, so an unknown or misspelt key is
-an error naming the key. Bundled recipes are looked up by name (``w4a16-awq-g64``) or a
+an error naming the key. Bundled recipes are looked up by name (``w4a16-awq``) or a
 path to a YAML file is given; command-line flags override fields afterwards and the
 *effective* recipe is stored in the artifact's manifest.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -54,6 +54,47 @@ class AWQOptions(_Strict):
     loss_samples: int = Field(8, ge=1)
 
 
+class GPTQOptions(_Strict):
+    """GPTQ knobs (Frantar et al., 2022). ``damp``: dampening relative to mean(diag(H));
+    ``damp_increment``: added on each retry when H is not positive definite;
+    ``act_order``: visit columns by descending diag(H); ``static_groups``: fix group
+    qparams before reordering (no g_idx; the only act-order compressed-tensors 0.20 stores);
+    ``true_sequential``: q/k/v, then o, then gate/up, then down, each Hessian taken from
+    inputs produced by the already-quantized sub-layers."""
+
+    block_size: int = Field(128, ge=1)
+    damp: float = Field(0.01, gt=0.0, lt=1.0)
+    damp_increment: float = Field(0.01, gt=0.0, lt=1.0)
+    act_order: bool = False
+    static_groups: bool = False
+    true_sequential: bool = True
+
+
+class WeightOverride(_Strict):
+    """Fields of a weight scheme to change for the modules matched by ``targets``."""
+
+    num_bits: Optional[int] = Field(None, ge=2, le=8)
+    group_size: Optional[Union[int, Literal["auto"]]] = None
+    symmetric: Optional[bool] = None
+
+    @field_validator("group_size")
+    @classmethod
+    def _gs(cls, v):
+        return WeightScheme._gs(v) if v is not None else v
+
+
+class Override(_Strict):
+    """Per-module override of the weight scheme; when several match a module, later ones win."""
+
+    targets: list[str] = Field(min_length=1, description="module names or 're:' regexes")
+    weights: WeightOverride
+
+    @field_validator("targets")
+    @classmethod
+    def _regexes(cls, v):
+        return _check_patterns(v)
+
+
 class Gates(_Strict):
     """Verification thresholds used by ``kvq verify`` when no flag overrides them."""
 
@@ -65,32 +106,65 @@ class Recipe(_Strict):
 
     name: str = "custom"
     description: str = ""
-    algorithm: Literal["rtn", "awq"] = "awq"
+    algorithm: Literal["rtn", "awq", "gptq"] = "awq"
     weights: WeightScheme = WeightScheme()
+    targets: list[str] = Field(default_factory=lambda: ["re:.*"], description="decoder linears to quantize: names or 're:' regexes")
     ignore: list[str] = Field(default_factory=list, description="module names or 're:' regexes left in float")
+    overrides: list[Override] = Field(default_factory=list, description="per-module weight schemes (mixed precision)")
     awq: AWQOptions = AWQOptions()
+    gptq: GPTQOptions = GPTQOptions()
+    kv_cache: Optional[dict] = Field(None, description="KV-cache scheme (not implemented yet: must be null)")
     gates: Gates = Gates()
 
-    @field_validator("ignore")
+    @field_validator("targets", "ignore")
     @classmethod
     def _regexes(cls, v):
-        for item in v:
-            if item.startswith("re:"):
-                try:
-                    re.compile(item[3:])
-                except re.error as e:
-                    raise ValueError(f"bad regex {item!r}: {e}") from None
+        return _check_patterns(v)
+
+    @field_validator("kv_cache")
+    @classmethod
+    def _kv(cls, v):
+        if v is not None:
+            raise ValueError("KV-cache quantization is not available in this version; leave kv_cache null")
         return v
 
     def is_ignored(self, module_name: str) -> bool:
-        """True when ``module_name`` matches an entry of ``ignore`` (exact name or ``re:`` regex)."""
-        for item in self.ignore:
-            if item.startswith("re:"):
-                if re.fullmatch(item[3:], module_name):
-                    return True
-            elif item == module_name:
+        """True when ``module_name`` is not quantized: it matches ``ignore`` or no entry of ``targets``."""
+        return matches(self.ignore, module_name) or not matches(self.targets, module_name)
+
+    def scheme_for(self, module_name: str) -> WeightScheme:
+        """The weight scheme of ``module_name``: ``weights`` updated by every matching override, in order."""
+        data = self.weights.model_dump()
+        for ov in self.overrides:
+            if matches(ov.targets, module_name):
+                data.update({k: v for k, v in ov.weights.model_dump().items() if v is not None})
+        return WeightScheme.model_validate(data)
+
+    @property
+    def is_mixed(self) -> bool:
+        """True when overrides exist (the artifact may hold several weight schemes)."""
+        return bool(self.overrides)
+
+
+def _check_patterns(v: list[str]) -> list[str]:
+    for item in v:
+        if item.startswith("re:"):
+            try:
+                re.compile(item[3:])
+            except re.error as e:
+                raise ValueError(f"bad regex {item!r}: {e}") from None
+    return v
+
+
+def matches(patterns: list[str], module_name: str) -> bool:
+    """True when ``module_name`` equals an entry or fully matches an ``re:`` regex entry."""
+    for item in patterns:
+        if item.startswith("re:"):
+            if re.fullmatch(item[3:], module_name):
                 return True
-        return False
+        elif item == module_name:
+            return True
+    return False
 
 
 def bundled_recipes() -> dict[str, Path]:
@@ -114,7 +188,7 @@ def load_recipe(name_or_path: str | None) -> Recipe:
         InputError: unknown name, unreadable file, bad YAML, unknown keys or bad values.
     """
     if name_or_path is None:
-        name_or_path = "w4a16-awq-g64"
+        name_or_path = "w4a16-awq"
     path = Path(name_or_path)
     bundled = bundled_recipes()
     if not path.exists():
@@ -143,7 +217,11 @@ def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
 
 
 def with_overrides(recipe: Recipe, **overrides) -> Recipe:
-    """Return a copy of ``recipe`` with dotted-key overrides (``weights.num_bits=3``); ``None`` values are skipped."""
+    """Return a copy of ``recipe`` with dotted-key overrides (``weights.num_bits=3``); ``None`` values are skipped.
+
+    Raises:
+        InputError: a key that is not a recipe field, or a value the field rejects.
+    """
     data = recipe.model_dump()
     for key, value in overrides.items():
         if value is None:
@@ -151,7 +229,11 @@ def with_overrides(recipe: Recipe, **overrides) -> Recipe:
         node = data
         parts = key.split(".")
         for p in parts[:-1]:
+            if not isinstance(node.get(p), dict):
+                raise InputError(f"command-line options: {key}: unknown recipe key")
             node = node[p]
+        if parts[-1] not in node:
+            raise InputError(f"command-line options: {key}: unknown recipe key")
         node[parts[-1]] = value
     return parse_recipe(data, "command-line options")
 

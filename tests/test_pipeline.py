@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from compressor.errors import InputError
+from compressor.formats import pack_modules
 from compressor.pipeline import quantize_model
 from compressor.recipe import load_recipe, resolve_group_size, with_overrides
 
@@ -22,7 +23,7 @@ def _model(seed=0, **kw):
 
 def _recipe(alg, **kw):
     over = {"algorithm": alg, "weights.group_size": 32, "awq.loss_samples": 4, **kw}
-    return with_overrides(load_recipe("w4a16-awq-g64"), **over)
+    return with_overrides(load_recipe("w4a16-awq"), **over)
 
 
 def test_sequential_awq_better_than_rtn_and_modules_complete():
@@ -37,8 +38,9 @@ def test_sequential_awq_better_than_rtn_and_modules_complete():
         assert all(f["mean_rel_error"] > 0 for f in res.layers)
         out = torch.log_softmax(m(ids).logits, -1)
         kls[alg] = float(torch.nn.functional.kl_div(out, ref, log_target=True, reduction="batchmean"))
-        for name, t in res.modules.items():
-            assert set(t) == {"weight_packed", "weight_scale", "weight_shape", "weight_zero_point"}
+        for name, r in res.modules.items():
+            assert r.q.dtype == torch.int8 and r.zero_point is not None and r.g_idx is None
+            assert r.scheme == (4, 32, False) and r.scale.dtype == torch.float16
     assert kls["awq"] < kls["rtn"]
 
 
@@ -57,7 +59,7 @@ def test_awq_needs_calibration_and_ignore_list():
     r = _recipe("rtn", ignore=["re:.*mlp\\.down_proj"])
     res = quantize_model(_model(), r, None)
     assert len(res.modules) == 2 * 6 and not any("down_proj" in n for n in res.modules)
-    with pytest.raises(InputError, match="excludes every linear"):
+    with pytest.raises(InputError, match="exclude every linear"):
         quantize_model(_model(), _recipe("rtn", ignore=["re:.*"]), None)
 
 
@@ -87,7 +89,7 @@ def test_unsupported_architecture_lists_supported():
 def test_bit_widths_and_groups(bits, gs, sym):
     m = _model()
     res = quantize_model(m, _recipe("rtn", **{"weights.num_bits": bits, "weights.group_size": gs, "weights.symmetric": sym}), None)
-    t = res.modules["model.layers.0.mlp.down_proj"]
+    t = pack_modules(res.modules, "compressed-tensors", torch.float16)["model.layers.0.mlp.down_proj"]
     n_groups = 1 if gs == -1 else 128 // gs
     assert t["weight_scale"].shape == (64, n_groups)
     assert t["weight_packed"].shape == (64, -(-128 * bits // 32))

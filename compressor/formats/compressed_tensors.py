@@ -109,41 +109,57 @@ def read_module(tensors: dict[str, torch.Tensor], num_bits: int) -> tuple[torch.
     return q, scale, zp
 
 
+def _weights_args(num_bits: int, group_size: int, symmetric: bool, actorder: str | None) -> dict:
+    return {
+        "num_bits": num_bits,
+        "type": "int",
+        "symmetric": symmetric,
+        "strategy": "channel" if group_size == -1 else "group",
+        "group_size": None if group_size == -1 else group_size,
+        "block_structure": None,
+        "dynamic": False,
+        "actorder": actorder,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
+
+
 def quantization_config(
-    num_bits: int,
-    group_size: int,
-    symmetric: bool,
+    schemes: dict[str, tuple[int, int, bool]],
     ignore: list[str],
     ct_version: str,
+    actorder: str | None = None,
 ) -> dict:
-    """``config.json["quantization_config"]`` for a uniform integer weight-only scheme.
+    """``config.json["quantization_config"]`` for integer weight-only schemes.
+
+    Args:
+        schemes: quantized module name -> ``(num_bits, group_size, symmetric)``.
+        ignore: module names left in float (``lm_head`` and ignored linears).
+        actorder: ``"weight"`` when GPTQ act-order with static groups was used (the
+            only act-order compressed-tensors 0.20 stores; ``"group"`` was removed).
 
     Keys follow compressed-tensors' ``QuantizationConfig`` as saved by llm-compressor
     (see the shared FORMATS.md, section 2a). ``group_size=-1`` is written as
-    ``strategy: channel``.
+    ``strategy: channel``. The most common scheme targets the class ``Linear``; every
+    other scheme gets its own group listing exact module names, which take precedence
+    over class targets in compressed-tensors' ``match_targets`` (exact name, then regex,
+    then class) and in vLLM's target matching.
     """
-    strategy = "channel" if group_size == -1 else "group"
+    counts: dict[tuple, list[str]] = {}
+    for name, sch in schemes.items():
+        counts.setdefault(tuple(sch), []).append(name)
+    ordered = sorted(counts.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    groups = {}
+    for k, (sch, names) in enumerate(ordered):
+        groups[f"group_{k}"] = {
+            "targets": ["Linear"] if k == 0 else sorted(names),
+            "weights": _weights_args(*sch, actorder),
+            "input_activations": None,
+            "output_activations": None,
+            "format": "pack-quantized",
+        }
     return {
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {
-                    "num_bits": num_bits,
-                    "type": "int",
-                    "symmetric": symmetric,
-                    "strategy": strategy,
-                    "group_size": None if group_size == -1 else group_size,
-                    "block_structure": None,
-                    "dynamic": False,
-                    "actorder": None,
-                    "observer": "minmax",
-                    "observer_kwargs": {},
-                },
-                "input_activations": None,
-                "output_activations": None,
-                "format": "pack-quantized",
-            }
-        },
+        "config_groups": groups,
         "format": "pack-quantized",
         "global_compression_ratio": None,
         "ignore": sorted(ignore),
@@ -154,3 +170,26 @@ def quantization_config(
         "transform_config": {},
         "version": ct_version,
     }
+
+
+def module_scheme(qc: dict, module: str) -> dict:
+    """The ``weights`` args of the config group that applies to ``module`` (exact name before class target).
+
+    Raises:
+        InputError: no group applies.
+    """
+    groups = list((qc.get("config_groups") or {}).values())
+    for g in groups:
+        if module in (g.get("targets") or []):
+            return g["weights"]
+    for g in groups:
+        for t in g.get("targets") or []:
+            if t.startswith("re:"):
+                import re
+
+                if re.match(t[3:], module):  # as compressed-tensors match_name does
+                    return g["weights"]
+    for g in groups:
+        if "Linear" in (g.get("targets") or []):
+            return g["weights"]
+    raise InputError(f"no quantization config group applies to {module}")

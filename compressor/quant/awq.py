@@ -56,9 +56,9 @@ def search_scales(
     x_mean: torch.Tensor,
     weights: list[torch.Tensor],
     loss_fn: Callable[[list[torch.Tensor]], float],
-    num_bits: int,
-    group_size: int,
-    symmetric: bool,
+    num_bits: int | list[int],
+    group_size: int | list[int],
+    symmetric: bool | list[bool],
     n_grid: int = 20,
     duo_scaling: bool = True,
     name: str = "",
@@ -70,6 +70,7 @@ def search_scales(
         weights: float ``[out_i, in]`` weights of the group's linears (not modified).
         loss_fn: given candidate effective weights (scaled, fake-quantized, unscaled),
             returns the output MSE of the inspected module against its float output.
+        num_bits, group_size, symmetric: the weight scheme, or one per weight (mixed precision).
         name: used in error messages.
 
     Returns:
@@ -78,13 +79,17 @@ def search_scales(
     Raises:
         QuantizationError: every candidate gave a non-finite loss or the scales are not finite.
     """
-    w_mean = weight_mean(weights, group_size) if duo_scaling else None
+    n = len(weights)
+    bits = num_bits if isinstance(num_bits, list) else [num_bits] * n
+    sizes = group_size if isinstance(group_size, list) else [group_size] * n
+    syms = symmetric if isinstance(symmetric, list) else [symmetric] * n
+    w_mean = weight_mean(weights, sizes[0]) if duo_scaling else None
     best = (float("inf"), None, None)
     losses = []
     for i in range(n_grid):
         ratio = i / n_grid
         s = candidate_scales(x_mean, w_mean, ratio)
-        cand = [fake_quantize(w.float() * s, num_bits, group_size, symmetric) / s for w in weights]
+        cand = [fake_quantize(w.float() * s, b, g, y) / s for w, b, g, y in zip(weights, bits, sizes, syms)]
         loss = float(loss_fn(cand))
         losses.append(loss)
         if loss < best[0]:

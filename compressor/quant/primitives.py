@@ -113,8 +113,20 @@ def dequantize(
     zero_point: torch.Tensor | None,
     group_size: int,
     dtype: torch.dtype = torch.float32,
+    g_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dequantize int ``q [out, in]`` to ``dtype``: ``(q - zero_point) * scale`` per group."""
+    """Dequantize int ``q [out, in]`` to ``dtype``: ``(q - zero_point) * scale`` per group.
+
+    With ``g_idx`` (int ``[in]``, GPTQ act-order) column ``c`` uses group ``g_idx[c]``
+    instead of ``c // group_size``.
+    """
+    if g_idx is not None:
+        idx = g_idx.long()
+        s = scale.float()[:, idx]
+        qf = q.float()
+        if zero_point is not None:
+            qf = qf - zero_point.float()[:, idx]
+        return (qf * s).to(dtype)
     qg = _grouped(q, group_size).float()
     if zero_point is not None:
         qg = qg - zero_point.float().unsqueeze(-1)

@@ -1,0 +1,173 @@
+"""GPTQ: the Hessian path, act-order / static groups, damping retry, dead channels, pipeline."""
+
+import pytest
+import torch
+
+from compressor.errors import QuantizationError
+from compressor.pipeline import quantize_model
+from compressor.quant.gptq import HessianAccumulator, gptq_quantize
+from compressor.quant.primitives import dequantize, fake_quantize
+from compressor.recipe import load_recipe, with_overrides
+
+from test_pipeline import _model
+
+
+def _correlated_inputs(n=4096, d=128, rank=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, rank, generator=g) @ torch.randn(rank, d, generator=g)
+    x += 0.05 * torch.randn(n, d, generator=g)
+    x[:, :3] *= 8  # a few outlier channels, as real activations have
+    return x
+
+
+def _hessian(x):
+    acc = HessianAccumulator(x.shape[1])
+    for chunk in x.split(1000):
+        acc.add(chunk)
+    return acc.hessian()
+
+
+def _out_err(x, w, w_hat):
+    return float(((x @ w_hat.t() - x @ w.t()) ** 2).mean())
+
+
+def test_hessian_accumulator_matches_definition():
+    x = torch.randn(3, 50, 16)
+    H = _hessian(x.reshape(-1, 16))
+    xf = x.reshape(-1, 16).double()
+    torch.testing.assert_close(H.double(), 2 * xf.t() @ xf / 150, rtol=1e-5, atol=1e-5)
+    with pytest.raises(QuantizationError, match="no calibration tokens"):
+        HessianAccumulator(4).hessian()
+
+
+@pytest.mark.parametrize("bits,gs,sym", [(4, 32, False), (4, -1, True), (3, 64, False), (2, 32, False), (8, 128, True)])
+def test_gptq_output_error_below_rtn(bits, gs, sym):
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.05
+    x = _correlated_inputs()
+    H = _hessian(x)
+    r = gptq_quantize(w, H, bits, gs, sym)
+    w_hat = dequantize(r.q, r.scale, None if sym else r.zero_point, gs)
+    rtn = fake_quantize(w, bits, gs, sym)
+    assert r.q.dtype == torch.int8 and r.g_idx is None and r.retries == 0
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    assert int(r.q.min()) >= lo and int(r.q.max()) <= hi
+    assert _out_err(x, w, w_hat) < 0.7 * _out_err(x, w, rtn)
+    assert r.loss > 0
+
+
+def test_act_order_dynamic_groups_give_g_idx():
+    torch.manual_seed(1)
+    w = torch.randn(64, 128) * 0.05
+    x = _correlated_inputs()
+    H = _hessian(x)
+    r = gptq_quantize(w, H, 4, 32, False, act_order=True)
+    assert r.g_idx is not None and r.g_idx.dtype == torch.int32 and r.g_idx.shape == (128,)
+    # every group holds exactly group_size columns, and the highest-diag(H) columns come first
+    assert torch.bincount(r.g_idx.long()).tolist() == [32] * 4
+    top = torch.argsort(torch.diag(H), descending=True)[:32]
+    assert set(r.g_idx[top].tolist()) == {0}
+    w_hat = dequantize(r.q, r.scale, r.zero_point, 32, g_idx=r.g_idx)
+    assert _out_err(x, w, w_hat) < 0.7 * _out_err(x, w, fake_quantize(w, 4, 32, False))
+
+
+def test_act_order_static_groups_keep_contiguous_groups():
+    torch.manual_seed(2)
+    w = torch.randn(64, 128) * 0.05
+    x = _correlated_inputs()
+    H = _hessian(x)
+    r = gptq_quantize(w, H, 4, 32, False, act_order=True, static_groups=True)
+    assert r.g_idx is None  # group boundaries survived the reordering
+    # static qparams are the min-max qparams of the original weight's groups
+    from compressor.quant.primitives import compute_qparams
+
+    s0, z0 = compute_qparams(w, 4, 32, False)
+    torch.testing.assert_close(r.scale, s0)
+    assert torch.equal(r.zero_point, z0)
+    w_hat = dequantize(r.q, r.scale, r.zero_point, 32)
+    assert _out_err(x, w, w_hat) < _out_err(x, w, fake_quantize(w, 4, 32, False))
+
+
+def test_damping_retry_is_reported():
+    torch.manual_seed(3)
+    w = torch.randn(16, 32)
+    H = torch.eye(32)
+    H[0, 0] = -0.05  # indefinite: the first damping (0.01 * mean diag) cannot fix it
+    r = gptq_quantize(w, H, 4, -1, True, damp=0.01, damp_increment=0.1, max_damp=1.0)
+    assert r.retries > 0 and r.damp > 0.01
+    with pytest.raises(QuantizationError, match="not positive definite even with damping"):
+        gptq_quantize(w, -torch.eye(32), 4, -1, True, max_damp=0.5, name="layer.x")
+    H_nan = torch.eye(32)
+    H_nan[1, 2] = float("nan")
+    with pytest.raises(QuantizationError, match="NaN or Inf"):
+        gptq_quantize(w, H_nan, 4, -1, True)
+
+
+def test_dead_input_channels_are_zeroed():
+    torch.manual_seed(4)
+    w = torch.randn(16, 64)
+    x = torch.randn(512, 64)
+    x[:, 5] = 0.0
+    r = gptq_quantize(w, _hessian(x), 4, 32, True)
+    assert r.dead_channels == 1
+    w_hat = dequantize(r.q, r.scale, None, 32)
+    assert torch.all(w_hat[:, 5] == 0)
+
+
+def test_scales_rounded_to_storage_dtype_during_search():
+    torch.manual_seed(5)
+    w = torch.randn(32, 64) * 0.01
+    r = gptq_quantize(w, _hessian(_correlated_inputs(d=64)), 4, 32, False, scale_dtype=torch.float16)
+    assert torch.equal(r.scale, r.scale.half().float())
+
+
+def _gptq_recipe(**kw):
+    over = {"weights.group_size": 32, **kw}
+    return with_overrides(load_recipe("w4a16-gptq"), **over)
+
+
+@pytest.mark.parametrize("true_sequential,act_order,static", [(True, True, True), (False, False, False), (True, True, False)])
+def test_pipeline_gptq_beats_rtn(true_sequential, act_order, static):
+    ref_model = _model()
+    ids = torch.randint(0, 320, (8, 48), generator=torch.Generator().manual_seed(1))
+    ref = torch.log_softmax(ref_model(ids).logits, -1)
+
+    def kl(m):
+        out = torch.log_softmax(m(ids).logits, -1)
+        return float(torch.nn.functional.kl_div(out, ref, log_target=True, reduction="batchmean"))
+
+    m_rtn = _model()
+    quantize_model(m_rtn, _gptq_recipe(algorithm="rtn"), None)
+    m = _model()
+    recipe = _gptq_recipe(**{"gptq.true_sequential": true_sequential, "gptq.act_order": act_order,
+                             "gptq.static_groups": static})
+    res = quantize_model(m, recipe, ids, batch_size=4)
+    assert len(res.modules) == 14
+    assert all(f["gptq"]["damp_retries"] == 0 and f["output_rel_error"] > 0 for f in res.layers)
+    assert set(res.layers[0]["phase_seconds"]) == {"reference", "hessian", "gptq", "recompute"}
+    dynamic = act_order and not static
+    assert all((r.g_idx is not None) == dynamic for r in res.modules.values())
+    # the in-memory model holds exactly what the records dequantize to
+    r = res.modules["model.layers.1.mlp.down_proj"]
+    torch.testing.assert_close(m.model.layers[1].mlp.down_proj.weight,
+                               dequantize(r.q, r.scale, r.zero_point, r.group_size, g_idx=r.g_idx))
+    # no hook left behind
+    assert all(not mod._forward_pre_hooks for mod in m.modules())
+    assert kl(m) < kl(m_rtn)
+
+
+def test_mixed_precision_schemes_and_fused_check():
+    from compressor.errors import InputError
+
+    ids = torch.randint(0, 320, (4, 32))
+    res = quantize_model(_model(), with_overrides(load_recipe("w4a16-mixed"), **{"weights.group_size": 32}), ids, batch_size=4)
+    down = res.modules["model.layers.0.mlp.down_proj"]
+    assert down.scheme == (8, -1, True) and down.zero_point is None
+    assert res.modules["model.layers.0.mlp.up_proj"].scheme == (4, 32, False)
+    assert res.layers[0]["num_bits"] == [4, 8]
+    bad = with_overrides(load_recipe("w4a16-mixed"), overrides=[{"targets": ["re:.*k_proj"], "weights": {"num_bits": 8}}])
+    with pytest.raises(InputError, match="fused into one kernel by vLLM and must share"):
+        quantize_model(_model(), bad, ids)
+    partial = with_overrides(load_recipe("w4a16-rtn-g64"), ignore=["re:.*gate_proj"], **{"weights.group_size": 32})
+    with pytest.raises(InputError, match="quantize all of them or none"):
+        quantize_model(_model(), partial, None)
