@@ -1,4 +1,4 @@
-"""Benchmark of issue #2 on SmolLM2-135M: FP / RTN W4 g64 / AWQ W4 g64.
+"""Weight-quantization benchmark on SmolLM2-135M: FP / RTN / AWQ / GPTQ (W4, W3, mixed).
 
 Runs each step as its own process (so peak RSS is per step), one at a time:
   1. perplexity of the float model (GGUF dequantized to float32)
@@ -63,9 +63,9 @@ def ppl(model: str, name: str, windows=None) -> dict:
     return {**json.loads(out.read_text()), **{"eval_" + k: v for k, v in t.items()}}
 
 
-def quantize(recipe: str, name: str) -> dict:
+def quantize(recipe: str, name: str, extra: tuple = ()) -> dict:
     art = WORK / f"{TAG}{name}"
-    cmd = [*KVQ, "quantize", "smollm2-135m", "--recipe", recipe, "--calib", str(DATA / "wikitext-2" / "valid.txt"),
+    cmd = [*KVQ, "quantize", "smollm2-135m", "--recipe", recipe, *extra, "--calib", str(DATA / "wikitext-2" / "valid.txt"),
            "--calib-samples", str(SAMPLES), "--calib-seqlen", "512", "-o", str(art), "--overwrite", "--json"]
     log = WORK / f"{TAG}{name}-quantize.log"
     t = timed(cmd, log)
@@ -74,17 +74,29 @@ def quantize(recipe: str, name: str) -> dict:
     return {"command": " ".join(cmd[1:]), **t, "summary": summary, "artifact": str(art)}
 
 
+# (recipe, result name, extra kvq quantize flags); BENCH_RUNS=name1,name2 selects some
+RUNS = [
+    ("w4a16-rtn-g64", "rtn-w4g64", ()),
+    ("w4a16-awq", "awq-w4g64", ()),
+    ("w4a16-gptq", "gptq-w4g64", ()),
+    ("w4a16-gptq", "gptq-w4g64-noact", ("--no-act-order",)),
+    ("w3a16-gptq-g64", "gptq-w3g64", ()),
+    ("w4a16-mixed", "gptq-mixed", ()),
+]
+
+
 def main():
     RESULTS.mkdir(parents=True, exist_ok=True)
     WORK.mkdir(parents=True, exist_ok=True)
     fp = step("ppl-fp32", lambda: ppl("smollm2-135m", "fp32", FP_WINDOWS))
     rows = [("FP32 (GGUF dequantized)", fp, None)]
-    runs = (("w4a16-rtn-g64", "rtn-w4g64"), ("w4a16-awq", "awq-w4g64"))
+    runs = [(recipe, name, extra) for recipe, name, extra in RUNS
+            if not os.environ.get("BENCH_RUNS") or name in os.environ["BENCH_RUNS"].split(",")]
     # all quantize runs first (their wall time and RSS are the figures that matter), then evaluations
-    qs = {name: step(f"quantize-{name}", lambda r=recipe, n=name: quantize(r, n)) for recipe, name in runs}
-    for recipe, name in runs:
+    qs = {name: step(f"quantize-{name}", lambda r=recipe, n=name, e=extra: quantize(r, n, e)) for recipe, name, extra in runs}
+    for recipe, name, extra in runs:
         p = step(f"ppl-{name}", lambda n=name: ppl(qs[n]["artifact"], n))
-        rows.append((recipe, p, qs[name]))
+        rows.append((" ".join([recipe, *extra]), p, qs[name]))
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     print(f"\nmachine: {machine}; eval: wiki.test.raw, seqlen 2048; calibration {SAMPLES} x 512\n")
     print("| model | windows | perplexity | FP32 on the same windows | vs FP | quantize wall (s) | quantize peak RSS (MiB) | artifact (MiB) |")
