@@ -443,7 +443,6 @@ def test_readers_reject_inconsistent_tensors():
 
 
 def test_row_blocking_gives_identical_bytes(monkeypatch):
-    import compressor.formats.awq as awq_mod
     import compressor.formats.gptq as gptq_mod
 
     q, scale, zp, g_idx = make_case(40, 128, 3, 32, False, True, seed=12)
@@ -451,8 +450,7 @@ def test_row_blocking_gives_identical_bytes(monkeypatch):
     ref = gptq_module_tensors(q, scale, zp, g_idx, 3, 32)
     q4, s4, z4, _ = make_case(40, 128, 4, 32, False, False, seed=13)
     ref_awq = awq_module_tensors(q4, s4, z4, 32)
-    monkeypatch.setattr(gptq_mod, "_CHUNK_ELEMS", 100)
-    monkeypatch.setattr(awq_mod, "_CHUNK_ELEMS", 100)
+    monkeypatch.setattr(gptq_mod, "_CHUNK_ELEMS", 100)  # also used by the AWQ packer
     got = gptq_module_tensors(q, scale, zp, g_idx, 3, 32)
     got_awq = awq_module_tensors(q4, s4, z4, 32)
     for k in ref:
