@@ -74,6 +74,15 @@ def _progress(console, total_label: str):
     )
 
 
+def _layer_done(console, progress, task, i, n, fig) -> None:
+    """Advance the bar; where there is no terminal (CI logs) print one plain line per layer."""
+    progress.update(task, completed=i + 1)
+    if console is not None and not console.is_terminal:
+        err = fig.get("output_rel_error")
+        console.print(f"layer {i + 1}/{n} done in {fig['seconds']:.1f} s"
+                      + ("" if err is None else f", relative output error {err:.4f}"), highlight=False)
+
+
 def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     """Quantize ``opts.model`` and write the artifact; returns the JSON summary.
 
@@ -113,7 +122,7 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         task = progress.add_task(f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}", total=n_layers)
         result = quantize_model(
             model, recipe, calib_ids, device=opts.device, dtype=DTYPES[opts.dtype],
-            on_layer=lambda i, n, fig: progress.update(task, completed=i + 1),
+            on_layer=lambda i, n, fig: _layer_done(console, progress, task, i, n, fig),
         )
     del calib_ids
     gc.collect()
