@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-from .artifact import DTYPES, check_hashes, check_output, load_artifact, tool_info, write_artifact
+from .artifact import DTYPES, check_hashes, check_output, load_artifact, read_kv_cache, tool_info, write_artifact
 from .calib import load_text, sample_windows, tokenize
 from .errors import InputError
 from .evaluate import perplexity, windows
@@ -19,7 +19,15 @@ from .formats import check_format, check_shapes, format_config, gptq_checkpoint_
 from .manifest import load_manifest
 from .models import ALIASES, load_model, resolve_source
 from .pipeline import quantize_model
-from .recipe import load_recipe, with_overrides
+from .arch import get_arch
+from .formats.compressed_tensors import kv_scale_tensors
+from .quant.kv import kv_budget, kv_bytes_per_token, make_spec, quantized_cache
+from .recipe import KVCacheOptions, load_recipes, with_overrides
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(sum(vals) / len(vals), 6) if vals else None
 
 
 def _peak_rss_mib() -> float:
@@ -32,7 +40,8 @@ class QuantizeOptions:
 
     model: str
     output: Path
-    recipe: str = "w4a16-awq"
+    recipe: Union[str, tuple] = "w4a16-awq"  # one name/path or several (later ones override earlier ones)
+    kv_scheme: Optional[str] = None  # shortcut: adds kv_cache {scheme: ...} with its defaults
     algorithm: Optional[str] = None
     bits: Optional[int] = None
     group_size: Optional[Union[int, str]] = None
@@ -62,6 +71,11 @@ class VerifyOptions:
     max_ppl_increase: Optional[float] = None
     hashes_only: bool = False
     device: str = "cpu"
+    kv_scheme: Optional[str] = None  # evaluate with this KV scheme instead of the artifact's
+    kv_budget_gib: float = 16.0
+    kv_chunk: int = 128
+    kv_calib: str = "embedded"
+    kv_calib_samples: int = 16
 
 
 def _progress(console, total_label: str):
@@ -96,14 +110,17 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     out = Path(opts.output)
     check_output(out, opts.overwrite)
     recipe = with_overrides(
-        load_recipe(opts.recipe),
+        load_recipes((opts.recipe,) if isinstance(opts.recipe, str) else tuple(opts.recipe)),
+        kv_cache=None if opts.kv_scheme is None else KVCacheOptions(scheme=opts.kv_scheme).model_dump(),
         algorithm=opts.algorithm,
         **{"weights.num_bits": opts.bits, "weights.group_size": opts.group_size, "weights.symmetric": opts.symmetric,
            "gptq.act_order": opts.act_order, **dict(opts.settings)},
     )
     check_format(opts.format, recipe, opts.dtype)
     source = resolve_source(opts.model)
-    text = load_text(opts.calib, opts.calib_field, part="calib") if recipe.algorithm in ("awq", "gptq") else None
+    kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
+    needs_calib = recipe.algorithm in ("awq", "gptq") or (kv is not None and kv.static)
+    text = load_text(opts.calib, opts.calib_field, part="calib") if needs_calib else None
     if console and text is not None and text.note:
         console.print(f"[yellow]calibration:[/] {text.note}")
     if console:
@@ -119,7 +136,8 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
             console.print(f"calibration: {opts.calib_samples} x {opts.calib_seqlen} tokens from {text.name} (seed {opts.seed})")
     n_layers = model.config.num_hidden_layers
     with _progress(console, "layers") as progress:
-        task = progress.add_task(f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}", total=n_layers)
+        label = "float weights" if recipe.algorithm == "none" else f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}"
+        task = progress.add_task(label + (f" + KV {kv.scheme}" if kv else ""), total=n_layers)
         result = quantize_model(
             model, recipe, calib_ids, device=opts.device, dtype=DTYPES[opts.dtype],
             on_layer=lambda i, n, fig: _layer_done(console, progress, task, i, n, fig),
@@ -136,6 +154,8 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         "modules": len(result.modules),
         "storage_dtype": opts.dtype,
     }
+    if recipe.algorithm == "none":
+        quant.update({"num_bits": None, "group_size": None, "symmetric": None})
     if recipe.is_mixed:
         quant["schemes"] = [{"num_bits": b, "group_size": g, "symmetric": y, "modules": sorted(n for n, v in schemes.items() if v == (b, g, y))}
                             for b, g, y in sorted(set(schemes.values()))]
@@ -151,11 +171,31 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
                          {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]})
     packed = pack_modules(result.modules, opts.format, DTYPES[opts.dtype])
     result.modules.clear()
+    kv_record = None
+    if kv is not None:
+        arch = get_arch(model.config.model_type)
+        kv_record = {"scheme": kv.scheme, "strategy": kv.strategy, "bits": kv.bits, "static_scales": kv.static}
+        if kv.strategy == "kivi":
+            kv_record.update({"group_size": kv.group_size, "residual_length": kv.residual_length,
+                              "keys": "per channel, groups of group_size tokens", "values": "per token, groups of group_size channels"})
+        if kv.static:
+            scale_tensors = kv_scale_tensors(result.kv_scales, arch.layers, arch.attention, kv.strategy)
+            for name, t in scale_tensors.items():
+                module, _, leaf = name.rpartition(".")
+                packed.setdefault(module, {})[leaf] = t
+            kv_record["scale_tensors"] = f"{arch.layers}.<i>.{arch.attention}.k_scale / v_scale, shape " + (
+                "[1]" if kv.strategy == "tensor" else "[num_kv_heads, 1, 1]")
+            kv_record["absmax"] = {str(i): {"k": [round(float(x), 4) for x in k], "v": [round(float(x), 4) for x in v]}
+                                   for i, (k, v) in result.kv_absmax.items()}
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_record["bytes_per_token"] = kv_bytes_per_token(kv, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+        kv_record["fp16_bytes_per_token"] = kv_bytes_per_token(None, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
     float_bytes = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
     # timings vary run to run: they go to the provenance block, outside the content digest
     quality = {
         "layers": [{k: v for k, v in f.items() if k not in ("seconds", "phase_seconds")} for f in result.layers],
-        "mean_rel_error": round(sum(f["mean_rel_error"] for f in result.layers) / len(result.layers), 6),
+        "mean_rel_error": _mean([f["mean_rel_error"] for f in result.layers]),
     }
     timing = {"quantize_seconds": round(result.seconds, 2), "layer_seconds": [f["seconds"] for f in result.layers]}
     if result.layers and "phase_seconds" in result.layers[0]:
@@ -167,7 +207,8 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     manifest = write_artifact(
         out, model, tokenizer, packed, qcfg,
         {"tool": tool_info(), "source": source_fp, "recipe": recipe.model_dump(mode="json"),
-         "calibration": calibration, "quantization": quant, "quality": quality},
+         "calibration": calibration, "quantization": quant, "quality": quality, "kv_cache": kv_record,
+         "format": opts.format},
         provenance={"timing": timing, "device": opts.device},
         dtype_name=opts.dtype, overwrite=opts.overwrite,
     )
@@ -203,9 +244,45 @@ def _print_layers(console, layers: list[dict]) -> None:
         t.add_column(col, justify="right")
     for f in layers:
         out_err = "-" if f["output_rel_error"] is None else f"{f['output_rel_error']:.4f}"
-        t.add_row(str(f["layer"]), str(f["num_bits"]), str(f["group_size"]), str(f["modules"]),
-                  f"{f['mean_rel_error']:.4f}", out_err, f"{f['seconds']:.1f}")
+        w_err = "-" if f["mean_rel_error"] is None else f"{f['mean_rel_error']:.4f}"
+        t.add_row(str(f["layer"]), str(f["num_bits"] or "float"), str(f["group_size"] or "-"), str(f["modules"]),
+                  w_err, out_err, f"{f['seconds']:.1f}")
     console.print(t)
+
+
+def _calibrate_kv(model, tokenizer, spec, opts, console) -> dict:
+    """Static KV scales for ``--kv-scheme`` on a model without stored ones (calibration text ``opts.kv_calib``)."""
+    from .quant.kv import cache_kwarg, kv_observer, observed_absmax, static_scales
+
+    text = load_text(opts.kv_calib, part="calib")
+    ids = sample_windows(tokenize(tokenizer, text.text), opts.kv_calib_samples, 512, 0)
+    obs = kv_observer(model.config.num_hidden_layers)
+    with torch.no_grad():
+        for b in ids.split(4):
+            model(b.to(opts.device), use_cache=True, **{cache_kwarg(model): obs})
+    if console:
+        console.print(f"KV scales for {spec.describe()} calibrated on {opts.kv_calib_samples} x 512 tokens of {text.name}")
+    return {i: (static_scales(k, spec).half().float(), static_scales(v, spec).half().float())
+            for i, (k, v) in observed_absmax(obs).items()}
+
+
+def _kv_report(spec, source, ref_source, opts) -> dict:
+    """Scheme plus memory accounting for the model's shape (bytes/token, what a budget holds)."""
+    from transformers import AutoConfig
+
+    cfg_folder = Path(opts.artifact)
+    cfg = AutoConfig.from_pretrained(str(cfg_folder))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+    q = kv_budget(spec, *shape, opts.kv_budget_gib)
+    fp = kv_budget(None, *shape, opts.kv_budget_gib)
+    return {
+        "scheme": spec.describe(), "source": source, "kv_chunk": opts.kv_chunk,
+        "layers_kv_heads_head_dim": list(shape), "budget_gib": opts.kv_budget_gib,
+        "bytes_per_token": q["bytes_per_token"], "fp16_bytes_per_token": fp["bytes_per_token"],
+        "max_tokens": q["max_tokens"], "fp16_max_tokens": fp["max_tokens"],
+        "max_batch": q["max_batch"], "fp16_max_batch": fp["max_batch"],
+    }
 
 
 def run_verify(opts: VerifyOptions, console=None) -> dict:
@@ -243,24 +320,60 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     if console and text.note:
         console.print(f"[yellow]eval text:[/] {text.note}")
 
+    kv_info = read_kv_cache(folder, manifest)
+    kv_source = "artifact" if kv_info else None
+    if opts.kv_scheme:
+        kv_info, kv_source = (make_spec(opts.kv_scheme), None), "--kv-scheme"
+    weights_quantized = manifest.quantization.get("algorithm") != "none"
+
     model, tokenizer = load_artifact(folder)
     wins = windows(tokenize(tokenizer, text.text), opts.seqlen, opts.max_windows)
+    n_layers = model.config.num_hidden_layers
+    if kv_info is not None and kv_info[0].static and kv_info[1] is None:
+        # --kv-scheme with static scales on a model that has none: calibrate them now
+        kv_info = (kv_info[0], _calibrate_kv(model, tokenizer, kv_info[0], opts, console))
+    make_cache = None
+    if kv_info is not None:
+        spec, scales = kv_info
+        make_cache = lambda: quantized_cache(spec, n_layers, scales)  # noqa: E731
+    results: dict[str, dict] = {}
+
+    def run(label, m, cache):
+        task = progress.add_task(f"perplexity ({label})", total=len(wins))
+        results[label] = perplexity(m, wins, opts.device, lambda i, n: progress.update(task, completed=i),
+                                    make_cache=cache, kv_chunk=opts.kv_chunk)
+
     with _progress(console, "windows") as progress:
-        task = progress.add_task("perplexity (artifact)", total=len(wins))
-        art = perplexity(model.to(opts.device), wins, opts.device, lambda i, n: progress.update(task, completed=i))
+        model.to(opts.device)
+        if weights_quantized:
+            run("weights only", model, None)
+            if make_cache:
+                run("weights + KV", model, make_cache)
         del model
         gc.collect()
         ref_model, _ = load_model(ref_source)
-        task2 = progress.add_task("perplexity (reference)", total=len(wins))
-        ref = perplexity(ref_model.to(opts.device), wins, opts.device, lambda i, n: progress.update(task2, completed=i))
+        ref_model.to(opts.device)
+        run("reference", ref_model, None)
+        if make_cache:
+            run("KV only", ref_model, make_cache)
         del ref_model
+    ref = results["reference"]
+    served = "weights + KV" if weights_quantized and make_cache else ("weights only" if weights_quantized else "KV only")
+    art = results[served]
     increase = (art["ppl"] / ref["ppl"] - 1.0) * 100.0
-    gate = {"name": "max_ppl_increase_pct", "threshold": max_inc, "value": round(increase, 4), "passed": increase <= max_inc}
+    gate = {"name": "max_ppl_increase_pct", "threshold": max_inc, "value": round(increase, 4), "passed": increase <= max_inc,
+            "measured_on": served}
     report["gates"].append(gate)
     report["passed"] = hashes["ok"] and gate["passed"]
     report["eval"] = {**text.provenance(), "seqlen": opts.seqlen, "windows": art["windows"], "predicted_tokens": art["predicted_tokens"]}
     report["perplexity"] = {"artifact": round(art["ppl"], 4), "reference": round(ref["ppl"], 4), "increase_pct": round(increase, 4),
                             "per_window_artifact": art["per_window_ppl"], "per_window_reference": ref["per_window_ppl"]}
+    report["perplexity_breakdown"] = {
+        label: {"ppl": round(r["ppl"], 4), "increase_pct": round((r["ppl"] / ref["ppl"] - 1) * 100, 4)}
+        for label, r in results.items()
+    }
+    if kv_info is not None:
+        report["kv_cache"] = _kv_report(kv_info[0], kv_source, ref_source, opts)
     report["reference"] = ref_spec
     report["seconds"] = round(time.perf_counter() - t0, 2)
     if console:
@@ -270,9 +383,17 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
         for c in ("check", "value", "threshold", "result"):
             t.add_column(c)
         t.add_row("tensor/file digests", f"{hashes['tensors_checked']} tensors", "all equal", "[green]pass")
-        t.add_row("perplexity artifact", f"{art['ppl']:.4f}", "", "")
-        t.add_row("perplexity reference", f"{ref['ppl']:.4f}", "", "")
-        t.add_row("perplexity increase", f"{increase:+.2f} %", f"<= {max_inc:g} %", "[green]pass" if gate["passed"] else "[red]FAIL")
+        for label, r in results.items():
+            rel = "" if label == "reference" else f"({(r['ppl'] / ref['ppl'] - 1) * 100:+.2f} %)"
+            t.add_row(f"perplexity {label}", f"{r['ppl']:.4f} {rel}", "", "")
+        t.add_row(f"perplexity increase ({served})", f"{increase:+.2f} %", f"<= {max_inc:g} %", "[green]pass" if gate["passed"] else "[red]FAIL")
         console.print(t)
         console.print(f"eval: {art['windows']} windows x {opts.seqlen} tokens ({art['predicted_tokens']} predicted) from {text.name}")
+        if kv_info is not None:
+            k = report["kv_cache"]
+            console.print(
+                f"KV cache {k['scheme']} ({kv_source}): {k['bytes_per_token']:.0f} B/token vs fp16 {k['fp16_bytes_per_token']:.0f} B/token; "
+                f"{opts.kv_budget_gib:g} GiB holds {k['max_tokens']:,} tokens (fp16: {k['fp16_max_tokens']:,}); "
+                + ", ".join(f"context {c}: batch {b} (fp16 {k['fp16_max_batch'][c]})" for c, b in k["max_batch"].items())
+            )
     return report

@@ -41,6 +41,8 @@ class ArchSpec:
     lm_head: str
     linears: tuple[str, ...]
     awq_groups: tuple[ScalingGroup, ...]
+    # attention module of a decoder layer: where compressed-tensors/vLLM keep k_scale/v_scale
+    attention: str = "self_attn"
     # GPTQ true-sequential stages, in execution order; the linears of one stage read the
     # same input tensor (one Hessian per stage)
     sequential: tuple[tuple[str, ...], ...] = ()

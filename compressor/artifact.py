@@ -78,7 +78,8 @@ def _config_dict(model, quant_config: dict, dtype_name: str) -> dict:
     data.pop("_name_or_path", None)
     data.pop("quantization_config", None)
     data["dtype"] = dtype_name
-    data["quantization_config"] = quant_config
+    if quant_config is not None:
+        data["quantization_config"] = quant_config
     return data
 
 
@@ -194,7 +195,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     method = qc.get("quant_method")
     if qc and method not in ("compressed-tensors", "awq", "gptq"):
         raise InputError(f"{folder}: quant_method {method!r} is not one kvq reads (compressed-tensors, awq, gptq)")
-    if method == "compressed-tensors" and qc.get("format") != "pack-quantized":
+    if method == "compressed-tensors" and qc.get("format") not in ("pack-quantized", "dense"):
         raise InputError(f"{folder}: only compressed-tensors pack-quantized artifacts can be loaded (format {qc.get('format')!r})")
     try:
         cfg = AutoConfig.from_pretrained(str(folder))
@@ -210,6 +211,8 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
         with safe_open(str(s), framework="pt") as f:
             for key in f.keys():
                 module, _, leaf = key.rpartition(".")
+                if leaf in ("k_scale", "v_scale"):
+                    continue  # KV-cache scales: read by read_kv_cache()
                 if leaf in leaves:
                     packed.setdefault(module, {})[leaf] = f.get_tensor(key)
                 else:
@@ -231,6 +234,44 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return model, tokenizer
+
+
+def read_kv_cache(folder: str | Path, manifest=None):
+    """The artifact's KV-cache scheme and static scales, or ``None`` when it has none.
+
+    Returns ``(KVSpec, {layer: (k_scale, v_scale)} | None)``; scales are read from the
+    ``<layers>.<i>.<attention>.k_scale``/``v_scale`` tensors.
+
+    Raises:
+        InputError: the manifest names a static scheme but scale tensors are missing.
+    """
+    from safetensors import safe_open
+
+    from .quant.kv import make_spec
+
+    folder = Path(folder)
+    manifest = manifest or load_manifest(folder)
+    rec = manifest.kv_cache
+    if not rec:
+        return None
+    spec = make_spec(rec["scheme"], rec.get("strategy"), rec.get("group_size", 32), rec.get("residual_length", 128))
+    if not spec.static:
+        return spec, None
+    scales: dict[int, list] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                module, _, leaf = key.rpartition(".")
+                if leaf in ("k_scale", "v_scale"):
+                    idx = [p for p in module.split(".") if p.isdigit()]
+                    if not idx:
+                        continue
+                    scales.setdefault(int(idx[0]), [None, None])[0 if leaf == "k_scale" else 1] = f.get_tensor(key).float().flatten()
+    n_layers = int(json.loads((folder / "config.json").read_text()).get("num_hidden_layers", len(scales)))
+    missing = [i for i in range(n_layers) if i not in scales or None in scales[i]]
+    if missing:
+        raise InputError(f"{folder}: KV scheme {spec.describe()} but k_scale/v_scale missing for layer {missing[0]}")
+    return spec, {i: (k, v) for i, (k, v) in scales.items()}
 
 
 _PACKED_LEAVES = {

@@ -61,8 +61,9 @@ def cli():
 @cli.command()
 @click.argument("model")
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Artifact folder to create (must not exist unless --overwrite).")
-@click.option("--recipe", default="w4a16-awq", show_default=True, help="Bundled recipe name (see `kvq recipes`) or path to a YAML recipe.")
-@click.option("--algorithm", type=click.Choice(["awq", "gptq", "rtn"]), default=None, help="Override the recipe's algorithm.")
+@click.option("--recipe", "recipes_", multiple=True, default=("w4a16-awq",), show_default=True, help="Bundled recipe name (see `kvq recipes`) or path to a YAML recipe; repeatable: later ones add to or override earlier ones (--recipe w4a16-awq --recipe kv-fp8).")
+@click.option("--kv-scheme", type=click.Choice(["fp8", "int8", "int4", "int2"]), default=None, help="Shortcut for a KV-cache scheme with its defaults (fp8 per tensor, int8 per token, int4/int2 KIVI group 32 residual 128).")
+@click.option("--algorithm", type=click.Choice(["awq", "gptq", "rtn", "none"]), default=None, help="Override the recipe's algorithm (none: weights stay float, e.g. a KV-only artifact).")
 @click.option("--bits", type=click.IntRange(2, 8), default=None, help="Override weights.num_bits (2-8).")
 @click.option("--group-size", default=None, help="Override weights.group_size: 32, 64, 128, -1 (per channel) or auto.")
 @click.option("--symmetric/--asymmetric", default=None, help="Override weights.symmetric (default of the bundled recipes: asymmetric).")
@@ -78,7 +79,7 @@ def cli():
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True, help="Storage dtype of scales and unquantized tensors.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder (atomically, at the end).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout; no progress bar.")
-def quantize(model, output, recipe, algorithm, bits, group_size, symmetric, act_order, settings, fmt, calib, calib_field,
+def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, symmetric, act_order, settings, fmt, calib, calib_field,
              calib_samples, calib_seqlen, seed, device, dtype, overwrite, as_json):
     """Quantize MODEL's linear weights and write an artifact to OUTPUT.
 
@@ -117,7 +118,7 @@ def quantize(model, output, recipe, algorithm, bits, group_size, symmetric, act_
         except yaml.YAMLError:
             raise click.BadParameter(f"cannot parse the value of {item!r}", param_hint="--set") from None
     opts = QuantizeOptions(
-        model=model, output=output, recipe=recipe, algorithm=algorithm, bits=bits, group_size=group_size,
+        model=model, output=output, recipe=tuple(recipes_), kv_scheme=kv_scheme, algorithm=algorithm, bits=bits, group_size=group_size,
         symmetric=symmetric, act_order=act_order, settings=tuple(parsed), format=fmt, calib=calib, calib_field=calib_field, calib_samples=calib_samples,
         calib_seqlen=calib_seqlen, seed=seed, device=_device(device), dtype=dtype, overwrite=overwrite,
     )
@@ -134,10 +135,15 @@ def quantize(model, output, recipe, algorithm, bits, group_size, symmetric, act_
 @click.option("--max-windows", type=click.IntRange(1, None), default=None, help="Evaluate only the first N windows (default: all).")
 @click.option("--max-ppl-increase", type=click.FloatRange(0, None), default=None, help="Gate: maximum perplexity increase in percent (default: the recipe's gates.max_ppl_increase_pct).")
 @click.option("--hashes-only", is_flag=True, help="Only recheck file and tensor digests against the manifest.")
+@click.option("--kv-scheme", type=click.Choice(["fp8", "int8", "int4", "int2"]), default=None, help="Evaluate with this KV-cache scheme (its defaults) instead of the artifact's; works on any artifact, static scales are calibrated on --kv-calib.")
+@click.option("--kv-budget-gib", type=click.FloatRange(0, None, min_open=True), default=16.0, show_default=True, help="KV-cache memory budget for the accounting line (max tokens, max batch per context).")
+@click.option("--kv-chunk", type=click.IntRange(1, None), default=128, show_default=True, help="With a quantized KV cache, tokens per prefill chunk (each chunk reads the cache after writing).")
+@click.option("--kv-calib", default="embedded", show_default=True, help="Calibration text for --kv-scheme static scales (fp8).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where perplexity is computed.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report to this file.")
-def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, device, as_json, json_out):
+def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, kv_scheme, kv_budget_gib,
+           kv_chunk, kv_calib, device, as_json, json_out):
     """Check ARTIFACT's integrity and quality against the original model.
 
     \b
@@ -145,6 +151,9 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
        missing or extra tensor or file; exit 1 on any difference);
     2. perplexity of the artifact and of the reference on the eval text (non-overlapping
        windows, no special tokens), and the gate on the relative increase (exit 1 if above).
+       With a KV-cache scheme (the artifact's, or --kv-scheme) it reports weights only,
+       KV only and both (the gate uses both), plus KV bytes per token and what
+       --kv-budget-gib holds for fp16 and for the scheme.
 
     \b
     Example:
@@ -157,7 +166,8 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
 
     opts = VerifyOptions(
         artifact=artifact, reference=reference, eval_text=eval_text, seqlen=seqlen, max_windows=max_windows,
-        max_ppl_increase=max_ppl_increase, hashes_only=hashes_only, device=_device(device),
+        max_ppl_increase=max_ppl_increase, hashes_only=hashes_only, device=_device(device), kv_scheme=kv_scheme,
+        kv_budget_gib=kv_budget_gib, kv_chunk=kv_chunk, kv_calib=kv_calib,
     )
     report = run_verify(opts, console=None if as_json else _console())
     if as_json:

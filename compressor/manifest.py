@@ -63,12 +63,13 @@ class Manifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     schema_version: Literal["kvq.manifest/1"] = SCHEMA_VERSION
-    format: Literal["compressed-tensors"] = "compressed-tensors"
+    format: Literal["compressed-tensors", "awq", "gptq"] = "compressed-tensors"
     tool: dict[str, Any]
     source: dict[str, Any]
     recipe: dict[str, Any]
     calibration: Optional[dict[str, Any]] = None
     quantization: dict[str, Any]
+    kv_cache: Optional[dict[str, Any]] = None
     quality: dict[str, Any] = Field(default_factory=dict)
     files: dict[str, FileRecord]
     tensors: dict[str, TensorRecord]

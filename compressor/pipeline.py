@@ -20,6 +20,7 @@ from .arch import ArchSpec, get_arch, get_module
 from .errors import InputError, QuantizationError
 from .quant.awq import search_clip, search_scales
 from .quant.gptq import HessianAccumulator, gptq_quantize
+from .quant.kv import cache_kwarg, kv_observer, observed_absmax, static_scales
 from .quant.primitives import dequantize
 from .quant.rtn import rtn_quantize
 from .recipe import Recipe, resolve_group_size
@@ -57,10 +58,14 @@ class QuantizeResult:
     damping, seconds).
     """
 
-    group_size: int
+    group_size: int | None
     modules: dict[str, QuantizedLinear] = field(default_factory=dict)
     layers: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    #: static KV-cache scales: layer index -> (k_scale, v_scale) in the storage dtype
+    kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: observed post-RoPE absmax per layer: (k [kv_heads], v [kv_heads])
+    kv_absmax: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def target_modules(model, recipe: Recipe, arch: ArchSpec) -> dict[str, torch.nn.Linear]:
@@ -127,8 +132,9 @@ def check_finite(model) -> None:
             raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to quantize")
 
 
-def _layer_forward(layer, h, pe, pos):
-    out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+def _layer_forward(layer, h, pe, pos, observer=None):
+    kw = {cache_kwarg(layer): observer, "use_cache": True} if observer is not None else {}
+    out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe, **kw)
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -196,29 +202,31 @@ def quantize_model(
     """
     t0 = time.perf_counter()
     arch = get_arch(model.config.model_type)
-    targets = target_modules(model, recipe, arch)
-    if not targets:
+    kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
+    quantize_weights = recipe.algorithm != "none"
+    if not quantize_weights and kv is None:
+        raise InputError("the recipe quantizes nothing: algorithm none and no kv_cache scheme")
+    targets = target_modules(model, recipe, arch) if quantize_weights else {}
+    if quantize_weights and not targets:
         raise InputError("the recipe's targets/ignore lists exclude every linear module; nothing to quantize")
     schemes = resolve_schemes(recipe, targets, arch)
     base = [s for n, s in schemes.items() if not recipe.overrides or recipe.scheme_for(n) == recipe.weights]
-    gs = base[0][1] if base else next(iter(schemes.values()))[1]
+    gs = (base[0][1] if base else next(iter(schemes.values()))[1]) if schemes else None
     check_finite(model)
-    if recipe.algorithm in ("awq", "gptq") and calib_ids is None:
-        raise InputError(f"{recipe.algorithm.upper()} needs calibration data (--calib)")
+    observe_kv = kv is not None and kv.static
+    if (recipe.algorithm in ("awq", "gptq") or observe_kv) and calib_ids is None:
+        what = recipe.algorithm.upper() if recipe.algorithm in ("awq", "gptq") else f"static KV-cache scales ({kv.describe()})"
+        raise InputError(f"{what} needs calibration data (--calib)")
     result = QuantizeResult(group_size=gs)
     quantizer = _Quantizer(schemes, dtype)
     layers = get_module(model, arch.layers)
     n_layers = len(layers)
+    observer = kv_observer(n_layers) if observe_kv else None
 
-    if recipe.algorithm == "rtn":
+    if recipe.algorithm in ("rtn", "none") and not observe_kv:
         for i, layer in enumerate(layers):
             t1 = time.perf_counter()
-            errs = []
-            for rel in arch.linears:
-                name = f"{arch.layers}.{i}.{rel}"
-                if name in targets:
-                    result.modules[name], e = quantizer.quantize_linear(name, targets[name])
-                    errs.append(e)
+            errs = _rtn_layer(i, arch, targets, quantizer, result)
             fig = _figures(i, schemes, f"{arch.layers}.{i}.", errs, None, time.perf_counter() - t1)
             result.layers.append(fig)
             if on_layer:
@@ -226,7 +234,7 @@ def quantize_model(
         result.seconds = time.perf_counter() - t0
         return result
 
-    # ---- AWQ / GPTQ: sequential pass over calibration activations ----
+    # ---- sequential pass over calibration activations (AWQ / GPTQ, or RTN/none + KV observers) ----
     embed = get_module(model, arch.embed_tokens)
     rotary = get_module(model, arch.rotary_emb).to(device)
     seqlen = calib_ids.shape[1]
@@ -234,19 +242,42 @@ def quantize_model(
     hidden = [embed(b).float().to(device) for b in calib_ids.split(batch_size)]
     pe = rotary(hidden[0][:1], pos)
     loss_n = min(recipe.awq.loss_samples, calib_ids.shape[0])
-    layer_fn = _awq_layer if recipe.algorithm == "awq" else _gptq_layer
+    layer_fn = {"awq": _awq_layer, "gptq": _gptq_layer}.get(recipe.algorithm, _plain_layer)
     for i, layer in enumerate(layers):
         t1 = time.perf_counter()
         layer.to(device)
-        hidden, fig = layer_fn(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss_n, result)
+        hidden, fig = layer_fn(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss_n, result, observer)
         layer.to("cpu")
         fig["seconds"] = round(time.perf_counter() - t1, 3)
         result.layers.append(fig)
         if on_layer:
             on_layer(i, n_layers, fig)
     rotary.to("cpu")
+    if observer is not None:
+        result.kv_absmax = observed_absmax(observer)
+        for i, (k, v) in result.kv_absmax.items():
+            if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+                raise QuantizationError(f"KV-cache statistics of layer {i} are not finite; nothing was written")
+            result.kv_scales[i] = (static_scales(k, kv).to(dtype), static_scales(v, kv).to(dtype))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _rtn_layer(i, arch, targets, quantizer, result) -> list[float]:
+    errs = []
+    for rel in arch.linears:
+        name = f"{arch.layers}.{i}.{rel}"
+        if name in targets:
+            result.modules[name], e = quantizer.quantize_linear(name, targets[name])
+            errs.append(e)
+    return errs
+
+
+def _plain_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss_n, result, observer):
+    """RTN (or no weight quantization) inside the sequential pass, so KV observers see the quantized layer."""
+    errs = _rtn_layer(i, arch, targets, quantizer, result)
+    new_hidden = _recompute(i, layer, hidden, pe, pos, observer)
+    return new_hidden, _figures(i, quantizer.schemes, f"{arch.layers}.{i}.", errs, None, 0.0)
 
 
 def _figures(i, schemes, prefix, errs, out_err, seconds, **extra):
@@ -265,8 +296,9 @@ def _figures(i, schemes, prefix, errs, out_err, seconds, **extra):
     }
 
 
-def _recompute(i, layer, hidden, pe, pos):
-    new_hidden = [_layer_forward(layer, h, pe, pos) for h in hidden]
+def _recompute(i, layer, hidden, pe, pos, observer=None):
+    """The layer's outputs with its quantized weights (the next layer's inputs); KV statistics on the way."""
+    new_hidden = [_layer_forward(layer, h, pe, pos, observer) for h in hidden]
     for j, h in enumerate(new_hidden):
         if not torch.isfinite(h).all():
             raise QuantizationError(f"decoder layer {i} produced NaN/Inf after quantization (batch {j}); nothing was written")
@@ -281,7 +313,7 @@ class _StopForward(Exception):
     """Raised by a hook once the inputs it needs are captured (skips the rest of the layer)."""
 
 
-def _gptq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss_n, result):
+def _gptq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss_n, result, observer=None):
     """GPTQ for one decoder layer: Hessians per stage (true-sequential) or all at once, then quantize."""
     opts = recipe.gptq
     prefix = f"{arch.layers}.{i}."
@@ -343,7 +375,7 @@ def _gptq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, los
         quant_t += time.perf_counter() - t_q
     phases["hessian"], phases["gptq"] = hess_t, quant_t
     tp = time.perf_counter()
-    new_hidden = _recompute(i, layer, hidden, pe, pos)
+    new_hidden = _recompute(i, layer, hidden, pe, pos, observer)
     out_err = _out_error(new_hidden[0][:n_ref], float_out)
     phases["recompute"] = time.perf_counter() - tp
     fig = _figures(i, quantizer.schemes, prefix, errs, out_err, 0.0,
@@ -352,7 +384,7 @@ def _gptq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, los
     return new_hidden, fig
 
 
-def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss_n, result):
+def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss_n, result, observer=None):
     opts = recipe.awq
     prefix = f"{arch.layers}.{i}."
     linears = {rel: get_module(layer, rel) for rel in arch.linears}
@@ -459,7 +491,7 @@ def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss
 
     # 4. recompute this layer's outputs with the quantized weights -> next layer's inputs
     phases["clip_and_quantize"], tp = time.perf_counter() - tp, time.perf_counter()
-    new_hidden = _recompute(i, layer, hidden, pe, pos)
+    new_hidden = _recompute(i, layer, hidden, pe, pos, observer)
     out_err = _out_error(torch.cat(new_hidden)[:loss_n], torch.cat(float_out))
     phases["recompute"] = time.perf_counter() - tp
     fig = _figures(i, quantizer.schemes, prefix, errs, out_err, 0.0, awq_ratios=ratios)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InputError
 
@@ -95,6 +95,35 @@ class Override(_Strict):
         return _check_patterns(v)
 
 
+class KVCacheOptions(_Strict):
+    """KV-cache scheme (see :mod:`compressor.quant.kv`): ``fp8`` (strategy ``tensor`` or
+    ``head``, static scales), ``int8`` (``token``: dynamic asymmetric per token; ``head``:
+    static per head), ``int4``/``int2`` (``kivi``: keys per channel in groups of
+    ``group_size`` tokens, values per token, ``residual_length`` recent tokens in full precision)."""
+
+    scheme: Literal["fp8", "int8", "int4", "int2"]
+    strategy: Optional[Literal["tensor", "head", "token", "kivi"]] = None
+    group_size: int = Field(32, ge=1)
+    residual_length: int = Field(128, ge=0)
+
+    @model_validator(mode="after")
+    def _valid(self):
+        from .quant.kv import make_spec
+
+        try:
+            spec = make_spec(self.scheme, self.strategy, self.group_size, self.residual_length)
+        except InputError as e:
+            raise ValueError(str(e)) from None
+        self.strategy = spec.strategy
+        return self
+
+    def spec(self):
+        """The resolved :class:`compressor.quant.kv.KVSpec`."""
+        from .quant.kv import make_spec
+
+        return make_spec(self.scheme, self.strategy, self.group_size, self.residual_length)
+
+
 class Gates(_Strict):
     """Verification thresholds used by ``kvq verify`` when no flag overrides them."""
 
@@ -106,27 +135,20 @@ class Recipe(_Strict):
 
     name: str = "custom"
     description: str = ""
-    algorithm: Literal["rtn", "awq", "gptq"] = "awq"
+    algorithm: Literal["rtn", "awq", "gptq", "none"] = "awq"
     weights: WeightScheme = WeightScheme()
     targets: list[str] = Field(default_factory=lambda: ["re:.*"], description="decoder linears to quantize: names or 're:' regexes")
     ignore: list[str] = Field(default_factory=list, description="module names or 're:' regexes left in float")
     overrides: list[Override] = Field(default_factory=list, description="per-module weight schemes (mixed precision)")
     awq: AWQOptions = AWQOptions()
     gptq: GPTQOptions = GPTQOptions()
-    kv_cache: Optional[dict] = Field(None, description="KV-cache scheme (not implemented yet: must be null)")
+    kv_cache: Optional[KVCacheOptions] = Field(None, description="KV-cache scheme; null keeps the cache in float")
     gates: Gates = Gates()
 
     @field_validator("targets", "ignore")
     @classmethod
     def _regexes(cls, v):
         return _check_patterns(v)
-
-    @field_validator("kv_cache")
-    @classmethod
-    def _kv(cls, v):
-        if v is not None:
-            raise ValueError("KV-cache quantization is not available in this version; leave kv_cache null")
-        return v
 
     def is_ignored(self, module_name: str) -> bool:
         """True when ``module_name`` is not quantized: it matches ``ignore`` or no entry of ``targets``."""
@@ -178,17 +200,11 @@ def _format_validation(err: ValidationError, where: str) -> str:
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
+    msg = msg.removeprefix("Value error, ")
     return f"{where}: {loc}: {msg}"
 
 
-def load_recipe(name_or_path: str | None) -> Recipe:
-    """Load a bundled recipe by name or a YAML file by path (``None``: the default AWQ W4 recipe).
-
-    Raises:
-        InputError: unknown name, unreadable file, bad YAML, unknown keys or bad values.
-    """
-    if name_or_path is None:
-        name_or_path = "w4a16-awq"
+def _read_recipe(name_or_path: str) -> tuple[dict, Path]:
     path = Path(name_or_path)
     bundled = bundled_recipes()
     if not path.exists():
@@ -204,6 +220,54 @@ def load_recipe(name_or_path: str | None) -> Recipe:
         raise InputError(f"cannot read recipe {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise InputError(f"recipe {path} must be a YAML mapping")
+    return data, path
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_recipes(names: list[str] | tuple[str, ...]) -> Recipe:
+    """Combine several recipes: later ones add to or override earlier ones (mappings merge
+    key by key, lists and scalars are replaced). When no recipe sets ``algorithm`` or
+    ``weights`` (e.g. only ``kv-fp8``), the weights stay in float (``algorithm: none``).
+
+    Raises:
+        InputError: as :func:`load_recipe`, naming the file with the bad key.
+    """
+    if not names:
+        return load_recipe(None)
+    merged: dict = {}
+    stems = []
+    for n in names:
+        data, path = _read_recipe(n)
+        parse_recipe({**data, "name": data.get("name", path.stem)}, str(path))  # each file valid on its own
+        data.pop("name", None)
+        data.pop("description", None)
+        if isinstance(data.get("kv_cache"), dict) and "scheme" in data["kv_cache"]:
+            merged.pop("kv_cache", None)  # a new KV scheme replaces the previous one whole
+        merged = _deep_merge(merged, data)
+        stems.append(path.stem)
+    if "algorithm" not in merged and "weights" not in merged:
+        merged["algorithm"] = "none"
+    merged["name"] = "+".join(stems)
+    descs = [(_read_recipe(n)[0].get("description") or "") for n in names]
+    merged["description"] = "; ".join(d for d in descs if d)
+    return parse_recipe(merged, " + ".join(str(n) for n in names))
+
+
+def load_recipe(name_or_path: str | None) -> Recipe:
+    """Load a bundled recipe by name or a YAML file by path (``None``: the default AWQ W4 recipe).
+
+    Raises:
+        InputError: unknown name, unreadable file, bad YAML, unknown keys or bad values.
+    """
+    if name_or_path is None:
+        name_or_path = "w4a16-awq"
+    data, path = _read_recipe(name_or_path)
     data.setdefault("name", path.stem)
     return parse_recipe(data, str(path))
 
@@ -229,6 +293,8 @@ def with_overrides(recipe: Recipe, **overrides) -> Recipe:
         node = data
         parts = key.split(".")
         for p in parts[:-1]:
+            if p in node and node[p] is None:
+                raise InputError(f"command-line options: {key}: the recipe has no {p} section (null); set it first (e.g. --kv-scheme)")
             if not isinstance(node.get(p), dict):
                 raise InputError(f"command-line options: {key}: unknown recipe key")
             node = node[p]

@@ -139,7 +139,7 @@ def test_refused_before_any_work(tmp_path, capsys, argv, pattern):
     ("gptq: {damp: -0.1}\n", "gptq.damp"),
     ("overrides:\n  - targets: ['re:(']\n    weights: {num_bits: 8}\n", "bad regex"),
     ("overrides:\n  - targets: ['re:.*down_proj']\n    weights: {bits: 8}\n", "overrides.0.weights.bits: unknown key"),
-    ("kv_cache: {scheme: fp8}\n", "kv_cache"),
+    ("kv_cache: {scheme: fp8, strategy: token}\n", "kv_cache: KV-cache scheme fp8 has strategies"),
     ("- just\n- a list\n", "must be a YAML mapping"),
 ])
 def test_recipe_validation_errors_exit_2(tmp_path, capsys, yaml_text, pattern):

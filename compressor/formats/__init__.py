@@ -48,6 +48,13 @@ def check_format(fmt: str, recipe, dtype_name: str) -> None:
     if fmt not in FORMATS:
         raise InputError(f"unknown format '{fmt}'; choose one of {', '.join(FORMATS)}")
     schemes = _recipe_schemes(recipe)
+    if fmt != "compressed-tensors" and recipe.algorithm == "none":
+        raise InputError(f"--format {fmt} stores quantized weights; a KV-only recipe (algorithm none) needs --format compressed-tensors")
+    if fmt != "compressed-tensors" and recipe.kv_cache is not None and recipe.kv_cache.spec().static:
+        raise InputError(
+            f"--format {fmt} has no field for static KV-cache scales ({recipe.kv_cache.spec().describe()}); "
+            "use --format compressed-tensors (kv_cache_scheme + k_scale/v_scale, read by vLLM)"
+        )
     if fmt == "compressed-tensors":
         if dynamic_act_order(recipe):
             raise InputError(
@@ -110,8 +117,8 @@ def pack_modules(modules: dict, fmt: str, dtype: torch.dtype) -> dict[str, dict[
     return out
 
 
-def format_config(fmt: str, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict:
-    """``config.json["quantization_config"]`` for ``fmt``.
+def format_config(fmt: str, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict | None:
+    """``config.json["quantization_config"]`` for ``fmt`` (``None``: the artifact needs none).
 
     Args:
         schemes: quantized module name -> ``(num_bits, group_size, symmetric)``.
@@ -119,10 +126,14 @@ def format_config(fmt: str, recipe, schemes: dict[str, tuple[int, int, bool]], i
         versions: ``{"compressed-tensors": ..., "kvq": ...}``.
     """
     if fmt == "compressed-tensors":
-        from .compressed_tensors import quantization_config
+        from .compressed_tensors import kv_cache_scheme, quantization_config
 
+        kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
+        kv_cfg = kv_cache_scheme(kv) if kv is not None else None
+        if not schemes and kv_cfg is None:
+            return None  # nothing compressed-tensors can describe (KV scheme lives in the manifest)
         actorder = "weight" if recipe.algorithm == "gptq" and recipe.gptq.act_order else None
-        return quantization_config(schemes, ["lm_head"] + ignored, versions["compressed-tensors"], actorder)
+        return quantization_config(schemes, ["lm_head"] + ignored, versions["compressed-tensors"], actorder, kv_cfg)
     bits, gs, sym = next(iter(schemes.values()))
     if fmt == "awq":
         from .awq import awq_quantization_config

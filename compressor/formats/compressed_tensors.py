@@ -129,6 +129,7 @@ def quantization_config(
     ignore: list[str],
     ct_version: str,
     actorder: str | None = None,
+    kv_cache: dict | None = None,
 ) -> dict:
     """``config.json["quantization_config"]`` for integer weight-only schemes.
 
@@ -137,6 +138,7 @@ def quantization_config(
         ignore: module names left in float (``lm_head`` and ignored linears).
         actorder: ``"weight"`` when GPTQ act-order with static groups was used (the
             only act-order compressed-tensors 0.20 stores; ``"group"`` was removed).
+        kv_cache: ``kv_cache_scheme`` (see :func:`kv_cache_scheme`) or None.
 
     Keys follow compressed-tensors' ``QuantizationConfig`` as saved by llm-compressor
     (see the shared FORMATS.md, section 2a). ``group_size=-1`` is written as
@@ -160,16 +162,51 @@ def quantization_config(
         }
     return {
         "config_groups": groups,
-        "format": "pack-quantized",
+        "format": "pack-quantized" if groups else "dense",
         "global_compression_ratio": None,
         "ignore": sorted(ignore),
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
         "sparsity_config": {},
         "transform_config": {},
         "version": ct_version,
     }
+
+
+def kv_cache_scheme(spec) -> dict | None:
+    """compressed-tensors ``kv_cache_scheme`` for a static KV spec, ``None`` for the others.
+
+    fp8 per tensor / per head and int8 static per head map to ``strategy: tensor`` /
+    ``attn_head`` (FORMATS.md 2a; vLLM's validator accepts those strategies, symmetric
+    only). Dynamic per-token int8 and KIVI have no field in compressed-tensors: the
+    manifest records them.
+    """
+    if spec is None or not spec.static:
+        return None
+    return {
+        "num_bits": 8,
+        "type": "float" if spec.scheme == "fp8" else "int",
+        "strategy": "tensor" if spec.strategy == "tensor" else "attn_head",
+        "dynamic": False,
+        "symmetric": True,
+        "group_size": None,
+        "block_structure": None,
+        "actorder": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
+
+
+def kv_scale_tensors(scales: dict[int, tuple[torch.Tensor, torch.Tensor]], layers_path: str, attention: str, strategy: str) -> dict[str, torch.Tensor]:
+    """Stored ``<layers>.<i>.<attention>.k_scale`` / ``v_scale`` tensors: shape ``[1]`` per
+    tensor, ``[kv_heads, 1, 1]`` per head (compressed-tensors ``initialize_attn_qparams``)."""
+    out = {}
+    for i, (k, v) in scales.items():
+        for name, t in (("k_scale", k), ("v_scale", v)):
+            t = t.reshape(1) if strategy == "tensor" else t.reshape(-1, 1, 1)
+            out[f"{layers_path}.{i}.{attention}.{name}"] = t.contiguous()
+    return out
 
 
 def module_scheme(qc: dict, module: str) -> dict:

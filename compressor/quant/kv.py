@@ -1,0 +1,400 @@
+"""KV-cache quantization: schemes, calibration observers, a quantized transformers cache.
+
+Keys and values are ``[batch, kv_heads, tokens, head_dim]`` tensors, keys **after RoPE**
+(what a runtime stores). Schemes:
+
+==========  ============  ===========================================================
+scheme      strategy      what is stored per layer
+==========  ============  ===========================================================
+``fp8``     ``tensor``    float8 e4m3 codes, one static ``k_scale`` / ``v_scale``
+            ``head``      float8 e4m3 codes, static scales ``[kv_heads]``
+``int8``    ``token``     int8 codes, dynamic asymmetric scale + zero point per
+                          (head, token) (computed on write, no calibration)
+            ``head``      int8 codes, static symmetric scales ``[kv_heads]``
+``int4``    ``kivi``      KIVI (Liu et al., 2024, arXiv:2402.02750): keys per channel in
+``int2``                  groups of ``group_size`` tokens, values per token in groups of
+                          ``group_size`` channels, both asymmetric; the most recent
+                          tokens (between ``residual_length - group_size + 1`` and
+                          ``residual_length``) stay in full precision
+==========  ============  ===========================================================
+
+Static scales follow the compressed-tensors / vLLM convention ``stored = Q(x / scale)``,
+``x ≈ stored * scale`` (FORMATS.md 2a): fp8 ``scale = absmax / 448``, int8
+``scale = absmax / 127``, from absmax statistics collected by :class:`KVObserver` during
+the sequential calibration pass.
+
+Pre-RoPE key quantization (KVQuant, Hooper et al., 2024) would quantize keys before the
+rotation, where per-channel outlier structure is cleaner, and apply RoPE after
+dequantization; kvq quantizes what the runtime stores, post-RoPE, so the scales are the
+ones vLLM's fp8 cache uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCHEMES = ("fp8", "int8", "int4", "int2")
+DEFAULT_STRATEGY = {"fp8": "tensor", "int8": "token", "int4": "kivi", "int2": "kivi"}
+VALID_STRATEGIES = {"fp8": ("tensor", "head"), "int8": ("token", "head"), "int4": ("kivi",), "int2": ("kivi",)}
+BITS = {"fp8": 8, "int8": 8, "int4": 4, "int2": 2}
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """A resolved KV-cache scheme (see the module table). ``group_size``/``residual_length`` apply to KIVI."""
+
+    scheme: str
+    strategy: str
+    group_size: int = 32
+    residual_length: int = 128
+
+    @property
+    def bits(self) -> int:
+        return BITS[self.scheme]
+
+    @property
+    def static(self) -> bool:
+        """True when calibrated scales are stored in the artifact."""
+        return self.scheme == "fp8" or self.strategy == "head"
+
+    def describe(self) -> str:
+        extra = f", group {self.group_size}, residual {self.residual_length}" if self.strategy == "kivi" else ""
+        return f"{self.scheme} ({self.strategy}{extra})"
+
+
+def make_spec(scheme: str, strategy: str | None = None, group_size: int = 32, residual_length: int = 128) -> KVSpec:
+    """Validate and complete a scheme.
+
+    Raises:
+        InputError: unknown scheme, a strategy the scheme does not have, or KIVI sizes
+            that do not fit (``group_size`` >= 1, ``residual_length`` a multiple of it).
+    """
+    if scheme not in SCHEMES:
+        raise InputError(f"unknown KV-cache scheme '{scheme}'; choose one of {', '.join(SCHEMES)}")
+    strategy = strategy or DEFAULT_STRATEGY[scheme]
+    if strategy not in VALID_STRATEGIES[scheme]:
+        raise InputError(f"KV-cache scheme {scheme} has strategies {', '.join(VALID_STRATEGIES[scheme])}, not '{strategy}'")
+    if strategy == "kivi":
+        if group_size < 1 or residual_length < 0 or residual_length % group_size:
+            raise InputError(f"KIVI needs group_size >= 1 and residual_length a multiple of it (got {group_size}, {residual_length})")
+    return KVSpec(scheme, strategy, int(group_size), int(residual_length))
+
+
+# ---------------------------------------------------------------------------------------
+# tensor-level quantizers (pure functions)
+
+
+def _bshape(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Broadcast a static scale (``[]``, ``[1]`` or ``[kv_heads]``) against ``[B, H, T, D]``."""
+    s = scale.float().to(x.device)
+    return s.reshape(1, -1, 1, 1) if s.numel() > 1 else s.reshape(1, 1, 1, 1)
+
+
+@torch.no_grad()
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3 codes of ``x / scale`` (saturated at ±448); ``x`` ``[B, H, T, D]``."""
+    return (x.float() / _bshape(scale, x)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+@torch.no_grad()
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return (codes.float() * _bshape(scale, codes)).to(dtype)
+
+
+@torch.no_grad()
+def quantize_int_static(x: torch.Tensor, scale: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
+    """Symmetric int codes (int8 tensor) of ``x / scale`` with a static per-head scale."""
+    qmax = (1 << (num_bits - 1)) - 1
+    return torch.round(x.float() / _bshape(scale, x)).clamp_(-qmax - 1, qmax).to(torch.int8)
+
+
+@torch.no_grad()
+def dequantize_int_static(codes: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return (codes.float() * _bshape(scale, codes)).to(dtype)
+
+
+@torch.no_grad()
+def quantize_asym(x: torch.Tensor, num_bits: int, dim: int, group_size: int | None = None):
+    """Asymmetric min-max quantization of ``x`` along ``dim`` in groups of ``group_size`` (None: whole dim).
+
+    Returns ``(codes uint8 same shape as x, scale float32, zero float32)`` where ``scale``/``zero``
+    have ``dim`` replaced by the number of groups (``x ≈ (codes - zero) * scale``).
+    """
+    n = x.shape[dim]
+    g = n if group_size is None or group_size >= n else group_size
+    if n % g:
+        g = n
+    xm = x.float().movedim(dim, -1)
+    shp = xm.shape
+    xg = xm.reshape(*shp[:-1], n // g, g)
+    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+    qmax = (1 << num_bits) - 1
+    scale = ((hi - lo) / qmax).clamp(min=1e-8)
+    zero = torch.round(-lo / scale)
+    codes = torch.clamp(torch.round(xg / scale) + zero, 0, qmax).to(torch.uint8)
+    codes = codes.reshape(shp).movedim(-1, dim)
+    return codes, scale.squeeze(-1).movedim(-1, dim), zero.squeeze(-1).movedim(-1, dim)
+
+
+@torch.no_grad()
+def dequantize_asym(codes, scale, zero, dim: int, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_asym`."""
+    n = codes.shape[dim]
+    n_groups = scale.shape[dim]
+    cm = codes.float().movedim(dim, -1)
+    shp = cm.shape
+    cg = cm.reshape(*shp[:-1], n_groups, n // n_groups)
+    x = (cg - zero.movedim(dim, -1).unsqueeze(-1)) * scale.movedim(dim, -1).unsqueeze(-1)
+    return x.reshape(shp).movedim(-1, dim).to(dtype)
+
+
+@torch.no_grad()
+def fake_quantize_kv(x: torch.Tensor, spec: KVSpec, kind: str, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize then dequantize a whole ``[B, H, T, D]`` key (``kind='k'``) or value tensor.
+
+    KIVI here quantizes every complete token group (no residual window: the cache class
+    handles recency); used by tests and error-bound checks.
+
+    Raises:
+        InputError: a static scheme without ``scale``.
+    """
+    if spec.static and scale is None:
+        raise InputError(f"KV scheme {spec.describe()} needs calibrated scales")
+    if spec.scheme == "fp8":
+        return dequantize_fp8(quantize_fp8(x, scale), scale, x.dtype)
+    if spec.strategy == "head":
+        return dequantize_int_static(quantize_int_static(x, scale), scale, x.dtype)
+    if spec.strategy == "token":
+        c, s, z = quantize_asym(x, 8, dim=-1)
+        return dequantize_asym(c, s, z, dim=-1, dtype=x.dtype)
+    # KIVI
+    if kind == "k":
+        T = x.shape[-2] - x.shape[-2] % spec.group_size
+        if T == 0:
+            return x
+        c, s, z = quantize_asym(x[..., :T, :], spec.bits, dim=-2, group_size=spec.group_size)
+        return torch.cat([dequantize_asym(c, s, z, dim=-2, dtype=x.dtype), x[..., T:, :]], dim=-2)
+    c, s, z = quantize_asym(x, spec.bits, dim=-1, group_size=spec.group_size)
+    return dequantize_asym(c, s, z, dim=-1, dtype=x.dtype)
+
+
+def static_scales(absmax: torch.Tensor, spec: KVSpec) -> torch.Tensor:
+    """Scale from observed absmax (``[kv_heads]`` per head, reduced to ``[1]`` for ``tensor``)."""
+    a = absmax.float().clamp(min=1e-6)
+    if spec.strategy == "tensor":
+        a = a.max().reshape(1)
+    return a / (FP8_MAX if spec.scheme == "fp8" else 127.0)
+
+
+# ---------------------------------------------------------------------------------------
+# observers and the quantized cache (transformers Cache API, layers of CacheLayerMixin)
+
+
+def cache_kwarg(module) -> str:
+    """Name of the cache argument of ``module.forward``: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def _layer_base():
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer
+
+
+def kv_observer(n_layers: int):
+    """A transformers ``Cache`` for calibration: each layer records the per-head absmax of
+    the post-RoPE keys and values it is given, stores nothing and returns them unchanged.
+
+    Pass it as ``past_key_values`` (with ``use_cache=True``) to the model or to a decoder
+    layer; :func:`observed_absmax` reads ``layer -> (k [kv_heads], v [kv_heads])``.
+    """
+    from transformers.cache_utils import Cache
+
+    base = _layer_base()
+
+    class ObserverLayer(base):
+        def __init__(self):
+            super().__init__()
+            self.k_absmax = self.v_absmax = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            k = key_states.detach().abs().float().amax(dim=(0, 2, 3)).cpu()
+            v = value_states.detach().abs().float().amax(dim=(0, 2, 3)).cpu()
+            self.k_absmax = k if self.k_absmax is None else torch.maximum(self.k_absmax, k)
+            self.v_absmax = v if self.v_absmax is None else torch.maximum(self.v_absmax, v)
+            return key_states, value_states
+
+        def get_seq_length(self) -> int:
+            return 0
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return query_length, 0
+
+    return Cache(layers=[ObserverLayer() for _ in range(n_layers)])
+
+
+def observed_absmax(observer) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``layer -> (k_absmax [kv_heads], v_absmax [kv_heads])`` from a :func:`kv_observer`."""
+    return {i: (l.k_absmax, l.v_absmax) for i, l in enumerate(observer.layers) if l.k_absmax is not None}
+
+
+def make_quantized_layer_class():
+    """Build the cache-layer class lazily (transformers is imported only when needed)."""
+    base = _layer_base()
+
+    class KVQuantizedLayer(base):
+        """One layer of :func:`quantized_cache`: quantizes on write, dequantizes on read.
+
+        Per-token schemes quantize every written token. KIVI appends to a full-precision
+        residual and, whenever it holds more than ``residual_length`` tokens, moves its
+        oldest tokens, in whole groups of ``group_size``, into the quantized store, so
+        between ``residual_length - group_size + 1`` and ``residual_length`` recent tokens
+        stay in full precision.
+        """
+
+        is_croppable = False
+
+        def __init__(self, spec: KVSpec, k_scale=None, v_scale=None):
+            super().__init__()
+            self.spec, self.k_scale, self.v_scale = spec, k_scale, v_scale
+            self.qk: list = []  # quantized chunks (codes, scale, zero)
+            self.qv: list = []
+            self.n_quantized = 0
+            self.cumulative_length = 0
+
+        def lazy_initialization(self, key_states, value_states):
+            super().lazy_initialization(key_states, value_states)
+            self.dtype = key_states.dtype
+
+        def _write(self, k, v):
+            s = self.spec
+            if s.scheme == "fp8":
+                self.qk.append((quantize_fp8(k, self.k_scale),))
+                self.qv.append((quantize_fp8(v, self.v_scale),))
+            elif s.strategy == "head":
+                self.qk.append((quantize_int_static(k, self.k_scale),))
+                self.qv.append((quantize_int_static(v, self.v_scale),))
+            elif s.strategy == "token":
+                self.qk.append(quantize_asym(k, 8, dim=-1))
+                self.qv.append(quantize_asym(v, 8, dim=-1))
+            else:
+                self.qk.append(quantize_asym(k, s.bits, dim=-2, group_size=s.group_size))
+                self.qv.append(quantize_asym(v, s.bits, dim=-1, group_size=s.group_size))
+            self.n_quantized += k.shape[-2]
+
+        def _read_chunk(self, chunk, kind):
+            s = self.spec
+            scale = self.k_scale if kind == "k" else self.v_scale
+            if s.scheme == "fp8":
+                return dequantize_fp8(chunk[0], scale, self.dtype)
+            if s.strategy == "head":
+                return dequantize_int_static(chunk[0], scale, self.dtype)
+            dim = -2 if (s.strategy == "kivi" and kind == "k") else -1
+            return dequantize_asym(*chunk, dim=dim, dtype=self.dtype)
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.cumulative_length += key_states.shape[-2]
+            s = self.spec
+            if s.strategy != "kivi":
+                self._write(key_states, value_states)
+            else:
+                self.keys = torch.cat([self.keys, key_states], dim=-2) if self.keys.numel() else key_states
+                self.values = torch.cat([self.values, value_states], dim=-2) if self.values.numel() else value_states
+                extra = self.keys.shape[-2] - s.residual_length
+                if extra > 0:  # move whole token groups out until at most residual_length remain
+                    n = min(-(-extra // s.group_size) * s.group_size, self.keys.shape[-2])
+                    self._write(self.keys[..., :n, :], self.values[..., :n, :])
+                    self.keys, self.values = self.keys[..., n:, :], self.values[..., n:, :]
+            ks = [self._read_chunk(c, "k") for c in self.qk]
+            vs = [self._read_chunk(c, "v") for c in self.qv]
+            if s.strategy == "kivi" and self.keys.numel():
+                ks.append(self.keys)
+                vs.append(self.values)
+            return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+
+        def get_seq_length(self) -> int:
+            return self.cumulative_length
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.cumulative_length + query_length, 0
+
+        def reset(self) -> None:
+            self.qk, self.qv, self.n_quantized, self.cumulative_length = [], [], 0, 0
+            self.keys = self.values = None
+            self.is_initialized = False
+
+    return KVQuantizedLayer
+
+
+def quantized_cache(spec: KVSpec, n_layers: int, scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+    """A transformers ``Cache`` whose layers quantize K/V with ``spec``.
+
+    Args:
+        scales: layer index -> ``(k_scale, v_scale)`` for static schemes.
+
+    Raises:
+        InputError: a static scheme without scales for some layer.
+    """
+    from transformers.cache_utils import Cache
+
+    if spec.static and (scales is None or any(i not in scales for i in range(n_layers))):
+        raise InputError(f"KV scheme {spec.describe()} needs calibrated k_scale/v_scale for every layer")
+    cls = make_quantized_layer_class()
+    layers = [cls(spec, *(scales[i] if spec.static else (None, None))) for i in range(n_layers)]
+    return Cache(layers=layers)
+
+
+# ---------------------------------------------------------------------------------------
+# memory accounting
+
+
+def kv_bytes_per_token(spec: KVSpec | None, n_layers: int, kv_heads: int, head_dim: int, fp_bytes: int = 2) -> float:
+    """Average KV-cache bytes per token over all layers (keys + values), scale overhead included.
+
+    ``spec=None`` is the unquantized cache in ``fp_bytes`` (2: fp16/bf16). Static scales
+    are per layer (negligible, not counted); per-token int8 adds an fp16 scale and zero
+    point per (head, token); KIVI adds, per head, fp16 scale + zero for every
+    ``group_size`` tokens of each key channel and for every ``group_size`` channels of
+    each value token. The full-precision residual window is a per-sequence constant, see
+    :func:`kv_budget`.
+    """
+    elems = 2 * n_layers * kv_heads * head_dim
+    if spec is None:
+        return float(elems * fp_bytes)
+    data = elems * spec.bits / 8
+    if spec.strategy == "token":
+        data += 2 * n_layers * kv_heads * 2 * 2  # K and V: scale + zero point (fp16) per head and token
+    elif spec.strategy == "kivi":
+        g = spec.group_size
+        key_meta = head_dim / g * 2 * 2  # per token: (scale + zero) fp16 per channel, shared by g tokens
+        val_meta = max(1, head_dim // g) * 2 * 2  # per token: (scale + zero) per channel group
+        data += n_layers * kv_heads * (key_meta + val_meta)
+    return float(data)
+
+
+def kv_budget(spec: KVSpec | None, n_layers: int, kv_heads: int, head_dim: int, budget_gib: float,
+              contexts: tuple[int, ...] = (2048, 8192, 32768)) -> dict:
+    """How many tokens (context × batch) a KV budget holds, and the batch at a few context lengths.
+
+    Returns ``{"bytes_per_token", "max_tokens", "max_batch": {context: batch}}``; for KIVI
+    each sequence also keeps up to ``residual_length`` tokens in fp16.
+    """
+    per_tok = kv_bytes_per_token(spec, n_layers, kv_heads, head_dim)
+    fp_tok = kv_bytes_per_token(None, n_layers, kv_heads, head_dim)
+    budget = budget_gib * 2**30
+    residual = spec.residual_length if spec is not None and spec.strategy == "kivi" else 0
+    max_batch = {}
+    for ctx in contexts:
+        r = min(residual, ctx)
+        per_seq = (ctx - r) * per_tok + r * fp_tok
+        max_batch[ctx] = int(budget // per_seq)
+    return {"bytes_per_token": per_tok, "max_tokens": int(budget // per_tok), "max_batch": max_batch}
