@@ -46,6 +46,7 @@ demo: install
 
 bench: install
 	$(BIN)/python bench/run_bench.py
+	$(BIN)/python bench/run_kv_bench.py
 
 clean:
 	rm -rf $(DEMO) build *.egg-info

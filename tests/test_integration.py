@@ -63,3 +63,24 @@ def test_real_model_quantize_verify(tmp_path, capsys):
     code, stdout, _ = _run(["verify", out, "--eval", ev, "--seqlen", "512", "--max-windows", "1",
                             "--max-ppl-increase", "0.001", "--json"], capsys)
     assert code == 1 and json.loads(stdout)["gates"][0]["passed"] is False
+
+
+def test_real_model_gptq_with_fp8_kv_cache(tmp_path, capsys):
+    """GPTQ W4 (act-order, static groups) + fp8 KV scales on the real model; verify separates weights / KV / both."""
+    calib, ev = _texts()
+    out = tmp_path / "smollm2-gptq-fp8"
+    code, stdout, err = _run(["quantize", "smollm2-135m", "--recipe", "w4a16-gptq", "--recipe", "kv-fp8", "-o", out,
+                              "--calib", calib, "--calib-samples", "8", "--calib-seqlen", "128", "--json"], capsys)
+    assert code == 0, err
+    q = json.loads(stdout)["quantization"]
+    assert (q["algorithm"], q["act_order"], q["static_groups"], q["modules"]) == ("gptq", True, True, 30 * 7)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"]["type"] == "float" and qc["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+    code, stdout, err = _run(["verify", out, "--eval", ev, "--seqlen", "512", "--max-windows", "1",
+                              "--max-ppl-increase", "40", "--json"], capsys)
+    rep = json.loads(stdout)
+    assert code == 0 and rep["passed"], err
+    b = rep["perplexity_breakdown"]
+    assert set(b) == {"reference", "weights only", "weights + KV", "KV only"}
+    assert abs(b["KV only"]["increase_pct"]) < 1.0, b  # fp8 KV alone is near-lossless
+    assert rep["kv_cache"]["bytes_per_token"] * 2 == rep["kv_cache"]["fp16_bytes_per_token"] == 23040
