@@ -107,7 +107,7 @@ def main():
         d = "" if q is None else f"{(p['ppl'] / fp_same - 1) * 100:+.2f} %"
         size = f"{q['summary']['artifact_bytes'] / 2**20:.1f}" if q else f"{q_float(rows):.1f} (float32)"
         print(f"| {label} | {n} | {p['ppl']:.3f} | {fp_same:.3f} | {d} | {q['wall_seconds'] if q else ''} | "
-              f"{q['peak_rss_mib'] if q else ''} | {size} |")
+              f"{q['summary']['peak_rss_mib'] if q else ''} | {size} |")
 
 
 def q_float(rows) -> float:

@@ -13,7 +13,7 @@ import torch
 
 from .artifact import DTYPES, check_hashes, check_output, load_artifact, read_kv_cache, tool_info, write_artifact
 from .calib import load_text, sample_windows, tokenize
-from .errors import InputError
+from .errors import CheckFailed, InputError
 from .evaluate import perplexity, windows
 from .formats import check_format, check_shapes, format_config, gptq_checkpoint_format, pack_modules
 from .manifest import load_manifest
@@ -97,6 +97,22 @@ def _layer_done(console, progress, task, i, n, fig) -> None:
                       + ("" if err is None else f", relative output error {err:.4f}"), highlight=False)
 
 
+def _ignored_flag_warnings(opts: QuantizeOptions, recipe) -> list[str]:
+    """Flags that the effective recipe makes meaningless (said aloud rather than silently dropped)."""
+    out = []
+    if recipe.algorithm == "none" and any(v is not None for v in (opts.bits, opts.group_size, opts.symmetric)):
+        out.append("--bits/--group-size/--symmetric have no effect: the recipe keeps weights in float (algorithm none)")
+    if opts.act_order is not None and recipe.algorithm != "gptq":
+        out.append(f"--act-order/--no-act-order has no effect with algorithm {recipe.algorithm} (GPTQ only)")
+    if recipe.algorithm != "none":
+        bits = {recipe.weights.num_bits} | {o.weights.num_bits for o in recipe.overrides if o.weights.num_bits}
+        odd = sorted(b for b in bits if b not in (4, 8))
+        if odd and opts.format == "compressed-tensors":
+            out.append(f"{'/'.join(map(str, odd))}-bit weights: vLLM's compressed-tensors WNA16 kernels serve 4 and 8 bits only; "
+                       "kvq verify and transformers read this artifact")
+    return out
+
+
 def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     """Quantize ``opts.model`` and write the artifact; returns the JSON summary.
 
@@ -109,15 +125,23 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     t0 = time.perf_counter()
     out = Path(opts.output)
     check_output(out, opts.overwrite)
-    recipe = with_overrides(
-        load_recipes((opts.recipe,) if isinstance(opts.recipe, str) else tuple(opts.recipe)),
-        kv_cache=None if opts.kv_scheme is None else KVCacheOptions(scheme=opts.kv_scheme).model_dump(),
-        algorithm=opts.algorithm,
-        **{"weights.num_bits": opts.bits, "weights.group_size": opts.group_size, "weights.symmetric": opts.symmetric,
-           "gptq.act_order": opts.act_order, **dict(opts.settings)},
-    )
+    # order: the --kv-scheme section first (so --set kv_cache.* can refine it), then --set,
+    # then the dedicated flags (an explicit flag wins over --set of the same key)
+    recipe = load_recipes((opts.recipe,) if isinstance(opts.recipe, str) else tuple(opts.recipe))
+    if opts.kv_scheme is not None:
+        recipe = with_overrides(recipe, kv_cache=KVCacheOptions(scheme=opts.kv_scheme).model_dump())
+    if opts.settings:
+        recipe = with_overrides(recipe, **dict(opts.settings))
+    recipe = with_overrides(recipe, **{
+        "algorithm": opts.algorithm, "weights.num_bits": opts.bits, "weights.group_size": opts.group_size,
+        "weights.symmetric": opts.symmetric, "gptq.act_order": opts.act_order,
+    })
+    warnings = _ignored_flag_warnings(opts, recipe)
     check_format(opts.format, recipe, opts.dtype)
     source = resolve_source(opts.model)
+    src = source.path.resolve()
+    if src == out.resolve() or out.resolve() in src.parents:
+        raise InputError(f"output folder {out} is (or contains) the source model {opts.model}; choose another -o")
     kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
     needs_calib = recipe.algorithm in ("awq", "gptq") or (kv is not None and kv.static)
     text = load_text(opts.calib, opts.calib_field, part="calib") if needs_calib else None
@@ -144,6 +168,10 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         )
     del calib_ids
     gc.collect()
+    warnings += result.warnings
+    if console:
+        for w in warnings:
+            console.print(f"[yellow]warning:[/] {w}", highlight=False)
     schemes = {n: r.scheme for n, r in result.modules.items()}
     quant = {
         "algorithm": recipe.algorithm,
@@ -196,6 +224,7 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     quality = {
         "layers": [{k: v for k, v in f.items() if k not in ("seconds", "phase_seconds")} for f in result.layers],
         "mean_rel_error": _mean([f["mean_rel_error"] for f in result.layers]),
+        "warnings": warnings,
     }
     timing = {"quantize_seconds": round(result.seconds, 2), "layer_seconds": [f["seconds"] for f in result.layers]}
     if result.layers and "phase_seconds" in result.layers[0]:
@@ -225,6 +254,7 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "peak_rss_mib": _peak_rss_mib(),
         "mean_rel_error": quality["mean_rel_error"],
+        "warnings": warnings,
         "content_digest": manifest.content_digest(),
     }
     if console:
@@ -274,10 +304,14 @@ def _kv_report(spec, source, ref_source, opts) -> dict:
     cfg = AutoConfig.from_pretrained(str(cfg_folder))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
-    q = kv_budget(spec, *shape, opts.kv_budget_gib)
-    fp = kv_budget(None, *shape, opts.kv_budget_gib)
+    max_pos = getattr(cfg, "max_position_embeddings", None) or 32768
+    contexts = tuple(sorted({c for c in (2048, 8192, 32768) if c <= max_pos} | {max_pos}))
+    q = kv_budget(spec, *shape, opts.kv_budget_gib, contexts)
+    fp = kv_budget(None, *shape, opts.kv_budget_gib, contexts)
     return {
         "scheme": spec.describe(), "source": source, "kv_chunk": opts.kv_chunk,
+        "calibration": ({"text": opts.kv_calib, "samples": opts.kv_calib_samples, "seqlen": 512, "seed": 0}
+                        if source == "--kv-scheme" and spec.static else None),
         "layers_kv_heads_head_dim": list(shape), "budget_gib": opts.kv_budget_gib,
         "bytes_per_token": q["bytes_per_token"], "fp16_bytes_per_token": fp["bytes_per_token"],
         "max_tokens": q["max_tokens"], "fp16_max_tokens": fp["max_tokens"],
@@ -316,6 +350,17 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     if not ref_spec:
         raise InputError("the manifest records no source model; pass --reference")
     ref_source = resolve_source(ref_spec)
+    recorded = manifest.source.get("files") or {}
+    ref_files = ref_source.fingerprint()["files"]
+    same = bool(recorded) and ref_files == recorded
+    report["reference_matches_source"] = same
+    report["warnings"] = []
+    if not same:
+        msg = (f"reference {ref_spec} is not the model that was quantized (its weight-file digests differ from the "
+               "manifest's source record)")
+        if opts.reference is None:  # the recorded source itself changed: the comparison would prove nothing
+            raise CheckFailed(msg + "; the source changed since quantization -- pass --reference to compare with another model")
+        report["warnings"].append(msg)
     text = load_text(opts.eval_text, part="eval")
     if console and text.note:
         console.print(f"[yellow]eval text:[/] {text.note}")
@@ -332,9 +377,16 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     if kv_info is not None and kv_info[0].static and kv_info[1] is None:
         # --kv-scheme with static scales on a model that has none: calibrate them now
         kv_info = (kv_info[0], _calibrate_kv(model, tokenizer, kv_info[0], opts, console))
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and opts.seqlen > max_pos:
+        report["warnings"].append(f"--seqlen {opts.seqlen} exceeds the model's max_position_embeddings {max_pos}")
     make_cache = None
     if kv_info is not None:
         spec, scales = kv_info
+        if spec.strategy == "kivi" and opts.seqlen <= spec.residual_length:
+            report["warnings"].append(
+                f"--seqlen {opts.seqlen} <= KIVI residual_length {spec.residual_length}: no token is ever quantized, "
+                "the KV figures measure nothing; use a longer --seqlen")
         make_cache = lambda: quantized_cache(spec, n_layers, scales)  # noqa: E731
     results: dict[str, dict] = {}
 
@@ -379,6 +431,8 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     if console:
         from rich.table import Table
 
+        for w in report["warnings"]:
+            console.print(f"[yellow]warning:[/] {w}", highlight=False)
         t = Table(title=f"kvq verify {folder}")
         for c in ("check", "value", "threshold", "result"):
             t.add_column(c)

@@ -38,8 +38,14 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise InputError(f"output folder {out} exists; choose another -o or pass --overwrite")
     if out.exists() and not out.is_dir():
         raise InputError(f"output path {out} exists and is not a folder")
-    if not out.resolve().parent.is_dir():
+    parent = out.resolve().parent
+    if not parent.is_dir():
         raise InputError(f"parent folder of {out} does not exist")
+    try:  # the artifact is written to a temporary folder beside the destination: prove we can
+        probe = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-probe-", dir=parent))
+        probe.rmdir()
+    except OSError as e:
+        raise InputError(f"cannot write into {parent}: {e.strerror}") from None
 
 
 def library_versions() -> dict[str, str]:

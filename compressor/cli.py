@@ -34,6 +34,15 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def _finite(ctx, param, value):
+    """click callback: refuse NaN/Inf for float options (they would poison gates and arithmetic)."""
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter("must be a finite number", param=param)
+    return value
+
+
 def _device(name: str) -> str:
     import torch
 
@@ -66,7 +75,7 @@ def cli():
 @click.option("--algorithm", type=click.Choice(["awq", "gptq", "rtn", "none"]), default=None, help="Override the recipe's algorithm (none: weights stay float, e.g. a KV-only artifact).")
 @click.option("--bits", type=click.IntRange(2, 8), default=None, help="Override weights.num_bits (2-8).")
 @click.option("--group-size", default=None, help="Override weights.group_size: 32, 64, 128, -1 (per channel) or auto.")
-@click.option("--symmetric/--asymmetric", default=None, help="Override weights.symmetric (default of the bundled recipes: asymmetric).")
+@click.option("--symmetric/--asymmetric", default=None, help="Override weights.symmetric (the bundled 4/3-bit recipes are asymmetric, w8a16-rtn symmetric).")
 @click.option("--act-order/--no-act-order", default=None, help="Override gptq.act_order (GPTQ: visit columns by descending Hessian diagonal).")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Override any recipe field by its dotted key, e.g. --set gptq.damp=0.02 (repeatable; VALUE is parsed as YAML).")
 @click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "awq", "gptq"]), default="compressed-tensors", show_default=True, help="On-disk layout: compressed-tensors (vLLM/transformers), awq (AutoAWQ GEMM, 4-bit only) or gptq (AutoGPTQ/GPTQModel; g_idx for act-order).")
@@ -136,12 +145,12 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.option("--eval", "eval_text", default="embedded", show_default=True, help="Evaluation text: a .txt/.raw/.jsonl/.parquet file or 'embedded' (held-out CPython prose).")
 @click.option("--seqlen", type=click.IntRange(2, None), default=2048, show_default=True, help="Tokens per evaluation window.")
 @click.option("--max-windows", type=click.IntRange(1, None), default=None, help="Evaluate only the first N windows (default: all).")
-@click.option("--max-ppl-increase", type=click.FloatRange(0, None), default=None, help="Gate: maximum perplexity increase in percent (default: the recipe's gates.max_ppl_increase_pct).")
+@click.option("--max-ppl-increase", type=click.FloatRange(0, None), default=None, callback=_finite, help="Gate: maximum perplexity increase in percent (default: the recipe's gates.max_ppl_increase_pct).")
 @click.option("--hashes-only", is_flag=True, help="Only recheck file and tensor digests against the manifest.")
 @click.option("--kv-scheme", type=click.Choice(["fp8", "int8", "int4", "int2"]), default=None, help="Evaluate with this KV-cache scheme (its defaults) instead of the artifact's; works on any artifact, static scales are calibrated on --kv-calib.")
-@click.option("--kv-budget-gib", type=click.FloatRange(0, None, min_open=True), default=16.0, show_default=True, help="KV-cache memory budget for the accounting line (max tokens, max batch per context).")
+@click.option("--kv-budget-gib", type=click.FloatRange(0, None, min_open=True), default=16.0, callback=_finite, show_default=True, help="KV-cache memory budget for the accounting line (max tokens, max batch per context).")
 @click.option("--kv-chunk", type=click.IntRange(1, None), default=128, show_default=True, help="With a quantized KV cache, tokens per prefill chunk (each chunk reads the cache after writing).")
-@click.option("--kv-calib", default="embedded", show_default=True, help="Calibration text for --kv-scheme static scales (fp8).")
+@click.option("--kv-calib", default="embedded", show_default=True, help="Calibration text for --kv-scheme static scales (fp8, int8 per head): 16 x 512 tokens of it, seed 0; recorded in the report.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where perplexity is computed.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report to this file.")
@@ -190,26 +199,30 @@ def recipes():
 
     A recipe is a YAML file validated field by field; pass a path to use your own.
     """
-    from .recipe import bundled_recipes, load_recipe
+    from .recipe import bundled_recipes, load_recipes
 
     for name in bundled_recipes():
-        r = load_recipe(name)
-        click.echo(f"{name:18s} {r.algorithm:4s}  {r.description}")
+        r = load_recipes([name])
+        kind = "kv" if r.algorithm == "none" else r.algorithm
+        click.echo(f"{name:18s} {kind:4s}  {r.description}")
 
 
 def main(argv=None) -> None:
     """Console entry point: maps errors to one line and an exit code, never a traceback."""
     import signal
 
+    terminated = []
+
     def _terminate(signum, frame):  # SIGTERM (CI timeouts, kill): unwind so temp folders are removed
+        terminated.append(signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
         cli.main(args=argv, standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("kvq: aborted", err=True)
-        sys.exit(130)
+    except click.exceptions.Abort:  # click turns KeyboardInterrupt (Ctrl-C, or SIGTERM above) into Abort
+        click.echo("kvq: " + ("terminated" if terminated else "interrupted") + "; nothing was written", err=True)
+        sys.exit(143 if terminated else 130)
     except click.ClickException as e:
         e.show()
         sys.exit(2)
@@ -217,8 +230,8 @@ def main(argv=None) -> None:
         click.echo(f"kvq: error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        click.echo("kvq: interrupted; nothing was written", err=True)
-        sys.exit(130)
+        click.echo("kvq: " + ("terminated" if terminated else "interrupted") + "; nothing was written", err=True)
+        sys.exit(143 if terminated else 130)
     except MemoryError:
         click.echo("kvq: error: out of memory; try --calib-samples smaller or a machine with more memory", err=True)
         sys.exit(1)

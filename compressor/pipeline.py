@@ -64,8 +64,29 @@ class QuantizeResult:
     seconds: float = 0.0
     #: static KV-cache scales: layer index -> (k_scale, v_scale) in the storage dtype
     kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: things the user should know (patterns matching nothing, damping raised, ...)
+    warnings: list[str] = field(default_factory=list)
     #: observed post-RoPE absmax per layer: (k [kv_heads], v [kv_heads])
     kv_absmax: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def check_patterns(model, recipe: Recipe, arch: ArchSpec) -> list[str]:
+    """Every ``targets``/``overrides`` pattern must match some decoder linear (a typo would
+    otherwise silently change the scheme); ``ignore`` entries matching nothing are warnings.
+
+    Raises:
+        InputError: names the first pattern that matches no decoder linear.
+    """
+    from .recipe import matches
+
+    n_layers = len(get_module(model, arch.layers))
+    names = [f"{arch.layers}.{i}.{rel}" for i in range(n_layers) for rel in arch.linears]
+    hint = f"decoder linears are named like {names[0]}" if names else ""
+    for where, pats in [("targets", recipe.targets)] + [(f"overrides[{k}].targets", o.targets) for k, o in enumerate(recipe.overrides)]:
+        for p in pats:
+            if not any(matches([p], n) for n in names):
+                raise InputError(f"recipe {where}: {p!r} matches no decoder linear ({hint}; lm_head and embeddings stay float)")
+    return [f"recipe ignore entry {p!r} matches no decoder linear" for p in recipe.ignore if not any(matches([p], n) for n in names)]
 
 
 def target_modules(model, recipe: Recipe, arch: ArchSpec) -> dict[str, torch.nn.Linear]:
@@ -206,6 +227,7 @@ def quantize_model(
     quantize_weights = recipe.algorithm != "none"
     if not quantize_weights and kv is None:
         raise InputError("the recipe quantizes nothing: algorithm none and no kv_cache scheme")
+    pattern_warnings = check_patterns(model, recipe, arch) if quantize_weights else []
     targets = target_modules(model, recipe, arch) if quantize_weights else {}
     if quantize_weights and not targets:
         raise InputError("the recipe's targets/ignore lists exclude every linear module; nothing to quantize")
@@ -217,7 +239,7 @@ def quantize_model(
     if (recipe.algorithm in ("awq", "gptq") or observe_kv) and calib_ids is None:
         what = recipe.algorithm.upper() if recipe.algorithm in ("awq", "gptq") else f"static KV-cache scales ({kv.describe()})"
         raise InputError(f"{what} needs calibration data (--calib)")
-    result = QuantizeResult(group_size=gs)
+    result = QuantizeResult(group_size=gs, warnings=pattern_warnings)
     quantizer = _Quantizer(schemes, dtype)
     layers = get_module(model, arch.layers)
     n_layers = len(layers)
@@ -253,6 +275,13 @@ def quantize_model(
         if on_layer:
             on_layer(i, n_layers, fig)
     rotary.to("cpu")
+    raised = [f for f in result.layers if f.get("gptq", {}).get("damp_retries")]
+    if raised:
+        worst = max(f["gptq"]["max_damp"] for f in raised)
+        result.warnings.append(
+            f"GPTQ raised the damping in {len(raised)} layer(s) (Hessian not positive definite; largest damp {worst:.4g}); "
+            "see quality.layers[].gptq in the manifest"
+        )
     if observer is not None:
         result.kv_absmax = observed_absmax(observer)
         for i, (k, v) in result.kv_absmax.items():

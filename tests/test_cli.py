@@ -159,3 +159,79 @@ def test_console_script_one_line_error(tmp_path):
     p = subprocess.run([*cmd, "quantize", str(tmp_path / "missing"), "-o", str(tmp_path / "o")], capture_output=True, text=True)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("kvq: error:")
+
+
+def test_set_and_flags_combine(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "a"
+    code, o, err = run(["quantize", tiny_model_dir, "-o", out, "--set", "algorithm=gptq", "--set", "weights.num_bits=8",
+                        "--bits", "3", "--json", *QUICK], capsys)
+    assert code == 0, err
+    q = json.loads(o)["quantization"]
+    assert q["algorithm"] == "gptq" and q["num_bits"] == 3  # the explicit flag wins over --set of the same key
+    code, o, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "b", "--kv-scheme", "int4", "--set", "kv_cache.residual_length=64",
+                        "--algorithm", "rtn", "--act-order", "--json", *QUICK], capsys)
+    assert code == 0, err
+    s = json.loads(o)
+    assert any("--act-order" in w for w in s["warnings"])
+    assert json.loads((tmp_path / "b" / "kvq-manifest.json").read_text())["kv_cache"]["residual_length"] == 64
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["verify", "ART", "--kv-budget-gib", "nan"], "finite"),
+    (["verify", "ART", "--max-ppl-increase", "inf"], "finite"),
+])
+def test_non_finite_options(tmp_path, capsys, argv, pattern):
+    code, _, err = run([a if a != "ART" else tmp_path for a in argv], capsys)
+    assert code == 2 and pattern in err and "Traceback" not in err
+
+
+def test_output_checks_before_work(tmp_path, tiny_model_dir, capsys):
+    code, _, err = run(["quantize", tiny_model_dir, "-o", "/proc/kvq-out", "--algorithm", "rtn", "--group-size", "32"], capsys)
+    assert_clean_error(code, err, 2, "cannot write into /proc")
+    code, _, err = run(["quantize", tiny_model_dir, "-o", tiny_model_dir, "--overwrite", "--algorithm", "rtn"], capsys)
+    assert_clean_error(code, err, 2, "is (or contains) the source model")
+    assert (tiny_model_dir / "config.json").exists()
+
+
+def test_pattern_matching_nothing_is_refused(tmp_path, tiny_model_dir, capsys):
+    r = tmp_path / "typo.yaml"
+    r.write_text("algorithm: rtn\nweights: {num_bits: 4, group_size: 32}\n"
+                 "overrides:\n  - targets: ['re:.*downproj']\n    weights: {num_bits: 8}\n")
+    code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--recipe", r], capsys)
+    assert_clean_error(code, err, 2, "'re:.*downproj' matches no decoder linear", tmp_path)
+
+
+def test_verify_detects_a_changed_source(tmp_path, tokenizer, capsys):
+    from conftest import make_model_dir
+
+    src = make_model_dir(tmp_path / "src", tokenizer)
+    out = tmp_path / "a"
+    code, _, err = run(["quantize", src, "-o", out, "--algorithm", "rtn", "--group-size", "32"], capsys)
+    assert code == 0, err
+    other = make_model_dir(tmp_path / "other", tokenizer, seed=5)
+    code, o, err = run(["verify", out, "--seqlen", "64", "--max-windows", "1", "--reference", other,
+                        "--max-ppl-increase", "1000", "--json"], capsys)
+    rep = json.loads(o)
+    assert rep["reference_matches_source"] is False and "not the model that was quantized" in rep["warnings"][0]
+    shutil.rmtree(src)
+    make_model_dir(src, tokenizer, seed=5)  # the recorded source is replaced by another model
+    code, _, err = run(["verify", out, "--seqlen", "64", "--max-windows", "1"], capsys)
+    assert code == 1 and "source changed since quantization" in err
+
+
+def test_sigterm_exits_143_and_leaves_nothing(tmp_path, tiny_model_dir):
+    import signal
+    import time
+
+    exe = Path(sys.executable).with_name("kvq")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "compressor"]
+    p = subprocess.Popen([*cmd, "quantize", str(tiny_model_dir), "-o", str(tmp_path / "o"), "--calib-samples", "512",
+                          "--calib-seqlen", "64", "--group-size", "32"], stderr=subprocess.PIPE, text=True)
+    first = p.stderr.readline()  # kvq is running (signal handler installed) once it prints
+    assert first, "kvq printed nothing"
+    time.sleep(3)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    err = first + err
+    assert p.returncode == 143, err
+    assert "terminated" in err and not list(tmp_path.iterdir())

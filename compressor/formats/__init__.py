@@ -32,7 +32,8 @@ def _recipe_schemes(recipe) -> list:
 
 def dynamic_act_order(recipe) -> bool:
     """True when the recipe's GPTQ act-order needs a stored ``g_idx`` (no static groups)."""
-    return recipe.algorithm == "gptq" and recipe.gptq.act_order and not recipe.gptq.static_groups
+    grouped = any(s.group_size != -1 for s in _recipe_schemes(recipe))  # per channel: one group, no g_idx
+    return recipe.algorithm == "gptq" and recipe.gptq.act_order and not recipe.gptq.static_groups and grouped
 
 
 def check_format(fmt: str, recipe, dtype_name: str) -> None:

@@ -9,7 +9,8 @@ descendants (AutoGPTQ, GPTQModel, llm-compressor ``gptq_quantize.py``) use:
   ``H[i, i] = 1`` and their weight column is zeroed, as the reference does;
 * dampening ``damp * mean(diag(H))`` is added to the diagonal; if the Cholesky
   factorisation still fails (not positive definite) the damping grows by
-  ``damp_increment`` and is retried, and the damping actually used is reported;
+  ``max(damp_increment, damp)`` (so at least doubles: a bounded number of retries up to
+  ``max_damp``) and is retried, and the damping actually used is reported;
 * columns are processed in lazy blocks of ``block_size``: inside a block the error of
   each quantized column is propagated to the remaining columns of the block through the
   upper Cholesky factor of ``H⁻¹``, and the whole block's error is applied to the rest
@@ -94,7 +95,7 @@ def _inverse_cholesky(H: torch.Tensor, damp: float, damp_increment: float, max_d
             if int(info) == 0 and torch.isfinite(U).all():
                 return U, damp, retries
         retries += 1
-        damp = damp + damp_increment
+        damp = damp + max(damp_increment, damp)  # at least doubles: bounded number of retries
         if damp > max_damp:
             raise QuantizationError(
                 f"GPTQ Hessian of {name} is not positive definite even with damping {max_damp:g}; "
