@@ -42,7 +42,31 @@ SCHEMES = [  # (label, scheme, strategy, group_size, residual_length)
 ]
 
 
+def table_only():
+    """TABLE_ONLY=1: print the table from the result files present (no model is loaded)."""
+    from compressor.quant.kv import kv_bytes_per_token, make_spec
+
+    shape = (30, 3, 64)  # SmolLM2-135M: layers, kv heads, head_dim
+    fp = json.loads((RESULTS / f"{TAG}kv-fp32-none.json").read_text())["ppl"]
+    print("| weights | KV cache | perplexity | vs same weights, float KV | vs FP32 model | KV bytes/token |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for w in ("fp32", "awq-w4g64"):
+        base_f = RESULTS / f"{TAG}kv-{w}-none.json"
+        if not base_f.exists():
+            continue
+        base = json.loads(base_f.read_text())["ppl"]
+        print(f"| {w} | float KV | {base:.3f} | | {(base / fp - 1) * 100:+.2f} % | {kv_bytes_per_token(None, *shape):,.0f} |")
+        for label, scheme, strategy, gs, res in SCHEMES:
+            f = RESULTS / f"{TAG}kv-{w}-{scheme}-{strategy}-g{gs}-r{res}.json"
+            if f.exists():
+                ppl = json.loads(f.read_text())["ppl"]
+                bpt = kv_bytes_per_token(make_spec(scheme, strategy, gs, res), *shape)
+                print(f"| {w} | {label} | {ppl:.3f} | {(ppl / base - 1) * 100:+.2f} % | {(ppl / fp - 1) * 100:+.2f} % | {bpt:,.0f} |")
+
+
 def main():
+    if os.environ.get("TABLE_ONLY") == "1":
+        return table_only()
     from compressor.artifact import load_artifact
     from compressor.calib import load_text, sample_windows, tokenize
     from compressor.evaluate import perplexity, windows
