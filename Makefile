@@ -11,6 +11,17 @@ DEMO_WINDOWS ?= 8
 
 .PHONY: install test demo bench clean
 
+# a throwaway EC P-256 key pair for the demo's signature (argv[1]: folder for key.pem / pub.pem)
+define KEYGEN
+import sys
+from cryptography.hazmat.primitives import serialization as s
+from cryptography.hazmat.primitives.asymmetric import ec
+k = ec.generate_private_key(ec.SECP256R1())
+open(sys.argv[1] + "/key.pem", "wb").write(k.private_bytes(s.Encoding.PEM, s.PrivateFormat.PKCS8, s.NoEncryption()))
+open(sys.argv[1] + "/pub.pem", "wb").write(k.public_key().public_bytes(s.Encoding.PEM, s.PublicFormat.SubjectPublicKeyInfo))
+endef
+export KEYGEN
+
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -37,12 +48,16 @@ demo: install
 	fi; \
 	echo "demo: calibration $$calib, $(DEMO_SAMPLES) x 512 tokens (the default is 128 x 512; the benchmark uses it)"; \
 	echo "demo: evaluation $$eval, first $(DEMO_WINDOWS) windows of 2048 tokens"; \
+	keys=$$(mktemp -d); trap 'rm -rf "$$keys"' EXIT; \
+	$(BIN)/python -c "$$KEYGEN" "$$keys"; cp "$$keys/pub.pem" $(DEMO)/signing-pub.pem; \
+	echo "demo: signing with a throwaway EC P-256 key generated into $$keys (public key kept in $(DEMO)/signing-pub.pem)"; \
 	$(BIN)/kvq quantize smollm2-135m --recipe w4a16-awq --calib "$$calib" \
-	  --calib-samples $(DEMO_SAMPLES) --calib-seqlen 512 -o $(DEMO)/smollm2-w4a16-awq --overwrite; \
-	$(BIN)/kvq verify $(DEMO)/smollm2-w4a16-awq --eval "$$eval" --seqlen 2048 --max-windows $(DEMO_WINDOWS) \
-	  --json-out $(DEMO)/verify.json || { echo "demo: verify FAILED, see $(DEMO)/verify.json"; exit 1; }; \
-	$(BIN)/python -c "import json; r=json.load(open('$(DEMO)/verify.json')); p=r['perplexity']; print(f\"demo: verify passed: perplexity {p['artifact']:.3f} vs reference {p['reference']:.3f} ({p['increase_pct']:+.2f} %), {r['hashes']['tensors_checked']} tensor hashes ok\")"; \
-	echo "demo: artifact in $(DEMO)/smollm2-w4a16-awq, report in $(DEMO)/verify.json"
+	  --calib-samples $(DEMO_SAMPLES) --calib-seqlen 512 -o $(DEMO)/smollm2-w4a16-awq --overwrite \
+	  --sign-key "$$keys/key.pem"; \
+	$(BIN)/kvq verify $(DEMO)/smollm2-w4a16-awq --public-key "$$keys/pub.pem" --eval "$$eval" --seqlen 2048 \
+	  --max-windows $(DEMO_WINDOWS) --json-out $(DEMO)/verify.json || { echo "demo: verify FAILED, see $(DEMO)/verify.json"; exit 1; }; \
+	$(BIN)/python -c "import json; r=json.load(open('$(DEMO)/verify.json')); p=r['perplexity']; print(f\"demo: verify passed: signature ok ({r['signature']['method']}), {r['hashes']['tensors_checked']} tensor digests ok, perplexity {p['artifact']:.3f} vs reference {p['reference']:.3f} ({p['increase_pct']:+.2f} %)\")"; \
+	echo "demo: artifact in $(DEMO)/smollm2-w4a16-awq (signed: model.sig), report in $(DEMO)/verify.json"
 
 bench: install
 	$(BIN)/python bench/run_bench.py

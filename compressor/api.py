@@ -16,13 +16,15 @@ from .calib import load_text, sample_windows, tokenize
 from .errors import CheckFailed, InputError
 from .evaluate import perplexity, windows
 from .formats import check_format, check_shapes, format_config, gptq_checkpoint_format, pack_modules
-from .manifest import load_manifest
+from .manifest import SIGNATURE_NAME, load_manifest
 from .models import ALIASES, load_model, resolve_source
 from .pipeline import quantize_model
 from .arch import get_arch
 from .formats.compressed_tensors import kv_scale_tensors
 from .quant.kv import kv_budget, kv_bytes_per_token, make_spec, quantized_cache
 from .recipe import KVCacheOptions, load_recipes, with_overrides
+from .safetensors_io import HASH_ALGORITHMS
+from .signing import SignOptions, VerifyKeys, check_sign_options, sign_folder, verify_signature
 
 
 def _mean(values) -> float | None:
@@ -57,6 +59,8 @@ class QuantizeOptions:
     format: str = "compressed-tensors"
     act_order: Optional[bool] = None
     settings: tuple = ()  # (dotted recipe key, value) pairs from --set
+    digest_algorithm: str = "sha256"  # manifest digests: sha256 | blake3
+    sign: Optional[SignOptions] = None  # sign the artifact (model_signing) as the last step
 
 
 @dataclass
@@ -76,6 +80,7 @@ class VerifyOptions:
     kv_chunk: int = 128
     kv_calib: str = "embedded"
     kv_calib_samples: int = 16
+    keys: Optional[VerifyKeys] = None  # check model.sig with these first
 
 
 def _progress(console, total_label: str):
@@ -125,6 +130,10 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     t0 = time.perf_counter()
     out = Path(opts.output)
     check_output(out, opts.overwrite)
+    if opts.digest_algorithm not in HASH_ALGORITHMS:
+        raise InputError(f"unknown digest algorithm {opts.digest_algorithm!r} (choose from {', '.join(HASH_ALGORITHMS)})")
+    if opts.sign is not None:
+        check_sign_options(opts.sign)
     # order: the --kv-scheme section first (so --set kv_cache.* can refine it), then --set,
     # then the dedicated flags (an explicit flag wins over --set of the same key)
     recipe = load_recipes((opts.recipe,) if isinstance(opts.recipe, str) else tuple(opts.recipe))
@@ -239,7 +248,8 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
          "calibration": calibration, "quantization": quant, "quality": quality, "kv_cache": kv_record,
          "format": opts.format},
         provenance={"timing": timing, "device": opts.device},
-        dtype_name=opts.dtype, overwrite=opts.overwrite,
+        dtype_name=opts.dtype, overwrite=opts.overwrite, digest_algorithm=opts.digest_algorithm,
+        finalize=(lambda tmp: sign_folder(tmp, opts.sign)) if opts.sign is not None else None,
     )
     size = sum(f.size for f in manifest.files.values())
     summary = {
@@ -256,12 +266,15 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         "mean_rel_error": quality["mean_rel_error"],
         "warnings": warnings,
         "content_digest": manifest.content_digest(),
+        "digest_algorithm": opts.digest_algorithm,
+        "signed": None if opts.sign is None else opts.sign.method(),
     }
     if console:
         _print_layers(console, result.layers)
         console.print(
             f"[green]wrote[/] {out} ({size / 2**20:.1f} MiB; float32 model {float_bytes / 2**20:.1f} MiB) "
             f"in {summary['wall_seconds']:.0f} s, peak RSS {summary['peak_rss_mib']:.0f} MiB"
+            + (f", signed ({summary['signed']}) into {SIGNATURE_NAME}" if opts.sign is not None else "")
         )
     return summary
 
@@ -319,6 +332,69 @@ def _kv_report(spec, source, ref_source, opts) -> dict:
     }
 
 
+HASH_KEYS = ("unsafe_files", "unreadable_files", "modified_tensors", "missing_tensors", "extra_tensors",
+             "modified_files", "missing_files", "extra_files", "renamed_files")
+
+
+def _print_hashes(console, hashes: dict) -> None:
+    if hashes["ok"]:
+        console.print(f"[green]hashes ok[/]: {hashes['tensors_checked']} tensors, {hashes['files_checked']} files match "
+                      f"the manifest ({hashes['digest_algorithm']}, {hashes['bytes_hashed'] / 1e6:.0f} MB in "
+                      f"{hashes['seconds']:.2f} s, {hashes['mb_per_s']:.0f} MB/s)", highlight=False)
+        return
+    for key in HASH_KEYS:
+        for name in hashes[key]:
+            label = key.replace("_", " ")[:-1]
+            console.print(f"[red]{label}[/]: {name}", highlight=False)
+
+
+def check_signature(folder: Path, keys: Optional[VerifyKeys], console=None) -> dict:
+    """Signature step of verify: checked when key material is given; otherwise only noted.
+
+    Returns ``{"present", "checked", "ok" (True/False, or None when unchecked), ...}``.
+    """
+    present = (folder / SIGNATURE_NAME).exists() or (folder / SIGNATURE_NAME).is_symlink()
+    if keys is None or not keys.given():
+        sig = {"present": present, "checked": False, "ok": None}
+        if console and present:
+            console.print(f"[yellow]signature present but not checked[/]: pass --public-key, --certificate-chain or "
+                          f"--identity/--issuer to check {SIGNATURE_NAME}", highlight=False)
+        return sig
+    sig = {"present": present, **verify_signature(folder, keys)}
+    if console:
+        if sig["ok"]:
+            console.print(f"[green]signature ok[/] ({sig['method']}): {SIGNATURE_NAME} verifies over every file", highlight=False)
+        else:
+            console.print(f"[red]signature FAILED[/]: {sig['error']}", highlight=False)
+            for d in sig["differences"]:
+                console.print(f"  [red]signed files differ[/]: {d}", highlight=False)
+    return sig
+
+
+def run_sign(folder: Path, opts: SignOptions, console=None) -> dict:
+    """``kvq sign``: check the artifact against its manifest, then sign it with model_signing.
+
+    Raises:
+        InputError: not an artifact, bad key material.
+        CheckFailed: the artifact does not match its manifest (nothing is signed), or signing failed.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"artifact folder {folder} not found")
+    check_sign_options(opts)
+    load_manifest(folder)
+    hashes = check_hashes(folder)
+    if not hashes["ok"]:
+        if console:
+            _print_hashes(console, hashes)
+        diffs = sum(len(hashes[k]) for k in HASH_KEYS)
+        raise CheckFailed(f"{folder} does not match its manifest ({diffs} difference(s)); refusing to sign it")
+    path = sign_folder(folder, opts)
+    if console:
+        console.print(f"[green]signed[/] {folder} ({opts.method()}): {path}", highlight=False)
+    return {"artifact": str(folder), "signature": str(path), "method": opts.method(), "hashes": hashes}
+
+
 def run_verify(opts: VerifyOptions, console=None) -> dict:
     """Check digests, then perplexity against the reference; returns the report (``passed`` bool).
 
@@ -330,16 +406,13 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     if not folder.is_dir():
         raise InputError(f"artifact folder {folder} not found")
     manifest = load_manifest(folder)
+    signature = check_signature(folder, opts.keys, console)
     hashes = check_hashes(folder)
-    report: dict = {"artifact": str(folder), "hashes": hashes, "gates": [], "passed": hashes["ok"]}
+    ok = hashes["ok"] and signature["ok"] is not False
+    report: dict = {"artifact": str(folder), "signature": signature, "hashes": hashes, "gates": [], "passed": ok}
     if console:
-        if hashes["ok"]:
-            console.print(f"[green]hashes ok[/]: {hashes['tensors_checked']} tensors, {hashes['files_checked']} files match the manifest")
-        else:
-            for key in ("unreadable_files", "modified_tensors", "missing_tensors", "extra_tensors", "modified_files", "missing_files", "extra_files"):
-                for name in hashes[key]:
-                    console.print(f"[red]{key.replace('_', ' ')[:-1]}[/]: {name}")
-    if not hashes["ok"] or opts.hashes_only:
+        _print_hashes(console, hashes)
+    if not ok or opts.hashes_only:
         report["seconds"] = round(time.perf_counter() - t0, 2)
         return report
 
@@ -416,7 +489,7 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     gate = {"name": "max_ppl_increase_pct", "threshold": max_inc, "value": round(increase, 4), "passed": increase <= max_inc,
             "measured_on": served}
     report["gates"].append(gate)
-    report["passed"] = hashes["ok"] and gate["passed"]
+    report["passed"] = ok and gate["passed"]
     report["eval"] = {**text.provenance(), "seqlen": opts.seqlen, "windows": art["windows"], "predicted_tokens": art["predicted_tokens"]}
     report["perplexity"] = {"artifact": round(art["ppl"], 4), "reference": round(ref["ppl"], 4), "increase_pct": round(increase, 4),
                             "per_window_artifact": art["per_window_ppl"], "per_window_reference": ref["per_window_ppl"]}

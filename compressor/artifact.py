@@ -21,8 +21,8 @@ import torch
 from . import __version__
 from .errors import InputError
 from .formats import compressed_tensors as ct
-from .manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord, load_manifest
-from .safetensors_io import file_digest, read_header, tensor_digests
+from .manifest import MANIFEST_NAME, SIGNATURE_NAME, FileRecord, Manifest, TensorRecord, load_manifest
+from .safetensors_io import digest_files, file_digest, read_header
 
 WEIGHTS_NAME = "model.safetensors"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -99,6 +99,8 @@ def write_artifact(
     dtype_name: str = "float16",
     overwrite: bool = False,
     provenance: dict | None = None,
+    digest_algorithm: str = "sha256",
+    finalize=None,
 ) -> Manifest:
     """Write the artifact folder ``out`` atomically and return its manifest.
 
@@ -108,6 +110,10 @@ def write_artifact(
         quant_config: ``config.json["quantization_config"]``.
         manifest_fields: ``tool``/``source``/``recipe``/``calibration``/``quantization``/``quality``.
         dtype_name: storage dtype of float tensors.
+        digest_algorithm: ``sha256`` or ``blake3`` for the manifest's digests.
+        finalize: called with the temporary folder once the manifest is written and
+            before the rename (signing happens here, so a signed artifact never appears
+            unsigned); an exception from it leaves nothing behind.
     """
     from safetensors.torch import save_file
 
@@ -124,8 +130,10 @@ def write_artifact(
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        manifest = build_manifest(tmp, manifest_fields, provenance)
+        manifest = build_manifest(tmp, manifest_fields, provenance, digest_algorithm)
         (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+        if finalize is not None:
+            finalize(tmp)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
@@ -144,24 +152,26 @@ def write_artifact(
     return manifest
 
 
-def build_manifest(folder: Path, fields: dict, extra_provenance: dict | None = None) -> Manifest:
-    """Hash every file and every tensor of ``folder`` and assemble the manifest.
+def build_manifest(folder: Path, fields: dict, extra_provenance: dict | None = None,
+                   digest_algorithm: str = "sha256") -> Manifest:
+    """Hash every file and every tensor of ``folder`` (one pass, both cores) and assemble the manifest.
 
     ``extra_provenance`` (timings, device) joins the creation time in the ``provenance``
-    block, the only part outside the content digest."""
-    files, tensors = {}, {}
-    for f in sorted(folder.iterdir()):
-        if f.name == MANIFEST_NAME or not f.is_file():
-            continue
-        files[f.name] = FileRecord(size=f.stat().st_size, sha256=file_digest(f))
-        if f.suffix == ".safetensors":
-            header = read_header(f)
-            for name, digest in tensor_digests(f).items():
-                e = header[name]
-                tensors[name] = TensorRecord(file=f.name, dtype=e.dtype, shape=list(e.shape), sha256=digest)
+    block, the only part outside the content digest.
+
+    Raises:
+        InputError: a safetensors file with a bad header; unknown ``digest_algorithm``.
+    """
+    names = sorted(f.name for f in folder.iterdir() if f.name not in (MANIFEST_NAME, SIGNATURE_NAME) and f.is_file())
+    d = digest_files(folder, names, digest_algorithm)
+    if d.errors:
+        raise InputError(next(iter(d.errors.values())))
+    files = {n: FileRecord(size=size, digest=digest, covers=covers) for n, (size, digest, covers) in d.files.items()}
+    tensors = {n: TensorRecord(file=f, dtype=e.dtype, shape=list(e.shape), digest=digest)
+               for n, (f, e, digest) in sorted(d.tensors.items())}
     provenance = {"created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
                   **(extra_provenance or {})}
-    return Manifest(files=files, tensors=tensors, provenance=provenance, **fields)
+    return Manifest(files=files, tensors=tensors, provenance=provenance, digest_algorithm=digest_algorithm, **fields)
 
 
 def tool_info() -> dict:
@@ -329,59 +339,101 @@ def _dequantize_module(method: str, qc: dict, module: str, t: dict[str, torch.Te
     return dequantize(q, scale, zp, -1, dtype=dtype, g_idx=g_idx)
 
 
-def check_hashes(folder: str | Path) -> dict:
-    """Recompute every file and tensor digest and compare with the manifest.
+def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
+    """Recompute every file and tensor digest and compare them with the manifest.
 
-    Returns a dict with ``ok`` plus the lists ``modified_tensors``, ``missing_tensors``,
-    ``extra_tensors``, ``modified_files``, ``missing_files``, ``extra_files`` (the
-    model-signing habit: name every difference, not only the first).
+    Every byte of the artifact is hashed once (safetensors: header plus each tensor's
+    range; other files whole), on all cores. Returns a dict with ``ok`` and the sorted
+    lists ``modified_tensors``, ``missing_tensors``, ``extra_tensors``, ``modified_files``,
+    ``missing_files``, ``extra_files``, ``renamed_files`` (``"old -> new"``: a missing
+    file whose size and digest reappear under another name), ``unsafe_files`` (symlinks,
+    folders, special files: kvq never writes them and never follows them) and
+    ``unreadable_files`` (safetensors files whose header no longer parses), plus counts,
+    ``bytes_hashed``, ``seconds`` and ``mb_per_s`` (10^6 bytes per second). Like
+    model-signing, it names every difference rather than stopping at the first.
 
     Raises:
-        InputError: no/invalid manifest, or a safetensors file with a bad header.
+        InputError: no manifest, or an invalid one (see :func:`load_manifest`).
     """
     folder = Path(folder)
     manifest = load_manifest(folder)
-    present = {f.name for f in folder.iterdir() if f.name != MANIFEST_NAME}
+    algo = manifest.digest_algorithm
+    present, unsafe = set(), []
+    for p in folder.iterdir():
+        if p.name in (MANIFEST_NAME, SIGNATURE_NAME):
+            if p.is_symlink() or not p.is_file():
+                unsafe.append(f"{p.name}: not a regular file")
+            continue
+        if p.is_symlink():
+            target = os.readlink(p)
+            where = "outside" if not (folder / target).resolve().is_relative_to(folder.resolve()) else "inside"
+            unsafe.append(f"{p.name}: symlink to {target} ({where} the artifact; kvq does not follow links)")
+        elif not p.is_file():
+            unsafe.append(f"{p.name}: {'folder' if p.is_dir() else 'special file'} (an artifact holds plain files only)")
+        else:
+            present.add(p.name)
+    unsafe_names = {u.split(":", 1)[0] for u in unsafe}
     listed = set(manifest.files)
-    report = {
-        "missing_files": sorted(listed - present),
-        "extra_files": sorted(present - listed),
-        "modified_files": [],
-        "modified_tensors": [],
-        "missing_tensors": [],
-        "extra_tensors": [],
-    }
+    # files hashed as the manifest recorded them: header+tensors where it says so, else whole
+    header_files = {n for n in listed & present if manifest.files[n].covers == "header"}
+    extra = sorted(present - listed)
+    d = digest_files(folder, sorted(header_files) + [n for n in sorted(present) if n not in header_files],
+                     algo, workers, parse_safetensors=True)
+    report = {"digest_algorithm": algo, "missing_files": sorted(listed - present - unsafe_names), "extra_files": [],
+              "renamed_files": [], "modified_files": [], "modified_tensors": [], "missing_tensors": [],
+              "extra_tensors": [], "unsafe_files": sorted(unsafe),
+              "unreadable_files": sorted(f"{n}: {e}" for n, e in d.errors.items())}
     for name in sorted(listed & present):
-        p = folder / name
-        if p.is_symlink() or not p.is_file():
+        rec = manifest.files[name]
+        size, digest, covers = d.files[name]
+        if name in d.errors and rec.covers == "header":
             report["modified_files"].append(name)
-            continue
-        if file_digest(p) != manifest.files[name].sha256:
+        elif size != rec.size or (covers == rec.covers and digest != rec.digest):
             report["modified_files"].append(name)
+        elif covers != rec.covers:  # recorded whole (v1 manifest, or a file kvq could not parse then)
+            if file_digest(folder / name, algo) != rec.digest:
+                report["modified_files"].append(name)
+    # renames: a missing file whose size and digest turn up under an extra name
+    renamed: dict[str, str] = {}
+    for old in list(report["missing_files"]):
+        rec = manifest.files[old]
+        for new in extra:
+            if new in renamed.values() or new not in d.files:
+                continue
+            size, digest, covers = d.files[new]
+            if rec.covers != covers and rec.covers == "file":
+                digest = file_digest(folder / new, algo)
+            if size == rec.size and digest == rec.digest:
+                renamed[old] = new
+                break
+    report["renamed_files"] = [f"{o} -> {n}" for o, n in sorted(renamed.items())]
+    report["missing_files"] = [n for n in report["missing_files"] if n not in renamed]
+    report["extra_files"] = [n for n in extra if n not in renamed.values()]
+    shard_of = {v: k for k, v in renamed.items()}
     seen = set()
-    for shard in sorted({r.file for r in manifest.tensors.values()} | {n for n in present if n.endswith(".safetensors")}):
-        p = folder / shard
-        if not p.is_file():
-            continue
-        try:
-            digests = tensor_digests(p)
-        except InputError as e:  # truncated or corrupted header: a failed integrity check, not a usage error
-            report.setdefault("unreadable_files", []).append(f"{shard}: {e}")
-            if shard not in report["modified_files"]:
-                report["modified_files"].append(shard)
-            continue
-        for tname, digest in digests.items():
-            seen.add(tname)
-            rec = manifest.tensors.get(tname)
-            if rec is None:
-                report["extra_tensors"].append(tname)
-            elif rec.file != shard or rec.sha256 != digest:
-                report["modified_tensors"].append(tname)
-    report["missing_tensors"] = sorted(set(manifest.tensors) - seen)
-    for k in report:
-        report[k] = sorted(report[k])
-    report["ok"] = not any(report[k] for k in list(report))
-    report.setdefault("unreadable_files", [])
+    for tname, (shard, _entry, digest) in d.tensors.items():
+        seen.add(tname)
+        rec = manifest.tensors.get(tname)
+        if rec is None:
+            report["extra_tensors"].append(tname)
+        elif rec.file != shard_of.get(shard, shard) or rec.digest != digest:
+            report["modified_tensors"].append(tname)
+    # a file holding a modified tensor is a modified file too
+    for tname in report["modified_tensors"]:
+        shard = d.tensors[tname][0]
+        if shard in listed and shard not in report["modified_files"]:
+            report["modified_files"].append(shard)
+    # tensors of a file that could not be parsed are reported through that file, not one by one
+    unparsed = {n for n in d.errors}
+    report["missing_tensors"] = sorted(t for t in set(manifest.tensors) - seen
+                                       if manifest.tensors[t].file not in unparsed)
+    for k in list(report):
+        if isinstance(report[k], list):
+            report[k] = sorted(report[k])
+    report["ok"] = not any(v for k, v in report.items() if isinstance(v, list))
     report["tensors_checked"] = len(seen)
     report["files_checked"] = len(listed & present)
+    report["bytes_hashed"] = d.bytes_hashed
+    report["seconds"] = round(d.seconds, 4)
+    report["mb_per_s"] = round(d.bytes_hashed / 1e6 / max(d.seconds, 1e-9), 1)
     return report

@@ -60,7 +60,8 @@ def cli():
 
     \b
     kvq quantize MODEL -o OUT     calibrate and quantize weights (AWQ / GPTQ / RTN) and KV cache, write the artifact
-    kvq verify OUT                recheck every tensor hash, compare perplexity with the original, gate
+    kvq verify OUT                check the signature and every tensor digest, compare with the original, gate
+    kvq sign OUT                  sign the artifact (OpenSSF model_signing; model.sig)
     kvq recipes                   list the bundled recipes
 
     Exit codes: 0 ok, 1 a check failed, 2 usage or input error.
@@ -87,9 +88,14 @@ def cli():
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where each layer is processed.")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True, help="Storage dtype of scales and unquantized tensors.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder (atomically, at the end).")
+@click.option("--digest", "digest_algorithm", type=click.Choice(["sha256", "blake3"]), default="sha256", show_default=True, help="Digest of files and tensors in kvq-manifest.json.")
+@click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Sign the artifact as the last step with this EC private key (PEM), through model_signing; writes OUT/model.sig.")
+@click.option("--sign-certificate", type=click.Path(dir_okay=False, path_type=Path), default=None, help="With --sign-key: the key's signing certificate (PEM), for certificate-based signing.")
+@click.option("--sign-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="With --sign-certificate: a certificate of its chain (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout; no progress bar.")
 def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, symmetric, act_order, settings, fmt, calib, calib_field,
-             calib_samples, calib_seqlen, seed, device, dtype, overwrite, as_json):
+             calib_samples, calib_seqlen, seed, device, dtype, overwrite, digest_algorithm, sign_key, sign_certificate, sign_chain,
+             as_json):
     """Quantize MODEL's linear weights and write an artifact to OUTPUT.
 
     MODEL is a Hugging Face folder (safetensors), a .gguf file, or the alias
@@ -109,9 +115,16 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
       kvq quantize smollm2-135m --recipe w4a16-gptq --set gptq.static_groups=false --format gptq -o out/g2
       kvq quantize smollm2-135m --recipe w4a16-awq --recipe kv-fp8 -o out/w4-fp8kv
       kvq quantize smollm2-135m --recipe kv-int4 -o out/kv-only
+      kvq quantize smollm2-135m --sign-key key.pem -o out/signed
     """
     _quiet_libraries()
     from .api import QuantizeOptions, run_quantize
+    from .signing import SignOptions
+
+    if (sign_certificate or sign_chain) and not sign_key:
+        raise click.BadParameter("needs --sign-key", param_hint="--sign-certificate/--sign-chain")
+    sign = None if sign_key is None else SignOptions(private_key=sign_key, signing_certificate=sign_certificate,
+                                                     certificate_chain=tuple(sign_chain))
 
     if group_size is not None and group_size != "auto":
         try:
@@ -133,6 +146,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
         model=model, output=output, recipe=tuple(recipes_), kv_scheme=kv_scheme, algorithm=algorithm, bits=bits, group_size=group_size,
         symmetric=symmetric, act_order=act_order, settings=tuple(parsed), format=fmt, calib=calib, calib_field=calib_field, calib_samples=calib_samples,
         calib_seqlen=calib_seqlen, seed=seed, device=_device(device), dtype=dtype, overwrite=overwrite,
+        digest_algorithm=digest_algorithm, sign=sign,
     )
     summary = run_quantize(opts, console=None if as_json else _console())
     if as_json:
@@ -152,15 +166,22 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.option("--kv-chunk", type=click.IntRange(1, None), default=128, show_default=True, help="With a quantized KV cache, tokens per prefill chunk (each chunk reads the cache after writing).")
 @click.option("--kv-calib", default="embedded", show_default=True, help="Calibration text for --kv-scheme static scales (fp8, int8 per head): 16 x 512 tokens of it, seed 0; recorded in the report.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where perplexity is computed.")
+@click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Check model.sig with this EC public key (PEM) before anything else.")
+@click.option("--certificate-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="Check model.sig against this certificate chain (PEM, repeatable).")
+@click.option("--identity", default=None, help="Sigstore keyless: the expected signer identity (e.g. an e-mail or workflow URL); needs --issuer and network.")
+@click.option("--issuer", default=None, help="Sigstore keyless: the expected OIDC issuer, e.g. https://token.actions.githubusercontent.com.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report to this file.")
 def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, kv_scheme, kv_budget_gib,
-           kv_chunk, kv_calib, device, as_json, json_out):
+           kv_chunk, kv_calib, device, public_key, certificate_chain, identity, issuer, as_json, json_out):
     """Check ARTIFACT's integrity and quality against the original model.
 
     \b
+    0. with --public-key, --certificate-chain or --identity/--issuer: the signature
+       (model.sig, OpenSSF model_signing) over every file; a missing signature, another
+       key, or any file changed, added or removed since signing fails (exit 1);
     1. every file and tensor digest against kvq-manifest.json (names each modified,
-       missing or extra tensor or file; exit 1 on any difference);
+       missing, extra or renamed tensor or file, symlinks; exit 1 on any difference);
     2. perplexity of the artifact and of the reference on the eval text (non-overlapping
        windows, no special tokens), and the gate on the relative increase (exit 1 if above).
        With a KV-cache scheme (the artifact's, or --kv-scheme) it reports weights only,
@@ -170,16 +191,22 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     \b
     Example:
       kvq verify out/smollm2-w4 --eval ../shared/data/wikitext-2-raw/wiki.test.raw --max-windows 8
+      kvq verify out/smollm2-w4 --public-key pub.pem --hashes-only
     """
     if json_out is not None and not json_out.resolve().parent.is_dir():
         raise InputError(f"cannot write --json-out {json_out}: its folder does not exist")
     _quiet_libraries()
     from .api import VerifyOptions, run_verify
+    from .signing import VerifyKeys
+
+    if sum(bool(x) for x in (public_key, certificate_chain, identity or issuer)) > 1:
+        raise click.BadParameter("choose one of --public-key, --certificate-chain, --identity/--issuer")
+    keys = VerifyKeys(public_key=public_key, certificate_chain=tuple(certificate_chain), identity=identity, issuer=issuer)
 
     opts = VerifyOptions(
         artifact=artifact, reference=reference, eval_text=eval_text, seqlen=seqlen, max_windows=max_windows,
         max_ppl_increase=max_ppl_increase, hashes_only=hashes_only, device=_device(device), kv_scheme=kv_scheme,
-        kv_budget_gib=kv_budget_gib, kv_chunk=kv_chunk, kv_calib=kv_calib,
+        kv_budget_gib=kv_budget_gib, kv_chunk=kv_chunk, kv_calib=kv_calib, keys=keys,
     )
     report = run_verify(opts, console=None if as_json else _console())
     if as_json:
@@ -191,6 +218,42 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
             raise InputError(f"cannot write --json-out {json_out}: {e.strerror}") from None
     if not report["passed"]:
         sys.exit(1)
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--private-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="EC private key (PEM) to sign with, e.g. from `openssl ecparam -name prime256v1 -genkey -noout -out key.pem`.")
+@click.option("--password", default=None, envvar="KVQ_SIGN_PASSWORD", help="Password of an encrypted --private-key (or env KVQ_SIGN_PASSWORD).")
+@click.option("--signing-certificate", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Certificate of --private-key (PEM): sign with a certificate instead of a bare key.")
+@click.option("--certificate-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="With --signing-certificate: intermediate/root certificates (PEM, repeatable).")
+@click.option("--sigstore", is_flag=True, help="Sigstore keyless signing (needs network and an OIDC identity; in CI, ambient credentials).")
+@click.option("--identity-token", default=None, envvar="KVQ_SIGSTORE_TOKEN", help="With --sigstore: an OIDC identity token (or env KVQ_SIGSTORE_TOKEN).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def sign(artifact, private_key, password, signing_certificate, certificate_chain, sigstore, identity_token, as_json):
+    """Sign ARTIFACT with OpenSSF model_signing; writes ARTIFACT/model.sig.
+
+    First rechecks every digest against kvq-manifest.json and refuses (exit 1) an
+    artifact that does not match it. The signature (a Sigstore bundle over an in-toto
+    statement listing every file's SHA-256) covers all files, the manifest included, so
+    the manifest's per-tensor digests become trustworthy. It verifies with
+    `kvq verify ARTIFACT --public-key pub.pem` or with the stock tool:
+    `model_signing verify key --signature ARTIFACT/model.sig --public_key pub.pem ARTIFACT`.
+    Re-signing replaces model.sig atomically.
+
+    \b
+    Examples:
+      kvq sign out/smollm2-w4 --private-key key.pem
+      kvq sign out/smollm2-w4 --private-key key.pem --signing-certificate cert.pem --certificate-chain ca.pem
+      kvq sign out/smollm2-w4 --sigstore
+    """
+    from .api import run_sign
+    from .signing import SignOptions
+
+    opts = SignOptions(private_key=private_key, password=password, signing_certificate=signing_certificate,
+                       certificate_chain=tuple(certificate_chain), sigstore=sigstore, identity_token=identity_token)
+    result = run_sign(artifact, opts, console=None if as_json else _console())
+    if as_json:
+        click.echo(json.dumps(result, indent=2, sort_keys=True))
 
 
 @cli.command()

@@ -2,11 +2,18 @@
 
 Rules (MUST unless marked MAY):
 
-* ``schema_version`` is ``"kvq.manifest/1"``; readers refuse other versions.
-* ``files`` maps every file of the artifact folder except the manifest itself to its
-  size and SHA-256; names are plain file names (no ``/``, no ``..``).
-* ``tensors`` maps every stored tensor name to its file, dtype, shape and the SHA-256
-  of its stored bytes (the safetensors data range, not a re-serialization).
+* ``schema_version`` is ``"kvq.manifest/2"``; readers refuse unknown versions (version 1,
+  which named every digest ``sha256``, is read and upgraded in memory).
+* ``digest_algorithm`` is ``sha256`` (default) or ``blake3``; every digest is 64
+  lowercase hex characters.
+* ``files`` maps every file of the artifact folder except the manifest and the signature
+  (``model.sig``) to its size and digest; names are plain file names (no ``/``, no
+  ``..``, not absolute). ``covers`` says what the digest covers: ``file`` (all bytes) or,
+  for safetensors files, ``header`` (the 8-byte length and the JSON header): the data
+  buffer is covered by the tensors' digests, and the format forbids holes in it, so every
+  byte is hashed exactly once.
+* ``tensors`` maps every stored tensor name to its file, dtype, shape and the digest of
+  its stored bytes (the safetensors data range, not a re-serialization).
 * ``recipe`` is the effective recipe; ``calibration`` the calibration provenance
   (source, SHA-256 of the text, samples, seqlen, seed) or null for RTN.
 * ``provenance`` (creation time, host) MAY change between identical runs and is the
@@ -21,40 +28,47 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InputError
 
-SCHEMA_VERSION = "kvq.manifest/1"
+SCHEMA_VERSION = "kvq.manifest/2"
 MANIFEST_NAME = "kvq-manifest.json"
+SIGNATURE_NAME = "model.sig"
 
 
 def _safe_name(name: str) -> str:
-    if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith(".."):
+    if (not name or "/" in name or "\\" in name or "\x00" in name or name in (".", "..") or name.startswith("..")
+            or name in (MANIFEST_NAME, SIGNATURE_NAME)):
         raise ValueError(f"unsafe file name {name!r} (must be a plain name inside the artifact)")
     return name
 
 
 def _hex64(v: str) -> str:
     if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
-        raise ValueError("sha256 digest must be 64 lowercase hex characters")
+        raise ValueError("digest must be 64 lowercase hex characters")
     return v
 
 
 class FileRecord(BaseModel):
+    """One file of the artifact: size in bytes, digest, and what the digest covers."""
+
     model_config = ConfigDict(extra="forbid")
     size: int = Field(ge=0)
-    sha256: str
-    _v = field_validator("sha256")(classmethod(lambda cls, v: _hex64(v)))
+    digest: str
+    covers: Literal["file", "header"] = "file"
+    _v = field_validator("digest")(classmethod(lambda cls, v: _hex64(v)))
 
 
 class TensorRecord(BaseModel):
+    """One stored tensor: its file, safetensors dtype, shape and the digest of its bytes."""
+
     model_config = ConfigDict(extra="forbid")
     file: str
     dtype: str
-    shape: list[int]
-    sha256: str
-    _v = field_validator("sha256")(classmethod(lambda cls, v: _hex64(v)))
+    shape: list[int] = Field(max_length=64)
+    digest: str
+    _v = field_validator("digest")(classmethod(lambda cls, v: _hex64(v)))
     _f = field_validator("file")(classmethod(lambda cls, v: _safe_name(v)))
 
 
@@ -62,7 +76,8 @@ class Manifest(BaseModel):
     """The artifact manifest (see module docstring for the rules)."""
 
     model_config = ConfigDict(extra="forbid")
-    schema_version: Literal["kvq.manifest/1"] = SCHEMA_VERSION
+    schema_version: Literal["kvq.manifest/2"] = SCHEMA_VERSION
+    digest_algorithm: Literal["sha256", "blake3"] = "sha256"
     format: Literal["compressed-tensors", "awq", "gptq"] = "compressed-tensors"
     tool: dict[str, Any]
     source: dict[str, Any]
@@ -81,6 +96,13 @@ class Manifest(BaseModel):
         for name in v:
             _safe_name(name)
         return v
+
+    @model_validator(mode="after")
+    def _tensor_files_listed(self):
+        for tname, rec in self.tensors.items():
+            if rec.file not in self.files:
+                raise ValueError(f"tensor {tname!r} is in file {rec.file!r}, which the manifest does not list")
+        return self
 
     def to_json(self) -> str:
         """Canonical serialization (sorted keys, 2-space indent, trailing newline)."""
@@ -108,6 +130,8 @@ def load_manifest(folder: str | Path) -> Manifest:
         raise InputError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: manifest must be a JSON object")
+    if data.get("schema_version") == "kvq.manifest/1":
+        data = _upgrade_v1(data)
     if data.get("schema_version") != SCHEMA_VERSION:
         raise InputError(f"{path}: unknown schema_version {data.get('schema_version')!r} (this kvq reads {SCHEMA_VERSION})")
     try:
@@ -115,4 +139,27 @@ def load_manifest(folder: str | Path) -> Manifest:
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first["loc"])
-        raise InputError(f"{path}: {loc}: {first['msg']}") from None
+        raise InputError(f"{path}: {loc or 'manifest'}: {first['msg']}") from None
+
+
+def _upgrade_v1(data: dict) -> dict:
+    """Version 1 named every digest ``sha256`` and always covered whole files."""
+    data = dict(data, schema_version=SCHEMA_VERSION, digest_algorithm="sha256")
+    for key in ("files", "tensors"):
+        recs = data.get(key)
+        if isinstance(recs, dict):
+            data[key] = {n: ({("digest" if k == "sha256" else k): v for k, v in r.items()} if isinstance(r, dict) else r)
+                         for n, r in recs.items()}
+    return data
+
+
+def json_schema() -> dict:
+    """The manifest's JSON Schema (draft 2020-12, from the pydantic model); ``docs/manifest.schema.json``."""
+    schema = Manifest.model_json_schema()
+    schema["$id"] = "urn:kvq:manifest:2"
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    return schema
+
+
+if __name__ == "__main__":  # python -m compressor.manifest > docs/manifest.schema.json
+    print(json.dumps(json_schema(), indent=2, sort_keys=True))

@@ -107,38 +107,181 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
     for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
         if s1 < e0:
             raise InputError(f"{path}: tensors '{n0}' and '{n1}' overlap in the data buffer")
+    # the format forbids holes ("the byte buffer needs to be entirely indexed"): bytes no
+    # tensor covers could carry hidden content past every per-tensor digest
+    covered = data_start
+    for s0, e0, n0 in spans:
+        if s0 != covered:
+            raise InputError(f"{path}: bad safetensors file: {s0 - covered} unindexed bytes before tensor '{n0}'")
+        covered = e0
+    if covered != size:
+        raise InputError(f"{path}: bad safetensors file: {size - covered} unindexed bytes after the last tensor")
     return entries
 
 
-def tensor_digests(path: str | os.PathLike, algorithm: str = "sha256", workers: int = 2) -> dict[str, str]:
-    """Hex digest of every tensor's stored bytes (mmap, streamed, ``workers`` threads).
-
-    Never loads the file into memory: each tensor's byte range is hashed from a memory map
-    (hashlib releases the GIL, so threads use several cores).
-    """
-    entries = read_header(path)
+def header_span(path: str | os.PathLike) -> int:
+    """Length in bytes of the 8-byte length prefix plus the JSON header (``8 + N``)."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return {}
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            view = memoryview(mm)
+        return 8 + int.from_bytes(f.read(8), "little")
 
-            def _one(e: TensorEntry) -> tuple[str, str]:
-                h = hashlib.new(algorithm)
-                h.update(view[e.start : e.end])
-                return e.name, h.hexdigest()
 
+HASH_ALGORITHMS = ("sha256", "blake3")
+_BLAKE3_THREADED_MIN = 1 << 20  # below 1 MiB blake3's own threads do not pay off
+
+
+def new_hasher(algorithm: str, nbytes: int = 0):
+    """A hashlib-style object for ``algorithm`` (``sha256`` or ``blake3``).
+
+    BLAKE3 (the ``blake3`` package, O'Connor et al. 2020) hashes one input on several
+    threads itself, so large inputs get ``max_threads=AUTO``; SHA-256 is sequential per
+    input and gets its parallelism from hashing several tensors at once.
+
+    Raises:
+        InputError: unknown algorithm.
+    """
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == "blake3":
+        import blake3
+
+        return blake3.blake3(max_threads=blake3.blake3.AUTO if nbytes >= _BLAKE3_THREADED_MIN else 1)
+    raise InputError(f"unknown digest algorithm {algorithm!r} (choose from {', '.join(HASH_ALGORITHMS)})")
+
+
+@dataclass(frozen=True)
+class _Job:
+    file: str
+    name: str | None  # tensor name, or None for the header / whole file
+    start: int
+    end: int
+
+
+@dataclass
+class FolderDigests:
+    """Digests of an artifact folder's files, computed in one pass.
+
+    ``files[name] = (size, digest, covers)``: ``covers`` is ``"header"`` for safetensors
+    files (the digest covers the length prefix and JSON header; the tensors' digests cover
+    the data buffer, which the format forbids to have holes, so every byte is covered
+    exactly once) and ``"file"`` for all other files. ``tensors[name] = (file, entry,
+    digest)``. ``errors[file]`` holds the one-line reason a safetensors file could not be
+    parsed (it is then hashed as a whole file).
+    """
+
+    algorithm: str
+    files: dict[str, tuple[int, str, str]]
+    tensors: dict[str, tuple[str, TensorEntry, str]]
+    errors: dict[str, str]
+    bytes_hashed: int
+    seconds: float
+
+
+def default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def digest_files(folder: str | os.PathLike, names, algorithm: str = "sha256", workers: int | None = None,
+                 parse_safetensors: bool = True) -> FolderDigests:
+    """Hash the plain files ``names`` of ``folder`` (mmap, streamed, parallel).
+
+    Each safetensors file is read once: its header and every tensor's byte range are
+    separate jobs; all jobs of all files go to one pool of ``workers`` threads (default:
+    the CPUs this process may use), largest first, so a few large tensors do not leave a
+    core idle at the end (longest-processing-time-first scheduling). hashlib and blake3
+    release the GIL while hashing, so threads use several cores. Nothing is loaded into
+    memory beyond the page cache.
+
+    Raises:
+        InputError: unknown algorithm, or a file that cannot be opened.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    folder = Path(folder)
+    new_hasher(algorithm)  # validate early
+    workers = workers or default_workers()
+    jobs: list[_Job] = []
+    files: dict[str, tuple[int, str, str]] = {}
+    kinds: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    entries: dict[str, dict[str, TensorEntry]] = {}
+    errors: dict[str, str] = {}
+    for name in names:
+        p = folder / name
+        try:
+            sizes[name] = p.stat().st_size
+        except OSError as e:
+            raise InputError(f"cannot read {p}: {e.strerror}") from None
+        if parse_safetensors and name.endswith(".safetensors"):
             try:
-                with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
-                    return dict(ex.map(_one, entries.values()))
-            finally:
-                view.release()
+                entries[name] = read_header(p)
+            except InputError as e:
+                errors[name] = str(e)
+        if name in entries:
+            kinds[name] = "header"
+            jobs.append(_Job(name, None, 0, header_span(p)))
+            jobs.extend(_Job(name, t.name, t.start, t.end) for t in entries[name].values())
+        else:
+            kinds[name] = "file"
+            jobs.append(_Job(name, None, 0, sizes[name]))
+    jobs.sort(key=lambda j: j.end - j.start, reverse=True)
+
+    maps: dict[str, tuple] = {}
+    try:
+        for name in kinds:
+            if sizes[name] == 0:
+                continue
+            f = open(folder / name, "rb")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            maps[name] = (f, mm, memoryview(mm))
+
+        def _run(job: _Job) -> tuple[_Job, str]:
+            n = job.end - job.start
+            h = new_hasher(algorithm, n)
+            if n:
+                view = maps[job.file][2]
+                step = 1 << 26  # 64 MiB slices keep page-cache pressure bounded on huge tensors
+                for off in range(job.start, job.end, step):
+                    h.update(view[off : min(off + step, job.end)])
+            return job, h.hexdigest()
+
+        if algorithm == "blake3":  # blake3 threads inside one input: feed it one job at a time
+            results = [_run(j) for j in jobs]
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as ex:
+                results = list(ex.map(_run, jobs))
+    finally:
+        for f, mm, view in maps.values():
+            view.release()
+            mm.close()
+            f.close()
+    tensors: dict[str, tuple[str, TensorEntry, str]] = {}
+    for job, digest in results:
+        if job.name is None:
+            files[job.file] = (sizes[job.file], digest, kinds[job.file])
+        else:
+            tensors[job.name] = (job.file, entries[job.file][job.name], digest)
+    return FolderDigests(algorithm, files, tensors, errors, sum(sizes.values()), time.perf_counter() - t0)
+
+
+def tensor_digests(path: str | os.PathLike, algorithm: str = "sha256", workers: int | None = None) -> dict[str, str]:
+    """Hex digest of every tensor's stored bytes of one safetensors file (see :func:`digest_files`).
+
+    Raises:
+        InputError: bad header (see :func:`read_header`).
+    """
+    path = Path(path)
+    read_header(path)
+    d = digest_files(path.parent, [path.name], algorithm, workers)
+    return {name: digest for name, (_f, _e, digest) in d.tensors.items()}
 
 
 def file_digest(path: str | os.PathLike, algorithm: str = "sha256") -> str:
     """Streaming hex digest of a whole file."""
-    h = hashlib.new(algorithm)
+    h = new_hasher(algorithm, Path(path).stat().st_size)
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)

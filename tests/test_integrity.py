@@ -1,0 +1,525 @@
+"""Integrity (issue #5): manifest digests, signatures through model_signing, hostile input."""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from compressor.api import QuantizeOptions, run_quantize
+from compressor.artifact import check_hashes
+from compressor.cli import main
+from compressor.errors import InputError
+from compressor.manifest import MANIFEST_NAME, SIGNATURE_NAME, json_schema, load_manifest
+from compressor.safetensors_io import file_digest, read_header
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return exc.value.code, cap.out, cap.err
+
+
+def one_line_error(code, err, expected, pattern):
+    assert code == expected, err
+    assert "Traceback" not in err
+    assert pattern in err, err
+
+
+def _keypair(folder: Path, name: str) -> tuple[Path, Path]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    priv, pub = folder / f"{name}.pem", folder / f"{name}.pub.pem"
+    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
+    return priv, pub
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    return {"a": _keypair(d, "a"), "b": _keypair(d, "b"), "dir": d}
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory, tiny_model_dir, keys):
+    """A tiny RTN artifact, signed during quantize (--sign-key)."""
+    out = tmp_path_factory.mktemp("signed") / "w4"
+    code = None
+    try:
+        main(["quantize", str(tiny_model_dir), "-o", str(out), "--algorithm", "rtn", "--group-size", "32",
+              "--sign-key", str(keys["a"][0]), "--json"])
+    except SystemExit as e:
+        code = e.code
+    assert code == 0
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+# --- manifest digests -------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed,k", [(0, 1), (1, 3), (2, 7)])
+def test_flip_one_byte_in_k_random_tensors_names_exactly_those(signed, tmp_path, seed, k, capsys):
+    art = _copy(signed, tmp_path / "a")
+    entries = [e for e in read_header(art / "model.safetensors").values() if e.end > e.start]
+    rng = random.Random(seed)
+    chosen = rng.sample(entries, k)
+    for e in chosen:
+        _flip(art / "model.safetensors", rng.randrange(e.start, e.end))
+    rep = check_hashes(art)
+    assert rep["modified_tensors"] == sorted(e.name for e in chosen)
+    assert rep["modified_files"] == ["model.safetensors"]
+    assert not rep["missing_tensors"] and not rep["extra_tensors"] and not rep["ok"]
+    code, out, err = run(["verify", art, "--hashes-only", "--json"], capsys)
+    assert code == 1
+    assert json.loads(out)["hashes"]["modified_tensors"] == sorted(e.name for e in chosen)
+
+
+def test_clean_artifact_hashes_ok_and_reports_throughput(signed):
+    rep = check_hashes(signed)
+    assert rep["ok"] and rep["digest_algorithm"] == "sha256"
+    m = load_manifest(signed)
+    assert rep["tensors_checked"] == len(m.tensors)
+    assert rep["bytes_hashed"] == sum(f.size for f in m.files.values())
+    assert m.files["model.safetensors"].covers == "header"
+    assert m.files["config.json"].covers == "file"
+    assert m.files["config.json"].digest == file_digest(signed / "config.json")
+    assert SIGNATURE_NAME not in m.files
+
+
+def test_header_edit_is_a_modified_file(signed, tmp_path):
+    art = _copy(signed, tmp_path / "a")
+    raw = (art / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + n].replace(b'"format":"pt"', b'"format":"PT"')
+    assert header != raw[8:8 + n]
+    (art / "model.safetensors").write_bytes(raw[:8] + header + raw[8 + n:])
+    rep = check_hashes(art)
+    assert rep["modified_files"] == ["model.safetensors"] and rep["modified_tensors"] == []
+
+
+def test_added_removed_renamed_files(signed, tmp_path):
+    art = _copy(signed, tmp_path / "a")
+    (art / "notes.txt").write_text("added later")
+    os.rename(art / "tokenizer.json", art / "tok.json")
+    (art / "generation_config.json").unlink()
+    rep = check_hashes(art)
+    assert rep["extra_files"] == ["notes.txt"]
+    assert rep["renamed_files"] == ["tokenizer.json -> tok.json"]
+    assert rep["missing_files"] == ["generation_config.json"]
+    assert not rep["ok"]
+
+
+def test_renamed_weights_file_is_reported_as_a_rename_not_as_modified_tensors(signed, tmp_path):
+    art = _copy(signed, tmp_path / "a")
+    os.rename(art / "model.safetensors", art / "weights.safetensors")
+    rep = check_hashes(art)
+    assert rep["renamed_files"] == ["model.safetensors -> weights.safetensors"]
+    assert rep["modified_tensors"] == [] and rep["missing_tensors"] == [] and not rep["ok"]
+
+
+def test_symlink_pointing_outside_is_refused_and_not_followed(signed, tmp_path):
+    art = _copy(signed, tmp_path / "a")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("outside")
+    (art / "config.json").unlink()
+    os.symlink(secret, art / "config.json")
+    rep = check_hashes(art)
+    assert not rep["ok"]
+    assert rep["unsafe_files"] and "outside the artifact" in rep["unsafe_files"][0]
+    assert "config.json" not in rep["missing_files"]
+
+
+def test_blake3_manifest_round_trip_and_tamper(tiny_model_dir, tmp_path):
+    out = tmp_path / "b3"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, algorithm="rtn", group_size=32,
+                                 digest_algorithm="blake3"))
+    m = load_manifest(out)
+    assert m.digest_algorithm == "blake3"
+    import blake3
+
+    assert m.files["config.json"].digest == blake3.blake3((out / "config.json").read_bytes()).hexdigest()
+    assert check_hashes(out)["ok"]
+    e = read_header(out / "model.safetensors")["model.layers.0.mlp.down_proj.weight_scale"]
+    _flip(out / "model.safetensors", e.start)
+    assert check_hashes(out)["modified_tensors"] == ["model.layers.0.mlp.down_proj.weight_scale"]
+
+
+def test_v1_manifest_is_read(signed, tmp_path):
+    """Artifacts written before schema 2 (digests named sha256, whole-file digests) still verify."""
+    art = _copy(signed, tmp_path / "a")
+    (art / SIGNATURE_NAME).unlink()
+    data = json.loads((art / MANIFEST_NAME).read_text())
+    data["schema_version"] = "kvq.manifest/1"
+    data.pop("digest_algorithm")
+    for name, rec in data["files"].items():
+        rec.pop("covers")
+        rec.pop("digest")
+        rec["sha256"] = file_digest(art / name)
+    for rec in data["tensors"].values():
+        rec["sha256"] = rec.pop("digest")
+    (art / MANIFEST_NAME).write_text(json.dumps(data))
+    assert check_hashes(art)["ok"]
+    _flip(art / "tokenizer.json", 10)
+    assert check_hashes(art)["modified_files"] == ["tokenizer.json"]
+
+
+def test_json_schema_in_docs_is_current():
+    committed = json.loads((REPO / "docs" / "manifest.schema.json").read_text())
+    assert committed == json.loads(json.dumps(json_schema())), "regenerate: python -m compressor.manifest > docs/manifest.schema.json"
+
+
+# --- hostile manifests ------------------------------------------------------------------
+
+def _edit_manifest(art: Path, fn) -> None:
+    data = json.loads((art / MANIFEST_NAME).read_text())
+    fn(data)
+    (art / MANIFEST_NAME).write_text(json.dumps(data))
+
+
+def _rename_key(d: dict, old: str, new: str) -> None:
+    d[new] = d.pop(old)
+
+
+@pytest.mark.parametrize("edit,msg", [
+    (lambda d: d.update(schema_version="kvq.manifest/3"), "unknown schema_version"),
+    (lambda d: _rename_key(d["files"], "config.json", "../config.json"), "unsafe file name"),
+    (lambda d: _rename_key(d["files"], "config.json", "/etc/passwd"), "unsafe file name"),
+    (lambda d: d["tensors"][next(iter(d["tensors"]))].update(file="../model.safetensors"), "unsafe file name"),
+    (lambda d: d["files"]["config.json"].update(digest="ab" * 31), "64 lowercase hex"),
+    (lambda d: d["files"]["config.json"].update(digest="AB" * 32), "64 lowercase hex"),
+    (lambda d: d["tensors"][next(iter(d["tensors"]))].update(digest="0" * 128), "64 lowercase hex"),
+    (lambda d: d.update(digest_algorithm="md5"), "digest_algorithm"),
+    (lambda d: d["files"].pop("model.safetensors"), "does not list"),
+    (lambda d: d.update(unexpected=1), "unexpected"),
+])
+def test_hostile_manifest_is_a_one_line_input_error(signed, tmp_path, capsys, edit, msg):
+    art = _copy(signed, tmp_path / "a")
+    _edit_manifest(art, edit)
+    with pytest.raises(InputError, match=msg):
+        load_manifest(art)
+    code, out, err = run(["verify", art, "--hashes-only"], capsys)
+    one_line_error(code, err, 2, msg.split()[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"], "nothing written outside the artifact"
+
+
+@pytest.mark.parametrize("text", ["", "[]", "{", "\x00\x01", '{"schema_version": "kvq.manifest/2"}', "1e999"])
+def test_broken_manifest_text(signed, tmp_path, text):
+    art = _copy(signed, tmp_path / "a")
+    (art / MANIFEST_NAME).write_text(text)
+    with pytest.raises(InputError):
+        load_manifest(art)
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.lists(st.sampled_from(["files", "tensors", "config.json", "model.safetensors", "digest", "size",
+                                      "covers", "shape", "file", "dtype", "recipe", "schema_version"]), min_size=1, max_size=3),
+       value=_json)
+def test_fuzz_manifest_loader(signed, tmp_path_factory, path, value):
+    """Any edit of any field of a valid manifest: a valid manifest or a one-line InputError, nothing else."""
+    data = json.loads((signed / MANIFEST_NAME).read_text())
+    node = data
+    for key in path[:-1]:
+        if isinstance(node, dict):
+            if key not in node and node is not data:
+                key = next(iter(node), key)
+            node = node.setdefault(key, {}) if isinstance(node.get(key, {}), dict) else node.get(key)
+        if not isinstance(node, dict):
+            break
+    if isinstance(node, dict):
+        node[path[-1]] = value
+    art = tmp_path_factory.mktemp("fz")
+    (art / MANIFEST_NAME).write_text(json.dumps(data))
+    try:
+        load_manifest(art)
+    except InputError as e:
+        assert "\n" not in str(e)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["F32", "F16", "I8", "U8", "BF16", "X1"]),
+                          st.lists(st.integers(0, 5), max_size=3),
+                          st.integers(-4, 40), st.integers(-4, 40)), max_size=4),
+       st.integers(0, 64))
+def test_fuzz_structured_safetensors_headers(tmp_path_factory, tensors, data_len):
+    """Random but well-formed-looking headers: either refused with InputError or fully consistent."""
+    import struct
+
+    header = {f"t{i}": {"dtype": d, "shape": s, "data_offsets": [a, b]} for i, (d, s, a, b) in enumerate(tensors)}
+    raw = json.dumps(header).encode()
+    f = tmp_path_factory.mktemp("st") / "f.safetensors"
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * data_len)
+    try:
+        entries = read_header(f)
+    except InputError as e:
+        assert "\n" not in str(e)
+        return
+    spans = sorted((e.start, e.end) for e in entries.values() if e.end > e.start)
+    pos = 8 + len(raw)
+    for s, e in spans:  # accepted files tile the data buffer exactly: no overlap, no hole, no tail
+        assert s == pos
+        pos = e
+    assert pos == f.stat().st_size
+
+
+@pytest.mark.parametrize("extra,msg", [(b"\0" * 4, "unindexed bytes after"), (None, "unindexed bytes before")])
+def test_safetensors_holes_are_refused(tmp_path, extra, msg):
+    import struct
+
+    if extra is not None:
+        header = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+        data = b"\0" * 4 + extra
+    else:
+        header = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}
+        data = b"\0" * 8
+    raw = json.dumps(header).encode()
+    f = tmp_path / "h.safetensors"
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    with pytest.raises(InputError, match=msg):
+        read_header(f)
+
+
+def test_appended_bytes_to_weights_fail_the_check(signed, tmp_path):
+    art = _copy(signed, tmp_path / "a")
+    with open(art / "model.safetensors", "ab") as f:
+        f.write(b"hidden payload")
+    rep = check_hashes(art)
+    assert not rep["ok"] and rep["modified_files"] == ["model.safetensors"]
+    assert "unindexed bytes" in rep["unreadable_files"][0]
+
+
+# --- signatures -------------------------------------------------------------------------
+
+def test_quantize_sign_key_then_verify_public_key(signed, keys, capsys):
+    assert (signed / SIGNATURE_NAME).is_file()
+    code, out, err = run(["verify", signed, "--hashes-only", "--public-key", keys["a"][1], "--json"], capsys)
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["signature"]["ok"] is True and rep["signature"]["method"] == "key" and rep["hashes"]["ok"]
+
+
+def test_stock_model_signing_cli_verifies_kvq_signature(signed, keys, tmp_path):
+    exe = Path(sys.executable).parent / "model_signing"
+    cmd = [str(exe) if exe.exists() else "model_signing"]
+    p = subprocess.run([*cmd, "verify", "key", "--signature", str(signed / SIGNATURE_NAME),
+                        "--public_key", str(keys["a"][1]), str(signed)], capture_output=True, text=True)
+    assert p.returncode == 0 and "Verification succeeded" in p.stdout + p.stderr, p.stdout + p.stderr
+    art = _copy(signed, tmp_path / "a")
+    (art / "extra.txt").write_text("x")
+    p = subprocess.run([*cmd, "verify", "key", "--signature", str(art / SIGNATURE_NAME),
+                        "--public_key", str(keys["a"][1]), str(art)], capture_output=True, text=True)
+    assert "Verification succeeded" not in p.stdout + p.stderr and "extra.txt" in p.stdout + p.stderr
+
+
+def test_signature_from_another_key_fails(signed, keys, capsys):
+    code, out, err = run(["verify", signed, "--hashes-only", "--public-key", keys["b"][1], "--json"], capsys)
+    assert code == 1
+    sig = json.loads(out)["signature"]
+    assert sig["ok"] is False and "does not verify" in sig["error"]
+
+
+def test_missing_signature_fails_when_a_key_is_given(signed, keys, tmp_path, capsys):
+    art = _copy(signed, tmp_path / "a")
+    (art / SIGNATURE_NAME).unlink()
+    code, out, err = run(["verify", art, "--hashes-only", "--public-key", keys["a"][1], "--json"], capsys)
+    assert code == 1 and "missing" in json.loads(out)["signature"]["error"]
+    code, out, err = run(["verify", art, "--hashes-only", "--json"], capsys)  # no key: integrity only
+    assert code == 0 and json.loads(out)["signature"] == {"present": False, "checked": False, "ok": None}
+
+
+def test_signature_over_a_different_manifest_fails(signed, keys, tmp_path, tiny_model_dir, capsys):
+    other = tmp_path / "other"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=other, algorithm="rtn", group_size=64))
+    shutil.copy(signed / SIGNATURE_NAME, other / SIGNATURE_NAME)
+    code, out, err = run(["verify", other, "--hashes-only", "--public-key", keys["a"][1], "--json"], capsys)
+    rep = json.loads(out)
+    assert code == 1 and rep["signature"]["ok"] is False
+    assert any(MANIFEST_NAME in d for d in rep["signature"]["differences"])
+    assert rep["hashes"]["ok"]  # the manifest matches its own files; only the signature catches the swap
+
+
+def test_file_added_after_signing_is_named(signed, keys, tmp_path, capsys):
+    art = _copy(signed, tmp_path / "a")
+    (art / "backdoor.py").write_text("import os\n")
+    code, out, err = run(["verify", art, "--hashes-only", "--public-key", keys["a"][1]], capsys)
+    assert code == 1
+    assert "backdoor.py" in err and "signed files differ" in err
+
+
+def test_rehashed_manifest_without_resigning_is_caught(signed, keys, tmp_path, capsys):
+    """An attacker edits a tensor and rewrites the manifest's digests: hashes agree, the signature does not."""
+    from compressor.artifact import build_manifest
+    from compressor.manifest import Manifest
+
+    art = _copy(signed, tmp_path / "a")
+    e = read_header(art / "model.safetensors")["model.layers.0.self_attn.q_proj.weight_scale"]
+    _flip(art / "model.safetensors", e.start)
+    old = load_manifest(art)
+    fields = {k: v for k, v in old.model_dump().items()
+              if k not in ("files", "tensors", "provenance", "digest_algorithm", "schema_version")}
+    forged = build_manifest(art, fields)
+    (art / MANIFEST_NAME).write_text(forged.to_json())
+    assert check_hashes(art)["ok"]
+    code, out, err = run(["verify", art, "--hashes-only", "--public-key", keys["a"][1], "--json"], capsys)
+    rep = json.loads(out)
+    assert code == 1 and rep["signature"]["ok"] is False
+    diffs = " ".join(rep["signature"]["differences"])
+    assert "model.safetensors" in diffs and MANIFEST_NAME in diffs
+
+
+def test_kvq_sign_resigns_and_refuses_a_tampered_artifact(signed, keys, tmp_path, capsys):
+    art = _copy(signed, tmp_path / "a")
+    code, out, err = run(["sign", art, "--private-key", keys["b"][0], "--json"], capsys)
+    assert code == 0, err
+    assert not [p for p in art.iterdir() if p.name.startswith(".")], "temporary signature left behind"
+    code, _, err = run(["verify", art, "--hashes-only", "--public-key", keys["b"][1]], capsys)
+    assert code == 0, err
+    code, _, _ = run(["verify", art, "--hashes-only", "--public-key", keys["a"][1]], capsys)
+    assert code == 1
+    before = (art / SIGNATURE_NAME).read_bytes()
+    e = read_header(art / "model.safetensors")["model.norm.weight"]
+    _flip(art / "model.safetensors", e.start)
+    code, out, err = run(["sign", art, "--private-key", keys["b"][0]], capsys)
+    one_line_error(code, err, 1, "refusing to sign")
+    assert "model.norm.weight" in err
+    assert (art / SIGNATURE_NAME).read_bytes() == before
+
+
+@pytest.mark.parametrize("what", ["missing", "not_pem", "rsa", "public_as_private"])
+def test_bad_key_files_are_usage_errors(signed, keys, tmp_path, capsys, tiny_model_dir, what):
+    bad = tmp_path / "bad.pem"
+    if what == "not_pem":
+        bad.write_text("hello")
+    elif what == "rsa":
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+
+        k = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        bad.write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption()))
+    elif what == "public_as_private":
+        shutil.copy(keys["a"][1], bad)
+    art = _copy(signed, tmp_path / "a")
+    before = (art / SIGNATURE_NAME).read_bytes()
+    code, _, err = run(["sign", art, "--private-key", bad], capsys)
+    one_line_error(code, err, 2, "bad.pem")
+    assert (art / SIGNATURE_NAME).read_bytes() == before
+    out = tmp_path / "never"
+    code, _, err = run(["quantize", tiny_model_dir, "-o", out, "--algorithm", "rtn", "--sign-key", bad], capsys)
+    one_line_error(code, err, 2, "bad.pem")
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if "kvq-tmp" in p.name]
+    if what != "public_as_private":
+        code, _, err = run(["verify", art, "--hashes-only", "--public-key", bad], capsys)
+        one_line_error(code, err, 2, "bad.pem")
+
+
+def test_certificate_chain_signing(signed, tmp_path, capsys):
+    """Sign with a leaf certificate issued by a private CA; verify with the CA as the chain."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def cert(subject_key, issuer_key, subject, issuer, ca):
+        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+             .public_key(subject_key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=30))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+             .add_extension(x509.KeyUsage(digital_signature=not ca, content_commitment=False, key_encipherment=False,
+                                          data_encipherment=False, key_agreement=False, key_cert_sign=ca,
+                                          crl_sign=ca, encipher_only=False, decipher_only=False), critical=True)
+             .add_extension(x509.SubjectKeyIdentifier.from_public_key(subject_key.public_key()), critical=False)
+             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False))
+        if not ca:
+            b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CODE_SIGNING]), critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_pem, leaf_pem, key_pem = tmp_path / "ca.pem", tmp_path / "leaf.pem", tmp_path / "leaf.key"
+    ca_pem.write_bytes(cert(ca_key, ca_key, "kvq test CA", "kvq test CA", True).public_bytes(serialization.Encoding.PEM))
+    leaf_pem.write_bytes(cert(leaf_key, ca_key, "kvq release", "kvq test CA", False).public_bytes(serialization.Encoding.PEM))
+    key_pem.write_bytes(leaf_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    art = _copy(signed, tmp_path / "a")
+    code, _, err = run(["sign", art, "--private-key", key_pem, "--signing-certificate", leaf_pem,
+                        "--certificate-chain", ca_pem], capsys)
+    assert code == 0, err
+    code, out, err = run(["verify", art, "--hashes-only", "--certificate-chain", ca_pem, "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["signature"]["method"] == "certificate"
+    other_ca = tmp_path / "other_ca.pem"
+    k2 = ec.generate_private_key(ec.SECP256R1())
+    other_ca.write_bytes(cert(k2, k2, "other CA", "other CA", True).public_bytes(serialization.Encoding.PEM))
+    code, _, _ = run(["verify", art, "--hashes-only", "--certificate-chain", other_ca], capsys)
+    assert code == 1
+
+
+def test_sigstore_needs_identity_and_issuer(signed, capsys):
+    code, _, err = run(["verify", signed, "--hashes-only", "--identity", "me@example.com"], capsys)
+    one_line_error(code, err, 2, "--issuer")
+
+
+# --- non-finite weights -----------------------------------------------------------------
+
+def test_nan_in_source_model_is_refused_naming_the_tensor(tmp_path, tokenizer, capsys):
+    from conftest import make_model_dir
+    from safetensors.torch import load_file, save_file
+
+    src = make_model_dir(tmp_path / "m", tokenizer)
+    f = next(src.glob("*.safetensors"))
+    t = load_file(str(f))
+    t["model.layers.1.mlp.gate_proj.weight"][3, 5] = float("inf")
+    save_file(t, str(f), metadata={"format": "pt"})
+    code, _, err = run(["quantize", src, "-o", tmp_path / "o", "--algorithm", "rtn"], capsys)
+    one_line_error(code, err, 2, "model.layers.1.mlp.gate_proj.weight")
+    assert not (tmp_path / "o").exists()
+
+
+def test_overflow_produced_by_quantization_is_refused(tmp_path, tokenizer, capsys):
+    """A finite fp32 weight whose fp16 scale overflows: the module is named, nothing is written."""
+    from conftest import make_model_dir
+    from safetensors.torch import load_file, save_file
+
+    src = make_model_dir(tmp_path / "m", tokenizer)
+    f = next(src.glob("*.safetensors"))
+    t = load_file(str(f))
+    t["model.layers.0.self_attn.o_proj.weight"][0, 0] = 1e30
+    save_file(t, str(f), metadata={"format": "pt"})
+    code, _, err = run(["quantize", src, "-o", tmp_path / "o", "--algorithm", "rtn", "--group-size", "32"], capsys)
+    one_line_error(code, err, 1, "model.layers.0.self_attn.o_proj")
+    assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if "kvq-tmp" in p.name]
