@@ -55,9 +55,14 @@ demo: install
 	  --calib-samples $(DEMO_SAMPLES) --calib-seqlen 512 -o $(DEMO)/smollm2-w4a16-awq --overwrite \
 	  --sign-key "$$keys/key.pem"; \
 	$(BIN)/kvq verify $(DEMO)/smollm2-w4a16-awq --public-key "$$keys/pub.pem" --eval "$$eval" --seqlen 2048 \
-	  --max-windows $(DEMO_WINDOWS) --json-out $(DEMO)/verify.json || { echo "demo: verify FAILED, see $(DEMO)/verify.json"; exit 1; }; \
-	$(BIN)/python -c "import json; r=json.load(open('$(DEMO)/verify.json')); p=r['perplexity']; print(f\"demo: verify passed: signature ok ({r['signature']['method']}), {r['hashes']['tensors_checked']} tensor digests ok, perplexity {p['artifact']:.3f} vs reference {p['reference']:.3f} ({p['increase_pct']:+.2f} %)\")"; \
-	echo "demo: artifact in $(DEMO)/smollm2-w4a16-awq (signed: model.sig), report in $(DEMO)/verify.json"
+	  --max-windows $(DEMO_WINDOWS) --json-out $(DEMO)/verify.json --report $(DEMO)/report \
+	  || { echo "demo: verify FAILED, see $(DEMO)/report/report.md"; exit 1; }; \
+	if $(BIN)/model_signing verify key --signature $(DEMO)/smollm2-w4a16-awq/model.sig --public_key "$$keys/pub.pem" \
+	  $(DEMO)/smollm2-w4a16-awq 2>&1 | grep -q "Verification succeeded"; then \
+	  echo "demo: the stock model_signing CLI verifies the signature too"; \
+	else echo "demo: model_signing verify FAILED"; exit 1; fi; \
+	$(BIN)/python -c "import json; r=json.load(open('$(DEMO)/verify.json')); p=r['perplexity']; d=r['distribution']; print(f\"demo: verify passed: signature ok ({r['signature']['method']}), {r['hashes']['tensors_checked']} tensor digests ok, perplexity {p['artifact']:.3f} vs reference {p['reference']:.3f} ({p['increase_pct']:+.2f} %), mean KL {d['kl']['mean']:.4f} nats, top-1 agreement {d['top1_agreement_pct']:.1f} %\")"; \
+	echo "demo: artifact in $(DEMO)/smollm2-w4a16-awq (signed: model.sig), report in $(DEMO)/report/report.md (+ report.html, PNGs)"
 
 bench: install
 	$(BIN)/python bench/run_bench.py

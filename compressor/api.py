@@ -81,6 +81,16 @@ class VerifyOptions:
     kv_calib: str = "embedded"
     kv_calib_samples: int = 16
     keys: Optional[VerifyKeys] = None  # check model.sig with these first
+    weights_only: bool = False  # weight statistics only: no eval text, no perplexity
+    max_mean_kl: Optional[float] = None
+    max_p99_kl: Optional[float] = None
+    min_top1: Optional[float] = None
+    min_sqnr_db: Optional[float] = None
+    max_hidden_error: Optional[float] = None
+    min_median_divergence: Optional[int] = None
+    prompts: Optional[str] = None  # greedy-drift prompt file (default: built-in set)
+    max_new_tokens: int = 32
+    hidden_batches: int = 2
 
 
 def _progress(console, total_label: str):
@@ -395,30 +405,78 @@ def run_sign(folder: Path, opts: SignOptions, console=None) -> dict:
     return {"artifact": str(folder), "signature": str(path), "method": opts.method(), "hashes": hashes}
 
 
+GATE_FLAGS = {  # gate name -> (VerifyOptions attribute, "max"|"min")
+    "max_ppl_increase_pct": ("max_ppl_increase", "max"),
+    "max_mean_kl": ("max_mean_kl", "max"),
+    "max_p99_kl": ("max_p99_kl", "max"),
+    "min_top1_agreement_pct": ("min_top1", "min"),
+    "min_sqnr_db": ("min_sqnr_db", "min"),
+    "max_hidden_error": ("max_hidden_error", "max"),
+    "min_median_divergence": ("min_median_divergence", "min"),
+}
+
+
+def _thresholds(manifest, opts: VerifyOptions) -> dict[str, float]:
+    """Gate thresholds: the recipe's ``gates`` (stored in the manifest), overridden by flags."""
+    stored = dict(manifest.recipe.get("gates") or {})
+    out = {}
+    for name, (attr, _kind) in GATE_FLAGS.items():
+        flag = getattr(opts, attr)
+        value = flag if flag is not None else stored.get(name)
+        if name == "max_ppl_increase_pct" and value is None:
+            value = 20.0
+        if value is not None:
+            out[name] = float(value)
+    return out
+
+
+def _gate(name: str, threshold: float, value, measured_on: str, detail: str | None = None) -> dict:
+    kind = GATE_FLAGS[name][1]
+    ok = value is not None and (value <= threshold if kind == "max" else value >= threshold)
+    return {"name": name, "threshold": threshold, "value": None if value is None else float(value), "passed": bool(ok),
+            "measured_on": measured_on, "detail": detail}
+
+
 def run_verify(opts: VerifyOptions, console=None) -> dict:
-    """Check digests, then perplexity against the reference; returns the report (``passed`` bool).
+    """Signature, digests, then statistics against the reference model, and the gates.
+
+    Modes: ``hashes_only`` (signature + digests), ``weights_only`` (plus weight-space
+    statistics: per tensor relative error, SQNR, original-vs-artifact statistics; no
+    eval text), full (plus perplexity, KL divergence, top-1 agreement, per window;
+    hidden-state error per layer; greedy drift on a prompt set). Every gate whose
+    threshold is set (recipe ``gates`` or flags) is evaluated; ``passed`` is false if the
+    signature (when checked), a digest or any gate fails. Memory holds both models and
+    one window's logits per model.
 
     Raises:
-        InputError: not an artifact, bad manifest/header, reference or eval text not found.
+        InputError: not an artifact, bad manifest/header, reference, eval text or prompts not found.
+        CheckFailed: the recorded source model changed since quantization.
     """
+    from .quality import greedy_drift, weight_report
+    from .evaluate import compare, hidden_state_errors
+    from .prompts import load_prompts
+    from .report import validate
+
     t0 = time.perf_counter()
     folder = Path(opts.artifact)
     if not folder.is_dir():
         raise InputError(f"artifact folder {folder} not found")
     manifest = load_manifest(folder)
+    mode = "hashes-only" if opts.hashes_only else ("weights-only" if opts.weights_only else "full")
+    prompts = load_prompts(opts.prompts) if mode == "full" else None
     signature = check_signature(folder, opts.keys, console)
     hashes = check_hashes(folder)
     ok = hashes["ok"] and signature["ok"] is not False
-    report: dict = {"artifact": str(folder), "signature": signature, "hashes": hashes, "gates": [], "passed": ok}
+    report: dict = {"schema_version": "kvq.verify-report/1", "artifact": str(folder), "mode": mode,
+                    "signature": signature, "hashes": hashes, "gates": [], "failed_gates": [], "warnings": [],
+                    "passed": ok}
     if console:
         _print_hashes(console, hashes)
     if not ok or opts.hashes_only:
         report["seconds"] = round(time.perf_counter() - t0, 2)
-        return report
+        return validate(report)
 
-    max_inc = opts.max_ppl_increase
-    if max_inc is None:
-        max_inc = float(manifest.recipe.get("gates", {}).get("max_ppl_increase_pct", 10.0))
+    thresholds = _thresholds(manifest, opts)
     ref_spec = opts.reference or manifest.source.get("spec")
     if not ref_spec:
         raise InputError("the manifest records no source model; pass --reference")
@@ -426,17 +484,19 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     recorded = manifest.source.get("files") or {}
     ref_files = ref_source.fingerprint()["files"]
     same = bool(recorded) and ref_files == recorded
+    report["reference"] = ref_spec
     report["reference_matches_source"] = same
-    report["warnings"] = []
     if not same:
         msg = (f"reference {ref_spec} is not the model that was quantized (its weight-file digests differ from the "
                "manifest's source record)")
         if opts.reference is None:  # the recorded source itself changed: the comparison would prove nothing
             raise CheckFailed(msg + "; the source changed since quantization -- pass --reference to compare with another model")
         report["warnings"].append(msg)
-    text = load_text(opts.eval_text, part="eval")
-    if console and text.note:
-        console.print(f"[yellow]eval text:[/] {text.note}")
+    text = None
+    if mode == "full":
+        text = load_text(opts.eval_text, part="eval")
+        if console and text.note:
+            console.print(f"[yellow]eval text:[/] {text.note}")
 
     kv_info = read_kv_cache(folder, manifest)
     kv_source = "artifact" if kv_info else None
@@ -445,82 +505,163 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     weights_quantized = manifest.quantization.get("algorithm") != "none"
 
     model, tokenizer = load_artifact(folder)
-    wins = windows(tokenize(tokenizer, text.text), opts.seqlen, opts.max_windows)
-    n_layers = model.config.num_hidden_layers
-    if kv_info is not None and kv_info[0].static and kv_info[1] is None:
-        # --kv-scheme with static scales on a model that has none: calibrate them now
-        kv_info = (kv_info[0], _calibrate_kv(model, tokenizer, kv_info[0], opts, console))
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos and opts.seqlen > max_pos:
-        report["warnings"].append(f"--seqlen {opts.seqlen} exceeds the model's max_position_embeddings {max_pos}")
-    make_cache = None
-    if kv_info is not None:
-        spec, scales = kv_info
-        if spec.strategy == "kivi" and opts.seqlen <= spec.residual_length:
-            report["warnings"].append(
-                f"--seqlen {opts.seqlen} <= KIVI residual_length {spec.residual_length}: no token is ever quantized, "
-                "the KV figures measure nothing; use a longer --seqlen")
-        make_cache = lambda: quantized_cache(spec, n_layers, scales)  # noqa: E731
-    results: dict[str, dict] = {}
-
-    def run(label, m, cache):
-        task = progress.add_task(f"perplexity ({label})", total=len(wins))
-        results[label] = perplexity(m, wins, opts.device, lambda i, n: progress.update(task, completed=i),
-                                    make_cache=cache, kv_chunk=opts.kv_chunk)
-
-    with _progress(console, "windows") as progress:
-        model.to(opts.device)
+    ref_model, _ = load_model(ref_source)
+    model.to(opts.device)
+    ref_model.to(opts.device)
+    if weights_quantized:
+        report["weights"] = weight_report(ref_model, model, manifest.recipe.get("algorithm", ""))
+    served = "weights only"
+    results: dict = {}
+    if mode == "full":
+        wins = windows(tokenize(tokenizer, text.text), opts.seqlen, opts.max_windows)
+        n_layers = model.config.num_hidden_layers
+        if kv_info is not None and kv_info[0].static and kv_info[1] is None:
+            # --kv-scheme with static scales on a model that has none: calibrate them now
+            kv_info = (kv_info[0], _calibrate_kv(model, tokenizer, kv_info[0], opts, console))
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        if max_pos and opts.seqlen > max_pos:
+            report["warnings"].append(f"--seqlen {opts.seqlen} exceeds the model's max_position_embeddings {max_pos}")
+        make_cache = None
+        if kv_info is not None:
+            spec, scales = kv_info
+            if spec.strategy == "kivi" and opts.seqlen <= spec.residual_length:
+                report["warnings"].append(
+                    f"--seqlen {opts.seqlen} <= KIVI residual_length {spec.residual_length}: no token is ever quantized, "
+                    "the KV figures measure nothing; use a longer --seqlen")
+            make_cache = lambda: quantized_cache(spec, n_layers, scales)  # noqa: E731
+        candidates = {}
         if weights_quantized:
-            run("weights only", model, None)
+            candidates["weights only"] = (model, None)
             if make_cache:
-                run("weights + KV", model, make_cache)
-        del model
-        gc.collect()
-        ref_model, _ = load_model(ref_source)
-        ref_model.to(opts.device)
-        run("reference", ref_model, None)
+                candidates["weights + KV"] = (model, make_cache)
         if make_cache:
-            run("KV only", ref_model, make_cache)
-        del ref_model
-    ref = results["reference"]
-    served = "weights + KV" if weights_quantized and make_cache else ("weights only" if weights_quantized else "KV only")
-    art = results[served]
-    increase = (art["ppl"] / ref["ppl"] - 1.0) * 100.0
-    gate = {"name": "max_ppl_increase_pct", "threshold": max_inc, "value": round(increase, 4), "passed": increase <= max_inc,
-            "measured_on": served}
-    report["gates"].append(gate)
-    report["passed"] = ok and gate["passed"]
-    report["eval"] = {**text.provenance(), "seqlen": opts.seqlen, "windows": art["windows"], "predicted_tokens": art["predicted_tokens"]}
-    report["perplexity"] = {"artifact": round(art["ppl"], 4), "reference": round(ref["ppl"], 4), "increase_pct": round(increase, 4),
-                            "per_window_artifact": art["per_window_ppl"], "per_window_reference": ref["per_window_ppl"]}
-    report["perplexity_breakdown"] = {
-        label: {"ppl": round(r["ppl"], 4), "increase_pct": round((r["ppl"] / ref["ppl"] - 1) * 100, 4)}
-        for label, r in results.items()
-    }
-    if kv_info is not None:
-        report["kv_cache"] = _kv_report(kv_info[0], kv_source, ref_source, opts)
-    report["reference"] = ref_spec
+            candidates["KV only"] = (ref_model, make_cache)
+        if not candidates:
+            candidates["weights only"] = (model, None)
+        served = "weights + KV" if weights_quantized and make_cache else ("weights only" if weights_quantized or not make_cache else "KV only")
+        with _progress(console, "windows") as progress:
+            task = progress.add_task(f"reference + {len(candidates)} configuration(s)", total=len(wins))
+            results = compare(ref_model, candidates, wins, opts.device, opts.kv_chunk,
+                              lambda i, n: progress.update(task, completed=i))
+        ref, art = results["reference"], results[served]
+        increase = (art["ppl"] / ref["ppl"] - 1.0) * 100.0
+        report["eval"] = {**text.provenance(), "seqlen": opts.seqlen, "windows": art["windows"],
+                          "predicted_tokens": art["predicted_tokens"]}
+        report["perplexity"] = {"artifact": round(art["ppl"], 4), "reference": round(ref["ppl"], 4),
+                                "increase_pct": round(increase, 4), "measured_on": served,
+                                "per_window_artifact": art["per_window_ppl"], "per_window_reference": ref["per_window_ppl"]}
+        report["perplexity_breakdown"] = {
+            label: {"ppl": round(r["ppl"], 4), "increase_pct": round((r["ppl"] / ref["ppl"] - 1) * 100, 4)}
+            for label, r in results.items() if label not in ("seconds",)
+        }
+        report["distribution"] = {
+            "measured_on": served, "kl": art["kl"], "top1_agreement_pct": 100.0 * art["top1_agreement"],
+            "breakdown": {label: {"kl": r["kl"], "top1_agreement_pct": 100.0 * r["top1_agreement"]}
+                          for label, r in results.items() if label not in ("reference", "seconds")},
+        }
+        report["per_window"] = [
+            {"window": i, "ppl_artifact": art["per_window_ppl"][i], "ppl_reference": ref["per_window_ppl"][i],
+             "kl_mean": art["per_window_kl_mean"][i], "top1_pct": 100.0 * art["per_window_top1"][i]}
+            for i in range(len(wins))]
+        report["_kl_values"] = art["kl_values"]
+        if weights_quantized:
+            hb = wins[: opts.hidden_batches, : min(opts.seqlen, 512)]
+            per_layer = hidden_state_errors(ref_model, model, hb, opts.device)
+            report["hidden_state_error"] = {"batches": int(hb.shape[0]), "seqlen": int(hb.shape[1]),
+                                            "per_layer": per_layer, "last": per_layer[-1]}
+        drift_model = model if weights_quantized else ref_model
+        drift_cache = make_cache if served != "weights only" else None
+        report["drift"] = {**greedy_drift(ref_model, drift_model, tokenizer, prompts, opts.max_new_tokens,
+                                          drift_cache, opts.device), "measured_on": served}
+        if kv_info is not None:
+            report["kv_cache"] = _kv_report(kv_info[0], kv_source, ref_source, opts)
+    del model, ref_model
+    gc.collect()
+
+    # gates: every threshold that is set and whose statistic this mode computed
+    g = []
+    if "perplexity" in report:
+        g.append(_gate("max_ppl_increase_pct", thresholds["max_ppl_increase_pct"], report["perplexity"]["increase_pct"], served))
+        d = report["distribution"]
+        for name, value in (("max_mean_kl", d["kl"]["mean"]), ("max_p99_kl", d["kl"]["p99"]),
+                            ("min_top1_agreement_pct", d["top1_agreement_pct"])):
+            if name in thresholds:
+                g.append(_gate(name, thresholds[name], value, served))
+        if "min_median_divergence" in thresholds:
+            g.append(_gate("min_median_divergence", thresholds["min_median_divergence"], report["drift"]["median"], served))
+        if "max_hidden_error" in thresholds and "hidden_state_error" in report:
+            g.append(_gate("max_hidden_error", thresholds["max_hidden_error"], report["hidden_state_error"]["last"],
+                           "weights only"))
+    if "min_sqnr_db" in thresholds and report.get("weights"):
+        w = report["weights"]
+        below = [t["name"] for t in w["tensors"] if t["sqnr_db"] < thresholds["min_sqnr_db"]]
+        g.append(_gate("min_sqnr_db", thresholds["min_sqnr_db"], w["min_sqnr_db"], "weights only",
+                       (f"{len(below)} tensor(s) below: " + ", ".join(below[:5]) + (" ..." if len(below) > 5 else ""))
+                       if below else None))
+    report["gates"] = g
+    report["failed_gates"] = [x["name"] for x in g if not x["passed"]]
+    report["passed"] = ok and not report["failed_gates"]
     report["seconds"] = round(time.perf_counter() - t0, 2)
     if console:
-        from rich.table import Table
+        _print_verify(console, report, results, opts)
+    return validate({k: v for k, v in report.items() if not k.startswith("_")}) and report
 
-        for w in report["warnings"]:
-            console.print(f"[yellow]warning:[/] {w}", highlight=False)
-        t = Table(title=f"kvq verify {folder}")
-        for c in ("check", "value", "threshold", "result"):
-            t.add_column(c)
-        t.add_row("tensor/file digests", f"{hashes['tensors_checked']} tensors", "all equal", "[green]pass")
+
+def _print_verify(console, report: dict, results: dict, opts: VerifyOptions) -> None:
+    from rich.table import Table
+
+    for w in report["warnings"]:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    t = Table(title=f"kvq verify {report['artifact']} ({report['mode']})")
+    for c in ("check", "value", "threshold", "result"):
+        t.add_column(c)
+    t.add_row("tensor/file digests", f"{report['hashes']['tensors_checked']} tensors", "all equal", "[green]pass")
+    gates = {x["name"]: x for x in report["gates"]}
+
+    def row(label, value, gate_name=None):
+        gt = gates.get(gate_name)
+        if gt is None:
+            t.add_row(label, value, "", "")
+        else:
+            op = ">=" if gate_name.startswith("min_") else "<="
+            t.add_row(label, value, f"{op} {gt['threshold']:g}", "[green]pass" if gt["passed"] else "[red]FAIL")
+
+    if "perplexity" in report:
+        ref = results["reference"]
         for label, r in results.items():
+            if label == "seconds":
+                continue
             rel = "" if label == "reference" else f"({(r['ppl'] / ref['ppl'] - 1) * 100:+.2f} %)"
             t.add_row(f"perplexity {label}", f"{r['ppl']:.4f} {rel}", "", "")
-        t.add_row(f"perplexity increase ({served})", f"{increase:+.2f} %", f"<= {max_inc:g} %", "[green]pass" if gate["passed"] else "[red]FAIL")
-        console.print(t)
-        console.print(f"eval: {art['windows']} windows x {opts.seqlen} tokens ({art['predicted_tokens']} predicted) from {text.name}")
-        if kv_info is not None:
-            k = report["kv_cache"]
-            console.print(
-                f"KV cache {k['scheme']} ({kv_source}): {k['bytes_per_token']:.0f} B/token vs fp16 {k['fp16_bytes_per_token']:.0f} B/token; "
-                f"{opts.kv_budget_gib:g} GiB holds {k['max_tokens']:,} tokens (fp16: {k['fp16_max_tokens']:,}); "
-                + ", ".join(f"context {c}: batch {b} (fp16 {k['fp16_max_batch'][c]})" for c, b in k["max_batch"].items())
-            )
-    return report
+        p, d = report["perplexity"], report["distribution"]
+        served = p["measured_on"]
+        row(f"perplexity increase ({served})", f"{p['increase_pct']:+.2f} %", "max_ppl_increase_pct")
+        k = d["kl"]
+        row(f"KL mean ({served}), nats", f"{k['mean']:.5f}", "max_mean_kl")
+        row("KL median / p99 / max", f"{k['median']:.5f} / {k['p99']:.4f} / {k['max']:.3f}", "max_p99_kl")
+        row(f"top-1 agreement ({served})", f"{d['top1_agreement_pct']:.2f} %", "min_top1_agreement_pct")
+        dr = report["drift"]
+        row(f"greedy drift, first divergence ({dr['prompts']} prompts)",
+            f"median {dr['median']:g}, min {dr['min']:g} of {dr['max_new_tokens']}", "min_median_divergence")
+        if report.get("hidden_state_error"):
+            row("hidden-state error, last layer", f"{100 * report['hidden_state_error']['last']:.2f} %", "max_hidden_error")
+    w = report.get("weights")
+    if w and w["tensors"]:
+        row(f"weight SQNR, min over {len(w['tensors'])} tensors", f"{w['min_sqnr_db']:.2f} dB ({w['min_sqnr_tensor']})",
+            "min_sqnr_db")
+    console.print(t)
+    if "eval" in report:
+        e = report["eval"]
+        console.print(f"eval: {e['windows']} windows x {e['seqlen']} tokens ({e['predicted_tokens']} predicted) from {e['source']}",
+                      highlight=False)
+    if report.get("kv_cache"):
+        k = report["kv_cache"]
+        console.print(
+            f"KV cache {k['scheme']} ({k['source']}): {k['bytes_per_token']:.0f} B/token vs fp16 {k['fp16_bytes_per_token']:.0f} B/token; "
+            f"{opts.kv_budget_gib:g} GiB holds {k['max_tokens']:,} tokens (fp16: {k['fp16_max_tokens']:,}); "
+            + ", ".join(f"context {c}: batch {b} (fp16 {k['fp16_max_batch'][c]})" for c, b in k["max_batch"].items()),
+            highlight=False)
+    for gt in report["gates"]:
+        if not gt["passed"]:
+            console.print(f"[red]gate failed[/]: {gt['name']} = {gt['value']} (threshold {gt['threshold']:g})"
+                          + (f"; {gt['detail']}" if gt.get("detail") else ""), highlight=False)

@@ -166,6 +166,17 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.option("--kv-chunk", type=click.IntRange(1, None), default=128, show_default=True, help="With a quantized KV cache, tokens per prefill chunk (each chunk reads the cache after writing).")
 @click.option("--kv-calib", default="embedded", show_default=True, help="Calibration text for --kv-scheme static scales (fp8, int8 per head): 16 x 512 tokens of it, seed 0; recorded in the report.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where perplexity is computed.")
+@click.option("--weights-only", is_flag=True, help="Weight statistics only (per tensor error, SQNR, original vs artifact mean/std/absmax/kurtosis): no eval text, no perplexity; fast CI check.")
+@click.option("--max-mean-kl", type=click.FloatRange(0, None), default=None, callback=_finite, help="Gate: maximum mean KL(reference || artifact) per token, nats (default: the recipe's gates.max_mean_kl).")
+@click.option("--max-p99-kl", type=click.FloatRange(0, None), default=None, callback=_finite, help="Gate: maximum 99th-percentile token KL, nats.")
+@click.option("--min-top1", type=click.FloatRange(0, 100), default=None, callback=_finite, help="Gate: minimum top-1 agreement with the reference, percent of predicted tokens.")
+@click.option("--min-sqnr-db", type=float, default=None, callback=_finite, help="Gate: minimum weight SQNR in dB over every quantized tensor (failing tensors are named).")
+@click.option("--max-hidden-error", type=click.FloatRange(0, None), default=None, callback=_finite, help="Gate: maximum relative hidden-state error after the last decoder layer (0.05 = 5 %).")
+@click.option("--min-median-divergence", type=click.IntRange(0, None), default=None, help="Gate: minimum median position where greedy generations first differ.")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Prompts for the greedy-drift check: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: 8 built-in prompts.")
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=32, show_default=True, help="Tokens generated per prompt for the greedy-drift check.")
+@click.option("--hidden-batches", type=click.IntRange(1, 64), default=2, show_default=True, help="Eval windows (first 512 tokens each) for the per-layer hidden-state error.")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write report.md (PR comment), report.html, report.json and PNG plots into this folder.")
 @click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Check model.sig with this EC public key (PEM) before anything else.")
 @click.option("--certificate-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="Check model.sig against this certificate chain (PEM, repeatable).")
 @click.option("--identity", default=None, help="Sigstore keyless: the expected signer identity (e.g. an e-mail or workflow URL); needs --issuer and network.")
@@ -173,7 +184,9 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report to this file.")
 def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, kv_scheme, kv_budget_gib,
-           kv_chunk, kv_calib, device, public_key, certificate_chain, identity, issuer, as_json, json_out):
+           kv_chunk, kv_calib, device, weights_only, max_mean_kl, max_p99_kl, min_top1, min_sqnr_db, max_hidden_error,
+           min_median_divergence, prompts_file, max_new_tokens, hidden_batches, report_dir, public_key, certificate_chain,
+           identity, issuer, as_json, json_out):
     """Check ARTIFACT's integrity and quality against the original model.
 
     \b
@@ -182,16 +195,28 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
        key, or any file changed, added or removed since signing fails (exit 1);
     1. every file and tensor digest against kvq-manifest.json (names each modified,
        missing, extra or renamed tensor or file, symlinks; exit 1 on any difference);
-    2. perplexity of the artifact and of the reference on the eval text (non-overlapping
-       windows, no special tokens), and the gate on the relative increase (exit 1 if above).
+    2. weight statistics against the reference (original) model: per quantized tensor
+       relative Frobenius error, SQNR (dB), mean/std/absmax/kurtosis before and after
+       (AWQ's folded scales undone); --weights-only stops here;
+    3. on the eval text (non-overlapping windows, no special tokens): perplexity of the
+       artifact and the reference, KL(reference || artifact) per token (mean, median,
+       p99, max), top-1 agreement, each also per window; hidden-state error after each
+       decoder layer; greedy-generation drift (first differing position) on a prompt set.
        With a KV-cache scheme (the artifact's, or --kv-scheme) it reports weights only,
-       KV only and both (the gate uses both), plus KV bytes per token and what
-       --kv-budget-gib holds for fp16 and for the scheme.
+       KV only and both (the gates use both), plus KV bytes per token and what
+       --kv-budget-gib holds for fp16 and for the scheme;
+    4. gates: every threshold set by a flag or by the recipe's `gates` block (stored in
+       the manifest; trust it only with a signature check); exit 1 names each failed gate.
+
+    Output: a table on stderr, --json (schema docs/verify-report.schema.json),
+    --report DIR (report.md, report.html, PNG plots).
 
     \b
-    Example:
+    Examples:
       kvq verify out/smollm2-w4 --eval ../shared/data/wikitext-2-raw/wiki.test.raw --max-windows 8
       kvq verify out/smollm2-w4 --public-key pub.pem --hashes-only
+      kvq verify out/smollm2-w4 --weights-only --min-sqnr-db 15
+      kvq verify out/smollm2-w4 --max-mean-kl 0.1 --min-top1 85 --report out/report
     """
     if json_out is not None and not json_out.resolve().parent.is_dir():
         raise InputError(f"cannot write --json-out {json_out}: its folder does not exist")
@@ -206,9 +231,24 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     opts = VerifyOptions(
         artifact=artifact, reference=reference, eval_text=eval_text, seqlen=seqlen, max_windows=max_windows,
         max_ppl_increase=max_ppl_increase, hashes_only=hashes_only, device=_device(device), kv_scheme=kv_scheme,
-        kv_budget_gib=kv_budget_gib, kv_chunk=kv_chunk, kv_calib=kv_calib, keys=keys,
+        kv_budget_gib=kv_budget_gib, kv_chunk=kv_chunk, kv_calib=kv_calib, keys=keys, weights_only=weights_only,
+        max_mean_kl=max_mean_kl, max_p99_kl=max_p99_kl, min_top1=min_top1, min_sqnr_db=min_sqnr_db,
+        max_hidden_error=max_hidden_error, min_median_divergence=min_median_divergence,
+        prompts=str(prompts_file) if prompts_file else None, max_new_tokens=max_new_tokens, hidden_batches=hidden_batches,
     )
-    report = run_verify(opts, console=None if as_json else _console())
+    if hashes_only and weights_only:
+        raise click.BadParameter("choose one of --hashes-only and --weights-only")
+    if report_dir is not None and report_dir.exists() and not report_dir.is_dir():
+        raise InputError(f"--report {report_dir} exists and is not a folder")
+    console = None if as_json else _console()
+    full = run_verify(opts, console=console)
+    report = {k: v for k, v in full.items() if not k.startswith("_")}
+    if report_dir is not None:
+        from .report import write_report
+
+        written = write_report(full, report_dir)
+        if console:
+            console.print(f"report: {', '.join(str(p) for p in written)}", highlight=False)
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True))
     if json_out is not None:

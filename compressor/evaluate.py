@@ -39,6 +39,125 @@ def windows(ids: torch.Tensor, seqlen: int, max_windows: int | None = None) -> t
 
 
 @torch.no_grad()
+def window_logits(model, x: torch.Tensor, make_cache: Callable[[], object] | None = None, kv_chunk: int = 128) -> torch.Tensor:
+    """Next-token logits ``[seqlen - 1, vocab]`` float32 for one window ``x [1, seqlen]``.
+
+    Without ``make_cache``: one forward pass. With it: chunks of ``kv_chunk`` tokens
+    through a fresh cache (see the module docstring).
+    """
+    if make_cache is None:
+        return model(x).logits[0, :-1].float()
+    from .quant.kv import cache_kwarg
+
+    cache = make_cache()
+    kw = cache_kwarg(model)
+    parts = [model(x[:, a : a + kv_chunk], use_cache=True, **{kw: cache}).logits[0].float()
+             for a in range(0, x.shape[1], kv_chunk)]
+    return torch.cat(parts)[:-1]
+
+
+@torch.no_grad()
+def compare(
+    reference,
+    candidates: dict[str, tuple[object, Callable[[], object] | None]],
+    wins: torch.Tensor,
+    device: str = "cpu",
+    kv_chunk: int = 128,
+    on_window: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Perplexity of the reference and of each candidate, and each candidate's KL
+    divergence and top-1 agreement against the reference, window by window.
+
+    Args:
+        reference: the original model (float, no quantized cache).
+        candidates: label -> (model, make_cache or None); models may repeat with different caches.
+        wins: ``[n_windows, seqlen]`` int64 token windows.
+
+    Memory holds one window's logits per model at a time (``seqlen x vocab`` float32);
+    per-token KL values (8 bytes each) are kept for the median and p99.
+
+    Returns:
+        ``{"reference": ppl dict, label: ppl dict + {"kl": summary, "kl_values": [...],
+        "top1_agreement", "per_window_kl_mean", "per_window_top1"}}`` (see
+        :func:`compressor.stats.kl_and_top1`, :func:`compressor.stats.summarize`).
+    """
+    from .stats import kl_and_top1, summarize
+
+    t0 = time.perf_counter()
+    acc = {label: {"nll": 0.0, "per": [], "kl": [], "same": 0, "w_kl": [], "w_top1": []} for label in ["reference", *candidates]}
+    count = 0
+    for i, w in enumerate(wins):
+        x = w.unsqueeze(0).to(device)
+        target = x[0, 1:]
+        ref_logits = window_logits(reference, x)
+        n = target.numel()
+        nll = torch.nn.functional.cross_entropy(ref_logits, target, reduction="sum").double().item()
+        acc["reference"]["nll"] += nll
+        acc["reference"]["per"].append(math.exp(nll / n))
+        for label, (model, make_cache) in candidates.items():
+            logits = window_logits(model, x, make_cache, kv_chunk)
+            nll = torch.nn.functional.cross_entropy(logits, target, reduction="sum").double().item()
+            kl, same = kl_and_top1(ref_logits, logits)
+            a = acc[label]
+            a["nll"] += nll
+            a["per"].append(math.exp(nll / n))
+            a["kl"].append(kl.cpu())
+            a["same"] += int(same.sum())
+            a["w_kl"].append(float(kl.mean()))
+            a["w_top1"].append(float(same.double().mean()))
+            del logits
+        del ref_logits
+        count += n
+        if on_window:
+            on_window(i + 1, len(wins))
+    out = {}
+    for label, a in acc.items():
+        r = {"ppl": math.exp(a["nll"] / count), "nll": a["nll"] / count, "windows": int(wins.shape[0]),
+             "seqlen": int(wins.shape[1]), "predicted_tokens": count, "per_window_ppl": [round(p, 4) for p in a["per"]]}
+        if label != "reference":
+            values = torch.cat(a["kl"]).numpy()
+            r.update(kl=summarize(values), kl_values=values, top1_agreement=a["same"] / count,
+                     per_window_kl_mean=[round(v, 6) for v in a["w_kl"]],
+                     per_window_top1=[round(v, 6) for v in a["w_top1"]])
+        out[label] = r
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+@torch.no_grad()
+def hidden_state_errors(reference, model, batches: torch.Tensor, device: str = "cpu") -> list[float]:
+    """Relative error of ``model``'s hidden state after each decoder layer against the
+    reference's, both run end to end on ``batches [n, seqlen]`` (float64 sums).
+
+    Returns one value per decoder layer (its output, captured by a forward hook; the
+    final norm is not applied).
+    """
+    from .arch import get_arch
+
+    def outputs(m, x):
+        layers = m.get_submodule(get_arch(m.config.model_type).layers)
+        got = []
+        hooks = [layer.register_forward_hook(lambda _m, _i, o: got.append((o[0] if isinstance(o, tuple) else o).detach()))
+                 for layer in layers]
+        try:
+            m(x)
+        finally:
+            for h in hooks:
+                h.remove()
+        return got
+
+    num, den = None, None
+    for b in batches:
+        x = b.unsqueeze(0).to(device)
+        hr, ha = outputs(reference, x), outputs(model, x)
+        n = torch.stack([(a.double() - r.double()).pow(2).sum() for a, r in zip(ha, hr)])
+        d = torch.stack([r.double().pow(2).sum() for r in hr])
+        num = n if num is None else num + n
+        den = d if den is None else den + d
+    return [math.sqrt(float(a) / float(b)) if float(b) > 0 else math.inf for a, b in zip(num, den)]
+
+
+@torch.no_grad()
 def perplexity(
     model,
     wins: torch.Tensor,
@@ -61,17 +180,7 @@ def perplexity(
     total, count, per = 0.0, 0, []
     for i, w in enumerate(wins):
         x = w.unsqueeze(0).to(device)
-        if make_cache is None:
-            logits = model(x).logits[0, :-1].float()
-        else:
-            from .quant.kv import cache_kwarg
-
-            cache = make_cache()
-            kw = cache_kwarg(model)
-            parts = [model(x[:, a : a + kv_chunk], use_cache=True, **{kw: cache}).logits[0].float()
-                     for a in range(0, x.shape[1], kv_chunk)]
-            logits = torch.cat(parts)[:-1]
-            del cache, parts
+        logits = window_logits(model, x, make_cache, kv_chunk)
         nll = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").double().item()
         total += nll
         count += x.shape[1] - 1

@@ -170,7 +170,7 @@ class _Quantizer:
     def __init__(self, schemes: dict[str, tuple[int, int, bool]], dtype: torch.dtype):
         self.schemes, self.dtype = schemes, dtype
 
-    def finish(self, name, lin, q, scale, zp, g_idx, col_scale=None, original=None):
+    def finish(self, name, lin, q, scale, zp, g_idx, col_scale=None, original=None, row_scale=None):
         """Store ``(q, scale, zp, g_idx)``, write the dequantized weight into ``lin``; returns (record, rel. error)."""
         bits, gs, sym = self.schemes[name]
         scale = scale.to(self.dtype)  # what the artifact stores and loaders dequantize with
@@ -178,7 +178,11 @@ class _Quantizer:
         if not (torch.isfinite(scale.float()).all() and torch.isfinite(deq).all()):
             raise QuantizationError(f"quantizing {name} produced NaN or Inf; nothing was written")
         ref = (original if original is not None else lin.weight.detach()).float()
+        # error in the original's space: AWQ's folded input scales (col) and, when this linear
+        # feeds another scaling group, its divided output rows (row) undone
         eff = deq / col_scale if col_scale is not None else deq
+        if row_scale is not None:
+            eff = eff * row_scale.view(-1, 1).to(eff)
         rel = float((eff - ref.to(eff.device)).norm() / ref.norm().clamp(min=1e-12))
         lin.weight.data.copy_(deq.to(lin.weight.dtype))
         record = QuantizedLinear(
@@ -187,11 +191,11 @@ class _Quantizer:
         )
         return record, rel
 
-    def quantize_linear(self, name, lin, clip_max=None, col_scale=None, original=None):
+    def quantize_linear(self, name, lin, clip_max=None, col_scale=None, original=None, row_scale=None):
         """Round-to-nearest (optionally clipped) quantization of one Linear, in place."""
         bits, gs, sym = self.schemes[name]
         q, scale, zp = rtn_quantize(lin.weight.detach(), bits, gs, sym, clip_max)
-        return self.finish(name, lin, q, scale, zp, None, col_scale, original)
+        return self.finish(name, lin, q, scale, zp, None, col_scale, original, row_scale)
 
 
 @torch.no_grad()
@@ -453,6 +457,7 @@ def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss
     x_mean = {rel: s / n_tok[0] for rel, s in abs_sum.items()}
     originals = {rel: m.weight.detach().clone() for rel, m in linears.items()}
     col_scale: dict[str, torch.Tensor] = {}
+    row_scale: dict[str, torch.Tensor] = {}
     ratios = {}
     phases["observe"], tp = time.perf_counter() - tp, time.perf_counter()
 
@@ -493,6 +498,8 @@ def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss
         prev.weight.data.div_(s.view(-1, *([1] * (prev.weight.ndim - 1))))
         if getattr(prev, "bias", None) is not None:
             prev.bias.data.div_(s)
+        if group.prev_op in linears:
+            row_scale[group.prev_op] = s
         for r, m in zip(group.linears, lins):
             m.weight.data.mul_(s)
             col_scale[r] = s
@@ -514,7 +521,7 @@ def _awq_layer(i, layer, hidden, pe, pos, arch, recipe, quantizer, targets, loss
             bits, gs, sym = quantizer.schemes[name]
             clip_max = search_clip(lin.weight.detach(), xs[idx], bits, gs, sym, opts.clip_grid, opts.clip_max_shrink)
         result.modules[name], e = quantizer.quantize_linear(
-            name, lin, clip_max, col_scale.get(rel), originals[rel]
+            name, lin, clip_max, col_scale.get(rel), originals[rel], row_scale.get(rel)
         )
         errs.append(e)
 

@@ -125,9 +125,22 @@ class KVCacheOptions(_Strict):
 
 
 class Gates(_Strict):
-    """Verification thresholds used by ``kvq verify`` when no flag overrides them."""
+    """Verification thresholds used by ``kvq verify`` when no flag overrides them.
+
+    ``None`` leaves a statistic ungated (it is still reported). KL in nats per token,
+    KL(P_reference || P_artifact); top-1 agreement in percent of predicted positions;
+    SQNR in dB, the minimum over quantized tensors; hidden-state error is the relative
+    error after the last decoder layer; divergence is the median first position where
+    greedy generations differ (see :mod:`compressor.stats`).
+    """
 
     max_ppl_increase_pct: float = Field(20.0, ge=0.0)
+    max_mean_kl: Optional[float] = Field(None, ge=0.0)
+    max_p99_kl: Optional[float] = Field(None, ge=0.0)
+    min_top1_agreement_pct: Optional[float] = Field(None, ge=0.0, le=100.0)
+    min_sqnr_db: Optional[float] = None
+    max_hidden_error: Optional[float] = Field(None, ge=0.0)
+    min_median_divergence: Optional[int] = Field(None, ge=0)
 
 
 class Recipe(_Strict):

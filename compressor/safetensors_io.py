@@ -127,6 +127,7 @@ def header_span(path: str | os.PathLike) -> int:
 
 HASH_ALGORITHMS = ("sha256", "blake3")
 _BLAKE3_THREADED_MIN = 1 << 20  # below 1 MiB blake3's own threads do not pay off
+_BATCH_BYTES = 4 << 20  # tensors below this are hashed in batches (one pool task per batch)
 
 
 def new_hasher(algorithm: str, nbytes: int = 0):
@@ -238,21 +239,39 @@ def digest_files(folder: str | os.PathLike, names, algorithm: str = "sha256", wo
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             maps[name] = (f, mm, memoryview(mm))
 
-        def _run(job: _Job) -> tuple[_Job, str]:
-            n = job.end - job.start
-            h = new_hasher(algorithm, n)
-            if n:
-                view = maps[job.file][2]
-                step = 1 << 26  # 64 MiB slices keep page-cache pressure bounded on huge tensors
-                for off in range(job.start, job.end, step):
-                    h.update(view[off : min(off + step, job.end)])
-            return job, h.hexdigest()
+        def _run(batch: list[_Job]) -> list[tuple[_Job, str]]:
+            out = []
+            for job in batch:
+                n = job.end - job.start
+                h = new_hasher(algorithm, n)
+                if n:
+                    view = maps[job.file][2]
+                    step = 1 << 26  # 64 MiB slices keep page-cache pressure bounded on huge tensors
+                    for off in range(job.start, job.end, step):
+                        h.update(view[off : min(off + step, job.end)])
+                out.append((job, h.hexdigest()))
+            return out
 
-        if algorithm == "blake3":  # blake3 threads inside one input: feed it one job at a time
-            results = [_run(j) for j in jobs]
+        # small tensors (norms, scales) travel in batches of >= 4 MiB: one pool task each
+        batches: list[list[_Job]] = []
+        small: list[_Job] = []
+        small_bytes = 0
+        for j in jobs:
+            if j.end - j.start >= _BATCH_BYTES:
+                batches.append([j])
+                continue
+            small.append(j)
+            small_bytes += j.end - j.start
+            if small_bytes >= _BATCH_BYTES:
+                batches.append(small)
+                small, small_bytes = [], 0
+        if small:
+            batches.append(small)
+        if algorithm == "blake3" or workers == 1:  # blake3 threads inside one input: one job at a time
+            results = [r for b in batches for r in _run(b)]
         else:
             with ThreadPoolExecutor(max_workers=workers) as ex:
-                results = list(ex.map(_run, jobs))
+                results = [r for rs in ex.map(_run, batches) for r in rs]
     finally:
         for f, mm, view in maps.values():
             view.release()

@@ -52,16 +52,22 @@ def test_real_model_quantize_verify(tmp_path, capsys):
     # 8 x 128 calibration tokens is a smoke budget: the gate here is a sanity bound, the
     # quality figures at the default budget are in BENCHMARKS.md
     code, stdout, err = _run(["verify", out, "--eval", ev, "--seqlen", "512", "--max-windows", "2",
-                              "--max-ppl-increase", "40", "--json"], capsys)
+                              "--max-ppl-increase", "40", "--max-new-tokens", "8", "--hidden-batches", "1",
+                              "--json"], capsys)
     rep = json.loads(stdout)
     assert rep["hashes"]["ok"] and rep["eval"]["predicted_tokens"] == 2 * 511
+    # distribution and weight statistics: sanity bounds for a W4 g64 model (measured figures in BENCHMARKS.md)
+    assert 0 < rep["distribution"]["kl"]["mean"] < 0.5 and rep["distribution"]["top1_agreement_pct"] > 60, rep["distribution"]
+    w = rep["weights"]
+    assert w["awq_scales_undone"] and len(w["tensors"]) == 30 * 7 and 8 < w["min_sqnr_db"] < 30, w["min_sqnr_db"]
+    assert len(rep["hidden_state_error"]["per_layer"]) == 30 and rep["drift"]["prompts"] == 8
     ppl = rep["perplexity"]
     assert 5 < ppl["reference"] < 60, ppl
     assert ppl["artifact"] > ppl["reference"] * 0.97, ppl
     assert code == 0 and rep["passed"], (ppl, rep["gates"])
     # the same artifact fails a gate it cannot meet, with exit code 1
     code, stdout, _ = _run(["verify", out, "--eval", ev, "--seqlen", "512", "--max-windows", "1",
-                            "--max-ppl-increase", "0.001", "--json"], capsys)
+                            "--max-ppl-increase", "0.001", "--max-new-tokens", "2", "--json"], capsys)
     assert code == 1 and json.loads(stdout)["gates"][0]["passed"] is False
 
 
@@ -77,9 +83,10 @@ def test_real_model_gptq_with_fp8_kv_cache(tmp_path, capsys):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["kv_cache_scheme"]["type"] == "float" and qc["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
     code, stdout, err = _run(["verify", out, "--eval", ev, "--seqlen", "512", "--max-windows", "1",
-                              "--max-ppl-increase", "40", "--json"], capsys)
+                              "--max-ppl-increase", "40", "--max-new-tokens", "4", "--json"], capsys)
     rep = json.loads(stdout)
     assert code == 0 and rep["passed"], err
+    assert set(rep["distribution"]["breakdown"]) == {"weights only", "weights + KV", "KV only"}
     b = rep["perplexity_breakdown"]
     assert set(b) == {"reference", "weights only", "weights + KV", "KV only"}
     # fp8 KV alone costs about 1-2 % on this 135M model (BENCHMARKS.md); 5 % is a sanity bound

@@ -1,0 +1,140 @@
+"""Weight-space and generation comparisons of an artifact against its reference model.
+
+Used by ``kvq verify``; the statistics themselves are defined in :mod:`compressor.stats`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .arch import get_arch
+from .stats import first_divergence, summarize, weight_error, weight_stats
+
+
+def _awq_equivalent_scales(reference, artifact, arch) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Scales AWQ folded into each linear: full module name -> ``(row_scale [out] | None, col_scale [in] | None)``.
+
+    AWQ (Lin et al., 2023) multiplies a linear's input channels by ``s`` and divides the
+    preceding op's output by ``s``, so the artifact's ``W_hat`` approximates
+    ``diag(1/s_row) W diag(s_col)``, not ``W`` (``s_row`` when the linear is itself the
+    preceding op of another group, e.g. ``up_proj`` before ``down_proj``). For a norm
+    before the linear, ``s = norm_ref / norm_art`` exactly (up to the stored dtype). For a
+    linear ``P`` before it the scale is fitted per output row of ``P`` (whose rows were
+    divided by ``s``): ``s_j = <P_j, P_j> / <P_hat_j, P_j>`` (least squares, ``P`` taken
+    with its own input scales; it absorbs the error component along ``P_j``, about
+    ``1/in_features`` of ``P``'s error energy). A change that rescales whole output rows
+    of ``P`` is indistinguishable from AWQ's own scaling and shows up in the consuming
+    linear instead.
+    """
+    out: dict[str, list] = {}
+    layers_ref = reference.get_submodule(arch.layers)
+    layers_art = artifact.get_submodule(arch.layers)
+    ones = lambda t: torch.allclose(t, torch.ones_like(t), rtol=0, atol=1e-6)  # noqa: E731
+    for i, (lr, la) in enumerate(zip(layers_ref, layers_art)):
+        for group in arch.awq_groups:
+            prev_r, prev_a = lr.get_submodule(group.prev_op), la.get_submodule(group.prev_op)
+            is_norm = not isinstance(prev_r, torch.nn.Linear)
+            if is_norm:
+                num, den = prev_r.weight.detach().double(), prev_a.weight.detach().double()
+                nz = den.abs() > 0
+                s = torch.where(nz, num / torch.where(nz, den, torch.ones_like(den)), torch.ones_like(den))
+            else:
+                if lr.get_submodule(group.linears[0]).weight.shape[1] != prev_r.weight.shape[0]:
+                    continue  # the group was skipped at quantization (shapes do not chain)
+                # fit from the producer, whose output rows were divided by s: P_hat_j ~ P_j diag(c) / s_j
+                p = prev_r.weight.detach().double()
+                c = out.get(f"{arch.layers}.{i}.{group.prev_op}", [None, None])[1]
+                if c is not None:
+                    p = p * c.view(1, -1)
+                p_hat = prev_a.weight.detach().double()
+                s = p.pow(2).sum(1) / (p_hat * p).sum(1).where((p_hat * p).sum(1).abs() > 1e-30,
+                                                                 torch.full_like(p[:, 0], 1e-30))
+            if ones(s):
+                continue
+            for rel in group.linears:
+                out.setdefault(f"{arch.layers}.{i}.{rel}", [None, None])[1] = s
+            if not is_norm:
+                out.setdefault(f"{arch.layers}.{i}.{group.prev_op}", [None, None])[0] = s
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+@torch.no_grad()
+def weight_report(reference, artifact, algorithm: str) -> dict:
+    """Per quantized linear: relative Frobenius error, SQNR (dB) and original-vs-artifact
+    statistics; plus a per-decoder-layer summary.
+
+    Args:
+        reference: the original float model.
+        artifact: the artifact loaded as a float model (dequantized weights).
+        algorithm: the recipe's algorithm; for ``awq`` the folded input scales are
+            undone first (see :func:`_awq_equivalent_scales`).
+
+    Returns:
+        ``{"tensors": [{"name", "layer", "rel_fro", "sqnr_db", "original": stats,
+        "artifact": stats}], "layers": [{"layer", "mean_rel_fro", "min_sqnr_db",
+        "max_rel_fro"}], "min_sqnr_db", "min_sqnr_tensor", "awq_scales_undone"}``.
+    """
+    arch = get_arch(reference.config.model_type)
+    scales = _awq_equivalent_scales(reference, artifact, arch) if algorithm == "awq" else {}
+    tensors = []
+    layers_ref = reference.get_submodule(arch.layers)
+    layers_art = artifact.get_submodule(arch.layers)
+    for i, (lr, la) in enumerate(zip(layers_ref, layers_art)):
+        for rel in arch.linears:
+            name = f"{arch.layers}.{i}.{rel}"
+            w = lr.get_submodule(rel).weight.detach().double()
+            w_hat = la.get_submodule(rel).weight.detach().double()
+            row, col = scales.get(name, (None, None))
+            # AWQ scales undone: W_hat -> diag(s_row) W_hat diag(1/s_col), in the original's space,
+            # where the error acts on the original activations (what the served function sees)
+            w_back = w_hat
+            if row is not None:
+                w_back = w_back * row.view(-1, 1)
+            if col is not None:
+                w_back = w_back / col.view(1, -1)
+            err = weight_error(w, w_back)
+            if err["rel_fro"] == 0.0:
+                continue  # left in float (ignored by the recipe)
+            tensors.append({"name": f"{name}.weight", "layer": i, **err,
+                            "original": weight_stats(w), "artifact": weight_stats(w_back)})
+    layers = []
+    for i in sorted({t["layer"] for t in tensors}):
+        ts = [t for t in tensors if t["layer"] == i]
+        layers.append({"layer": i, "mean_rel_fro": sum(t["rel_fro"] for t in ts) / len(ts),
+                       "max_rel_fro": max(t["rel_fro"] for t in ts), "min_sqnr_db": min(t["sqnr_db"] for t in ts)})
+    worst = min(tensors, key=lambda t: t["sqnr_db"], default=None)
+    return {"tensors": tensors, "layers": layers, "min_sqnr_db": None if worst is None else worst["sqnr_db"],
+            "min_sqnr_tensor": None if worst is None else worst["name"], "awq_scales_undone": bool(scales)}
+
+
+@torch.no_grad()
+def greedy_drift(reference, artifact, tokenizer, prompts: list[str], max_new_tokens: int = 32,
+                 make_cache=None, device: str = "cpu") -> dict:
+    """Greedy generations of both models from each prompt and where they first diverge.
+
+    Returns ``{"prompts", "max_new_tokens", "first_divergence": [int|None per prompt],
+    "median", "min", "identical"}``; ``None`` (all ``max_new_tokens`` equal) counts as
+    ``max_new_tokens`` in the median and min. ``make_cache`` gives the artifact a
+    quantized KV cache (as served).
+    """
+    from .quant.kv import cache_kwarg
+
+    def gen(model, ids, cache):
+        kw = {cache_kwarg(model): cache} if cache is not None else {}
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                             attention_mask=torch.ones_like(ids), pad_token_id=tokenizer.eos_token_id or 0,
+                             eos_token_id=None, **kw)
+        return out[0, ids.shape[1]:].tolist()
+
+    firsts = []
+    for p in prompts:
+        ids = tokenizer(p, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+        if ids.shape[1] == 0:
+            ids = torch.tensor([[tokenizer.bos_token_id or 0]], device=device)
+        r = gen(reference, ids, None)
+        a = gen(artifact, ids, make_cache() if make_cache else None)
+        firsts.append(first_divergence(r, a))
+    eff = [max_new_tokens if f is None else f for f in firsts]
+    s = summarize(eff)
+    return {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "first_divergence": firsts,
+            "median": s["median"], "min": s["min"], "identical": sum(f is None for f in firsts)}

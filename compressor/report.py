@@ -1,0 +1,358 @@
+"""The ``kvq verify`` report: its JSON schema, and the Markdown / HTML / PNG renderings.
+
+The JSON report (``kvq verify --json`` / ``--json-out``) follows :class:`VerifyReport`
+(schema ``kvq.verify-report/1``, exported to ``docs/verify-report.schema.json``). Fields
+are only ever added within a schema version; a rename or removal bumps it.
+``--report DIR`` writes ``report.md`` (fit for a pull-request comment), ``report.html``
+(self-contained, PNGs embedded) and the PNGs themselves, drawn with matplotlib.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+from .errors import InputError
+
+REPORT_SCHEMA = "kvq.verify-report/1"
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Gate(_M):
+    name: str
+    threshold: float
+    value: Optional[float]
+    passed: bool
+    measured_on: str
+    detail: Optional[str] = None
+
+
+class Summary(_M):
+    count: int
+    mean: Optional[float]
+    median: Optional[float]
+    p99: Optional[float]
+    max: Optional[float]
+    min: Optional[float]
+
+
+class Distribution(_M):
+    measured_on: str
+    kl: Summary
+    top1_agreement_pct: float
+    breakdown: dict[str, dict[str, Any]]
+
+
+class WindowRow(_M):
+    window: int
+    ppl_artifact: float
+    ppl_reference: float
+    kl_mean: Optional[float]
+    top1_pct: Optional[float]
+
+
+class WeightStats(_M):
+    mean: float
+    std: float
+    absmax: float
+    kurtosis: Optional[float]
+
+
+class TensorRow(_M):
+    name: str
+    layer: int
+    rel_fro: float
+    sqnr_db: float
+    original: WeightStats
+    artifact: WeightStats
+
+
+class LayerRow(_M):
+    layer: int
+    mean_rel_fro: float
+    max_rel_fro: float
+    min_sqnr_db: float
+
+
+class Weights(_M):
+    tensors: list[TensorRow]
+    layers: list[LayerRow]
+    min_sqnr_db: Optional[float]
+    min_sqnr_tensor: Optional[str]
+    awq_scales_undone: bool
+
+
+class Hidden(_M):
+    batches: int
+    seqlen: int
+    per_layer: list[float]
+    last: float
+
+
+class Drift(_M):
+    prompts: int
+    max_new_tokens: int
+    first_divergence: list[Optional[int]]
+    median: float
+    min: float
+    identical: int
+    measured_on: str
+
+
+class VerifyReport(_M):
+    """The JSON report of ``kvq verify`` (schema ``kvq.verify-report/1``)."""
+
+    schema_version: Literal["kvq.verify-report/1"] = REPORT_SCHEMA
+    artifact: str
+    mode: Literal["hashes-only", "weights-only", "full"]
+    passed: bool
+    signature: dict[str, Any]
+    hashes: dict[str, Any]
+    gates: list[Gate] = []
+    failed_gates: list[str] = []
+    warnings: list[str] = []
+    reference: Optional[str] = None
+    reference_matches_source: Optional[bool] = None
+    eval: Optional[dict[str, Any]] = None
+    perplexity: Optional[dict[str, Any]] = None
+    perplexity_breakdown: Optional[dict[str, Any]] = None
+    distribution: Optional[Distribution] = None
+    per_window: Optional[list[WindowRow]] = None
+    weights: Optional[Weights] = None
+    hidden_state_error: Optional[Hidden] = None
+    drift: Optional[Drift] = None
+    kv_cache: Optional[dict[str, Any]] = None
+    seconds: float
+
+
+def json_schema() -> dict:
+    """JSON Schema of :class:`VerifyReport` (``docs/verify-report.schema.json``)."""
+    schema = VerifyReport.model_json_schema()
+    schema["$id"] = "urn:kvq:verify-report:1"
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    return schema
+
+
+def validate(report: dict) -> dict:
+    """Check ``report`` against the schema; returns it unchanged (raises on a kvq bug)."""
+    VerifyReport.model_validate(report)
+    return report
+
+
+# ---------------------------------------------------------------------------------------
+# renderings
+
+def _fmt(v, spec=".4f") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return format(v, spec)
+
+
+def plots(report: dict, folder: Path) -> list[Path]:
+    """Draw the report's PNGs into ``folder``; returns their paths (only those with data)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: list[Path] = []
+    name = Path(report["artifact"]).name
+    pw = report.get("per_window")
+    if pw:
+        fig, ax = plt.subplots(figsize=(8, 3.6), dpi=110)
+        xs = [r["window"] for r in pw]
+        ax.plot(xs, [r["ppl_reference"] for r in pw], "o-", label="reference (original model)", color="#555555")
+        ax.plot(xs, [r["ppl_artifact"] for r in pw], "o-", label=f"artifact ({report['distribution']['measured_on']})",
+                color="#d62728")
+        ax.set_xlabel("evaluation window (index into the eval text)")
+        ax.set_ylabel("perplexity (lower is better)")
+        ax.set_title(f"Perplexity per window: {name}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        out.append(folder / "perplexity_per_window.png")
+        fig.savefig(out[-1])
+        plt.close(fig)
+    kl_values = report.get("_kl_values")
+    if kl_values is not None and len(kl_values):
+        import numpy as np
+
+        v = np.asarray(kl_values, dtype=np.float64)
+        fig, ax = plt.subplots(figsize=(8, 3.6), dpi=110)
+        lo = max(v.min(), 1e-7)
+        bins = np.logspace(np.log10(lo), np.log10(max(v.max(), lo * 10)), 60)
+        ax.hist(np.clip(v, lo, None), bins=bins, color="#1f77b4")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        d = report["distribution"]["kl"]
+        for label, val, style in (("mean", d["mean"], "-"), ("p99", d["p99"], "--")):
+            ax.axvline(max(val, lo), color="#d62728", linestyle=style, label=f"{label} {val:.4f}")
+        ax.set_xlabel("KL(reference || artifact) per predicted token, nats (log scale; 0 = identical)")
+        ax.set_ylabel("tokens (log scale)")
+        ax.set_title(f"Next-token KL divergence, {d['count']:,} tokens: {name}")
+        ax.legend()
+        fig.tight_layout()
+        out.append(folder / "kl_histogram.png")
+        fig.savefig(out[-1])
+        plt.close(fig)
+    w = report.get("weights")
+    hidden = report.get("hidden_state_error")
+    if w and w["layers"]:
+        rows = 2 if hidden else 1
+        fig, axes = plt.subplots(rows, 1, figsize=(9, 3.4 * rows), dpi=110, squeeze=False)
+        ax = axes[0][0]
+        layers = [r["layer"] for r in w["layers"]]
+        kinds = sorted({t["name"].split(".")[-2] for t in w["tensors"]})
+        width = 0.8 / max(1, len(kinds))
+        for k, kind in enumerate(kinds):
+            vals = {t["layer"]: t["sqnr_db"] for t in w["tensors"] if t["name"].split(".")[-2] == kind}
+            ax.bar([x - 0.4 + width * (k + 0.5) for x in layers], [vals.get(x, 0.0) for x in layers], width, label=kind)
+        ax.set_xlabel("decoder layer")
+        ax.set_ylabel("weight SQNR, dB (higher is better)")
+        ax.set_title(f"Weight SQNR per tensor (dequantized artifact vs original): {name}")
+        ax.legend(ncol=min(7, len(kinds)), fontsize=7, loc="lower right")
+        ax.grid(axis="y", alpha=0.3)
+        if hidden:
+            ax = axes[1][0]
+            ax.bar(range(len(hidden["per_layer"])), [100 * e for e in hidden["per_layer"]], color="#ff7f0e")
+            ax.set_xlabel("decoder layer")
+            ax.set_ylabel("relative error, % (lower is better)")
+            ax.set_title(f"Hidden-state error after each layer ({hidden['batches']} x {hidden['seqlen']} tokens, "
+                         "both models end to end)")
+            ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        out.append(folder / "layer_errors.png")
+        fig.savefig(out[-1])
+        plt.close(fig)
+    return out
+
+
+def markdown(report: dict, images: list[Path] | None = None) -> str:
+    """``report.md``: verdict, gates, headline statistics, worst tensors (pull-request comment)."""
+    lines = [f"## kvq verify: {'PASSED' if report['passed'] else 'FAILED'} — `{Path(report['artifact']).name}`", ""]
+    sig = report["signature"]
+    sig_text = ("not checked" + (" (present)" if sig.get("present") else " (none)")) if not sig.get("checked") else (
+        f"ok ({sig.get('method')})" if sig.get("ok") else f"FAILED: {sig.get('error')}")
+    h = report["hashes"]
+    lines += [f"- signature: {sig_text}",
+              f"- digests: {'ok' if h['ok'] else 'FAILED'} ({h.get('tensors_checked', 0)} tensors, "
+              f"{h.get('files_checked', 0)} files, {h.get('digest_algorithm', 'sha256')})"]
+    if report.get("reference"):
+        lines.append(f"- reference: `{report['reference']}`" + ("" if report.get("reference_matches_source") else
+                                                              " (not the recorded source)"))
+    if report.get("eval"):
+        e = report["eval"]
+        lines.append(f"- eval: {e['windows']} windows x {e['seqlen']} tokens of `{e.get('source')}`")
+    for wmsg in report.get("warnings", []):
+        lines.append(f"- warning: {wmsg}")
+    if report["gates"]:
+        lines += ["", "| gate | value | threshold | result |", "|---|---|---|---|"]
+        for g in report["gates"]:
+            op = ">=" if g["name"].startswith("min_") else "<="
+            lines.append(f"| {g['name']} ({g['measured_on']}) | {_fmt(g['value'], '.4g')} | {op} {_fmt(g['threshold'], 'g')} "
+                         f"| {'pass' if g['passed'] else '**FAIL**'} |")
+    if report.get("perplexity"):
+        p = report["perplexity"]
+        lines += ["", "| statistic | value |", "|---|---|",
+                  f"| perplexity artifact / reference | {p['artifact']:.4f} / {p['reference']:.4f} ({p['increase_pct']:+.2f} %) |"]
+        d = report.get("distribution")
+        if d:
+            k = d["kl"]
+            lines += [f"| KL mean / median / p99 / max (nats) | {_fmt(k['mean'], '.4g')} / {_fmt(k['median'], '.4g')} / "
+                      f"{_fmt(k['p99'], '.4g')} / {_fmt(k['max'], '.4g')} |",
+                      f"| top-1 agreement | {d['top1_agreement_pct']:.2f} % |"]
+        dr = report.get("drift")
+        if dr:
+            lines.append(f"| greedy drift: first divergence median / min | {dr['median']:g} / {dr['min']:g} tokens "
+                         f"({dr['identical']}/{dr['prompts']} identical for {dr['max_new_tokens']}) |")
+        hs = report.get("hidden_state_error")
+        if hs:
+            lines.append(f"| hidden-state error after the last layer | {100 * hs['last']:.2f} % |")
+    w = report.get("weights")
+    if w and w["tensors"]:
+        worst = sorted(w["tensors"], key=lambda t: t["sqnr_db"])[:5]
+        lines += ["", f"Weights: {len(w['tensors'])} quantized tensors, min SQNR {_fmt(w['min_sqnr_db'], '.2f')} dB "
+                  f"({w['min_sqnr_tensor']}). Lowest SQNR:", "",
+                  "| tensor | SQNR (dB) | rel. error | kurtosis orig → artifact |", "|---|---|---|---|"]
+        for t in worst:
+            lines.append(f"| `{t['name']}` | {t['sqnr_db']:.2f} | {t['rel_fro']:.4f} | "
+                         f"{_fmt(t['original']['kurtosis'], '.2f')} → {_fmt(t['artifact']['kurtosis'], '.2f')} |")
+    if images:
+        lines += [""] + [f"![{p.stem}]({p.name})" for p in images]
+    return "\n".join(lines) + "\n"
+
+
+def html_page(report: dict, md_text: str, images: list[Path]) -> str:
+    """``report.html``: the Markdown content as simple HTML with the PNGs embedded (base64)."""
+    body = []
+    in_table = False
+    for line in md_text.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if set("".join(cells)) <= set("-: "):
+                continue
+            if not in_table:
+                body.append("<table>")
+                in_table = True
+                body.append("<tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cells) + "</tr>")
+            else:
+                body.append("<tr>" + "".join(f"<td>{html.escape(c).replace('**', '')}</td>" for c in cells) + "</tr>")
+            continue
+        if in_table:
+            body.append("</table>")
+            in_table = False
+        if line.startswith("## "):
+            body.append(f"<h2>{html.escape(line[3:])}</h2>")
+        elif line.startswith("- "):
+            body.append(f"<p>• {html.escape(line[2:])}</p>")
+        elif line.startswith("!["):
+            continue
+        elif line.strip():
+            body.append(f"<p>{html.escape(line)}</p>")
+    if in_table:
+        body.append("</table>")
+    for p in images:
+        data = base64.b64encode(p.read_bytes()).decode()
+        body.append(f'<figure><img alt="{p.stem}" src="data:image/png;base64,{data}"><figcaption>{p.name}</figcaption></figure>')
+    style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#222}"
+             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left}"
+             "img{max-width:100%}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>kvq verify report</title><style>{style}</style>"
+            f"</head><body>{''.join(body)}</body></html>\n")
+
+
+def write_report(report: dict, folder: Path) -> list[Path]:
+    """Write ``report.md``, ``report.html``, ``report.json`` and the PNGs into ``folder`` (created).
+
+    Raises:
+        InputError: the folder cannot be created or written.
+    """
+    import json
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        images = plots(report, folder)
+        md_text = markdown(report, images)
+        (folder / "report.md").write_text(md_text, encoding="utf-8")
+        (folder / "report.html").write_text(html_page(report, md_text, images), encoding="utf-8")
+        public = {k: v for k, v in report.items() if not k.startswith("_")}
+        (folder / "report.json").write_text(json.dumps(public, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot write --report {folder}: {e.strerror}") from None
+    return [folder / "report.md", folder / "report.html", folder / "report.json", *images]
+
+
+if __name__ == "__main__":  # python -m compressor.report > docs/verify-report.schema.json
+    import json
+
+    print(json.dumps(json_schema(), indent=2, sort_keys=True))

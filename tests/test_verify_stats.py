@@ -1,0 +1,256 @@
+"""kvq verify statistics, gates and reports (issue #7)."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from compressor.api import VerifyOptions, run_verify
+from compressor.cli import main
+from compressor.evaluate import hidden_state_errors
+from compressor.prompts import BUILTIN_PROMPTS, load_prompts
+from compressor.report import VerifyReport, json_schema
+from compressor.stats import first_divergence, kl_and_top1, relative_error, summarize, weight_error, weight_stats
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["--seqlen", "64", "--max-windows", "3", "--max-new-tokens", "6", "--hidden-batches", "1"]
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return exc.value.code, cap.out, cap.err
+
+
+# --- statistics against hand-computed values ----------------------------------------------
+
+def test_kl_and_top1_by_hand():
+    p = torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]])
+    q = torch.tensor([[0.25, 0.5, 0.25], [0.1, 0.2, 0.7]])
+    kl, same = kl_and_top1(p.log(), q.log() + 3.0)  # logits: any additive constant
+    expected0 = 0.5 * math.log(0.5 / 0.25) + 0.25 * math.log(0.25 / 0.5) + 0.25 * math.log(1.0)
+    assert kl[0].item() == pytest.approx(expected0, abs=1e-6)  # 0.25 ln 2 = 0.1733
+    assert kl[1].item() == pytest.approx(0.0, abs=1e-7)
+    assert same.tolist() == [False, True]
+    with pytest.raises(ValueError):
+        kl_and_top1(p, q[:1])
+
+
+def test_summarize_by_hand():
+    s = summarize([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert s["mean"] == pytest.approx(22.0) and s["median"] == 3.0 and s["max"] == 100.0 and s["min"] == 1.0
+    # linear interpolation: position 0.99 * 4 = 3.96 -> 4 + 0.96 * (100 - 4)
+    assert s["p99"] == pytest.approx(4 + 0.96 * 96)
+    assert summarize([])["count"] == 0
+
+
+def test_weight_error_and_sqnr_by_hand():
+    e = weight_error(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 3.0]))
+    assert e["rel_fro"] == pytest.approx(0.2)
+    assert e["sqnr_db"] == pytest.approx(10 * math.log10(25.0))  # 13.98 dB
+    assert weight_error(torch.ones(3), torch.ones(3)) == {"rel_fro": 0.0, "sqnr_db": math.inf}
+    assert relative_error(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 3.0])) == pytest.approx(0.2)
+
+
+def test_weight_stats_by_hand():
+    s = weight_stats(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert s["mean"] == 2.5 and s["absmax"] == 4.0
+    assert s["std"] == pytest.approx(math.sqrt(1.25))
+    assert s["kurtosis"] == pytest.approx(2.5625 / 1.5625 - 3.0)  # -1.36
+    assert weight_stats(torch.full((5,), 2.0))["kurtosis"] is None
+    g = weight_stats(torch.randn(200_000, generator=torch.Generator().manual_seed(0)))
+    assert abs(g["kurtosis"]) < 0.05  # Gaussian: excess kurtosis 0
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_hidden_state_errors_by_hand(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    x = torch.randint(0, 100, (1, 16))
+    assert hidden_state_errors(ref, other, x) == [0.0] * ref.config.num_hidden_layers
+    with torch.no_grad():
+        other.model.layers[1].mlp.down_proj.weight.mul_(1.1)
+    errs = hidden_state_errors(ref, other, x)
+    assert errs[0] == 0.0 and errs[1] > 0.0
+    got = []
+    h = ref.model.layers[1].register_forward_hook(lambda m, i, o: got.append(o[0] if isinstance(o, tuple) else o))
+    ref(x)
+    h.remove()
+    h = other.model.layers[1].register_forward_hook(lambda m, i, o: got.append(o[0] if isinstance(o, tuple) else o))
+    other(x)
+    h.remove()
+    assert errs[1] == pytest.approx(float((got[1] - got[0]).detach().norm() / got[0].detach().norm()), rel=1e-4)
+
+
+# --- verify end to end ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def awq_art(tmp_path_factory, tiny_model_dir):
+    from compressor.api import QuantizeOptions, run_quantize
+
+    out = tmp_path_factory.mktemp("v") / "awq"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, algorithm="awq", group_size=32,
+                                 calib_samples=4, calib_seqlen=32))
+    return out
+
+
+def test_awq_scales_are_undone_for_weight_statistics(awq_art):
+    """Weight errors measured by verify agree with those the quantizer recorded (AWQ-folded space)."""
+    from compressor.manifest import load_manifest
+
+    rep = run_verify(VerifyOptions(artifact=awq_art, weights_only=True))
+    w = rep["weights"]
+    assert w["awq_scales_undone"] and rep["mode"] == "weights-only" and "perplexity" not in rep
+    recorded = {row["layer"]: row["mean_rel_error"] for row in load_manifest(awq_art).quality["layers"]}
+    for row in w["layers"]:
+        assert row["mean_rel_fro"] == pytest.approx(recorded[row["layer"]], rel=0.05)
+    for t in w["tensors"]:
+        assert t["sqnr_db"] == pytest.approx(-20 * math.log10(t["rel_fro"]))
+        assert t["artifact"]["std"] == pytest.approx(t["original"]["std"], rel=0.1)
+
+
+def test_full_verify_report_fields_and_schema(awq_art, capsys, tmp_path):
+    code, out, err = run(["verify", awq_art, *FAST, "--json", "--report", tmp_path / "rep"], capsys)
+    assert code == 0, err
+    rep = json.loads(out)
+    VerifyReport.model_validate(rep)
+    assert rep["schema_version"] == "kvq.verify-report/1" and rep["mode"] == "full"
+    d = rep["distribution"]
+    assert d["kl"]["count"] == 3 * 63 and 0 <= d["kl"]["median"] <= d["kl"]["p99"] <= d["kl"]["max"]
+    assert 0 <= d["top1_agreement_pct"] <= 100
+    assert len(rep["per_window"]) == 3 and rep["per_window"][0]["ppl_reference"] > 0
+    assert len(rep["hidden_state_error"]["per_layer"]) == 2
+    assert rep["drift"]["prompts"] == len(BUILTIN_PROMPTS) and rep["drift"]["max_new_tokens"] == 6
+    names = {p.name for p in (tmp_path / "rep").iterdir()}
+    assert {"report.md", "report.html", "report.json", "kl_histogram.png", "perplexity_per_window.png",
+            "layer_errors.png"} <= names
+    for png in (tmp_path / "rep").glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "PASSED" in md and "KL mean" in md and "top-1 agreement" in md
+    assert "data:image/png;base64," in (tmp_path / "rep" / "report.html").read_text()
+
+
+def test_verify_report_schema_in_docs_is_current():
+    committed = json.loads((REPO / "docs" / "verify-report.schema.json").read_text())
+    assert committed == json.loads(json.dumps(json_schema())), "regenerate: python -m compressor.report > docs/verify-report.schema.json"
+    props = set(committed["properties"])
+    # the stable top-level contract of kvq.verify-report/1
+    assert {"schema_version", "artifact", "mode", "passed", "signature", "hashes", "gates", "failed_gates", "perplexity",
+            "distribution", "per_window", "weights", "hidden_state_error", "drift", "kv_cache", "seconds"} <= props
+
+
+def test_gates_pass_and_fail_each_named(awq_art, capsys):
+    code, out, err = run(["verify", awq_art, *FAST, "--json", "--max-mean-kl", "0", "--min-top1", "100.0",
+                          "--min-sqnr-db", "99", "--max-hidden-error", "0", "--min-median-divergence", "7",
+                          "--max-p99-kl", "10"], capsys)
+    rep = json.loads(out)
+    assert code == 1
+    assert set(rep["failed_gates"]) >= {"max_mean_kl", "min_sqnr_db", "max_hidden_error", "min_median_divergence"}
+    assert "max_p99_kl" not in rep["failed_gates"]
+    sq = next(g for g in rep["gates"] if g["name"] == "min_sqnr_db")
+    assert "below" in sq["detail"] and "model.layers." in sq["detail"]
+    code, out, err = run(["verify", awq_art, *FAST, "--max-mean-kl", "0"], capsys)
+    assert code == 1 and "gate failed" in err and "max_mean_kl" in err
+    code, out, err = run(["verify", awq_art, *FAST, "--max-mean-kl", "5", "--min-top1", "1", "--min-sqnr-db", "1"], capsys)
+    assert code == 0, err
+
+
+def test_recipe_gates_are_used_without_flags(awq_art, tmp_path, capsys):
+    art = shutil.copytree(awq_art, tmp_path / "a")
+    m = json.loads((art / "kvq-manifest.json").read_text())
+    m["recipe"]["gates"]["min_sqnr_db"] = 99.0
+    from compressor.artifact import build_manifest
+    from compressor.manifest import Manifest
+
+    fields = {k: v for k, v in m.items() if k not in ("files", "tensors", "provenance", "digest_algorithm", "schema_version")}
+    (art / "kvq-manifest.json").write_text(build_manifest(art, fields).to_json())
+    code, out, err = run(["verify", art, "--weights-only", "--json"], capsys)
+    assert code == 1 and json.loads(out)["failed_gates"] == ["min_sqnr_db"]
+    code, out, err = run(["verify", art, "--weights-only", "--min-sqnr-db", "1"], capsys)  # a flag wins
+    assert code == 0, err
+
+
+def test_corrupted_but_hash_valid_resigned_artifact_is_caught_by_statistics(awq_art, tmp_path, capsys):
+    """An insider perturbs one module's weights, rewrites the manifest and re-signs: signature and digests
+    pass, the statistics gates do not."""
+    from safetensors.torch import load_file, save_file
+
+    from compressor.artifact import build_manifest
+    from compressor.manifest import load_manifest
+    from compressor.signing import SignOptions, sign_folder
+
+    from test_integrity import _keypair
+
+    art = shutil.copytree(awq_art, tmp_path / "a")
+    t = load_file(str(art / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    t[name] = t[name] * 1.6
+    save_file(t, str(art / "model.safetensors"), metadata={"format": "pt"})
+    old = load_manifest(art)
+    fields = {k: v for k, v in old.model_dump().items()
+              if k not in ("files", "tensors", "provenance", "digest_algorithm", "schema_version")}
+    (art / "kvq-manifest.json").write_text(build_manifest(art, fields).to_json())
+    priv, pub = _keypair(tmp_path, "insider")
+    sign_folder(art, SignOptions(private_key=priv))
+    code, out, err = run(["verify", art, *FAST, "--public-key", pub, "--json", "--min-sqnr-db", "12",
+                          "--max-mean-kl", "0.05"], capsys)
+    rep = json.loads(out)
+    assert rep["signature"]["ok"] and rep["hashes"]["ok"]
+    assert code == 1
+    assert "min_sqnr_db" in rep["failed_gates"]
+    sq = next(g for g in rep["gates"] if g["name"] == "min_sqnr_db")
+    assert "model.layers.1.mlp.down_proj.weight" in sq["detail"]
+    clean = run_verify(VerifyOptions(artifact=awq_art, weights_only=True))
+    assert clean["weights"]["min_sqnr_db"] > 12  # the untouched artifact passes the same gate
+
+
+def test_kv_artifact_reports_breakdown(tiny_model_dir, tmp_path, capsys):
+    from compressor.api import QuantizeOptions, run_quantize
+
+    out = tmp_path / "kv"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, algorithm="rtn", group_size=32, kv_scheme="int4",
+                                 calib_samples=4, calib_seqlen=32))
+    code, stdout, err = run(["verify", out, "--seqlen", "160", "--max-windows", "1", "--max-new-tokens", "4",
+                             "--hidden-batches", "1", "--json"], capsys)
+    assert code == 0, err
+    rep = json.loads(stdout)
+    assert rep["distribution"]["measured_on"] == "weights + KV"
+    assert set(rep["distribution"]["breakdown"]) == {"weights only", "weights + KV", "KV only"}
+    assert rep["drift"]["measured_on"] == "weights + KV"
+
+
+def test_prompts_files(tmp_path, capsys, awq_art):
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "Hello"}\n\n{"prompt": "World"}\n')
+    assert load_prompts(good) == ["Hello", "World"]
+    txt = tmp_path / "p.txt"
+    txt.write_text("one\n\n two \n")
+    assert load_prompts(txt) == ["one", " two "]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": 1}\n')
+    code, _, err = run(["verify", awq_art, *FAST, "--prompts", bad], capsys)
+    assert code == 2 and "bad.jsonl:2" in err and "Traceback" not in err
+    empty = tmp_path / "e.txt"
+    empty.write_text("\n\n")
+    code, _, err = run(["verify", awq_art, *FAST, "--prompts", empty], capsys)
+    assert code == 2 and "no prompts" in err
+    code, _, err = run(["verify", awq_art, *FAST, "--prompts", tmp_path / "missing.txt"], capsys)
+    assert code == 2 and "not found" in err
+
+
+def test_hashes_only_and_weights_only_are_exclusive(awq_art, capsys):
+    code, _, err = run(["verify", awq_art, "--hashes-only", "--weights-only"], capsys)
+    assert code == 2 and "Traceback" not in err
