@@ -11,7 +11,8 @@ from typing import Optional, Union
 
 import torch
 
-from .artifact import DTYPES, check_hashes, check_output, load_artifact, read_kv_cache, tool_info, write_artifact
+from .artifact import DTYPES, check_output, load_artifact, read_kv_cache, tool_info, write_artifact
+from .integrity import HASH_KEYS, check_hashes, check_signature, print_hashes as _print_hashes, run_sign  # noqa: F401
 from .calib import load_text, sample_windows, tokenize
 from .errors import CheckFailed, InputError
 from .evaluate import perplexity, windows
@@ -24,7 +25,7 @@ from .formats.compressed_tensors import kv_scale_tensors
 from .quant.kv import kv_budget, kv_bytes_per_token, make_spec, quantized_cache
 from .recipe import KVCacheOptions, load_recipes, with_overrides
 from .safetensors_io import HASH_ALGORITHMS
-from .signing import SignOptions, VerifyKeys, check_sign_options, sign_folder, verify_signature
+from .signing import SignOptions, VerifyKeys, check_sign_options, sign_folder
 
 
 def _mean(values) -> float | None:
@@ -340,69 +341,6 @@ def _kv_report(spec, source, ref_source, opts) -> dict:
         "max_tokens": q["max_tokens"], "fp16_max_tokens": fp["max_tokens"],
         "max_batch": q["max_batch"], "fp16_max_batch": fp["max_batch"],
     }
-
-
-HASH_KEYS = ("unsafe_files", "unreadable_files", "modified_tensors", "missing_tensors", "extra_tensors",
-             "modified_files", "missing_files", "extra_files", "renamed_files")
-
-
-def _print_hashes(console, hashes: dict) -> None:
-    if hashes["ok"]:
-        console.print(f"[green]hashes ok[/]: {hashes['tensors_checked']} tensors, {hashes['files_checked']} files match "
-                      f"the manifest ({hashes['digest_algorithm']}, {hashes['bytes_hashed'] / 1e6:.0f} MB in "
-                      f"{hashes['seconds']:.2f} s, {hashes['mb_per_s']:.0f} MB/s)", highlight=False)
-        return
-    for key in HASH_KEYS:
-        for name in hashes[key]:
-            label = key.replace("_", " ")[:-1]
-            console.print(f"[red]{label}[/]: {name}", highlight=False)
-
-
-def check_signature(folder: Path, keys: Optional[VerifyKeys], console=None) -> dict:
-    """Signature step of verify: checked when key material is given; otherwise only noted.
-
-    Returns ``{"present", "checked", "ok" (True/False, or None when unchecked), ...}``.
-    """
-    present = (folder / SIGNATURE_NAME).exists() or (folder / SIGNATURE_NAME).is_symlink()
-    if keys is None or not keys.given():
-        sig = {"present": present, "checked": False, "ok": None}
-        if console and present:
-            console.print(f"[yellow]signature present but not checked[/]: pass --public-key, --certificate-chain or "
-                          f"--identity/--issuer to check {SIGNATURE_NAME}", highlight=False)
-        return sig
-    sig = {"present": present, **verify_signature(folder, keys)}
-    if console:
-        if sig["ok"]:
-            console.print(f"[green]signature ok[/] ({sig['method']}): {SIGNATURE_NAME} verifies over every file", highlight=False)
-        else:
-            console.print(f"[red]signature FAILED[/]: {sig['error']}", highlight=False)
-            for d in sig["differences"]:
-                console.print(f"  [red]signed files differ[/]: {d}", highlight=False)
-    return sig
-
-
-def run_sign(folder: Path, opts: SignOptions, console=None) -> dict:
-    """``kvq sign``: check the artifact against its manifest, then sign it with model_signing.
-
-    Raises:
-        InputError: not an artifact, bad key material.
-        CheckFailed: the artifact does not match its manifest (nothing is signed), or signing failed.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise InputError(f"artifact folder {folder} not found")
-    check_sign_options(opts)
-    load_manifest(folder)
-    hashes = check_hashes(folder)
-    if not hashes["ok"]:
-        if console:
-            _print_hashes(console, hashes)
-        diffs = sum(len(hashes[k]) for k in HASH_KEYS)
-        raise CheckFailed(f"{folder} does not match its manifest ({diffs} difference(s)); refusing to sign it")
-    path = sign_folder(folder, opts)
-    if console:
-        console.print(f"[green]signed[/] {folder} ({opts.method()}): {path}", highlight=False)
-    return {"artifact": str(folder), "signature": str(path), "method": opts.method(), "hashes": hashes}
 
 
 GATE_FLAGS = {  # gate name -> (VerifyOptions attribute, "max"|"min")

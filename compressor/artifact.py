@@ -21,8 +21,9 @@ import torch
 from . import __version__
 from .errors import InputError
 from .formats import compressed_tensors as ct
-from .manifest import MANIFEST_NAME, SIGNATURE_NAME, FileRecord, Manifest, TensorRecord, load_manifest
-from .safetensors_io import digest_files, file_digest, read_header
+from .integrity import build_manifest, check_hashes  # noqa: F401  (re-exported)
+from .manifest import MANIFEST_NAME, Manifest, load_manifest
+from .safetensors_io import read_header
 
 WEIGHTS_NAME = "model.safetensors"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -150,28 +151,6 @@ def write_artifact(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
-
-
-def build_manifest(folder: Path, fields: dict, extra_provenance: dict | None = None,
-                   digest_algorithm: str = "sha256") -> Manifest:
-    """Hash every file and every tensor of ``folder`` (one pass, both cores) and assemble the manifest.
-
-    ``extra_provenance`` (timings, device) joins the creation time in the ``provenance``
-    block, the only part outside the content digest.
-
-    Raises:
-        InputError: a safetensors file with a bad header; unknown ``digest_algorithm``.
-    """
-    names = sorted(f.name for f in folder.iterdir() if f.name not in (MANIFEST_NAME, SIGNATURE_NAME) and f.is_file())
-    d = digest_files(folder, names, digest_algorithm)
-    if d.errors:
-        raise InputError(next(iter(d.errors.values())))
-    files = {n: FileRecord(size=size, digest=digest, covers=covers) for n, (size, digest, covers) in d.files.items()}
-    tensors = {n: TensorRecord(file=f, dtype=e.dtype, shape=list(e.shape), digest=digest)
-               for n, (f, e, digest) in sorted(d.tensors.items())}
-    provenance = {"created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
-                  **(extra_provenance or {})}
-    return Manifest(files=files, tensors=tensors, provenance=provenance, digest_algorithm=digest_algorithm, **fields)
 
 
 def tool_info() -> dict:
@@ -337,103 +316,3 @@ def _dequantize_module(method: str, qc: dict, module: str, t: dict[str, torch.Te
         fmt = sniff_checkpoint_format(t["qzeros"], bits) or fmt
     q, scale, zp, g_idx = read_gptq_module(t, bits, fmt)
     return dequantize(q, scale, zp, -1, dtype=dtype, g_idx=g_idx)
-
-
-def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
-    """Recompute every file and tensor digest and compare them with the manifest.
-
-    Every byte of the artifact is hashed once (safetensors: header plus each tensor's
-    range; other files whole), on all cores. Returns a dict with ``ok`` and the sorted
-    lists ``modified_tensors``, ``missing_tensors``, ``extra_tensors``, ``modified_files``,
-    ``missing_files``, ``extra_files``, ``renamed_files`` (``"old -> new"``: a missing
-    file whose size and digest reappear under another name), ``unsafe_files`` (symlinks,
-    folders, special files: kvq never writes them and never follows them) and
-    ``unreadable_files`` (safetensors files whose header no longer parses), plus counts,
-    ``bytes_hashed``, ``seconds`` and ``mb_per_s`` (10^6 bytes per second). Like
-    model-signing, it names every difference rather than stopping at the first.
-
-    Raises:
-        InputError: no manifest, or an invalid one (see :func:`load_manifest`).
-    """
-    folder = Path(folder)
-    manifest = load_manifest(folder)
-    algo = manifest.digest_algorithm
-    present, unsafe = set(), []
-    for p in folder.iterdir():
-        if p.name in (MANIFEST_NAME, SIGNATURE_NAME):
-            if p.is_symlink() or not p.is_file():
-                unsafe.append(f"{p.name}: not a regular file")
-            continue
-        if p.is_symlink():
-            target = os.readlink(p)
-            where = "outside" if not (folder / target).resolve().is_relative_to(folder.resolve()) else "inside"
-            unsafe.append(f"{p.name}: symlink to {target} ({where} the artifact; kvq does not follow links)")
-        elif not p.is_file():
-            unsafe.append(f"{p.name}: {'folder' if p.is_dir() else 'special file'} (an artifact holds plain files only)")
-        else:
-            present.add(p.name)
-    unsafe_names = {u.split(":", 1)[0] for u in unsafe}
-    listed = set(manifest.files)
-    # files hashed as the manifest recorded them: header+tensors where it says so, else whole
-    header_files = {n for n in listed & present if manifest.files[n].covers == "header"}
-    extra = sorted(present - listed)
-    d = digest_files(folder, sorted(header_files) + [n for n in sorted(present) if n not in header_files],
-                     algo, workers, parse_safetensors=True)
-    report = {"digest_algorithm": algo, "missing_files": sorted(listed - present - unsafe_names), "extra_files": [],
-              "renamed_files": [], "modified_files": [], "modified_tensors": [], "missing_tensors": [],
-              "extra_tensors": [], "unsafe_files": sorted(unsafe),
-              "unreadable_files": sorted(f"{n}: {e}" for n, e in d.errors.items())}
-    for name in sorted(listed & present):
-        rec = manifest.files[name]
-        size, digest, covers = d.files[name]
-        if name in d.errors and rec.covers == "header":
-            report["modified_files"].append(name)
-        elif size != rec.size or (covers == rec.covers and digest != rec.digest):
-            report["modified_files"].append(name)
-        elif covers != rec.covers:  # recorded whole (v1 manifest, or a file kvq could not parse then)
-            if file_digest(folder / name, algo) != rec.digest:
-                report["modified_files"].append(name)
-    # renames: a missing file whose size and digest turn up under an extra name
-    renamed: dict[str, str] = {}
-    for old in list(report["missing_files"]):
-        rec = manifest.files[old]
-        for new in extra:
-            if new in renamed.values() or new not in d.files:
-                continue
-            size, digest, covers = d.files[new]
-            if rec.covers != covers and rec.covers == "file":
-                digest = file_digest(folder / new, algo)
-            if size == rec.size and digest == rec.digest:
-                renamed[old] = new
-                break
-    report["renamed_files"] = [f"{o} -> {n}" for o, n in sorted(renamed.items())]
-    report["missing_files"] = [n for n in report["missing_files"] if n not in renamed]
-    report["extra_files"] = [n for n in extra if n not in renamed.values()]
-    shard_of = {v: k for k, v in renamed.items()}
-    seen = set()
-    for tname, (shard, _entry, digest) in d.tensors.items():
-        seen.add(tname)
-        rec = manifest.tensors.get(tname)
-        if rec is None:
-            report["extra_tensors"].append(tname)
-        elif rec.file != shard_of.get(shard, shard) or rec.digest != digest:
-            report["modified_tensors"].append(tname)
-    # a file holding a modified tensor is a modified file too
-    for tname in report["modified_tensors"]:
-        shard = d.tensors[tname][0]
-        if shard in listed and shard not in report["modified_files"]:
-            report["modified_files"].append(shard)
-    # tensors of a file that could not be parsed are reported through that file, not one by one
-    unparsed = {n for n in d.errors}
-    report["missing_tensors"] = sorted(t for t in set(manifest.tensors) - seen
-                                       if manifest.tensors[t].file not in unparsed)
-    for k in list(report):
-        if isinstance(report[k], list):
-            report[k] = sorted(report[k])
-    report["ok"] = not any(v for k, v in report.items() if isinstance(v, list))
-    report["tensors_checked"] = len(seen)
-    report["files_checked"] = len(listed & present)
-    report["bytes_hashed"] = d.bytes_hashed
-    report["seconds"] = round(d.seconds, 4)
-    report["mb_per_s"] = round(d.bytes_hashed / 1e6 / max(d.seconds, 1e-9), 1)
-    return report

@@ -220,28 +220,35 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     """
     if json_out is not None and not json_out.resolve().parent.is_dir():
         raise InputError(f"cannot write --json-out {json_out}: its folder does not exist")
-    _quiet_libraries()
-    from .api import VerifyOptions, run_verify
     from .signing import VerifyKeys
 
     if sum(bool(x) for x in (public_key, certificate_chain, identity or issuer)) > 1:
         raise click.BadParameter("choose one of --public-key, --certificate-chain, --identity/--issuer")
     keys = VerifyKeys(public_key=public_key, certificate_chain=tuple(certificate_chain), identity=identity, issuer=issuer)
 
-    opts = VerifyOptions(
-        artifact=artifact, reference=reference, eval_text=eval_text, seqlen=seqlen, max_windows=max_windows,
-        max_ppl_increase=max_ppl_increase, hashes_only=hashes_only, device=_device(device), kv_scheme=kv_scheme,
-        kv_budget_gib=kv_budget_gib, kv_chunk=kv_chunk, kv_calib=kv_calib, keys=keys, weights_only=weights_only,
-        max_mean_kl=max_mean_kl, max_p99_kl=max_p99_kl, min_top1=min_top1, min_sqnr_db=min_sqnr_db,
-        max_hidden_error=max_hidden_error, min_median_divergence=min_median_divergence,
-        prompts=str(prompts_file) if prompts_file else None, max_new_tokens=max_new_tokens, hidden_batches=hidden_batches,
-    )
     if hashes_only and weights_only:
         raise click.BadParameter("choose one of --hashes-only and --weights-only")
     if report_dir is not None and report_dir.exists() and not report_dir.is_dir():
         raise InputError(f"--report {report_dir} exists and is not a folder")
     console = None if as_json else _console()
-    full = run_verify(opts, console=console)
+    if hashes_only:  # integrity only: no torch, starts in about a second
+        from .integrity import verify_integrity
+
+        full = verify_integrity(artifact, keys, console)
+    else:
+        _quiet_libraries()
+        from .api import VerifyOptions, run_verify
+
+        opts = VerifyOptions(
+            artifact=artifact, reference=reference, eval_text=eval_text, seqlen=seqlen, max_windows=max_windows,
+            max_ppl_increase=max_ppl_increase, hashes_only=False, device=_device(device), kv_scheme=kv_scheme,
+            kv_budget_gib=kv_budget_gib, kv_chunk=kv_chunk, kv_calib=kv_calib, keys=keys, weights_only=weights_only,
+            max_mean_kl=max_mean_kl, max_p99_kl=max_p99_kl, min_top1=min_top1, min_sqnr_db=min_sqnr_db,
+            max_hidden_error=max_hidden_error, min_median_divergence=min_median_divergence,
+            prompts=str(prompts_file) if prompts_file else None, max_new_tokens=max_new_tokens,
+            hidden_batches=hidden_batches,
+        )
+        full = run_verify(opts, console=console)
     report = {k: v for k, v in full.items() if not k.startswith("_")}
     if report_dir is not None:
         from .report import write_report
@@ -286,7 +293,7 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
       kvq sign out/smollm2-w4 --private-key key.pem --signing-certificate cert.pem --certificate-chain ca.pem
       kvq sign out/smollm2-w4 --sigstore
     """
-    from .api import run_sign
+    from .integrity import run_sign
     from .signing import SignOptions
 
     opts = SignOptions(private_key=private_key, password=password, signing_certificate=signing_certificate,

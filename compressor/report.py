@@ -209,22 +209,26 @@ def plots(report: dict, folder: Path) -> list[Path]:
     hidden = report.get("hidden_state_error")
     if w and w["layers"]:
         rows = 2 if hidden else 1
-        fig, axes = plt.subplots(rows, 1, figsize=(9, 3.4 * rows), dpi=110, squeeze=False)
+        fig, axes = plt.subplots(rows, 1, figsize=(10, 3.4 * rows), dpi=110, squeeze=False)
         ax = axes[0][0]
         layers = [r["layer"] for r in w["layers"]]
         kinds = sorted({t["name"].split(".")[-2] for t in w["tensors"]})
-        width = 0.8 / max(1, len(kinds))
-        for k, kind in enumerate(kinds):
-            vals = {t["layer"]: t["sqnr_db"] for t in w["tensors"] if t["name"].split(".")[-2] == kind}
-            ax.bar([x - 0.4 + width * (k + 0.5) for x in layers], [vals.get(x, 0.0) for x in layers], width, label=kind)
+        finite = [t["sqnr_db"] for t in w["tensors"] if math.isfinite(t["sqnr_db"])]
+        for kind in kinds:
+            pts = sorted((t["layer"], t["sqnr_db"]) for t in w["tensors"] if t["name"].split(".")[-2] == kind)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1, label=kind)
+        if finite:
+            ax.set_ylim(min(finite) - 1.0, max(finite) + 1.0)
         ax.set_xlabel("decoder layer")
         ax.set_ylabel("weight SQNR, dB (higher is better)")
-        ax.set_title(f"Weight SQNR per tensor (dequantized artifact vs original): {name}")
-        ax.legend(ncol=min(7, len(kinds)), fontsize=7, loc="lower right")
-        ax.grid(axis="y", alpha=0.3)
+        ax.set_title(f"Weight SQNR per quantized tensor (artifact vs original): {name}")
+        ax.legend(ncol=1, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        ax.grid(alpha=0.3)
         if hidden:
             ax = axes[1][0]
-            ax.bar(range(len(hidden["per_layer"])), [100 * e for e in hidden["per_layer"]], color="#ff7f0e")
+            ax.bar(range(len(hidden["per_layer"])), [100 * e for e in hidden["per_layer"]], color="#ff7f0e",
+                   label="relative error of the layer's output")
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
             ax.set_xlabel("decoder layer")
             ax.set_ylabel("relative error, % (lower is better)")
             ax.set_title(f"Hidden-state error after each layer ({hidden['batches']} x {hidden['seqlen']} tokens, "

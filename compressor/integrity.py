@@ -1,0 +1,225 @@
+"""Artifact integrity without torch: manifest digests, signature checks, signing.
+
+Everything ``kvq verify --hashes-only`` and ``kvq sign`` need lives here and imports
+neither torch nor transformers, so those commands start in about a second.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+from .errors import CheckFailed, InputError
+from .manifest import MANIFEST_NAME, SIGNATURE_NAME, FileRecord, Manifest, TensorRecord, load_manifest
+from .safetensors_io import digest_files, file_digest
+from .signing import SignOptions, VerifyKeys, check_sign_options, sign_folder, verify_signature
+
+
+def build_manifest(folder: Path, fields: dict, extra_provenance: dict | None = None,
+                   digest_algorithm: str = "sha256") -> Manifest:
+    """Hash every file and every tensor of ``folder`` (one pass, both cores) and assemble the manifest.
+
+    ``extra_provenance`` (timings, device) joins the creation time in the ``provenance``
+    block, the only part outside the content digest.
+
+    Raises:
+        InputError: a safetensors file with a bad header; unknown ``digest_algorithm``.
+    """
+    names = sorted(f.name for f in folder.iterdir() if f.name not in (MANIFEST_NAME, SIGNATURE_NAME) and f.is_file())
+    d = digest_files(folder, names, digest_algorithm)
+    if d.errors:
+        raise InputError(next(iter(d.errors.values())))
+    files = {n: FileRecord(size=size, digest=digest, covers=covers) for n, (size, digest, covers) in d.files.items()}
+    tensors = {n: TensorRecord(file=f, dtype=e.dtype, shape=list(e.shape), digest=digest)
+               for n, (f, e, digest) in sorted(d.tensors.items())}
+    provenance = {"created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+                  **(extra_provenance or {})}
+    return Manifest(files=files, tensors=tensors, provenance=provenance, digest_algorithm=digest_algorithm, **fields)
+
+
+def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
+    """Recompute every file and tensor digest and compare them with the manifest.
+
+    Every byte of the artifact is hashed once (safetensors: header plus each tensor's
+    range; other files whole), on all cores. Returns a dict with ``ok`` and the sorted
+    lists ``modified_tensors``, ``missing_tensors``, ``extra_tensors``, ``modified_files``,
+    ``missing_files``, ``extra_files``, ``renamed_files`` (``"old -> new"``: a missing
+    file whose size and digest reappear under another name), ``unsafe_files`` (symlinks,
+    folders, special files: kvq never writes them and never follows them) and
+    ``unreadable_files`` (safetensors files whose header no longer parses), plus counts,
+    ``bytes_hashed``, ``seconds`` and ``mb_per_s`` (10^6 bytes per second). Like
+    model-signing, it names every difference rather than stopping at the first.
+
+    Raises:
+        InputError: no manifest, or an invalid one (see :func:`load_manifest`).
+    """
+    folder = Path(folder)
+    manifest = load_manifest(folder)
+    algo = manifest.digest_algorithm
+    present, unsafe = set(), []
+    for p in folder.iterdir():
+        if p.name in (MANIFEST_NAME, SIGNATURE_NAME):
+            if p.is_symlink() or not p.is_file():
+                unsafe.append(f"{p.name}: not a regular file")
+            continue
+        if p.is_symlink():
+            target = os.readlink(p)
+            where = "outside" if not (folder / target).resolve().is_relative_to(folder.resolve()) else "inside"
+            unsafe.append(f"{p.name}: symlink to {target} ({where} the artifact; kvq does not follow links)")
+        elif not p.is_file():
+            unsafe.append(f"{p.name}: {'folder' if p.is_dir() else 'special file'} (an artifact holds plain files only)")
+        else:
+            present.add(p.name)
+    unsafe_names = {u.split(":", 1)[0] for u in unsafe}
+    listed = set(manifest.files)
+    # files hashed as the manifest recorded them: header+tensors where it says so, else whole
+    header_files = {n for n in listed & present if manifest.files[n].covers == "header"}
+    extra = sorted(present - listed)
+    d = digest_files(folder, sorted(header_files) + [n for n in sorted(present) if n not in header_files],
+                     algo, workers, parse_safetensors=True)
+    report = {"digest_algorithm": algo, "missing_files": sorted(listed - present - unsafe_names), "extra_files": [],
+              "renamed_files": [], "modified_files": [], "modified_tensors": [], "missing_tensors": [],
+              "extra_tensors": [], "unsafe_files": sorted(unsafe),
+              "unreadable_files": sorted(f"{n}: {e}" for n, e in d.errors.items())}
+    for name in sorted(listed & present):
+        rec = manifest.files[name]
+        size, digest, covers = d.files[name]
+        if name in d.errors and rec.covers == "header":
+            report["modified_files"].append(name)
+        elif size != rec.size or (covers == rec.covers and digest != rec.digest):
+            report["modified_files"].append(name)
+        elif covers != rec.covers:  # recorded whole (v1 manifest, or a file kvq could not parse then)
+            if file_digest(folder / name, algo) != rec.digest:
+                report["modified_files"].append(name)
+    # renames: a missing file whose size and digest turn up under an extra name
+    renamed: dict[str, str] = {}
+    for old in list(report["missing_files"]):
+        rec = manifest.files[old]
+        for new in extra:
+            if new in renamed.values() or new not in d.files:
+                continue
+            size, digest, covers = d.files[new]
+            if rec.covers != covers and rec.covers == "file":
+                digest = file_digest(folder / new, algo)
+            if size == rec.size and digest == rec.digest:
+                renamed[old] = new
+                break
+    report["renamed_files"] = [f"{o} -> {n}" for o, n in sorted(renamed.items())]
+    report["missing_files"] = [n for n in report["missing_files"] if n not in renamed]
+    report["extra_files"] = [n for n in extra if n not in renamed.values()]
+    shard_of = {v: k for k, v in renamed.items()}
+    seen = set()
+    for tname, (shard, _entry, digest) in d.tensors.items():
+        seen.add(tname)
+        rec = manifest.tensors.get(tname)
+        if rec is None:
+            report["extra_tensors"].append(tname)
+        elif rec.file != shard_of.get(shard, shard) or rec.digest != digest:
+            report["modified_tensors"].append(tname)
+    # a file holding a modified tensor is a modified file too
+    for tname in report["modified_tensors"]:
+        shard = d.tensors[tname][0]
+        if shard in listed and shard not in report["modified_files"]:
+            report["modified_files"].append(shard)
+    # tensors of a file that could not be parsed are reported through that file, not one by one
+    unparsed = {n for n in d.errors}
+    report["missing_tensors"] = sorted(t for t in set(manifest.tensors) - seen
+                                       if manifest.tensors[t].file not in unparsed)
+    for k in list(report):
+        if isinstance(report[k], list):
+            report[k] = sorted(report[k])
+    report["ok"] = not any(v for k, v in report.items() if isinstance(v, list))
+    report["tensors_checked"] = len(seen)
+    report["files_checked"] = len(listed & present)
+    report["bytes_hashed"] = d.bytes_hashed
+    report["seconds"] = round(d.seconds, 4)
+    report["mb_per_s"] = round(d.bytes_hashed / 1e6 / max(d.seconds, 1e-9), 1)
+    return report
+
+
+HASH_KEYS = ("unsafe_files", "unreadable_files", "modified_tensors", "missing_tensors", "extra_tensors",
+             "modified_files", "missing_files", "extra_files", "renamed_files")
+
+
+def print_hashes(console, hashes: dict) -> None:
+    if hashes["ok"]:
+        console.print(f"[green]hashes ok[/]: {hashes['tensors_checked']} tensors, {hashes['files_checked']} files match "
+                      f"the manifest ({hashes['digest_algorithm']}, {hashes['bytes_hashed'] / 1e6:.0f} MB in "
+                      f"{hashes['seconds']:.2f} s, {hashes['mb_per_s']:.0f} MB/s)", highlight=False)
+        return
+    for key in HASH_KEYS:
+        for name in hashes[key]:
+            label = key.replace("_", " ")[:-1]
+            console.print(f"[red]{label}[/]: {name}", highlight=False)
+
+
+def check_signature(folder: Path, keys: Optional[VerifyKeys], console=None) -> dict:
+    """Signature step of verify: checked when key material is given; otherwise only noted.
+
+    Returns ``{"present", "checked", "ok" (True/False, or None when unchecked), ...}``.
+    """
+    present = (folder / SIGNATURE_NAME).exists() or (folder / SIGNATURE_NAME).is_symlink()
+    if keys is None or not keys.given():
+        sig = {"present": present, "checked": False, "ok": None}
+        if console and present:
+            console.print(f"[yellow]signature present but not checked[/]: pass --public-key, --certificate-chain or "
+                          f"--identity/--issuer to check {SIGNATURE_NAME}", highlight=False)
+        return sig
+    sig = {"present": present, **verify_signature(folder, keys)}
+    if console:
+        if sig["ok"]:
+            console.print(f"[green]signature ok[/] ({sig['method']}): {SIGNATURE_NAME} verifies over every file", highlight=False)
+        else:
+            console.print(f"[red]signature FAILED[/]: {sig['error']}", highlight=False)
+            for d in sig["differences"]:
+                console.print(f"  [red]signed files differ[/]: {d}", highlight=False)
+    return sig
+
+
+def run_sign(folder: Path, opts: SignOptions, console=None) -> dict:
+    """``kvq sign``: check the artifact against its manifest, then sign it with model_signing.
+
+    Raises:
+        InputError: not an artifact, bad key material.
+        CheckFailed: the artifact does not match its manifest (nothing is signed), or signing failed.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"artifact folder {folder} not found")
+    check_sign_options(opts)
+    load_manifest(folder)
+    hashes = check_hashes(folder)
+    if not hashes["ok"]:
+        if console:
+            print_hashes(console, hashes)
+        diffs = sum(len(hashes[k]) for k in HASH_KEYS)
+        raise CheckFailed(f"{folder} does not match its manifest ({diffs} difference(s)); refusing to sign it")
+    path = sign_folder(folder, opts)
+    if console:
+        console.print(f"[green]signed[/] {folder} ({opts.method()}): {path}", highlight=False)
+    return {"artifact": str(folder), "signature": str(path), "method": opts.method(), "hashes": hashes}
+
+
+def verify_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) -> dict:
+    """``kvq verify --hashes-only``: signature (when keys are given) and digests; the report dict.
+
+    Raises:
+        InputError: not an artifact folder, invalid manifest, bad key files.
+    """
+    t0 = time.perf_counter()
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"artifact folder {folder} not found")
+    load_manifest(folder)
+    signature = check_signature(folder, keys, console)
+    hashes = check_hashes(folder)
+    if console:
+        print_hashes(console, hashes)
+    ok = hashes["ok"] and signature["ok"] is not False
+    return {"schema_version": "kvq.verify-report/1", "artifact": str(folder), "mode": "hashes-only",
+            "signature": signature, "hashes": hashes, "gates": [], "failed_gates": [], "warnings": [],
+            "passed": ok, "seconds": round(time.perf_counter() - t0, 2)}
