@@ -37,7 +37,7 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-# quantize -> verify on the real default model (AWQ W4, group 64)
+# quantize (+ sign) -> verify (+ report) -> serve-smoke on the real default model (AWQ W4 g64 + fp8 KV cache)
 demo: install
 	@set -e; mkdir -p $(DEMO); \
 	if [ -f "$(SHARED)/wikitext-2/valid.txt" ]; then \
@@ -51,7 +51,7 @@ demo: install
 	keys=$$(mktemp -d); trap 'rm -rf "$$keys"' EXIT; \
 	$(BIN)/python -c "$$KEYGEN" "$$keys"; cp "$$keys/pub.pem" $(DEMO)/signing-pub.pem; \
 	echo "demo: signing with a throwaway EC P-256 key generated into $$keys (public key kept in $(DEMO)/signing-pub.pem)"; \
-	$(BIN)/kvq quantize smollm2-135m --recipe w4a16-awq --calib "$$calib" \
+	$(BIN)/kvq quantize smollm2-135m --recipe w4a16-awq --recipe kv-fp8 --calib "$$calib" \
 	  --calib-samples $(DEMO_SAMPLES) --calib-seqlen 512 -o $(DEMO)/smollm2-w4a16-awq --overwrite \
 	  --sign-key "$$keys/key.pem"; \
 	$(BIN)/kvq verify $(DEMO)/smollm2-w4a16-awq --public-key "$$keys/pub.pem" --eval "$$eval" --seqlen 2048 \
@@ -62,7 +62,10 @@ demo: install
 	  echo "demo: the stock model_signing CLI verifies the signature too"; \
 	else echo "demo: model_signing verify FAILED"; exit 1; fi; \
 	$(BIN)/python -c "import json; r=json.load(open('$(DEMO)/verify.json')); p=r['perplexity']; d=r['distribution']; print(f\"demo: verify passed: signature ok ({r['signature']['method']}), {r['hashes']['tensors_checked']} tensor digests ok, perplexity {p['artifact']:.3f} vs reference {p['reference']:.3f} ({p['increase_pct']:+.2f} %), mean KL {d['kl']['mean']:.4f} nats, top-1 agreement {d['top1_agreement_pct']:.1f} %\")"; \
-	echo "demo: artifact in $(DEMO)/smollm2-w4a16-awq (signed: model.sig), report in $(DEMO)/report/report.md (+ report.html, PNGs)"
+	$(BIN)/kvq serve-smoke $(DEMO)/smollm2-w4a16-awq --http --json > $(DEMO)/serve-smoke.json \
+	  || { echo "demo: serve-smoke FAILED, see $(DEMO)/serve-smoke.json"; exit 1; }; \
+	$(BIN)/python -c "import json; r=json.load(open('$(DEMO)/serve-smoke.json')); rt=r['runtime']; c=r['comparison']; h=r['http']; print(f\"demo: serve-smoke passed: decode {rt['batch_1']['decode_tokens_per_s']:.1f} tokens/s (batch 1), {rt['batch_8']['decode_tokens_per_s']:.1f} (batch 8), KV {rt['kv_scheme']} {rt['kv_bytes_per_token']:.0f} B/token, top-1 agreement {c['top1_agreement_pct']:.1f} %, HTTP {h['ok']}/{h['requests']} ok\")"; \
+	echo "demo: artifact in $(DEMO)/smollm2-w4a16-awq (signed: model.sig), report in $(DEMO)/report/report.md (+ report.html, PNGs), serve-smoke in $(DEMO)/serve-smoke.json"
 
 bench: install
 	$(BIN)/python bench/run_bench.py

@@ -23,6 +23,7 @@ from .errors import InputError
 from .formats import compressed_tensors as ct
 from .integrity import build_manifest, check_hashes  # noqa: F401  (re-exported)
 from .manifest import MANIFEST_NAME, Manifest, load_manifest
+from .runtime.weights import PACKED_LEAVES, read_quant_weight
 from .safetensors_io import read_header
 
 WEIGHTS_NAME = "model.safetensors"
@@ -199,7 +200,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    leaves = _PACKED_LEAVES.get(method, ())
+    leaves = PACKED_LEAVES.get(method, ())
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
     for s in shards:
@@ -213,12 +214,10 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
                 else:
                     state[key] = f.get_tensor(key).to(dtype) if f.get_slice(key).get_dtype() in ("F16", "BF16", "F32", "F64") else f.get_tensor(key)
     for module, t in packed.items():
-        try:
-            state[f"{module}.weight"] = _dequantize_module(method, qc, module, t, dtype)
+        try:  # the runtime's reader: one validation of every format, then kvq's dequantization
+            state[f"{module}.weight"] = read_quant_weight(method, qc, module, t).dequantize(dtype)
         except InputError as e:
-            raise InputError(f"{folder}: module {module}: {e}") from None
-        except (KeyError, ValueError, TypeError, RuntimeError) as e:
-            raise InputError(f"{folder}: module {module}: cannot read its {method} tensors ({type(e).__name__}: {e})") from None
+            raise InputError(f"{folder}: {e}") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
@@ -269,50 +268,3 @@ def read_kv_cache(folder: str | Path, manifest=None):
     return spec, {i: (k, v) for i, (k, v) in scales.items()}
 
 
-_PACKED_LEAVES = {
-    "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
-    "awq": ("qweight", "qzeros", "scales"),
-    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
-}
-
-
-def _dequantize_module(method: str, qc: dict, module: str, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Float ``[out, in]`` weight of one packed module in any format kvq writes.
-
-    Raises:
-        InputError: tensors missing or inconsistent with the config.
-    """
-    from .quant.primitives import dequantize
-
-    if method == "compressed-tensors":
-        if not {"weight_packed", "weight_scale", "weight_shape"} <= set(t):
-            raise InputError("lacks weight_packed/weight_scale/weight_shape")
-        wargs = ct.module_scheme(qc, module)
-        q, scale, zp = ct.read_module(t, int(wargs["num_bits"]))
-        gs = -1 if wargs.get("strategy") == "channel" else int(wargs["group_size"])
-        n_groups = 1 if gs == -1 else q.shape[1] // gs
-        if (gs != -1 and q.shape[1] % gs) or tuple(scale.shape) != (q.shape[0], n_groups):
-            raise InputError(f"weight_scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)}")
-        g_idx = t.get("weight_g_idx")
-        return dequantize(q, scale, zp, gs, dtype=dtype, g_idx=g_idx)
-    if method == "awq":
-        from .formats.awq import read_awq_module
-
-        if not {"qweight", "qzeros", "scales"} <= set(t):
-            raise InputError("lacks qweight/qzeros/scales")
-        q, scale, zp = read_awq_module(t)
-        gs = int(qc.get("group_size", 128))
-        gs = q.shape[1] if gs == -1 else gs
-        if q.shape[1] % gs or scale.shape[1] != q.shape[1] // gs:
-            raise InputError(f"scales shape {tuple(scale.shape)} does not match group_size {gs}")
-        return dequantize(q, scale, zp, gs, dtype=dtype)
-    from .formats.gptq import read_gptq_module, sniff_checkpoint_format
-
-    if not {"qweight", "qzeros", "scales", "g_idx"} <= set(t):
-        raise InputError("lacks qweight/qzeros/scales/g_idx")
-    bits = int(qc["bits"])
-    fmt = qc.get("checkpoint_format", "gptq")
-    if qc.get("sym", True):  # vLLM PR #38966: some v2 checkpoints declare v1; trust the stored zeros
-        fmt = sniff_checkpoint_format(t["qzeros"], bits) or fmt
-    q, scale, zp, g_idx = read_gptq_module(t, bits, fmt)
-    return dequantize(q, scale, zp, -1, dtype=dtype, g_idx=g_idx)

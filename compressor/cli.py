@@ -62,6 +62,8 @@ def cli():
     kvq quantize MODEL -o OUT     calibrate and quantize weights (AWQ / GPTQ / RTN) and KV cache, write the artifact
     kvq verify OUT                check the signature and every tensor digest, compare with the original, gate
     kvq sign OUT                  sign the artifact (OpenSSF model_signing; model.sig)
+    kvq serve-smoke OUT           run the artifact in the bundled runtime, compare with the original, gate
+    kvq serve OUT                 OpenAI-compatible HTTP server on loopback (manual use)
     kvq recipes                   list the bundled recipes
 
     Exit codes: 0 ok, 1 a check failed, 2 usage or input error.
@@ -301,6 +303,102 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
     result = run_sign(artifact, opts, console=None if as_json else _console())
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True))
+
+
+@cli.command("serve-smoke")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Prompts: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: 8 built-in prompts.")
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=32, show_default=True, help="Tokens generated per prompt (greedy).")
+@click.option("--reference", default=None, help="Original model to compare with (default: the source recorded in the manifest).")
+@click.option("--backend", type=click.Choice(["auto", "aten", "dequant", "triton"]), default="auto", show_default=True, help="Weight kernels: auto (CPU: PyTorch int4/int8 weight-only ops, else dequantize; CUDA: Triton W4A16), or one of them.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the runtime and the reference run.")
+@click.option("--http", is_flag=True, help="Also start the OpenAI-compatible server on a free 127.0.0.1 port, send --http-requests concurrent requests (completions and chat), check the answers, stop it.")
+@click.option("--http-requests", type=click.IntRange(1, 256), default=8, show_default=True, help="Concurrent requests for --http.")
+@click.option("--min-top1", type=click.FloatRange(0, 100), default=None, callback=_finite, help="Gate: minimum top-1 agreement with the reference over generated positions, percent (default: recipe gates.serve_min_top1_pct, else 80).")
+@click.option("--max-kl", type=click.FloatRange(0, None), default=None, callback=_finite, help="Gate: maximum mean KL(reference || runtime) over prompt positions, nats (default: recipe gates.serve_max_prompt_kl, else 0.5).")
+@click.option("--min-first-divergence", type=click.IntRange(0, None), default=None, help="Gate: minimum median first generated position where the reference would pick another token.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, device, http, http_requests, min_top1, max_kl,
+                min_first_divergence, as_json):
+    """Serve ARTIFACT with the bundled runtime and check it answers like the original.
+
+    \b
+    1. rechecks the digests (a tampered artifact fails, exit 1);
+    2. loads the runtime: packed weights read directly (CPU: PyTorch's int4/int8
+       weight-only matmul ops, else dequantize-then-matmul; CUDA: Triton W4A16) and a
+       preallocated KV cache in the artifact's scheme (fp8 with its scales, int8,
+       int4/int2 KIVI);
+    3. greedy generation of every prompt as one batch and of the first prompt alone:
+       prefill and decode tokens/s, peak RSS, KV bytes/token;
+    4. the reference (float, transformers) reads each prompt plus the runtime's
+       continuation: KL on the prompt's next-token distributions, top-1 agreement over
+       generated positions, and the first position where the reference would choose
+       another token (median, min);
+    5. with --http, the same engine behind the HTTP API, N concurrent requests;
+    6. gates (flags, or the recipe's gates block): exit 1 names each failed one.
+
+    \b
+    Example:
+      kvq serve-smoke out/smollm2-w4-fp8kv --http --json
+    """
+    _quiet_libraries()
+    from .serve import SmokeOptions, run_serve_smoke
+
+    opts = SmokeOptions(artifact=artifact, prompts=str(prompts_file) if prompts_file else None,
+                        max_new_tokens=max_new_tokens, reference=reference, device=_device(device), backend=backend,
+                        http=http, http_requests=http_requests, min_top1=min_top1, max_kl=max_kl,
+                        min_first_divergence=min_first_divergence)
+    report = run_serve_smoke(opts, console=None if as_json else _console())
+    if as_json:
+        click.echo(json.dumps(report, indent=2, sort_keys=True, default=str))
+    if not report["passed"]:
+        sys.exit(1)
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback unless --allow-remote).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port (0: any free port).")
+@click.option("--allow-remote", is_flag=True, help="Allow a non-loopback --host (the server has no authentication).")
+@click.option("--backend", type=click.Choice(["auto", "aten", "dequant", "triton"]), default="auto", show_default=True, help="Weight kernels (see serve-smoke).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the runtime runs.")
+@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help="Concurrent requests batched into one generation.")
+def serve(artifact, host, port, allow_remote, backend, device, max_batch):
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API until Ctrl-C.
+
+    Routes: GET /health, POST /v1/completions, POST /v1/chat/completions (greedy when
+    temperature is 0, the default). The artifact's digests are checked first.
+
+    \b
+    Example:
+      kvq serve out/smollm2-w4 --port 8000 &
+      curl -s localhost:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 8}'
+    """
+    from .serve import check_host
+
+    check_host(host, allow_remote)
+    _quiet_libraries()
+    from transformers import AutoTokenizer
+
+    from .errors import CheckFailed
+    from .integrity import check_hashes
+    from .runtime import Runtime
+    from .serve import Engine, Server
+
+    if not Path(artifact).is_dir():
+        raise InputError(f"artifact folder {artifact} not found")
+    if not check_hashes(artifact)["ok"]:
+        raise CheckFailed(f"{artifact} does not match its manifest; run `kvq verify {artifact} --hashes-only`")
+    rt = Runtime.from_artifact(artifact, device=_device(device), backend=backend, kv="artifact")
+    eng = Engine(rt, AutoTokenizer.from_pretrained(str(artifact)), Path(artifact).name, max_batch)
+    srv = Server(eng, host, port).start()
+    click.echo(f"kvq: serving {Path(artifact).name} on {srv.url} (Ctrl-C to stop)", err=True)
+    try:
+        while srv.thread.is_alive():
+            srv.thread.join(0.5)
+    finally:
+        srv.stop()
+        eng.close()
 
 
 @cli.command()

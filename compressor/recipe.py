@@ -141,6 +141,10 @@ class Gates(_Strict):
     min_sqnr_db: Optional[float] = None
     max_hidden_error: Optional[float] = Field(None, ge=0.0)
     min_median_divergence: Optional[int] = Field(None, ge=0)
+    # kvq serve-smoke (runtime vs reference; None: the command's defaults 80 % / 0.5 nats / ungated)
+    serve_min_top1_pct: Optional[float] = Field(None, ge=0.0, le=100.0)
+    serve_max_prompt_kl: Optional[float] = Field(None, ge=0.0)
+    serve_min_median_divergence: Optional[int] = Field(None, ge=0)
 
 
 class Recipe(_Strict):

@@ -1,0 +1,384 @@
+"""Weight-only quantized Linear layers, one class per kernel, and the rule that picks one.
+
+Every class computes ``y [..., N] = x [..., K] @ W.T (+ bias)`` for ``W ≈ (q - zero_point)
+* scale`` (:class:`~compressor.runtime.weights.QuantWeight`), keeping the integer codes
+and never a float copy of the weight:
+
+================  ==================================================  =======================
+kernel            what runs                                           serves
+================  ==================================================  =======================
+``float``         ``F.linear`` (unquantized module)                   any float weight
+``dequant``       dequantize the layer's int8 codes on each call,     any bits, group,
+                  then ``F.linear``: the reference numerics           ``g_idx``, device
+``aten-int4``     ``torch.ops.aten._weight_int4pack_mm_for_cpu``      CPU, 4 bit, groups of a
+                                                                      multiple of 32 (per
+                                                                      channel too),
+                                                                      ``N % 16 == 0``
+``aten-int8``     ``torch.ops.aten._weight_int8pack_mm`` (+ a         CPU, 8 bit per channel,
+                  zero-point correction when asymmetric)              ``K % 8 == 0``
+``triton-w4a16``  fused W4A16 Triton kernel                           CUDA, 4 bit,
+                  (:mod:`~compressor.runtime.triton_kernels`)         ``K % 8 == 0``
+================  ==================================================  =======================
+
+The aten ops: ``_convert_weight_to_int4pack_for_cpu(u int32 [N, K], innerKTiles)`` takes
+unsigned codes ``u = q + 8`` (its output layout is opaque); ``_weight_int4pack_mm_for_cpu(x
+[M, K] contiguous, packed, group_size, qScaleAndZeros [K / group_size, N, 2])`` computes
+``w = (u - 8) * scale + zero`` with ``group_size`` in 32/64/128/256 (measured on torch
+2.13), so kvq's integer zero point maps exactly to the float offset ``zero = -zero_point *
+scale``, and a larger group (per channel) is served by repeating its scale over sub-groups.
+``_weight_int8pack_mm(x, q int8 [N, K], scale [N])`` computes ``x @ (q * scale).T``; an
+asymmetric zero point adds ``- sum(x) * zero_point * scale``.
+
+Both ops run their vectorized paths for **bfloat16** activations only: with float32
+activations they are 5-15x slower than ``F.linear`` on an AVX2 CPU, so these layers cast
+activations (and scales) to bfloat16 by default (``act_dtype``) and the result back. That
+is the only numerical difference from the ``dequant`` reference (bfloat16 rounding of
+activations, scales and outputs), and only for decode-sized calls. The ops win for a few
+rows, where weight streaming dominates (one core, batch 1, 576x1536 and 1536x576 layers,
+weights streamed from memory: int4 op 0.14-0.15 ms, int8 op 0.20-0.22 ms, float32
+``F.linear`` 0.27-0.32 ms) and lose from about 32 rows on, where the work is compute-bound
+(64 rows: op 2.8-3.3 ms, dequantize + ``F.linear`` 2.5-3.1 ms); from ``DEQUANT_MIN_M`` rows
+on these layers dequantize their codes and call ``F.linear``, with the ``dequant`` numerics.
+
+Kernel choice (:func:`make_linear`) walks the candidates of the requested backend in
+order and takes the first that serves the layer; each skipped kernel's reason is kept
+(``Linear.fallback_reason``) so callers can report why a layer fell back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InputError
+from .weights import QuantWeight
+
+BACKENDS = ("auto", "aten", "dequant", "triton")
+AT_INT4_GROUPS = (32, 64, 128, 256)
+#: from this many rows on (prefill) the aten layers dequantize and run float F.linear
+#: instead of the weight-only op (measured crossover on one AVX2 core, see the docstring)
+DEQUANT_MIN_M = 32
+
+
+class Linear(torch.nn.Module):
+    """Base: optional input permutation (GPTQ act-order), 2-D matmul, bias."""
+
+    kernel = "base"
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, in_perm: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = bias
+        self.in_perm = in_perm
+        self.fallback_reason: str | None = None
+
+    def _mm(self, x2: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_perm is not None:
+            x = x.index_select(-1, self.in_perm)
+        y = self._mm(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.kernel}, in={self.in_features}, out={self.out_features}"
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the layer's stored weight tensors (codes, scales, zeros, bias)."""
+        return sum(t.numel() * t.element_size() for t in self._stored() if t is not None)
+
+    def _stored(self):
+        return [self.bias]
+
+
+class FloatLinear(Linear):
+    """Unquantized module: ``F.linear`` in the compute dtype (bit-identical to transformers)."""
+
+    kernel = "float"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight.shape[1], weight.shape[0], None, None)
+        self.weight, self.bias_f = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias_f)
+
+    def _stored(self):
+        return [self.weight, self.bias_f]
+
+
+class QuantLinear(Linear):
+    """Base of the kernels over a :class:`QuantWeight`; ``unsupported`` says why one cannot serve."""
+
+    @classmethod
+    def unsupported(cls, w: QuantWeight, device: torch.device) -> str | None:
+        raise NotImplementedError
+
+
+class DequantLinear(QuantLinear):
+    """Dequantize the int8 codes on every call, then ``F.linear`` (works for every scheme).
+
+    Memory: one byte per weight plus scales; the float weight exists only transiently,
+    one layer at a time. Numerics: exactly :func:`compressor.artifact.load_artifact`'s
+    weight, rounded to the activation dtype.
+    """
+
+    kernel = "dequant"
+
+    def __init__(self, w: QuantWeight, bias, device, in_perm=None):
+        super().__init__(w.in_features, w.out_features, bias, in_perm)
+        self.q = w.q.to(device)
+        self.scale = w.scale.to(device)
+        self.zero_point = None if w.zero_point is None else w.zero_point.to(device)
+        self.g_idx = None if w.g_idx is None else w.g_idx.to(device)
+        self.group_size = w.group_size
+
+    @classmethod
+    def unsupported(cls, w, device):
+        return None
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """Float ``[N, K]`` weight, bit-identical to :func:`~compressor.quant.primitives.dequantize`
+        (computed in one buffer: fresh multi-MB temporaries cost page faults on every call)."""
+        if self.g_idx is not None:
+            from ..quant.primitives import dequantize
+
+            return dequantize(self.q, self.scale, self.zero_point, self.group_size, dtype=dtype, g_idx=self.g_idx)
+        n, k, gs = self.out_features, self.in_features, self.group_size
+        w = self.q.reshape(n, k // gs, gs).float()
+        if self.zero_point is not None:
+            w.sub_(self.zero_point.float().unsqueeze(-1))
+        return w.mul_(self.scale.float().unsqueeze(-1)).reshape(n, k).to(dtype)
+
+    def _mm(self, x2):
+        return F.linear(x2, self.dequantized(x2.dtype))
+
+    def _stored(self):
+        return [self.q, self.scale, self.zero_point, self.g_idx, self.bias]
+
+
+def _op_group(group_size: int) -> int | None:
+    """The largest group size the aten int4 op serves that divides ``group_size`` (None: none does)."""
+    return next((g for g in sorted(AT_INT4_GROUPS, reverse=True) if group_size % g == 0), None)
+
+
+def _aten_op(name: str):
+    return getattr(torch.ops.aten, name, None)
+
+
+class AtenInt4Linear(QuantLinear):
+    """CPU int4 via ``_weight_int4pack_mm_for_cpu`` (see the module docstring for the layout).
+
+    The op is the decode kernel: from ``DEQUANT_MIN_M`` rows on (prefill), dequantizing
+    the layer once and running float ``F.linear`` is faster, so the layer also keeps its
+    codes as unsigned nibble pairs ``[N, K/2]`` (byte ``j`` holds column ``2j`` in the low
+    and ``2j+1`` in the high nibble; the aten layout is opaque) for that path, whose
+    numerics are the ``dequant`` kernel's.
+    """
+
+    kernel = "aten-int4"
+
+    def __init__(self, w: QuantWeight, bias, device, in_perm=None, act_dtype: torch.dtype = torch.bfloat16):
+        super().__init__(w.in_features, w.out_features, bias, in_perm)
+        u = (w.q.to(torch.int32) + 8).contiguous()
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
+        s = w.scale.float()
+        zero = torch.zeros_like(s) if w.zero_point is None else -w.zero_point.float() * s
+        self.op_group = _op_group(w.group_size)  # a larger group (per channel) is split into equal sub-groups
+        rep = w.group_size // self.op_group
+        sz = torch.stack([s.t(), zero.t()], dim=-1).repeat_interleave(rep, dim=0)
+        self.scale_zeros = sz.to(act_dtype).contiguous()  # [K / op_group, N, 2]
+        self.group_size, self.act_dtype = w.group_size, act_dtype
+        u8 = u.to(torch.uint8)
+        self.nibbles = (u8[:, 0::2] | (u8[:, 1::2] << 4)).contiguous()  # [N, K/2]
+        self.scale = w.scale
+        zp = torch.zeros_like(s, dtype=torch.int8) if w.zero_point is None else w.zero_point
+        self.zero_u = (zp.to(torch.int16) + 8).to(torch.uint8)  # [N, G] unsigned zero point
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """Float ``[N, K]`` weight, bit-identical to :func:`~compressor.quant.primitives.dequantize`."""
+        n, k, gs = self.out_features, self.in_features, self.group_size
+        u = torch.stack((self.nibbles & 15, self.nibbles >> 4), dim=-1).reshape(n, k // gs, gs)
+        w = u.float().sub_(self.zero_u.float().unsqueeze(-1)).mul_(self.scale.float().unsqueeze(-1))  # one buffer
+        return w.reshape(n, k).to(dtype)
+
+    @classmethod
+    def unsupported(cls, w, device):
+        if device.type != "cpu":
+            return "aten int4 op is the CPU kernel"
+        if _aten_op("_weight_int4pack_mm_for_cpu") is None:
+            return "this torch has no _weight_int4pack_mm_for_cpu"
+        if w.num_bits != 4:
+            return f"{w.num_bits}-bit weights (aten int4 serves 4 bits)"
+        if w.g_idx is not None:
+            return "act-order g_idx with unequal groups"
+        if _op_group(w.group_size) is None:
+            return f"group size {w.group_size} (aten int4 serves {'/'.join(map(str, AT_INT4_GROUPS))} or multiples of 32)"
+        if w.out_features % 16 or w.in_features % w.group_size:
+            return f"shape [{w.out_features}, {w.in_features}] (needs out_features % 16 == 0)"
+        return None
+
+    def _mm(self, x2):
+        if x2.shape[0] >= DEQUANT_MIN_M:
+            return F.linear(x2, self.dequantized(x2.dtype))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2.to(self.act_dtype).contiguous(), self.packed, self.op_group, self.scale_zeros)
+        return y.to(x2.dtype)
+
+    def _stored(self):
+        return [self.packed, self.scale_zeros, self.nibbles, self.scale, self.zero_u, self.bias]
+
+
+class AtenInt8Linear(QuantLinear):
+    """CPU int8 per channel via ``_weight_int8pack_mm``; asymmetric zero points by a rank-1 correction."""
+
+    kernel = "aten-int8"
+
+    def __init__(self, w: QuantWeight, bias, device, in_perm=None, act_dtype: torch.dtype = torch.bfloat16):
+        super().__init__(w.in_features, w.out_features, bias, in_perm)
+        self.q = w.q.contiguous()
+        s = w.scale.float().reshape(-1)
+        self.scale = s.to(act_dtype)
+        # y = x @ ((q - zp) * s).T = x @ (q * s).T - sum(x) * (zp * s)
+        self.offset = None if w.zero_point is None else (w.zero_point.float().reshape(-1) * s)
+        self.scale_f, self.zp = s, None if w.zero_point is None else w.zero_point.reshape(-1)
+        self.act_dtype = act_dtype
+
+    @classmethod
+    def unsupported(cls, w, device):
+        if device.type != "cpu":
+            return "aten int8 op is the CPU kernel"
+        if _aten_op("_weight_int8pack_mm") is None:
+            return "this torch has no _weight_int8pack_mm"
+        if w.num_bits != 8:
+            return f"{w.num_bits}-bit weights (aten int8 serves 8 bits)"
+        if not w.per_channel or w.g_idx is not None:
+            return f"group size {w.group_size} (aten int8 serves per-channel scales)"
+        if w.in_features % 8:  # torch 2.13 crashes or returns garbage otherwise (measured)
+            return f"in_features {w.in_features} not a multiple of 8"
+        return None
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """Float ``[N, K]`` weight, bit-identical to :func:`~compressor.quant.primitives.dequantize`."""
+        w = self.q.float() if self.zp is None else self.q.float().sub_(self.zp.float()[:, None])
+        return w.mul_(self.scale_f[:, None]).to(dtype)
+
+    def _mm(self, x2):
+        if x2.shape[0] >= DEQUANT_MIN_M:
+            return F.linear(x2, self.dequantized(x2.dtype))
+        y = torch.ops.aten._weight_int8pack_mm(x2.to(self.act_dtype).contiguous(), self.q, self.scale).to(x2.dtype)
+        if self.offset is not None:
+            y = y - (x2.float().sum(-1, keepdim=True) * self.offset).to(x2.dtype)
+        return y
+
+    def _stored(self):
+        return [self.q, self.scale, self.offset, self.zp, self.bias]
+
+
+class TritonW4Linear(QuantLinear):
+    """CUDA W4A16 through :func:`~compressor.runtime.triton_kernels.w4a16_matmul`."""
+
+    kernel = "triton-w4a16"
+
+    def __init__(self, w: QuantWeight, bias, device, in_perm=None, act_dtype: torch.dtype = torch.float16):
+        from .triton_kernels import pack_w4
+
+        super().__init__(w.in_features, w.out_features, bias, in_perm)
+        qw, s, z = pack_w4(w.q, w.scale, w.zero_point, act_dtype)
+        self.qweight, self.scales, self.zeros = qw.to(device), s.to(device), z.to(device)
+        self.group_size = w.group_size
+
+    @classmethod
+    def unsupported(cls, w, device):
+        from .triton_kernels import interpreting, triton_available
+
+        if device.type != "cuda" and not interpreting():
+            return "Triton kernels run on CUDA (or under TRITON_INTERPRET=1)"
+        if not triton_available():
+            return "triton is not installed"
+        if w.num_bits != 4:
+            return f"{w.num_bits}-bit weights (the Triton kernel serves 4 bits)"
+        if w.g_idx is not None:
+            return "act-order g_idx with unequal groups"
+        if w.in_features % 8 or w.in_features % w.group_size:
+            return f"in_features {w.in_features} not a multiple of 8 and of the group size"
+        return None
+
+    def _mm(self, x2):
+        from .triton_kernels import w4a16_matmul
+
+        return w4a16_matmul(x2.to(self.scales.dtype), self.qweight, self.scales, self.zeros, self.group_size).to(x2.dtype)
+
+    def _stored(self):
+        return [self.qweight, self.scales, self.zeros, self.bias]
+
+
+#: backend -> device type -> kernels tried in order (the last one always serves)
+CANDIDATES: dict[str, dict[str, tuple[type[QuantLinear], ...]]] = {
+    "auto": {"cpu": (AtenInt4Linear, AtenInt8Linear, DequantLinear), "cuda": (TritonW4Linear, DequantLinear)},
+    "aten": {"cpu": (AtenInt4Linear, AtenInt8Linear, DequantLinear)},
+    "triton": {"cpu": (TritonW4Linear, DequantLinear), "cuda": (TritonW4Linear, DequantLinear)},
+    "dequant": {"cpu": (DequantLinear,), "cuda": (DequantLinear,)},
+}
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """Refuse a backend that cannot run on ``device`` at all.
+
+    Raises:
+        InputError: unknown backend; ``aten`` off CPU; ``triton`` without the package,
+            or on CPU outside the interpreter (``TRITON_INTERPRET=1``).
+    """
+    from .triton_kernels import interpreting, triton_available
+
+    if backend not in BACKENDS:
+        raise InputError(f"unknown runtime backend '{backend}'; choose one of {', '.join(BACKENDS)}")
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"the runtime runs on cpu or cuda, not {device.type}")
+    if backend == "aten" and device.type != "cpu":
+        raise InputError("backend 'aten' (torch's packed int4/int8 CPU ops) needs --device cpu; use 'triton' or 'auto' on CUDA")
+    if backend == "triton":
+        if not triton_available():
+            raise InputError("backend 'triton' needs the 'triton' package (pip install kvq-compressor[triton])")
+        if device.type != "cuda" and not interpreting():
+            raise InputError("backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)")
+
+
+def make_linear(w: QuantWeight | torch.Tensor, bias: torch.Tensor | None, backend: str, device: torch.device,
+                dtype: torch.dtype, act_dtype: torch.dtype | None = None) -> Linear:
+    """The Linear for one module: float weights -> :class:`FloatLinear`; packed ones -> the
+    first kernel of ``CANDIDATES[backend][device.type]`` that serves it.
+
+    Args:
+        w: a float ``[N, K]`` weight or a :class:`QuantWeight`.
+        bias: float ``[N]`` or None.
+        backend: one of :data:`BACKENDS` (checked by :func:`check_backend`).
+        device, dtype: where and in which compute dtype the layer runs.
+        act_dtype: activation dtype inside the aten/Triton kernels (default: bfloat16 for
+            aten, ``dtype`` for Triton when it is half precision, else float16).
+
+    The returned layer's ``fallback_reason`` names why earlier candidates were skipped
+    (None when the first candidate served).
+    """
+    bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    if isinstance(w, torch.Tensor):
+        return FloatLinear(w.to(device=device, dtype=dtype), bias)
+    w, perm = w.sorted_by_group()
+    perm = None if perm is None else perm.to(device)
+    reasons = []
+    for cls in CANDIDATES[backend][device.type]:
+        why = cls.unsupported(w, device)
+        if why is not None:
+            reasons.append(f"{cls.kernel}: {why}")
+            continue
+        kw = {}
+        if cls is AtenInt4Linear or cls is AtenInt8Linear:
+            kw["act_dtype"] = act_dtype or torch.bfloat16
+        elif cls is TritonW4Linear:
+            kw["act_dtype"] = act_dtype or (dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16)
+        layer = cls(w, bias, device, perm, **kw)
+        layer.fallback_reason = "; ".join(reasons) or None
+        return layer
+    raise InputError(f"no kernel serves a {w.num_bits}-bit layer on {device.type}")  # unreachable: dequant serves all

@@ -1,0 +1,299 @@
+"""W4A16 Triton kernels (fused 4-bit unpack + dequantize inside the GEMV/GEMM), launcher, reference.
+
+Layout (``N = out_features``, ``K = in_features``, ``G = K // group_size``):
+
+===========  ==================  =========================================================
+tensor       shape / dtype       content
+===========  ==================  =========================================================
+qweight      int32 ``[N, K/8]``  unsigned codes ``u = q + 8`` (0..15); nibble ``j`` (bits
+                                 ``4j..4j+3``) of word ``w`` in row ``n`` holds column
+                                 ``8w + j``. Bit-identical to compressed-tensors 4-bit
+                                 ``weight_packed``, so such artifacts need no repacking.
+scales       ``[N, G]``          per-group scale, activation dtype (fp16/bf16)
+zeros        ``[N, G]``          unsigned zero point ``z = zero_point + 8`` (8 when
+                                 symmetric), activation dtype (small integers: exact)
+===========  ==================  =========================================================
+
+Numerics contract (shared with the torch reference :func:`w4a16_reference` and the
+dequantize backend): ``w = (u - z) * s`` computed in float32, rounded to the activation
+dtype; products accumulated in float32; the output rounded to the activation dtype.
+``u - z = q - zero_point`` exactly, so ``w`` equals
+:func:`compressor.quant.primitives.dequantize` rounded to the activation dtype.
+
+Kernels: ``gemv`` (small ``M``: one program per row and ``BLOCK_N`` output columns, a
+``tl.sum`` reduction over ``BLOCK_K`` inputs) and ``gemm`` (``tl.dot`` tiles of
+``BLOCK_M x BLOCK_N``, ``BLOCK_K`` deep). The dequantized tile never leaves registers.
+:func:`choose_config` picks the kernel and block sizes; :func:`w4a16_matmul` validates
+and launches.
+
+Triton is optional (``pip install kvq-compressor[triton]``): it is imported only when a
+kernel is first launched. The kernels are built lazily too, because ``@triton.jit``
+decides at decoration time whether to run compiled or in the interpreter
+(``TRITON_INTERPRET=1``, read through ``triton.knobs.runtime.interpret``); the
+interpreter runs them on CPU tensors, which is how the tests check them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+
+#: activation dtypes the kernels accept (float32 only under the interpreter, for tests)
+ACT_DTYPES = (torch.float16, torch.bfloat16)
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------
+# layout and reference (pure torch)
+
+
+@torch.no_grad()
+def pack_w4(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+            dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Signed int4 codes -> the kernel layout (see the module table).
+
+    Args:
+        q: int8 ``[N, K]`` in ``[-8, 7]``, ``K % 8 == 0``.
+        scale: ``[N, G]``; zero_point: int8 ``[N, G]`` in ``[-8, 7]`` or None (symmetric).
+        dtype: activation dtype for ``scales``/``zeros``.
+
+    Returns:
+        ``(qweight int32 [N, K/8], scales dtype [N, G], zeros dtype [N, G])``.
+
+    Raises:
+        InputError: ``K`` not a multiple of 8 or codes outside ``[-8, 7]``.
+    """
+    n, k = q.shape
+    if k % 8:
+        raise InputError(f"W4A16 layout needs in_features divisible by 8, got {k}")
+    if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
+        raise InputError("W4A16 layout needs 4-bit codes in [-8, 7]")
+    u = (q.to(torch.int64) + 8).reshape(n, k // 8, 8)
+    words = (u << _SHIFTS).sum(-1)
+    qweight = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    zp = torch.zeros_like(scale, dtype=torch.int64) if zero_point is None else zero_point.to(torch.int64)
+    return qweight.contiguous(), scale.to(dtype).contiguous(), (zp + 8).to(dtype).contiguous()
+
+
+@torch.no_grad()
+def unpack_w4(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_w4`'s packing: int32 ``[N, K/8]`` -> unsigned int64 ``[N, K]`` (0..15)."""
+    w = qweight.to(torch.int64) & 0xFFFFFFFF
+    return ((w.unsqueeze(-1) >> _SHIFTS.to(w.device)) & 0xF).reshape(qweight.shape[0], -1)
+
+
+@torch.no_grad()
+def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+    """Pure-torch W4A16 with the kernels' numerics: ``x [M, K] @ W.T -> [M, N]`` in ``x.dtype``."""
+    u = unpack_w4(qweight).float()
+    gs = int(group_size)
+    s = scales.float().repeat_interleave(gs, dim=1)
+    z = zeros.float().repeat_interleave(gs, dim=1)
+    w = ((u - z) * s).to(x.dtype)
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# launch configuration
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernel and which (power-of-two) block sizes a launch uses."""
+
+    kind: str  # "gemv" | "gemm"
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def grid(self, m: int, n: int) -> tuple[int, int]:
+        """Program grid: ``(M, ceil(N / BLOCK_N))`` for gemv, ``(ceil(M/BLOCK_M), ceil(N/BLOCK_N))`` for gemm."""
+        rows = m if self.kind == "gemv" else -(-m // self.block_m)
+        return rows, -(-n // self.block_n)
+
+
+#: largest M served by the GEMV kernel (tl.dot needs M tiles of at least 16 rows)
+GEMV_MAX_M = 8
+
+
+def _pow2_at_most(v: int, cap: int, floor: int) -> int:
+    p = floor
+    while p * 2 <= min(v, cap):
+        p *= 2
+    return p
+
+
+def choose_config(m: int, n: int, k: int, group_size: int) -> KernelConfig:
+    """Kernel and block sizes for ``x [m, k] @ W[n, k].T``.
+
+    * ``m <= GEMV_MAX_M`` (decode): ``gemv`` -- weight streaming dominates; ``BLOCK_N`` up
+      to 128 output columns, ``BLOCK_K`` up to 128 inputs (never below 16).
+    * otherwise (prefill): ``gemm`` with ``BLOCK_M`` 16/32/64 following ``m``,
+      ``BLOCK_N`` 64 (128 once ``m >= 64``), ``BLOCK_K`` 64 (32 when ``k < 64``); 8 warps
+      for the 64x128 tile.
+
+    Scales and zeros are gathered per element, so block sizes need no relation to the
+    group size; masks cover ragged edges.
+
+    Raises:
+        InputError: non-positive sizes, ``k % 8 != 0`` or a group size not dividing ``k``.
+    """
+    if min(m, n, k, group_size) <= 0:
+        raise InputError(f"bad W4A16 problem size m={m} n={n} k={k} group_size={group_size}")
+    if k % 8 or k % group_size:
+        raise InputError(f"W4A16 needs in_features ({k}) divisible by 8 and by the group size ({group_size})")
+    if m <= GEMV_MAX_M:
+        return KernelConfig("gemv", 1, _pow2_at_most(n, 128, 16), _pow2_at_most(k, 128, 16), 4, 2)
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    bn = 128 if m >= 64 and n >= 128 else _pow2_at_most(n, 64, 16)
+    bk = 64 if k >= 64 else 32
+    return KernelConfig("gemm", bm, bn, bk, 8 if bm * bn >= 64 * 128 else 4, 3)
+
+
+# ---------------------------------------------------------------------------------------
+# kernels (built lazily) and launcher
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def triton_available() -> bool:
+    """True when ``import triton`` works (the optional extra is installed)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool):
+    """Build the jitted kernels (once per interpreter mode); see the module docstring."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def w4_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, stride_xm, stride_om,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        kw = K // 8
+        ng = K // G
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            mask = k_mask[:, None] & n_mask[None, :]
+            a = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=k_mask, other=0.0)
+            words = tl.load(qw_ptr + offs_n[None, :] * kw + offs_k[:, None] // 8, mask=mask, other=0)
+            u = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
+            grp = offs_n[None, :] * ng + offs_k[:, None] // G
+            s = tl.load(s_ptr + grp, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + grp, mask=mask, other=0.0).to(tl.float32)
+            w = ((u.to(tl.float32) - z) * s).to(a.dtype).to(tl.float32)
+            acc += tl.sum(a.to(tl.float32)[:, None] * w, axis=0)
+        tl.store(out_ptr + pid_m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+    @triton.jit
+    def w4_gemm(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, G, stride_xm, stride_om,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        kw = K // 8
+        ng = K // G
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            mask = k_mask[:, None] & n_mask[None, :]
+            words = tl.load(qw_ptr + offs_n[None, :] * kw + offs_k[:, None] // 8, mask=mask, other=0)
+            u = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
+            grp = offs_n[None, :] * ng + offs_k[:, None] // G
+            s = tl.load(s_ptr + grp, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + grp, mask=mask, other=0.0).to(tl.float32)
+            w = ((u.to(tl.float32) - z) * s).to(a.dtype)
+            acc += tl.dot(a, w, out_dtype=tl.float32)
+        out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+    return {"gemv": w4_gemv, "gemm": w4_gemm}
+
+
+def check_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int) -> None:
+    """Validate a launch before any kernel runs (shapes, dtypes, devices).
+
+    Raises:
+        InputError: one line naming the mismatch: ``x`` not 2-D or of an unsupported
+            dtype, tensors on different devices, a CPU tensor outside the interpreter,
+            ``qweight``/``scales``/``zeros`` shapes that do not fit ``x`` and ``group_size``.
+    """
+    if x.ndim != 2:
+        raise InputError(f"W4A16 expects x [M, K], got shape {tuple(x.shape)}")
+    allowed = ACT_DTYPES + ((torch.float32,) if interpreting() else ())
+    if x.dtype not in allowed:
+        raise InputError(f"W4A16 activations must be float16 or bfloat16, got {x.dtype}")
+    devices = {t.device for t in (x, qweight, scales, zeros)}
+    if len(devices) != 1:
+        raise InputError(f"W4A16 tensors are on different devices: {sorted(str(d) for d in devices)}")
+    if x.device.type != "cuda" and not interpreting():
+        raise InputError("the Triton W4A16 kernels need a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)")
+    m, k = x.shape
+    n = qweight.shape[0]
+    if qweight.dtype != torch.int32 or tuple(qweight.shape) != (n, k // 8) or k % 8:
+        raise InputError(f"qweight must be int32 [N, K/8] = [{n}, {k // 8}] for K={k}, got {qweight.dtype} {tuple(qweight.shape)}")
+    if group_size <= 0 or k % group_size:
+        raise InputError(f"group_size {group_size} does not divide in_features {k}")
+    g = k // group_size
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if tuple(t.shape) != (n, g):
+            raise InputError(f"{name} must be [N, G] = [{n}, {g}], got {tuple(t.shape)}")
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, config: KernelConfig | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T -> [M, N]`` (``x.dtype``) with the fused W4A16 kernel.
+
+    Args:
+        x: activations, float16/bfloat16, CUDA (CPU under ``TRITON_INTERPRET=1``).
+        qweight, scales, zeros: the layout of the module docstring (:func:`pack_w4`).
+        group_size: input columns per scale group.
+        config: override :func:`choose_config` (tests).
+
+    Raises:
+        InputError: see :func:`check_launch`; triton missing.
+    """
+    check_launch(x, qweight, scales, zeros, group_size)
+    if not triton_available():
+        raise InputError("the triton backend needs the 'triton' package (pip install kvq-compressor[triton])")
+    m, k = x.shape
+    n = qweight.shape[0]
+    cfg = config or choose_config(m, n, k, group_size)
+    x = x.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    kern = _kernels(interpreting())[cfg.kind]
+    common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.kind == "gemv":
+        kern[cfg.grid(m, n)](x, qweight, scales, zeros, out, n, k, group_size, x.stride(0), out.stride(0), **common)
+    else:
+        kern[cfg.grid(m, n)](x, qweight, scales, zeros, out, m, n, k, group_size, x.stride(0), out.stride(0),
+                             BLOCK_M=cfg.block_m, **common)
+    return out

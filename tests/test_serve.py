@@ -1,0 +1,170 @@
+"""kvq serve-smoke and the HTTP server (issue #6), on tiny random models."""
+
+import asyncio
+import json
+import shutil
+
+import httpx
+import pytest
+
+from compressor.api import QuantizeOptions, run_quantize
+from compressor.cli import main
+from compressor.serve import Engine, Server, check_host
+from compressor.errors import InputError
+
+FAST = ["--max-new-tokens", "6"]
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return exc.value.code, cap.out, cap.err
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory, tiny_model_dir):
+    out = tmp_path_factory.mktemp("srv") / "w4-fp8"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, algorithm="rtn", group_size=32, kv_scheme="fp8",
+                                 calib_samples=4, calib_seqlen=32))
+    return out
+
+
+def test_serve_smoke_json_report_and_gates(art, capsys):
+    code, out, err = run(["serve-smoke", art, *FAST, "--json"], capsys)
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["passed"] and rep["prompts"] == 8
+    rt = rep["runtime"]
+    assert rt["kv_scheme"].startswith("fp8") and rt["kv_bytes_per_token"] > 0 and rt["peak_rss_mib"] > 0
+    assert rt["batch_1"]["decode_tokens_per_s"] > 0 and rt["batch_8"]["sequences"] == 8
+    assert rt["kernels"]  # which weight kernels ran
+    c = rep["comparison"]
+    assert c["generated_positions"] == 8 * 6 and c["top1_agreement_pct"] >= 80
+    assert c["prompt_kl"]["mean"] < 0.05
+    assert {g["name"] for g in rep["gates"]} == {"serve_min_top1_pct", "serve_max_prompt_kl"}
+
+
+def test_serve_smoke_disagreement_exits_1(art, tmp_path, tokenizer, capsys):
+    """Against another model as reference the runtime disagrees: the gates fail and are named."""
+    from conftest import make_model_dir
+
+    other = make_model_dir(tmp_path / "other", tokenizer, seed=7)
+    code, out, err = run(["serve-smoke", art, *FAST, "--json"], capsys)
+    own = json.loads(out)["comparison"]
+    code, out, err = run(["serve-smoke", art, *FAST, "--reference", other, "--json"], capsys)
+    rep = json.loads(out)
+    # random tiny models are near-uniform, so the absolute KL stays small; it is still far above its own reference's
+    assert rep["comparison"]["prompt_kl"]["mean"] > 20 * own["prompt_kl"]["mean"]
+    limit = 5 * own["prompt_kl"]["mean"]
+    code, out, err = run(["serve-smoke", art, *FAST, "--reference", other, "--max-kl", limit, "--json"], capsys)
+    rep = json.loads(out)
+    assert code == 1 and not rep["passed"] and rep["failed_gates"] == ["serve_max_prompt_kl"]
+    code, out, err = run(["serve-smoke", art, *FAST, "--reference", other, "--max-kl", limit], capsys)
+    assert code == 1 and "FAIL" in err
+
+
+def test_serve_smoke_http(art, capsys):
+    code, out, err = run(["serve-smoke", art, *FAST, "--http", "--http-requests", "6", "--json"], capsys)
+    assert code == 0, err
+    h = json.loads(out)["http"]
+    assert h["ok"] == 6 and h["completions"] == 3 and h["matched_offline"] == 3
+    assert h["health"] and h["bad_request_status"] == 400 and not h["problems"]
+
+
+def test_serve_smoke_bad_inputs(art, tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text("not json\n")
+    code, _, err = run(["serve-smoke", art, "--prompts", bad], capsys)
+    assert code == 2 and "p.jsonl:1" in err and "Traceback" not in err
+    code, _, err = run(["serve-smoke", tmp_path / "missing"], capsys)
+    assert code == 2 and "not found" in err
+    tampered = shutil.copytree(art, tmp_path / "t")
+    with open(tampered / "model.safetensors", "r+b") as f:
+        f.seek(-3, 2)
+        f.write(b"\x00\x01\x02")
+    code, out, err = run(["serve-smoke", tampered, *FAST, "--json"], capsys)
+    assert code == 1 and json.loads(out)["failed_gates"] == ["digests"]
+
+
+def test_check_host_refuses_remote_without_flag():
+    check_host("127.0.0.1", False)
+    check_host("::1", False)
+    with pytest.raises(InputError, match="not a loopback"):
+        check_host("0.0.0.0", False)
+    check_host("0.0.0.0", True)
+    with pytest.raises(InputError, match="not an IP"):
+        check_host("example.com", False)
+
+
+def test_serve_command_refuses_remote_host(art, capsys):
+    code, _, err = run(["serve", art, "--host", "0.0.0.0"], capsys)
+    assert code == 2 and "loopback" in err
+
+
+def test_http_api_contract_and_batching(art):
+    from transformers import AutoTokenizer
+
+    from compressor.runtime import Runtime
+
+    rt = Runtime.from_artifact(art, kv="artifact")
+    eng = Engine(rt, AutoTokenizer.from_pretrained(str(art)), "tiny")
+    srv = Server(eng).start()
+    try:
+        async def go():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                h = await c.get("/health")
+                one = await c.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 4})
+                many = await c.post("/v1/completions", json={"prompt": ["a b", "c d e"], "max_tokens": 3,
+                                                             "stop": ["zzz"]})
+                chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                  "max_tokens": 3})
+                conc = await asyncio.gather(*(c.post("/v1/completions", json={"prompt": f"x {i}", "max_tokens": 5})
+                                              for i in range(6)))
+                bads = [await c.post("/v1/completions", content=b"{nope"),
+                        await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}),
+                        await c.post("/v1/completions", json={"prompt": "x", "temperature": -1}),
+                        await c.post("/v1/completions", json={"prompt": "x", "model": "other"}),
+                        await c.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}),
+                        await c.post("/v1/completions", json=[1, 2])]
+                missing = await c.get("/v1/models/none")
+                return h, one, many, chat, conc, bads, missing
+
+        h, one, many, chat, conc, bads, missing = asyncio.run(go())
+    finally:
+        srv.stop()
+        eng.close()
+    assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["model"] == "tiny"
+    b = one.json()
+    assert one.status_code == 200 and b["object"] == "text_completion" and b["usage"]["completion_tokens"] <= 4
+    assert b["choices"][0]["finish_reason"] in ("stop", "length")
+    assert [ch["index"] for ch in many.json()["choices"]] == [0, 1]
+    cb = chat.json()
+    assert chat.status_code == 200 and cb["object"] == "chat.completion" and cb["choices"][0]["message"]["role"] == "assistant"
+    assert all(r.status_code == 200 for r in conc)
+    assert max(eng.batches) > 1, eng.batches  # concurrent requests were batched together
+    for r in bads:
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert missing.status_code == 404
+    assert not srv.thread.is_alive()  # stopped cleanly
+
+
+def test_http_greedy_is_deterministic_and_equals_offline(art):
+    from transformers import AutoTokenizer
+
+    from compressor.runtime import Runtime
+
+    rt = Runtime.from_artifact(art, kv="artifact")
+    tok = AutoTokenizer.from_pretrained(str(art))
+    eng = Engine(rt, tok, "tiny")
+    ids = eng.encode("the quick brown fox")
+    offline = rt.generate([ids], max_new_tokens=5, eos_token_id=tok.eos_token_id).tokens[0]
+    srv = Server(eng).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            texts = [c.post("/v1/completions", json={"prompt": "the quick brown fox", "max_tokens": 5}).json()
+                     ["choices"][0]["text"] for _ in range(2)]
+    finally:
+        srv.stop()
+        eng.close()
+    assert texts[0] == texts[1] == eng.finish(ids, offline, 5, [])[0]
