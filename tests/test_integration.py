@@ -65,10 +65,7 @@ def test_real_model_quantize_verify(tmp_path, capsys):
     assert 5 < ppl["reference"] < 60, ppl
     assert ppl["artifact"] > ppl["reference"] * 0.97, ppl
     assert code == 0 and rep["passed"], (ppl, rep["gates"])
-    # the same artifact fails a gate it cannot meet, with exit code 1
-    code, stdout, _ = _run(["verify", out, "--eval", ev, "--seqlen", "512", "--max-windows", "1",
-                            "--max-ppl-increase", "0.001", "--max-new-tokens", "2", "--json"], capsys)
-    assert code == 1 and json.loads(stdout)["gates"][0]["passed"] is False
+    # (gates failing with exit code 1 are tested on tiny models: tests/test_verify_stats.py)
 
 
 def test_real_model_gptq_with_fp8_kv_cache(tmp_path, capsys):
