@@ -354,18 +354,69 @@ GATE_FLAGS = {  # gate name -> (VerifyOptions attribute, "max"|"min")
 }
 
 
-def _thresholds(manifest, opts: VerifyOptions) -> dict[str, float]:
-    """Gate thresholds: the recipe's ``gates`` (stored in the manifest), overridden by flags."""
-    stored = dict(manifest.recipe.get("gates") or {})
-    out = {}
+# the statistic behind each gate exists only in some modes / for some artifacts
+GATE_NEEDS = {"max_ppl_increase_pct": "full", "max_mean_kl": "full", "max_p99_kl": "full",
+              "min_top1_agreement_pct": "full", "min_median_divergence": "full",
+              "max_hidden_error": "quantized weights, full", "min_sqnr_db": "quantized weights"}
+
+
+def _thresholds(manifest, opts: VerifyOptions, mode: str, weights_quantized: bool) -> tuple[dict[str, float], list[str]]:
+    """Gate thresholds: the recipe's ``gates`` (stored in the manifest), overridden by flags.
+
+    Returns ``(thresholds, warnings)``: recipe gates this mode cannot evaluate become
+    warnings; flags it cannot evaluate are refused.
+
+    Raises:
+        InputError: the manifest's ``recipe.gates`` is invalid; a gate flag whose statistic
+            this mode or artifact does not compute (it would pass silently).
+    """
+    from pydantic import ValidationError
+
+    from .recipe import Gates
+
+    try:
+        stored = Gates.model_validate(manifest.recipe.get("gates") or {}).model_dump()
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise InputError(f"manifest recipe.gates.{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    out, warnings = {}, []
     for name, (attr, _kind) in GATE_FLAGS.items():
         flag = getattr(opts, attr)
         value = flag if flag is not None else stored.get(name)
-        if name == "max_ppl_increase_pct" and value is None:
-            value = 20.0
-        if value is not None:
-            out[name] = float(value)
-    return out
+        if name == "max_ppl_increase_pct" and value is None and flag is None:
+            value = 20.0 if mode == "full" else None
+        if value is None:
+            continue
+        needs = GATE_NEEDS[name]
+        ok = (mode == "full" or "full" not in needs) and (weights_quantized or "quantized" not in needs)
+        if not ok:
+            why = ("the artifact has no quantized weights" if "quantized" in needs and not weights_quantized
+                   else f"--{mode} does not compute it")
+            if flag is not None:
+                raise InputError(f"--{attr.replace('_', '-')} cannot be evaluated: {why}")
+            warnings.append(f"recipe gate {name} not evaluated: {why}")
+            continue
+        out[name] = float(value)
+    if "min_median_divergence" in out and out["min_median_divergence"] > opts.max_new_tokens:
+        raise InputError(f"--min-median-divergence {out['min_median_divergence']:g} exceeds --max-new-tokens "
+                         f"{opts.max_new_tokens}: the gate could never pass")
+    return out, warnings
+
+
+def _nonfinite_parameters(model) -> list[str]:
+    """Names of parameters and buffers holding NaN or Inf."""
+    return [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
+            if p.is_floating_point() and not torch.isfinite(p).all()]
+
+
+def _load_reference(spec: str, source):
+    """The reference as a float model: a kvq artifact is dequantized (verify an artifact
+    against another, or against itself), anything else is loaded as the original."""
+    from .manifest import MANIFEST_NAME
+
+    if Path(spec).is_dir() and (Path(spec) / MANIFEST_NAME).is_file():
+        return load_artifact(spec)[0]
+    return load_model(source)[0]
 
 
 def _gate(name: str, threshold: float, value, measured_on: str, detail: str | None = None) -> dict:
@@ -414,7 +465,9 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
         report["seconds"] = round(time.perf_counter() - t0, 2)
         return validate(report)
 
-    thresholds = _thresholds(manifest, opts)
+    weights_quantized = manifest.quantization.get("algorithm") != "none"
+    thresholds, gate_warnings = _thresholds(manifest, opts, mode, weights_quantized)
+    report["warnings"].extend(gate_warnings)
     ref_spec = opts.reference or manifest.source.get("spec")
     if not ref_spec:
         raise InputError("the manifest records no source model; pass --reference")
@@ -440,10 +493,16 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     kv_source = "artifact" if kv_info else None
     if opts.kv_scheme:
         kv_info, kv_source = (make_spec(opts.kv_scheme), None), "--kv-scheme"
-    weights_quantized = manifest.quantization.get("algorithm") != "none"
 
     model, tokenizer = load_artifact(folder)
-    ref_model, _ = load_model(ref_source)
+    ref_model = _load_reference(ref_spec, ref_source)
+    bad_ref = _nonfinite_parameters(ref_model)
+    if bad_ref:
+        raise InputError(f"reference model tensor {bad_ref[0]} contains NaN or Inf; it cannot serve as the reference")
+    bad = _nonfinite_parameters(model)
+    report["nonfinite_tensors"] = bad
+    if bad and console:
+        console.print(f"[red]NaN or Inf[/] in {len(bad)} artifact tensor(s): {', '.join(bad[:5])}", highlight=False)
     model.to(opts.device)
     ref_model.to(opts.device)
     if weights_quantized:
@@ -499,7 +558,7 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
         }
         report["per_window"] = [
             {"window": i, "ppl_artifact": art["per_window_ppl"][i], "ppl_reference": ref["per_window_ppl"][i],
-             "kl_mean": art["per_window_kl_mean"][i], "top1_pct": 100.0 * art["per_window_top1"][i]}
+             "kl_mean": art["per_window_kl_mean"][i], "top1_pct": round(100.0 * art["per_window_top1"][i], 4)}
             for i in range(len(wins))]
         report["_kl_values"] = art["kl_values"]
         if weights_quantized:
@@ -517,7 +576,8 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     gc.collect()
 
     # gates: every threshold that is set and whose statistic this mode computed
-    g = []
+    g = [{"name": "finite_weights", "threshold": 0.0, "value": float(len(bad)), "passed": not bad,
+          "measured_on": "artifact tensors", "detail": ("NaN or Inf in: " + ", ".join(bad[:5])) if bad else None}]
     if "perplexity" in report:
         g.append(_gate("max_ppl_increase_pct", thresholds["max_ppl_increase_pct"], report["perplexity"]["increase_pct"], served))
         d = report["distribution"]
@@ -532,7 +592,7 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
                            "weights only"))
     if "min_sqnr_db" in thresholds and report.get("weights"):
         w = report["weights"]
-        below = [t["name"] for t in w["tensors"] if t["sqnr_db"] < thresholds["min_sqnr_db"]]
+        below = [t["name"] for t in w["tensors"] if not t["sqnr_db"] >= thresholds["min_sqnr_db"]]
         g.append(_gate("min_sqnr_db", thresholds["min_sqnr_db"], w["min_sqnr_db"], "weights only",
                        (f"{len(below)} tensor(s) below: " + ", ".join(below[:5]) + (" ..." if len(below) > 5 else ""))
                        if below else None))
@@ -556,13 +616,18 @@ def _print_verify(console, report: dict, results: dict, opts: VerifyOptions) -> 
     t.add_row("tensor/file digests", f"{report['hashes']['tensors_checked']} tensors", "all equal", "[green]pass")
     gates = {x["name"]: x for x in report["gates"]}
 
+    units = {"finite_weights": (1, " tensors"), "max_ppl_increase_pct": (1, " %"), "min_top1_agreement_pct": (1, " %"), "max_hidden_error": (100, " %"),
+             "min_sqnr_db": (1, " dB"), "max_mean_kl": (1, " nats"), "max_p99_kl": (1, " nats"),
+             "min_median_divergence": (1, " tokens")}
+
     def row(label, value, gate_name=None):
         gt = gates.get(gate_name)
         if gt is None:
             t.add_row(label, value, "", "")
         else:
             op = ">=" if gate_name.startswith("min_") else "<="
-            t.add_row(label, value, f"{op} {gt['threshold']:g}", "[green]pass" if gt["passed"] else "[red]FAIL")
+            mul, unit = units.get(gate_name, (1, ""))
+            t.add_row(label, value, f"{op} {gt['threshold'] * mul:g}{unit}", "[green]pass" if gt["passed"] else "[red]FAIL")
 
     if "perplexity" in report:
         ref = results["reference"]
@@ -575,18 +640,20 @@ def _print_verify(console, report: dict, results: dict, opts: VerifyOptions) -> 
         served = p["measured_on"]
         row(f"perplexity increase ({served})", f"{p['increase_pct']:+.2f} %", "max_ppl_increase_pct")
         k = d["kl"]
-        row(f"KL mean ({served}), nats", f"{k['mean']:.5f}", "max_mean_kl")
-        row("KL median / p99 / max", f"{k['median']:.5f} / {k['p99']:.4f} / {k['max']:.3f}", "max_p99_kl")
+        row(f"KL mean ({served}), nats", f"{k['mean']:.4g}", "max_mean_kl")
+        row("KL median / p99 / max, nats", f"{k['median']:.4g} / {k['p99']:.4g} / {k['max']:.4g}", "max_p99_kl")
         row(f"top-1 agreement ({served})", f"{d['top1_agreement_pct']:.2f} %", "min_top1_agreement_pct")
         dr = report["drift"]
-        row(f"greedy drift, first divergence ({dr['prompts']} prompts)",
-            f"median {dr['median']:g}, min {dr['min']:g} of {dr['max_new_tokens']}", "min_median_divergence")
+        row(f"greedy drift: first differing token ({dr['prompts']} prompts)",
+            f"median {dr['median']:g}, min {dr['min']:g} of {dr['max_new_tokens']} generated", "min_median_divergence")
         if report.get("hidden_state_error"):
-            row("hidden-state error, last layer", f"{100 * report['hidden_state_error']['last']:.2f} %", "max_hidden_error")
+            row("hidden-state error, last layer", f"{100 * report['hidden_state_error']['last']:.4g} %", "max_hidden_error")
     w = report.get("weights")
     if w and w["tensors"]:
         row(f"weight SQNR, min over {len(w['tensors'])} tensors", f"{w['min_sqnr_db']:.2f} dB ({w['min_sqnr_tensor']})",
             "min_sqnr_db")
+    if "finite_weights" in gates:
+        row("NaN/Inf in artifact tensors", f"{gates['finite_weights']['value']:g} tensors", "finite_weights")
     console.print(t)
     if "eval" in report:
         e = report["eval"]
@@ -601,5 +668,6 @@ def _print_verify(console, report: dict, results: dict, opts: VerifyOptions) -> 
             highlight=False)
     for gt in report["gates"]:
         if not gt["passed"]:
-            console.print(f"[red]gate failed[/]: {gt['name']} = {gt['value']} (threshold {gt['threshold']:g})"
+            console.print(f"[red]gate failed[/]: {gt['name']} = "
+                          f"{'n/a' if gt['value'] is None else format(gt['value'], '.4g')} (threshold {gt['threshold']:g})"
                           + (f"; {gt['detail']}" if gt.get("detail") else ""), highlight=False)

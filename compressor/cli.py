@@ -92,12 +92,13 @@ def cli():
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder (atomically, at the end).")
 @click.option("--digest", "digest_algorithm", type=click.Choice(["sha256", "blake3"]), default="sha256", show_default=True, help="Digest of files and tensors in kvq-manifest.json.")
 @click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Sign the artifact as the last step with this EC private key (PEM), through model_signing; writes OUT/model.sig.")
+@click.option("--sign-password", default=None, envvar="KVQ_SIGN_PASSWORD", help="Password of an encrypted --sign-key (or env KVQ_SIGN_PASSWORD).")
 @click.option("--sign-certificate", type=click.Path(dir_okay=False, path_type=Path), default=None, help="With --sign-key: the key's signing certificate (PEM), for certificate-based signing.")
 @click.option("--sign-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="With --sign-certificate: a certificate of its chain (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout; no progress bar.")
 def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, symmetric, act_order, settings, fmt, calib, calib_field,
-             calib_samples, calib_seqlen, seed, device, dtype, overwrite, digest_algorithm, sign_key, sign_certificate, sign_chain,
-             as_json):
+             calib_samples, calib_seqlen, seed, device, dtype, overwrite, digest_algorithm, sign_key, sign_password,
+             sign_certificate, sign_chain, as_json):
     """Quantize MODEL's linear weights and write an artifact to OUTPUT.
 
     MODEL is a Hugging Face folder (safetensors), a .gguf file, or the alias
@@ -125,8 +126,8 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 
     if (sign_certificate or sign_chain) and not sign_key:
         raise click.BadParameter("needs --sign-key", param_hint="--sign-certificate/--sign-chain")
-    sign = None if sign_key is None else SignOptions(private_key=sign_key, signing_certificate=sign_certificate,
-                                                     certificate_chain=tuple(sign_chain))
+    sign = None if sign_key is None else SignOptions(private_key=sign_key, password=sign_password,
+                                                     signing_certificate=sign_certificate, certificate_chain=tuple(sign_chain))
 
     if group_size is not None and group_size != "auto":
         try:
@@ -230,6 +231,15 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
 
     if hashes_only and weights_only:
         raise click.BadParameter("choose one of --hashes-only and --weights-only")
+    gate_flags = {"--max-ppl-increase": max_ppl_increase, "--max-mean-kl": max_mean_kl, "--max-p99-kl": max_p99_kl,
+                  "--min-top1": min_top1, "--min-sqnr-db": min_sqnr_db, "--max-hidden-error": max_hidden_error,
+                  "--min-median-divergence": min_median_divergence}
+    given = [k for k, v in gate_flags.items() if v is not None]
+    if hashes_only and given:
+        raise click.BadParameter(f"{given[0]} cannot be evaluated with --hashes-only (no statistics are computed)")
+    for path, flag in ((report_dir, "--report"), (json_out, "--json-out")):
+        if path is not None and Path(artifact).is_dir() and path.resolve().is_relative_to(Path(artifact).resolve()):
+            raise InputError(f"{flag} {path} is inside the artifact; writing there would change what was signed")
     if report_dir is not None and report_dir.exists() and not report_dir.is_dir():
         raise InputError(f"--report {report_dir} exists and is not a folder")
     console = None if as_json else _console()
@@ -251,7 +261,9 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
             hidden_batches=hidden_batches,
         )
         full = run_verify(opts, console=console)
-    report = {k: v for k, v in full.items() if not k.startswith("_")}
+    from .report import json_safe
+
+    report = json_safe({k: v for k, v in full.items() if not k.startswith("_")})
     if report_dir is not None:
         from .report import write_report
 
@@ -259,10 +271,10 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
         if console:
             console.print(f"report: {', '.join(str(p) for p in written)}", highlight=False)
     if as_json:
-        click.echo(json.dumps(report, indent=2, sort_keys=True))
+        click.echo(json.dumps(report, indent=2, sort_keys=True, allow_nan=False))
     if json_out is not None:
         try:
-            json_out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+            json_out.write_text(json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n")
         except OSError as e:
             raise InputError(f"cannot write --json-out {json_out}: {e.strerror}") from None
     if not report["passed"]:

@@ -117,8 +117,8 @@ def compare(
         if label != "reference":
             values = torch.cat(a["kl"]).numpy()
             r.update(kl=summarize(values), kl_values=values, top1_agreement=a["same"] / count,
-                     per_window_kl_mean=[round(v, 6) for v in a["w_kl"]],
-                     per_window_top1=[round(v, 6) for v in a["w_top1"]])
+                     per_window_kl_mean=[float(f"{v:.6g}") for v in a["w_kl"]],
+                     per_window_top1=[float(f"{v:.6g}") for v in a["w_top1"]])
         out[label] = r
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out

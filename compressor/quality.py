@@ -5,6 +5,8 @@ Used by ``kvq verify``; the statistics themselves are defined in :mod:`compresso
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .arch import get_arch
@@ -95,6 +97,8 @@ def weight_report(reference, artifact, algorithm: str) -> dict:
             err = weight_error(w, w_back)
             if err["rel_fro"] == 0.0:
                 continue  # left in float (ignored by the recipe)
+            if math.isnan(err["rel_fro"]) or math.isnan(err["sqnr_db"]):  # NaN/Inf in the artifact: worst possible
+                err = {"rel_fro": math.inf, "sqnr_db": -math.inf}
             tensors.append({"name": f"{name}.weight", "layer": i, **err,
                             "original": weight_stats(w), "artifact": weight_stats(w_back)})
     layers = []

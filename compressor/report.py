@@ -28,7 +28,7 @@ class _M(BaseModel):
 
 class Gate(_M):
     name: str
-    threshold: float
+    threshold: Optional[float]
     value: Optional[float]
     passed: bool
     measured_on: str
@@ -47,39 +47,39 @@ class Summary(_M):
 class Distribution(_M):
     measured_on: str
     kl: Summary
-    top1_agreement_pct: float
+    top1_agreement_pct: Optional[float]
     breakdown: dict[str, dict[str, Any]]
 
 
 class WindowRow(_M):
     window: int
-    ppl_artifact: float
-    ppl_reference: float
+    ppl_artifact: Optional[float]
+    ppl_reference: Optional[float]
     kl_mean: Optional[float]
     top1_pct: Optional[float]
 
 
 class WeightStats(_M):
-    mean: float
-    std: float
-    absmax: float
+    mean: Optional[float]
+    std: Optional[float]
+    absmax: Optional[float]
     kurtosis: Optional[float]
 
 
 class TensorRow(_M):
     name: str
     layer: int
-    rel_fro: float
-    sqnr_db: float
+    rel_fro: Optional[float]
+    sqnr_db: Optional[float]
     original: WeightStats
     artifact: WeightStats
 
 
 class LayerRow(_M):
     layer: int
-    mean_rel_fro: float
-    max_rel_fro: float
-    min_sqnr_db: float
+    mean_rel_fro: Optional[float]
+    max_rel_fro: Optional[float]
+    min_sqnr_db: Optional[float]
 
 
 class Weights(_M):
@@ -93,8 +93,8 @@ class Weights(_M):
 class Hidden(_M):
     batches: int
     seqlen: int
-    per_layer: list[float]
-    last: float
+    per_layer: list[Optional[float]]
+    last: Optional[float]
 
 
 class Drift(_M):
@@ -119,6 +119,7 @@ class VerifyReport(_M):
     gates: list[Gate] = []
     failed_gates: list[str] = []
     warnings: list[str] = []
+    nonfinite_tensors: list[str] = []
     reference: Optional[str] = None
     reference_matches_source: Optional[bool] = None
     eval: Optional[dict[str, Any]] = None
@@ -141,9 +142,22 @@ def json_schema() -> dict:
     return schema
 
 
+def json_safe(obj):
+    """``obj`` with every NaN/Inf float replaced by ``None`` (JSON has no such numbers; the
+    report says why in ``nonfinite_tensors`` / the failed gates)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def validate(report: dict) -> dict:
-    """Check ``report`` against the schema; returns it unchanged (raises on a kvq bug)."""
-    VerifyReport.model_validate(report)
+    """Check ``report`` (as it will be written, non-finite numbers as null) against the
+    schema; returns it unchanged (raises on a kvq bug)."""
+    VerifyReport.model_validate(json_safe({k: v for k, v in report.items() if not k.startswith("_")}))
     return report
 
 
@@ -158,6 +172,9 @@ def _fmt(v, spec=".4f") -> str:
     return format(v, spec)
 
 
+PNG_NAMES = ("perplexity_per_window.png", "kl_histogram.png", "layer_errors.png")
+
+
 def plots(report: dict, folder: Path) -> list[Path]:
     """Draw the report's PNGs into ``folder``; returns their paths (only those with data)."""
     import matplotlib
@@ -165,15 +182,22 @@ def plots(report: dict, folder: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
+    def fin(v):
+        return float(v) if v is not None and math.isfinite(v) else float("nan")
+
     out: list[Path] = []
     name = Path(report["artifact"]).name
+    gates = {g["name"]: g for g in report.get("gates", [])}
     pw = report.get("per_window")
     if pw:
         fig, ax = plt.subplots(figsize=(8, 3.6), dpi=110)
         xs = [r["window"] for r in pw]
-        ax.plot(xs, [r["ppl_reference"] for r in pw], "o-", label="reference (original model)", color="#555555")
-        ax.plot(xs, [r["ppl_artifact"] for r in pw], "o-", label=f"artifact ({report['distribution']['measured_on']})",
+        ax.plot(xs, [fin(r["ppl_reference"]) for r in pw], "o-", label="reference (original model)", color="#555555")
+        ax.plot(xs, [fin(r["ppl_artifact"]) for r in pw], "o-", label=f"artifact ({report['distribution']['measured_on']})",
                 color="#d62728")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("evaluation window (index into the eval text)")
         ax.set_ylabel("perplexity (lower is better)")
         ax.set_title(f"Perplexity per window: {name}")
@@ -188,19 +212,32 @@ def plots(report: dict, folder: Path) -> list[Path]:
         import numpy as np
 
         v = np.asarray(kl_values, dtype=np.float64)
+        v = v[np.isfinite(v)]
+    else:
+        v = None
+    if v is not None and v.size:
         fig, ax = plt.subplots(figsize=(8, 3.6), dpi=110)
-        lo = max(v.min(), 1e-7)
-        bins = np.logspace(np.log10(lo), np.log10(max(v.max(), lo * 10)), 60)
+        pos = v[v > 0]
+        lo = max(float(pos.min()) if pos.size else 1e-7, 1e-7)
+        hi = max(float(v.max()), lo * 10)
+        bins = np.logspace(np.log10(lo), np.log10(hi), 60)
+        n_low = int((v <= lo).sum())
         ax.hist(np.clip(v, lo, None), bins=bins, color="#1f77b4")
         ax.set_xscale("log")
         ax.set_yscale("log")
         d = report["distribution"]["kl"]
         for label, val, style in (("mean", d["mean"], "-"), ("p99", d["p99"], "--")):
-            ax.axvline(max(val, lo), color="#d62728", linestyle=style, label=f"{label} {val:.4f}")
-        ax.set_xlabel("KL(reference || artifact) per predicted token, nats (log scale; 0 = identical)")
+            if val is not None and math.isfinite(val):
+                ax.axvline(max(val, lo), color="#d62728", linestyle=style, label=f"{label} {val:.3g} nats")
+        for gname, style in (("max_mean_kl", ":"), ("max_p99_kl", "-.")):
+            if gname in gates and gates[gname]["threshold"]:
+                ax.axvline(gates[gname]["threshold"], color="#2ca02c", linestyle=style,
+                           label=f"gate {gname} {gates[gname]['threshold']:g}")
+        ax.set_xlabel("KL(reference || artifact) per predicted token, nats (log scale)"
+                      + (f"; first bin includes {n_low} tokens <= {lo:.1e}" if n_low > 1 else ""))
         ax.set_ylabel("tokens (log scale)")
         ax.set_title(f"Next-token KL divergence, {d['count']:,} tokens: {name}")
-        ax.legend()
+        ax.legend(fontsize=8)
         fig.tight_layout()
         out.append(folder / "kl_histogram.png")
         fig.savefig(out[-1])
@@ -211,14 +248,21 @@ def plots(report: dict, folder: Path) -> list[Path]:
         rows = 2 if hidden else 1
         fig, axes = plt.subplots(rows, 1, figsize=(10, 3.4 * rows), dpi=110, squeeze=False)
         ax = axes[0][0]
-        layers = [r["layer"] for r in w["layers"]]
         kinds = sorted({t["name"].split(".")[-2] for t in w["tensors"]})
-        finite = [t["sqnr_db"] for t in w["tensors"] if math.isfinite(t["sqnr_db"])]
+        finite = [t["sqnr_db"] for t in w["tensors"] if t["sqnr_db"] is not None and math.isfinite(t["sqnr_db"])]
         for kind in kinds:
-            pts = sorted((t["layer"], t["sqnr_db"]) for t in w["tensors"] if t["name"].split(".")[-2] == kind)
+            pts = sorted((t["layer"], fin(t["sqnr_db"])) for t in w["tensors"] if t["name"].split(".")[-2] == kind)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1, label=kind)
+        thr = gates.get("min_sqnr_db", {}).get("threshold")
+        if thr is not None:
+            ax.axhline(thr, color="#d62728", linestyle="--", lw=1, label=f"gate min_sqnr_db {thr:g}")
+            finite.append(thr)
         if finite:
             ax.set_ylim(min(finite) - 1.0, max(finite) + 1.0)
+        bad = [t["name"] for t in w["tensors"] if t["sqnr_db"] is None or not math.isfinite(t["sqnr_db"])]
+        if bad:
+            ax.text(0.01, 0.02, f"not drawn (NaN/Inf): {len(bad)} tensor(s)", transform=ax.transAxes, color="#d62728")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("decoder layer")
         ax.set_ylabel("weight SQNR, dB (higher is better)")
         ax.set_title(f"Weight SQNR per quantized tensor (artifact vs original): {name}")
@@ -226,9 +270,13 @@ def plots(report: dict, folder: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         if hidden:
             ax = axes[1][0]
-            ax.bar(range(len(hidden["per_layer"])), [100 * e for e in hidden["per_layer"]], color="#ff7f0e",
+            ax.bar(range(len(hidden["per_layer"])), [100 * fin(e) for e in hidden["per_layer"]], color="#ff7f0e",
                    label="relative error of the layer's output")
+            thr = gates.get("max_hidden_error", {}).get("threshold")
+            if thr is not None:
+                ax.axhline(100 * thr, color="#d62728", linestyle="--", lw=1, label=f"gate (last layer) {100 * thr:g} %")
             ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("decoder layer")
             ax.set_ylabel("relative error, % (lower is better)")
             ax.set_title(f"Hidden-state error after each layer ({hidden['batches']} x {hidden['seqlen']} tokens, "
@@ -277,19 +325,19 @@ def markdown(report: dict, images: list[Path] | None = None) -> str:
                       f"| top-1 agreement | {d['top1_agreement_pct']:.2f} % |"]
         dr = report.get("drift")
         if dr:
-            lines.append(f"| greedy drift: first divergence median / min | {dr['median']:g} / {dr['min']:g} tokens "
-                         f"({dr['identical']}/{dr['prompts']} identical for {dr['max_new_tokens']}) |")
+            lines.append(f"| greedy drift: first differing generated token, median / min | {dr['median']:g} / {dr['min']:g} "
+                         f"of {dr['max_new_tokens']} ({dr['identical']} of {dr['prompts']} prompts identical throughout) |")
         hs = report.get("hidden_state_error")
         if hs:
-            lines.append(f"| hidden-state error after the last layer | {100 * hs['last']:.2f} % |")
+            lines.append(f"| hidden-state error after the last layer | {_fmt(None if hs['last'] is None else 100 * hs['last'], '.2f')} % |")
     w = report.get("weights")
     if w and w["tensors"]:
-        worst = sorted(w["tensors"], key=lambda t: t["sqnr_db"])[:5]
+        worst = sorted(w["tensors"], key=lambda t: t["sqnr_db"] if t["sqnr_db"] is not None and not math.isnan(t["sqnr_db"]) else -math.inf)[:5]
         lines += ["", f"Weights: {len(w['tensors'])} quantized tensors, min SQNR {_fmt(w['min_sqnr_db'], '.2f')} dB "
                   f"({w['min_sqnr_tensor']}). Lowest SQNR:", "",
                   "| tensor | SQNR (dB) | rel. error | kurtosis orig → artifact |", "|---|---|---|---|"]
         for t in worst:
-            lines.append(f"| `{t['name']}` | {t['sqnr_db']:.2f} | {t['rel_fro']:.4f} | "
+            lines.append(f"| `{t['name']}` | {_fmt(t['sqnr_db'], '.2f')} | {_fmt(t['rel_fro'], '.4f')} | "
                          f"{_fmt(t['original']['kurtosis'], '.2f')} → {_fmt(t['artifact']['kurtosis'], '.2f')} |")
     if images:
         lines += [""] + [f"![{p.stem}]({p.name})" for p in images]
@@ -345,12 +393,15 @@ def write_report(report: dict, folder: Path) -> list[Path]:
 
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        for stale in PNG_NAMES:  # a reused folder must not show an earlier run's plots
+            (folder / stale).unlink(missing_ok=True)
         images = plots(report, folder)
         md_text = markdown(report, images)
         (folder / "report.md").write_text(md_text, encoding="utf-8")
         (folder / "report.html").write_text(html_page(report, md_text, images), encoding="utf-8")
-        public = {k: v for k, v in report.items() if not k.startswith("_")}
-        (folder / "report.json").write_text(json.dumps(public, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        public = json_safe({k: v for k, v in report.items() if not k.startswith("_")})
+        (folder / "report.json").write_text(json.dumps(public, indent=2, sort_keys=True, allow_nan=False) + "\n",
+                                            encoding="utf-8")
     except OSError as e:
         raise InputError(f"cannot write --report {folder}: {e.strerror}") from None
     return [folder / "report.md", folder / "report.html", folder / "report.json", *images]

@@ -360,7 +360,7 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
 
     from .integrity import check_hashes
     from .manifest import load_manifest
-    from .models import load_model, resolve_source
+    from .models import resolve_source
     from .prompts import load_prompts
     from .runtime import Runtime
     from .stats import first_divergence, kl_and_top1, summarize
@@ -410,7 +410,9 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
     ref_spec = opts.reference or manifest.source.get("spec")
     if not ref_spec:
         raise InputError("the manifest records no source model; pass --reference")
-    ref_model, _ = load_model(resolve_source(ref_spec))
+    from .api import _load_reference
+
+    ref_model = _load_reference(ref_spec, resolve_source(ref_spec))
     ref_model.to(opts.device)
     kls, agree, total, firsts, per_prompt = [], 0, 0, [], []
     with torch.no_grad():

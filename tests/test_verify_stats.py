@@ -154,11 +154,12 @@ def test_verify_report_schema_in_docs_is_current():
 
 def test_gates_pass_and_fail_each_named(awq_art, capsys):
     code, out, err = run(["verify", awq_art, *FAST, "--json", "--max-mean-kl", "0", "--min-top1", "100.0",
-                          "--min-sqnr-db", "99", "--max-hidden-error", "0", "--min-median-divergence", "7",
+                          "--min-sqnr-db", "99", "--max-hidden-error", "0", "--min-median-divergence", "6",
                           "--max-p99-kl", "10"], capsys)
     rep = json.loads(out)
     assert code == 1
-    assert set(rep["failed_gates"]) >= {"max_mean_kl", "min_sqnr_db", "max_hidden_error", "min_median_divergence"}
+    assert set(rep["failed_gates"]) >= {"max_mean_kl", "min_sqnr_db", "max_hidden_error"}
+    assert {g["name"] for g in rep["gates"]} >= {"min_median_divergence", "max_p99_kl", "finite_weights"}
     assert "max_p99_kl" not in rep["failed_gates"]
     sq = next(g for g in rep["gates"] if g["name"] == "min_sqnr_db")
     assert "below" in sq["detail"] and "model.layers." in sq["detail"]
@@ -254,3 +255,77 @@ def test_prompts_files(tmp_path, capsys, awq_art):
 def test_hashes_only_and_weights_only_are_exclusive(awq_art, capsys):
     code, _, err = run(["verify", awq_art, "--hashes-only", "--weights-only"], capsys)
     assert code == 2 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--hashes-only", "--min-sqnr-db", "10"], "--min-sqnr-db cannot be evaluated with --hashes-only"),
+    (["--weights-only", "--max-mean-kl", "0.1"], "--max-mean-kl cannot be evaluated"),
+    (["--weights-only", "--max-ppl-increase", "5"], "--max-ppl-increase cannot be evaluated"),
+    ([*FAST, "--min-median-divergence", "7"], "could never pass"),
+])
+def test_gate_flags_that_cannot_be_evaluated_are_refused(awq_art, capsys, argv, msg):
+    code, out, err = run(["verify", awq_art, *argv], capsys)
+    assert code == 2 and msg in err and "Traceback" not in err
+
+
+def test_kv_only_artifact_refuses_weight_gates(tiny_model_dir, tmp_path, capsys):
+    from compressor.api import QuantizeOptions, run_quantize
+
+    out = tmp_path / "kvonly"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, recipe="kv-int8"))
+    code, _, err = run(["verify", out, "--weights-only", "--min-sqnr-db", "20"], capsys)
+    assert code == 2 and "no quantized weights" in err
+
+
+def test_report_and_json_out_inside_the_artifact_are_refused(awq_art, capsys):
+    for argv in (["--report", awq_art / "report"], ["--report", awq_art], ["--json-out", awq_art / "v.json"]):
+        code, _, err = run(["verify", awq_art, "--weights-only", *argv], capsys)
+        assert code == 2 and "inside the artifact" in err
+    assert not (awq_art / "report").exists() and not (awq_art / "v.json").exists()
+
+
+def test_nan_in_artifact_fails_every_way(awq_art, tmp_path, capsys):
+    """A NaN scale (manifest rewritten, so digests pass) fails verify, names the tensor, and the JSON stays valid."""
+    from safetensors.torch import load_file, save_file
+
+    from compressor.artifact import build_manifest
+    from compressor.manifest import load_manifest
+
+    art = shutil.copytree(awq_art, tmp_path / "a")
+    t = load_file(str(art / "model.safetensors"))
+    t["model.layers.0.mlp.up_proj.weight_scale"][0, 0] = float("nan")
+    save_file(t, str(art / "model.safetensors"), metadata={"format": "pt"})
+    old = load_manifest(art)
+    fields = {k: v for k, v in old.model_dump().items()
+              if k not in ("files", "tensors", "provenance", "digest_algorithm", "schema_version")}
+    (art / "kvq-manifest.json").write_text(build_manifest(art, fields).to_json())
+    code, out, err = run(["verify", art, "--weights-only", "--min-sqnr-db", "15", "--json"], capsys)
+    rep = json.loads(out)  # strict JSON: no NaN literals
+    assert code == 1 and ": NaN" not in out and "Infinity" not in out
+    assert rep["nonfinite_tensors"] == ["model.layers.0.mlp.up_proj.weight"]
+    assert set(rep["failed_gates"]) == {"finite_weights", "min_sqnr_db"}
+    code, out, err = run(["verify", art, *FAST, "--json", "--report", tmp_path / "rep"], capsys)
+    assert code == 1 and "Traceback" not in err and "internal error" not in err
+    assert (tmp_path / "rep" / "report.md").is_file() and "FAILED" in (tmp_path / "rep" / "report.md").read_text()
+    VerifyReport.model_validate(json.loads((tmp_path / "rep" / "report.json").read_text()))
+
+
+def test_reference_may_be_an_artifact(awq_art, capsys):
+    """An artifact verified against itself: zero error everywhere."""
+    code, out, err = run(["verify", awq_art, *FAST, "--reference", awq_art, "--json"], capsys)
+    rep = json.loads(out)
+    assert code == 0, err
+    assert rep["distribution"]["kl"]["max"] < 1e-6 and rep["distribution"]["top1_agreement_pct"] == 100.0
+    assert rep["weights"]["tensors"] == []  # identical weights: nothing quantized relative to it
+
+
+def test_invalid_recipe_gates_in_manifest_are_input_errors(awq_art, tmp_path, capsys):
+    from compressor.artifact import build_manifest
+
+    art = shutil.copytree(awq_art, tmp_path / "a")
+    m = json.loads((art / "kvq-manifest.json").read_text())
+    m["recipe"]["gates"]["max_ppl_increase_pct"] = "abc"
+    fields = {k: v for k, v in m.items() if k not in ("files", "tensors", "provenance", "digest_algorithm", "schema_version")}
+    (art / "kvq-manifest.json").write_text(build_manifest(art, fields).to_json())
+    code, _, err = run(["verify", art, "--weights-only"], capsys)
+    assert code == 2 and "recipe.gates.max_ppl_increase_pct" in err
