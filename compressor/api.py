@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 
 from .artifact import DTYPES, check_output, load_artifact, read_kv_cache, tool_info, write_artifact
-from .integrity import HASH_KEYS, check_hashes, check_signature, print_hashes as _print_hashes, run_sign  # noqa: F401
+from .integrity import HASH_KEYS, check_artifact_folder, check_hashes, check_signature, print_hashes as _print_hashes, run_sign  # noqa: F401
 from .calib import load_text, sample_windows, tokenize
 from .errors import CheckFailed, InputError
 from .evaluate import perplexity, windows
@@ -140,6 +140,10 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     """
     t0 = time.perf_counter()
     out = Path(opts.output)
+    if Path(opts.model).exists():  # before check_output: name the real problem when -o is the source
+        src = Path(opts.model).resolve()
+        if src == out.resolve() or out.resolve() in src.parents:
+            raise InputError(f"output folder {out} is (or contains) the source model {opts.model}; choose another -o")
     check_output(out, opts.overwrite)
     if opts.digest_algorithm not in HASH_ALGORITHMS:
         raise InputError(f"unknown digest algorithm {opts.digest_algorithm!r} (choose from {', '.join(HASH_ALGORITHMS)})")
@@ -447,9 +451,7 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     from .report import validate
 
     t0 = time.perf_counter()
-    folder = Path(opts.artifact)
-    if not folder.is_dir():
-        raise InputError(f"artifact folder {folder} not found")
+    folder = check_artifact_folder(opts.artifact)
     manifest = load_manifest(folder)
     mode = "hashes-only" if opts.hashes_only else ("weights-only" if opts.weights_only else "full")
     prompts = load_prompts(opts.prompts) if mode == "full" else None

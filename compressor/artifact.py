@@ -33,13 +33,28 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 def check_output(out: Path, overwrite: bool) -> None:
     """Refuse an existing output folder unless ``overwrite``; run before any work.
 
+    ``overwrite`` replaces only an empty folder or a kvq artifact (a folder holding
+    ``kvq-manifest.json``): any other folder is refused, so a mistyped ``-o`` never
+    deletes unrelated files.
+
     Raises:
-        InputError: the folder (or a file) exists and ``overwrite`` is false, or its parent is missing.
+        InputError: the folder (or a file) exists and ``overwrite`` is false; it exists,
+            is not empty and is not a kvq artifact; or its parent is missing or not writable.
     """
+    out = Path(out)
     if out.exists() and not overwrite:
         raise InputError(f"output folder {out} exists; choose another -o or pass --overwrite")
     if out.exists() and not out.is_dir():
         raise InputError(f"output path {out} exists and is not a folder")
+    if out.exists():
+        try:
+            empty = next(out.iterdir(), None) is None
+        except OSError as e:
+            raise InputError(f"cannot read output folder {out}: {e.strerror}") from None
+        manifest = out / MANIFEST_NAME
+        if not empty and (manifest.is_symlink() or not manifest.is_file()):
+            raise InputError(f"output folder {out} is not a kvq artifact; refusing to overwrite it (it holds files but "
+                             f"no {MANIFEST_NAME}; --overwrite replaces only an empty folder or an earlier kvq artifact)")
     parent = out.resolve().parent
     if not parent.is_dir():
         raise InputError(f"parent folder of {out} does not exist")

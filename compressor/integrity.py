@@ -46,7 +46,10 @@ def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
 
     Every byte of the artifact is hashed once (safetensors: header plus each tensor's
     range; other files whole), on all cores. Returns a dict with ``ok`` and the sorted
-    lists ``modified_tensors``, ``missing_tensors``, ``extra_tensors``, ``modified_files``,
+    lists ``modified_tensors`` (bytes, file, or the header's dtype or shape differ from
+    the manifest), ``missing_tensors``, ``extra_tensors``, ``renamed_tensors``
+    (``"old -> new"``: a missing tensor whose file, dtype, shape and digest reappear
+    under another name in the header), ``modified_files``,
     ``missing_files``, ``extra_files``, ``renamed_files`` (``"old -> new"``: a missing
     file whose size and digest reappear under another name), ``unsafe_files`` (symlinks,
     folders, special files: kvq never writes them and never follows them) and
@@ -83,7 +86,7 @@ def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
                      algo, workers, parse_safetensors=True)
     report = {"digest_algorithm": algo, "missing_files": sorted(listed - present - unsafe_names), "extra_files": [],
               "renamed_files": [], "modified_files": [], "modified_tensors": [], "missing_tensors": [],
-              "extra_tensors": [], "unsafe_files": sorted(unsafe),
+              "extra_tensors": [], "renamed_tensors": [], "unsafe_files": sorted(unsafe),
               "unreadable_files": sorted(f"{n}: {e}" for n, e in d.errors.items())}
     for name in sorted(listed & present):
         rec = manifest.files[name]
@@ -112,13 +115,14 @@ def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
     report["missing_files"] = [n for n in report["missing_files"] if n not in renamed]
     report["extra_files"] = [n for n in extra if n not in renamed.values()]
     shard_of = {v: k for k, v in renamed.items()}
-    seen = set()
-    for tname, (shard, _entry, digest) in d.tensors.items():
+    seen, extra_tensors = set(), []
+    for tname, (shard, entry, digest) in d.tensors.items():
         seen.add(tname)
         rec = manifest.tensors.get(tname)
         if rec is None:
-            report["extra_tensors"].append(tname)
-        elif rec.file != shard_of.get(shard, shard) or rec.digest != digest:
+            extra_tensors.append(tname)
+        elif (rec.file != shard_of.get(shard, shard) or rec.digest != digest or rec.dtype != entry.dtype
+              or tuple(rec.shape) != tuple(entry.shape)):  # a header edit of dtype or shape names the tensor
             report["modified_tensors"].append(tname)
     # a file holding a modified tensor is a modified file too
     for tname in report["modified_tensors"]:
@@ -127,8 +131,22 @@ def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
             report["modified_files"].append(shard)
     # tensors of a file that could not be parsed are reported through that file, not one by one
     unparsed = {n for n in d.errors}
-    report["missing_tensors"] = sorted(t for t in set(manifest.tensors) - seen
-                                       if manifest.tensors[t].file not in unparsed)
+    missing_tensors = sorted(t for t in set(manifest.tensors) - seen if manifest.tensors[t].file not in unparsed)
+    # renamed in the header: a missing tensor whose file, dtype, shape and digest turn up under an extra name
+    unclaimed = sorted(extra_tensors)
+    renamed_tensors: dict[str, str] = {}
+    for old in missing_tensors:
+        rec = manifest.tensors[old]
+        for new in unclaimed:
+            shard, entry, digest = d.tensors[new]
+            if (shard_of.get(shard, shard) == rec.file and digest == rec.digest and entry.dtype == rec.dtype
+                    and tuple(entry.shape) == tuple(rec.shape)):
+                renamed_tensors[old] = new
+                unclaimed.remove(new)
+                break
+    report["renamed_tensors"] = [f"{o} -> {n}" for o, n in sorted(renamed_tensors.items())]
+    report["missing_tensors"] = [t for t in missing_tensors if t not in renamed_tensors]
+    report["extra_tensors"] = unclaimed
     for k in list(report):
         if isinstance(report[k], list):
             report[k] = sorted(report[k])
@@ -142,10 +160,11 @@ def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
 
 
 HASH_KEYS = ("unsafe_files", "unreadable_files", "modified_tensors", "missing_tensors", "extra_tensors",
-             "modified_files", "missing_files", "extra_files", "renamed_files")
+             "renamed_tensors", "modified_files", "missing_files", "extra_files", "renamed_files")
 
 
 def print_hashes(console, hashes: dict) -> None:
+    """Print :func:`check_hashes`' result: one summary line, or one line per difference."""
     if hashes["ok"]:
         console.print(f"[green]hashes ok[/]: {hashes['tensors_checked']} tensors, {hashes['files_checked']} files match "
                       f"the manifest ({hashes['digest_algorithm']}, {hashes['bytes_hashed'] / 1e6:.0f} MB in "
@@ -180,6 +199,16 @@ def check_signature(folder: Path, keys: Optional[VerifyKeys], console=None) -> d
     return sig
 
 
+def check_artifact_folder(folder) -> Path:
+    """``folder`` as a Path; raise :class:`InputError` unless it is an existing folder (a file is named as such)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{folder} is not a folder (an artifact is the folder `kvq quantize -o` wrote)")
+    if not folder.is_dir():
+        raise InputError(f"artifact folder {folder} not found")
+    return folder
+
+
 def run_sign(folder: Path, opts: SignOptions, console=None) -> dict:
     """``kvq sign``: check the artifact against its manifest, then sign it with model_signing.
 
@@ -188,8 +217,7 @@ def run_sign(folder: Path, opts: SignOptions, console=None) -> dict:
         CheckFailed: the artifact does not match its manifest (nothing is signed), or signing failed.
     """
     folder = Path(folder)
-    if not folder.is_dir():
-        raise InputError(f"artifact folder {folder} not found")
+    check_artifact_folder(folder)
     check_sign_options(opts)
     load_manifest(folder)
     hashes = check_hashes(folder)
@@ -212,8 +240,7 @@ def verify_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) -> 
     """
     t0 = time.perf_counter()
     folder = Path(folder)
-    if not folder.is_dir():
-        raise InputError(f"artifact folder {folder} not found")
+    check_artifact_folder(folder)
     load_manifest(folder)
     signature = check_signature(folder, keys, console)
     hashes = check_hashes(folder)

@@ -6,6 +6,8 @@ Rules (MUST unless marked MAY):
   which named every digest ``sha256``, is read and upgraded in memory).
 * ``digest_algorithm`` is ``sha256`` (default) or ``blake3``; every digest is 64
   lowercase hex characters.
+* Sizes and shape dimensions are non-negative JSON integers (not strings, not floats);
+  no JSON object repeats a key.
 * ``files`` maps every file of the artifact folder except the manifest and the signature
   (``model.sig``) to its size and digest; names are plain file names (no ``/``, no
   ``..``, not absolute). ``covers`` says what the digest covers: ``file`` (all bytes) or,
@@ -26,15 +28,18 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InputError
+from .safetensors_io import no_duplicate_keys
 
 SCHEMA_VERSION = "kvq.manifest/2"
 MANIFEST_NAME = "kvq-manifest.json"
 SIGNATURE_NAME = "model.sig"
+READ_VERSIONS = ("kvq.manifest/1", SCHEMA_VERSION)
+HEX64 = r"^[0-9a-f]{64}$"
 
 
 def _safe_name(name: str) -> str:
@@ -44,20 +49,26 @@ def _safe_name(name: str) -> str:
     return name
 
 
-def _hex64(v: str) -> str:
-    if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+def _hex64(v):
+    # runs before pydantic's own checks (type, ``pattern``) so a wrong digest gets this message
+    if isinstance(v, str) and (len(v) != 64 or any(c not in "0123456789abcdef" for c in v)):
         raise ValueError("digest must be 64 lowercase hex characters")
     return v
+
+
+# strict: "1877", 1877.0 and true are not sizes or dimensions (pydantic would coerce them)
+_Count = Annotated[int, Field(strict=True, ge=0)]
+_Digest = Annotated[str, Field(strict=True, pattern=HEX64)]
 
 
 class FileRecord(BaseModel):
     """One file of the artifact: size in bytes, digest, and what the digest covers."""
 
     model_config = ConfigDict(extra="forbid")
-    size: int = Field(ge=0)
-    digest: str
+    size: _Count
+    digest: _Digest
     covers: Literal["file", "header"] = "file"
-    _v = field_validator("digest")(classmethod(lambda cls, v: _hex64(v)))
+    _v = field_validator("digest", mode="before")(classmethod(lambda cls, v: _hex64(v)))
 
 
 class TensorRecord(BaseModel):
@@ -66,9 +77,9 @@ class TensorRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
     file: str
     dtype: str
-    shape: list[int] = Field(max_length=64)
-    digest: str
-    _v = field_validator("digest")(classmethod(lambda cls, v: _hex64(v)))
+    shape: list[_Count] = Field(max_length=64)
+    digest: _Digest
+    _v = field_validator("digest", mode="before")(classmethod(lambda cls, v: _hex64(v)))
     _f = field_validator("file")(classmethod(lambda cls, v: _safe_name(v)))
 
 
@@ -115,17 +126,25 @@ class Manifest(BaseModel):
         return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+_no_duplicate_keys = no_duplicate_keys("duplicate key {key!r}")
+
+
 def load_manifest(folder: str | Path) -> Manifest:
     """Read and validate ``folder/kvq-manifest.json``.
 
     Raises:
-        InputError: missing, not JSON, unknown schema version, unsafe paths, bad digests.
+        InputError: missing, not JSON, duplicate keys, nested too deeply, unknown schema
+            version, unsafe paths, bad digests, sizes or shapes that are not integers.
     """
     path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
         raise InputError(f"{folder} has no {MANIFEST_NAME}: not a kvq artifact")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except InputError as e:  # a duplicate key: JSON allows it, but which value counts is parser-defined
+        raise InputError(f"{path}: {e} (a manifest must not repeat a key)") from None
+    except RecursionError:
+        raise InputError(f"{path}: not a manifest (JSON nested too deeply)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
@@ -133,9 +152,12 @@ def load_manifest(folder: str | Path) -> Manifest:
     if data.get("schema_version") == "kvq.manifest/1":
         data = _upgrade_v1(data)
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise InputError(f"{path}: unknown schema_version {data.get('schema_version')!r} (this kvq reads {SCHEMA_VERSION})")
+        raise InputError(f"{path}: unknown schema_version {data.get('schema_version')!r} "
+                         f"(this kvq reads {' and '.join(READ_VERSIONS)})")
     try:
         return Manifest.model_validate(data)
+    except RecursionError:
+        raise InputError(f"{path}: not a manifest (JSON nested too deeply)") from None
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first["loc"])

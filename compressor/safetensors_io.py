@@ -39,13 +39,21 @@ class TensorEntry:
     end: int
 
 
-def _no_duplicates(pairs):
-    seen = {}
-    for k, v in pairs:
-        if k in seen:
-            raise InputError(f"duplicate tensor name '{k}' in safetensors header")
-        seen[k] = v
-    return seen
+def no_duplicate_keys(message: str):
+    """A ``json.loads`` ``object_pairs_hook`` raising ``InputError(message.format(key=...))`` on a repeated key."""
+
+    def hook(pairs):
+        seen = {}
+        for k, v in pairs:
+            if k in seen:
+                raise InputError(message.format(key=k))
+            seen[k] = v
+        return seen
+
+    return hook
+
+
+_no_duplicates = no_duplicate_keys("duplicate tensor name '{key}' in safetensors header")
 
 
 def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
@@ -53,8 +61,9 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
 
     Raises:
         InputError: truncated file, header length beyond the file or above 100 MiB,
-            invalid JSON, duplicate names, unknown dtype, negative shapes, offsets that do
-            not match the shape, overlap or run past the end of the file.
+            invalid or too deeply nested JSON, duplicate names, unknown dtype, negative or
+            non-integer shapes, offsets that do not match the shape, overlap or run past
+            the end of the file.
     """
     path = Path(path)
     try:
@@ -75,6 +84,8 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
         raise InputError(f"{path}: {e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{path}: bad safetensors header: invalid JSON ({e})") from None
+    except RecursionError:
+        raise InputError(f"{path}: bad safetensors header: JSON nested too deeply") from None
     if not isinstance(header, dict):
         raise InputError(f"{path}: bad safetensors header: not a JSON object")
     data_start = 8 + n
@@ -90,9 +101,10 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
             raise InputError(f"{path}: tensor '{name}': unknown dtype {dtype!r}")
         shape = info.get("shape")
         offs = info.get("data_offsets")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        # type(..) is int: JSON true/false are bools, which isinstance(.., int) would accept
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise InputError(f"{path}: tensor '{name}': bad shape {shape!r}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)):
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
             raise InputError(f"{path}: tensor '{name}': bad data_offsets {offs!r}")
         begin, end = offs
         numel = 1
@@ -178,6 +190,7 @@ class FolderDigests:
 
 
 def default_workers() -> int:
+    """The number of CPUs this process may use (hashing threads by default)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux

@@ -366,9 +366,9 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
     from .stats import first_divergence, kl_and_top1, summarize
 
     t0 = time.perf_counter()
-    folder = Path(opts.artifact)
-    if not folder.is_dir():
-        raise InputError(f"artifact folder {folder} not found")
+    from .integrity import check_artifact_folder
+
+    folder = check_artifact_folder(opts.artifact)
     manifest = load_manifest(folder)
     prompts = load_prompts(opts.prompts)
     thresholds = _smoke_thresholds(manifest, opts)

@@ -45,6 +45,7 @@ class SignOptions:
     identity_token: Optional[str] = None
 
     def method(self) -> str:
+        """``sigstore``, ``certificate`` or ``key``."""
         if self.sigstore:
             return "sigstore"
         return "certificate" if self.signing_certificate else "key"
@@ -61,9 +62,11 @@ class VerifyKeys:
     sigstore_staging: bool = False
 
     def given(self) -> bool:
+        """Whether any key material was given (otherwise the signature is only noted, not checked)."""
         return bool(self.public_key or self.certificate_chain or self.identity or self.issuer)
 
     def method(self) -> str:
+        """``key``, ``certificate`` or ``sigstore``."""
         if self.public_key:
             return "key"
         return "certificate" if self.certificate_chain else "sigstore"
@@ -81,30 +84,68 @@ def _readable(path: Path, what: str) -> Path:
     return path
 
 
-def _check_pem(path: Path, kind: str, password: Optional[str] = None) -> None:
-    """Parse a PEM file with ``cryptography`` so a wrong file is a usage error, not a crypto failure."""
+_CURVES = {"secp256r1": "P-256", "secp384r1": "P-384", "secp521r1": "P-521"}  # what model_signing accepts
+
+
+def _pem_is_encrypted(data: bytes) -> bool:
+    return b"-----BEGIN ENCRYPTED PRIVATE KEY-----" in data or b"Proc-Type: 4,ENCRYPTED" in data
+
+
+def _check_curve(key, path: Path, what: str) -> None:
+    if key.curve.name not in _CURVES:
+        raise InputError(f"{what} {path} uses curve {key.curve.name}; model_signing supports "
+                         f"{', '.join(_CURVES.values())} (e.g. `openssl ecparam -name prime256v1 -genkey`)")
+
+
+def _check_pem(path: Path, kind: str, password: Optional[str] = None):
+    """Parse a PEM file with ``cryptography`` so a wrong file is a usage error, not a crypto failure.
+
+    ``kind`` is ``private``, ``public`` or ``cert``; returns the key, or the list of
+    certificates. A password problem (encrypted key without ``password``, wrong password,
+    a password for a key that is not encrypted) is told apart from a file that is not PEM.
+
+    Raises:
+        InputError: not PEM, not an elliptic-curve key on a curve model_signing supports,
+            or a password problem.
+    """
     from cryptography import x509
+    from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from None
+    encrypted = kind == "private" and _pem_is_encrypted(data)
     try:
         if kind == "private":
-            key = serialization.load_pem_private_key(data, password.encode() if password else None)
+            key = serialization.load_pem_private_key(data, password.encode("utf-8") if password else None)
             if not isinstance(key, ec.EllipticCurvePrivateKey):
                 raise InputError(f"private key {path} is not an elliptic-curve key (model_signing signs with EC keys, "
                                  "e.g. `openssl ecparam -name prime256v1 -genkey -noout -out key.pem`)")
-        elif kind == "public":
+            _check_curve(key, path, "private key")
+            return key
+        if kind == "public":
             key = serialization.load_pem_public_key(data)
             if not isinstance(key, ec.EllipticCurvePublicKey):
                 raise InputError(f"public key {path} is not an elliptic-curve key")
-        else:
-            x509.load_pem_x509_certificates(data)
+            _check_curve(key, path, "public key")
+            return key
+        return x509.load_pem_x509_certificates(data)
     except InputError:
         raise
-    except TypeError as e:  # password given for an unencrypted key or missing for an encrypted one
-        raise InputError(f"private key {path}: {e}") from None
-    except ValueError:
+    except TypeError:  # cryptography: password given for an unencrypted key, or missing for an encrypted one
+        if password:
+            raise InputError(f"private key {path} is not encrypted, but a password was given: drop --password "
+                             "(and KVQ_SIGN_PASSWORD)") from None
+        raise InputError(f"private key {path} is encrypted and no password was given (kvq sign --password, "
+                         "kvq quantize --sign-password, or the KVQ_SIGN_PASSWORD environment variable)") from None
+    except UnsupportedAlgorithm:
+        raise InputError(f"{path}: unsupported key or encryption algorithm") from None
+    except ValueError as e:
+        if encrypted or (password and "password" in str(e).lower()):
+            raise InputError(f"private key {path}: wrong password (cannot decrypt it)") from None
         label = {"private": "a PEM private key", "public": "a PEM public key", "cert": "PEM certificates"}[kind]
         raise InputError(f"{path} is not {label}") from None
 
@@ -112,8 +153,13 @@ def _check_pem(path: Path, kind: str, password: Optional[str] = None) -> None:
 def check_sign_options(opts: SignOptions) -> None:
     """Validate the signing inputs (files exist and parse) before any work is done.
 
+    For certificate signing the certificate's public key must be the private key's, and
+    the private key must be unencrypted (model_signing's certificate signer takes no
+    password). ``kvq quantize --sign-key`` calls this before quantizing.
+
     Raises:
-        InputError: no method, two methods, missing or unparseable key/certificate files.
+        InputError: no method, two methods, missing or unparseable key/certificate files,
+            password problems, a signing certificate that does not belong to the key.
     """
     if opts.sigstore:
         if opts.private_key or opts.signing_certificate:
@@ -121,9 +167,15 @@ def check_sign_options(opts: SignOptions) -> None:
         return
     if not opts.private_key:
         raise InputError("nothing to sign with: pass --private-key KEY.pem or --sigstore")
-    _check_pem(_readable(opts.private_key, "private key"), "private", opts.password)
+    key = _check_pem(_readable(opts.private_key, "private key"), "private", opts.password)
     if opts.signing_certificate:
-        _check_pem(_readable(opts.signing_certificate, "signing certificate"), "cert")
+        if opts.password:
+            raise InputError("certificate signing needs an unencrypted private key: model_signing's certificate "
+                             "signer takes no password (decrypt it, e.g. `openssl ec -in enc.pem -out key.pem`)")
+        leaf = _check_pem(_readable(opts.signing_certificate, "signing certificate"), "cert")[0]
+        if leaf.public_key() != key.public_key():
+            raise InputError(f"signing certificate {opts.signing_certificate} does not match private key "
+                             f"{opts.private_key} (the certificate is for another key)")
         for c in opts.certificate_chain:
             _check_pem(_readable(c, "certificate"), "cert")
     elif opts.certificate_chain:
@@ -152,19 +204,27 @@ def sign_folder(folder: Path, opts: SignOptions) -> Path:
     folder = Path(folder)
     check_sign_options(opts)
     cfg = model_signing.signing.Config().set_hashing_config(_hashing_config())
-    if opts.sigstore:
-        cfg.use_sigstore_signer(use_staging=opts.sigstore_staging, identity_token=opts.identity_token)
-    elif opts.signing_certificate:
-        cfg.use_certificate_signer(private_key=opts.private_key, signing_certificate=opts.signing_certificate,
-                                   certificate_chain=list(opts.certificate_chain))
-    else:
-        cfg.use_elliptic_key_signer(private_key=opts.private_key, password=opts.password)
+    try:  # constructing a signer can fail too: Sigstore fetches its trust root (TUF) over the network
+        if opts.sigstore:
+            cfg.use_sigstore_signer(use_staging=opts.sigstore_staging, identity_token=opts.identity_token)
+        elif opts.signing_certificate:
+            # model_signing cannot load an empty chain; a leaf issued directly by the verifier's
+            # root (or a self-signed one) legitimately has none: the leaf itself stands in for
+            # it (an extra copy of the leaf among the untrusted certificates changes nothing)
+            chain = list(opts.certificate_chain) or [opts.signing_certificate]
+            cfg.use_certificate_signer(private_key=opts.private_key, signing_certificate=opts.signing_certificate,
+                                       certificate_chain=chain)
+        else:
+            cfg.use_elliptic_key_signer(private_key=opts.private_key,
+                                        password=opts.password.encode("utf-8") if opts.password else None)
+    except Exception as e:
+        raise CheckFailed(f"signing failed ({opts.method()}): {_library_error(e)}") from None
     with tempfile.TemporaryDirectory(prefix="kvq-sign-") as scratch:
         bundle = Path(scratch) / SIGNATURE_NAME
         try:
             cfg.sign(folder, bundle)
         except Exception as e:  # network, OIDC, key errors from the library: one line
-            raise CheckFailed(f"signing failed ({opts.method()}): {type(e).__name__}: {_first_line(e)}") from None
+            raise CheckFailed(f"signing failed ({opts.method()}): {_library_error(e)}") from None
         data = bundle.read_bytes()
     # into place atomically: an interruption never leaves a truncated model.sig
     fd, tmp = tempfile.mkstemp(prefix=f".{SIGNATURE_NAME}.", dir=folder)
@@ -183,13 +243,100 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:400]
 
 
+def _offline(e: BaseException) -> bool:
+    """Sigstore's trust root (TUF) or its services could not be reached."""
+    name, mod = type(e).__name__, type(e).__module__ or ""
+    return name == "TUFError" or (mod.startswith(("requests", "urllib3")) and ("Connection" in name or "Timeout" in name))
+
+
+def _library_error(e: BaseException) -> str:
+    """One line for an exception raised inside model_signing or sigstore."""
+    if _offline(e):
+        return f"cannot reach Sigstore (offline?): {_first_line(e)}"
+    return f"{type(e).__name__}: {_first_line(e)}"
+
+
+# what each kind of bundle was made with, and the verify option that checks it
+_MADE_WITH = {"key": "a private key (no certificate)", "certificate": "a signing certificate",
+              "sigstore": "Sigstore (keyless)"}
+_CHECK_WITH = {"key": "--public-key", "certificate": "--certificate-chain", "sigstore": "--identity/--issuer"}
+
+
+def _bundle_kind(sig: Path) -> tuple[Optional[str], Optional[str]]:
+    """``(kind, None)`` with kind ``key``/``certificate``/``sigstore`` from the bundle's
+    verification material, or ``(None, error)`` when ``sig`` is not a Sigstore bundle."""
+    import json
+
+    invalid = f"{SIGNATURE_NAME} is not a valid Sigstore bundle"
+    try:
+        data = json.loads(sig.read_text(encoding="utf-8"))
+    except OSError as e:
+        return None, f"cannot read {SIGNATURE_NAME}: {e.strerror}"
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None, f"{invalid} (not JSON)"
+    material = data.get("verificationMaterial") if isinstance(data, dict) else None
+    if not isinstance(material, dict):
+        return None, f"{invalid} (no verificationMaterial)"
+    if not isinstance(data.get("dsseEnvelope"), dict):
+        return None, f"{invalid} (no dsseEnvelope)"
+    if "publicKey" in material:
+        return "key", None
+    if "x509CertificateChain" in material:
+        return "certificate", None
+    if "certificate" in material:
+        return "sigstore", None
+    return None, f"{invalid} (no key or certificate in its verificationMaterial)"
+
+
+def _difference(line: str) -> str:
+    """model_signing's difference lines, shortened (digest reprs dropped)."""
+    import re
+
+    for pattern, label in ((r"Extra files found in model '.*?': (.*)", "added since signing"),
+                           (r"Missing files in model '.*?': (.*)", "removed since signing"),
+                           (r"Hash mismatch for '(.*?)': Expected '.*", "changed since signing")):
+        m = re.fullmatch(pattern, line, re.S)
+        if m:
+            return f"{label}: {m.group(1)}"
+    return line.splitlines()[0][:400] if line.strip() else line
+
+
+def _verify_error(e: BaseException, method: str) -> str:
+    """One clear line for a failed ``model_signing`` verification (not a file difference)."""
+    import binascii
+    import json
+
+    from cryptography.exceptions import InvalidSignature
+    from pydantic import ValidationError
+
+    msg = _first_line(e)
+    if _offline(e):
+        return f"cannot reach Sigstore (offline?): {msg}"
+    if method == "key" and (isinstance(e, InvalidSignature) or msg.startswith("Key mismatch")):
+        return "signature does not verify with this public key" + (
+            f" ({SIGNATURE_NAME} names another key)" if msg.startswith("Key mismatch") else "")
+    if isinstance(e, InvalidSignature):
+        return f"signature does not verify ({method}): the signature does not match the signed statement"
+    if type(e).__name__ == "X509StoreContextError":
+        return f"signature does not verify (certificate): the signing certificate does not chain to --certificate-chain ({msg})"
+    if isinstance(e, (binascii.Error, json.JSONDecodeError, ValidationError, KeyError, AttributeError, TypeError,
+                      IndexError, UnicodeDecodeError)):
+        return f"{SIGNATURE_NAME} is not a valid Sigstore bundle (model_signing cannot read it)"
+    if isinstance(e, ValueError):  # model_signing's own checks: media type, payload type, certificate usage
+        return f"signature does not verify ({method}): {msg}"
+    return f"signature does not verify ({method}): {type(e).__name__}: {msg}"
+
+
 def verify_signature(folder: Path, keys: VerifyKeys) -> dict:
     """Check ``folder/model.sig`` with ``model_signing`` against the given key material.
 
     Returns ``{"checked": True, "ok": bool, "method": ..., "error": str|None,
-    "differences": [...]}``; ``differences`` lists model_signing's named file differences
-    (extra, missing files; hash mismatches by file) when the signature is valid but the
-    folder changed.
+    "differences": [...]}``. ``differences`` names the files that differ when the
+    signature is valid but the folder changed, one short line each: ``added since
+    signing: a, b``, ``removed since signing: ...``, ``changed since signing: x``.
+    ``error`` is one line: the signature is missing, a symlink, not a Sigstore bundle,
+    made with another kind of key material (key vs certificate vs Sigstore), does not
+    verify with the given key or chain, or Sigstore cannot be reached.
 
     Raises:
         InputError: unreadable or unparseable key/certificate files; identity without issuer.
@@ -198,38 +345,61 @@ def verify_signature(folder: Path, keys: VerifyKeys) -> dict:
 
     folder = Path(folder)
     sig = folder / SIGNATURE_NAME
-    cfg = model_signing.verifying.Config()
+    method = keys.method()
     if keys.public_key:
         pub = _readable(keys.public_key, "public key")
         _check_pem(pub, "public")
-        cfg.use_elliptic_key_verifier(public_key=pub)
     elif keys.certificate_chain:
         chain = [_readable(c, "certificate") for c in keys.certificate_chain]
         for c in chain:
             _check_pem(c, "cert")
-        cfg.use_certificate_verifier(certificate_chain=chain)
-    else:
-        if not (keys.identity and keys.issuer):
-            raise InputError("Sigstore verification needs both --identity and --issuer")
-        cfg.use_sigstore_verifier(identity=keys.identity, oidc_issuer=keys.issuer, use_staging=keys.sigstore_staging)
-    result = {"checked": True, "ok": False, "method": keys.method(), "error": None, "differences": []}
-    if sig.is_symlink() or not sig.is_file():
+    elif not (keys.identity and keys.issuer):
+        raise InputError("Sigstore verification needs both --identity and --issuer")
+    result = {"checked": True, "ok": False, "method": method, "error": None, "differences": []}
+    if sig.is_symlink():
+        result["error"] = f"{SIGNATURE_NAME} is a symlink (refused)"
+        return result
+    if sig.exists() and not sig.is_file():
+        result["error"] = f"{SIGNATURE_NAME} is not a regular file (refused)"
+        return result
+    if not sig.exists():
         result["error"] = f"no signature: {SIGNATURE_NAME} is missing (sign with `kvq sign`)"
+        return result
+    kind, error = _bundle_kind(sig)
+    if error is None and kind != method and not (method == "sigstore" and kind == "certificate"):
+        error = (f"{SIGNATURE_NAME} was made with {_MADE_WITH[kind]}, not the kind of key material given "
+                 f"(key vs certificate vs Sigstore): check it with {_CHECK_WITH[kind]}, not {_CHECK_WITH[method]}")
+    if error is not None:
+        result["error"] = error
+        return result
+    cfg = model_signing.verifying.Config()
+    try:  # the Sigstore verifier fetches its trust root (TUF) when it is made: network
+        if method == "key":
+            cfg.use_elliptic_key_verifier(public_key=pub)
+        elif method == "certificate":
+            cfg.use_certificate_verifier(certificate_chain=chain)
+        else:
+            cfg.use_sigstore_verifier(identity=keys.identity, oidc_issuer=keys.issuer,
+                                      use_staging=keys.sigstore_staging)
+    except Exception as e:
+        result["error"] = (f"cannot reach Sigstore (offline?): {_first_line(e)}" if _offline(e)
+                           else f"cannot set up the {method} verifier: {_library_error(e)}")
         return result
     try:
         cfg.verify(folder, sig)
     except Exception as e:  # the library raises ValueError and friends; all mean "not verified"
         msg = str(e)
-        if msg.startswith("Signature mismatch:"):
+        if isinstance(e, ValueError) and msg.startswith("Signature mismatch:"):
             import ast
 
             try:
-                result["differences"] = [str(x) for x in ast.literal_eval(msg.split(":", 1)[1].strip())]
-            except (ValueError, SyntaxError):
-                result["differences"] = [msg]
+                diffs = [str(x) for x in ast.literal_eval(msg.split(":", 1)[1].strip())]
+            except (ValueError, SyntaxError, RecursionError):
+                diffs = [msg]
+            result["differences"] = [_difference(d) for d in diffs]
             result["error"] = "signature is valid but the files differ from what was signed"
         else:
-            result["error"] = f"signature does not verify ({keys.method()}): {_first_line(e)}"
+            result["error"] = _verify_error(e, method)
         return result
     result["ok"] = True
     return result

@@ -118,9 +118,16 @@ def test_output_exists_needs_overwrite(tmp_path, tiny_model_dir, capsys):
     code, _, err = run(["quantize", tiny_model_dir, "-o", out, "--algorithm", "rtn", "--group-size", "32"], capsys)
     assert_clean_error(code, err, 2, "exists", tmp_path)
     assert (out / "keep.txt").exists()
+    # --overwrite replaces only an earlier artifact (or an empty folder), never a folder of other files
+    code, _, err = run(["quantize", tiny_model_dir, "-o", out, "--algorithm", "rtn", "--group-size", "32", "--overwrite"], capsys)
+    assert_clean_error(code, err, 2, "is not a kvq artifact; refusing to overwrite it", tmp_path)
+    assert (out / "keep.txt").exists()
+    (out / "keep.txt").unlink()
     code, _, err = run(["quantize", tiny_model_dir, "-o", out, "--algorithm", "rtn", "--group-size", "32", "--overwrite"], capsys)
     assert code == 0, err
-    assert not (out / "keep.txt").exists() and (out / "kvq-manifest.json").exists()
+    code, _, err = run(["quantize", tiny_model_dir, "-o", out, "--algorithm", "rtn", "--group-size", "64", "--overwrite"], capsys)
+    assert code == 0, err
+    assert (out / "kvq-manifest.json").exists() and json.loads((out / "kvq-manifest.json").read_text())["quantization"]["group_size"] == 64
 
 
 def test_bad_recipe(tmp_path, tiny_model_dir, capsys):

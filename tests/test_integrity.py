@@ -445,34 +445,13 @@ def test_bad_key_files_are_usage_errors(signed, keys, tmp_path, capsys, tiny_mod
 
 def test_certificate_chain_signing(signed, tmp_path, capsys):
     """Sign with a leaf certificate issued by a private CA; verify with the CA as the chain."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def cert(subject_key, issuer_key, subject, issuer, ca):
-        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-             .public_key(subject_key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=30))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-             .add_extension(x509.KeyUsage(digital_signature=not ca, content_commitment=False, key_encipherment=False,
-                                          data_encipherment=False, key_agreement=False, key_cert_sign=ca,
-                                          crl_sign=ca, encipher_only=False, decipher_only=False), critical=True)
-             .add_extension(x509.SubjectKeyIdentifier.from_public_key(subject_key.public_key()), critical=False)
-             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False))
-        if not ca:
-            b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CODE_SIGNING]), critical=False)
-        return b.sign(issuer_key, hashes.SHA256())
 
     ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_pem, leaf_pem, key_pem = tmp_path / "ca.pem", tmp_path / "leaf.pem", tmp_path / "leaf.key"
-    ca_pem.write_bytes(cert(ca_key, ca_key, "kvq test CA", "kvq test CA", True).public_bytes(serialization.Encoding.PEM))
-    leaf_pem.write_bytes(cert(leaf_key, ca_key, "kvq release", "kvq test CA", False).public_bytes(serialization.Encoding.PEM))
+    ca_pem = _write_cert(tmp_path / "ca.pem", ca_key, ca_key, "kvq test CA", "kvq test CA", True)
+    leaf_pem = _write_cert(tmp_path / "leaf.pem", leaf_key, ca_key, "kvq release", "kvq test CA", False)
+    key_pem = tmp_path / "leaf.key"
     key_pem.write_bytes(leaf_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                serialization.NoEncryption()))
     art = _copy(signed, tmp_path / "a")
@@ -482,9 +461,8 @@ def test_certificate_chain_signing(signed, tmp_path, capsys):
     code, out, err = run(["verify", art, "--hashes-only", "--certificate-chain", ca_pem, "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["signature"]["method"] == "certificate"
-    other_ca = tmp_path / "other_ca.pem"
     k2 = ec.generate_private_key(ec.SECP256R1())
-    other_ca.write_bytes(cert(k2, k2, "other CA", "other CA", True).public_bytes(serialization.Encoding.PEM))
+    other_ca = _write_cert(tmp_path / "other_ca.pem", k2, k2, "other CA", "other CA", True)
     code, _, _ = run(["verify", art, "--hashes-only", "--certificate-chain", other_ca], capsys)
     assert code == 1
 
@@ -523,3 +501,346 @@ def test_overflow_produced_by_quantization_is_refused(tmp_path, tokenizer, capsy
     code, _, err = run(["quantize", src, "-o", tmp_path / "o", "--algorithm", "rtn", "--group-size", "32"], capsys)
     one_line_error(code, err, 1, "model.layers.0.self_attn.o_proj")
     assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if "kvq-tmp" in p.name]
+
+
+# --- review fixes: passwords, certificates, signature messages ----------------------------
+
+def _ec_key():
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _write_key(path: Path, key, password: bytes | None = None, traditional: bool = False) -> Path:
+    from cryptography.hazmat.primitives import serialization
+
+    enc = serialization.BestAvailableEncryption(password) if password else serialization.NoEncryption()
+    fmt = serialization.PrivateFormat.TraditionalOpenSSL if traditional else serialization.PrivateFormat.PKCS8
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, fmt, enc))
+    return path
+
+
+def _write_pub(path: Path, key) -> Path:
+    from cryptography.hazmat.primitives import serialization
+
+    path.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
+    return path
+
+
+def _write_cert(path: Path, subject_key, issuer_key, subject: str, issuer: str, ca: bool) -> Path:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+         .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+         .public_key(subject_key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=30))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+         .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                      data_encipherment=False, key_agreement=False, key_cert_sign=ca,
+                                      crl_sign=ca, encipher_only=False, decipher_only=False), critical=True)
+         .add_extension(x509.SubjectKeyIdentifier.from_public_key(subject_key.public_key()), critical=False)
+         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False))
+    if not ca:
+        b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CODE_SIGNING]), critical=False)
+    path.write_bytes(b.sign(issuer_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cert_signed(tmp_path_factory, signed):
+    """The signed artifact re-signed with a self-signed certificate (no --certificate-chain)."""
+    d = tmp_path_factory.mktemp("cert")
+    key = _ec_key()
+    key_pem = _write_key(d / "leaf.key", key)
+    cert = _write_cert(d / "self.pem", key, key, "kvq self-signed", "kvq self-signed", False)
+    art = _copy(signed, d / "art")
+    try:
+        main(["sign", str(art), "--private-key", str(key_pem), "--signing-certificate", str(cert)])
+    except SystemExit as e:
+        assert e.code == 0
+    return {"art": art, "cert": cert, "key": key_pem}
+
+
+@pytest.mark.parametrize("traditional", [False, True], ids=["pkcs8", "openssl-traditional"])
+def test_encrypted_private_key_signs_and_a_wrong_password_is_a_usage_error(signed, tmp_path, capsys, monkeypatch,
+                                                                           traditional):
+    monkeypatch.delenv("KVQ_SIGN_PASSWORD", raising=False)
+    key = _ec_key()
+    enc = _write_key(tmp_path / "enc.pem", key, b"s3cret", traditional)
+    pub = _write_pub(tmp_path / "enc.pub.pem", key)
+    art = _copy(signed, tmp_path / "a")
+    code, _, err = run(["sign", art, "--private-key", enc, "--password", "s3cret"], capsys)
+    assert code == 0, err
+    code, out, err = run(["verify", art, "--hashes-only", "--public-key", pub, "--json"], capsys)
+    assert code == 0 and json.loads(out)["signature"]["ok"] is True, err
+    before = (art / SIGNATURE_NAME).read_bytes()
+    for argv, pattern in ((["--password", "wrong"], "wrong password"), ([], "no password was given")):
+        code, _, err = run(["sign", art, "--private-key", enc, *argv], capsys)
+        one_line_error(code, err, 2, "password")
+        assert pattern in err and "not a PEM" not in err and "internal error" not in err
+    code, _, err = run(["sign", art, "--private-key", _write_key(tmp_path / "plain.pem", key), "--password", "x"], capsys)
+    one_line_error(code, err, 2, "not encrypted")
+    assert (art / SIGNATURE_NAME).read_bytes() == before
+
+
+def test_certificate_signing_without_a_chain(cert_signed, signed, tmp_path, capsys):
+    """Self-signed certificate, and a leaf issued directly by the verifier's CA: no chain needed."""
+    code, out, err = run(["verify", cert_signed["art"], "--hashes-only", "--certificate-chain", cert_signed["cert"],
+                          "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["signature"]["method"] == "certificate"
+    ca_key, leaf_key = _ec_key(), _ec_key()
+    ca = _write_cert(tmp_path / "ca.pem", ca_key, ca_key, "kvq CA", "kvq CA", True)
+    leaf = _write_cert(tmp_path / "leaf.pem", leaf_key, ca_key, "kvq release", "kvq CA", False)
+    art = _copy(signed, tmp_path / "a")
+    code, _, err = run(["sign", art, "--private-key", _write_key(tmp_path / "leaf.key", leaf_key),
+                        "--signing-certificate", leaf], capsys)
+    assert code == 0, err
+    code, _, err = run(["verify", art, "--hashes-only", "--certificate-chain", ca], capsys)
+    assert code == 0, err
+    code, out, _ = run(["verify", art, "--hashes-only", "--certificate-chain", cert_signed["cert"], "--json"], capsys)
+    sig = json.loads(out)["signature"]
+    assert code == 1 and "does not chain to --certificate-chain" in sig["error"]
+
+
+def test_certificate_of_another_key_or_with_a_password_is_refused_up_front(signed, tiny_model_dir, tmp_path, capsys):
+    key, other = _ec_key(), _ec_key()
+    key_pem = _write_key(tmp_path / "k.pem", key)
+    cert = _write_cert(tmp_path / "other.pem", other, other, "other", "other", False)
+    art = _copy(signed, tmp_path / "a")
+    before = (art / SIGNATURE_NAME).read_bytes()
+    code, _, err = run(["sign", art, "--private-key", key_pem, "--signing-certificate", cert], capsys)
+    one_line_error(code, err, 2, "does not match private key")
+    out = tmp_path / "never"
+    code, _, err = run(["quantize", tiny_model_dir, "-o", out, "--algorithm", "rtn", "--group-size", "32",
+                        "--sign-key", key_pem, "--sign-certificate", cert], capsys)
+    one_line_error(code, err, 2, "does not match private key")
+    assert not out.exists()
+    enc = _write_key(tmp_path / "enc.pem", key, b"pw")
+    own = _write_cert(tmp_path / "own.pem", key, key, "own", "own", False)
+    code, _, err = run(["sign", art, "--private-key", enc, "--password", "pw", "--signing-certificate", own], capsys)
+    one_line_error(code, err, 2, "unencrypted private key")
+    assert (art / SIGNATURE_NAME).read_bytes() == before
+
+
+def test_signature_differences_are_short_lines(signed, keys, tmp_path, capsys):
+    art = _copy(signed, tmp_path / "a")
+    (art / "b.txt").write_text("b")
+    (art / "a.txt").write_text("a")
+    (art / "generation_config.json").unlink()
+    _flip(art / "tokenizer.json", 5)
+    code, out, err = run(["verify", art, "--hashes-only", "--public-key", keys["a"][1], "--json"], capsys)
+    sig = json.loads(out)["signature"]
+    assert code == 1 and sig["differences"] == ["added since signing: a.txt, b.txt",
+                                                "removed since signing: generation_config.json",
+                                                "changed since signing: tokenizer.json"]
+    code, _, err = run(["verify", art, "--hashes-only", "--public-key", keys["a"][1]], capsys)
+    assert "changed since signing: tokenizer.json" in err and "Digest(" not in err and "digest_value" not in err
+
+
+def test_signature_checked_with_the_wrong_kind_of_key_material(signed, cert_signed, keys, capsys):
+    for art, argv, pattern in ((cert_signed["art"], ["--public-key", keys["a"][1]], "made with a signing certificate"),
+                               (signed, ["--certificate-chain", cert_signed["cert"]], "made with a private key")):
+        code, out, err = run(["verify", art, "--hashes-only", *argv, "--json"], capsys)
+        error = json.loads(out)["signature"]["error"]
+        assert code == 1 and pattern in error and "key vs certificate" in error, error
+        assert "NoneType" not in error and "certificates" not in error.split(":")[0]
+
+
+@pytest.mark.parametrize("text", ["", "garbage", "[]", "{}", '{"mediaType": "x"}', '{"verificationMaterial": {}}',
+                                  '{"verificationMaterial": {"publicKey": {}}, "dsseEnvelope": {}}',
+                                  '{"verificationMaterial": {"publicKey": {"hint": 5}}, "dsseEnvelope": {"payload": 1}}',
+                                  "[" * 100000])
+def test_broken_model_sig_is_not_a_valid_bundle(signed, keys, tmp_path, capsys, text):
+    art = _copy(signed, tmp_path / "a")
+    (art / SIGNATURE_NAME).write_text(text)
+    code, out, err = run(["verify", art, "--hashes-only", "--public-key", keys["a"][1], "--json"], capsys)
+    assert code == 1 and "Traceback" not in err, err
+    error = json.loads(out)["signature"]["error"]
+    assert "is not a valid Sigstore bundle" in error, error
+    for leak in ("Expecting value", "NoneType", "KeyError", "'verificationMaterial'", "object has no attribute"):
+        assert leak not in error
+
+
+def test_tampered_bundle_signature_does_not_verify_with_this_key(signed, keys, tmp_path, capsys):
+    import base64
+
+    art = _copy(signed, tmp_path / "a")
+    bundle = json.loads((art / SIGNATURE_NAME).read_text())
+    sig = bytearray(base64.b64decode(bundle["dsseEnvelope"]["signatures"][0]["sig"]))
+    sig[10] ^= 1
+    bundle["dsseEnvelope"]["signatures"][0]["sig"] = base64.b64encode(bytes(sig)).decode()
+    (art / SIGNATURE_NAME).write_text(json.dumps(bundle))
+    code, out, _ = run(["verify", art, "--hashes-only", "--public-key", keys["a"][1], "--json"], capsys)
+    assert code == 1 and json.loads(out)["signature"]["error"] == "signature does not verify with this public key"
+
+
+def test_symlinked_model_sig_is_refused_not_missing(signed, keys, tmp_path, capsys):
+    art = _copy(signed, tmp_path / "a")
+    shutil.copy(art / SIGNATURE_NAME, tmp_path / "elsewhere.sig")
+    (art / SIGNATURE_NAME).unlink()
+    os.symlink(tmp_path / "elsewhere.sig", art / SIGNATURE_NAME)
+    code, out, _ = run(["verify", art, "--hashes-only", "--public-key", keys["a"][1], "--json"], capsys)
+    assert code == 1 and json.loads(out)["signature"]["error"] == f"{SIGNATURE_NAME} is a symlink (refused)"
+
+
+def test_sigstore_offline_is_one_clear_line(signed, tmp_path, capsys, monkeypatch):
+    import model_signing
+    from sigstore.errors import TUFError
+
+    def offline(self, **kwargs):
+        raise TUFError("Failed to refresh TUF metadata")
+
+    monkeypatch.setattr(model_signing.verifying.Config, "use_sigstore_verifier", offline)
+    monkeypatch.setattr(model_signing.signing.Config, "use_sigstore_signer", offline)
+    art = _copy(signed, tmp_path / "a")
+    (art / SIGNATURE_NAME).write_text(json.dumps({"verificationMaterial": {"certificate": {"rawBytes": ""}},
+                                                  "dsseEnvelope": {}}))
+    code, out, err = run(["verify", art, "--hashes-only", "--identity", "me@example.com",
+                          "--issuer", "https://accounts.example.com", "--json"], capsys)
+    assert code == 1 and "Traceback" not in err
+    assert json.loads(out)["signature"]["error"].startswith("cannot reach Sigstore (offline?): ")
+    code, _, err = run(["sign", art, "--sigstore"], capsys)
+    one_line_error(code, err, 1, "cannot reach Sigstore (offline?)")
+
+
+# --- review fixes: manifest strictness ----------------------------------------------------
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d["files"]["config.json"].update(size=str(d["files"]["config.json"]["size"])),
+    lambda d: d["files"]["config.json"].update(size=float(d["files"]["config.json"]["size"])),
+    lambda d: d["files"]["config.json"].update(size=True),
+    lambda d: d["tensors"][next(iter(d["tensors"]))].update(shape=[float(x) for x in d["tensors"][next(iter(d["tensors"]))]["shape"]]),
+    lambda d: d["tensors"][next(iter(d["tensors"]))].update(shape=["4"]),
+    lambda d: d["tensors"][next(iter(d["tensors"]))].update(shape=[-1]),
+], ids=["size-str", "size-float", "size-bool", "shape-float", "shape-str", "shape-negative"])
+def test_manifest_sizes_and_shapes_must_be_non_negative_integers(signed, tmp_path, capsys, edit):
+    art = _copy(signed, tmp_path / "a")
+    _edit_manifest(art, edit)
+    with pytest.raises(InputError, match=r"size|shape"):
+        load_manifest(art)
+    code, _, err = run(["verify", art, "--hashes-only"], capsys)
+    one_line_error(code, err, 2, MANIFEST_NAME)
+
+
+def test_duplicate_key_in_manifest_is_refused(signed, tmp_path, capsys):
+    art = _copy(signed, tmp_path / "a")
+    text = (signed / MANIFEST_NAME).read_text()
+    assert '"digest_algorithm": "sha256"' in text
+    (art / MANIFEST_NAME).write_text(text.replace('"digest_algorithm": "sha256"',
+                                                  '"digest_algorithm": "blake3", "digest_algorithm": "sha256"', 1))
+    with pytest.raises(InputError, match="duplicate key 'digest_algorithm'"):
+        load_manifest(art)
+    code, _, err = run(["verify", art, "--hashes-only"], capsys)
+    one_line_error(code, err, 2, "duplicate key 'digest_algorithm'")
+
+
+@pytest.mark.parametrize("text", ["[" * 100000, '{"a": ' * 100000])
+def test_deeply_nested_manifest_or_header_is_an_input_error(signed, tmp_path, capsys, text):
+    import struct
+
+    art = _copy(signed, tmp_path / "a")
+    (art / MANIFEST_NAME).write_text(text)
+    with pytest.raises(InputError, match="nested too deeply"):
+        load_manifest(art)
+    code, _, err = run(["verify", art, "--hashes-only"], capsys)
+    one_line_error(code, err, 2, "nested too deeply")
+    f = tmp_path / "deep.safetensors"
+    f.write_bytes(struct.pack("<Q", len(text)) + text.encode())
+    with pytest.raises(InputError, match="nested too deeply"):
+        read_header(f)
+
+
+def test_unknown_version_names_the_versions_read(signed, tmp_path):
+    art = _copy(signed, tmp_path / "a")
+    _edit_manifest(art, lambda d: d.update(schema_version="kvq.manifest/3"))
+    with pytest.raises(InputError, match="reads kvq.manifest/1 and kvq.manifest/2"):
+        load_manifest(art)
+
+
+def test_json_schema_has_digest_pattern_and_non_negative_integers():
+    defs = json_schema()["$defs"]
+    for rec in ("FileRecord", "TensorRecord"):
+        assert defs[rec]["properties"]["digest"]["pattern"] == "^[0-9a-f]{64}$"
+    assert defs["FileRecord"]["properties"]["size"] == {"minimum": 0, "title": "Size", "type": "integer"}
+    assert defs["TensorRecord"]["properties"]["shape"]["items"] == {"minimum": 0, "type": "integer"}
+
+
+# --- review fixes: tensor headers, overwrite, paths ---------------------------------------
+
+def _edit_header(path: Path, fn) -> None:
+    """Rewrite a safetensors header (offsets are relative to the data buffer, so its length may change)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    fn(header)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+def _two_dim_tensor(header: dict, dtype: str) -> str:
+    return next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == dtype
+                and len(v["shape"]) == 2 and v["shape"][0] != v["shape"][1])
+
+
+@pytest.mark.parametrize("what", ["dtype", "shape"])
+def test_header_dtype_or_shape_edit_names_the_tensor(signed, tmp_path, capsys, what):
+    art = _copy(signed, tmp_path / "a")
+    f = art / "model.safetensors"
+    name = _two_dim_tensor(json.loads(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")]), "F16")
+
+    def edit(h):
+        if what == "dtype":
+            h[name]["dtype"] = "BF16"  # same size: the data offsets still fit
+        else:
+            h[name]["shape"] = h[name]["shape"][::-1]
+    _edit_header(f, edit)
+    rep = check_hashes(art)
+    assert rep["modified_tensors"] == [name] and rep["modified_files"] == ["model.safetensors"] and not rep["ok"]
+    code, _, err = run(["verify", art, "--hashes-only"], capsys)
+    assert code == 1 and f"modified tensor: {name}" in err
+
+
+def test_tensor_renamed_in_header_is_a_rename(signed, tmp_path, capsys):
+    art = _copy(signed, tmp_path / "a")
+    old, new = "model.norm.weight", "model.norm.weight_renamed"
+    _edit_header(art / "model.safetensors", lambda h: h.__setitem__(new, h.pop(old)))
+    rep = check_hashes(art)
+    assert rep["renamed_tensors"] == [f"{old} -> {new}"]
+    assert rep["missing_tensors"] == [] and rep["extra_tensors"] == [] and not rep["ok"]
+    code, out, err = run(["verify", art, "--hashes-only"], capsys)
+    assert code == 1 and f"renamed tensor: {old} -> {new}" in err
+    code, _, err = run(["sign", art, "--private-key", _write_key(tmp_path / "k.pem", _ec_key())], capsys)
+    one_line_error(code, err, 1, "refusing to sign")
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_kvq_artifact(signed, tiny_model_dir, tmp_path, capsys):
+    from compressor.artifact import check_output
+
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "important.txt").write_text("keep me")
+    code, _, err = run(["quantize", tiny_model_dir, "-o", out, "--algorithm", "rtn", "--group-size", "32",
+                        "--overwrite"], capsys)
+    one_line_error(code, err, 2, "is not a kvq artifact; refusing to overwrite it")
+    assert (out / "important.txt").read_text() == "keep me"
+    (tmp_path / "empty").mkdir()
+    check_output(tmp_path / "empty", overwrite=True)  # an empty folder may be replaced
+    check_output(_copy(signed, tmp_path / "old-artifact"), overwrite=True)  # so may an earlier artifact
+
+
+def test_artifact_path_that_is_a_file_is_named_as_such(signed, keys, tmp_path, capsys):
+    f = tmp_path / "not-a-folder"
+    f.write_text("x")
+    code, _, err = run(["verify", f, "--hashes-only"], capsys)
+    one_line_error(code, err, 2, "is not a folder")
+    code, _, err = run(["sign", f, "--private-key", keys["a"][0]], capsys)
+    one_line_error(code, err, 2, "is not a folder")
+    code, _, err = run(["verify", tmp_path / "nowhere", "--hashes-only"], capsys)
+    one_line_error(code, err, 2, "not found")
