@@ -34,6 +34,7 @@ from typing import Optional
 from .errors import InputError
 
 MAX_TOKENS_LIMIT = 4096
+MAX_BODY_BYTES = 4 << 20  # 4 MiB of JSON per request
 
 
 @dataclass
@@ -83,10 +84,24 @@ class Engine:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
 
-    def submit(self, ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0) -> Future:
+    def submit(self, ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> Future:
+        """Queue one generation; greedy (``temperature`` 0) requests are batched together,
+        sampled ones run alone so a ``seed`` reproduces its text whatever else arrives
+        (no seed: a fresh random one)."""
+        if seed is None:
+            import secrets
+
+            seed = secrets.randbits(31)
         req = _Request(list(ids), int(max_tokens), temperature == 0.0, float(temperature) or 1.0, int(seed))
         self.queue.put(req)
         return req.future
+
+    def check_length(self, ids: list[int], max_tokens: int) -> None:
+        """Raise InputError when prompt + ``max_tokens`` exceed the model's context length."""
+        limit = self.runtime.decoder.spec.max_position_embeddings
+        if len(ids) + max_tokens > limit:
+            raise InputError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
+                             f"length {limit}")
 
     def _loop(self) -> None:
         pending: list[_Request] = []
@@ -106,7 +121,7 @@ class Engine:
                     break
                 pending.append(item)
             key = (pending[0].greedy, pending[0].temperature, pending[0].seed)
-            batch = [r for r in pending if (r.greedy, r.temperature, r.seed) == key][: self.max_batch]
+            batch = ([r for r in pending if r.greedy][: self.max_batch] if key[0] else [pending[0]])
             pending = [r for r in pending if r not in batch]
             try:
                 res = self.runtime.generate([r.ids for r in batch], max_new_tokens=max(r.max_tokens for r in batch),
@@ -120,6 +135,13 @@ class Engine:
                         r.future.set_exception(e)
         for r in pending:
             r.future.set_exception(RuntimeError("server shutting down"))
+
+    def used_tokens(self, toks: list[int], text: str, stop: list[str]) -> int:
+        """Completion tokens to bill: all generated ones, or, when a stop string cut the
+        text, the tokens of the text returned."""
+        if stop and any(s in self.tokenizer.decode(toks, skip_special_tokens=True) for s in stop):
+            return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return len(toks)
 
     def finish(self, ids: list[int], toks: list[int], max_tokens: int, stop: list[str]) -> tuple[str, str]:
         """Decoded text and OpenAI ``finish_reason`` (``stop`` or ``length``)."""
@@ -149,19 +171,23 @@ def _int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
     return v
 
 
-def _sampling(body: dict) -> tuple[int, float, int, list[str]]:
+def _sampling(body: dict) -> tuple[int, float, int | None, list[str]]:
     max_tokens = _int(body, "max_tokens", 16, 1, MAX_TOKENS_LIMIT)
     t = body.get("temperature", 0.0)
     if t is None:
         t = 0.0
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 10.0:
         raise _BadRequest("'temperature' must be a number in [0, 10] (0 = greedy)", "temperature")
-    seed = _int(body, "seed", 0, 0, 2**31 - 1)
+    seed = None if body.get("seed") is None else _int(body, "seed", 0, 0, 2**31 - 1)
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
     if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= 4):
-        raise _BadRequest("'stop' must be a non-empty string or a list of up to 4", "stop")
+        raise _BadRequest("'stop' must be a non-empty string or a list of up to 4 non-empty strings", "stop")
+    if body.get("stream"):
+        raise _BadRequest("streaming is not supported by this server; send \"stream\": false", "stream")
+    if body.get("n", 1) not in (1, None):
+        raise _BadRequest("'n' must be 1 (one choice per prompt)", "n")
     return max_tokens, float(t), seed, stop
 
 
@@ -176,8 +202,16 @@ def make_app(engine: Engine):
                                        "code": None}}, status_code=status)
 
     async def body_of(request) -> dict:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise _BadRequest(f"request body of {int(size)} bytes exceeds the limit of {MAX_BODY_BYTES}")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise _BadRequest(f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise _BadRequest("the request body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -207,7 +241,9 @@ def make_app(engine: Engine):
                 raise _BadRequest("'prompt' must be a string or a list of 1 to 64 strings", "prompt")
             max_tokens, t, seed, stop = _sampling(body)
             try:
-                ids = [engine.encode(p) for p in prompts]
+                ids = await asyncio.to_thread(lambda: [engine.encode(p) for p in prompts])
+                for x in ids:
+                    engine.check_length(x, max_tokens)
             except InputError as e:
                 raise _BadRequest(str(e), "prompt") from None
         except _BadRequest as e:
@@ -216,7 +252,7 @@ def make_app(engine: Engine):
         choices, completion = [], 0
         for i, (p_ids, (toks, _res)) in enumerate(zip(ids, results)):
             text, reason = engine.finish(p_ids, toks, max_tokens, stop)
-            completion += len(toks)
+            completion += engine.used_tokens(toks, text, stop)
             choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
         return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
                              "created": int(time.time()), "model": engine.name, "choices": choices,
@@ -232,7 +268,12 @@ def make_app(engine: Engine):
                 raise _BadRequest("'messages' must be a non-empty list of {role: system|user|assistant, content: string}",
                                   "messages")
             max_tokens, t, seed, stop = _sampling(body)
-            ids = engine.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
+            try:
+                ids = await asyncio.to_thread(engine.encode_chat,
+                                              [{"role": m["role"], "content": m["content"]} for m in messages])
+                engine.check_length(ids, max_tokens)
+            except InputError as e:
+                raise _BadRequest(str(e), "messages") from None
         except _BadRequest as e:
             return error(str(e), e.param)
         ((toks, _res),) = await run([ids], max_tokens, t, seed)
@@ -241,14 +282,21 @@ def make_app(engine: Engine):
                              "created": int(time.time()), "model": engine.name,
                              "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                           "finish_reason": reason}],
-                             "usage": usage(len(ids), len(toks))})
+                             "usage": usage(len(ids), engine.used_tokens(toks, text, stop))})
 
     async def not_found(request, exc):
         return error(f"no route {request.method} {request.url.path}", status=404)
 
-    return Starlette(routes=[Route("/health", health), Route("/v1/completions", completions, methods=["POST"]),
+    async def not_allowed(request, exc):
+        return error(f"method {request.method} not allowed on {request.url.path}", status=405)
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": engine.name, "object": "model", "owned_by": "kvq"}]})
+
+    return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
+                             Route("/v1/completions", completions, methods=["POST"]),
                              Route("/v1/chat/completions", chat, methods=["POST"])],
-                     exception_handlers={404: not_found})
+                     exception_handlers={404: not_found, 405: not_allowed})
 
 
 class Server:
@@ -391,6 +439,11 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
     eng = Engine(rt, tok, engine_name)
     try:
         ids = [eng.encode(p) for p in prompts]
+        for i, x in enumerate(ids):
+            try:
+                eng.check_length(x, opts.max_new_tokens)
+            except InputError as e:
+                raise InputError(f"prompt {i + 1}: {e}") from None
         if console:
             d = rt.describe()
             console.print(f"runtime: {d['device']} {d['dtype']}, kernels {d['kernels']}, KV {d['kv_scheme']} "
@@ -446,9 +499,10 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
     if "serve_min_top1_pct" in thresholds:
         gates.append({"name": "serve_min_top1_pct", "threshold": thresholds["serve_min_top1_pct"],
                       "value": c["top1_agreement_pct"], "passed": c["top1_agreement_pct"] >= thresholds["serve_min_top1_pct"]})
-    if "serve_max_prompt_kl" in thresholds and c["prompt_kl"]["count"]:
+    if "serve_max_prompt_kl" in thresholds and (c["prompt_kl"]["count"] or opts.max_kl is not None):
+        v = c["prompt_kl"]["mean"]  # None when no prompt has 2 tokens: an explicit gate then fails
         gates.append({"name": "serve_max_prompt_kl", "threshold": thresholds["serve_max_prompt_kl"],
-                      "value": c["prompt_kl"]["mean"], "passed": c["prompt_kl"]["mean"] <= thresholds["serve_max_prompt_kl"]})
+                      "value": v, "passed": v is not None and v <= thresholds["serve_max_prompt_kl"]})
     if "serve_min_median_divergence" in thresholds:
         gates.append({"name": "serve_min_median_divergence", "threshold": thresholds["serve_min_median_divergence"],
                       "value": c["median_first_divergence"],
@@ -544,9 +598,11 @@ def _print_smoke(console, report: dict, n: int) -> None:
     t = Table(title=f"kvq serve-smoke {report['artifact']}")
     for col in ("figure", "value"):
         t.add_column(col)
-    for key in ("batch_1", f"batch_{n}"):
+    for key in dict.fromkeys(("batch_1", f"batch_{n}")):
         s = rt[key]
-        t.add_row(f"{key.replace('_', ' ')}: prefill / decode", f"{s['prefill_tokens_per_s']:.1f} / {s['decode_tokens_per_s']:.1f} tokens/s")
+        dec = s["decode_tokens_per_s"]
+        dec = "n/a" if s["decode_tokens"] == 0 or dec != dec else f"{dec:.1f}"
+        t.add_row(f"{key.replace('_', ' ')}: prefill / decode", f"{s['prefill_tokens_per_s']:.1f} / {dec} tokens/s")
     t.add_row("KV cache", f"{rt['kv_scheme']}, {rt['kv_bytes_per_token']:.0f} bytes/token")
     t.add_row("peak RSS (runtime phase)", f"{rt['peak_rss_mib']:.0f} MiB")
     t.add_row("top-1 agreement (generated positions)", f"{c['top1_agreement_pct']:.1f} % of {c['generated_positions']}")
@@ -556,7 +612,10 @@ def _print_smoke(console, report: dict, n: int) -> None:
     t.add_row("first divergence, median / min", f"{c['median_first_divergence']:g} / {c['min_first_divergence']:g} "
               f"of {report['max_new_tokens']} generated tokens")
     for g in report["gates"]:
-        t.add_row(f"gate {g['name']}", f"{g['value']:.4g} vs {g['threshold']:g}: " + ("[green]pass" if g["passed"] else "[red]FAIL"))
+        val = "n/a" if g["value"] is None else format(g["value"], ".4g")
+        t.add_row(f"gate {g['name']}", f"{val} vs {g['threshold']:g}: " + ("[green]pass" if g["passed"] else "[red]FAIL"))
     console.print(t)
+    if report["failed_gates"]:
+        console.print(f"[red]serve-smoke FAILED[/]: {', '.join(report['failed_gates'])}", highlight=False)
     for p in c["per_prompt"][:3]:
         console.print(f"  {p['prompt']!r} -> {p['generated'][:80]!r}", highlight=False)

@@ -168,3 +168,49 @@ def test_http_greedy_is_deterministic_and_equals_offline(art):
         srv.stop()
         eng.close()
     assert texts[0] == texts[1] == eng.finish(ids, offline, 5, [])[0]
+
+
+def test_http_limits_sampling_and_openai_fields(art):
+    from transformers import AutoTokenizer
+
+    from compressor.runtime import Runtime
+    from compressor.serve import MAX_BODY_BYTES
+
+    rt = Runtime.from_artifact(art, kv="artifact")
+    eng = Engine(rt, AutoTokenizer.from_pretrained(str(art)), "tiny")
+    srv = Server(eng).start()
+    limit = rt.decoder.spec.max_position_embeddings
+    try:
+        async def go():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                big = await c.post("/v1/completions", content=b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 10) + b'"}')
+                long = await c.post("/v1/completions", json={"prompt": "a b " * limit, "max_tokens": 4})
+                stream = await c.post("/v1/completions", json={"prompt": "x", "stream": True})
+                n3 = await c.post("/v1/completions", json={"prompt": "x", "n": 3})
+                wrong_method = await c.get("/v1/completions")
+                models = await c.get("/v1/models")
+                req = {"prompt": "hello", "temperature": 1.0, "seed": 3, "max_tokens": 6}
+                alone = await c.post("/v1/completions", json=req)
+                together = await asyncio.gather(*(c.post("/v1/completions", json=req) for _ in range(4)))
+                health = await c.get("/health")
+                return big, long, stream, n3, wrong_method, models, alone, together, health
+
+        big, long, stream, n3, wrong_method, models, alone, together, health = asyncio.run(go())
+    finally:
+        srv.stop()
+        eng.close()
+    for r in (big, long, stream, n3):
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "context length" in long.json()["error"]["message"]
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    assert models.json()["data"][0]["id"] == "tiny"
+    texts = {r.json()["choices"][0]["text"] for r in together}
+    assert texts == {alone.json()["choices"][0]["text"]}  # a seed reproduces its text whatever else arrives
+    assert health.status_code == 200
+
+
+def test_serve_smoke_context_length_is_checked(art, tmp_path, capsys):
+    long = tmp_path / "long.txt"
+    long.write_text("a b " * 400 + "\n")
+    code, _, err = run(["serve-smoke", art, "--prompts", long, "--max-new-tokens", "4"], capsys)
+    assert code == 2 and "context length" in err and "Traceback" not in err
