@@ -12,10 +12,10 @@ from typing import Optional, Union
 import torch
 
 from .artifact import DTYPES, check_output, load_artifact, read_kv_cache, tool_info, write_artifact
-from .integrity import HASH_KEYS, check_artifact_folder, check_hashes, check_signature, print_hashes as _print_hashes, run_sign  # noqa: F401
+from .integrity import check_artifact_folder, verify_integrity
 from .calib import load_text, sample_windows, tokenize
 from .errors import CheckFailed, InputError
-from .evaluate import perplexity, windows
+from .evaluate import windows
 from .formats import check_format, check_shapes, format_config, gptq_checkpoint_format, pack_modules
 from .manifest import SIGNATURE_NAME, load_manifest
 from .models import ALIASES, load_model, resolve_source
@@ -455,14 +455,8 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     manifest = load_manifest(folder)
     mode = "hashes-only" if opts.hashes_only else ("weights-only" if opts.weights_only else "full")
     prompts = load_prompts(opts.prompts) if mode == "full" else None
-    signature = check_signature(folder, opts.keys, console)
-    hashes = check_hashes(folder)
-    ok = hashes["ok"] and signature["ok"] is not False
-    report: dict = {"schema_version": "kvq.verify-report/1", "artifact": str(folder), "mode": mode,
-                    "signature": signature, "hashes": hashes, "gates": [], "failed_gates": [], "warnings": [],
-                    "passed": ok}
-    if console:
-        _print_hashes(console, hashes)
+    report = {**verify_integrity(folder, opts.keys, console), "mode": mode}  # signature, then digests
+    ok = report["passed"]
     if not ok or opts.hashes_only:
         report["seconds"] = round(time.perf_counter() - t0, 2)
         return validate(report)

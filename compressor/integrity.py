@@ -79,11 +79,8 @@ def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
             present.add(p.name)
     unsafe_names = {u.split(":", 1)[0] for u in unsafe}
     listed = set(manifest.files)
-    # files hashed as the manifest recorded them: header+tensors where it says so, else whole
-    header_files = {n for n in listed & present if manifest.files[n].covers == "header"}
     extra = sorted(present - listed)
-    d = digest_files(folder, sorted(header_files) + [n for n in sorted(present) if n not in header_files],
-                     algo, workers, parse_safetensors=True)
+    d = digest_files(folder, sorted(present), algo, workers)
     report = {"digest_algorithm": algo, "missing_files": sorted(listed - present - unsafe_names), "extra_files": [],
               "renamed_files": [], "modified_files": [], "modified_tensors": [], "missing_tensors": [],
               "extra_tensors": [], "renamed_tensors": [], "unsafe_files": sorted(unsafe),

@@ -306,8 +306,9 @@ def tensor_digests(path: str | os.PathLike, algorithm: str = "sha256", workers: 
         InputError: bad header (see :func:`read_header`).
     """
     path = Path(path)
-    read_header(path)
     d = digest_files(path.parent, [path.name], algorithm, workers)
+    if d.errors:
+        raise InputError(d.errors[path.name])
     return {name: digest for name, (_f, _e, digest) in d.tensors.items()}
 
 
