@@ -11,9 +11,9 @@ from typing import Optional, Union
 
 import torch
 
-from .artifact import DTYPES, check_output, load_artifact, read_kv_cache, tool_info, write_artifact
-from .integrity import check_artifact_folder, verify_integrity
-from .calib import load_text, sample_windows, tokenize
+from .artifact import DTYPES, check_output, foreign_manifest, load_artifact, read_kv_cache, tool_info, write_artifact
+from .integrity import check_artifact_folder, foreign_integrity, verify_integrity
+from .calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
 from .errors import CheckFailed, InputError
 from .evaluate import windows
 from .formats import check_format, check_shapes, format_config, gptq_checkpoint_format, pack_modules
@@ -92,6 +92,7 @@ class VerifyOptions:
     prompts: Optional[str] = None  # greedy-drift prompt file (default: built-in set)
     max_new_tokens: int = 32
     hidden_batches: int = 2
+    no_manifest: bool = False  # a foreign artifact (another tool's): no digests to check; --reference required
 
 
 def _progress(console, total_label: str):
@@ -168,7 +169,10 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         raise InputError(f"output folder {out} is (or contains) the source model {opts.model}; choose another -o")
     kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
     needs_calib = recipe.algorithm in ("awq", "gptq") or (kv is not None and kv.static)
-    text = load_text(opts.calib, opts.calib_field, part="calib") if needs_calib else None
+    token_file = needs_calib and is_token_file(opts.calib)
+    if token_file:  # structure checked before the model loads; the id range after (it needs the vocabulary)
+        load_token_ids(opts.calib)
+    text = load_text(opts.calib, opts.calib_field, part="calib") if needs_calib and not token_file else None
     if console and text is not None and text.note:
         console.print(f"[yellow]calibration:[/] {text.note}")
     if console:
@@ -177,7 +181,13 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     check_shapes(opts.format, {n: m.out_features for n, m in model.named_modules()
                                if isinstance(m, torch.nn.Linear) and not recipe.is_ignored(n) and n != "lm_head"})
     calib_ids, calibration = None, None
-    if text is not None:
+    if token_file:
+        calib_ids, calibration = load_token_ids(opts.calib, model.config.vocab_size)
+        if console:
+            console.print(f"calibration: {calib_ids.shape[0]} x {calib_ids.shape[1]} pre-tokenized ids from {opts.calib} "
+                          "(--calib-samples/--calib-seqlen/--seed do not apply)")
+    elif text is not None:
+        calib_ids = sample_windows(tokenize(tokenizer, text.text), opts.calib_samples, opts.calib_seqlen, opts.seed)
         calib_ids = sample_windows(tokenize(tokenizer, text.text), opts.calib_samples, opts.calib_seqlen, opts.seed)
         calibration = {**text.provenance(), "samples": opts.calib_samples, "seqlen": opts.calib_seqlen, "seed": opts.seed}
         if console:
@@ -407,6 +417,15 @@ def _thresholds(manifest, opts: VerifyOptions, mode: str, weights_quantized: boo
     return out, warnings
 
 
+def _norms_rescaled(reference, artifact) -> bool:
+    """True when any norm weight of ``artifact`` differs from ``reference``'s by more than
+    fp16/bf16 storage rounding (AWQ folds its scales there, typically by factors of 0.5-2)."""
+    ref = dict(reference.named_parameters())
+    return any(("norm" in n) and n in ref and p.shape == ref[n].shape
+               and not torch.allclose(p.float(), ref[n].float(), rtol=1e-2, atol=1e-6)
+               for n, p in artifact.named_parameters())
+
+
 def _nonfinite_parameters(model) -> list[str]:
     """Names of parameters and buffers holding NaN or Inf."""
     return [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
@@ -452,10 +471,18 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
 
     t0 = time.perf_counter()
     folder = check_artifact_folder(opts.artifact)
-    manifest = load_manifest(folder)
     mode = "hashes-only" if opts.hashes_only else ("weights-only" if opts.weights_only else "full")
+    if opts.no_manifest:
+        if opts.hashes_only:
+            raise InputError("--no-manifest has no digests to check: --hashes-only does not apply")
+        if not opts.reference:
+            raise InputError("--no-manifest needs --reference (a foreign artifact records no source model)")
+        manifest = foreign_manifest(folder)
+        report = {**foreign_integrity(folder, opts.keys, console), "mode": mode}
+    else:
+        manifest = load_manifest(folder)
+        report = {**verify_integrity(folder, opts.keys, console), "mode": mode}  # signature, then digests
     prompts = load_prompts(opts.prompts) if mode == "full" else None
-    report = {**verify_integrity(folder, opts.keys, console), "mode": mode}  # signature, then digests
     ok = report["passed"]
     if not ok or opts.hashes_only:
         report["seconds"] = round(time.perf_counter() - t0, 2)
@@ -472,8 +499,8 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     ref_files = ref_source.fingerprint()["files"]
     same = bool(recorded) and ref_files == recorded
     report["reference"] = ref_spec
-    report["reference_matches_source"] = same
-    if not same:
+    report["reference_matches_source"] = None if opts.no_manifest else same
+    if not same and not opts.no_manifest:
         msg = (f"reference {ref_spec} is not the model that was quantized (its weight-file digests differ from the "
                "manifest's source record)")
         if opts.reference is None:  # the recorded source itself changed: the comparison would prove nothing
@@ -502,7 +529,12 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     model.to(opts.device)
     ref_model.to(opts.device)
     if weights_quantized:
-        report["weights"] = weight_report(ref_model, model, manifest.recipe.get("algorithm", ""))
+        algorithm = manifest.recipe.get("algorithm", "")
+        if opts.no_manifest:  # the producer's algorithm is unknown: AWQ shows as rescaled norm weights
+            algorithm = "awq" if _norms_rescaled(ref_model, model) else "unknown"
+            report["warnings"].append(f"foreign artifact: weight statistics assume {'AWQ-folded' if algorithm == 'awq' else 'unscaled'} "
+                                      "weights (inferred from the norm weights)")
+        report["weights"] = weight_report(ref_model, model, algorithm)
     served = "weights only"
     results: dict = {}
     if mode == "full":
@@ -609,7 +641,10 @@ def _print_verify(console, report: dict, results: dict, opts: VerifyOptions) -> 
     t = Table(title=f"kvq verify {report['artifact']} ({report['mode']})")
     for c in ("check", "value", "threshold", "result"):
         t.add_column(c)
-    t.add_row("tensor/file digests", f"{report['hashes']['tensors_checked']} tensors", "all equal", "[green]pass")
+    if report["hashes"].get("checked", True):
+        t.add_row("tensor/file digests", f"{report['hashes']['tensors_checked']} tensors", "all equal", "[green]pass")
+    else:
+        t.add_row("tensor/file digests", "no kvq manifest", "", "[yellow]not checked")
     gates = {x["name"]: x for x in report["gates"]}
 
     units = {"finite_weights": (1, " tensors"), "max_ppl_increase_pct": (1, " %"), "min_top1_agreement_pct": (1, " %"), "max_hidden_error": (100, " %"),

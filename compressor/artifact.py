@@ -13,8 +13,10 @@ import os
 import platform
 import shutil
 import tempfile
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -243,6 +245,53 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return model, tokenizer
+
+
+@dataclass(frozen=True)
+class ForeignManifest:
+    """What ``kvq verify --no-manifest`` knows of an artifact another tool wrote.
+
+    Mirrors the fields of :class:`compressor.manifest.Manifest` that verification reads:
+    no recipe gates, no recorded source, ``quantization.algorithm`` ``"unknown"`` (weights
+    packed) or ``"none"``, and the KV-cache scheme read from compressed-tensors'
+    ``kv_cache_scheme`` (static fp8 per tensor / int8 or fp8 per head).
+    """
+
+    quantization: dict
+    recipe: dict
+    source: dict
+    kv_cache: Optional[dict]
+
+
+def foreign_manifest(folder: str | Path) -> ForeignManifest:
+    """Describe a quantized folder that has no kvq manifest (e.g. llm-compressor's output).
+
+    Raises:
+        InputError: the folder has a kvq manifest (verify it normally), no readable
+            config.json, or a ``kv_cache_scheme`` kvq has no evaluation for.
+    """
+    from .manifest import MANIFEST_NAME
+
+    folder = Path(folder)
+    if (folder / MANIFEST_NAME).exists():
+        raise InputError(f"{folder} has a {MANIFEST_NAME}: verify it without --no-manifest (its digests would go unchecked)")
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise InputError(f"{folder} has no config.json") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"{folder}/config.json: {e}") from None
+    qc = cfg.get("quantization_config") or {}
+    algorithm = "unknown" if qc else "none"
+    kv = qc.get("kv_cache_scheme")
+    kv_rec = None
+    if kv:
+        scheme = {("float", 8): "fp8", ("int", 8): "int8"}.get((kv.get("type"), kv.get("num_bits")))
+        strategy = {"tensor": "tensor", "attn_head": "head"}.get(kv.get("strategy"))
+        if scheme is None or strategy is None or kv.get("dynamic") or scheme == "int8" and strategy != "head":
+            raise InputError(f"{folder}: kv_cache_scheme {kv} is not one kvq evaluates (static fp8 per tensor or head, int8 per head)")
+        kv_rec = {"scheme": scheme, "strategy": strategy}
+    return ForeignManifest({"algorithm": algorithm}, {"algorithm": algorithm, "gates": {}}, {}, kv_rec)
 
 
 def read_kv_cache(folder: str | Path, manifest=None):

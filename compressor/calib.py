@@ -5,6 +5,9 @@ Sources (``--calib``):
 * a local ``.txt``, ``.jsonl`` or ``.parquet`` file, read through ``datasets``
   (``text_field`` names the column of jsonl/parquet files);
 * ``wikitext2`` / ``c4`` / ``pileval``: named Hugging Face sets, only when online;
+* a ``.safetensors`` file holding one int64 tensor ``input_ids`` ``[n_samples, seqlen]``:
+  pre-tokenized calibration windows used as they are (no tokenization, no sampling), so
+  two tools can be fed the very same token ids (``bench/`` does this);
 * ``embedded``: an offline corpus that needs no download -- the English reference
   prose every CPython ships in ``pydoc_data.topics``. Its topics are split
   deterministically (SHA-256 of the topic name) into a calibration part (80 %) and an
@@ -124,6 +127,49 @@ def _named(name: str) -> TextSource:
         ) from None
     text = "\n\n".join(str(t) for t in ds[field] if t)
     return TextSource(f"hf:{repo}/{config or ''}:{split}", text, hashlib.sha256(text.encode()).hexdigest())
+
+
+def is_token_file(spec: str) -> bool:
+    """True when ``spec`` names a pre-tokenized calibration file (``.safetensors``)."""
+    return spec.lower().endswith(".safetensors")
+
+
+def load_token_ids(spec: str, vocab_size: int | None = None) -> tuple[torch.Tensor, dict]:
+    """Read pre-tokenized calibration windows from a safetensors file.
+
+    The file must hold exactly one tensor, ``input_ids``: integer ``[n_samples, seqlen]``
+    (any integer dtype; returned as int64), every id in ``[0, vocab_size)``.
+
+    Returns:
+        (ids int64 ``[n_samples, seqlen]``, provenance dict with the file's SHA-256).
+
+    Raises:
+        InputError: missing/unreadable file, other tensors, wrong rank or dtype, ids out of range.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(spec)
+    if not path.is_file():
+        raise InputError(f"calibration token file '{spec}' not found")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise InputError(f"cannot read calibration token file {spec}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if set(tensors) != {"input_ids"}:
+        raise InputError(f"calibration token file {spec} must hold one tensor 'input_ids' (found: {', '.join(sorted(tensors)) or 'none'})")
+    ids = tensors["input_ids"]
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool or ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
+        raise InputError(f"calibration token file {spec}: 'input_ids' must be an integer [n_samples >= 1, seqlen >= 2] tensor "
+                         f"(got {str(ids.dtype).removeprefix('torch.')} {list(ids.shape)})")
+    ids = ids.to(torch.int64)
+    if int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size):
+        raise InputError(f"calibration token file {spec}: token ids span [{int(ids.min())}, {int(ids.max())}], "
+                         f"outside the model's vocabulary [0, {vocab_size if vocab_size is not None else '...'})")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    prov = {"source": str(path), "sha256": digest, "chars": 0, "note": "pre-tokenized input_ids",
+            "samples": int(ids.shape[0]), "seqlen": int(ids.shape[1]), "seed": None}
+    return ids, prov
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:

@@ -82,7 +82,7 @@ def cli():
 @click.option("--act-order/--no-act-order", default=None, help="Override gptq.act_order (GPTQ: visit columns by descending Hessian diagonal).")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Override any recipe field by its dotted key, e.g. --set gptq.damp=0.02 (repeatable; VALUE is parsed as YAML).")
 @click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "awq", "gptq"]), default="compressed-tensors", show_default=True, help="On-disk layout: compressed-tensors (vLLM/transformers), awq (AutoAWQ GEMM, 4-bit only) or gptq (AutoGPTQ/GPTQModel; g_idx for act-order).")
-@click.option("--calib", default="embedded", show_default=True, help="Calibration text: a .txt/.jsonl/.parquet file, 'embedded' (offline CPython prose), or wikitext2/c4/pileval (online).")
+@click.option("--calib", default="embedded", show_default=True, help="Calibration text: a .txt/.jsonl/.parquet file, 'embedded' (offline CPython prose), or wikitext2/c4/pileval (online); or a .safetensors file with one int64 tensor input_ids [samples, seqlen] of pre-tokenized windows (used as they are).")
 @click.option("--calib-field", default="text", show_default=True, help="Text column of a .jsonl/.parquet calibration file.")
 @click.option("--calib-samples", type=click.IntRange(1, None), default=128, show_default=True, help="Number of calibration sequences.")
 @click.option("--calib-seqlen", type=click.IntRange(2, None), default=512, show_default=True, help="Tokens per calibration sequence.")
@@ -184,12 +184,13 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.option("--certificate-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="Check model.sig against this certificate chain (PEM, repeatable).")
 @click.option("--identity", default=None, help="Sigstore keyless: the expected signer identity (e.g. an e-mail or workflow URL); needs --issuer and network.")
 @click.option("--issuer", default=None, help="Sigstore keyless: the expected OIDC issuer, e.g. https://token.actions.githubusercontent.com.")
+@click.option("--no-manifest", is_flag=True, help="ARTIFACT was written by another tool (e.g. llm-compressor) and has no kvq-manifest.json: skip the digest step (the signature is still checked when keys are given) and compare with --reference, which is then required.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report to this file.")
 def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, kv_scheme, kv_budget_gib,
            kv_chunk, kv_calib, device, weights_only, max_mean_kl, max_p99_kl, min_top1, min_sqnr_db, max_hidden_error,
            min_median_divergence, prompts_file, max_new_tokens, hidden_batches, report_dir, public_key, certificate_chain,
-           identity, issuer, as_json, json_out):
+           identity, issuer, no_manifest, as_json, json_out):
     """Check ARTIFACT's integrity and quality against the original model.
 
     \b
@@ -220,6 +221,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
       kvq verify out/smollm2-w4 --public-key pub.pem --hashes-only
       kvq verify out/smollm2-w4 --weights-only --min-sqnr-db 15
       kvq verify out/smollm2-w4 --max-mean-kl 0.1 --min-top1 85 --report out/report
+      kvq verify llmc-out/ --no-manifest --reference float-model/ --max-windows 4
     """
     if json_out is not None and not json_out.resolve().parent.is_dir():
         raise InputError(f"cannot write --json-out {json_out}: its folder does not exist")
@@ -231,6 +233,10 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
 
     if hashes_only and weights_only:
         raise click.BadParameter("choose one of --hashes-only and --weights-only")
+    if no_manifest and hashes_only:
+        raise click.BadParameter("--no-manifest has no digests to check: --hashes-only does not apply")
+    if no_manifest and not reference:
+        raise click.BadParameter("--no-manifest needs --reference (a foreign artifact records no source model)")
     gate_flags = {"--max-ppl-increase": max_ppl_increase, "--max-mean-kl": max_mean_kl, "--max-p99-kl": max_p99_kl,
                   "--min-top1": min_top1, "--min-sqnr-db": min_sqnr_db, "--max-hidden-error": max_hidden_error,
                   "--min-median-divergence": min_median_divergence}
@@ -258,7 +264,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
             max_mean_kl=max_mean_kl, max_p99_kl=max_p99_kl, min_top1=min_top1, min_sqnr_db=min_sqnr_db,
             max_hidden_error=max_hidden_error, min_median_divergence=min_median_divergence,
             prompts=str(prompts_file) if prompts_file else None, max_new_tokens=max_new_tokens,
-            hidden_batches=hidden_batches,
+            hidden_batches=hidden_batches, no_manifest=no_manifest,
         )
         full = run_verify(opts, console=console)
     from .report import json_safe

@@ -247,3 +247,22 @@ def verify_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) -> 
     return {"schema_version": "kvq.verify-report/1", "artifact": str(folder), "mode": "hashes-only",
             "signature": signature, "hashes": hashes, "gates": [], "failed_gates": [], "warnings": [],
             "passed": ok, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def foreign_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) -> dict:
+    """Integrity step of ``kvq verify --no-manifest``: the signature when keys are given
+    (OpenSSF model_signing needs no kvq manifest); digests cannot be checked.
+
+    Raises:
+        InputError: not an artifact folder, bad key files.
+    """
+    t0 = time.perf_counter()
+    folder = check_artifact_folder(folder)
+    signature = check_signature(folder, keys, console)
+    hashes = {"ok": True, "checked": False, "tensors_checked": 0, "files_checked": 0,
+              "note": "no kvq manifest (--no-manifest): digests not checked"}
+    if console:
+        console.print("[yellow]no kvq manifest[/]: file and tensor digests not checked (--no-manifest)", highlight=False)
+    return {"schema_version": "kvq.verify-report/1", "artifact": str(folder), "mode": "hashes-only",
+            "signature": signature, "hashes": hashes, "gates": [], "failed_gates": [], "warnings": [],
+            "passed": signature["ok"] is not False, "seconds": round(time.perf_counter() - t0, 2)}

@@ -297,11 +297,12 @@ def markdown(report: dict, images: list[Path] | None = None) -> str:
         f"ok ({sig.get('method')})" if sig.get("ok") else f"FAILED: {sig.get('error')}")
     h = report["hashes"]
     lines += [f"- signature: {sig_text}",
-              f"- digests: {'ok' if h['ok'] else 'FAILED'} ({h.get('tensors_checked', 0)} tensors, "
-              f"{h.get('files_checked', 0)} files, {h.get('digest_algorithm', 'sha256')})"]
+              (f"- digests: {'ok' if h['ok'] else 'FAILED'} ({h.get('tensors_checked', 0)} tensors, "
+               f"{h.get('files_checked', 0)} files, {h.get('digest_algorithm', 'sha256')})") if h.get("checked", True)
+              else f"- digests: not checked ({h.get('note', 'no kvq manifest')})"]
     if report.get("reference"):
-        lines.append(f"- reference: `{report['reference']}`" + ("" if report.get("reference_matches_source") else
-                                                              " (not the recorded source)"))
+        lines.append(f"- reference: `{report['reference']}`" + ("" if report.get("reference_matches_source") is not False
+                                                              else " (not the recorded source)"))
     if report.get("eval"):
         e = report["eval"]
         lines.append(f"- eval: {e['windows']} windows x {e['seqlen']} tokens of `{e.get('source')}`")

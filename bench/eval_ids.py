@@ -1,0 +1,90 @@
+"""The shared evaluation script of the peer benchmark: perplexity on saved token ids.
+
+Every model in ``bench/peer_bench.py`` -- the float model, kvq's artifacts and
+llm-compressor's -- is scored by this one function on the same ``[n_windows, seqlen]``
+int64 token ids (``bench/work/peer/eval-ids.safetensors``), so tokenization, windowing
+and the loss are identical; only the loader differs:
+
+* ``--loader kvq``: kvq's own reader (``compressor.artifact.load_artifact`` for any
+  compressed-tensors/AWQ/GPTQ folder, ``compressor.models.load_model`` for a float one);
+* ``--loader transformers``: ``AutoModelForCausalLM.from_pretrained`` -- the loading path
+  of transformers + compressed-tensors (run in the peer's virtual environment).
+
+Perplexity = exp(mean over all predicted tokens of -log p(token)), each window scored on
+its own (no overlap, no context carried over), logits in float32, log-softmax in float64
+(the protocol of ``compressor.evaluate.perplexity``, issue #2's cross-check).
+
+Usage: python bench/eval_ids.py MODEL --ids FILE [--loader kvq|transformers] [--max-windows N] [--out JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+
+@torch.inference_mode()
+def perplexity_ids(model, ids: torch.Tensor) -> dict:
+    """Perplexity of ``model`` on ``ids`` int64 ``[n_windows, seqlen]``; per-window figures too."""
+    total_nll, total_n, per_window = 0.0, 0, []
+    for row in ids:
+        logits = model(row[None]).logits[0, :-1].float()
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        nll = -logp.gather(1, row[1:, None]).sum().item()
+        n = row.numel() - 1
+        total_nll += nll
+        total_n += n
+        per_window.append(math.exp(nll / n))
+    return {"ppl": math.exp(total_nll / total_n), "windows": len(per_window), "tokens": total_n,
+            "per_window_ppl": per_window}
+
+
+def load(model: str, loader: str):
+    """Load ``model`` (a folder) with the named loader; returns a float32 causal LM in eval mode."""
+    if loader == "kvq":
+        from compressor.artifact import load_artifact
+        from compressor.models import load_model, resolve_source
+
+        folder = Path(model)
+        cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+        if (folder / "kvq-manifest.json").is_file() or "quantization_config" in cfg:
+            m, _ = load_artifact(folder)
+        else:
+            m, _ = load_model(resolve_source(model))
+    else:
+        from transformers import AutoModelForCausalLM
+
+        # a quantized checkpoint is decompressed by compressed-tensors as transformers loads it
+        return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    return m.float().eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--ids", required=True)
+    ap.add_argument("--loader", choices=("kvq", "transformers"), default="kvq")
+    ap.add_argument("--max-windows", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from safetensors.torch import load_file
+
+    ids = load_file(a.ids)["input_ids"][: a.max_windows]
+    t0 = time.perf_counter()
+    model = load(a.model, a.loader)
+    t_load = time.perf_counter() - t0
+    res = perplexity_ids(model, ids)
+    res.update(model=a.model, loader=a.loader, load_seconds=round(t_load, 1),
+               eval_seconds=round(time.perf_counter() - t0 - t_load, 1), threads=torch.get_num_threads())
+    print(json.dumps({k: v for k, v in res.items() if k != "per_window_ppl"}))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

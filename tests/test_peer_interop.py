@@ -1,0 +1,170 @@
+"""What the peer benchmark (issue #8) relies on: pre-tokenized calibration files and
+`kvq verify --no-manifest` for artifacts another tool wrote."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from compressor.calib import load_text, sample_windows, tokenize
+from compressor.cli import main
+from compressor.manifest import load_manifest
+
+EVAL = ["--seqlen", "64", "--max-windows", "3", "--max-new-tokens", "4", "--hidden-batches", "1"]
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return exc.value.code, cap.out, cap.err
+
+
+@pytest.fixture(scope="module")
+def calib_ids(tokenizer):
+    """The windows `--calib embedded --calib-samples 4 --calib-seqlen 32 --seed 0` draws."""
+    return sample_windows(tokenize(tokenizer, load_text("embedded").text), 4, 32, 0)
+
+
+@pytest.fixture(scope="module")
+def gptq_pair(tmp_path_factory, tiny_model_dir, calib_ids):
+    """The same GPTQ quantization fed text (kvq samples the windows) and the same windows as token ids."""
+    from compressor.api import QuantizeOptions, run_quantize
+
+    d = tmp_path_factory.mktemp("peer")
+    ids_file = d / "calib.safetensors"
+    save_file({"input_ids": calib_ids.to(torch.int32).contiguous()}, str(ids_file))  # any integer dtype
+    common = dict(model=str(tiny_model_dir), algorithm="gptq", group_size=32, calib_samples=4, calib_seqlen=32)
+    run_quantize(QuantizeOptions(output=d / "from-text", calib="embedded", **common))
+    run_quantize(QuantizeOptions(output=d / "from-ids", calib=str(ids_file), **common))
+    return d, ids_file
+
+
+def test_token_file_calibration_equals_text_calibration(gptq_pair):
+    d, ids_file = gptq_pair
+    a, b = load_manifest(d / "from-text"), load_manifest(d / "from-ids")
+    assert {n: t.digest for n, t in a.tensors.items()} == {n: t.digest for n, t in b.tensors.items()}
+    cal = b.calibration
+    assert (cal["samples"], cal["seqlen"], cal["note"]) == (4, 32, "pre-tokenized input_ids")
+    assert cal["source"] == str(ids_file)
+    import hashlib
+
+    assert cal["sha256"] == hashlib.sha256(ids_file.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("tensors, words", [
+    ({"input_ids": torch.full((2, 8), 10**6, dtype=torch.int64)}, "outside the model's vocabulary"),
+    ({"input_ids": torch.full((2, 8), -1, dtype=torch.int64)}, "outside the model's vocabulary"),
+    ({"input_ids": torch.zeros(2, 8)}, "must be an integer"),
+    ({"input_ids": torch.zeros(16, dtype=torch.int64)}, "must be an integer [n_samples >= 1, seqlen >= 2]"),
+    ({"input_ids": torch.zeros(2, 8, dtype=torch.int64), "labels": torch.zeros(2, 8, dtype=torch.int64)}, "one tensor 'input_ids'"),
+    ({"tokens": torch.zeros(2, 8, dtype=torch.int64)}, "found: tokens"),
+])
+def test_bad_token_files(tmp_path, tiny_model_dir, capsys, tensors, words):
+    f = tmp_path / "ids.safetensors"
+    save_file(tensors, str(f))
+    out = tmp_path / "out"
+    code, _, err = run(["quantize", tiny_model_dir, "--algorithm", "gptq", "--group-size", "32", "--calib", f, "-o", out], capsys)
+    assert code == 2
+    assert words in err and "Traceback" not in err
+    assert len([x for x in err.splitlines() if x.startswith("kvq: error")]) == 1
+    assert not out.exists() and not list(tmp_path.glob(".out.kvq-tmp*"))
+
+
+def test_token_file_missing_or_garbage(tmp_path, tiny_model_dir, capsys):
+    code, _, err = run(["quantize", tiny_model_dir, "--algorithm", "gptq", "--calib", tmp_path / "nope.safetensors",
+                        "-o", tmp_path / "o"], capsys)
+    assert code == 2 and "not found" in err
+    g = tmp_path / "garbage.safetensors"
+    g.write_bytes(b"\xff" * 40)
+    code, _, err = run(["quantize", tiny_model_dir, "--algorithm", "gptq", "--calib", g, "-o", tmp_path / "o"], capsys)
+    assert code == 2 and "cannot read calibration token file" in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def foreign(gptq_pair):
+    """A kvq artifact with its manifest removed: what llm-compressor's output looks like to kvq."""
+    d, _ = gptq_pair
+    f = d / "foreign"
+    if not f.exists():
+        shutil.copytree(d / "from-ids", f)
+        (f / "kvq-manifest.json").unlink()
+    return f
+
+
+def test_verify_foreign_artifact_matches_manifest_verify(gptq_pair, foreign, tiny_model_dir, capsys):
+    d, _ = gptq_pair
+    code, out, _ = run(["verify", d / "from-ids", "--reference", tiny_model_dir, "--eval", "embedded", *EVAL, "--json"], capsys)
+    assert code in (0, 1)
+    own = json.loads(out)
+    code2, out2, _ = run(["verify", foreign, "--no-manifest", "--reference", tiny_model_dir, "--eval", "embedded", *EVAL,
+                          "--json"], capsys)
+    assert code2 == code
+    rep = json.loads(out2)
+    assert rep["hashes"]["checked"] is False and rep["hashes"]["tensors_checked"] == 0
+    assert rep["reference_matches_source"] is None
+    assert rep["perplexity"]["artifact"] == own["perplexity"]["artifact"]
+    assert rep["distribution"]["kl"]["mean"] == own["distribution"]["kl"]["mean"]
+    assert rep["weights"]["min_sqnr_db"] == pytest.approx(own["weights"]["min_sqnr_db"])
+    assert any("foreign artifact" in w for w in rep["warnings"])
+
+
+def test_verify_foreign_gates_still_fail(foreign, tiny_model_dir, capsys):
+    code, out, _ = run(["verify", foreign, "--no-manifest", "--reference", tiny_model_dir, "--weights-only",
+                        "--min-sqnr-db", "60", "--json"], capsys)
+    assert code == 1
+    assert json.loads(out)["failed_gates"] == ["min_sqnr_db"]
+
+
+@pytest.mark.parametrize("extra, words", [
+    ((), "--no-manifest needs --reference"),
+    (("--reference", "X", "--hashes-only"), "--hashes-only does not apply"),
+])
+def test_no_manifest_usage_errors(foreign, capsys, extra, words):
+    code, _, err = run(["verify", foreign, "--no-manifest", *extra], capsys)
+    assert code == 2 and words in err
+
+
+def test_no_manifest_refuses_a_kvq_artifact(gptq_pair, tiny_model_dir, capsys):
+    """A kvq artifact keeps its digest check: --no-manifest cannot be used to skip it."""
+    d, _ = gptq_pair
+    code, _, err = run(["verify", d / "from-ids", "--no-manifest", "--reference", tiny_model_dir, "--weights-only"], capsys)
+    assert code == 2 and "verify it without --no-manifest" in err
+
+
+def test_foreign_kv_cache_scheme_read_from_config(foreign, tmp_path):
+    from compressor.artifact import foreign_manifest
+    from compressor.errors import InputError
+
+    f = tmp_path / "kv"
+    shutil.copytree(foreign, f)
+    cfg = json.loads((f / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                                     "symmetric": True}
+    (f / "config.json").write_text(json.dumps(cfg))
+    m = foreign_manifest(f)
+    assert m.kv_cache == {"scheme": "fp8", "strategy": "tensor"} and m.quantization["algorithm"] == "unknown"
+    cfg["quantization_config"]["kv_cache_scheme"]["dynamic"] = True
+    (f / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="not one kvq evaluates"):
+        foreign_manifest(f)
+
+
+def test_foreign_awq_artifact_scales_inferred(tmp_path, tiny_model_dir, capsys):
+    """An AWQ artifact without a manifest: verify sees the rescaled norms and undoes the folded scales."""
+    from compressor.api import QuantizeOptions, run_quantize
+
+    own = tmp_path / "awq"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=own, algorithm="awq", group_size=32,
+                                 calib_samples=4, calib_seqlen=32))
+    f = tmp_path / "awq-foreign"
+    shutil.copytree(own, f)
+    (f / "kvq-manifest.json").unlink()
+    _, out, _ = run(["verify", own, "--reference", tiny_model_dir, "--weights-only", "--json"], capsys)
+    _, out2, _ = run(["verify", f, "--no-manifest", "--reference", tiny_model_dir, "--weights-only", "--json"], capsys)
+    a, b = json.loads(out), json.loads(out2)
+    assert any("AWQ-folded" in w for w in b["warnings"])
+    assert b["weights"]["min_sqnr_db"] == pytest.approx(a["weights"]["min_sqnr_db"], abs=1e-6)
