@@ -27,6 +27,34 @@ Pre-RoPE key quantization (KVQuant, Hooper et al., 2024) would quantize keys bef
 rotation, where per-channel outlier structure is cleaner, and apply RoPE after
 dequantization; kvq quantizes what the runtime stores, post-RoPE, so the scales are the
 ones vLLM's fp8 cache uses.
+
+Multi-head latent attention (MLA; DeepSeek-V2, arXiv:2405.04434, section 2.1; DeepSeek-V3
+and Kimi K2) caches, per layer and token, not keys and values per head but the
+compressed latent ``c_kv`` (``kv_a_proj_with_mqa`` output after ``kv_a_layernorm``,
+``kv_lora_rank`` wide) and the decoupled RoPE key ``k_rope`` (``qk_rope_head_dim`` wide,
+after RoPE, shared by all heads); keys and values are re-expanded from them by
+``kv_b_proj`` at read. transformers calls ``cache.update(c_kv [B, 1, T, r], k_rope [B,
+1, T, d_rope])``, so the two cache slots hold exactly that. On an MLA model the schemes
+quantize:
+
+==========  ============  ===========================================================
+scheme      strategy      MLA cache entry ``[c_kv | k_rope]``
+==========  ============  ===========================================================
+``fp8``     ``tensor``    float8 e4m3 codes of both parts with **one** static scale per
+                          layer, ``max(absmax(c_kv), absmax(k_rope)) / 448`` (vLLM's MLA
+                          cache writes the concatenated entry with ``k_scale``; the
+                          artifact stores it as ``k_scale`` and, equal, ``v_scale``)
+``int8``    ``token``     int8 codes, dynamic asymmetric scale + zero point per token
+                          for ``c_kv`` and for ``k_rope``
+``int4``    ``kivi``      both parts per channel in groups of ``group_size`` tokens
+``int2``                  (KIVI's key treatment: ``c_kv`` becomes keys through
+                          ``kv_b_proj`` and carries the norm's per-channel gains,
+                          ``k_rope`` is a post-RoPE key), same residual window
+==========  ============  ===========================================================
+
+Per-head strategies (``fp8 head``, ``int8 head``) do not apply: MLA has no KV heads, and
+are refused. Bytes per token (:func:`layout_bytes_per_token`) count ``(kv_lora_rank +
+qk_rope_head_dim)`` elements per layer, not ``2 * num_heads * head_dim``.
 """
 
 from __future__ import annotations
@@ -83,6 +111,98 @@ def make_spec(scheme: str, strategy: str | None = None, group_size: int = 32, re
         if group_size < 1 or residual_length < 0 or residual_length % group_size:
             raise InputError(f"KIVI needs group_size >= 1 and residual_length a multiple of it (got {group_size}, {residual_length})")
     return KVSpec(scheme, strategy, int(group_size), int(residual_length))
+
+
+@dataclass(frozen=True)
+class KVComponent:
+    """One of the two tensors a cache layer stores per token: ``heads x width`` elements;
+    ``kind`` ``k`` (KIVI: per channel, groups of tokens) or ``v`` (per token, groups of channels)."""
+
+    name: str
+    heads: int
+    width: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the KV cache of one model holds per token and layer.
+
+    ``components``: the two tensors transformers passes to ``Cache.update`` (GQA: keys
+    ``[B, kv_heads, T, head_dim]`` and values; MLA: the latent ``[B, 1, T, kv_lora_rank]``
+    and the RoPE key ``[B, 1, T, qk_rope_head_dim]``). ``shared_scale``: one static scale
+    covers both (MLA, as vLLM's MLA cache).
+    """
+
+    attention: str
+    n_layers: int
+    components: tuple[KVComponent, KVComponent]
+    shared_scale: bool = False
+
+    @property
+    def kinds(self) -> tuple[str, str]:
+        return self.components[0].kind, self.components[1].kind
+
+    def describe(self) -> str:
+        parts = " + ".join(f"{c.name} {c.heads}x{c.width}" for c in self.components)
+        return f"{self.attention}: {self.n_layers} layers x ({parts}) per token"
+
+    def as_dict(self) -> dict:
+        return {"attention": self.attention, "layers": self.n_layers, "shared_scale": self.shared_scale,
+                "components": [{"name": c.name, "heads": c.heads, "width": c.width,
+                                "kivi_grouping": "per channel" if c.kind == "k" else "per token"}
+                               for c in self.components]}
+
+
+def gqa_layout(n_layers: int, kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> KVLayout:
+    """Keys and values per KV head (MHA/GQA/MQA)."""
+    return KVLayout("gqa", int(n_layers), (KVComponent("key", int(kv_heads), int(head_dim), "k"),
+                                           KVComponent("value", int(kv_heads), int(v_head_dim or head_dim), "v")))
+
+
+def mla_layout(n_layers: int, kv_lora_rank: int, qk_rope_head_dim: int) -> KVLayout:
+    """Multi-head latent attention: the latent and the decoupled RoPE key (module docstring)."""
+    return KVLayout("mla", int(n_layers), (KVComponent("latent", 1, int(kv_lora_rank), "k"),
+                                           KVComponent("rope key", 1, int(qk_rope_head_dim), "k")), shared_scale=True)
+
+
+def kv_layout(config, attention: str = "gqa") -> KVLayout:
+    """The :class:`KVLayout` of a transformers config (``attention``: the arch row's ``kv``).
+
+    Raises:
+        InputError: the config lacks the fields the layout needs.
+    """
+    try:
+        n = int(config.num_hidden_layers)
+        if attention == "mla":
+            return mla_layout(n, config.kv_lora_rank, config.qk_rope_head_dim)
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        return gqa_layout(n, kv_heads, head_dim)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise InputError(f"config lacks a field the KV-cache layout needs ({e})") from None
+
+
+def check_layout(spec: KVSpec, layout: KVLayout) -> None:
+    """Refuse a scheme the layout cannot hold.
+
+    Raises:
+        InputError: a per-head strategy on an MLA cache (it has no KV heads).
+    """
+    if layout.attention == "mla" and spec.strategy == "head":
+        raise InputError(f"KV scheme {spec.describe()}: multi-head latent attention caches one latent shared by all "
+                         "heads, so per-head scales do not apply; use fp8 (tensor), int8 (token) or int4/int2 (kivi)")
+
+
+def layer_scales(k_absmax: torch.Tensor, v_absmax: torch.Tensor, spec: KVSpec, layout: KVLayout | None = None):
+    """Static ``(k_scale, v_scale)`` of one layer from observed absmax (see :func:`static_scales`);
+    with ``layout.shared_scale`` both are the scale of the larger absmax."""
+    if layout is not None and layout.shared_scale:
+        a = torch.maximum(k_absmax.float().max(), v_absmax.float().max()).reshape(1)
+        s = static_scales(a, spec)
+        return s, s.clone()
+    return static_scales(k_absmax, spec), static_scales(v_absmax, spec)
 
 
 # ---------------------------------------------------------------------------------------
@@ -261,9 +381,10 @@ def make_quantized_layer_class():
 
         is_croppable = False
 
-        def __init__(self, spec: KVSpec, k_scale=None, v_scale=None):
+        def __init__(self, spec: KVSpec, k_scale=None, v_scale=None, kinds=("k", "v")):
             super().__init__()
             self.spec, self.k_scale, self.v_scale = spec, k_scale, v_scale
+            self.kinds = kinds  # KIVI grouping of the two slots (MLA: both per channel)
             self.qk: list = []  # quantized chunks (codes, scale, zero)
             self.qv: list = []
             self.n_quantized = 0
@@ -285,8 +406,8 @@ def make_quantized_layer_class():
                 self.qk.append(quantize_asym(k, 8, dim=-1))
                 self.qv.append(quantize_asym(v, 8, dim=-1))
             else:
-                self.qk.append(quantize_asym(k, s.bits, dim=-2, group_size=s.group_size))
-                self.qv.append(quantize_asym(v, s.bits, dim=-1, group_size=s.group_size))
+                for store, x, kind in ((self.qk, k, self.kinds[0]), (self.qv, v, self.kinds[1])):
+                    store.append(quantize_asym(x, s.bits, dim=-2 if kind == "k" else -1, group_size=s.group_size))
             self.n_quantized += k.shape[-2]
 
         def _read_chunk(self, chunk, kind):
@@ -296,7 +417,8 @@ def make_quantized_layer_class():
                 return dequantize_fp8(chunk[0], scale, self.dtype)
             if s.strategy == "head":
                 return dequantize_int_static(chunk[0], scale, self.dtype)
-            dim = -2 if (s.strategy == "kivi" and kind == "k") else -1
+            slot_kind = self.kinds[0] if kind == "k" else self.kinds[1]
+            dim = -2 if (s.strategy == "kivi" and slot_kind == "k") else -1
             return dequantize_asym(*chunk, dim=dim, dtype=self.dtype)
 
         def update(self, key_states, value_states, *args, **kwargs):
@@ -335,21 +457,27 @@ def make_quantized_layer_class():
     return KVQuantizedLayer
 
 
-def quantized_cache(spec: KVSpec, n_layers: int, scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+def quantized_cache(spec: KVSpec, n_layers: int, scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                    layout: KVLayout | None = None):
     """A transformers ``Cache`` whose layers quantize K/V with ``spec``.
 
     Args:
         scales: layer index -> ``(k_scale, v_scale)`` for static schemes.
+        layout: the model's :class:`KVLayout` (default GQA); on MLA the two slots are the
+            latent and the RoPE key, both grouped per channel by KIVI (module docstring).
 
     Raises:
-        InputError: a static scheme without scales for some layer.
+        InputError: a static scheme without scales for some layer; a per-head scheme on MLA.
     """
     from transformers.cache_utils import Cache
 
+    if layout is not None:
+        check_layout(spec, layout)
     if spec.static and (scales is None or any(i not in scales for i in range(n_layers))):
         raise InputError(f"KV scheme {spec.describe()} needs calibrated k_scale/v_scale for every layer")
     cls = make_quantized_layer_class()
-    layers = [cls(spec, *(scales[i] if spec.static else (None, None))) for i in range(n_layers)]
+    kinds = layout.kinds if layout is not None else ("k", "v")
+    layers = [cls(spec, *(scales[i] if spec.static else (None, None)), kinds=kinds) for i in range(n_layers)]
     return Cache(layers=layers)
 
 
@@ -357,39 +485,54 @@ def quantized_cache(spec: KVSpec, n_layers: int, scales: dict[int, tuple[torch.T
 # memory accounting
 
 
-def kv_bytes_per_token(spec: KVSpec | None, n_layers: int, kv_heads: int, head_dim: int, fp_bytes: int = 2) -> float:
-    """Average KV-cache bytes per token over all layers (keys + values), scale overhead included.
+def layout_bytes_per_token(spec: KVSpec | None, layout: KVLayout, fp_bytes: int = 2) -> float:
+    """Average KV-cache bytes per token over all layers of ``layout``, scale overhead included.
 
-    ``spec=None`` is the unquantized cache in ``fp_bytes`` (2: fp16/bf16). Static scales
-    are per layer (negligible, not counted); per-token int8 adds an fp16 scale and zero
-    point per (head, token); KIVI adds, per head, fp16 scale + zero for every
-    ``group_size`` tokens of each key channel and for every ``group_size`` channels of
-    each value token. The full-precision residual window is a per-sequence constant, see
-    :func:`kv_budget`.
+    Per layer, for each of the two components (``heads x width`` elements): ``spec=None``
+    costs ``fp_bytes`` per element; a scheme costs ``bits / 8`` per element plus, for
+    per-token int8, an fp16 scale and zero point per (head, token); for KIVI, fp16 scale +
+    zero for every ``group_size`` tokens of each channel (``k`` components) or for every
+    group of ``group_size`` channels of each token (``v`` components; one group when
+    ``group_size`` does not divide the width). Static scales are per layer (negligible, not
+    counted). GQA: ``2 * layers * kv_heads * head_dim`` elements; MLA:
+    ``layers * (kv_lora_rank + qk_rope_head_dim)``. The KIVI full-precision residual
+    window is a per-sequence constant, see :func:`kv_budget`.
     """
-    elems = 2 * n_layers * kv_heads * head_dim
-    if spec is None:
-        return float(elems * fp_bytes)
-    data = elems * spec.bits / 8
-    if spec.strategy == "token":
-        data += 2 * n_layers * kv_heads * 2 * 2  # K and V: scale + zero point (fp16) per head and token
-    elif spec.strategy == "kivi":
-        g = spec.group_size
-        key_meta = head_dim / g * 2 * 2  # per token: (scale + zero) fp16 per channel, shared by g tokens
-        val_meta = max(1, head_dim // g) * 2 * 2  # per token: (scale + zero) per channel group
-        data += n_layers * kv_heads * (key_meta + val_meta)
-    return float(data)
+    total = 0.0
+    for c in layout.components:
+        elems = c.heads * c.width
+        if spec is None:
+            total += elems * fp_bytes
+            continue
+        total += elems * spec.bits / 8
+        if spec.strategy == "token":
+            total += c.heads * 2 * 2  # scale + zero point (fp16) per head and token
+        elif spec.strategy == "kivi":
+            g = spec.group_size
+            if c.kind == "k":
+                total += c.heads * c.width / g * 2 * 2  # (scale + zero) per channel, shared by g tokens
+            else:
+                groups = c.width // g if g < c.width and c.width % g == 0 else 1
+                total += c.heads * groups * 2 * 2  # (scale + zero) per channel group of each token
+    return float(total * layout.n_layers)
+
+
+def kv_bytes_per_token(spec: KVSpec | None, n_layers: int, kv_heads: int, head_dim: int, fp_bytes: int = 2) -> float:
+    """:func:`layout_bytes_per_token` of a GQA cache (keys and values, ``kv_heads x head_dim`` each)."""
+    return layout_bytes_per_token(spec, gqa_layout(n_layers, kv_heads, head_dim), fp_bytes)
 
 
 def kv_budget(spec: KVSpec | None, n_layers: int, kv_heads: int, head_dim: int, budget_gib: float,
-              contexts: tuple[int, ...] = (2048, 8192, 32768)) -> dict:
+              contexts: tuple[int, ...] = (2048, 8192, 32768), layout: KVLayout | None = None) -> dict:
     """How many tokens (context × batch) a KV budget holds, and the batch at a few context lengths.
 
+    ``layout`` (e.g. MLA) replaces the GQA shape given by ``n_layers, kv_heads, head_dim``.
     Returns ``{"bytes_per_token", "max_tokens", "max_batch": {context: batch}}``; for KIVI
     each sequence also keeps up to ``residual_length`` tokens in fp16.
     """
-    per_tok = kv_bytes_per_token(spec, n_layers, kv_heads, head_dim)
-    fp_tok = kv_bytes_per_token(None, n_layers, kv_heads, head_dim)
+    layout = layout or gqa_layout(n_layers, kv_heads, head_dim)
+    per_tok = layout_bytes_per_token(spec, layout)
+    fp_tok = layout_bytes_per_token(None, layout)
     budget = budget_gib * 2**30
     residual = spec.residual_length if spec is not None and spec.strategy == "kivi" else 0
     max_batch = {}
