@@ -18,11 +18,11 @@ from .errors import CheckFailed, InputError
 from .evaluate import windows
 from .formats import check_format, check_shapes, format_config, gptq_checkpoint_format, pack_modules
 from .manifest import SIGNATURE_NAME, load_manifest
-from .models import ALIASES, load_model, resolve_source
+from .models import ALIASES, load_model, peek_model_type, resolve_source
 from .pipeline import quantize_model
-from .arch import get_arch
+from .arch import checkpoint_name, get_arch, routers
 from .formats.compressed_tensors import kv_scale_tensors
-from .quant.kv import kv_budget, kv_bytes_per_token, make_spec, quantized_cache
+from .quant.kv import kv_budget, layout_bytes_per_token, make_spec, quantized_cache
 from .recipe import KVCacheOptions, load_recipes, with_overrides
 from .safetensors_io import HASH_ALGORITHMS
 from .signing import SignOptions, VerifyKeys, check_sign_options, sign_folder
@@ -164,6 +164,8 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     warnings = _ignored_flag_warnings(opts, recipe)
     check_format(opts.format, recipe, opts.dtype)
     source = resolve_source(opts.model)
+    if peek_model_type(source) is not None:  # an unsupported architecture fails before the model is loaded
+        get_arch(peek_model_type(source))
     src = source.path.resolve()
     if src == out.resolve() or out.resolve() in src.parents:
         raise InputError(f"output folder {out} is (or contains) the source model {opts.model}; choose another -o")
@@ -228,14 +230,18 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
             quant["gptq_checkpoint_format"] = gptq_checkpoint_format(recipe.weights.symmetric)
     import compressed_tensors
 
+    # names as the checkpoint (and vLLM) spells them; MoE routers stay float and are listed as ignored
+    arch = get_arch(model.config.model_type)
+    ckpt = lambda name: checkpoint_name(arch, name)  # noqa: E731
     ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in result.modules)
-    qcfg = format_config(opts.format, recipe, schemes, [n for n in ignored if n != "lm_head"],
+    ignored += routers(arch, model)
+    qcfg = format_config(opts.format, recipe, {ckpt(n): v for n, v in schemes.items()},
+                         [ckpt(n) for n in ignored if n != "lm_head"],
                          {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]})
-    packed = pack_modules(result.modules, opts.format, DTYPES[opts.dtype])
+    packed = {ckpt(n): t for n, t in pack_modules(result.modules, opts.format, DTYPES[opts.dtype]).items()}
     result.modules.clear()
     kv_record = None
     if kv is not None:
-        arch = get_arch(model.config.model_type)
         kv_record = {"scheme": kv.scheme, "strategy": kv.strategy, "bits": kv.bits, "static_scales": kv.static}
         if kv.strategy == "kivi":
             kv_record.update({"group_size": kv.group_size, "residual_length": kv.residual_length,
@@ -249,10 +255,10 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
                 "[1]" if kv.strategy == "tensor" else "[num_kv_heads, 1, 1]")
             kv_record["absmax"] = {str(i): {"k": [round(float(x), 4) for x in k], "v": [round(float(x), 4) for x in v]}
                                    for i, (k, v) in result.kv_absmax.items()}
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_record["bytes_per_token"] = kv_bytes_per_token(kv, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
-        kv_record["fp16_bytes_per_token"] = kv_bytes_per_token(None, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+        layout = arch.kv_layout(model.config)
+        kv_record["layout"] = layout.as_dict()
+        kv_record["bytes_per_token"] = layout_bytes_per_token(kv, layout)
+        kv_record["fp16_bytes_per_token"] = layout_bytes_per_token(None, layout)
     float_bytes = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
     # timings vary run to run: they go to the provenance block, outside the content digest
     quality = {
@@ -260,6 +266,8 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         "mean_rel_error": _mean([f["mean_rel_error"] for f in result.layers]),
         "warnings": warnings,
     }
+    if result.moe:  # routed calibration tokens per expert; experts quantized with the RTN fallback
+        quality["moe"] = {"min_tokens": max(recipe.moe.min_tokens, 1), "layers": result.moe, "fallback": result.moe_fallback}
     timing = {"quantize_seconds": round(result.seconds, 2), "layer_seconds": [f["seconds"] for f in result.layers]}
     if result.layers and "phase_seconds" in result.layers[0]:
         timing["phase_seconds"] = {k: round(sum(f["phase_seconds"][k] for f in result.layers), 2)
@@ -273,7 +281,7 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
          "calibration": calibration, "quantization": quant, "quality": quality, "kv_cache": kv_record,
          "format": opts.format},
         provenance={"timing": timing, "device": opts.device},
-        dtype_name=opts.dtype, overwrite=opts.overwrite, digest_algorithm=opts.digest_algorithm,
+        dtype_name=opts.dtype, overwrite=opts.overwrite, digest_algorithm=opts.digest_algorithm, rename=ckpt,
         finalize=(lambda tmp: sign_folder(tmp, opts.sign)) if opts.sign is not None else None,
     )
     size = sum(f.size for f in manifest.files.values())
@@ -289,6 +297,7 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "peak_rss_mib": _peak_rss_mib(),
         "mean_rel_error": quality["mean_rel_error"],
+        "moe": quality.get("moe"),
         "warnings": warnings,
         "content_digest": manifest.content_digest(),
         "digest_algorithm": opts.digest_algorithm,
@@ -296,6 +305,13 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     }
     if console:
         _print_layers(console, result.layers)
+        for m in result.moe:
+            toks = m["expert_tokens"]
+            console.print(f"MoE layer {m['layer']}: {m['experts']} experts, routed calibration tokens "
+                          + ("not counted (no calibration pass)" if toks is None else
+                             f"min {min(toks)} / median {sorted(toks)[len(toks) // 2]} / max {max(toks)}"
+                             + (f", {len(m['below_min_tokens'])} below {quality['moe']['min_tokens']}" if m["below_min_tokens"] else "")),
+                          highlight=False)
         console.print(
             f"[green]wrote[/] {out} ({size / 2**20:.1f} MiB; float32 model {float_bytes / 2**20:.1f} MiB) "
             f"in {summary['wall_seconds']:.0f} s, peak RSS {summary['peak_rss_mib']:.0f} MiB"
@@ -320,7 +336,7 @@ def _print_layers(console, layers: list[dict]) -> None:
 
 def _calibrate_kv(model, tokenizer, spec, opts, console) -> dict:
     """Static KV scales for ``--kv-scheme`` on a model without stored ones (calibration text ``opts.kv_calib``)."""
-    from .quant.kv import cache_kwarg, kv_observer, observed_absmax, static_scales
+    from .quant.kv import cache_kwarg, kv_observer, layer_scales, observed_absmax
 
     text = load_text(opts.kv_calib, part="calib")
     ids = sample_windows(tokenize(tokenizer, text.text), opts.kv_calib_samples, 512, 0)
@@ -330,7 +346,8 @@ def _calibrate_kv(model, tokenizer, spec, opts, console) -> dict:
             model(b.to(opts.device), use_cache=True, **{cache_kwarg(model): obs})
     if console:
         console.print(f"KV scales for {spec.describe()} calibrated on {opts.kv_calib_samples} x 512 tokens of {text.name}")
-    return {i: (static_scales(k, spec).half().float(), static_scales(v, spec).half().float())
+    layout = get_arch(model.config.model_type).kv_layout(model.config)
+    return {i: tuple(x.half().float() for x in layer_scales(k, v, spec, layout))
             for i, (k, v) in observed_absmax(obs).items()}
 
 
@@ -340,17 +357,18 @@ def _kv_report(spec, source, ref_source, opts) -> dict:
 
     cfg_folder = Path(opts.artifact)
     cfg = AutoConfig.from_pretrained(str(cfg_folder))
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+    layout = get_arch(cfg.model_type).kv_layout(cfg)
+    shape = (layout.n_layers, layout.components[0].heads, layout.components[0].width)
     max_pos = getattr(cfg, "max_position_embeddings", None) or 32768
     contexts = tuple(sorted({c for c in (2048, 8192, 32768) if c <= max_pos} | {max_pos}))
-    q = kv_budget(spec, *shape, opts.kv_budget_gib, contexts)
-    fp = kv_budget(None, *shape, opts.kv_budget_gib, contexts)
+    q = kv_budget(spec, *shape, opts.kv_budget_gib, contexts, layout=layout)
+    fp = kv_budget(None, *shape, opts.kv_budget_gib, contexts, layout=layout)
     return {
         "scheme": spec.describe(), "source": source, "kv_chunk": opts.kv_chunk,
         "calibration": ({"text": opts.kv_calib, "samples": opts.kv_calib_samples, "seqlen": 512, "seed": 0}
                         if source == "--kv-scheme" and spec.static else None),
-        "layers_kv_heads_head_dim": list(shape), "budget_gib": opts.kv_budget_gib,
+        "layers_kv_heads_head_dim": list(shape) if layout.attention == "gqa" else None, "layout": layout.as_dict(),
+        "budget_gib": opts.kv_budget_gib,
         "bytes_per_token": q["bytes_per_token"], "fp16_bytes_per_token": fp["bytes_per_token"],
         "max_tokens": q["max_tokens"], "fp16_max_tokens": fp["max_tokens"],
         "max_batch": q["max_batch"], "fp16_max_batch": fp["max_batch"],
@@ -553,7 +571,8 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
                 report["warnings"].append(
                     f"--seqlen {opts.seqlen} <= KIVI residual_length {spec.residual_length}: no token is ever quantized, "
                     "the KV figures measure nothing; use a longer --seqlen")
-            make_cache = lambda: quantized_cache(spec, n_layers, scales)  # noqa: E731
+            layout = get_arch(model.config.model_type).kv_layout(model.config)
+            make_cache = lambda: quantized_cache(spec, n_layers, scales, layout)  # noqa: E731
         candidates = {}
         if weights_quantized:
             candidates["weights only"] = (model, None)

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from . import __version__
+from .arch import get_arch, state_from_checkpoint
 from .errors import InputError
 from .formats import compressed_tensors as ct
 from .integrity import build_manifest, check_hashes  # noqa: F401  (re-exported)
@@ -79,10 +80,11 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def _state_tensors(model, modules: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _state_tensors(model, modules: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype, rename=None) -> dict[str, torch.Tensor]:
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
+        name = rename(name) if rename is not None else name  # checkpoint names (e.g. Mixtral's block_sparse_moe)
         module = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and module in modules:
             continue
@@ -120,6 +122,7 @@ def write_artifact(
     provenance: dict | None = None,
     digest_algorithm: str = "sha256",
     finalize=None,
+    rename=None,
 ) -> Manifest:
     """Write the artifact folder ``out`` atomically and return its manifest.
 
@@ -133,6 +136,8 @@ def write_artifact(
         finalize: called with the temporary folder once the manifest is written and
             before the rename (signing happens here, so a signed artifact never appears
             unsigned); an exception from it leaves nothing behind.
+        rename: maps the model's tensor names to checkpoint names (``modules`` are already
+            named so), see :func:`compressor.arch.checkpoint_name`.
     """
     from safetensors.torch import save_file
 
@@ -140,7 +145,7 @@ def write_artifact(
     check_output(out, overwrite)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-tmp-", dir=out.resolve().parent))
     try:
-        tensors = _state_tensors(model, modules, DTYPES[dtype_name])
+        tensors = _state_tensors(model, modules, DTYPES[dtype_name], rename)
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         del tensors
         (tmp / "config.json").write_text(
@@ -235,6 +240,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
             state[f"{module}.weight"] = read_quant_weight(method, qc, module, t).dequantize(dtype)
         except InputError as e:
             raise InputError(f"{folder}: {e}") from None
+    state = state_from_checkpoint(get_arch(cfg.model_type), model, state)  # MoE: per-expert tensors -> fused experts
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:

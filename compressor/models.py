@@ -83,6 +83,20 @@ def resolve_source(spec: str) -> ModelSource:
     return ModelSource(spec, "hf", path)
 
 
+def peek_model_type(source: ModelSource) -> str | None:
+    """``model_type`` from a Hugging Face folder's ``config.json`` without loading the model
+    (``None`` for GGUF files or an unreadable config: the loader reports those)."""
+    if source.kind != "hf":
+        return None
+    try:
+        import json
+
+        value = json.loads((source.path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
     """Load ``(model, tokenizer)`` in ``dtype`` on CPU, eval mode, no gradients.
 

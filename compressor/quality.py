@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .arch import get_arch
+from .arch import checkpoint_name, find_module, get_arch, layer_groups, layer_linears, linear_weight
 from .stats import first_divergence, summarize, weight_error, weight_stats
 
 
@@ -20,43 +20,57 @@ def _awq_equivalent_scales(reference, artifact, arch) -> dict[str, tuple[torch.T
     preceding op's output by ``s``, so the artifact's ``W_hat`` approximates
     ``diag(1/s_row) W diag(s_col)``, not ``W`` (``s_row`` when the linear is itself the
     preceding op of another group, e.g. ``up_proj`` before ``down_proj``). For a norm
-    before the linear, ``s = norm_ref / norm_art`` exactly (up to the stored dtype). For a
+    before the linear, ``s = (norm_ref + o) / (norm_art + o)`` exactly (up to the stored
+    dtype; ``o`` the arch's ``norm_offset``, 1 for Gemma's ``(1 + weight)`` norms). For a
     linear ``P`` before it the scale is fitted per output row of ``P`` (whose rows were
-    divided by ``s``): ``s_j = <P_j, P_j> / <P_hat_j, P_j>`` (least squares, ``P`` taken
+    divided by ``s``; only the group's chunk of rows, ``prev_rows``, for GLM-4's fused
+    ``gate_up_proj``): ``s_j = <P_j, P_j> / <P_hat_j, P_j>`` (least squares, ``P`` taken
     with its own input scales; it absorbs the error component along ``P_j``, about
     ``1/in_features`` of ``P``'s error energy). A change that rescales whole output rows
     of ``P`` is indistinguishable from AWQ's own scaling and shows up in the consuming
-    linear instead.
+    linear instead. Experts kept fused by transformers are read as per-expert slices.
     """
     out: dict[str, list] = {}
     layers_ref = reference.get_submodule(arch.layers)
     layers_art = artifact.get_submodule(arch.layers)
     ones = lambda t: torch.allclose(t, torch.ones_like(t), rtol=0, atol=1e-6)  # noqa: E731
     for i, (lr, la) in enumerate(zip(layers_ref, layers_art)):
-        for group in arch.awq_groups:
-            prev_r, prev_a = lr.get_submodule(group.prev_op), la.get_submodule(group.prev_op)
-            is_norm = not isinstance(prev_r, torch.nn.Linear)
+        for group in layer_groups(arch, lr):
+            prev_r = find_module(lr, group.prev_op)
+            is_norm = prev_r is not None and not isinstance(prev_r, torch.nn.Linear)
+            rows = None
             if is_norm:
-                num, den = prev_r.weight.detach().double(), prev_a.weight.detach().double()
+                off = arch.norm_offset
+                num = prev_r.weight.detach().double() + off
+                den = la.get_submodule(group.prev_op).weight.detach().double() + off
                 nz = den.abs() > 0
                 s = torch.where(nz, num / torch.where(nz, den, torch.ones_like(den)), torch.ones_like(den))
             else:
-                if lr.get_submodule(group.linears[0]).weight.shape[1] != prev_r.weight.shape[0]:
+                p = linear_weight(arch, lr, group.prev_op).detach().double()
+                p_hat = linear_weight(arch, la, group.prev_op).detach().double()
+                if group.prev_rows is not None:
+                    k, n = group.prev_rows
+                    step = p.shape[0] // n
+                    rows = slice(k * step, (k + 1) * step)
+                    p, p_hat = p[rows], p_hat[rows]
+                if linear_weight(arch, lr, group.linears[0]).shape[1] != p.shape[0]:
                     continue  # the group was skipped at quantization (shapes do not chain)
                 # fit from the producer, whose output rows were divided by s: P_hat_j ~ P_j diag(c) / s_j
-                p = prev_r.weight.detach().double()
                 c = out.get(f"{arch.layers}.{i}.{group.prev_op}", [None, None])[1]
                 if c is not None:
                     p = p * c.view(1, -1)
-                p_hat = prev_a.weight.detach().double()
-                s = p.pow(2).sum(1) / (p_hat * p).sum(1).where((p_hat * p).sum(1).abs() > 1e-30,
-                                                                 torch.full_like(p[:, 0], 1e-30))
+                dot = (p_hat * p).sum(1)
+                s = p.pow(2).sum(1) / dot.where(dot.abs() > 1e-30, torch.full_like(dot, 1e-30))
             if ones(s):
                 continue
             for rel in group.linears:
                 out.setdefault(f"{arch.layers}.{i}.{rel}", [None, None])[1] = s
             if not is_norm:
-                out.setdefault(f"{arch.layers}.{i}.{group.prev_op}", [None, None])[0] = s
+                full = s
+                if rows is not None:
+                    full = torch.ones(linear_weight(arch, lr, group.prev_op).shape[0], dtype=s.dtype)
+                    full[rows] = s
+                out.setdefault(f"{arch.layers}.{i}.{group.prev_op}", [None, None])[0] = full
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
@@ -71,6 +85,10 @@ def weight_report(reference, artifact, algorithm: str) -> dict:
         algorithm: the recipe's algorithm; for ``awq`` the folded input scales are
             undone first (see :func:`_awq_equivalent_scales`).
 
+    Every linear of the architecture row is compared, routed experts one by one (named
+    ``<layers>.<i>.mlp.experts.<e>.gate_proj.weight`` etc., sliced from transformers'
+    fused expert tensors).
+
     Returns:
         ``{"tensors": [{"name", "layer", "rel_fro", "sqnr_db", "original": stats,
         "artifact": stats}], "layers": [{"layer", "mean_rel_fro", "min_sqnr_db",
@@ -82,10 +100,10 @@ def weight_report(reference, artifact, algorithm: str) -> dict:
     layers_ref = reference.get_submodule(arch.layers)
     layers_art = artifact.get_submodule(arch.layers)
     for i, (lr, la) in enumerate(zip(layers_ref, layers_art)):
-        for rel in arch.linears:
+        for rel in layer_linears(arch, lr):
             name = f"{arch.layers}.{i}.{rel}"
-            w = lr.get_submodule(rel).weight.detach().double()
-            w_hat = la.get_submodule(rel).weight.detach().double()
+            w = linear_weight(arch, lr, rel).detach().double()
+            w_hat = linear_weight(arch, la, rel).detach().double()
             row, col = scales.get(name, (None, None))
             # AWQ scales undone: W_hat -> diag(s_row) W_hat diag(1/s_col), in the original's space,
             # where the error acts on the original activations (what the served function sees)
@@ -99,7 +117,7 @@ def weight_report(reference, artifact, algorithm: str) -> dict:
                 continue  # left in float (ignored by the recipe)
             if math.isnan(err["rel_fro"]) or math.isnan(err["sqnr_db"]):  # NaN/Inf in the artifact: worst possible
                 err = {"rel_fro": math.inf, "sqnr_db": -math.inf}
-            tensors.append({"name": f"{name}.weight", "layer": i, **err,
+            tensors.append({"name": f"{checkpoint_name(arch, name)}.weight", "layer": i, **err,
                             "original": weight_stats(w), "artifact": weight_stats(w_back)})
     layers = []
     for i in sorted({t["layer"] for t in tensors}):

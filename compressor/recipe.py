@@ -70,6 +70,16 @@ class GPTQOptions(_Strict):
     true_sequential: bool = True
 
 
+class MoEOptions(_Strict):
+    """Mixture-of-experts calibration. Every routed expert is quantized; an expert that the
+    calibration data routed fewer than ``min_tokens`` (token, slot) pairs to is quantized
+    with RTN (min-max, no clipping; with AWQ inside the layer's shared input scaling) instead
+    of AWQ's clipping search / GPTQ's Hessian, and flagged in the manifest
+    (``quality.moe.fallback``). Routers stay in float."""
+
+    min_tokens: int = Field(128, ge=0)
+
+
 class WeightOverride(_Strict):
     """Fields of a weight scheme to change for the modules matched by ``targets``."""
 
@@ -159,6 +169,7 @@ class Recipe(_Strict):
     overrides: list[Override] = Field(default_factory=list, description="per-module weight schemes (mixed precision)")
     awq: AWQOptions = AWQOptions()
     gptq: GPTQOptions = GPTQOptions()
+    moe: MoEOptions = MoEOptions()
     kv_cache: Optional[KVCacheOptions] = Field(None, description="KV-cache scheme; null keeps the cache in float")
     gates: Gates = Gates()
 

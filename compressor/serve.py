@@ -419,6 +419,9 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
 
     folder = check_artifact_folder(opts.artifact)
     manifest = load_manifest(folder)
+    from .runtime.model import check_servable_folder
+
+    check_servable_folder(folder)  # MoE/MLA/Gemma/GLM: one line, exit 2, before hashing
     prompts = load_prompts(opts.prompts)
     thresholds = _smoke_thresholds(manifest, opts)
     hashes = check_hashes(folder)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..arch import ArchSpec, get_arch
+from ..arch import ARCHITECTURES, ArchSpec, get_arch
 from ..errors import InputError
 from .linear import Linear, check_backend, make_linear
 from .weights import MARKER, PACKED_LEAVES, read_quant_weight
@@ -245,12 +245,37 @@ def _read_config(folder: Path) -> tuple[dict, object]:
         raise InputError(f"{folder}/config.json: {e}") from None
     if not isinstance(raw, dict):
         raise InputError(f"{folder}/config.json must be a JSON object")
-    get_arch(str(raw.get("model_type")))  # unsupported architecture: InputError listing the supported ones
+    check_servable(str(raw.get("model_type")))
     try:
         cfg = AutoConfig.from_pretrained(str(folder))
     except Exception as e:  # transformers raises many types for a bad config
         raise InputError(f"{folder}/config.json: {str(e).splitlines()[0]}") from None
     return raw, cfg
+
+
+def check_servable(model_type: str) -> None:
+    """Refuse, in one line, an architecture the runtime does not run (the arch row's ``runtime`` flag).
+
+    Raises:
+        InputError: not in the architecture table (lists the supported ones), or in it
+            but not served by this runtime (MoE, MLA, Gemma's and GLM's norm layouts;
+            lists the served ones and points to ``kvq verify``).
+    """
+    arch = get_arch(model_type)
+    if not arch.runtime:
+        served = sorted(k for k, a in ARCHITECTURES.items() if a.runtime)
+        raise InputError(f"the bundled runtime does not serve architecture '{model_type}' (it serves {', '.join(served)}); "
+                         "check this artifact with kvq verify")
+
+
+def check_servable_folder(folder: str | Path) -> None:
+    """:func:`check_servable` for an artifact folder's ``config.json`` (a missing or bad one is left to the loader)."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(raw, dict):
+        check_servable(str(raw.get("model_type")))
 
 
 class _Tensors:
@@ -315,9 +340,6 @@ def load_decoder(folder: str | Path, device: str | torch.device = "cpu", backend
         raise InputError("--device cuda but torch sees no CUDA device")
     raw, cfg = _read_config(folder)
     arch: ArchSpec = get_arch(cfg.model_type)
-    missing = [n for n in LAYER_LINEARS if n not in arch.linears]
-    if missing:
-        raise InputError(f"architecture '{cfg.model_type}' has no {missing[0]}: the runtime serves llama-like decoders only")
     spec = DecoderSpec.from_config(cfg)
     inv_freq, scaling = rope_frequencies(cfg)
     if dtype is None:
