@@ -9,7 +9,7 @@ DEMO   ?= .kvq-demo
 DEMO_SAMPLES ?= 32
 DEMO_WINDOWS ?= 8
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench bench-quality clean
 
 # a throwaway EC P-256 key pair for the demo's signature (argv[1]: folder for key.pem / pub.pem)
 define KEYGEN
@@ -67,7 +67,12 @@ demo: install
 	$(BIN)/python -c "import json; r=json.load(open('$(DEMO)/serve-smoke.json')); rt=r['runtime']; c=r['comparison']; h=r['http']; print(f\"demo: serve-smoke passed: decode {rt['batch_1']['decode_tokens_per_s']:.1f} tokens/s (batch 1), {rt['batch_8']['decode_tokens_per_s']:.1f} (batch 8), KV {rt['kv_scheme']} {rt['kv_bytes_per_token']:.0f} B/token, top-1 agreement {c['top1_agreement_pct']:.1f} %, HTTP {h['ok']}/{h['requests']} ok\")"; \
 	echo "demo: artifact in $(DEMO)/smollm2-w4a16-awq (signed: model.sig), report in $(DEMO)/report/report.md (+ report.html, PNGs), serve-smoke in $(DEMO)/serve-smoke.json"
 
+# kvq vs llm-compressor (peer venv in bench/.peers/); QUICK=1 for a short run
 bench: install
+	QUICK=$(QUICK) $(BIN)/python bench/peer_bench.py
+
+# quality tables of issues #2-#4 (kvq alone; cached results in bench/results/ are reused)
+bench-quality: install
 	$(BIN)/python bench/run_bench.py
 	$(BIN)/python bench/run_kv_bench.py
 
