@@ -84,20 +84,3 @@ def unfuse_experts(model, arch: ArchSpec) -> int:
         setattr(get_module(layer, parent_path) if parent_path else layer, leaf, unfused)
         converted += 1
     return converted
-
-
-def moe_layers(model, arch: ArchSpec) -> dict[int, UnfusedExperts]:
-    """Layer index -> its :class:`UnfusedExperts` (after :func:`unfuse_experts`)."""
-    if arch.moe is None:
-        return {}
-    out = {}
-    for i, layer in enumerate(get_module(model, arch.layers)):
-        m = find_module(layer, arch.moe.experts)
-        if isinstance(m, UnfusedExperts):
-            out[i] = m
-    return out
-
-
-def top_k(model) -> int | None:
-    """Experts each token is routed to (``num_experts_per_tok``), if the config says."""
-    return getattr(model.config, "num_experts_per_tok", None)

@@ -97,16 +97,23 @@ def check_patterns(model, recipe: Recipe, arch: ArchSpec) -> list[str]:
     otherwise silently change the scheme); ``ignore`` entries matching nothing are warnings.
 
     Raises:
-        InputError: names the first pattern that matches no decoder linear.
+        InputError: names the first pattern that matches no decoder linear (a pattern
+            naming only MoE routers says that routers stay in float).
     """
+    from .arch import routers
     from .recipe import matches
 
     layers = get_module(model, arch.layers)
     names = [f"{arch.layers}.{i}.{rel}" for i, layer in enumerate(layers) for rel in layer_linears(arch, layer)]
     hint = f"decoder linears are named like {names[0]}" if names else ""
+    gates = routers(arch, model)
     for where, pats in [("targets", recipe.targets)] + [(f"overrides[{k}].targets", o.targets) for k, o in enumerate(recipe.overrides)]:
         for p in pats:
             if not any(matches([p], n) for n in names):
+                hit = next((g for g in gates if matches([p], g)), None)
+                if hit is not None:
+                    raise InputError(f"recipe {where}: {p!r} names the MoE router {hit}; routers stay in float "
+                                     "(vLLM builds them unquantized): drop the pattern")
                 raise InputError(f"recipe {where}: {p!r} matches no decoder linear ({hint}; lm_head and embeddings stay float)")
     return [f"recipe ignore entry {p!r} matches no decoder linear" for p in recipe.ignore if not any(matches([p], n) for n in names)]
 

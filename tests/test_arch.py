@@ -162,6 +162,16 @@ def test_awq_groups_fold_exactly(model_type):
     assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
+def test_deepseek_without_q_lora_uses_q_proj():
+    """DeepSeek-V2-Lite style MLA (q_lora_rank None: a plain q_proj) through the same row."""
+    m = tiny("deepseek_v3", q_lora_rank=None)
+    ref = m(IDS).logits
+    res = quantize_model(m, _recipe("gptq"), IDS, batch_size=4)
+    assert "model.layers.0.self_attn.q_proj" in res.modules and not any("q_a_proj" in n for n in res.modules)
+    assert float(torch.nn.functional.kl_div(torch.log_softmax(m(IDS).logits, -1), torch.log_softmax(ref, -1),
+                                            log_target=True, reduction="batchmean")) < 0.05
+
+
 def test_fold_into_a_post_norm_would_not_be_exact():
     """The control for the test above: Gemma's post_attention_layernorm normalizes the
     attention output, so scaling into it (as a naive table would) changes the function."""
@@ -310,6 +320,11 @@ def test_moe_formats_round_trip(fmt, tmp_path, model_dirs):
                 want = dequantize(q, scale.half(), None if fmt != "awq" else zp, 32, dtype=torch.float32)
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     torch.testing.assert_close(model.model.layers[1].mlp.gate.weight, src.model.layers[1].mlp.gate.weight.half().float())
+
+
+def test_targeting_a_router_is_refused():
+    with pytest.raises(InputError, match=r"names the MoE router model.layers.1.mlp.gate; routers stay in float"):
+        quantize_model(tiny("qwen3_moe"), _recipe("rtn", targets=["re:.*mlp\\.gate"]), None)
 
 
 def _cold_deepseek(seed=0):

@@ -29,14 +29,18 @@ from .primitives import fake_quantize, fake_quantize_grouped, resolve_group_size
 def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
     """Mean over output rows of ``|w| / max|w| in its group``; ``[in]`` float32.
 
-    ``weights``: list of ``[out_i, in]`` tensors sharing ``in``.
+    ``weights``: list of ``[out_i, in]`` tensors sharing ``in`` (summed one at a time, no
+    concatenated copy).
     """
-    w = torch.cat([x.float() for x in weights], dim=0)
-    out_f, in_f = w.shape
+    in_f = weights[0].shape[1]
     gs = resolve_group_size(group_size, in_f)
-    wg = w.abs().reshape(out_f, in_f // gs, gs)
-    wg = wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-12)
-    return wg.reshape(out_f, in_f).mean(0)
+    total, rows = torch.zeros(in_f, dtype=torch.float32, device=weights[0].device), 0
+    for x in weights:  # one weight at a time: an MoE group holds every expert's gate/up
+        wg = x.float().abs().reshape(x.shape[0], in_f // gs, gs)
+        wg = wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-12)
+        total += wg.reshape(x.shape[0], in_f).sum(0)
+        rows += x.shape[0]
+    return total / rows
 
 
 @torch.no_grad()

@@ -141,13 +141,16 @@ class KVLayout:
 
     @property
     def kinds(self) -> tuple[str, str]:
+        """KIVI grouping of the two cache slots: ``k`` per channel, ``v`` per token."""
         return self.components[0].kind, self.components[1].kind
 
     def describe(self) -> str:
+        """One line, e.g. ``mla: 61 layers x (latent 1x512 + rope key 1x64) per token``."""
         parts = " + ".join(f"{c.name} {c.heads}x{c.width}" for c in self.components)
         return f"{self.attention}: {self.n_layers} layers x ({parts}) per token"
 
     def as_dict(self) -> dict:
+        """JSON form for the manifest's ``kv_cache.layout`` and verify's report."""
         return {"attention": self.attention, "layers": self.n_layers, "shared_scale": self.shared_scale,
                 "components": [{"name": c.name, "heads": c.heads, "width": c.width,
                                 "kivi_grouping": "per channel" if c.kind == "k" else "per token"}
