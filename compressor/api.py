@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import resource
+import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,16 +13,17 @@ from typing import Optional, Union
 
 import torch
 
-from .artifact import DTYPES, check_output, foreign_manifest, load_artifact, read_kv_cache, tool_info, write_artifact
+from .artifact import DTYPES, check_output, foreign_manifest, load_artifact, read_kv_cache, state_tensors, tool_info, write_artifact
 from .integrity import check_artifact_folder, foreign_integrity, verify_integrity
 from .calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
-from .errors import CheckFailed, InputError
+from .errors import CheckFailed, InputError, KvqError
 from .evaluate import windows
 from .formats import check_format, check_shapes, format_config, gptq_checkpoint_format, pack_modules
 from .manifest import SIGNATURE_NAME, load_manifest
 from .models import ALIASES, load_model, peek_model_type, resolve_source
-from .pipeline import quantize_model
-from .arch import checkpoint_name, get_arch, routers
+from .pipeline import LayerHooks, quantize_model
+from .streaming import open_lazy, open_staging, resume_key
+from .arch import checkpoint_name, get_arch, get_module, routers
 from .formats.compressed_tensors import kv_scale_tensors
 from .quant.kv import kv_budget, layout_bytes_per_token, make_spec, quantized_cache
 from .recipe import KVCacheOptions, load_recipes, with_overrides
@@ -62,6 +65,10 @@ class QuantizeOptions:
     settings: tuple = ()  # (dotted recipe key, value) pairs from --set
     digest_algorithm: str = "sha256"  # manifest digests: sha256 | blake3
     sign: Optional[SignOptions] = None  # sign the artifact (model_signing) as the last step
+    stream: bool = True  # read a safetensors source one decoder layer at a time (compressor.streaming)
+    resume: bool = False  # continue an interrupted run from its staging folder
+    shard_bytes: int = 5 * 10**9  # maximum data bytes per output shard
+    activation_budget_gib: float = 8.0  # calibration activations above this move to memory-mapped files
 
 
 @dataclass
@@ -179,7 +186,18 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         console.print(f"[yellow]calibration:[/] {text.note}")
     if console:
         console.print(f"loading {source.spec} ({source.kind}) ...")
-    model, tokenizer = load_model(source)
+    model, ckpt, loading = None, None, "whole model (--no-stream)"
+    if opts.stream:
+        lazy = open_lazy(source)
+        if lazy[0] is not None:
+            model, tokenizer, ckpt = lazy
+            loading = "streamed: one decoder layer at a time"
+        else:
+            loading = f"whole model ({lazy[1]})"
+    if model is None:
+        model, tokenizer = load_model(source)
+    if console:
+        console.print(f"source weights: {loading}", highlight=False)
     check_shapes(opts.format, {n: m.out_features for n, m in model.named_modules()
                                if isinstance(m, torch.nn.Linear) and not recipe.is_ignored(n) and n != "lm_head"})
     calib_ids, calibration = None, None
@@ -190,32 +208,51 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
                           "(--calib-samples/--calib-seqlen/--seed do not apply)")
     elif text is not None:
         calib_ids = sample_windows(tokenize(tokenizer, text.text), opts.calib_samples, opts.calib_seqlen, opts.seed)
-        calib_ids = sample_windows(tokenize(tokenizer, text.text), opts.calib_samples, opts.calib_seqlen, opts.seed)
         calibration = {**text.provenance(), "samples": opts.calib_samples, "seqlen": opts.calib_seqlen, "seed": opts.seed}
         if console:
             console.print(f"calibration: {opts.calib_samples} x {opts.calib_seqlen} tokens from {text.name} (seed {opts.seed})")
     n_layers = model.config.num_hidden_layers
-    with _progress(console, "layers") as progress:
-        label = "float weights" if recipe.algorithm == "none" else f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}"
-        task = progress.add_task(label + (f" + KV {kv.scheme}" if kv else ""), total=n_layers)
-        result = quantize_model(
-            model, recipe, calib_ids, device=opts.device, dtype=DTYPES[opts.dtype],
-            on_layer=lambda i, n, fig: _layer_done(console, progress, task, i, n, fig),
-        )
+    arch = get_arch(model.config.model_type)
+    ckpt_name = lambda name: checkpoint_name(arch, name)  # noqa: E731
+    source_fp = source.fingerprint()
+    key = resume_key({"source": source_fp["files"], "recipe": recipe.model_dump(mode="json"), "calibration": calibration,
+                      "format": opts.format, "dtype": opts.dtype, "kvq": tool_info()["version"]})
+    staging = open_staging(out, key, opts.resume, console)
+    schemes: dict[str, tuple] = {}
+    hooks = _layer_hooks(model, arch, ckpt, staging, schemes, opts, ckpt_name)
+    try:
+        with _progress(console, "layers") as progress:
+            label = "float weights" if recipe.algorithm == "none" else f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}"
+            task = progress.add_task(label + (f" + KV {kv.scheme}" if kv else ""), total=n_layers, completed=hooks.start)
+            result = quantize_model(
+                model, recipe, calib_ids, device=opts.device, dtype=DTYPES[opts.dtype],
+                on_layer=lambda i, n, fig: _layer_done(console, progress, task, i, n, fig), hooks=hooks,
+            )
+    except KvqError:
+        shutil.rmtree(staging.path, ignore_errors=True)  # bad input or a numerical fault: nothing to resume
+        raise
+    except BaseException:
+        if staging.state.get("layers_done"):
+            msg = (f"kvq: interrupted after {staging.state['layers_done']} of {n_layers} layers; the finished layers are "
+                   f"kept in {staging.path}: rerun the same command with --resume to continue")
+            print(msg, file=sys.stderr)
+        else:
+            shutil.rmtree(staging.path, ignore_errors=True)
+        raise
     del calib_ids
     gc.collect()
     warnings += result.warnings
     if console:
         for w in warnings:
             console.print(f"[yellow]warning:[/] {w}", highlight=False)
-    schemes = {n: r.scheme for n, r in result.modules.items()}
+    schemes.update({n: r.scheme for n, r in result.modules.items()})
     quant = {
         "algorithm": recipe.algorithm,
         "format": opts.format,
         "num_bits": recipe.weights.num_bits,
         "group_size": result.group_size,
         "symmetric": recipe.weights.symmetric,
-        "modules": len(result.modules),
+        "modules": len(schemes),
         "storage_dtype": opts.dtype,
     }
     if recipe.algorithm == "none":
@@ -231,9 +268,8 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     import compressed_tensors
 
     # names as the checkpoint (and vLLM) spells them; MoE routers stay float and are listed as ignored
-    arch = get_arch(model.config.model_type)
-    ckpt = lambda name: checkpoint_name(arch, name)  # noqa: E731
-    ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in result.modules)
+    ckpt = ckpt_name
+    ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in schemes)
     ignored += routers(arch, model)
     qcfg = format_config(opts.format, recipe, {ckpt(n): v for n, v in schemes.items()},
                          [ckpt(n) for n in ignored if n != "lm_head"],
@@ -272,7 +308,6 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     if result.layers and "phase_seconds" in result.layers[0]:
         timing["phase_seconds"] = {k: round(sum(f["phase_seconds"][k] for f in result.layers), 2)
                                    for k in result.layers[0]["phase_seconds"]}
-    source_fp = source.fingerprint()
     if opts.model not in ALIASES:  # record paths absolutely so verify finds the reference from anywhere
         source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
     manifest = write_artifact(
@@ -283,6 +318,7 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         provenance={"timing": timing, "device": opts.device},
         dtype_name=opts.dtype, overwrite=opts.overwrite, digest_algorithm=opts.digest_algorithm, rename=ckpt,
         finalize=(lambda tmp: sign_folder(tmp, opts.sign)) if opts.sign is not None else None,
+        staging=staging, skip_prefix=arch.layers + ".", shard_bytes=opts.shard_bytes,
     )
     size = sum(f.size for f in manifest.files.values())
     summary = {
@@ -296,6 +332,9 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         "phase_seconds": timing.get("phase_seconds"),
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "peak_rss_mib": _peak_rss_mib(),
+        "source_loading": loading,
+        "shards": sum(1 for n in manifest.files if n.endswith(".safetensors")),
+        "resumed_from_layer": hooks.start or None,
         "mean_rel_error": quality["mean_rel_error"],
         "moe": quality.get("moe"),
         "warnings": warnings,
@@ -318,6 +357,48 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
             + (f", signed ({summary['signed']}) into {SIGNATURE_NAME}" if opts.sign is not None else "")
         )
     return summary
+
+
+def _layer_hooks(model, arch, ckpt, staging, schemes: dict, opts: QuantizeOptions, ckpt_name) -> LayerHooks:
+    """Load (streamed sources), write, checkpoint and release one decoder layer at a time.
+
+    After layer ``i``: its packed modules (popped from the result, their schemes kept in
+    ``schemes``) and float tensors go to the part ``layer-<i>``, its weights back to
+    ``meta``, and the resume state (figures, MoE records, KV statistics, next inputs) to
+    the staging folder. A resumed run restores all of that.
+    """
+    from .streaming import layer_names, load_into, to_meta
+
+    dtype = DTYPES[opts.dtype]
+
+    def load(i, layer):
+        if ckpt is not None:
+            load_into(model, ckpt, arch, layer_names(model, arch, i))
+
+    def done(i, layer, result, hidden):
+        prefix = f"{arch.layers}.{i}."
+        recs = {n: result.modules.pop(n) for n in [n for n in result.modules if n.startswith(prefix)]}
+        schemes.update({n: r.scheme for n, r in recs.items()})
+        packed = {ckpt_name(n): t for n, t in pack_modules(recs, opts.format, dtype).items()}
+        staging.save_part(f"layer-{i:05d}", state_tensors(model, packed, dtype, rename=ckpt_name, prefix=prefix))
+        to_meta(layer)
+        staging.checkpoint(i + 1, {
+            "layers": result.layers, "moe": result.moe, "moe_fallback": result.moe_fallback,
+            "schemes": {n: list(v) for n, v in schemes.items()},
+            "kv_absmax": {str(j): [k.tolist(), v.tolist()] for j, (k, v) in result.kv_absmax.items()},
+        }, hidden)
+
+    hooks = LayerHooks(load, done, activation_budget=int(opts.activation_budget_gib * 2**30), spill_dir=staging.path)
+    st = staging.state
+    if st.get("layers_done"):
+        hooks.start = int(st["layers_done"])
+        hooks.layers, hooks.moe, hooks.moe_fallback = st["layers"], st["moe"], st["moe_fallback"]
+        schemes.update({n: tuple(v) for n, v in st["schemes"].items()})
+        hooks.kv_absmax = {int(j): (torch.tensor(k), torch.tensor(v)) for j, (k, v) in st["kv_absmax"].items()}
+        hooks.hidden = staging.load_hidden(opts.device)
+        for i in range(hooks.start):  # finished layers are never loaded again
+            to_meta(get_module(model, arch.layers)[i])
+    return hooks
 
 
 def _print_layers(console, layers: list[dict]) -> None:

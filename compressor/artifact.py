@@ -80,10 +80,17 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def _state_tensors(model, modules: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype, rename=None) -> dict[str, torch.Tensor]:
+def state_tensors(model, modules: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype, rename=None,
+                  prefix: str | None = None, skip_prefix: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors to store: ``model``'s float state (in ``dtype``; tied ``lm_head`` once;
+    weights of packed modules left out) plus ``modules``' packed tensors, by checkpoint
+    name. ``prefix`` keeps only names under it (one decoder layer); ``skip_prefix`` drops
+    names under it (the decoder layers, already written part by part)."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
+        if (prefix is not None and not name.startswith(prefix)) or (skip_prefix is not None and name.startswith(skip_prefix)):
+            continue
         name = rename(name) if rename is not None else name  # checkpoint names (e.g. Mixtral's block_sparse_moe)
         module = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and module in modules:
@@ -123,6 +130,9 @@ def write_artifact(
     digest_algorithm: str = "sha256",
     finalize=None,
     rename=None,
+    staging=None,
+    skip_prefix: str | None = None,
+    shard_bytes: int = 5 * 10**9,
 ) -> Manifest:
     """Write the artifact folder ``out`` atomically and return its manifest.
 
@@ -138,16 +148,31 @@ def write_artifact(
             unsigned); an exception from it leaves nothing behind.
         rename: maps the model's tensor names to checkpoint names (``modules`` are already
             named so), see :func:`compressor.arch.checkpoint_name`.
+        staging: a :class:`compressor.streaming.Staging` whose folder becomes the artifact
+            and whose part files (decoder layers written as they finished) are assembled
+            into the shards; ``skip_prefix`` then names the tensors already in those parts.
+        shard_bytes: maximum data bytes per shard; one shard is ``model.safetensors``,
+            several are ``model-0000k-of-0000N.safetensors`` plus the index.
     """
     from safetensors.torch import save_file
 
+    from .safetensors_io import write_shards
+
     out = Path(out)
     check_output(out, overwrite)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-tmp-", dir=out.resolve().parent))
+    tmp = staging.path if staging is not None else Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-tmp-", dir=out.resolve().parent))
     try:
-        tensors = _state_tensors(model, modules, DTYPES[dtype_name], rename)
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        tensors = state_tensors(model, modules, DTYPES[dtype_name], rename, skip_prefix=skip_prefix)
+        parts = list(staging.parts) if staging is not None else []
+        last = tmp / "part-final.safetensors"
+        save_file(tensors, str(last), metadata={"format": "pt"})
         del tensors
+        parts.append(last)
+        write_shards(parts, tmp, shard_bytes)
+        for p in parts:
+            p.unlink()
+        if staging is not None:
+            staging.clear_resume_files()
         (tmp / "config.json").write_text(
             json.dumps(_config_dict(model, quant_config, dtype_name), indent=2, sort_keys=True) + "\n"
         )

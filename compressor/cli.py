@@ -70,6 +70,23 @@ def cli():
     """
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _parse_size(value: str, param) -> int:
+    """``5GB`` / ``500MB`` / ``2GiB`` / ``123456`` -> bytes (at least 1 MB)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise click.BadParameter(f"{value!r} is not a size like 500MB, 5GB or 2GiB", param=param)
+    n = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if n < 10**6:
+        raise click.BadParameter(f"{value!r} is below the 1 MB minimum", param=param)
+    return n
+
+
 @cli.command()
 @click.argument("model")
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Artifact folder to create (must not exist unless --overwrite).")
@@ -95,10 +112,14 @@ def cli():
 @click.option("--sign-password", default=None, envvar="KVQ_SIGN_PASSWORD", help="Password of an encrypted --sign-key (or env KVQ_SIGN_PASSWORD).")
 @click.option("--sign-certificate", type=click.Path(dir_okay=False, path_type=Path), default=None, help="With --sign-key: the key's signing certificate (PEM), for certificate-based signing.")
 @click.option("--sign-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="With --sign-certificate: a certificate of its chain (repeatable).")
+@click.option("--stream/--no-stream", default=True, show_default=True, help="Read a safetensors MODEL one decoder layer at a time (memory-mapped; peak memory about one layer plus calibration activations); --no-stream loads it whole. GGUF files are always loaded whole.")
+@click.option("--shard-size", default="5GB", show_default=True, callback=lambda c, p, v: _parse_size(v, p), help="Maximum size of one output weights file (e.g. 500MB, 2GiB); several files get model-0000k-of-0000N names and model.safetensors.index.json.")
+@click.option("--activation-budget-gib", type=click.FloatRange(0, None), default=8.0, show_default=True, help="Calibration activations above this size move to memory-mapped files in the staging folder.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run of the same command from its last finished layer (kept in .OUTPUT.kvq-partial beside OUTPUT); refused if the inputs changed.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout; no progress bar.")
 def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, symmetric, act_order, settings, fmt, calib, calib_field,
              calib_samples, calib_seqlen, seed, device, dtype, overwrite, digest_algorithm, sign_key, sign_password,
-             sign_certificate, sign_chain, as_json):
+             sign_certificate, sign_chain, stream, shard_size, activation_budget_gib, resume, as_json):
     """Quantize MODEL's linear weights and write an artifact to OUTPUT.
 
     MODEL is a Hugging Face folder (safetensors), a .gguf file, or the alias
@@ -123,6 +144,13 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
       kvq quantize smollm2-135m --recipe w4a16-awq --recipe kv-fp8 -o out/w4-fp8kv
       kvq quantize smollm2-135m --recipe kv-int4 -o out/kv-only
       kvq quantize smollm2-135m --sign-key key.pem -o out/signed
+      kvq quantize big-model/ --recipe w4a16-gptq --shard-size 2GB -o out/big   # then, if interrupted:
+      kvq quantize big-model/ --recipe w4a16-gptq --shard-size 2GB -o out/big --resume
+
+    
+    Large models: decoder layers are read from the source shards one at a time and
+    written, as each finishes, into a staging folder (.OUTPUT.kvq-partial) with a resume
+    checkpoint; the artifact appears only when complete (atomic rename).
     """
     _quiet_libraries()
     from .api import QuantizeOptions, run_quantize
@@ -153,7 +181,8 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
         model=model, output=output, recipe=tuple(recipes_), kv_scheme=kv_scheme, algorithm=algorithm, bits=bits, group_size=group_size,
         symmetric=symmetric, act_order=act_order, settings=tuple(parsed), format=fmt, calib=calib, calib_field=calib_field, calib_samples=calib_samples,
         calib_seqlen=calib_seqlen, seed=seed, device=_device(device), dtype=dtype, overwrite=overwrite,
-        digest_algorithm=digest_algorithm, sign=sign,
+        digest_algorithm=digest_algorithm, sign=sign, stream=stream, shard_bytes=shard_size, resume=resume,
+        activation_budget_gib=activation_budget_gib,
     )
     summary = run_quantize(opts, console=None if as_json else _console())
     if as_json:

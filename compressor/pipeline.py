@@ -92,6 +92,32 @@ class QuantizeResult:
     moe_fallback: list[dict] = field(default_factory=list)
 
 
+@dataclass
+class LayerHooks:
+    """Streaming and resume around the per-layer loop (see :mod:`compressor.streaming`).
+
+    ``load(i, layer)`` materializes decoder layer ``i`` before it is processed;
+    ``done(i, layer, result, hidden)`` runs after it (``hidden``: the next layer's input
+    activations, ``None`` without a calibration pass): it writes the layer's tensors,
+    records a resume checkpoint and releases the weights. Layers ``< start`` were done by
+    an interrupted run: they are skipped, ``hidden`` holds the inputs of layer ``start``
+    and ``kv_absmax`` the KV statistics already observed. Activations above
+    ``activation_budget`` bytes move to memory-mapped files in ``spill_dir``.
+    """
+
+    load: Callable[[int, torch.nn.Module], None]
+    done: Callable[[int, torch.nn.Module, "QuantizeResult", list | None], None]
+    start: int = 0
+    hidden: list | None = None
+    kv_absmax: dict = field(default_factory=dict)
+    activation_budget: int | None = None
+    spill_dir: object = None
+    #: results of the layers done before the interruption (QuantizeResult.layers / moe / moe_fallback)
+    layers: list = field(default_factory=list)
+    moe: list = field(default_factory=list)
+    moe_fallback: list = field(default_factory=list)
+
+
 def check_patterns(model, recipe: Recipe, arch: ArchSpec) -> list[str]:
     """Every ``targets``/``overrides`` pattern must match some decoder linear (a typo would
     otherwise silently change the scheme); ``ignore`` entries matching nothing are warnings.
@@ -180,7 +206,7 @@ def _layer_indices(targets: dict[str, torch.nn.Module], arch: ArchSpec) -> list[
 def check_finite(model) -> None:
     """Raise :class:`InputError` naming the first parameter holding NaN or Inf."""
     for name, p in model.named_parameters():
-        if not torch.isfinite(p).all():
+        if not p.is_meta and not torch.isfinite(p).all():  # meta: not loaded yet (streaming checks on load)
             raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to quantize")
 
 
@@ -228,7 +254,8 @@ def _to_device(obj, device):
 
 
 @torch.no_grad()
-def capture_layer_inputs(model, arch: ArchSpec, calib_ids: torch.Tensor, batch_size: int, device: str):
+def capture_layer_inputs(model, arch: ArchSpec, calib_ids: torch.Tensor, batch_size: int, device: str,
+                         kwargs_only: bool = False):
     """Inputs of decoder layer 0 and the keyword arguments of every layer, from the model's own forward.
 
     The decoder layers are replaced by catchers (restored afterwards): one forward of one
@@ -238,7 +265,8 @@ def capture_layer_inputs(model, arch: ArchSpec, calib_ids: torch.Tensor, batch_s
     embedding (and mask/RoPE construction) runs.
 
     Returns:
-        ``(hidden, kwargs)``: list of float32 ``[b, T, H]`` on ``device``, and one dict per layer.
+        ``(hidden, kwargs)``: list of float32 ``[b, T, H]`` on ``device`` (empty with
+        ``kwargs_only``, when resuming), and one dict per layer.
 
     Raises:
         QuantizationError: the model did not call some decoder layer.
@@ -263,7 +291,7 @@ def capture_layer_inputs(model, arch: ArchSpec, calib_ids: torch.Tensor, batch_s
         except _StopForward:
             pass
         layers[0] = _Catcher(0, record_hidden, 0)
-        for b in calib_ids.split(batch_size):
+        for b in [] if kwargs_only else calib_ids.split(batch_size):
             try:
                 model(input_ids=b, use_cache=False)
             except _StopForward:
@@ -272,7 +300,7 @@ def capture_layer_inputs(model, arch: ArchSpec, calib_ids: torch.Tensor, batch_s
         for i, layer in enumerate(originals):
             layers[i] = layer
     missing = [i for i, k in enumerate(kwargs) if k is None]
-    if missing or len(hidden) != len(calib_ids.split(batch_size)):
+    if missing or (not kwargs_only and len(hidden) != len(calib_ids.split(batch_size))):
         raise QuantizationError(f"the model's forward did not reach decoder layer {missing[0] if missing else 0}; "
                                 "cannot capture its inputs")
     return hidden, [_to_device(k, device) for k in kwargs]
@@ -321,6 +349,7 @@ def quantize_model(
     dtype: torch.dtype = torch.float16,
     batch_size: int = 8,
     on_layer: Callable[[int, int, dict], None] | None = None,
+    hooks: LayerHooks | None = None,
 ) -> QuantizeResult:
     """Quantize ``model`` in place according to ``recipe`` (RTN, AWQ or GPTQ).
 
@@ -334,6 +363,8 @@ def quantize_model(
         device: ``cpu`` or ``cuda``: where each layer is processed.
         dtype: storage dtype of scales in the artifact (the in-memory model stays float32).
         on_layer: progress callback ``(layer_index, n_layers, layer_figures)``.
+        hooks: per-layer load/write/release and resume state (:class:`LayerHooks`); with
+            them the decoder layers may start on the ``meta`` device.
 
     Raises:
         InputError: unsupported architecture, group size that does not fit, non-finite
@@ -364,34 +395,63 @@ def quantize_model(
         what = recipe.algorithm.upper() if recipe.algorithm in ("awq", "gptq") else f"static KV-cache scales ({kv.describe()})"
         raise InputError(f"{what} needs calibration data (--calib)")
     result = QuantizeResult(group_size=gs, warnings=pattern_warnings)
+    if hooks is not None:
+        result.layers.extend(hooks.layers)
+        result.moe.extend(hooks.moe)
+        result.moe_fallback.extend(hooks.moe_fallback)
     quantizer = _Quantizer(schemes, dtype)
     layers = get_module(model, arch.layers)
     n_layers = len(layers)
     observer = kv_observer(n_layers) if observe_kv else None
     ctx = _Ctx(arch, recipe, quantizer, targets, result, observer, min(recipe.awq.loss_samples, len(calib_ids) if calib_ids is not None else 1))
 
+    start = hooks.start if hooks is not None else 0
     if recipe.algorithm in ("rtn", "none") and not observe_kv:
         for i, layer in enumerate(layers):
+            if i < start:
+                continue
             t1 = time.perf_counter()
+            if hooks is not None:
+                hooks.load(i, layer)
             errs = _rtn_layer(i, layer, ctx)
             _record_moe(i, layer, ctx, None)
             fig = _figures(i, schemes, f"{arch.layers}.{i}.", errs, None, time.perf_counter() - t1)
             result.layers.append(fig)
+            if hooks is not None:
+                hooks.done(i, layer, result, None)
             if on_layer:
                 on_layer(i, n_layers, fig)
         result.seconds = time.perf_counter() - t0
         return result
 
     # ---- sequential pass over calibration activations (AWQ / GPTQ, or RTN/none + KV observers) ----
-    hidden, layer_kwargs = capture_layer_inputs(model, arch, calib_ids, batch_size, device)
+    resumed = hooks is not None and hooks.hidden is not None
+    hidden, layer_kwargs = capture_layer_inputs(model, arch, calib_ids, batch_size, device, kwargs_only=resumed)
+    if resumed:
+        hidden = hooks.hidden
+        for i, (k, v) in hooks.kv_absmax.items():
+            if observer is not None:
+                observer.layers[i].k_absmax, observer.layers[i].v_absmax = k, v
     layer_fn = {"awq": _awq_layer, "gptq": _gptq_layer}.get(recipe.algorithm, _plain_layer)
     for i, layer in enumerate(layers):
+        if i < start:
+            continue
         t1 = time.perf_counter()
+        if hooks is not None:
+            hooks.load(i, layer)
         layer.to(device)
         hidden, fig = layer_fn(i, layer, hidden, layer_kwargs[i], ctx)
         layer.to("cpu")
+        if hooks is not None and hooks.activation_budget is not None:
+            from .streaming import spill
+
+            hidden = spill(hidden, hooks.spill_dir, f"{i % 2}", hooks.activation_budget)
         fig["seconds"] = round(time.perf_counter() - t1, 3)
         result.layers.append(fig)
+        if observer is not None and observer.layers[i].k_absmax is not None:
+            result.kv_absmax[i] = (observer.layers[i].k_absmax, observer.layers[i].v_absmax)
+        if hooks is not None:
+            hooks.done(i, layer, result, hidden)
         if on_layer:
             on_layer(i, n_layers, fig)
     raised = [f for f in result.layers if f.get("gptq", {}).get("damp_retries")]

@@ -319,3 +319,81 @@ def file_digest(path: str | os.PathLike, algorithm: str = "sha256") -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, shard_bytes: int,
+                 metadata: dict[str, str] | None = None) -> dict[str, str]:
+    """Concatenate the tensors of safetensors ``parts`` into shards of at most ``shard_bytes``
+    of data each (a tensor larger than that gets a shard of its own), streaming the bytes
+    (memory stays O(copy buffer), whatever the model size).
+
+    One shard is written as ``model.safetensors``; several as
+    ``model-0000k-of-0000N.safetensors`` plus ``model.safetensors.index.json``
+    (``{"metadata": {"total_size"}, "weight_map": {tensor: file}}``, the Hugging Face
+    sharded-checkpoint index). Tensors keep the order of the parts; within a shard the
+    header is sorted by name and the data follows in that order (safetensors spec: 8-byte
+    little-endian header length, JSON header padded with spaces to 8 bytes, data buffer
+    fully indexed, no holes).
+
+    Returns:
+        ``{tensor name: shard file name}``.
+
+    Raises:
+        InputError: a part has a bad header, or two parts hold the same tensor name.
+    """
+    out_dir = Path(out_dir)
+    entries: list[tuple[Path, TensorEntry]] = []
+    seen: set[str] = set()
+    for p in parts:
+        for e in read_header(p).values():
+            if e.name in seen:
+                raise InputError(f"tensor {e.name} written twice while assembling the shards")
+            seen.add(e.name)
+            entries.append((Path(p), e))
+    groups: list[list[tuple[Path, TensorEntry]]] = [[]]
+    size = 0
+    for item in entries:
+        n = item[1].end - item[1].start
+        if groups[-1] and size + n > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += n
+    total = len(groups)
+    names = ["model.safetensors"] if total == 1 else [f"model-{k:05d}-of-{total:05d}.safetensors" for k in range(1, total + 1)]
+    weight_map: dict[str, str] = {}
+    for fname, group in zip(names, groups):
+        group = sorted(group, key=lambda it: it[1].name)
+        header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+        off = 0
+        for _p, e in group:
+            n = e.end - e.start
+            header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [off, off + n]}
+            off += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(out_dir / fname, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            handles: dict[Path, object] = {}
+            try:
+                for p, e in group:
+                    if p not in handles:
+                        handles[p] = open(p, "rb")
+                    src = handles[p]
+                    src.seek(e.start)
+                    left = e.end - e.start
+                    while left:
+                        chunk = src.read(min(left, 64 << 20))
+                        if not chunk:
+                            raise InputError(f"{p}: truncated while assembling the shards")
+                        f.write(chunk)
+                        left -= len(chunk)
+                    weight_map[e.name] = fname
+            finally:
+                for h in handles.values():
+                    h.close()
+    if total > 1:
+        index = {"metadata": {"total_size": sum(e.end - e.start for _p, e in entries)},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return weight_map

@@ -1,0 +1,321 @@
+"""Quantizing models larger than memory: lazy source weights, per-layer output parts, resume.
+
+``kvq quantize`` on a Hugging Face safetensors folder builds the model on the ``meta``
+device (no weight memory), reads the embedding, final norm and head from the source
+shards (memory-mapped, :class:`LazyCheckpoint`), and materializes one decoder layer at a
+time just before the pipeline processes it (:class:`LayerStream`). When the layer is done
+its packed tensors and remaining float tensors are written to a part file in the staging
+folder and the layer's weights go back to ``meta``; at the end the parts are concatenated
+into the artifact's shards (:func:`compressor.safetensors_io.write_shards`). Peak memory
+is therefore about one decoder layer plus the calibration activations, independent of
+depth. GGUF sources, and folders whose tensor names do not map onto the model (a layout
+kvq cannot address tensor by tensor), are loaded whole instead, and the summary says so.
+
+Calibration activations (``[samples, seqlen, hidden]`` float32, plus the next layer's)
+move to memory-mapped files in the staging folder when they exceed
+``activation_budget`` bytes (:func:`spill`): the page cache holds them, so they are
+reclaimable rather than anonymous memory.
+
+Resume: the staging folder ``.<OUT>.kvq-partial`` beside the output holds the finished
+layers' part files and ``resume.json`` (what was done, and a key over the source files,
+recipe, calibration and output options); after each layer the next layer's input
+activations are saved too. ``kvq quantize ... --resume`` continues after the last
+finished layer when the key matches; without ``--resume`` a stale staging folder is
+replaced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import InputError
+from .safetensors_io import read_header
+
+RESUME_NAME = "resume.json"
+HIDDEN_NAME = "resume-hidden.safetensors"
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class LazyCheckpoint:
+    """Tensor name -> shard of a safetensors folder; tensors are read on demand (mmap).
+
+    Raises:
+        InputError: a shard with a bad header; a tensor name in two shards.
+    """
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        self.where: dict[str, Path] = {}
+        for shard in sorted(self.folder.glob("*.safetensors")):
+            for name in read_header(shard):
+                if name in self.where:
+                    raise InputError(f"{self.folder}: tensor {name} is stored in both {self.where[name].name} and {shard.name}")
+                self.where[name] = shard
+        self._open = {}
+        self._safe_open = safe_open
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Read ``name`` into memory as ``dtype`` (a private copy)."""
+        shard = self.where[name]
+        if shard not in self._open:
+            self._open[shard] = self._safe_open(str(shard), framework="pt")
+        t = self._open[shard].get_tensor(name)
+        return t.to(dtype) if t.is_floating_point() else t
+
+
+def _set_tensor(model, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    if leaf in module._parameters:
+        module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+    elif leaf in module._buffers:
+        module._buffers[leaf] = value
+    else:
+        raise KeyError(name)
+
+
+def _real_buffers(model) -> str | None:
+    """Rebuild modules whose buffers were created on ``meta`` (rotary embeddings compute
+    ``inv_freq`` in ``__init__``); return the name of one that cannot be rebuilt, else None."""
+    for name, module in list(model.named_modules()):
+        if not any(b is not None and b.is_meta for b in module._buffers.values()):
+            continue
+        if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config"):
+            with torch.device("cpu"):
+                fresh = type(module)(config=module.config)
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, leaf, fresh)
+        elif all(b is None or not b.is_meta or n == "counts" for n, b in module._buffers.items()):
+            continue
+        else:
+            return name
+    return None
+
+
+def open_lazy(source, dtype: torch.dtype = torch.float32):
+    """Build ``(model, tokenizer, checkpoint)`` with decoder layers on ``meta`` and the rest loaded.
+
+    MoE experts are unfused (:func:`compressor.moe.unfuse_experts`) so parameter names are
+    the per-expert ones; each maps to a checkpoint tensor through
+    :func:`compressor.arch.checkpoint_name`.
+
+    Returns:
+        ``(model, tokenizer, checkpoint)``, or ``(None, reason)`` when the folder cannot be
+        streamed (GGUF file, tensor names that do not map, buffers that cannot be rebuilt).
+
+    Raises:
+        InputError: unreadable config/tokenizer, bad shard headers.
+    """
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .arch import checkpoint_name, get_arch
+    from .moe import unfuse_experts
+
+    if source.kind != "hf":
+        return None, "GGUF sources are dequantized whole by transformers' GGUF loader"
+    transformers.logging.set_verbosity_error()
+    try:
+        cfg = AutoConfig.from_pretrained(str(source.path))
+        tokenizer = AutoTokenizer.from_pretrained(str(source.path))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    except Exception as e:  # transformers raises many types for unreadable files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"cannot load model {source.spec}: {first}") from None
+    model.eval()
+    model.requires_grad_(False)
+    arch = get_arch(cfg.model_type)
+    unfuse_experts(model, arch)
+    bad = _real_buffers(model)
+    if bad is not None:
+        return None, f"module {bad} keeps buffers kvq cannot rebuild"
+    ckpt = LazyCheckpoint(source.path)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    names = [n for n in model.state_dict() if not (tied and n == "lm_head.weight") and not n.endswith(".counts")]
+    missing = [n for n in names if checkpoint_name(arch, n) not in ckpt]
+    if missing:
+        return None, f"tensor {checkpoint_name(arch, missing[0])} is not stored under that name in the source shards"
+    prefix = arch.layers + "."
+    for n in names:
+        if not n.startswith(prefix):
+            _load_one(model, ckpt, arch, n, dtype)
+    if tied:
+        model.tie_weights()
+    return model, tokenizer, ckpt
+
+
+def _load_one(model, ckpt: LazyCheckpoint, arch, name: str, dtype: torch.dtype) -> None:
+    from .arch import checkpoint_name
+
+    t = ckpt.get(checkpoint_name(arch, name), dtype)
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to quantize")
+    _set_tensor(model, name, t)
+
+
+def load_into(model, ckpt: LazyCheckpoint, arch, names: list[str], dtype: torch.dtype = torch.float32) -> None:
+    """Read ``names`` (in-memory names) from ``ckpt`` into ``model``.
+
+    Raises:
+        InputError: a tensor holds NaN or Inf (named).
+    """
+    for n in names:
+        _load_one(model, ckpt, arch, n, dtype)
+
+
+def layer_names(model, arch, i: int) -> list[str]:
+    """Full names of decoder layer ``i``'s parameters and persistent buffers."""
+    layer = model.get_submodule(f"{arch.layers}.{i}")
+    skip = {f"{n}" for n, m in layer.named_modules() for b in m._non_persistent_buffers_set for n in [f"{n}.{b}" if n else b]}
+    return [f"{arch.layers}.{i}.{n}" for n in layer.state_dict() if n not in skip]
+
+
+def to_meta(module: torch.nn.Module) -> None:
+    """Release ``module``'s parameters (replaced by ``meta`` tensors of the same shape)."""
+    for m in module.modules():
+        for k, p in list(m._parameters.items()):
+            if p is not None and not p.is_meta:
+                m._parameters[k] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+
+
+@contextmanager
+def _atomic_write(path: Path):
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class Staging:
+    """The staging folder of one quantize run: part files, resume state, spilled activations."""
+
+    path: Path
+    key: str
+    parts: list[Path] = field(default_factory=list)
+    state: dict = field(default_factory=dict)
+
+    def part(self, name: str) -> Path:
+        return self.path / f"part-{name}.safetensors"
+
+    def save_part(self, name: str, tensors: dict[str, torch.Tensor]) -> Path:
+        """Write one part (atomically) and remember it."""
+        from safetensors.torch import save_file
+
+        p = self.part(name)
+        tmp = p.with_name(p.name + ".tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, p)
+        if p not in self.parts:
+            self.parts.append(p)
+        return p
+
+    def checkpoint(self, layers_done: int, state: dict, hidden: list[torch.Tensor] | None) -> None:
+        """Record that layers ``< layers_done`` are written; ``hidden`` are the next layer's inputs."""
+        from safetensors.torch import save_file
+
+        if hidden is not None:
+            tmp = self.path / (HIDDEN_NAME + ".tmp")
+            save_file({f"b{j}": h.contiguous() for j, h in enumerate(hidden)}, str(tmp))
+            os.replace(tmp, self.path / HIDDEN_NAME)
+        self.state = {"key": self.key, "layers_done": layers_done, "parts": [p.name for p in self.parts], **state}
+        with _atomic_write(self.path / RESUME_NAME) as f:
+            json.dump(self.state, f)
+
+    def load_hidden(self, device: str) -> list[torch.Tensor] | None:
+        from safetensors.torch import load_file
+
+        p = self.path / HIDDEN_NAME
+        if not p.exists():
+            return None
+        d = load_file(str(p))
+        return [d[f"b{j}"].to(device) for j in range(len(d))]
+
+    def clear_resume_files(self) -> None:
+        for n in (RESUME_NAME, HIDDEN_NAME):
+            (self.path / n).unlink(missing_ok=True)
+
+
+def staging_path(out: Path) -> Path:
+    return out.resolve().parent / f".{out.name}.kvq-partial"
+
+
+def resume_key(parts: dict) -> str:
+    """SHA-256 over the canonical JSON of what determines the output (source digests,
+    recipe, calibration provenance, format and dtype)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def open_staging(out: Path, key: str, resume: bool, console=None) -> Staging:
+    """The staging folder for ``out``: resumed when ``resume`` and its key matches, else new.
+
+    Raises:
+        InputError: ``resume`` asked but no resumable run exists, or it was made from other
+            inputs (its key differs); the staging path exists and is not kvq's.
+    """
+    path = staging_path(out)
+    state_file = path / RESUME_NAME
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{path} exists and is not a folder; remove it")
+    if resume:
+        if not state_file.is_file():
+            raise InputError(f"--resume: no interrupted run to resume for {out} (no {path}/{RESUME_NAME})")
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, ValueError) as e:
+            raise InputError(f"--resume: cannot read {state_file}: {e}") from None
+        if state.get("key") != key:
+            raise InputError(f"--resume: the interrupted run in {path} was made from other inputs (source, recipe, "
+                             "calibration or output options differ); rerun without --resume to start over")
+        parts = [path / n for n in state.get("parts", [])]
+        lost = [p.name for p in parts if not p.is_file()]
+        if lost:
+            raise InputError(f"--resume: {path} lacks {lost[0]}; rerun without --resume to start over")
+        if console:
+            console.print(f"resuming: {state['layers_done']} layer(s) already done in {path}", highlight=False)
+        return Staging(path, key, parts, state)
+    if path.exists():
+        if not state_file.is_file() and any(path.iterdir()):
+            raise InputError(f"{path} exists and was not written by an interrupted kvq quantize; remove it")
+        if console and state_file.is_file():
+            console.print(f"[yellow]note:[/] replacing the interrupted run in {path} (pass --resume to continue it)",
+                          highlight=False)
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return Staging(path, key)
+
+
+def spill(hidden: list[torch.Tensor], folder: Path, tag: str, budget_bytes: int) -> list[torch.Tensor]:
+    """Move ``hidden`` to memory-mapped files in ``folder`` when their total size exceeds
+    ``budget_bytes``; returns tensors backed by those files (or ``hidden`` unchanged)."""
+    total = sum(h.numel() * h.element_size() for h in hidden)
+    if total <= budget_bytes or not hidden or hidden[0].device.type != "cpu":
+        return hidden
+    out = []
+    for j, h in enumerate(hidden):
+        path = folder / f"act-{tag}-{j}.bin"
+        with open(path, "wb") as f:
+            f.truncate(h.numel() * h.element_size())
+        m = torch.from_file(str(path), shared=True, size=h.numel(), dtype=h.dtype).view(h.shape)
+        m.copy_(h)
+        out.append(m)
+        path.unlink()  # the mapping keeps the pages; the name is not needed (nothing left behind on a crash)
+    return out

@@ -1,0 +1,201 @@
+"""Models larger than memory (issue #9): streamed source layers, sharded output, spilled
+activations, resume after an interruption."""
+
+import json
+
+import pytest
+import torch
+
+from compressor.api import QuantizeOptions, run_quantize
+from compressor.artifact import load_artifact
+from compressor.errors import InputError
+from compressor.manifest import load_manifest
+from compressor.safetensors_io import read_header, write_shards
+
+from conftest import make_model_dir
+from test_cli import run
+
+FAST = dict(group_size=32, calib_samples=4, calib_seqlen=32)
+
+
+def digests(folder):
+    return {n: t.digest for n, t in load_manifest(folder).tensors.items()}
+
+
+@pytest.fixture(scope="module")
+def deep_dir(tmp_path_factory, tokenizer):
+    """A 4-layer tiny llama: enough depth to see one layer at a time."""
+    return make_model_dir(tmp_path_factory.mktemp("deep") / "model", tokenizer, num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, deep_dir):
+    """GPTQ and AWQ artifacts from the whole-model path (--no-stream): the reference."""
+    d = tmp_path_factory.mktemp("whole")
+    out = {}
+    for alg in ("gptq", "awq"):
+        s = run_quantize(QuantizeOptions(model=str(deep_dir), output=d / alg, algorithm=alg, stream=False, **FAST))
+        assert s["source_loading"].startswith("whole model")
+        out[alg] = d / alg
+    return out
+
+
+@pytest.mark.parametrize("alg", ["gptq", "awq"])
+def test_streamed_equals_whole_model(alg, tmp_path, deep_dir, whole):
+    s = run_quantize(QuantizeOptions(model=str(deep_dir), output=tmp_path / "o", algorithm=alg, **FAST))
+    assert s["source_loading"] == "streamed: one decoder layer at a time"
+    assert digests(tmp_path / "o") == digests(whole[alg])
+    assert not list(tmp_path.glob(".o.kvq-*"))  # the staging folder became the artifact
+
+
+def test_at_most_one_decoder_layer_is_materialized(tmp_path, deep_dir, monkeypatch):
+    """Whenever a layer is loaded, every other decoder layer holds no weights (meta)."""
+    import compressor.streaming as st
+
+    seen = []
+    real = st.load_into
+
+    def spy(model, ckpt, arch, names):
+        layers = model.get_submodule(arch.layers)
+        seen.append([i for i, layer in enumerate(layers) if any(not p.is_meta for p in layer.parameters())])
+        real(model, ckpt, arch, names)
+
+    monkeypatch.setattr(st, "load_into", spy)
+    run_quantize(QuantizeOptions(model=str(deep_dir), output=tmp_path / "o", algorithm="gptq", **FAST))
+    assert seen == [[], [], [], []]  # 4 loads, each with nothing else resident
+
+
+def test_moe_source_is_streamed(tmp_path, tokenizer):
+    from test_arch import make_dir
+
+    src = make_dir(tmp_path / "moe", tokenizer, "qwen3_moe")
+    a = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "s", algorithm="gptq", **FAST))
+    b = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "w", algorithm="gptq", stream=False, **FAST))
+    assert a["source_loading"].startswith("streamed") and b["source_loading"].startswith("whole")
+    assert digests(tmp_path / "s") == digests(tmp_path / "w")
+    assert a["moe"] == b["moe"]
+
+
+def test_sharded_output(tmp_path, deep_dir, whole, capsys):
+    out = tmp_path / "sharded"
+    s = run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="gptq", shard_bytes=60_000, **FAST))
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert s["shards"] == len(files) > 1
+    assert files == [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    for f in files:
+        hdr = read_header(out / f)
+        assert all(index["weight_map"][n] == f for n in hdr)
+    assert index["metadata"]["total_size"] == sum(e.end - e.start for f in files for e in read_header(out / f).values())
+    assert digests(out) == digests(whole["gptq"])  # same tensors, other files
+    code, _, _ = run(["verify", out, "--hashes-only"], capsys)
+    assert code == 0
+    m, _ = load_artifact(out)
+    ref, _ = load_artifact(whole["gptq"])
+    for (n, p), (_, q) in zip(m.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(p, q), n
+
+
+def test_spilled_activations_give_the_same_artifact(tmp_path, deep_dir, whole):
+    run_quantize(QuantizeOptions(model=str(deep_dir), output=tmp_path / "o", algorithm="awq", activation_budget_gib=0, **FAST))
+    assert digests(tmp_path / "o") == digests(whole["awq"])
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_after_a_simulated_crash(tmp_path, deep_dir, whole, monkeypatch, capsys):
+    import compressor.pipeline as pl
+    import compressor.streaming as st
+
+    out = tmp_path / "r"
+    real = pl._gptq_layer
+
+    def crash_at_2(i, *a, **k):
+        if i == 2:
+            raise Crash("simulated crash in layer 2")
+        return real(i, *a, **k)
+
+    monkeypatch.setattr(pl, "_gptq_layer", crash_at_2)
+    with pytest.raises(Crash):
+        run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="gptq", **FAST))
+    assert "rerun the same command with --resume" in capsys.readouterr().err
+    staging = tmp_path / ".r.kvq-partial"
+    state = json.loads((staging / "resume.json").read_text())
+    assert state["layers_done"] == 2 and not out.exists()
+    assert sorted(p.name for p in staging.glob("part-*.safetensors")) == ["part-layer-00000.safetensors",
+                                                                          "part-layer-00001.safetensors"]
+    monkeypatch.setattr(pl, "_gptq_layer", real)
+    loaded = []
+    real_load = st.load_into
+    monkeypatch.setattr(st, "load_into", lambda model, ckpt, arch, names: (loaded.append(names[0]), real_load(model, ckpt, arch, names)))
+    s = run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="gptq", resume=True, **FAST))
+    assert s["resumed_from_layer"] == 2
+    assert [n.split(".")[2] for n in loaded] == ["2", "3"]  # finished layers are not loaded again
+    assert digests(out) == digests(whole["gptq"])
+    m = load_manifest(out)
+    assert [f["layer"] for f in m.quality["layers"]] == [0, 1, 2, 3]
+    assert not staging.exists() and not (out / "resume.json").exists()
+
+
+def test_resume_refusals(tmp_path, deep_dir, monkeypatch, capsys):
+    import compressor.pipeline as pl
+
+    out = tmp_path / "r"
+    code, _, err = run(["quantize", deep_dir, "--algorithm", "rtn", "--group-size", "32", "-o", out, "--resume"], capsys)
+    assert code == 2 and "no interrupted run to resume" in err
+    real = pl._rtn_layer
+    monkeypatch.setattr(pl, "_rtn_layer", lambda i, *a: (_ for _ in ()).throw(Crash()) if i == 1 else real(i, *a))
+    with pytest.raises(Crash):
+        run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="rtn", group_size=32))
+    monkeypatch.setattr(pl, "_rtn_layer", real)
+    # other inputs (here the group size) cannot continue that run
+    code, _, err = run(["quantize", deep_dir, "--algorithm", "rtn", "--group-size", "64", "-o", out, "--resume"], capsys)
+    assert code == 2 and "made from other inputs" in err
+    # without --resume the stale run is replaced, and the result is complete
+    s = run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="rtn", group_size=32))
+    assert s["resumed_from_layer"] is None and len(load_manifest(out).quality["layers"]) == 4
+
+
+def test_input_error_leaves_no_staging_folder(tmp_path, deep_dir, capsys):
+    code, _, err = run(["quantize", deep_dir, "--algorithm", "gptq", "--group-size", "48", "-o", tmp_path / "x"], capsys)
+    assert code == 2
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("value, ok", [("500MB", True), ("2GiB", True), ("5GB", True), ("1.5GB", True),
+                                       ("12", False), ("five", False), ("3XB", False)])
+def test_shard_size_parsing(value, ok, tmp_path, deep_dir, capsys):
+    code, _, err = run(["quantize", deep_dir, "--algorithm", "rtn", "--group-size", "32", "--shard-size", value,
+                        "-o", tmp_path / "o", "--json"], capsys)
+    assert (code == 0) == ok, err
+    if not ok:
+        assert code == 2 and "--shard-size" in err
+
+
+def test_write_shards_unit(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    a = {"x": torch.arange(10, dtype=torch.float32), "big": torch.ones(100, dtype=torch.float16)}
+    b = {"y": torch.arange(6, dtype=torch.int32).view(2, 3)}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    out = tmp_path / "out"
+    out.mkdir()
+    wm = write_shards([tmp_path / "a.safetensors", tmp_path / "b.safetensors"], out, shard_bytes=64)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) == 3 and set(wm.values()) == set(files)  # "big" (200 bytes) alone in its shard
+    got = {}
+    for f in files:
+        read_header(out / f)  # valid: no holes, aligned header
+        got.update(load_file(str(out / f)))
+    for k, v in {**a, **b}.items():
+        assert torch.equal(got[k], v)
+    single = tmp_path / "single"
+    single.mkdir()
+    write_shards([tmp_path / "a.safetensors"], single, shard_bytes=10**9)
+    assert [p.name for p in single.iterdir()] == ["model.safetensors"]
+    with pytest.raises(InputError, match="written twice"):
+        write_shards([tmp_path / "a.safetensors", tmp_path / "a.safetensors"], tmp_path / "out", 10**9)
