@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gc
+import os
 import resource
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from .manifest import SIGNATURE_NAME, load_manifest
 from .models import ALIASES, load_model, peek_model_type, resolve_source
 from .pipeline import LayerHooks, quantize_model
 from .streaming import open_lazy, open_staging, resume_key
+from .distributed import setup as setup_distributed
 from .arch import checkpoint_name, get_arch, get_module, routers
 from .formats.compressed_tensors import kv_scale_tensors
 from .quant.kv import kv_budget, layout_bytes_per_token, make_spec, quantized_cache
@@ -184,8 +187,13 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     text = load_text(opts.calib, opts.calib_field, part="calib") if needs_calib and not token_file else None
     if console and text is not None and text.note:
         console.print(f"[yellow]calibration:[/] {text.note}")
+    if opts.resume and os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
+        raise InputError("--resume is not available under torchrun (several ranks); resume with one process")
+    rank, world_size, device = setup_distributed(opts.device)
+    if rank != 0:
+        console = None
     if console:
-        console.print(f"loading {source.spec} ({source.kind}) ...")
+        console.print(f"loading {source.spec} ({source.kind}) ..." + (f" (rank 0 of {world_size})" if world_size > 1 else ""))
     model, ckpt, loading = None, None, "whole model (--no-stream)"
     if opts.stream:
         lazy = open_lazy(source)
@@ -217,22 +225,25 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     source_fp = source.fingerprint()
     key = resume_key({"source": source_fp["files"], "recipe": recipe.model_dump(mode="json"), "calibration": calibration,
                       "format": opts.format, "dtype": opts.dtype, "kvq": tool_info()["version"]})
-    staging = open_staging(out, key, opts.resume, console)
+    staging = open_staging(out, key, opts.resume, console) if rank == 0 else None  # other ranks write nothing
     schemes: dict[str, tuple] = {}
-    hooks = _layer_hooks(model, arch, ckpt, staging, schemes, opts, ckpt_name)
+    hooks = _layer_hooks(model, arch, ckpt, staging, schemes, opts, ckpt_name, device)
     try:
         with _progress(console, "layers") as progress:
             label = "float weights" if recipe.algorithm == "none" else f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}"
             task = progress.add_task(label + (f" + KV {kv.scheme}" if kv else ""), total=n_layers, completed=hooks.start)
             result = quantize_model(
-                model, recipe, calib_ids, device=opts.device, dtype=DTYPES[opts.dtype],
+                model, recipe, calib_ids, device=device, dtype=DTYPES[opts.dtype],
                 on_layer=lambda i, n, fig: _layer_done(console, progress, task, i, n, fig), hooks=hooks,
             )
     except KvqError:
-        shutil.rmtree(staging.path, ignore_errors=True)  # bad input or a numerical fault: nothing to resume
+        if staging is not None:
+            shutil.rmtree(staging.path, ignore_errors=True)  # bad input or a numerical fault: nothing to resume
         raise
     except BaseException:
-        if staging.state.get("layers_done"):
+        if staging is None:
+            pass
+        elif staging.state.get("layers_done"):
             msg = (f"kvq: interrupted after {staging.state['layers_done']} of {n_layers} layers; the finished layers are "
                    f"kept in {staging.path}: rerun the same command with --resume to continue")
             print(msg, file=sys.stderr)
@@ -241,6 +252,8 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         raise
     del calib_ids
     gc.collect()
+    if rank != 0:
+        return {"rank": rank, "world_size": world_size, "output": None, "quantize_seconds": round(result.seconds, 2)}
     warnings += result.warnings
     if console:
         for w in warnings:
@@ -335,6 +348,7 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         "source_loading": loading,
         "shards": sum(1 for n in manifest.files if n.endswith(".safetensors")),
         "resumed_from_layer": hooks.start or None,
+        "world_size": world_size,
         "mean_rel_error": quality["mean_rel_error"],
         "moe": quality.get("moe"),
         "warnings": warnings,
@@ -359,7 +373,7 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     return summary
 
 
-def _layer_hooks(model, arch, ckpt, staging, schemes: dict, opts: QuantizeOptions, ckpt_name) -> LayerHooks:
+def _layer_hooks(model, arch, ckpt, staging, schemes: dict, opts: QuantizeOptions, ckpt_name, device: str) -> LayerHooks:
     """Load (streamed sources), write, checkpoint and release one decoder layer at a time.
 
     After layer ``i``: its packed modules (popped from the result, their schemes kept in
@@ -379,6 +393,9 @@ def _layer_hooks(model, arch, ckpt, staging, schemes: dict, opts: QuantizeOption
         prefix = f"{arch.layers}.{i}."
         recs = {n: result.modules.pop(n) for n in [n for n in result.modules if n.startswith(prefix)]}
         schemes.update({n: r.scheme for n, r in recs.items()})
+        if staging is None:  # not rank 0: nothing to write
+            to_meta(layer)
+            return
         packed = {ckpt_name(n): t for n, t in pack_modules(recs, opts.format, dtype).items()}
         staging.save_part(f"layer-{i:05d}", state_tensors(model, packed, dtype, rename=ckpt_name, prefix=prefix))
         to_meta(layer)
@@ -388,14 +405,15 @@ def _layer_hooks(model, arch, ckpt, staging, schemes: dict, opts: QuantizeOption
             "kv_absmax": {str(j): [k.tolist(), v.tolist()] for j, (k, v) in result.kv_absmax.items()},
         }, hidden)
 
-    hooks = LayerHooks(load, done, activation_budget=int(opts.activation_budget_gib * 2**30), spill_dir=staging.path)
-    st = staging.state
+    spill_dir = staging.path if staging is not None else Path(tempfile.gettempdir())
+    hooks = LayerHooks(load, done, activation_budget=int(opts.activation_budget_gib * 2**30), spill_dir=spill_dir)
+    st = staging.state if staging is not None else {}
     if st.get("layers_done"):
         hooks.start = int(st["layers_done"])
         hooks.layers, hooks.moe, hooks.moe_fallback = st["layers"], st["moe"], st["moe_fallback"]
         schemes.update({n: tuple(v) for n, v in st["schemes"].items()})
         hooks.kv_absmax = {int(j): (torch.tensor(k), torch.tensor(v)) for j, (k, v) in st["kv_absmax"].items()}
-        hooks.hidden = staging.load_hidden(opts.device)
+        hooks.hidden = staging.load_hidden(device)
         for i in range(hooks.start):  # finished layers are never loaded again
             to_meta(get_module(model, arch.layers)[i])
     return hooks

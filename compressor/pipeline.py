@@ -33,6 +33,7 @@ from .arch import (
     ArchSpec, checkpoint_name, expand, expert_index, find_module, get_arch, get_module, is_expert, layer_fused_sets,
     layer_groups, layer_linears, num_experts,
 )
+from .distributed import deal
 from .errors import InputError, QuantizationError
 from .moe import UnfusedExperts, unfuse_experts
 from .quant.awq import search_clip, search_scales
@@ -645,6 +646,7 @@ def _gptq_layer(i, layer, hidden, kw, ctx):
         cold = _cold(counts, ctx)
         hess_t += time.perf_counter() - t_h
         t_q = time.perf_counter()
+        tasks = []  # (linear, Hessian): the solves of this pass, dealt to the ranks (compressor.distributed)
         for st in sets:
             e = expert_index(arch, st[0])
             if (e is not None and e in cold) or accs[st[0]].n == 0:
@@ -654,21 +656,27 @@ def _gptq_layer(i, layer, hidden, kw, ctx):
                     errs.append(err)
                 continue
             H = accs[st[0]].hessian()
-            for rel in st:
-                name = prefix + rel
-                lin = get_module(layer, rel)
-                bits, gs, sym = quantizer.schemes[name]
-                r = gptq_quantize(
-                    lin.weight.detach(), H, bits, gs, sym, block_size=opts.block_size, damp=opts.damp,
-                    damp_increment=opts.damp_increment, act_order=opts.act_order,
-                    static_groups=opts.static_groups, scale_dtype=quantizer.dtype, name=name,
-                )
-                ctx.result.modules[name], err = quantizer.finish(name, lin, r.q, r.scale, r.zero_point, r.g_idx)
-                errs.append(err)
-                damps.append(r.damp)
-                retries += r.retries
-                dead += r.dead_channels
-            del H
+            tasks += [(rel, H) for rel in st]
+
+        def solve(task):
+            rel, H = task
+            name = prefix + rel
+            bits, gs, sym = quantizer.schemes[name]
+            r = gptq_quantize(
+                get_module(layer, rel).weight.detach(), H, bits, gs, sym, block_size=opts.block_size, damp=opts.damp,
+                damp_increment=opts.damp_increment, act_order=opts.act_order,
+                static_groups=opts.static_groups, scale_dtype=quantizer.dtype, name=name,
+            )
+            return r.q, r.scale, r.zero_point, r.g_idx, r.damp, r.retries, r.dead_channels
+
+        for (rel, _H), (q, scale, zp, g_idx, damp, r_retries, r_dead) in zip(tasks, deal(tasks, solve)):
+            name = prefix + rel
+            ctx.result.modules[name], err = quantizer.finish(name, get_module(layer, rel), q, scale, zp, g_idx)
+            errs.append(err)
+            damps.append(damp)
+            retries += r_retries
+            dead += r_dead
+        del tasks
         quant_t += time.perf_counter() - t_q
     phases["hessian"], phases["gptq"] = hess_t, quant_t
     tp = time.perf_counter()

@@ -311,7 +311,7 @@ def spill(hidden: list[torch.Tensor], folder: Path, tag: str, budget_bytes: int)
         return hidden
     out = []
     for j, h in enumerate(hidden):
-        path = folder / f"act-{tag}-{j}.bin"
+        path = folder / f"act-{os.getpid()}-{tag}-{j}.bin"
         with open(path, "wb") as f:
             f.truncate(h.numel() * h.element_size())
         m = torch.from_file(str(path), shared=True, size=h.numel(), dtype=h.dtype).view(h.shape)

@@ -199,3 +199,56 @@ def test_write_shards_unit(tmp_path):
     assert [p.name for p in single.iterdir()] == ["model.safetensors"]
     with pytest.raises(InputError, match="written twice"):
         write_shards([tmp_path / "a.safetensors", tmp_path / "a.safetensors"], tmp_path / "out", 10**9)
+
+
+def _rank_main(rank, world, port, src, out, result_file):
+    """One torchrun-like rank: the environment torchrun would set, then the CLI."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from compressor.api import QuantizeOptions, run_quantize
+    import compressor.distributed as d
+    import compressor.pipeline as pl
+
+    calls = []
+    real = d.deal
+
+    def spy(tasks, solve):
+        calls.append(len(tasks))
+        return real(tasks, lambda t: (calls.append(("solved", t[0])), solve(t))[1])
+
+    pl.deal = spy
+    s = run_quantize(QuantizeOptions(model=str(src), output=out, algorithm="gptq", **FAST))
+    json.dump({"summary": {k: v for k, v in s.items() if k in ("rank", "world_size", "output")},
+               "solved": [c[1] for c in calls if isinstance(c, tuple)]}, open(f"{result_file}.{rank}", "w"))
+
+
+def test_gloo_two_processes_split_the_gptq_solves(tmp_path, deep_dir, whole):
+    """2 processes (gloo, CPU) quantize together: each solves half of the linears, rank 0
+    writes, and the artifact is bit-identical to the single-process one."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    out = tmp_path / "dist"
+    res = tmp_path / "res"
+    mp.spawn(_rank_main, args=(2, port, str(deep_dir), str(out), str(res)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"res.{r}").read_text()) for r in (0, 1))
+    assert r0["summary"]["world_size"] == 2 and r0["summary"]["output"] == str(out)
+    assert r1["summary"] == {"rank": 1, "world_size": 2, "output": None}
+    assert r0["solved"] and r1["solved"] and not set(r0["solved"]) & set(r1["solved"])
+    assert len(r0["solved"]) + len(r1["solved"]) == 7 * 4  # 7 linears x 4 layers, each solved once
+    assert digests(out) == digests(whole["gptq"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dist", "res.0", "res.1"]
+
+
+def test_resume_refused_under_several_ranks(tmp_path, deep_dir, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    code, _, err = run(["quantize", deep_dir, "--algorithm", "gptq", "-o", tmp_path / "o", "--resume"], capsys)
+    assert code == 2 and "not available under torchrun" in err
