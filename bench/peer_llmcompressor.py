@@ -47,6 +47,13 @@ def quantize(a) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if not torch.cuda.is_available():
+        # llm-compressor 0.14.0.1's AWQ pins its cached activations (pin_memory) before the
+        # grid search, which raises "Cannot access accelerator device" on a machine without
+        # one. Pinning only speeds up host-to-GPU copies; skipping it changes no result.
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     t0 = time.perf_counter()
     ids = load_file(a.calib)["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)

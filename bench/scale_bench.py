@@ -54,15 +54,22 @@ def make_config(model_type: str, kw: dict):
 
 
 def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the model's parameters, read from a meta-device instance."""
+    """Checkpoint names and shapes of the model's parameters, read from a meta-device
+    instance (MoE experts per expert, as Hugging Face checkpoints store them)."""
     from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT))
+    from compressor.arch import checkpoint_name, get_arch
+    from compressor.moe import unfuse_experts
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
+    arch = get_arch(cfg.model_type)
+    unfuse_experts(model, arch)
     state = model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    return {n: tuple(t.shape) for n, t in state.items()}
+    return {checkpoint_name(arch, n): tuple(t.shape) for n, t in state.items()}
 
 
 def generate(folder: Path, model_type: str, kw: dict) -> int:
@@ -96,6 +103,8 @@ def generate(folder: Path, model_type: str, kw: dict) -> int:
     for name, shape in shapes.items():
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             t = torch.ones(shape, dtype=torch.bfloat16)
+        elif name.endswith("mlp.gate.weight"):  # routers: spread, so tokens reach many experts
+            t = (torch.randn(shape, generator=gen) * 0.5).to(torch.bfloat16)
         else:
             t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
         shards[-1][name] = t
@@ -147,6 +156,7 @@ def main() -> None:
     ap.add_argument("--work", default=str(ROOT / "bench" / "work" / "scale"))
     ap.add_argument("--extra", default="", help="extra kvq quantize flags (space separated)")
     ap.add_argument("--generate-only", action="store_true")
+    ap.add_argument("--whole", default="", help="sizes to quantize a second time with --no-stream (comparison)")
     a = ap.parse_args()
     if not (TOKENIZER / "tokenizer.json").exists():
         sys.exit(f"scale-bench: {TOKENIZER} missing: run `QUICK=1 python bench/peer_bench.py` first (it writes the float SmolLM2 folder)")
@@ -160,23 +170,26 @@ def main() -> None:
         print(f"scale-bench: {size}: {n / 1e9:.2f} B parameters in {folder} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if a.generate_only:
             continue
-        r = quantize(folder, work / f"out-{size}", a.recipe, a.calib_samples, a.calib_seqlen, a.extra.split())
-        r.update(size=size, model_type=model_type, params=n, layers=kw["num_hidden_layers"],
-                 source_bytes=sum(p.stat().st_size for p in folder.glob("*.safetensors")))
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-        shutil.rmtree(work / f"out-{size}", ignore_errors=True)
+        for mode in ["stream"] + (["whole"] if size in a.whole.split(",") else []):
+            extra = a.extra.split() + (["--no-stream"] if mode == "whole" else [])
+            r = quantize(folder, work / f"out-{size}", a.recipe, a.calib_samples, a.calib_seqlen, extra)
+            r.update(size=size, mode=mode, model_type=model_type, params=n, layers=kw["num_hidden_layers"],
+                     source_bytes=sum(p.stat().st_size for p in folder.glob("*.safetensors")))
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            shutil.rmtree(work / f"out-{size}", ignore_errors=True)
     if not rows:
         return
     res = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
            "recipe": a.recipe, "calibration": f"{a.calib_samples} x {a.calib_seqlen}", "rows": rows}
-    out = ROOT / "bench" / "results" / "scale_bench.json"
+    out = ROOT / "bench" / "results" / f"scale_bench-{a.recipe}.json"
     out.write_text(json.dumps(res, indent=2) + "\n")
-    print("| model | parameters | layers | source bf16 (GiB) | wall (s) | peak RSS (MiB) | artifact (MiB) | shards |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"recipe {a.recipe}, calibration {a.calib_samples} x {a.calib_seqlen}")
+    print("| model | parameters | layers | source bf16 (GiB) | source loading | wall (s) | peak RSS (MiB) | artifact (MiB) | shards |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['size']} ({r['model_type']}) | {r['params'] / 1e9:.2f} B | {r['layers']} | {r['source_bytes'] / 2**30:.2f} "
-              f"| {r['wall_seconds']:.0f} | {r['peak_rss_mib']:,.0f} | {r['artifact_bytes'] / 2**20:,.0f} | {r['shards']} |")
+              f"| {r['mode']} | {r['wall_seconds']:.0f} | {r['peak_rss_mib']:,.0f} | {r['artifact_bytes'] / 2**20:,.0f} | {r['shards']} |")
 
 
 if __name__ == "__main__":
