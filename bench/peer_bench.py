@@ -10,7 +10,8 @@ Steps (each result is cached under bench/work/peer/steps/; delete that folder to
    ``--calib ids.safetensors``, llm-compressor as a tokenized ``datasets.Dataset``),
    evaluation token ids (``wiki.test.raw``, windows of 2048);
 3. quantize, W4A16 group 64 asymmetric, ``REPEATS`` rounds, the tool order alternating per
-   round (A/B, B/A, ...): GPTQ (act-order with static groups = llm-compressor actorder
+   round (A/B, B/A, ...; rounds after the first repeat ``REPEAT_ALGOS``, default GPTQ and
+   RTN: llm-compressor's AWQ takes about 20 minutes per run on 2 CPU cores): GPTQ (act-order with static groups = llm-compressor actorder
    "weight", damp 0.01, block 128), AWQ (duo scaling, 20 grid points; kvq also searches
    clipping), RTN (the floor). Wall time of each whole process (start, load, calibrate,
    quantize, save) measured the same way by this driver, plus each tool's own quantize time;
@@ -25,9 +26,9 @@ Steps (each result is cached under bench/work/peer/steps/; delete that folder to
 
 Writes bench/results/peer/*.json (raw) and bench/results/peer_bench.json (summary) and
 prints the Markdown table of BENCHMARKS.md. ``QUICK=1``: 16 x 512 calibration, 1 round,
-2 evaluation windows, 1 interop window (about 15 minutes); full: 32 x 512, 2 rounds,
-16 windows, 2 interop windows (about an hour on 2 cores). Env overrides: SAMPLES,
-REPEATS, WINDOWS, INTEROP_WINDOWS.
+2 evaluation windows, 1 interop window (about 20 minutes); full: 32 x 512, 2 rounds,
+16 windows, 2 interop windows (a little over an hour on 2 cores). Env overrides: SAMPLES,
+REPEATS, REPEAT_ALGOS, WINDOWS, INTEROP_WINDOWS.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ TAG = "quick" if QUICK else "full"
 SAMPLES = int(os.environ.get("SAMPLES", 16 if QUICK else 32))
 SEQLEN = 512
 REPEATS = int(os.environ.get("REPEATS", 1 if QUICK else 2))
+# rounds after the first repeat these algorithms only: llm-compressor's AWQ grid search runs
+# over every calibration token and takes about 20 minutes per run on 2 CPU cores
+REPEAT_ALGOS = os.environ.get("REPEAT_ALGOS", "gptq,rtn").split(",")
 WINDOWS = int(os.environ.get("WINDOWS", 2 if QUICK else 16))
 INTEROP_WINDOWS = int(os.environ.get("INTEROP_WINDOWS", 1 if QUICK else 2))
 WORK = ROOT / "bench" / "work" / "peer"
@@ -218,6 +222,8 @@ def main() -> None:
     for rnd in range(REPEATS):
         order = ("kvq", "llmcompressor") if rnd % 2 == 0 else ("llmcompressor", "kvq")
         for algo in ALGOS:
+            if rnd > 0 and algo not in REPEAT_ALGOS:
+                continue
             for tool in order:
                 quant[(tool, algo, rnd)] = step(f"quantize-{tool}-{algo}-r{rnd}", lambda t=tool, a=algo, r=rnd: quantize(t, a, r))
     ppl = {"float": step("ppl-float", lambda: perplexity(FLOAT, "float", WINDOWS))}
@@ -239,9 +245,10 @@ def main() -> None:
 
     rows = []
     for algo in ALGOS:
-        walls = {t: [quant[(t, algo, r)]["wall_seconds"] for r in range(REPEATS)] for t in ("kvq", "llmcompressor")}
-        inners = {t: [quant[(t, algo, r)]["quantize_seconds"] for r in range(REPEATS)] for t in ("kvq", "llmcompressor")}
-        ratios = [walls["kvq"][r] / walls["llmcompressor"][r] for r in range(REPEATS)]
+        rounds = [r for r in range(REPEATS) if ("kvq", algo, r) in quant]
+        walls = {t: [quant[(t, algo, r)]["wall_seconds"] for r in rounds] for t in ("kvq", "llmcompressor")}
+        inners = {t: [quant[(t, algo, r)]["quantize_seconds"] for r in rounds] for t in ("kvq", "llmcompressor")}
+        ratios = [walls["kvq"][k] / walls["llmcompressor"][k] for k in range(len(rounds))]
         rows.append({
             "algo": algo, "wall_seconds": walls, "quantize_seconds": inners,
             "wall_ratio_kvq_over_peer": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
@@ -260,7 +267,7 @@ def main() -> None:
                               "abs_diff": abs(r["ppl"] - own_ppl)}
     summary = {
         "date": time.strftime("%Y-%m-%d"), "machine": machine(), "mode": TAG, "calibration": f"{SAMPLES} x {SEQLEN}",
-        "repeats": REPEATS, "eval_windows": WINDOWS, "eval_tokens": ppl["float"]["tokens"], "float_ppl": ppl["float"]["ppl"],
+        "repeats": REPEATS, "repeat_algos": REPEAT_ALGOS, "eval_windows": WINDOWS, "eval_tokens": ppl["float"]["tokens"], "float_ppl": ppl["float"]["ppl"],
         "peer_versions": versions, "kvq_versions": kvq_versions(), "rows": rows, "interop": interop_rows,
         "foreign_verify": {f"llmcompressor-{a}": sqnr[("llmcompressor", a)] for a in ALGOS}, "hashing": hashes,
     }
@@ -272,7 +279,7 @@ def main() -> None:
 
 def table(s: dict) -> str:
     out = [f"machine: {s['machine']}; date {s['date']}; calibration {s['calibration']} token ids (both tools); "
-           f"{s['repeats']} round(s), tool order alternating; eval {s['eval_windows']} x 2048 windows of wiki.test.raw "
+           f"{s['repeats']} round(s) ({', '.join(a.upper() for a in s['repeat_algos'])} in every round, the others in the first), tool order alternating; eval {s['eval_windows']} x 2048 windows of wiki.test.raw "
            f"({s['eval_tokens']} predicted tokens); float32 perplexity {s['float_ppl']:.3f}", "",
            "| W4A16 g64 asym | kvq wall (s) | llm-compressor wall (s) | wall kvq/peer (median, range) | kvq quantize (s) "
            "| peer oneshot (s) | kvq ppl (vs float) | peer ppl (vs float) | kvq / peer min SQNR (dB) | peak RSS kvq / peer (MiB) "
