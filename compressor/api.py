@@ -219,6 +219,10 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         calibration = {**text.provenance(), "samples": opts.calib_samples, "seqlen": opts.calib_seqlen, "seed": opts.seed}
         if console:
             console.print(f"calibration: {opts.calib_samples} x {opts.calib_seqlen} tokens from {text.name} (seed {opts.seed})")
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if calib_ids is not None and max_pos and calib_ids.shape[1] > max_pos:
+        warnings.append(f"calibration sequences of {calib_ids.shape[1]} tokens exceed the model's "
+                        f"max_position_embeddings {max_pos}")
     n_layers = model.config.num_hidden_layers
     arch = get_arch(model.config.model_type)
     ckpt_name = lambda name: checkpoint_name(arch, name)  # noqa: E731
@@ -534,6 +538,27 @@ def _thresholds(manifest, opts: VerifyOptions, mode: str, weights_quantized: boo
     return out, warnings
 
 
+def _check_same_architecture(artifact, reference, ref_spec: str) -> None:
+    """Refuse a reference that is not the same architecture: another ``model_type``, or
+    parameters that differ in name or shape (depth, width, vocabulary).
+
+    Raises:
+        InputError: names the first difference.
+    """
+    a, r = artifact.config, reference.config
+    if a.model_type != r.model_type:
+        raise InputError(f"reference {ref_spec} is a {r.model_type} model, the artifact a {a.model_type} model: "
+                         "nothing comparable")
+    pa = {n: tuple(p.shape) for n, p in artifact.named_parameters()}
+    pr = {n: tuple(p.shape) for n, p in reference.named_parameters()}
+    if pa != pr:
+        only_a, only_r = sorted(set(pa) - set(pr)), sorted(set(pr) - set(pa))
+        shape = next((n for n in sorted(pa) if n in pr and pa[n] != pr[n]), None)
+        what = (f"{only_a[0]} is missing from the reference" if only_a else f"the reference has an extra {only_r[0]}" if only_r
+                else f"{shape} is {list(pa[shape])} in the artifact but {list(pr[shape])} in the reference")
+        raise InputError(f"reference {ref_spec} does not have the artifact's architecture: {what}")
+
+
 def _norms_rescaled(reference, artifact) -> bool:
     """True when any norm weight of ``artifact`` differs from ``reference``'s by more than
     fp16/bf16 storage rounding (AWQ folds its scales there, typically by factors of 0.5-2)."""
@@ -636,6 +661,7 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
 
     model, tokenizer = load_artifact(folder)
     ref_model = _load_reference(ref_spec, ref_source)
+    _check_same_architecture(model, ref_model, ref_spec)
     bad_ref = _nonfinite_parameters(ref_model)
     if bad_ref:
         raise InputError(f"reference model tensor {bad_ref[0]} contains NaN or Inf; it cannot serve as the reference")

@@ -163,9 +163,11 @@ def load_token_ids(spec: str, vocab_size: int | None = None) -> tuple[torch.Tens
         raise InputError(f"calibration token file {spec}: 'input_ids' must be an integer [n_samples >= 1, seqlen >= 2] tensor "
                          f"(got {str(ids.dtype).removeprefix('torch.')} {list(ids.shape)})")
     ids = ids.to(torch.int64)
-    if int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size):
+    if int(ids.min()) < 0:
+        raise InputError(f"calibration token file {spec}: negative token id {int(ids.min())}")
+    if vocab_size is not None and int(ids.max()) >= vocab_size:
         raise InputError(f"calibration token file {spec}: token ids span [{int(ids.min())}, {int(ids.max())}], "
-                         f"outside the model's vocabulary [0, {vocab_size if vocab_size is not None else '...'})")
+                         f"outside the model's vocabulary [0, {vocab_size})")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     prov = {"source": str(path), "sha256": digest, "chars": 0, "note": "pre-tokenized input_ids",
             "samples": int(ids.shape[0]), "seqlen": int(ids.shape[1]), "seed": None}

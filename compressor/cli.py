@@ -99,7 +99,7 @@ def _parse_size(value: str, param) -> int:
 @click.option("--act-order/--no-act-order", default=None, help="Override gptq.act_order (GPTQ: visit columns by descending Hessian diagonal).")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Override any recipe field by its dotted key, e.g. --set gptq.damp=0.02 (repeatable; VALUE is parsed as YAML).")
 @click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "awq", "gptq"]), default="compressed-tensors", show_default=True, help="On-disk layout: compressed-tensors (vLLM/transformers), awq (AutoAWQ GEMM, 4-bit only) or gptq (AutoGPTQ/GPTQModel; g_idx for act-order).")
-@click.option("--calib", default="embedded", show_default=True, help="Calibration text: a .txt/.jsonl/.parquet file, 'embedded' (offline CPython prose), or wikitext2/c4/pileval (online); or a .safetensors file with one int64 tensor input_ids [samples, seqlen] of pre-tokenized windows (used as they are).")
+@click.option("--calib", default="embedded", show_default=True, help="Calibration text: a .txt/.jsonl/.parquet file, 'embedded' (offline CPython prose), or wikitext2/c4/pileval (online); or a .safetensors file with one integer tensor input_ids [samples, seqlen] of pre-tokenized windows (used as they are; --calib-samples/--calib-seqlen/--seed do not apply).")
 @click.option("--calib-field", default="text", show_default=True, help="Text column of a .jsonl/.parquet calibration file.")
 @click.option("--calib-samples", type=click.IntRange(1, None), default=128, show_default=True, help="Number of calibration sequences.")
 @click.option("--calib-seqlen", type=click.IntRange(2, None), default=512, show_default=True, help="Tokens per calibration sequence.")
@@ -113,7 +113,7 @@ def _parse_size(value: str, param) -> int:
 @click.option("--sign-certificate", type=click.Path(dir_okay=False, path_type=Path), default=None, help="With --sign-key: the key's signing certificate (PEM), for certificate-based signing.")
 @click.option("--sign-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="With --sign-certificate: a certificate of its chain (repeatable).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Read a safetensors MODEL one decoder layer at a time (memory-mapped; peak memory about one layer plus calibration activations); --no-stream loads it whole. GGUF files are always loaded whole.")
-@click.option("--shard-size", default="5GB", show_default=True, callback=lambda c, p, v: _parse_size(v, p), help="Maximum size of one output weights file (e.g. 500MB, 2GiB); several files get model-0000k-of-0000N names and model.safetensors.index.json.")
+@click.option("--shard-size", default="5GB", show_default=True, callback=lambda c, p, v: _parse_size(v, p), help="Maximum size of one output weights file (e.g. 500MB, 2GiB; at least 1MB); several files get model-0000k-of-0000N names and model.safetensors.index.json.")
 @click.option("--activation-budget-gib", type=click.FloatRange(0, None), default=8.0, show_default=True, help="Calibration activations above this size move to memory-mapped files in the staging folder.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run of the same command from its last finished layer (kept in .OUTPUT.kvq-partial beside OUTPUT); refused if the inputs changed.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout; no progress bar.")
@@ -185,6 +185,8 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
         activation_budget_gib=activation_budget_gib,
     )
     summary = run_quantize(opts, console=None if as_json else _console())
+    if summary.get("rank", 0) != 0:  # torchrun: rank 0 reports for the group
+        return
     if as_json:
         click.echo(json.dumps(summary, indent=2, sort_keys=True))
 

@@ -138,7 +138,8 @@ def load_manifest(folder: str | Path) -> Manifest:
     """
     path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
-        raise InputError(f"{folder} has no {MANIFEST_NAME}: not a kvq artifact")
+        raise InputError(f"{folder} has no {MANIFEST_NAME}: not a kvq artifact (another tool's artifact: kvq verify "
+                         "--no-manifest --reference MODEL)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys)
     except InputError as e:  # a duplicate key: JSON allows it, but which value counts is parser-defined

@@ -17,9 +17,11 @@ move to memory-mapped files in the staging folder when they exceed
 reclaimable rather than anonymous memory.
 
 Resume: the staging folder ``.<OUT>.kvq-partial`` beside the output holds the finished
-layers' part files and ``resume.json`` (what was done, and a key over the source files,
-recipe, calibration and output options); after each layer the next layer's input
-activations are saved too. ``kvq quantize ... --resume`` continues after the last
+layers' part files and ``resume.json`` (what was done, the SHA-256 of every part and of
+the saved activations, and a key over the source files, recipe, calibration and output
+options); after each layer the next layer's input activations are saved too. A resumed
+run rehashes the parts and refuses any that changed, so a damaged checkpoint never
+reaches the manifest. ``kvq quantize ... --resume`` continues after the last
 finished layer when the key matches; without ``--resume`` a stale staging folder is
 replaced.
 """
@@ -37,7 +39,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
-from .safetensors_io import read_header
+from .safetensors_io import file_digest, read_header
 
 RESUME_NAME = "resume.json"
 HIDDEN_NAME = "resume-hidden.safetensors"
@@ -232,11 +234,17 @@ class Staging:
         """Record that layers ``< layers_done`` are written; ``hidden`` are the next layer's inputs."""
         from safetensors.torch import save_file
 
+        digests = dict(self.state.get("digests", {}))
+        for p in self.parts:  # each part is hashed once, when it is new
+            if p.name not in digests:
+                digests[p.name] = file_digest(p)
         if hidden is not None:
             tmp = self.path / (HIDDEN_NAME + ".tmp")
             save_file({f"b{j}": h.contiguous() for j, h in enumerate(hidden)}, str(tmp))
+            digests[HIDDEN_NAME] = file_digest(tmp)
             os.replace(tmp, self.path / HIDDEN_NAME)
-        self.state = {"key": self.key, "layers_done": layers_done, "parts": [p.name for p in self.parts], **state}
+        self.state = {"key": self.key, "layers_done": layers_done, "parts": [p.name for p in self.parts],
+                      "digests": digests, **state}
         with _atomic_write(self.path / RESUME_NAME) as f:
             json.dump(self.state, f)
 
@@ -244,9 +252,13 @@ class Staging:
         from safetensors.torch import load_file
 
         p = self.path / HIDDEN_NAME
-        if not p.exists():
+        if HIDDEN_NAME not in self.state.get("digests", {}):
             return None
-        d = load_file(str(p))
+        try:
+            d = load_file(str(p))
+        except Exception as e:  # safetensors raises its own error types for damaged files
+            raise InputError(f"--resume: {p} is damaged ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                             "rerun without --resume to start over") from None
         return [d[f"b{j}"].to(device) for j in range(len(d))]
 
     def clear_resume_files(self) -> None:
@@ -289,6 +301,12 @@ def open_staging(out: Path, key: str, resume: bool, console=None) -> Staging:
         lost = [p.name for p in parts if not p.is_file()]
         if lost:
             raise InputError(f"--resume: {path} lacks {lost[0]}; rerun without --resume to start over")
+        recorded = state.get("digests") or {}
+        for name in [p.name for p in parts] + ([HIDDEN_NAME] if HIDDEN_NAME in recorded else []):
+            f = path / name
+            if name not in recorded or not f.is_file() or file_digest(f) != recorded[name]:
+                raise InputError(f"--resume: {f} changed since it was checkpointed (its SHA-256 differs from "
+                                 f"{RESUME_NAME}); rerun without --resume to start over")
         if console:
             console.print(f"resuming: {state['layers_done']} layer(s) already done in {path}", highlight=False)
         return Staging(path, key, parts, state)

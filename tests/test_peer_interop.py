@@ -57,7 +57,7 @@ def test_token_file_calibration_equals_text_calibration(gptq_pair):
 
 @pytest.mark.parametrize("tensors, words", [
     ({"input_ids": torch.full((2, 8), 10**6, dtype=torch.int64)}, "outside the model's vocabulary"),
-    ({"input_ids": torch.full((2, 8), -1, dtype=torch.int64)}, "outside the model's vocabulary"),
+    ({"input_ids": torch.full((2, 8), -1, dtype=torch.int64)}, "negative token id -1"),
     ({"input_ids": torch.zeros(2, 8)}, "must be an integer"),
     ({"input_ids": torch.zeros(16, dtype=torch.int64)}, "must be an integer [n_samples >= 1, seqlen >= 2]"),
     ({"input_ids": torch.zeros(2, 8, dtype=torch.int64), "labels": torch.zeros(2, 8, dtype=torch.int64)}, "one tensor 'input_ids'"),

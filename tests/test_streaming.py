@@ -252,3 +252,48 @@ def test_resume_refused_under_several_ranks(tmp_path, deep_dir, monkeypatch, cap
     monkeypatch.setenv("RANK", "0")
     code, _, err = run(["quantize", deep_dir, "--algorithm", "gptq", "-o", tmp_path / "o", "--resume"], capsys)
     assert code == 2 and "not available under torchrun" in err
+
+
+def test_resume_refuses_a_damaged_checkpoint(tmp_path, deep_dir, monkeypatch, capsys):
+    """A part or the saved activations changed after the checkpoint: --resume refuses (it
+    would otherwise bake the damage into a manifest that then verifies)."""
+    import compressor.pipeline as pl
+
+    real = pl._gptq_layer
+
+    def crash_at_2(i, *a, **k):
+        if i == 2:
+            raise Crash("simulated crash")
+        return real(i, *a, **k)
+
+    monkeypatch.setattr(pl, "_gptq_layer", crash_at_2)
+    with pytest.raises(Crash):
+        run_quantize(QuantizeOptions(model=str(deep_dir), output=tmp_path / "r", algorithm="gptq", **FAST))
+    monkeypatch.setattr(pl, "_gptq_layer", real)
+    staging = tmp_path / ".r.kvq-partial"
+    for name in ("part-layer-00000.safetensors", "resume-hidden.safetensors"):
+        f = staging / name
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 1
+        f.write_bytes(bytes(data))
+        code, _, err = run(["quantize", deep_dir, "--algorithm", "gptq", "--group-size", "32", "--calib-samples", "4",
+                            "--calib-seqlen", "32", "-o", tmp_path / "r", "--resume"], capsys)
+        assert code == 2 and f"{name} changed since it was checkpointed" in err, err
+        data[-1] ^= 1
+        f.write_bytes(bytes(data))
+    s = run_quantize(QuantizeOptions(model=str(deep_dir), output=tmp_path / "r", algorithm="gptq", resume=True, **FAST))
+    assert s["resumed_from_layer"] == 2
+
+
+def test_json_only_from_rank_0(tmp_path, deep_dir, monkeypatch, capsys):
+    import compressor.api as api
+
+    monkeypatch.setattr(api, "run_quantize", lambda opts, console=None: {"rank": 1, "world_size": 2, "output": None})
+    code, out, _ = run(["quantize", deep_dir, "-o", tmp_path / "o", "--json"], capsys)
+    assert code == 0 and out == ""
+
+
+def test_verify_refuses_a_reference_of_another_architecture(tmp_path, deep_dir, whole, tokenizer, capsys):
+    other = make_model_dir(tmp_path / "two-layers", tokenizer)  # 2 layers instead of 4
+    code, _, err = run(["verify", whole["gptq"], "--reference", other, "--weights-only"], capsys)
+    assert code == 2 and "does not have the artifact's architecture" in err and "model.layers.2" in err
