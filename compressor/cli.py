@@ -112,7 +112,7 @@ def _parse_size(value: str, param) -> int:
 @click.option("--sign-password", default=None, envvar="KVQ_SIGN_PASSWORD", help="Password of an encrypted --sign-key (or env KVQ_SIGN_PASSWORD).")
 @click.option("--sign-certificate", type=click.Path(dir_okay=False, path_type=Path), default=None, help="With --sign-key: the key's signing certificate (PEM), for certificate-based signing.")
 @click.option("--sign-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="With --sign-certificate: a certificate of its chain (repeatable).")
-@click.option("--stream/--no-stream", default=True, show_default=True, help="Read a safetensors MODEL one decoder layer at a time (memory-mapped; peak memory about one layer plus calibration activations); --no-stream loads it whole. GGUF files are always loaded whole.")
+@click.option("--stream/--no-stream", default=True, show_default=True, help="Read a safetensors MODEL one decoder layer at a time (peak memory about one layer plus calibration activations); --no-stream loads it whole. GGUF files are always loaded whole.")
 @click.option("--shard-size", default="5GB", show_default=True, callback=lambda c, p, v: _parse_size(v, p), help="Maximum size of one output weights file (e.g. 500MB, 2GiB; at least 1MB); several files get model-0000k-of-0000N names and model.safetensors.index.json.")
 @click.option("--activation-budget-gib", type=click.FloatRange(0, None), default=8.0, show_default=True, help="Calibration activations above this size move to memory-mapped files in the staging folder.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run of the same command from its last finished layer (kept in .OUTPUT.kvq-partial beside OUTPUT); refused if the inputs changed.")

@@ -258,10 +258,14 @@ def digest_files(folder: str | os.PathLike, names, algorithm: str = "sha256", wo
                 n = job.end - job.start
                 h = new_hasher(algorithm, n)
                 if n:
-                    view = maps[job.file][2]
+                    _f, mm, view = maps[job.file]
                     step = 1 << 26  # 64 MiB slices keep page-cache pressure bounded on huge tensors
                     for off in range(job.start, job.end, step):
-                        h.update(view[off : min(off + step, job.end)])
+                        stop = min(off + step, job.end)
+                        h.update(view[off:stop])
+                        if stop - off >= _BATCH_BYTES:  # drop the hashed pages from this process's RSS
+                            first = off - off % mmap.PAGESIZE  # (they stay in the page cache)
+                            mm.madvise(mmap.MADV_DONTNEED, first, stop - first)
                 out.append((job, h.hexdigest()))
             return out
 

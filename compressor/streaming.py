@@ -2,7 +2,7 @@
 
 ``kvq quantize`` on a Hugging Face safetensors folder builds the model on the ``meta``
 device (no weight memory), reads the embedding, final norm and head from the source
-shards (memory-mapped, :class:`LazyCheckpoint`), and materializes one decoder layer at a
+shards (:class:`LazyCheckpoint`, plain reads: nothing stays mapped), and materializes one decoder layer at a
 time just before the pipeline processes it (:class:`LayerStream`). When the layer is done
 its packed tensors and remaining float tensors are written to a part file in the staging
 folder and the layer's weights go back to ``meta``; at the end the parts are concatenated
@@ -49,35 +49,41 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
 
 
 class LazyCheckpoint:
-    """Tensor name -> shard of a safetensors folder; tensors are read on demand (mmap).
+    """Tensor name -> shard of a safetensors folder; tensors are read on demand (``pread``).
 
     Raises:
         InputError: a shard with a bad header; a tensor name in two shards.
     """
 
     def __init__(self, folder: str | Path):
-        from safetensors import safe_open
-
         self.folder = Path(folder)
-        self.where: dict[str, Path] = {}
+        self.where: dict[str, tuple[Path, object]] = {}
         for shard in sorted(self.folder.glob("*.safetensors")):
-            for name in read_header(shard):
+            for name, entry in read_header(shard).items():
                 if name in self.where:
-                    raise InputError(f"{self.folder}: tensor {name} is stored in both {self.where[name].name} and {shard.name}")
-                self.where[name] = shard
-        self._open = {}
-        self._safe_open = safe_open
+                    raise InputError(f"{self.folder}: tensor {name} is stored in both {self.where[name][0].name} and {shard.name}")
+                self.where[name] = (shard, entry)
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Read ``name`` into memory as ``dtype`` (a private copy)."""
-        shard = self.where[name]
-        if shard not in self._open:
-            self._open[shard] = self._safe_open(str(shard), framework="pt")
-        t = self._open[shard].get_tensor(name)
-        return t.to(dtype) if t.is_floating_point() else t
+        """Read ``name`` into memory as ``dtype`` (a private copy).
+
+        The bytes are read with ``pread`` rather than through a memory map, so the source
+        shards never count towards this process's resident memory (a map would keep every
+        page read so far resident: peak RSS would grow with the model).
+        """
+        shard, e = self.where[name]
+        buf = bytearray(e.end - e.start)
+        with open(shard, "rb") as f:
+            got = f.readinto(memoryview(buf)) if f.seek(e.start) == e.start else 0
+        if got != len(buf):
+            raise InputError(f"{shard}: truncated while reading {name}")
+        if e.dtype not in _DTYPES:
+            raise InputError(f"{shard}: tensor {name} has dtype {e.dtype}, which kvq does not load")
+        t = torch.frombuffer(buf, dtype=_DTYPES[e.dtype]).view(e.shape) if buf else torch.empty(e.shape, dtype=_DTYPES[e.dtype])
+        return t.to(dtype) if t.is_floating_point() else t.clone()
 
 
 def _set_tensor(model, name: str, value: torch.Tensor) -> None:
