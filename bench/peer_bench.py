@@ -184,7 +184,7 @@ def verify_weights(art: Path, name: str, foreign: bool) -> dict:
     return {"command": " ".join(map(str, cmd)) + (" --no-manifest" if foreign else ""), "wall_seconds": round(wall, 1),
             "passed": r["passed"], "tensors": len(w["tensors"]), "min_sqnr_db": w["min_sqnr_db"],
             "median_sqnr_db": statistics.median(t["sqnr_db"] for t in w["tensors"]),
-            "mean_rel_error": statistics.fmean(t["rel_error"] for t in w["tensors"]), "warnings": r["warnings"]}
+            "mean_rel_error": statistics.fmean(t["rel_fro"] for t in w["tensors"]), "warnings": r["warnings"]}
 
 
 def hashing(art: Path) -> dict:
