@@ -263,9 +263,10 @@ def digest_files(folder: str | os.PathLike, names, algorithm: str = "sha256", wo
                     for off in range(job.start, job.end, step):
                         stop = min(off + step, job.end)
                         h.update(view[off:stop])
-                        if stop - off >= _BATCH_BYTES:  # drop the hashed pages from this process's RSS
-                            first = off - off % mmap.PAGESIZE  # (they stay in the page cache)
-                            mm.madvise(mmap.MADV_DONTNEED, first, stop - first)
+                        # drop the hashed pages from this process's RSS (they stay in the page
+                        # cache; a neighbour still being hashed just faults its page back in)
+                        first = off - off % mmap.PAGESIZE
+                        mm.madvise(mmap.MADV_DONTNEED, first, stop - first)
                 out.append((job, h.hexdigest()))
             return out
 
