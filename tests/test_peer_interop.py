@@ -10,17 +10,11 @@ import torch
 from safetensors.torch import save_file
 
 from compressor.calib import load_text, sample_windows, tokenize
-from compressor.cli import main
 from compressor.manifest import load_manifest
 
+from test_cli import run
+
 EVAL = ["--seqlen", "64", "--max-windows", "3", "--max-new-tokens", "4", "--hidden-batches", "1"]
-
-
-def run(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return exc.value.code, cap.out, cap.err
 
 
 @pytest.fixture(scope="module")

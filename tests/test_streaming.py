@@ -106,19 +106,27 @@ class Crash(Exception):
     pass
 
 
+def crash_gptq_at(monkeypatch, layer: int):
+    """Make GPTQ raise :class:`Crash` when it reaches decoder layer ``layer``; returns the real function."""
+    import compressor.pipeline as pl
+
+    real = pl._gptq_layer
+
+    def crash(i, *a, **k):
+        if i == layer:
+            raise Crash(f"simulated crash in layer {layer}")
+        return real(i, *a, **k)
+
+    monkeypatch.setattr(pl, "_gptq_layer", crash)
+    return real
+
+
 def test_resume_after_a_simulated_crash(tmp_path, deep_dir, whole, monkeypatch, capsys):
     import compressor.pipeline as pl
     import compressor.streaming as st
 
     out = tmp_path / "r"
-    real = pl._gptq_layer
-
-    def crash_at_2(i, *a, **k):
-        if i == 2:
-            raise Crash("simulated crash in layer 2")
-        return real(i, *a, **k)
-
-    monkeypatch.setattr(pl, "_gptq_layer", crash_at_2)
+    real = crash_gptq_at(monkeypatch, 2)
     with pytest.raises(Crash):
         run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="gptq", **FAST))
     assert "rerun the same command with --resume" in capsys.readouterr().err
@@ -259,14 +267,7 @@ def test_resume_refuses_a_damaged_checkpoint(tmp_path, deep_dir, monkeypatch, ca
     would otherwise bake the damage into a manifest that then verifies)."""
     import compressor.pipeline as pl
 
-    real = pl._gptq_layer
-
-    def crash_at_2(i, *a, **k):
-        if i == 2:
-            raise Crash("simulated crash")
-        return real(i, *a, **k)
-
-    monkeypatch.setattr(pl, "_gptq_layer", crash_at_2)
+    real = crash_gptq_at(monkeypatch, 2)
     with pytest.raises(Crash):
         run_quantize(QuantizeOptions(model=str(deep_dir), output=tmp_path / "r", algorithm="gptq", **FAST))
     monkeypatch.setattr(pl, "_gptq_layer", real)
