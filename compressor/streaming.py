@@ -3,7 +3,7 @@
 ``kvq quantize`` on a Hugging Face safetensors folder builds the model on the ``meta``
 device (no weight memory), reads the embedding, final norm and head from the source
 shards (:class:`LazyCheckpoint`, plain reads: nothing stays mapped), and materializes one decoder layer at a
-time just before the pipeline processes it (:class:`LayerStream`). When the layer is done
+time just before the pipeline processes it (:class:`compressor.pipeline.LayerHooks`). When the layer is done
 its packed tensors and remaining float tensors are written to a part file in the staging
 folder and the layer's weights go back to ``meta``; at the end the parts are concatenated
 into the artifact's shards (:func:`compressor.safetensors_io.write_shards`). Peak memory
