@@ -486,7 +486,7 @@ def main(argv=None) -> None:
     try:
         cli.main(args=argv, standalone_mode=False)
     except click.exceptions.Abort:  # click turns KeyboardInterrupt (Ctrl-C, or SIGTERM above) into Abort
-        click.echo("kvq: " + ("terminated" if terminated else "interrupted") + "; nothing was written", err=True)
+        click.echo("kvq: " + ("terminated" if terminated else "interrupted") + "; no artifact was written", err=True)
         sys.exit(143 if terminated else 130)
     except click.ClickException as e:
         e.show()
@@ -495,7 +495,7 @@ def main(argv=None) -> None:
         click.echo(f"kvq: error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        click.echo("kvq: " + ("terminated" if terminated else "interrupted") + "; nothing was written", err=True)
+        click.echo("kvq: " + ("terminated" if terminated else "interrupted") + "; no artifact was written", err=True)
         sys.exit(143 if terminated else 130)
     except MemoryError:
         click.echo("kvq: error: out of memory; try --calib-samples smaller or a machine with more memory", err=True)

@@ -226,19 +226,55 @@ def test_verify_detects_a_changed_source(tmp_path, tokenizer, capsys):
     assert code == 1 and "source changed since quantization" in err
 
 
-def test_sigterm_exits_143_and_leaves_nothing(tmp_path, tiny_model_dir):
-    import signal
-    import time
-
+def _kvq_popen(*args):
     exe = Path(sys.executable).with_name("kvq")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "compressor"]
-    p = subprocess.Popen([*cmd, "quantize", str(tiny_model_dir), "-o", str(tmp_path / "o"), "--calib-samples", "512",
-                          "--calib-seqlen", "64", "--group-size", "32"], stderr=subprocess.PIPE, text=True)
-    first = p.stderr.readline()  # kvq is running (signal handler installed) once it prints
+    return subprocess.Popen([*cmd, *map(str, args)], stderr=subprocess.PIPE, text=True)
+
+
+SIGTERM_ARGS = ("--calib-samples", "512", "--calib-seqlen", "64", "--group-size", "32")
+
+
+def test_sigterm_before_any_layer_exits_143_and_leaves_nothing(tmp_path, tiny_model_dir):
+    """SIGTERM while the model loads: exit 143, no artifact and no staging folder left."""
+    import signal
+
+    p = _kvq_popen("quantize", tiny_model_dir, "-o", tmp_path / "o", *SIGTERM_ARGS)
+    first = p.stderr.readline()  # printed before the model loads; the handler is installed by then
     assert first, "kvq printed nothing"
-    time.sleep(3)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
     err = first + err
     assert p.returncode == 143, err
-    assert "terminated" in err and not list(tmp_path.iterdir())
+    assert "terminated; no artifact was written" in err and not list(tmp_path.iterdir()), err
+
+
+def test_sigterm_after_a_layer_keeps_the_checkpoint_and_resume_finishes(tmp_path, tiny_model_dir, capsys):
+    """SIGTERM (a preempted CI job) once a layer is checkpointed: exit 143, no artifact, the
+    staging folder kept and named; the same command with --resume then completes and verifies."""
+    import json
+    import signal
+    import time
+
+    out = tmp_path / "o"
+    staging = tmp_path / ".o.kvq-partial"
+    p = _kvq_popen("quantize", tiny_model_dir, "-o", out, *SIGTERM_ARGS)
+    deadline = time.monotonic() + 300
+    while p.poll() is None and time.monotonic() < deadline:
+        try:
+            if json.loads((staging / "resume.json").read_text())["layers_done"] >= 1:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.02)
+    assert p.poll() is None, "kvq finished before a checkpoint was seen"
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err
+    assert [q.name for q in tmp_path.iterdir()] == [staging.name], err
+    assert "--resume to continue" in err and "terminated; no artifact was written" in err, err
+    code, _, err = run(["quantize", tiny_model_dir, "-o", out, *SIGTERM_ARGS, "--resume"], capsys)
+    assert code == 0, err
+    assert "resuming:" in err and not staging.exists()
+    code, _, err = run(["verify", out, "--hashes-only"], capsys)
+    assert code == 0, err
