@@ -484,12 +484,19 @@ def main(argv=None) -> None:
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        cli.main(args=argv, standalone_mode=False)
+        cli.main(args=argv, prog_name="kvq", standalone_mode=False)
     except click.exceptions.Abort:  # click turns KeyboardInterrupt (Ctrl-C, or SIGTERM above) into Abort
         click.echo("kvq: " + ("terminated" if terminated else "interrupted") + "; no artifact was written", err=True)
         sys.exit(143 if terminated else 130)
+    except click.UsageError as e:  # one line, like every other kvq error (click's own form takes three)
+        if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # bare `kvq`: the help
+            e.show()
+            sys.exit(2)
+        where = e.ctx.command_path if e.ctx is not None else "kvq"
+        click.echo(f"kvq: error: {e.format_message()} (see '{where} --help')", err=True)
+        sys.exit(2)
     except click.ClickException as e:
-        e.show()
+        click.echo(f"kvq: error: {e.format_message()}", err=True)
         sys.exit(2)
     except KvqError as e:
         click.echo(f"kvq: error: {e}", err=True)

@@ -22,7 +22,7 @@ def run(argv, capsys):
 def assert_clean_error(code, err, expected_code, pattern, parent: Path | None = None):
     assert code == expected_code, err
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert lines and lines[-1].startswith("kvq: error:") or "Error:" in err, err
+    assert lines and lines[-1].startswith("kvq: error:"), err
     assert "Traceback" not in err
     assert pattern in err, err
     if parent is not None:
@@ -30,6 +30,19 @@ def assert_clean_error(code, err, expected_code, pattern, parent: Path | None = 
 
 
 QUICK = ["--calib-samples", "4", "--calib-seqlen", "32", "--group-size", "32"]
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["quantize"], "Missing argument 'MODEL'. (see 'kvq quantize --help')"),
+    (["quantize", "m", "--shard-size", "12"], "below the 1 MB minimum (see 'kvq quantize --help')"),
+    (["quantize", "m", "--bits", "x"], "'--bits'"),
+    (["verify", "a", "--frobnicate"], "No such option '--frobnicate'. (see 'kvq verify --help')"),
+    (["frob"], "No such command 'frob'. (see 'kvq --help')"),
+])
+def test_usage_errors_are_one_line_exit_2(argv, pattern, capsys):
+    code, out, err = run(argv, capsys)
+    assert code == 2 and not out
+    assert err.count("\n") == 1 and err.startswith("kvq: error:") and pattern in err, err
 
 
 def test_help_mentions_every_command(capsys):
