@@ -574,9 +574,21 @@ def _nonfinite_parameters(model) -> list[str]:
             if p.is_floating_point() and not torch.isfinite(p).all()]
 
 
-def _load_reference(spec: str, source):
-    """The reference as a float model: a kvq artifact is dequantized (verify an artifact
-    against another, or against itself), anything else is loaded as the original."""
+def load_reference(spec: str, source):
+    """The reference model of ``verify`` / ``serve-smoke``, as a float model on the CPU.
+
+    Args:
+        spec: what the user named (``--reference`` or the manifest's source spec).
+        source: ``spec`` resolved by :func:`compressor.models.resolve_source`.
+
+    Returns:
+        A ``PreTrainedModel``: a kvq artifact (a folder with a manifest) dequantized to
+        float32 (to verify one artifact against another, or against itself);
+        anything else loaded as the original, in float32.
+
+    Raises:
+        InputError: the source cannot be read (from the loaders).
+    """
     from .manifest import MANIFEST_NAME
 
     if Path(spec).is_dir() and (Path(spec) / MANIFEST_NAME).is_file():
@@ -660,7 +672,7 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
         kv_info, kv_source = (make_spec(opts.kv_scheme), None), "--kv-scheme"
 
     model, tokenizer = load_artifact(folder)
-    ref_model = _load_reference(ref_spec, ref_source)
+    ref_model = load_reference(ref_spec, ref_source)
     _check_same_architecture(model, ref_model, ref_spec)
     bad_ref = _nonfinite_parameters(ref_model)
     if bad_ref:

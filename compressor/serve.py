@@ -467,9 +467,9 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
     ref_spec = opts.reference or manifest.source.get("spec")
     if not ref_spec:
         raise InputError("the manifest records no source model; pass --reference")
-    from .api import _load_reference
+    from .api import load_reference
 
-    ref_model = _load_reference(ref_spec, resolve_source(ref_spec))
+    ref_model = load_reference(ref_spec, resolve_source(ref_spec))
     ref_model.to(opts.device)
     kls, agree, total, firsts, per_prompt = [], 0, 0, [], []
     with torch.no_grad():
