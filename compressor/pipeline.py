@@ -600,7 +600,8 @@ def _gptq_layer(i, layer, hidden, kw, ctx):
     phases: dict[str, float] = {}
     tp = time.perf_counter()
     n_ref = min(ctx.loss_n, hidden[0].shape[0])
-    float_out = _layer_forward(layer, hidden[0][:n_ref], kw)  # reference for the output error
+    float_out = None  # the float layer's output on hidden[0][:n_ref], for the output error: taken
+    # from the first Hessian pass (nothing in the layer is quantized yet), which runs batch 0 to the end
     n_exp = num_experts(arch, layer)
     present = set(layer_linears(arch, layer))
     stages = [[r for pat in st for r in expand(pat, n_exp) if r in present and prefix + r in ctx.targets]
@@ -611,19 +612,19 @@ def _gptq_layer(i, layer, hidden, kw, ctx):
     experts = _experts(layer, ctx)
     counts: list[int] | None = None
     errs, damps, retries, dead = [], [], 0, 0
-    phases["reference"], tp = time.perf_counter() - tp, time.perf_counter()
     hess_t = quant_t = 0.0
-    for group in passes:
+    for p_i, group in enumerate(passes):
         sets = _reader_sets(group, fused_sets)
         accs = {st[0]: HessianAccumulator(get_module(layer, st[0]).in_features, device=hidden[0].device) for st in sets}
         conditional = any(is_expert(arch, r) for r in group)  # experts fire only for routed tokens: no early stop
         fired: set[str] = set()
+        run_through = [False]  # this batch runs to the layer's output (the float reference)
 
         def make_hook(rel):
             def hook(_mod, args):
                 accs[rel].add(args[0])
                 fired.add(rel)
-                if not conditional and len(fired) == len(accs):
+                if not conditional and not run_through[0] and len(fired) == len(accs):
                     raise _StopForward
             return hook
 
@@ -632,12 +633,15 @@ def _gptq_layer(i, layer, hidden, kw, ctx):
             experts.counts.zero_()
         handles = [get_module(layer, key).register_forward_pre_hook(make_hook(key)) for key in accs]
         try:
-            for h in hidden:
+            for j, h in enumerate(hidden):
                 fired.clear()
+                run_through[0] = p_i == 0 and j == 0
                 try:
-                    _layer_forward(layer, h, kw)
+                    out = _layer_forward(layer, h, kw)
                 except _StopForward:
-                    pass
+                    continue
+                if run_through[0]:
+                    float_out = out[:n_ref]
         finally:
             for hd in handles:
                 hd.remove()
@@ -680,6 +684,8 @@ def _gptq_layer(i, layer, hidden, kw, ctx):
         quant_t += time.perf_counter() - t_q
     phases["hessian"], phases["gptq"] = hess_t, quant_t
     tp = time.perf_counter()
+    if float_out is None:  # no pass ran (nothing targeted in this layer)
+        float_out = _layer_forward(layer, hidden[0][:n_ref], kw)
     if experts is not None and counts is None:  # no expert targeted: count routing on the recompute pass
         experts.counts.zero_()
     new_hidden = _recompute(i, layer, hidden, kw, ctx.observer)
