@@ -178,7 +178,7 @@ def write_artifact(
         )
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        save_tokenizer(tokenizer, tmp)
         manifest = build_manifest(tmp, manifest_fields, provenance, digest_algorithm)
         (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
         if finalize is not None:
@@ -199,6 +199,23 @@ def write_artifact(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+LOAD_OPTIONS = ("local_files_only", "is_local")  # how the tokenizer was loaded, not what it is
+
+
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """``tokenizer.save_pretrained(folder)`` without the loading options transformers copies
+    into ``tokenizer_config.json`` (``local_files_only`` follows ``HF_HUB_OFFLINE``): the
+    artifact's bytes must not depend on the environment kvq ran in."""
+    tokenizer.save_pretrained(str(folder))
+    p = Path(folder) / "tokenizer_config.json"
+    if p.is_file():
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+        if any(k in cfg for k in LOAD_OPTIONS):
+            for k in LOAD_OPTIONS:
+                cfg.pop(k, None)
+            p.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def tool_info() -> dict:

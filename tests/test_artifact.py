@@ -173,3 +173,20 @@ def test_truncated_or_corrupt_weights_are_a_failed_check(artifact, tmp_path):
     assert not rep["ok"] and rep["modified_files"] == ["model.safetensors"]
     assert "past the end" in rep["unreadable_files"][0]
     assert run_verify(VerifyOptions(artifact=art))["passed"] is False
+
+
+def test_tokenizer_config_does_not_depend_on_how_it_was_loaded(tmp_path, tiny_model_dir):
+    """transformers copies ``local_files_only`` (from HF_HUB_OFFLINE) into tokenizer_config.json;
+    the artifact's bytes must be the same whichever way the source was loaded."""
+    from transformers import AutoTokenizer
+
+    from compressor.artifact import save_tokenizer
+
+    texts = []
+    for offline in (True, False):
+        tok = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=offline)
+        (tmp_path / str(offline)).mkdir()
+        save_tokenizer(tok, tmp_path / str(offline))
+        texts.append((tmp_path / str(offline) / "tokenizer_config.json").read_text())
+    assert texts[0] == texts[1] and "local_files_only" not in texts[0]
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "True"))("hello world").input_ids
