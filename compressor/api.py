@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import resource
@@ -231,8 +232,8 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
                       "format": opts.format, "dtype": opts.dtype, "kvq": tool_info()["version"]})
     staging = open_staging(out, key, opts.resume, console) if rank == 0 else None  # other ranks write nothing
     schemes: dict[str, tuple] = {}
-    hooks = _layer_hooks(model, arch, ckpt, staging, schemes, opts, ckpt_name, device)
-    try:
+    with _keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume
+        hooks = _layer_hooks(model, arch, ckpt, staging, schemes, opts, ckpt_name, device)
         with _progress(console, "layers") as progress:
             label = "float weights" if recipe.algorithm == "none" else f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}"
             task = progress.add_task(label + (f" + KV {kv.scheme}" if kv else ""), total=n_layers, completed=hooks.start)
@@ -240,103 +241,90 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
                 model, recipe, calib_ids, device=device, dtype=DTYPES[opts.dtype],
                 on_layer=lambda i, n, fig: _layer_done(console, progress, task, i, n, fig), hooks=hooks,
             )
-    except KvqError:
-        if staging is not None:
-            shutil.rmtree(staging.path, ignore_errors=True)  # bad input or a numerical fault: nothing to resume
-        raise
-    except BaseException:
-        if staging is None:
-            pass
-        elif staging.state.get("layers_done"):
-            msg = (f"kvq: interrupted after {staging.state['layers_done']} of {n_layers} layers; the finished layers are "
-                   f"kept in {staging.path}: rerun the same command with --resume to continue")
-            print(msg, file=sys.stderr)
-        else:
-            shutil.rmtree(staging.path, ignore_errors=True)
-        raise
-    del calib_ids
-    gc.collect()
-    if rank != 0:
-        return {"rank": rank, "world_size": world_size, "output": None, "quantize_seconds": round(result.seconds, 2)}
-    warnings += result.warnings
-    if console:
-        for w in warnings:
-            console.print(f"[yellow]warning:[/] {w}", highlight=False)
-    schemes.update({n: r.scheme for n, r in result.modules.items()})
-    quant = {
-        "algorithm": recipe.algorithm,
-        "format": opts.format,
-        "num_bits": recipe.weights.num_bits,
-        "group_size": result.group_size,
-        "symmetric": recipe.weights.symmetric,
-        "modules": len(schemes),
-        "storage_dtype": opts.dtype,
-    }
-    if recipe.algorithm == "none":
-        quant.update({"num_bits": None, "group_size": None, "symmetric": None})
-    if recipe.is_mixed:
-        quant["schemes"] = [{"num_bits": b, "group_size": g, "symmetric": y, "modules": sorted(n for n, v in schemes.items() if v == (b, g, y))}
-                            for b, g, y in sorted(set(schemes.values()))]
-    if recipe.algorithm == "gptq":
-        quant["act_order"] = recipe.gptq.act_order
-        quant["static_groups"] = recipe.gptq.static_groups
-        if opts.format == "gptq":
-            quant["gptq_checkpoint_format"] = gptq_checkpoint_format(recipe.weights.symmetric)
-    import compressed_tensors
+    with _keep_checkpoint(staging, n_layers, drop_on_error=False):  # every layer is done: keep them whatever happens
+        del calib_ids
+        gc.collect()
+        if rank != 0:
+            return {"rank": rank, "world_size": world_size, "output": None, "quantize_seconds": round(result.seconds, 2)}
+        warnings += result.warnings
+        if console:
+            for w in warnings:
+                console.print(f"[yellow]warning:[/] {w}", highlight=False)
+        schemes.update({n: r.scheme for n, r in result.modules.items()})
+        quant = {
+            "algorithm": recipe.algorithm,
+            "format": opts.format,
+            "num_bits": recipe.weights.num_bits,
+            "group_size": result.group_size,
+            "symmetric": recipe.weights.symmetric,
+            "modules": len(schemes),
+            "storage_dtype": opts.dtype,
+        }
+        if recipe.algorithm == "none":
+            quant.update({"num_bits": None, "group_size": None, "symmetric": None})
+        if recipe.is_mixed:
+            quant["schemes"] = [{"num_bits": b, "group_size": g, "symmetric": y, "modules": sorted(n for n, v in schemes.items() if v == (b, g, y))}
+                                for b, g, y in sorted(set(schemes.values()))]
+        if recipe.algorithm == "gptq":
+            quant["act_order"] = recipe.gptq.act_order
+            quant["static_groups"] = recipe.gptq.static_groups
+            if opts.format == "gptq":
+                quant["gptq_checkpoint_format"] = gptq_checkpoint_format(recipe.weights.symmetric)
+        import compressed_tensors
 
-    # names as the checkpoint (and vLLM) spells them; MoE routers stay float and are listed as ignored
-    ckpt = ckpt_name
-    ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in schemes)
-    ignored += routers(arch, model)
-    qcfg = format_config(opts.format, recipe, {ckpt(n): v for n, v in schemes.items()},
-                         [ckpt(n) for n in ignored if n != "lm_head"],
-                         {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]})
-    packed = {ckpt(n): t for n, t in pack_modules(result.modules, opts.format, DTYPES[opts.dtype]).items()}
-    result.modules.clear()
-    kv_record = None
-    if kv is not None:
-        kv_record = {"scheme": kv.scheme, "strategy": kv.strategy, "bits": kv.bits, "static_scales": kv.static}
-        if kv.strategy == "kivi":
-            kv_record.update({"group_size": kv.group_size, "residual_length": kv.residual_length,
-                              "keys": "per channel, groups of group_size tokens", "values": "per token, groups of group_size channels"})
-        if kv.static:
-            scale_tensors = kv_scale_tensors(result.kv_scales, arch.layers, arch.attention, kv.strategy)
-            for name, t in scale_tensors.items():
-                module, _, leaf = name.rpartition(".")
-                packed.setdefault(module, {})[leaf] = t
-            kv_record["scale_tensors"] = f"{arch.layers}.<i>.{arch.attention}.k_scale / v_scale, shape " + (
-                "[1]" if kv.strategy == "tensor" else "[num_kv_heads, 1, 1]")
-            kv_record["absmax"] = {str(i): {"k": [round(float(x), 4) for x in k], "v": [round(float(x), 4) for x in v]}
-                                   for i, (k, v) in result.kv_absmax.items()}
-        layout = arch.kv_layout(model.config)
-        kv_record["layout"] = layout.as_dict()
-        kv_record["bytes_per_token"] = layout_bytes_per_token(kv, layout)
-        kv_record["fp16_bytes_per_token"] = layout_bytes_per_token(None, layout)
-    float_bytes = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
-    # timings vary run to run: they go to the provenance block, outside the content digest
-    quality = {
-        "layers": [{k: v for k, v in f.items() if k not in ("seconds", "phase_seconds")} for f in result.layers],
-        "mean_rel_error": _mean([f["mean_rel_error"] for f in result.layers]),
-        "warnings": warnings,
-    }
-    if result.moe:  # routed calibration tokens per expert; experts quantized with the RTN fallback
-        quality["moe"] = {"min_tokens": max(recipe.moe.min_tokens, 1), "layers": result.moe, "fallback": result.moe_fallback}
-    timing = {"quantize_seconds": round(result.seconds, 2), "layer_seconds": [f["seconds"] for f in result.layers]}
-    if result.layers and "phase_seconds" in result.layers[0]:
-        timing["phase_seconds"] = {k: round(sum(f["phase_seconds"][k] for f in result.layers), 2)
-                                   for k in result.layers[0]["phase_seconds"]}
-    if opts.model not in ALIASES:  # record paths absolutely so verify finds the reference from anywhere
-        source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
-    manifest = write_artifact(
-        out, model, tokenizer, packed, qcfg,
-        {"tool": tool_info(), "source": source_fp, "recipe": recipe.model_dump(mode="json"),
-         "calibration": calibration, "quantization": quant, "quality": quality, "kv_cache": kv_record,
-         "format": opts.format},
-        provenance={"timing": timing, "device": opts.device},
-        dtype_name=opts.dtype, overwrite=opts.overwrite, digest_algorithm=opts.digest_algorithm, rename=ckpt,
-        finalize=(lambda tmp: sign_folder(tmp, opts.sign)) if opts.sign is not None else None,
-        staging=staging, skip_prefix=arch.layers + ".", shard_bytes=opts.shard_bytes,
-    )
+        # names as the checkpoint (and vLLM) spells them; MoE routers stay float and are listed as ignored
+        ckpt = ckpt_name
+        ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in schemes)
+        ignored += routers(arch, model)
+        qcfg = format_config(opts.format, recipe, {ckpt(n): v for n, v in schemes.items()},
+                             [ckpt(n) for n in ignored if n != "lm_head"],
+                             {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]})
+        packed = {ckpt(n): t for n, t in pack_modules(result.modules, opts.format, DTYPES[opts.dtype]).items()}
+        result.modules.clear()
+        kv_record = None
+        if kv is not None:
+            kv_record = {"scheme": kv.scheme, "strategy": kv.strategy, "bits": kv.bits, "static_scales": kv.static}
+            if kv.strategy == "kivi":
+                kv_record.update({"group_size": kv.group_size, "residual_length": kv.residual_length,
+                                  "keys": "per channel, groups of group_size tokens", "values": "per token, groups of group_size channels"})
+            if kv.static:
+                scale_tensors = kv_scale_tensors(result.kv_scales, arch.layers, arch.attention, kv.strategy)
+                for name, t in scale_tensors.items():
+                    module, _, leaf = name.rpartition(".")
+                    packed.setdefault(module, {})[leaf] = t
+                kv_record["scale_tensors"] = f"{arch.layers}.<i>.{arch.attention}.k_scale / v_scale, shape " + (
+                    "[1]" if kv.strategy == "tensor" else "[num_kv_heads, 1, 1]")
+                kv_record["absmax"] = {str(i): {"k": [round(float(x), 4) for x in k], "v": [round(float(x), 4) for x in v]}
+                                       for i, (k, v) in result.kv_absmax.items()}
+            layout = arch.kv_layout(model.config)
+            kv_record["layout"] = layout.as_dict()
+            kv_record["bytes_per_token"] = layout_bytes_per_token(kv, layout)
+            kv_record["fp16_bytes_per_token"] = layout_bytes_per_token(None, layout)
+        float_bytes = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
+        # timings vary run to run: they go to the provenance block, outside the content digest
+        quality = {
+            "layers": [{k: v for k, v in f.items() if k not in ("seconds", "phase_seconds")} for f in result.layers],
+            "mean_rel_error": _mean([f["mean_rel_error"] for f in result.layers]),
+            "warnings": warnings,
+        }
+        if result.moe:  # routed calibration tokens per expert; experts quantized with the RTN fallback
+            quality["moe"] = {"min_tokens": max(recipe.moe.min_tokens, 1), "layers": result.moe, "fallback": result.moe_fallback}
+        timing = {"quantize_seconds": round(result.seconds, 2), "layer_seconds": [f["seconds"] for f in result.layers]}
+        if result.layers and "phase_seconds" in result.layers[0]:
+            timing["phase_seconds"] = {k: round(sum(f["phase_seconds"][k] for f in result.layers), 2)
+                                       for k in result.layers[0]["phase_seconds"]}
+        if opts.model not in ALIASES:  # record paths absolutely so verify finds the reference from anywhere
+            source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
+        manifest = write_artifact(
+            out, model, tokenizer, packed, qcfg,
+            {"tool": tool_info(), "source": source_fp, "recipe": recipe.model_dump(mode="json"),
+             "calibration": calibration, "quantization": quant, "quality": quality, "kv_cache": kv_record,
+             "format": opts.format},
+            provenance={"timing": timing, "device": opts.device},
+            dtype_name=opts.dtype, overwrite=opts.overwrite, digest_algorithm=opts.digest_algorithm, rename=ckpt,
+            finalize=(lambda tmp: sign_folder(tmp, opts.sign)) if opts.sign is not None else None,
+            staging=staging, skip_prefix=arch.layers + ".", shard_bytes=opts.shard_bytes,
+        )
     size = sum(f.size for f in manifest.files.values())
     summary = {
         "output": str(out),
@@ -375,6 +363,25 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
             + (f", signed ({summary['signed']}) into {SIGNATURE_NAME}" if opts.sign is not None else "")
         )
     return summary
+
+
+@contextlib.contextmanager
+def _keep_checkpoint(staging, n_layers: int, drop_on_error: bool):
+    """On the way out of a failed or interrupted block: keep the staging folder (and say so
+    on stderr) when at least one layer is checkpointed, else remove it; with
+    ``drop_on_error`` a kvq error (bad input, numerical fault) removes it anyway."""
+    try:
+        yield
+    except BaseException as e:
+        if staging is None or not staging.path.exists():
+            raise
+        done = staging.state.get("layers_done") or 0
+        if (drop_on_error and isinstance(e, KvqError)) or not done:
+            shutil.rmtree(staging.path, ignore_errors=True)
+        else:
+            print(f"kvq: stopped after {done} of {n_layers} layers; the finished layers are kept in {staging.path}: "
+                  "rerun the same command with --resume to continue", file=sys.stderr)
+        raise
 
 
 def _layer_hooks(model, arch, ckpt, staging, schemes: dict, opts: QuantizeOptions, ckpt_name, device: str) -> LayerHooks:

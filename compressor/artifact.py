@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from . import __version__
+from . import __version__, interrupts
 from .arch import get_arch, state_from_checkpoint
 from .errors import InputError
 from .formats import compressed_tensors as ct
@@ -160,19 +160,22 @@ def write_artifact(
 
     out = Path(out)
     check_output(out, overwrite)
-    tmp = staging.path if staging is not None else Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-tmp-", dir=out.resolve().parent))
+    if staging is not None:  # assembled inside the staging folder, whose checkpoint stays valid meanwhile
+        tmp = staging.artifact_dir
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-tmp-", dir=out.resolve().parent))
+    placed = False
     try:
         tensors = state_tensors(model, modules, DTYPES[dtype_name], rename, skip_prefix=skip_prefix)
         parts = list(staging.parts) if staging is not None else []
-        last = tmp / "part-final.safetensors"
+        last = (staging.path if staging is not None else tmp) / "part-final.safetensors"
         save_file(tensors, str(last), metadata={"format": "pt"})
         del tensors
         parts.append(last)
         write_shards(parts, tmp, shard_bytes)
-        for p in parts:
-            p.unlink()
-        if staging is not None:
-            staging.clear_resume_files()
+        last.unlink()
         (tmp / "config.json").write_text(
             json.dumps(_config_dict(model, quant_config, dtype_name), indent=2, sort_keys=True) + "\n"
         )
@@ -188,15 +191,23 @@ def write_artifact(
         os.chmod(tmp, 0o777 & ~umask)
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~umask)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-old-", dir=out.resolve().parent))
-            os.replace(out, old / "artifact")
+        with interrupts.deferred():  # a signal here waits: OUT is never left half-replaced
+            old = None
+            if out.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-old-", dir=out.resolve().parent))
+                os.replace(out, old / "artifact")
             os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+            placed = True
+            interrupts.committed.append(str(out))
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            if staging is not None:
+                shutil.rmtree(staging.path, ignore_errors=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not placed:
+            shutil.rmtree(tmp, ignore_errors=True)  # the staging folder's checkpoint is the caller's to keep or drop
+            if staging is not None:
+                (staging.path / "part-final.safetensors").unlink(missing_ok=True)
         raise
     return manifest
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -101,8 +102,8 @@ def _parse_size(value: str, param) -> int:
 @click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "awq", "gptq"]), default="compressed-tensors", show_default=True, help="On-disk layout: compressed-tensors (vLLM/transformers), awq (AutoAWQ GEMM, 4-bit only) or gptq (AutoGPTQ/GPTQModel; g_idx for act-order).")
 @click.option("--calib", default="embedded", show_default=True, help="Calibration text: a .txt/.jsonl/.parquet file, 'embedded' (offline CPython prose), or wikitext2/c4/pileval (online); or a .safetensors file with one integer tensor input_ids [samples, seqlen] of pre-tokenized windows (used as they are; --calib-samples/--calib-seqlen/--seed do not apply).")
 @click.option("--calib-field", default="text", show_default=True, help="Text column of a .jsonl/.parquet calibration file.")
-@click.option("--calib-samples", type=click.IntRange(1, None), default=128, show_default=True, help="Number of calibration sequences.")
-@click.option("--calib-seqlen", type=click.IntRange(2, None), default=512, show_default=True, help="Tokens per calibration sequence.")
+@click.option("--calib-samples", type=click.IntRange(1, 1_000_000), default=128, show_default=True, help="Number of calibration sequences.")
+@click.option("--calib-seqlen", type=click.IntRange(2, 1_048_576), default=512, show_default=True, help="Tokens per calibration sequence.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for drawing calibration windows.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where each layer is processed.")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True, help="Storage dtype of scales and unquantized tensors.")
@@ -158,6 +159,8 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 
     if (sign_certificate or sign_chain) and not sign_key:
         raise click.BadParameter("needs --sign-key", param_hint="--sign-certificate/--sign-chain")
+    if sign_password is not None and not sign_key and _from_command_line("sign_password"):
+        raise click.BadParameter("needs --sign-key (without it the artifact is not signed)", param_hint="--sign-password")
     sign = None if sign_key is None else SignOptions(private_key=sign_key, password=sign_password,
                                                      signing_certificate=sign_certificate, certificate_chain=tuple(sign_chain))
 
@@ -351,6 +354,10 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
     from .integrity import run_sign
     from .signing import SignOptions
 
+    if identity_token is not None and not sigstore and _from_command_line("identity_token"):
+        raise click.BadParameter("is used only with --sigstore", param_hint="--identity-token")
+    if password is not None and private_key is None and _from_command_line("password"):
+        raise click.BadParameter("needs --private-key", param_hint="--password")
     opts = SignOptions(private_key=private_key, password=password, signing_certificate=signing_certificate,
                        certificate_chain=tuple(certificate_chain), sigstore=sigstore, identity_token=identity_token)
     result = run_sign(artifact, opts, console=None if as_json else _console())
@@ -472,22 +479,43 @@ def recipes():
         click.echo(f"{name:18s} {kind:4s}  {r.description}")
 
 
+def _from_command_line(param: str) -> bool:
+    """Whether ``param`` was given on the command line (not from its environment variable,
+    which a CI job may set for every command)."""
+    from click.core import ParameterSource
+
+    return click.get_current_context().get_parameter_source(param) == ParameterSource.COMMANDLINE
+
+
 def main(argv=None) -> None:
     """Console entry point: maps errors to one line and an exit code, never a traceback."""
-    import signal
+    from . import interrupts
 
-    terminated = []
+    previous = interrupts.install()
+    try:
+        _dispatch(argv)
+    finally:
+        interrupts.restore(previous)
 
-    def _terminate(signum, frame):  # SIGTERM (CI timeouts, kill): unwind so temp folders are removed
-        terminated.append(signum)
-        raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _terminate)
+def _interrupted() -> None:
+    from . import interrupts
+
+    sig = interrupts.received()
+    word = "terminated" if sig == signal.SIGTERM else "interrupted"
+    if interrupts.committed:
+        click.echo(f"kvq: {word} after the artifact was written to {interrupts.committed[-1]} (complete; "
+                   "the summary was not printed)", err=True)
+    else:
+        click.echo(f"kvq: {word}; no artifact was written", err=True)
+    sys.exit(143 if sig == signal.SIGTERM else 130)
+
+
+def _dispatch(argv) -> None:
     try:
         cli.main(args=argv, prog_name="kvq", standalone_mode=False)
-    except click.exceptions.Abort:  # click turns KeyboardInterrupt (Ctrl-C, or SIGTERM above) into Abort
-        click.echo("kvq: " + ("terminated" if terminated else "interrupted") + "; no artifact was written", err=True)
-        sys.exit(143 if terminated else 130)
+    except click.exceptions.Abort:  # click turns KeyboardInterrupt (Ctrl-C, SIGTERM) into Abort
+        _interrupted()
     except click.UsageError as e:  # one line, like every other kvq error (click's own form takes three)
         if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # bare `kvq`: the help
             e.show()
@@ -502,8 +530,7 @@ def main(argv=None) -> None:
         click.echo(f"kvq: error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        click.echo("kvq: " + ("terminated" if terminated else "interrupted") + "; no artifact was written", err=True)
-        sys.exit(143 if terminated else 130)
+        _interrupted()
     except MemoryError:
         click.echo("kvq: error: out of memory; try --calib-samples smaller or a machine with more memory", err=True)
         sys.exit(1)

@@ -244,7 +244,7 @@ def _read_recipe(name_or_path: str) -> tuple[dict, Path]:
             )
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise InputError(f"cannot read recipe {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise InputError(f"recipe {path} must be a YAML mapping")

@@ -42,7 +42,8 @@ from .errors import InputError
 from .safetensors_io import file_digest, read_header
 
 RESUME_NAME = "resume.json"
-HIDDEN_NAME = "resume-hidden.safetensors"
+HIDDEN_PREFIX = "resume-hidden-"  # + layers done + .safetensors: a new file per checkpoint
+ARTIFACT_DIR = "artifact"  # the artifact is assembled here, renamed to OUT when complete
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
@@ -255,26 +256,34 @@ class Staging:
         """Record that layers ``< layers_done`` are written; ``hidden`` are the next layer's inputs."""
         from safetensors.torch import save_file
 
-        digests = dict(self.state.get("digests", {}))
+        # Crash-consistent: the previous checkpoint's files stay valid until resume.json is
+        # replaced (atomically) by one naming the new files; only then is the old hidden file removed.
+        old_hidden = self.state.get("hidden")
+        digests = {k: v for k, v in self.state.get("digests", {}).items() if k != old_hidden}
         for p in self.parts:  # each part is hashed once, when it is new
             if p.name not in digests:
                 digests[p.name] = file_digest(p)
+        hidden_name = None
         if hidden is not None:
-            tmp = self.path / (HIDDEN_NAME + ".tmp")
+            hidden_name = f"{HIDDEN_PREFIX}{layers_done:05d}.safetensors"
+            tmp = self.path / (hidden_name + ".tmp")
             save_file({f"b{j}": h.contiguous() for j, h in enumerate(hidden)}, str(tmp))
-            digests[HIDDEN_NAME] = file_digest(tmp)
-            os.replace(tmp, self.path / HIDDEN_NAME)
+            digests[hidden_name] = file_digest(tmp)
+            os.replace(tmp, self.path / hidden_name)
         self.state = {"key": self.key, "layers_done": layers_done, "parts": [p.name for p in self.parts],
-                      "digests": digests, **state}
+                      "hidden": hidden_name, "digests": digests, **state}
         with _atomic_write(self.path / RESUME_NAME) as f:
             json.dump(self.state, f)
+        if old_hidden and old_hidden != hidden_name:
+            (self.path / old_hidden).unlink(missing_ok=True)
 
     def load_hidden(self, device: str) -> list[torch.Tensor] | None:
         from safetensors.torch import load_file
 
-        p = self.path / HIDDEN_NAME
-        if HIDDEN_NAME not in self.state.get("digests", {}):
+        name = self.state.get("hidden")
+        if not name:
             return None
+        p = self.path / name
         try:
             d = load_file(str(p))
         except Exception as e:  # safetensors raises its own error types for damaged files
@@ -282,9 +291,12 @@ class Staging:
                              "rerun without --resume to start over") from None
         return [d[f"b{j}"].to(device) for j in range(len(d))]
 
-    def clear_resume_files(self) -> None:
-        for n in (RESUME_NAME, HIDDEN_NAME):
-            (self.path / n).unlink(missing_ok=True)
+    @property
+    def artifact_dir(self) -> Path:
+        """Where the artifact is assembled; the staging folder's parts and checkpoint stay
+        beside it until the artifact is renamed into place, so an interruption while it is
+        being written (joining parts, hashing, signing) can still be resumed."""
+        return self.path / ARTIFACT_DIR
 
 
 def staging_path(out: Path) -> Path:
@@ -323,11 +335,12 @@ def open_staging(out: Path, key: str, resume: bool, console=None) -> Staging:
         if lost:
             raise InputError(f"--resume: {path} lacks {lost[0]}; rerun without --resume to start over")
         recorded = state.get("digests") or {}
-        for name in [p.name for p in parts] + ([HIDDEN_NAME] if HIDDEN_NAME in recorded else []):
+        for name in [p.name for p in parts] + ([state["hidden"]] if state.get("hidden") else []):
             f = path / name
             if name not in recorded or not f.is_file() or file_digest(f) != recorded[name]:
                 raise InputError(f"--resume: {f} changed since it was checkpointed (its SHA-256 differs from "
                                  f"{RESUME_NAME}); rerun without --resume to start over")
+        shutil.rmtree(path / ARTIFACT_DIR, ignore_errors=True)  # an interrupted final write
         if console:
             console.print(f"resuming: {state['layers_done']} layer(s) already done in {path}", highlight=False)
         return Staging(path, key, parts, state)

@@ -38,6 +38,10 @@ QUICK = ["--calib-samples", "4", "--calib-seqlen", "32", "--group-size", "32"]
     (["quantize", "m", "--bits", "x"], "'--bits'"),
     (["verify", "a", "--frobnicate"], "No such option '--frobnicate'. (see 'kvq verify --help')"),
     (["frob"], "No such command 'frob'. (see 'kvq --help')"),
+    (["quantize", "m", "--calib-samples", "99999999999999999999"], "'--calib-samples'"),
+    (["quantize", "m", "-o", "x", "--sign-password", "p"], "needs --sign-key"),
+    (["sign", "a", "--identity-token", "t"], "only with --sigstore"),
+    (["sign", "a", "--password", "p"], "needs --private-key"),
 ])
 def test_usage_errors_are_one_line_exit_2(argv, pattern, capsys):
     code, out, err = run(argv, capsys)
@@ -291,3 +295,10 @@ def test_sigterm_after_a_layer_keeps_the_checkpoint_and_resume_finishes(tmp_path
     assert "resuming:" in err and not staging.exists()
     code, _, err = run(["verify", out, "--hashes-only"], capsys)
     assert code == 0, err
+
+
+def test_a_recipe_that_is_not_utf8_is_an_input_error(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"\xff\xfe\x00")
+    code, _, err = run(["quantize", "m", "-o", tmp_path / "x", "--recipe", bad], capsys)
+    assert_clean_error(code, err, 2, "cannot read recipe")

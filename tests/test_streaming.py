@@ -135,6 +135,7 @@ def test_resume_after_a_simulated_crash(tmp_path, deep_dir, whole, monkeypatch, 
     assert state["layers_done"] == 2 and not out.exists()
     assert sorted(p.name for p in staging.glob("part-*.safetensors")) == ["part-layer-00000.safetensors",
                                                                           "part-layer-00001.safetensors"]
+    assert [p.name for p in staging.glob("resume-hidden-*")] == ["resume-hidden-00002.safetensors"]  # older ones removed
     monkeypatch.setattr(pl, "_gptq_layer", real)
     loaded = []
     real_load = st.load_into
@@ -272,7 +273,7 @@ def test_resume_refuses_a_damaged_checkpoint(tmp_path, deep_dir, monkeypatch, ca
         run_quantize(QuantizeOptions(model=str(deep_dir), output=tmp_path / "r", algorithm="gptq", **FAST))
     monkeypatch.setattr(pl, "_gptq_layer", real)
     staging = tmp_path / ".r.kvq-partial"
-    for name in ("part-layer-00000.safetensors", "resume-hidden.safetensors"):
+    for name in ("part-layer-00000.safetensors", "resume-hidden-00002.safetensors"):
         f = staging / name
         data = bytearray(f.read_bytes())
         data[-1] ^= 1
@@ -298,3 +299,101 @@ def test_verify_refuses_a_reference_of_another_architecture(tmp_path, deep_dir, 
     other = make_model_dir(tmp_path / "two-layers", tokenizer)  # 2 layers instead of 4
     code, _, err = run(["verify", whole["gptq"], "--reference", other, "--weights-only"], capsys)
     assert code == 2 and "does not have the artifact's architecture" in err and "model.layers.2" in err
+
+
+def test_interrupted_final_write_keeps_the_checkpoint(tmp_path, deep_dir, whole, monkeypatch, capsys):
+    """Every layer done, then the final write (joining parts, hashing, signing) fails: the
+    checkpoint survives, is named on stderr, and --resume writes the same artifact."""
+    import compressor.safetensors_io as sio
+
+    real = sio.write_shards
+
+    def broken(*a, **k):
+        raise Crash("simulated crash while writing the shards")
+
+    monkeypatch.setattr(sio, "write_shards", broken)
+    out = tmp_path / "r"
+    with pytest.raises(Crash):
+        run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="gptq", **FAST))
+    assert "stopped after 4 of 4 layers" in capsys.readouterr().err
+    staging = tmp_path / ".r.kvq-partial"
+    assert json.loads((staging / "resume.json").read_text())["layers_done"] == 4 and not out.exists()
+    assert not (staging / "artifact").exists() and not (staging / "part-final.safetensors").exists()
+    monkeypatch.setattr(sio, "write_shards", real)
+    s = run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="gptq", resume=True, **FAST))
+    assert s["resumed_from_layer"] == 4 and digests(out) == digests(whole["gptq"]) and not staging.exists()
+
+
+def test_checkpoint_is_crash_consistent(tmp_path, deep_dir, whole, monkeypatch):
+    """A crash after layer 2's activations are saved but before resume.json names them: the
+    checkpoint of layer 1 is still whole, and --resume continues from it."""
+    import compressor.streaming as st
+
+    real = st._atomic_write
+    calls = []
+
+    def crash_second(path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise Crash("simulated crash before resume.json is replaced")
+        return real(path)
+
+    monkeypatch.setattr(st, "_atomic_write", crash_second)
+    out = tmp_path / "r"
+    with pytest.raises(Crash):
+        run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="gptq", **FAST))
+    monkeypatch.setattr(st, "_atomic_write", real)
+    staging = tmp_path / ".r.kvq-partial"
+    assert json.loads((staging / "resume.json").read_text())["layers_done"] == 1
+    assert (staging / "resume-hidden-00002.safetensors").exists()  # written, not yet named: ignored
+    s = run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="gptq", resume=True, **FAST))
+    assert s["resumed_from_layer"] == 1 and digests(out) == digests(whole["gptq"]) and not staging.exists()
+
+
+def test_signal_while_the_artifact_is_put_in_place(tmp_path, deep_dir, monkeypatch, capsys):
+    """SIGTERM between moving the old artifact aside and renaming the new one in: the rename
+    completes first (OUT is never missing), the exit is 143 and the message says the artifact
+    was written; nothing is left beside it."""
+    import os
+    import signal
+
+    import compressor.artifact as art
+
+    out = tmp_path / "o"
+    args = ["quantize", deep_dir, "--algorithm", "rtn", "--group-size", "32", "-o", out]
+    assert run(args, capsys)[0] == 0
+    real = os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith("artifact"):  # the old artifact moved aside: the signal lands now
+            signal.raise_signal(signal.SIGTERM)
+        return real(src, dst)
+
+    monkeypatch.setattr(art.os, "replace", replace)
+    code, _, err = run([*args, "--group-size", "64", "--overwrite"], capsys)
+    monkeypatch.setattr(art.os, "replace", real)
+    assert code == 143 and f"terminated after the artifact was written to {out}" in err, err
+    assert load_manifest(out).quantization["group_size"] == 64
+    assert [p.name for p in tmp_path.iterdir()] == ["o"]
+    assert run(["verify", out, "--hashes-only"], capsys)[0] == 0
+
+
+def test_a_second_signal_does_not_cut_the_clean_up_short():
+    import signal
+
+    from compressor import interrupts
+
+    previous = interrupts.install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts.deferred():
+                signal.raise_signal(signal.SIGTERM)  # held inside the block
+                signal.raise_signal(signal.SIGINT)  # ignored: already unwinding
+                cleaned = True
+        assert cleaned and interrupts.received() == signal.SIGTERM
+        signal.raise_signal(signal.SIGTERM)  # a later signal while unwinding: no new exception
+    finally:
+        interrupts.restore(previous)
+    assert interrupts.received() is None
+    with interrupts.deferred():  # nothing pending after restore: a later block completes
+        pass
