@@ -166,11 +166,11 @@ def write_artifact(
         tmp.mkdir()
     else:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-tmp-", dir=out.resolve().parent))
+    last = (staging.path if staging is not None else tmp) / "part-final.safetensors"
     placed = False
     try:
         tensors = state_tensors(model, modules, DTYPES[dtype_name], rename, skip_prefix=skip_prefix)
         parts = list(staging.parts) if staging is not None else []
-        last = (staging.path if staging is not None else tmp) / "part-final.safetensors"
         save_file(tensors, str(last), metadata={"format": "pt"})
         del tensors
         parts.append(last)
@@ -206,8 +206,7 @@ def write_artifact(
     except BaseException:
         if not placed:
             shutil.rmtree(tmp, ignore_errors=True)  # the staging folder's checkpoint is the caller's to keep or drop
-            if staging is not None:
-                (staging.path / "part-final.safetensors").unlink(missing_ok=True)
+            last.unlink(missing_ok=True)
         raise
     return manifest
 
