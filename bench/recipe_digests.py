@@ -97,6 +97,7 @@ def collect(work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer()
     models = {mt: _model(mt, work / "src" / mt, tok) for mt in CONFIGS}
+    (work / "out").mkdir(exist_ok=True)
     result = {}
     for name, mt, args in _runs(sorted(bundled_recipes())):
         out = work / "out" / name.replace("/", "__")
@@ -110,6 +111,8 @@ def collect(work: Path) -> dict:
             if e.code not in (0, None):
                 result[name] = {"error": f"exit {e.code}"}
                 continue
+        if not out.is_dir():
+            raise SystemExit(f"{name}: kvq wrote no artifact")
         m = load_manifest(out)
         result[name] = {"content_digest": m.content_digest(),
                         "tensors": {t: r.digest for t, r in sorted(m.tensors.items())}}
