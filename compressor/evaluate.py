@@ -4,7 +4,8 @@ The whole text is tokenized once without special tokens and cut into non-overlap
 windows of ``seqlen`` tokens (the tail shorter than a window is dropped); each window
 is an independent sequence, every position after the first is predicted, and
 ``ppl = exp(mean token NLL)`` over all predicted tokens (``windows * (seqlen - 1)``).
-Memory stays bounded by one window's logits (``seqlen x vocab`` float32).
+Memory stays bounded by the logits of ``LOGIT_CHUNK`` positions (the head is applied to
+the decoder's final hidden states a chunk at a time), not by ``seqlen x vocab``.
 
 With a quantized KV cache (``make_cache``), each window is fed in chunks of
 ``kv_chunk`` tokens through a fresh cache, as a serving engine's chunked prefill does:
@@ -38,12 +39,19 @@ def windows(ids: torch.Tensor, seqlen: int, max_windows: int | None = None) -> t
     return ids[: n * seqlen].view(n, seqlen)
 
 
+#: positions whose logits are materialized at once: peak memory of the statistics is about
+#: ``LOGIT_CHUNK x vocab x 4 B x 6`` (two models' logits, two log-softmaxes, the KL terms),
+#: not ``seqlen x vocab`` (a 2048-token window over a 262k vocabulary is 2.1 GB per copy)
+LOGIT_CHUNK = 64
+
+
 @torch.no_grad()
 def window_logits(model, x: torch.Tensor, make_cache: Callable[[], object] | None = None, kv_chunk: int = 128) -> torch.Tensor:
     """Next-token logits ``[seqlen - 1, vocab]`` float32 for one window ``x [1, seqlen]``.
 
     Without ``make_cache``: one forward pass. With it: chunks of ``kv_chunk`` tokens
-    through a fresh cache (see the module docstring).
+    through a fresh cache (see the module docstring). Materializes the whole window's
+    logits: the statistics use :func:`window_hidden` and :class:`LogitHead` instead.
     """
     if make_cache is None:
         return model(x).logits[0, :-1].float()
@@ -56,6 +64,67 @@ def window_logits(model, x: torch.Tensor, make_cache: Callable[[], object] | Non
     return torch.cat(parts)[:-1]
 
 
+class LogitHead:
+    """The model's output head applied to chunks of final hidden states, so a window's
+    logits never exist all at once (transformers' causal-LM heads: ``lm_head`` then the
+    optional ``final_logit_softcapping``, Gemma's ``cap * tanh(logits / cap)``).
+
+    ``usable`` is false when the model has no separate decoder/head, or when the head
+    applied to the decoder's output does not reproduce the model's own logits on a short
+    probe (a head with a scaling kvq does not know): callers then fall back to
+    :func:`window_logits`.
+    """
+
+    def __init__(self, model, probe: torch.Tensor):
+        self.model = model
+        self.decoder = getattr(model, "get_decoder", lambda: None)()
+        self.head = getattr(model, "get_output_embeddings", lambda: None)()
+        self.cap = getattr(model.config, "final_logit_softcapping", None)
+        self.usable = self.decoder is not None and self.head is not None and self._probe(probe)
+
+    def _probe(self, x: torch.Tensor) -> bool:
+        try:
+            want = self.model(x).logits[0].float()
+            got = self(self.decoder(x).last_hidden_state[0])
+        except Exception:  # noqa: BLE001 - any mismatch in calling convention means: not usable
+            return False
+        return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [n, H]`` (the decoder's final, normed states) -> logits ``[n, vocab]`` float32."""
+        logits = self.head(hidden).float()
+        if self.cap:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return logits
+
+
+@torch.no_grad()
+def window_hidden(model, x: torch.Tensor, make_cache: Callable[[], object] | None = None, kv_chunk: int = 128) -> torch.Tensor:
+    """Final hidden states ``[seqlen, H]`` of ``model.get_decoder()`` for one window
+    ``x [1, seqlen]``; with ``make_cache``, fed in chunks of ``kv_chunk`` tokens through a
+    fresh quantized cache exactly as :func:`window_logits` does."""
+    decoder = model.get_decoder()
+    if make_cache is None:
+        return decoder(x).last_hidden_state[0]
+    from .quant.kv import cache_kwarg
+
+    cache = make_cache()
+    kw = cache_kwarg(decoder)
+    return torch.cat([decoder(x[:, a : a + kv_chunk], use_cache=True, **{kw: cache}).last_hidden_state[0]
+                      for a in range(0, x.shape[1], kv_chunk)])
+
+
+def _chunked_logits(model, x: torch.Tensor, make_cache, kv_chunk: int, head: LogitHead | None):
+    """A function ``(a, b) -> logits [b - a, vocab]`` float32 for predicting positions
+    ``a..b-1`` of the window (chunked through ``head`` when usable, else sliced from the
+    whole window's logits)."""
+    if head is not None and head.usable:
+        h = window_hidden(model, x, make_cache, kv_chunk)
+        return lambda a, b: head(h[a:b])
+    full = window_logits(model, x, make_cache, kv_chunk)
+    return lambda a, b: full[a:b]
+
+
 @torch.no_grad()
 def compare(
     reference,
@@ -64,6 +133,7 @@ def compare(
     device: str = "cpu",
     kv_chunk: int = 128,
     on_window: Callable[[int, int], None] | None = None,
+    logit_chunk: int = LOGIT_CHUNK,
 ) -> dict:
     """Perplexity of the reference and of each candidate, and each candidate's KL
     divergence and top-1 agreement against the reference, window by window.
@@ -72,56 +142,79 @@ def compare(
         reference: the original model (float, no quantized cache).
         candidates: label -> (model, make_cache or None); models may repeat with different caches.
         wins: ``[n_windows, seqlen]`` int64 token windows.
+        logit_chunk: positions whose logits exist at once (see :data:`LOGIT_CHUNK`).
 
-    Memory holds one window's logits per model at a time (``seqlen x vocab`` float32);
-    per-token KL values (8 bytes each) are kept for the median and p99.
+    Memory holds each model's final hidden states for one window (``seqlen x hidden``)
+    and the logits of ``logit_chunk`` positions per model at a time; per-token KL values
+    (8 bytes each) are kept for the median and p99.
 
     Returns:
         ``{"reference": ppl dict, label: ppl dict + {"kl": summary, "kl_values": [...],
         "top1_agreement", "per_window_kl_mean", "per_window_top1"}}`` (see
         :func:`compressor.stats.kl_and_top1`, :func:`compressor.stats.summarize`).
     """
-    from .stats import kl_and_top1, summarize
-
     t0 = time.perf_counter()
     acc = {label: {"nll": 0.0, "per": [], "kl": [], "same": 0, "w_kl": [], "w_top1": []} for label in ["reference", *candidates]}
+    heads: dict[int, LogitHead] = {}
     count = 0
     for i, w in enumerate(wins):
         x = w.unsqueeze(0).to(device)
-        target = x[0, 1:]
-        ref_logits = window_logits(reference, x)
-        n = target.numel()
-        nll = torch.nn.functional.cross_entropy(ref_logits, target, reduction="sum").double().item()
-        acc["reference"]["nll"] += nll
-        acc["reference"]["per"].append(math.exp(nll / n))
-        for label, (model, make_cache) in candidates.items():
-            logits = window_logits(model, x, make_cache, kv_chunk)
-            nll = torch.nn.functional.cross_entropy(logits, target, reduction="sum").double().item()
-            kl, same = kl_and_top1(ref_logits, logits)
-            a = acc[label]
-            a["nll"] += nll
-            a["per"].append(math.exp(nll / n))
-            a["kl"].append(kl.cpu())
-            a["same"] += int(same.sum())
-            a["w_kl"].append(float(kl.mean()))
-            a["w_top1"].append(float(same.double().mean()))
-            del logits
-        del ref_logits
-        count += n
+        for m in [reference] + [m for m, _ in candidates.values()]:
+            if id(m) not in heads:
+                heads[id(m)] = LogitHead(m, x[:, :8])
+        ref_at = _chunked_logits(reference, x, None, kv_chunk, heads[id(reference)])
+        cand_at = {label: _chunked_logits(m, x, mc, kv_chunk, heads[id(m)]) for label, (m, mc) in candidates.items()}
+        _window_statistics(x[0, 1:], ref_at, cand_at, acc, logit_chunk)
+        count += x.shape[1] - 1
         if on_window:
             on_window(i + 1, len(wins))
-    out = {}
-    for label, a in acc.items():
-        r = {"ppl": math.exp(a["nll"] / count), "nll": a["nll"] / count, "windows": int(wins.shape[0]),
-             "seqlen": int(wins.shape[1]), "predicted_tokens": count, "per_window_ppl": [round(p, 4) for p in a["per"]]}
-        if label != "reference":
-            values = torch.cat(a["kl"]).numpy()
-            r.update(kl=summarize(values), kl_values=values, top1_agreement=a["same"] / count,
-                     per_window_kl_mean=[float(f"{v:.6g}") for v in a["w_kl"]],
-                     per_window_top1=[float(f"{v:.6g}") for v in a["w_top1"]])
-        out[label] = r
+    out = {label: _summary(label, a, wins, count) for label, a in acc.items()}
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
+
+
+def _window_statistics(target: torch.Tensor, ref_at, cand_at: dict, acc: dict, logit_chunk: int) -> None:
+    """NLL, KL and top-1 of one window, ``logit_chunk`` positions at a time, into ``acc``."""
+    from .stats import kl_and_top1
+
+    n = target.numel()
+    nll = {label: 0.0 for label in acc}
+    kls = {label: [] for label in cand_at}
+    same = {label: 0 for label in cand_at}
+    for a in range(0, n, logit_chunk):
+        b = min(a + logit_chunk, n)
+        ref_logits = ref_at(a, b)
+        nll["reference"] += torch.nn.functional.cross_entropy(ref_logits, target[a:b], reduction="sum").double().item()
+        for label, at in cand_at.items():
+            logits = at(a, b)
+            nll[label] += torch.nn.functional.cross_entropy(logits, target[a:b], reduction="sum").double().item()
+            kl, s = kl_and_top1(ref_logits, logits)
+            kls[label].append(kl.cpu())
+            same[label] += int(s.sum())
+            del logits
+        del ref_logits
+    for label, a in acc.items():
+        a["nll"] += nll[label]
+        a["per"].append(math.exp(nll[label] / n))
+        if label in cand_at:
+            kl = torch.cat(kls[label])
+            a["kl"].append(kl)
+            a["same"] += same[label]
+            a["w_kl"].append(float(kl.mean()))
+            a["w_top1"].append(same[label] / n)
+
+
+def _summary(label: str, a: dict, wins: torch.Tensor, count: int) -> dict:
+    from .stats import summarize
+
+    r = {"ppl": math.exp(a["nll"] / count), "nll": a["nll"] / count, "windows": int(wins.shape[0]),
+         "seqlen": int(wins.shape[1]), "predicted_tokens": count, "per_window_ppl": [round(p, 4) for p in a["per"]]}
+    if label != "reference":
+        values = torch.cat(a["kl"]).numpy()
+        r.update(kl=summarize(values), kl_values=values, top1_agreement=a["same"] / count,
+                 per_window_kl_mean=[float(f"{v:.6g}") for v in a["w_kl"]],
+                 per_window_top1=[float(f"{v:.6g}") for v in a["w_top1"]])
+    return r
 
 
 @torch.no_grad()
@@ -178,14 +271,19 @@ def perplexity(
     """
     t0 = time.perf_counter()
     total, count, per = 0.0, 0, []
+    head = None
     for i, w in enumerate(wins):
         x = w.unsqueeze(0).to(device)
-        logits = window_logits(model, x, make_cache, kv_chunk)
-        nll = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").double().item()
+        head = head or LogitHead(model, x[:, :8])
+        logits_at = _chunked_logits(model, x, make_cache, kv_chunk, head)
+        target = x[0, 1:]
+        nll = sum(torch.nn.functional.cross_entropy(logits_at(a, min(a + LOGIT_CHUNK, target.numel())),
+                                                    target[a:a + LOGIT_CHUNK], reduction="sum").double().item()
+                  for a in range(0, target.numel(), LOGIT_CHUNK))
         total += nll
         count += x.shape[1] - 1
         per.append(math.exp(nll / (x.shape[1] - 1)))
-        del logits
+        del logits_at
         if on_window:
             on_window(i + 1, len(wins))
     return {
