@@ -25,12 +25,21 @@ import torch
 from .errors import InputError
 
 
-def windows(ids: torch.Tensor, seqlen: int, max_windows: int | None = None) -> torch.Tensor:
+def windows(ids: torch.Tensor, seqlen: int, max_windows: int | None = None, bos_id: int | None = None) -> torch.Tensor:
     """``[n_windows, seqlen]`` non-overlapping windows of the token stream ``ids [n]``.
+
+    With ``bos_id`` (the tokenizer adds a BOS: :func:`compressor.calib.bos_token_for_eval`)
+    each window is the BOS followed by the next ``seqlen - 1`` text tokens, as llama.cpp's
+    perplexity evaluates: the model sees what it sees in service, and the BOS is never a
+    predicted token. Without it, windows are ``seqlen`` text tokens (the published
+    AWQ/GPTQ tables' convention).
 
     Raises:
         InputError: the text is shorter than one window.
     """
+    if bos_id is not None:
+        body = windows(ids, seqlen - 1, max_windows)
+        return torch.cat([torch.full((body.shape[0], 1), bos_id, dtype=body.dtype), body], dim=1)
     n = ids.numel() // seqlen
     if n == 0:
         raise InputError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}; use a smaller --seqlen")

@@ -104,3 +104,31 @@ def test_verify_memory_is_bounded_by_the_chunk_not_the_vocabulary(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["delta_mib"] < 400, got
+
+
+def _tokenizer(add_bos: bool):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, "Hello": 2, "world": 3, "a": 4, "b": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def test_bos_rule_follows_the_tokenizer():
+    """A tokenizer that adds a BOS gets windows that start with it (llama.cpp's rule); one
+    that adds none (SmolLM2's) gets plain text windows, as before."""
+    from compressor.calib import bos_token_for_eval
+    from compressor.evaluate import windows
+
+    assert bos_token_for_eval(_tokenizer(True)) == 0
+    assert bos_token_for_eval(_tokenizer(False)) is None
+    ids = torch.arange(10, 30)
+    plain = windows(ids, 5)
+    assert plain.tolist()[0] == [10, 11, 12, 13, 14] and plain.shape == (4, 5)
+    bos = windows(ids, 5, bos_id=0)
+    assert bos.tolist()[:2] == [[0, 10, 11, 12, 13], [0, 14, 15, 16, 17]] and bos.shape == (5, 5)
+    assert windows(ids, 5, max_windows=2, bos_id=0).shape == (2, 5)
