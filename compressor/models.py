@@ -46,7 +46,8 @@ def resolve_source(spec: str) -> ModelSource:
 
     Raises:
         InputError: missing path, alias whose package is not installed, a folder with only
-            pickle weights (``.bin``/``.pt``), or without ``config.json``.
+            pickle weights (``.bin``/``.pt``), or without ``config.json``; a ``config.json``
+            that contradicts the weights (:mod:`compressor.config_check`).
     """
     if spec in ALIASES:
         package, filename, hint = ALIASES[spec]
@@ -80,6 +81,9 @@ def resolve_source(spec: str) -> ModelSource:
         raise InputError(f"model folder {spec} has no .safetensors weights")
     for shard in shards:
         read_header(shard)  # raises a one-line InputError on a bad header
+    from .config_check import check_folder
+
+    check_folder(path)  # config.json against the weights' shapes, before anything is built
     return ModelSource(spec, "hf", path)
 
 

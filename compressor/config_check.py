@@ -1,0 +1,211 @@
+"""``config.json`` against the checkpoint it describes, before anything is built.
+
+A Hugging Face folder's ``config.json`` decides every shape transformers allocates; the
+safetensors headers say what the weights really are. A config that lies (``hidden_size:
+0``, a ``vocab_size`` other than the embedding's rows, ``intermediate_size: 1e12``, a
+head count that does not divide, a billion layers) would otherwise build a wrong model,
+allocate without bound, or hang; kvq refuses it in one line naming the field
+(:class:`compressor.errors.InputError`, exit 2), reading only the JSON and the headers.
+
+Checked (each only where the checkpoint holds the tensor that proves it):
+
+* sizes are positive integers below :data:`MAX_DIM` (layers below :data:`MAX_LAYERS`);
+* ``vocab_size`` x ``hidden_size`` is the input embedding's shape;
+* ``num_hidden_layers`` is the number of decoder layers stored (multi-token-prediction
+  layers that DeepSeek-V3/GLM checkpoints add after them, ``num_nextn_predict_layers``,
+  are allowed on top);
+* ``num_key_value_heads`` divides ``num_attention_heads``; q/k/v projection rows are
+  ``heads x head_dim`` (``head_dim`` from the config, else ``hidden_size / heads``);
+* ``intermediate_size`` is the rows of the first dense MLP's ``gate_proj``/``up_proj``
+  (or half of a fused ``gate_up_proj``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from .errors import InputError
+
+#: the largest width kvq accepts for any size field (the largest published is ~10^6 vocab)
+MAX_DIM = 1 << 24
+#: the most decoder layers kvq accepts (published models have < 200)
+MAX_LAYERS = 10_000
+#: the largest config.json kvq parses (published ones are a few KiB)
+MAX_CONFIG_BYTES = 4 << 20
+
+_SIZE_FIELDS = ("hidden_size", "vocab_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+                "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "num_experts", "num_local_experts")
+
+
+def read_config(path: str | Path) -> dict:
+    """Parse ``config.json`` as a JSON object.
+
+    Raises:
+        InputError: unreadable, larger than :data:`MAX_CONFIG_BYTES`, not JSON, nested
+            too deeply to parse, or not an object.
+    """
+    path = Path(path)
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise InputError(f"{path} is {path.stat().st_size:,} bytes; a model config is a few KiB (limit {MAX_CONFIG_BYTES:,})")
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text)
+    except InputError:
+        raise
+    except RecursionError:
+        raise InputError(f"{path} is nested too deeply to be a model config") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path} is not a JSON object")
+    return data
+
+
+def _text_config(cfg: dict) -> dict:
+    """The language model's config: ``text_config`` of a multimodal wrapper, else ``cfg``."""
+    inner = cfg.get("text_config")
+    return inner if isinstance(inner, dict) else cfg
+
+
+def _size(cfg: dict, name: str, where: str, limit: int = MAX_DIM, required: bool = False) -> int | None:
+    if name not in cfg or cfg[name] is None:
+        if required:
+            raise InputError(f"{where}: {name} is missing")
+        return None
+    v = cfg[name]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InputError(f"{where}: {name} must be a whole number, got {v!r}")
+    if not 0 < v <= limit:
+        raise InputError(f"{where}: {name} = {v:,} is out of range (1 .. {limit:,})")
+    return v
+
+
+def _shape(shapes: dict[str, list[int]], *names: str) -> list[int] | None:
+    for n in names:
+        if n in shapes:
+            return shapes[n]
+    return None
+
+
+def check_config(cfg: dict, shapes: dict[str, list[int]], where: str = "config.json", layers_path: str = "model.layers") -> None:
+    """Check a model config against the checkpoint's tensor shapes.
+
+    Args:
+        cfg: the parsed ``config.json`` (a multimodal wrapper's ``text_config`` is used).
+        shapes: checkpoint tensor name -> shape, from the safetensors headers.
+        where: how to name the config in messages.
+        layers_path: the decoder layers' name prefix (``compressor.arch`` rows' ``layers``).
+
+    Raises:
+        InputError: the first field that contradicts the checkpoint or is out of range,
+            named, with what the checkpoint holds.
+    """
+    c = _text_config(cfg)
+    for f in _SIZE_FIELDS:
+        _size(c, f, where)
+    n_layers = _size(c, "num_hidden_layers", where, MAX_LAYERS, required=True)
+    hidden = _size(c, "hidden_size", where, required=True)
+    prefix = layers_path + "."
+    pre = "language_model." if any(n.startswith("language_model.") for n in shapes) else ""
+    emb = _shape(shapes, f"{pre}model.embed_tokens.weight", "model.embed_tokens.weight",
+                 "model.language_model.embed_tokens.weight", "language_model.model.embed_tokens.weight")
+    if emb is not None and len(emb) == 2:
+        if emb[1] != hidden:
+            raise InputError(f"{where}: hidden_size = {hidden} but the embedding is {emb[0]} x {emb[1]}")
+        vocab = _size(c, "vocab_size", where)
+        if vocab is not None and vocab != emb[0]:
+            raise InputError(f"{where}: vocab_size = {vocab} but the embedding has {emb[0]} rows")
+    _check_depth(c, shapes, prefix, pre, n_layers, where)
+    _check_attention(c, shapes, prefix, pre, hidden, where)
+    _check_mlp(c, shapes, prefix, pre, n_layers, where)
+
+
+def _layer_shapes(shapes: dict, prefix: str, pre: str) -> dict[int, dict[str, list[int]]]:
+    pat = re.compile(r"^(?:language_model\.|model\.language_model\.)?" + re.escape(prefix) + r"(\d+)\.(.+)$")
+    out: dict[int, dict[str, list[int]]] = {}
+    for name, shape in shapes.items():
+        m = pat.match(name)
+        if m:
+            out.setdefault(int(m.group(1)), {})[m.group(2)] = shape
+    return out
+
+
+def _check_depth(c: dict, shapes: dict, prefix: str, pre: str, n_layers: int, where: str) -> None:
+    stored = _layer_shapes(shapes, prefix, pre)
+    if not stored:
+        return
+    top = max(stored) + 1
+    mtp = c.get("num_nextn_predict_layers") or 0
+    mtp = mtp if isinstance(mtp, int) and not isinstance(mtp, bool) and 0 <= mtp <= 16 else 0
+    if not n_layers <= top <= n_layers + mtp:
+        extra = f" (+ {mtp} multi-token-prediction layer(s))" if mtp else ""
+        raise InputError(f"{where}: num_hidden_layers = {n_layers:,}{extra} but the checkpoint stores {top} decoder layers")
+
+
+def _check_attention(c: dict, shapes: dict, prefix: str, pre: str, hidden: int, where: str) -> None:
+    heads = _size(c, "num_attention_heads", where)
+    kv = _size(c, "num_key_value_heads", where) or heads
+    if heads is None:
+        return
+    if heads % kv:
+        raise InputError(f"{where}: num_key_value_heads = {kv} does not divide num_attention_heads = {heads}")
+    layer0 = _layer_shapes(shapes, prefix, pre).get(0, {})
+    if "kv_lora_rank" in c and c.get("kv_lora_rank"):
+        return  # MLA: q/k/v widths follow qk_nope/qk_rope/v head dims, checked by the arch row's loader
+    head_dim = c.get("head_dim") or (hidden // heads if hidden % heads == 0 else None)
+    if head_dim is None:
+        raise InputError(f"{where}: hidden_size = {hidden} is not a multiple of num_attention_heads = {heads} and no head_dim is given")
+    for proj, n in (("q_proj", heads), ("k_proj", kv), ("v_proj", kv)):
+        s = layer0.get(f"self_attn.{proj}.weight")
+        if s is not None and s[0] != n * head_dim:
+            field = "num_attention_heads" if proj == "q_proj" else "num_key_value_heads"
+            raise InputError(f"{where}: {field} = {n} x head_dim {head_dim} = {n * head_dim} but "
+                             f"{prefix}0.self_attn.{proj}.weight has {s[0]} rows")
+
+
+def _check_mlp(c: dict, shapes: dict, prefix: str, pre: str, n_layers: int, where: str) -> None:
+    inter = _size(c, "intermediate_size", where)
+    if inter is None:
+        return
+    for i, layer in sorted(_layer_shapes(shapes, prefix, pre).items()):
+        if i >= n_layers:
+            break
+        s = _shape(layer, "mlp.gate_proj.weight", "mlp.up_proj.weight", "feed_forward.w1.weight")
+        rows = s[0] if s is not None else None
+        if rows is None and "mlp.gate_up_proj.weight" in layer:
+            rows = layer["mlp.gate_up_proj.weight"][0] // 2
+        if rows is not None:
+            if rows != inter:
+                raise InputError(f"{where}: intermediate_size = {inter:,} but {prefix}{i}'s MLP has {rows} rows")
+            return
+
+
+def check_folder(folder: str | Path, model_type: str | None = None) -> dict:
+    """Read ``folder/config.json`` and check it against the folder's safetensors headers.
+
+    Returns:
+        the parsed config.
+
+    Raises:
+        InputError: see :func:`read_config` and :func:`check_config`.
+    """
+    from .safetensors_io import read_header
+
+    folder = Path(folder)
+    cfg = read_config(folder / "config.json")
+    shapes: dict[str, list[int]] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        shapes.update({n: list(e.shape) for n, e in read_header(shard).items()})
+    layers = "model.layers"
+    mt = model_type or _text_config(cfg).get("model_type")
+    if isinstance(mt, str):
+        from .arch import ARCHITECTURES
+
+        if mt not in ARCHITECTURES:
+            return cfg  # an unsupported model_type is refused by its own check, with the supported list
+        layers = ARCHITECTURES[mt].layers
+    check_config(cfg, shapes, f"{folder / 'config.json'}", layers)
+    return cfg

@@ -1,0 +1,103 @@
+"""config.json against the checkpoint (issue #20): a config that lies is refused in one line
+naming the field (exit 2) before anything is built; a fuzz test of config values against a
+real tiny checkpoint never gives a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from compressor.config_check import check_folder
+from compressor.errors import InputError
+from compressor.models import resolve_source
+
+from test_cli import assert_clean_error, run
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory, tokenizer):
+    from conftest import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("cfgcheck") / "model", tokenizer)
+
+
+def _lie(src, tmp_path, **changes):
+    d = tmp_path / "lying"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(hidden_size=0), "hidden_size"),
+    (dict(vocab_size=100), "vocab_size"),
+    (dict(intermediate_size=10**12), "intermediate_size"),
+    (dict(intermediate_size=1e3), "intermediate_size"),
+    (dict(intermediate_size=96), "intermediate_size"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(num_key_value_heads=1), "num_key_value_heads"),
+    (dict(num_attention_heads=8), "num_attention_heads"),
+    (dict(num_hidden_layers=1_000_000_000), "num_hidden_layers"),
+    (dict(num_hidden_layers=3), "num_hidden_layers"),
+    (dict(num_hidden_layers=None), "num_hidden_layers"),
+    (dict(hidden_size=True), "hidden_size"),
+])
+def test_a_lying_config_is_refused_naming_the_field(src, tmp_path, changes, field):
+    d = _lie(src, tmp_path, **changes)
+    with pytest.raises(InputError, match=field):
+        resolve_source(str(d))
+
+
+def test_the_cli_refuses_before_loading(src, tmp_path, capsys):
+    d = _lie(src, tmp_path, num_hidden_layers=1_000_000_000)
+    code, _, err = run(["quantize", d, "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, "num_hidden_layers = 1,000,000,000 is out of range", tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_deeply_nested_config_is_an_input_error(src, tmp_path, capsys):
+    d = tmp_path / "deep"
+    shutil.copytree(src, d)
+    (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    code, _, err = run(["quantize", d, "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, "nested too deeply", tmp_path)
+
+
+def test_mtp_layers_are_allowed(src, tmp_path):
+    """DeepSeek-V3/GLM checkpoints store num_nextn_predict_layers extra layers after the decoder."""
+    d = _lie(src, tmp_path, num_hidden_layers=1)
+    with pytest.raises(InputError, match="stores 2 decoder layers"):
+        check_folder(d)
+    d2 = _lie(src, tmp_path / "b", num_hidden_layers=1, num_nextn_predict_layers=1)
+    check_folder(d2)
+
+
+def test_the_honest_config_passes(src):
+    assert check_folder(src)["hidden_size"] == 64
+
+
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**13), st.floats(allow_nan=True),
+                    st.text(max_size=5), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_FIELDS = st.sampled_from(["hidden_size", "vocab_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                           "num_hidden_layers", "head_dim", "num_nextn_predict_layers", "text_config", "model_type"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(_FIELDS, _VALUES, min_size=1, max_size=3))
+def test_fuzz_config_against_checkpoint(src, tmp_path_factory, changes):
+    """Any values in the size fields: either accepted (and then consistent with the weights)
+    or one InputError; never another exception."""
+    d = _lie(src, tmp_path_factory.mktemp("fz"), **changes)
+    try:
+        cfg = check_folder(d)
+    except InputError as e:
+        assert "\n" not in str(e)
+        return
+    if cfg.get("model_type") == "llama" and not isinstance(cfg.get("text_config"), dict):
+        assert cfg["hidden_size"] == 64 and cfg["num_hidden_layers"] == 2
