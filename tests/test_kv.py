@@ -73,6 +73,51 @@ def test_int8_schemes_and_kivi_fake_quant():
     assert err2 > err4 > 0
 
 
+ALL_SCHEMES = [("fp8", "tensor"), ("fp8", "head"), ("int8", "token"), ("int8", "head"), ("int4", "kivi"), ("int2", "kivi")]
+
+
+def test_scheme_registry_covers_every_spec():
+    from compressor.formats.compressed_tensors import kv_cache_scheme
+    from compressor.quant.kv import KV_SCHEMES, KVScheme
+
+    assert list(KV_SCHEMES) == ALL_SCHEMES
+    for scheme, strategy in ALL_SCHEMES:
+        codec = make_spec(scheme, strategy).codec
+        assert isinstance(codec, KVScheme) and codec is make_spec(scheme, strategy).codec
+        assert codec.config_field() == kv_cache_scheme(make_spec(scheme, strategy))
+        assert codec.static == (scheme == "fp8" or strategy == "head")
+
+
+@pytest.mark.parametrize("scheme,strategy", ALL_SCHEMES)
+def test_runtime_cache_equals_evaluation_cache_bitwise(scheme, strategy):
+    """The runtime cache and verify's transformers cache return the same dequantized K/V, bit for
+    bit, step after step: prefill, a chunk that crosses KIVI's residual boundary, then decode."""
+    from compressor.runtime.kv_cache import make_cache
+
+    B, H, D, steps = 2, 2, 8, (6, 5, 3) + (1,) * 20  # 34 tokens; KIVI g=4, R=8: groups flushed every 4 decodes
+    spec = make_spec(scheme, strategy, group_size=4, residual_length=8)
+    x = _kv(7, (2, B, H, sum(steps), D))
+    scales = None
+    if spec.static:
+        scales = {0: (static_scales(x[0].abs().amax(dim=(0, 2, 3)), spec), static_scales(x[1].abs().amax(dim=(0, 2, 3)), spec))}
+    ref = quantized_cache(spec, 1, scales).layers[0]
+    rt = make_cache(spec, scales, 1, B, H, sum(steps), D, torch.float32, "cpu")
+    t = 0
+    for n in steps:
+        k, v = x[0][:, :, t:t + n], x[1][:, :, t:t + n]
+        rk, rv = ref.update(k, v)
+        n_new = torch.full((B,), n)
+        ok, ov = rt.update(0, k, v, rt.lengths.clone(), n_new)
+        rt.commit(n_new)
+        t += n
+        assert ok.shape == rk.shape == (B, H, t, D)
+        assert torch.equal(ok, rk) and torch.equal(ov, rv), (scheme, strategy, t)
+        if t > 8:  # every scheme changes the numbers (KIVI: the quantized part)
+            assert not torch.equal(rk[:, :, :4], x[0][:, :, :4])
+    if strategy == "kivi":  # 34 tokens: 28 quantized, 6 in the window (between R - g + 1 and R)
+        assert ref.n_quantized == 28 and int(rt.quantized_length(rt.lengths)[0]) == 28
+
+
 @pytest.mark.parametrize("args,pattern", [
     (("fp4",), "unknown KV-cache scheme"),
     (("fp8", "kivi"), "strategies tensor, head"),

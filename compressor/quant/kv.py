@@ -1,4 +1,8 @@
-"""KV-cache quantization: schemes, calibration observers, a quantized transformers cache.
+"""KV-cache quantization: layouts, calibration observers, a quantized transformers cache, accounting.
+
+The arithmetic of each scheme (encode/decode, static scale rule, bytes, config field) is
+one class in :mod:`compressor.quant.kv_schemes`, re-exported here and shared with the
+runtime cache (:mod:`compressor.runtime.kv_cache`).
 
 Keys and values are ``[batch, kv_heads, tokens, head_dim]`` tensors, keys **after RoPE**
 (what a runtime stores). Schemes:
@@ -64,53 +68,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-SCHEMES = ("fp8", "int8", "int4", "int2")
-DEFAULT_STRATEGY = {"fp8": "tensor", "int8": "token", "int4": "kivi", "int2": "kivi"}
-VALID_STRATEGIES = {"fp8": ("tensor", "head"), "int8": ("token", "head"), "int4": ("kivi",), "int2": ("kivi",)}
-BITS = {"fp8": 8, "int8": 8, "int4": 4, "int2": 2}
-
-
-@dataclass(frozen=True)
-class KVSpec:
-    """A resolved KV-cache scheme (see the module table). ``group_size``/``residual_length`` apply to KIVI."""
-
-    scheme: str
-    strategy: str
-    group_size: int = 32
-    residual_length: int = 128
-
-    @property
-    def bits(self) -> int:
-        return BITS[self.scheme]
-
-    @property
-    def static(self) -> bool:
-        """True when calibrated scales are stored in the artifact."""
-        return self.scheme == "fp8" or self.strategy == "head"
-
-    def describe(self) -> str:
-        extra = f", group {self.group_size}, residual {self.residual_length}" if self.strategy == "kivi" else ""
-        return f"{self.scheme} ({self.strategy}{extra})"
-
-
-def make_spec(scheme: str, strategy: str | None = None, group_size: int = 32, residual_length: int = 128) -> KVSpec:
-    """Validate and complete a scheme.
-
-    Raises:
-        InputError: unknown scheme, a strategy the scheme does not have, or KIVI sizes
-            that do not fit (``group_size`` >= 1, ``residual_length`` a multiple of it).
-    """
-    if scheme not in SCHEMES:
-        raise InputError(f"unknown KV-cache scheme '{scheme}'; choose one of {', '.join(SCHEMES)}")
-    strategy = strategy or DEFAULT_STRATEGY[scheme]
-    if strategy not in VALID_STRATEGIES[scheme]:
-        raise InputError(f"KV-cache scheme {scheme} has strategies {', '.join(VALID_STRATEGIES[scheme])}, not '{strategy}'")
-    if strategy == "kivi":
-        if group_size < 1 or residual_length < 0 or residual_length % group_size:
-            raise InputError(f"KIVI needs group_size >= 1 and residual_length a multiple of it (got {group_size}, {residual_length})")
-    return KVSpec(scheme, strategy, int(group_size), int(residual_length))
+from .kv_schemes import (  # noqa: F401  (re-exported: the scheme classes and the tensor quantizers live there)
+    BITS, DEFAULT_STRATEGY, FP8_MAX, KV_SCHEMES, SCHEMES, VALID_STRATEGIES, FP8HeadScheme, FP8TensorScheme,
+    Int8HeadScheme, Int8TokenScheme, KIVIScheme, KVScheme, KVSpec, dequantize_asym, dequantize_fp8,
+    dequantize_int_static, make_spec, quantize_asym, quantize_fp8, quantize_int_static,
+)
 
 
 @dataclass(frozen=True)
@@ -193,7 +155,7 @@ def check_layout(spec: KVSpec, layout: KVLayout) -> None:
     Raises:
         InputError: a per-head strategy on an MLA cache (it has no KV heads).
     """
-    if layout.attention == "mla" and spec.strategy == "head":
+    if layout.attention == "mla" and spec.codec.per_head:
         raise InputError(f"KV scheme {spec.describe()}: multi-head latent attention caches one latent shared by all "
                          "heads, so per-head scales do not apply; use fp8 (tensor), int8 (token) or int4/int2 (kivi)")
 
@@ -208,74 +170,6 @@ def layer_scales(k_absmax: torch.Tensor, v_absmax: torch.Tensor, spec: KVSpec, l
     return static_scales(k_absmax, spec), static_scales(v_absmax, spec)
 
 
-# ---------------------------------------------------------------------------------------
-# tensor-level quantizers (pure functions)
-
-
-def _bshape(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Broadcast a static scale (``[]``, ``[1]`` or ``[kv_heads]``) against ``[B, H, T, D]``."""
-    s = scale.float().to(x.device)
-    return s.reshape(1, -1, 1, 1) if s.numel() > 1 else s.reshape(1, 1, 1, 1)
-
-
-@torch.no_grad()
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float8 e4m3 codes of ``x / scale`` (saturated at ±448); ``x`` ``[B, H, T, D]``."""
-    return (x.float() / _bshape(scale, x)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-
-@torch.no_grad()
-def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    return (codes.float() * _bshape(scale, codes)).to(dtype)
-
-
-@torch.no_grad()
-def quantize_int_static(x: torch.Tensor, scale: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
-    """Symmetric int codes (int8 tensor) of ``x / scale`` with a static per-head scale."""
-    qmax = (1 << (num_bits - 1)) - 1
-    return torch.round(x.float() / _bshape(scale, x)).clamp_(-qmax - 1, qmax).to(torch.int8)
-
-
-@torch.no_grad()
-def dequantize_int_static(codes: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    return (codes.float() * _bshape(scale, codes)).to(dtype)
-
-
-@torch.no_grad()
-def quantize_asym(x: torch.Tensor, num_bits: int, dim: int, group_size: int | None = None):
-    """Asymmetric min-max quantization of ``x`` along ``dim`` in groups of ``group_size`` (None: whole dim).
-
-    Returns ``(codes uint8 same shape as x, scale float32, zero float32)`` where ``scale``/``zero``
-    have ``dim`` replaced by the number of groups (``x ≈ (codes - zero) * scale``).
-    """
-    n = x.shape[dim]
-    g = n if group_size is None or group_size >= n else group_size
-    if n % g:
-        g = n
-    xm = x.float().movedim(dim, -1)
-    shp = xm.shape
-    xg = xm.reshape(*shp[:-1], n // g, g)
-    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
-    qmax = (1 << num_bits) - 1
-    scale = ((hi - lo) / qmax).clamp(min=1e-8)
-    zero = torch.round(-lo / scale)
-    codes = torch.clamp(torch.round(xg / scale) + zero, 0, qmax).to(torch.uint8)
-    codes = codes.reshape(shp).movedim(-1, dim)
-    return codes, scale.squeeze(-1).movedim(-1, dim), zero.squeeze(-1).movedim(-1, dim)
-
-
-@torch.no_grad()
-def dequantize_asym(codes, scale, zero, dim: int, dtype=torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_asym`."""
-    n = codes.shape[dim]
-    n_groups = scale.shape[dim]
-    cm = codes.float().movedim(dim, -1)
-    shp = cm.shape
-    cg = cm.reshape(*shp[:-1], n_groups, n // n_groups)
-    x = (cg - zero.movedim(dim, -1).unsqueeze(-1)) * scale.movedim(dim, -1).unsqueeze(-1)
-    return x.reshape(shp).movedim(-1, dim).to(dtype)
-
-
 @torch.no_grad()
 def fake_quantize_kv(x: torch.Tensor, spec: KVSpec, kind: str, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize then dequantize a whole ``[B, H, T, D]`` key (``kind='k'``) or value tensor.
@@ -288,30 +182,13 @@ def fake_quantize_kv(x: torch.Tensor, spec: KVSpec, kind: str, scale: torch.Tens
     """
     if spec.static and scale is None:
         raise InputError(f"KV scheme {spec.describe()} needs calibrated scales")
-    if spec.scheme == "fp8":
-        return dequantize_fp8(quantize_fp8(x, scale), scale, x.dtype)
-    if spec.strategy == "head":
-        return dequantize_int_static(quantize_int_static(x, scale), scale, x.dtype)
-    if spec.strategy == "token":
-        c, s, z = quantize_asym(x, 8, dim=-1)
-        return dequantize_asym(c, s, z, dim=-1, dtype=x.dtype)
-    # KIVI
-    if kind == "k":
-        T = x.shape[-2] - x.shape[-2] % spec.group_size
-        if T == 0:
-            return x
-        c, s, z = quantize_asym(x[..., :T, :], spec.bits, dim=-2, group_size=spec.group_size)
-        return torch.cat([dequantize_asym(c, s, z, dim=-2, dtype=x.dtype), x[..., T:, :]], dim=-2)
-    c, s, z = quantize_asym(x, spec.bits, dim=-1, group_size=spec.group_size)
-    return dequantize_asym(c, s, z, dim=-1, dtype=x.dtype)
+    return spec.codec.fake_quantize(x, kind, scale)
 
 
 def static_scales(absmax: torch.Tensor, spec: KVSpec) -> torch.Tensor:
-    """Scale from observed absmax (``[kv_heads]`` per head, reduced to ``[1]`` for ``tensor``)."""
-    a = absmax.float().clamp(min=1e-6)
-    if spec.strategy == "tensor":
-        a = a.max().reshape(1)
-    return a / (FP8_MAX if spec.scheme == "fp8" else 127.0)
+    """Scale from observed absmax (``[kv_heads]`` per head, reduced to ``[1]`` for ``tensor``);
+    the scheme's rule (:meth:`~compressor.quant.kv_schemes.KVScheme.scale_from_absmax`)."""
+    return spec.codec.scale_from_absmax(absmax)
 
 
 # ---------------------------------------------------------------------------------------
@@ -373,13 +250,15 @@ def make_quantized_layer_class():
     base = _layer_base()
 
     class KVQuantizedLayer(base):
-        """One layer of :func:`quantized_cache`: quantizes on write, dequantizes on read.
+        """One layer of :func:`quantized_cache`: quantizes on write, dequantizes on read,
+        through the scheme's :class:`~compressor.quant.kv_schemes.KVScheme` (``spec.codec``).
 
         Per-token schemes quantize every written token. KIVI appends to a full-precision
         residual and, whenever it holds more than ``residual_length`` tokens, moves its
-        oldest tokens, in whole groups of ``group_size``, into the quantized store, so
-        between ``residual_length - group_size + 1`` and ``residual_length`` recent tokens
-        stay in full precision.
+        oldest tokens, in whole groups of ``group_size``, into the quantized store
+        (:meth:`~compressor.quant.kv_schemes.KIVIScheme.quantized_length`, the rule the
+        runtime cache follows), so between ``residual_length - group_size + 1`` and
+        ``residual_length`` recent tokens stay in full precision.
         """
 
         is_croppable = False
@@ -387,8 +266,9 @@ def make_quantized_layer_class():
         def __init__(self, spec: KVSpec, k_scale=None, v_scale=None, kinds=("k", "v")):
             super().__init__()
             self.spec, self.k_scale, self.v_scale = spec, k_scale, v_scale
+            self.codec = spec.codec  # the scheme's encode/decode, shared with the runtime cache
             self.kinds = kinds  # KIVI grouping of the two slots (MLA: both per channel)
-            self.qk: list = []  # quantized chunks (codes, scale, zero)
+            self.qk: list = []  # quantized chunks, as the codec's encode returns them
             self.qv: list = []
             self.n_quantized = 0
             self.cumulative_length = 0
@@ -398,50 +278,32 @@ def make_quantized_layer_class():
             self.dtype = key_states.dtype
 
         def _write(self, k, v):
-            s = self.spec
-            if s.scheme == "fp8":
-                self.qk.append((quantize_fp8(k, self.k_scale),))
-                self.qv.append((quantize_fp8(v, self.v_scale),))
-            elif s.strategy == "head":
-                self.qk.append((quantize_int_static(k, self.k_scale),))
-                self.qv.append((quantize_int_static(v, self.v_scale),))
-            elif s.strategy == "token":
-                self.qk.append(quantize_asym(k, 8, dim=-1))
-                self.qv.append(quantize_asym(v, 8, dim=-1))
-            else:
-                for store, x, kind in ((self.qk, k, self.kinds[0]), (self.qv, v, self.kinds[1])):
-                    store.append(quantize_asym(x, s.bits, dim=-2 if kind == "k" else -1, group_size=s.group_size))
+            self.qk.append(self.codec.encode(k, self.k_scale, self.kinds[0]))
+            self.qv.append(self.codec.encode(v, self.v_scale, self.kinds[1]))
             self.n_quantized += k.shape[-2]
 
-        def _read_chunk(self, chunk, kind):
-            s = self.spec
-            scale = self.k_scale if kind == "k" else self.v_scale
-            if s.scheme == "fp8":
-                return dequantize_fp8(chunk[0], scale, self.dtype)
-            if s.strategy == "head":
-                return dequantize_int_static(chunk[0], scale, self.dtype)
-            slot_kind = self.kinds[0] if kind == "k" else self.kinds[1]
-            dim = -2 if (s.strategy == "kivi" and slot_kind == "k") else -1
-            return dequantize_asym(*chunk, dim=dim, dtype=self.dtype)
+        def _flush(self):
+            """KIVI: move the oldest residual tokens to the quantized store per the scheme's rule."""
+            total = torch.tensor(self.n_quantized + self.keys.shape[-2])
+            n = int(self.codec.quantized_length(total)) - self.n_quantized
+            if n > 0:
+                self._write(self.keys[..., :n, :], self.values[..., :n, :])
+                self.keys, self.values = self.keys[..., n:, :], self.values[..., n:, :]
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             self.cumulative_length += key_states.shape[-2]
-            s = self.spec
-            if s.strategy != "kivi":
+            kivi = isinstance(self.codec, KIVIScheme)
+            if not kivi:
                 self._write(key_states, value_states)
             else:
                 self.keys = torch.cat([self.keys, key_states], dim=-2) if self.keys.numel() else key_states
                 self.values = torch.cat([self.values, value_states], dim=-2) if self.values.numel() else value_states
-                extra = self.keys.shape[-2] - s.residual_length
-                if extra > 0:  # move whole token groups out until at most residual_length remain
-                    n = min(-(-extra // s.group_size) * s.group_size, self.keys.shape[-2])
-                    self._write(self.keys[..., :n, :], self.values[..., :n, :])
-                    self.keys, self.values = self.keys[..., n:, :], self.values[..., n:, :]
-            ks = [self._read_chunk(c, "k") for c in self.qk]
-            vs = [self._read_chunk(c, "v") for c in self.qv]
-            if s.strategy == "kivi" and self.keys.numel():
+                self._flush()
+            ks = [self.codec.decode(c, self.k_scale, self.kinds[0], self.dtype) for c in self.qk]
+            vs = [self.codec.decode(c, self.v_scale, self.kinds[1], self.dtype) for c in self.qv]
+            if kivi and self.keys.numel():
                 ks.append(self.keys)
                 vs.append(self.values)
             return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
@@ -501,22 +363,11 @@ def layout_bytes_per_token(spec: KVSpec | None, layout: KVLayout, fp_bytes: int 
     ``layers * (kv_lora_rank + qk_rope_head_dim)``. The KIVI full-precision residual
     window is a per-sequence constant, see :func:`kv_budget`.
     """
+    if spec is not None:
+        return spec.codec.bytes_per_token(layout)
     total = 0.0
     for c in layout.components:
-        elems = c.heads * c.width
-        if spec is None:
-            total += elems * fp_bytes
-            continue
-        total += elems * spec.bits / 8
-        if spec.strategy == "token":
-            total += c.heads * 2 * 2  # scale + zero point (fp16) per head and token
-        elif spec.strategy == "kivi":
-            g = spec.group_size
-            if c.kind == "k":
-                total += c.heads * c.width / g * 2 * 2  # (scale + zero) per channel, shared by g tokens
-            else:
-                groups = c.width // g if g < c.width and c.width % g == 0 else 1
-                total += c.heads * groups * 2 * 2  # (scale + zero) per channel group of each token
+        total += c.heads * c.width * fp_bytes
     return float(total * layout.n_layers)
 
 

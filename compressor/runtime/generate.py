@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from ..errors import InputError
-from ..quant.kv import KVSpec, make_spec
+from ..quant.kv_schemes import KVSpec, make_spec
 from .kv_cache import KVCache, make_cache
 from .model import Decoder, LoadInfo, load_decoder
 
@@ -91,7 +91,7 @@ class Runtime:
             kv: ``"artifact"`` (the artifact's KV scheme and static scales, float when it
                 has none or is a plain model folder), ``None``/``"none"`` (float cache),
                 a scheme name (``fp8``, ``int8``, ``int4``, ``int2`` with default
-                strategy) or a :class:`~compressor.quant.kv.KVSpec`.
+                strategy) or a :class:`~compressor.quant.kv_schemes.KVSpec`.
             dtype: compute dtype (default float32 on CPU, float16/bfloat16 on CUDA).
             kv_scales: ``layer -> (k_scale, v_scale)`` for a static scheme the artifact
                 has no scales for (default: the artifact's).

@@ -10,9 +10,10 @@ dequantized keys and values ``[B, H, L, D]`` for ``L = max(start + n_new)``, wha
 attention reads; then :meth:`KVCache.commit` advances ``lengths``. Slots past a row's
 length hold stale or padding data that the attention mask hides.
 
-Numerics follow :mod:`compressor.quant.kv` (its functions do the quantizing), so the
-runtime serves exactly what ``kvq verify`` measures with
-:func:`~compressor.quant.kv.quantized_cache`:
+Every quantized cache encodes and decodes through the scheme object ``spec.codec``
+(:class:`~compressor.quant.kv_schemes.KVScheme`), the same one
+:func:`~compressor.quant.kv.quantized_cache` calls, so the runtime serves exactly what
+``kvq verify`` measures:
 
 ============================  ==============================================================
 class                         storage per layer (``B, H, Lmax, D``)
@@ -30,11 +31,12 @@ class                         storage per layer (``B, H, Lmax, D``)
 
 KIVI (Liu et al., 2024, arXiv:2402.02750) boundary: after ``T`` tokens a sequence has its
 first ``f(T) = max(0, ceil((T - R) / g)) * g`` tokens quantized and the rest (between
-``R - g + 1`` and ``R``) in float, the state :func:`~compressor.quant.kv.make_quantized_layer_class`
-reaches whatever the chunking, so it is derived from ``lengths`` alone (what a prefill
+``R - g + 1`` and ``R``) in float (:meth:`~compressor.quant.kv_schemes.KIVIScheme.quantized_length`,
+the rule :func:`~compressor.quant.kv.make_quantized_layer_class` follows too), whatever the
+chunking, so it is derived from ``lengths`` alone (what a prefill
 chunk's queries read does depend on the chunking: tokens quantized within the chunk are
 read back dequantized, as in the reference). Scales and zero
-points are float32 (as :func:`~compressor.quant.kv.quantize_asym` returns them), so
+points are float32 (as :func:`~compressor.quant.kv_schemes.quantize_asym` returns them), so
 bytes/token here are a little above :func:`~compressor.quant.kv.kv_bytes_per_token`'s
 fp16 accounting; :meth:`KVCache.bytes_per_token` reports what is actually stored.
 """
@@ -46,8 +48,8 @@ import math
 import torch
 
 from ..errors import InputError
-from ..quant.kv import (
-    KVSpec, dequantize_asym, dequantize_fp8, dequantize_int_static, quantize_asym, quantize_fp8, quantize_int_static,
+from ..quant.kv_schemes import (
+    FP8TensorScheme, Int8HeadScheme, Int8TokenScheme, KIVIScheme, KVScheme, KVSpec, make_spec,
 )
 
 
@@ -164,15 +166,33 @@ class KVCache:
                         store[r, :, starts[r]:starts[r] + ns[r]] = vals[r, :, :ns[r]]
 
 
-class FP8KVCache(KVCache):
-    """float8 e4m3 codes with static scales (``scales``: layer -> (k_scale, v_scale), [1] or [H])."""
+class QuantKVCache(KVCache):
+    """Per-token quantized cache: each token's codes (and metadata) from ``spec.codec.encode``
+    written in place, a prefix decoded by ``spec.codec.decode``.
 
-    scheme = "fp8"
+    Args:
+        spec: the scheme (default: the class's :attr:`default_spec`).
+        scales: layer -> ``(k_scale, v_scale)`` ([1] or [H]) for a static scheme.
 
-    def __init__(self, *args, scales: dict[int, tuple[torch.Tensor, torch.Tensor]], **kw):
-        self.scales = {i: (k.float().reshape(-1).to(kw.get("device", "cpu")), v.float().reshape(-1).to(kw.get("device", "cpu")))
-                       for i, (k, v) in scales.items()}
+    Raises:
+        InputError: a static scheme without scales for every layer, or scales of the wrong size.
+    """
+
+    scheme = "quantized"
+    codecs: tuple[type, ...] = ()  # the KVScheme classes this cache stores
+    default_spec: tuple = ()  # make_spec arguments when no spec is given
+
+    def __init__(self, *args, spec: KVSpec | None = None, scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 **kw):
+        self.codec: KVScheme = (spec or make_spec(*self.default_spec)).codec
+        dev = kw.get("device", "cpu")
+        self.scales = None if not self.codec.static else {
+            i: (k.float().reshape(-1).to(dev), v.float().reshape(-1).to(dev)) for i, (k, v) in (scales or {}).items()}
         super().__init__(*args, **kw)
+        if self.codec.static:
+            self._check_scales()
+
+    def _check_scales(self) -> None:
         missing = [i for i in range(self.n_layers) if i not in self.scales]
         if missing:
             raise InputError(f"KV scheme {self.scheme} needs static k_scale/v_scale for every layer; layer {missing[0]} has none")
@@ -180,45 +200,11 @@ class FP8KVCache(KVCache):
         if bad:
             raise InputError(f"layer {bad[0]}: k_scale/v_scale must hold 1 or {self.kv_heads} (kv heads) values")
 
-    _code_dtype = torch.float8_e4m3fn
-
-    def _alloc(self):
-        shp = (self.batch, self.kv_heads, self.max_len, self.head_dim)
-        self.k = [self._zeros(*shp, dtype=self._code_dtype) for _ in range(self.n_layers)]
-        self.v = [self._zeros(*shp, dtype=self._code_dtype) for _ in range(self.n_layers)]
-
-    def _scale(self, layer, kind):
-        return self.scales[layer][0 if kind == "k" else 1]
-
-    def _encode(self, layer, x, kind):
-        return (quantize_fp8(x, self._scale(layer, kind)),)
-
-    def _decode(self, layer, kind, length):
-        return dequantize_fp8(self._stores(layer, kind)[0][:, :, :length], self._scale(layer, kind), self.dtype)
-
-
-class Int8HeadKVCache(FP8KVCache):
-    """int8 codes with static symmetric per-head scales (``scale = absmax / 127``)."""
-
-    scheme = "int8-head"
-    _code_dtype = torch.int8
-
-    def _encode(self, layer, x, kind):
-        return (quantize_int_static(x, self._scale(layer, kind)),)
-
-    def _decode(self, layer, kind, length):
-        return dequantize_int_static(self._stores(layer, kind)[0][:, :, :length], self._scale(layer, kind), self.dtype)
-
-
-class Int8TokenKVCache(KVCache):
-    """uint8 codes, dynamic asymmetric scale + zero point per (head, token) (no calibration)."""
-
-    scheme = "int8-token"
-
     def _alloc(self):
         shp = (self.batch, self.kv_heads, self.max_len)
-        self.parts = {kind: [(self._zeros(*shp, self.head_dim, dtype=torch.uint8), self._zeros(*shp, 1, dtype=torch.float32),
-                              self._zeros(*shp, 1, dtype=torch.float32)) for _ in range(self.n_layers)] for kind in "kv"}
+        parts = self.codec.token_parts(self.head_dim)
+        self.parts = {kind: [tuple(self._zeros(*shp, w, dtype=dt) for w, dt in parts) for _ in range(self.n_layers)]
+                      for kind in "kv"}
 
     def _token_stores(self, layer):
         return [*self.parts["k"][layer], *self.parts["v"][layer]]
@@ -226,12 +212,39 @@ class Int8TokenKVCache(KVCache):
     def _stores(self, layer, kind):
         return self.parts[kind][layer]
 
+    def _scale(self, layer, kind):
+        return None if self.scales is None else self.scales[layer][0 if kind == "k" else 1]
+
     def _encode(self, layer, x, kind):
-        return quantize_asym(x, 8, dim=-1)
+        return self.codec.encode(x, self._scale(layer, kind), kind)
 
     def _decode(self, layer, kind, length):
-        c, s, z = (t[:, :, :length] for t in self._stores(layer, kind))
-        return dequantize_asym(c, s, z, dim=-1, dtype=self.dtype)
+        parts = tuple(t[:, :, :length] for t in self._stores(layer, kind))
+        return self.codec.decode(parts, self._scale(layer, kind), kind, self.dtype)
+
+
+class FP8KVCache(QuantKVCache):
+    """float8 e4m3 codes with static scales (``scales``: layer -> (k_scale, v_scale), [1] or [H])."""
+
+    scheme = "fp8"
+    codecs = (FP8TensorScheme,)  # per tensor and (subclass) per head
+    default_spec = ("fp8",)
+
+
+class Int8HeadKVCache(QuantKVCache):
+    """int8 codes with static symmetric per-head scales (``scale = absmax / 127``)."""
+
+    scheme = "int8-head"
+    codecs = (Int8HeadScheme,)
+    default_spec = ("int8", "head")
+
+
+class Int8TokenKVCache(QuantKVCache):
+    """uint8 codes, dynamic asymmetric scale + zero point per (head, token) (no calibration)."""
+
+    scheme = "int8-token"
+    codecs = (Int8TokenScheme,)
+    default_spec = ("int8", "token")
 
 
 def _pack_codes(c: torch.Tensor, bits: int) -> torch.Tensor:
@@ -258,25 +271,23 @@ class KIVICache(KVCache):
     """
 
     scheme = "kivi"
+    codecs = (KIVIScheme,)
 
     def __init__(self, *args, spec: KVSpec, **kw):
         if spec.residual_length < spec.group_size:
             raise InputError(f"the runtime's KIVI cache needs residual_length >= group_size (got {spec.residual_length}, "
                              f"{spec.group_size})")
         self.spec, self.bits, self.g, self.R = spec, spec.bits, spec.group_size, spec.residual_length
+        self.codec: KIVIScheme = spec.codec
         super().__init__(*args, **kw)
         if self.head_dim % (8 // self.bits):
             raise InputError(f"KIVI {self.bits}-bit packing needs head_dim divisible by {8 // self.bits}, got {self.head_dim}")
-
-    def _value_group(self) -> int:
-        d = self.head_dim  # as quantize_asym: one group per token when g >= D or g does not divide D
-        return d if self.g >= d or d % self.g else self.g
 
     def _alloc(self):
         B, H, L, D = self.batch, self.kv_heads, self.max_len, self.head_dim
         pb = D * self.bits // 8
         n_groups = math.ceil(L / self.g)
-        vg = D // self._value_group()
+        vg = self.codec.value_groups(D)  # value scale/zero per token: D / g groups, or one
         self.kc = [self._zeros(B, H, n_groups * self.g, pb, dtype=torch.uint8) for _ in range(self.n_layers)]
         self.vc = [self._zeros(B, H, n_groups * self.g, pb, dtype=torch.uint8) for _ in range(self.n_layers)]
         self.ks = [self._zeros(B, H, n_groups, D, dtype=torch.float32) for _ in range(self.n_layers)]
@@ -301,15 +312,15 @@ class KIVICache(KVCache):
         return sum(_nbytes(self.rk[i]) + _nbytes(self.rv[i]) for i in range(self.n_layers)) // self.batch
 
     def quantized_length(self, length: torch.Tensor) -> torch.Tensor:
-        """``f(T)``: tokens in the quantized store after ``T`` tokens (multiple of ``group_size``)."""
-        extra = (length - self.R).clamp(min=0)
-        return (extra + self.g - 1) // self.g * self.g
+        """``f(T)``: tokens in the quantized store after ``T`` tokens (multiple of ``group_size``),
+        the scheme's rule (:meth:`~compressor.quant.kv_schemes.KIVIScheme.quantized_length`)."""
+        return self.codec.quantized_length(length)
 
     def _quantize_into(self, layer: int, row: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize ``k, v [H, n, D]`` (``n`` a multiple of ``g``) into token slots ``pos .. pos + n``."""
         n = k.shape[1]
-        kc, ks, kz = quantize_asym(k.unsqueeze(0), self.bits, dim=-2, group_size=self.g)
-        vc, vs, vz = quantize_asym(v.unsqueeze(0), self.bits, dim=-1, group_size=self.g)
+        kc, ks, kz = self.codec.encode(k.unsqueeze(0), None, "k")
+        vc, vs, vz = self.codec.encode(v.unsqueeze(0), None, "v")
         self.kc[layer][row, :, pos:pos + n] = _pack_codes(kc[0], self.bits)
         self.ks[layer][row, :, pos // self.g:(pos + n) // self.g] = ks[0]
         self.kz[layer][row, :, pos // self.g:(pos + n) // self.g] = kz[0]
@@ -348,18 +359,19 @@ class KIVICache(KVCache):
                 rv[row, :, :vv.shape[1] - m] = vv[:, m:]
         return self._read(layer, q1, end)
 
+    def _quantized(self, layer: int, kind: str, lq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first ``lq`` quantized tokens of ``kind`` as ``encode`` returned them (codes unpacked)."""
+        if kind == "k":
+            nq = lq // self.g
+            return _unpack_codes(self.kc[layer][:, :, :lq], self.bits), self.ks[layer][:, :, :nq], self.kz[layer][:, :, :nq]
+        return _unpack_codes(self.vc[layer][:, :, :lq], self.bits), self.vs[layer][:, :, :lq], self.vz[layer][:, :, :lq]
+
     def _read(self, layer: int, q1: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         length, lq = int(end.max()), int(q1.max())
         out = []
         for kind in "kv":
             if lq:
-                if kind == "k":
-                    codes = _unpack_codes(self.kc[layer][:, :, :lq], self.bits)
-                    deq = dequantize_asym(codes, self.ks[layer][:, :, :lq // self.g], self.kz[layer][:, :, :lq // self.g],
-                                          dim=-2, dtype=self.dtype)
-                else:
-                    codes = _unpack_codes(self.vc[layer][:, :, :lq], self.bits)
-                    deq = dequantize_asym(codes, self.vs[layer][:, :, :lq], self.vz[layer][:, :, :lq], dim=-1, dtype=self.dtype)
+                deq = self.codec.decode(self._quantized(layer, kind, lq), None, kind, self.dtype)
                 deq = torch.nn.functional.pad(deq, (0, 0, 0, length - lq))
             res = (self.rk if kind == "k" else self.rv)[layer]
             q1d = q1.to(self.device).view(-1, 1)
@@ -368,6 +380,10 @@ class KIVICache(KVCache):
             win = res.gather(2, idx[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim))
             out.append(win if not lq else torch.where((pos < q1d)[:, None, :, None], deq, win))
         return out[0], out[1]
+
+
+#: runtime cache class per scheme class (:func:`make_cache` picks the first whose ``codecs`` match)
+CACHE_CLASSES = (FP8KVCache, Int8HeadKVCache, Int8TokenKVCache, KIVICache)
 
 
 def make_cache(spec: KVSpec | None, scales, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
@@ -382,10 +398,7 @@ def make_cache(spec: KVSpec | None, scales, n_layers: int, batch: int, kv_heads:
         return KVCache(*geo, dtype=dtype, device=device)
     if spec.static and scales is None:
         raise InputError(f"KV scheme {spec.describe()} needs calibrated k_scale/v_scale (an artifact quantized with it has them)")
-    if spec.scheme == "fp8":
-        return FP8KVCache(*geo, dtype=dtype, device=device, scales=scales)
-    if spec.strategy == "head":
-        return Int8HeadKVCache(*geo, dtype=dtype, device=device, scales=scales)
-    if spec.strategy == "token":
-        return Int8TokenKVCache(*geo, dtype=dtype, device=device)
-    return KIVICache(*geo, dtype=dtype, device=device, spec=spec)
+    cls = next(c for c in CACHE_CLASSES if isinstance(spec.codec, c.codecs))
+    if cls is KIVICache:
+        return KIVICache(*geo, dtype=dtype, device=device, spec=spec)
+    return cls(*geo, dtype=dtype, device=device, spec=spec, scales=scales)
