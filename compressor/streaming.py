@@ -136,8 +136,15 @@ def open_lazy(source, dtype: torch.dtype = torch.float32):
     from .arch import checkpoint_name, get_arch
     from .moe import unfuse_experts
 
-    if source.kind != "hf":
-        return None, "GGUF sources are dequantized whole by transformers' GGUF loader"
+    if source.kind == "gguf":  # a GGUF converted once before streams from kvq's cache
+        from .models import ModelSource, cached_gguf_folder
+
+        cached = cached_gguf_folder(source)
+        if cached is None:
+            return None, "a GGUF file is dequantized whole by transformers' GGUF loader the first time (cached for later runs)"
+        source = ModelSource(source.spec, "hf", cached)
+    elif source.kind != "hf":
+        return None, f"{source.kind} sources are loaded whole"
     transformers.logging.set_verbosity_error()
     try:
         cfg = AutoConfig.from_pretrained(str(source.path))

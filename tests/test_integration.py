@@ -89,3 +89,31 @@ def test_real_model_gptq_with_fp8_kv_cache(tmp_path, capsys):
     # fp8 KV alone costs about 1-2 % on this 135M model (BENCHMARKS.md); 5 % is a sanity bound
     assert abs(b["KV only"]["increase_pct"]) < 5.0, b
     assert rep["kv_cache"]["bytes_per_token"] * 2 == rep["kv_cache"]["fp16_bytes_per_token"] == 23040
+
+
+def test_gguf_conversion_is_cached_and_checked(tmp_path, monkeypatch):
+    """The first load of a GGUF file stores the converted model in kvq's cache (keyed by the
+    file's SHA-256); later loads read it (same weights, same token ids), a cached GGUF
+    streams one layer at a time, and an edited cache entry is ignored."""
+    import torch
+
+    from compressor.models import GGUF_CACHE_INDEX, cached_gguf_folder, load_model, resolve_source
+    from compressor.streaming import open_lazy
+
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    src = resolve_source("smollm2-135m")
+    assert cached_gguf_folder(src) is None
+    m1, tok1 = load_model(src)
+    folder = cached_gguf_folder(src)
+    assert folder is not None and (folder / GGUF_CACHE_INDEX).is_file()
+    m2, tok2 = load_model(src)
+    sd1, sd2 = m1.state_dict(), m2.state_dict()
+    assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    text = "The quick brown fox. " * 50
+    assert tok1(text)["input_ids"] == tok2(text)["input_ids"]
+    assert m2.config.architectures == ["LlamaForCausalLM"]  # vLLM picks the model class from this
+    lazy = open_lazy(src)
+    assert lazy[0] is not None and lazy[0].model.layers[0].self_attn.q_proj.weight.is_meta
+    with open(folder / "tokenizer.json", "ab") as f:
+        f.write(b" ")
+    assert cached_gguf_folder(src) is None  # damaged: not used (the next load converts again)
