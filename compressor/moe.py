@@ -84,3 +84,19 @@ def unfuse_experts(model, arch: ArchSpec) -> int:
         setattr(get_module(layer, parent_path) if parent_path else layer, leaf, unfused)
         converted += 1
     return converted
+
+
+def routed_experts(layer, arch: ArchSpec) -> UnfusedExperts | None:
+    """Decoder layer ``layer``'s unfused routed experts, or ``None`` (dense layer, or experts not unfused)."""
+    if arch.moe is None:
+        return None
+    m = find_module(layer, arch.moe.experts)
+    return m if isinstance(m, UnfusedExperts) else None
+
+
+def cold_experts(counts: list[int] | None, min_tokens: int) -> set[int]:
+    """Experts routed fewer than ``max(min_tokens, 1)`` (token, slot) pairs (none without counts)."""
+    if counts is None:
+        return set()
+    limit = max(min_tokens, 1)
+    return {e for e, c in enumerate(counts) if c < limit}

@@ -10,6 +10,7 @@ import math
 import torch
 
 from .arch import checkpoint_name, find_module, get_arch, layer_groups, layer_linears, linear_weight
+from .quant.algorithms import find_algorithm
 from .stats import first_divergence, summarize, weight_error, weight_stats
 
 
@@ -82,8 +83,10 @@ def weight_report(reference, artifact, algorithm: str) -> dict:
     Args:
         reference: the original float model.
         artifact: the artifact loaded as a float model (dequantized weights).
-        algorithm: the recipe's algorithm; for ``awq`` the folded input scales are
-            undone first (see :func:`_awq_equivalent_scales`).
+        algorithm: the recipe's algorithm; when its handler folds input scales into the
+            weights (``awq``: :attr:`~compressor.quant.algorithms.Algorithm.folds_input_scales`)
+            they are undone first (see :func:`_awq_equivalent_scales`); a name without a
+            handler (``unknown``: a foreign artifact) undoes nothing.
 
     Every linear of the architecture row is compared, routed experts one by one (named
     ``<layers>.<i>.mlp.experts.<e>.gate_proj.weight`` etc., sliced from transformers'
@@ -95,7 +98,9 @@ def weight_report(reference, artifact, algorithm: str) -> dict:
         "max_rel_fro"}], "min_sqnr_db", "min_sqnr_tensor", "awq_scales_undone"}``.
     """
     arch = get_arch(reference.config.model_type)
-    scales = _awq_equivalent_scales(reference, artifact, arch) if algorithm == "awq" else {}
+    handler = find_algorithm(algorithm)
+    folded = handler is not None and handler.folds_input_scales
+    scales = _awq_equivalent_scales(reference, artifact, arch) if folded else {}
     tensors = []
     layers_ref = reference.get_submodule(arch.layers)
     layers_art = artifact.get_submodule(arch.layers)

@@ -17,7 +17,9 @@ from compressor.artifact import load_artifact, read_kv_cache
 from compressor.errors import InputError
 from compressor.manifest import load_manifest
 from compressor.moe import unfuse_experts
-from compressor.pipeline import _fold, _layer_forward, capture_layer_inputs, quantize_model
+from compressor.pipeline import capture_layer_inputs, quantize_model
+from compressor.quant.awq_layer import fold_scales as _fold
+from compressor.quant.layer import layer_forward as _layer_forward
 from compressor.quant.kv import (
     gqa_layout, kv_budget, kv_bytes_per_token, layout_bytes_per_token, make_spec, mla_layout, quantized_cache,
 )

@@ -94,3 +94,42 @@ def test_bit_widths_and_groups(bits, gs, sym):
     assert t["weight_scale"].shape == (64, n_groups)
     assert t["weight_packed"].shape == (64, -(-128 * bits // 32))
     assert ("weight_zero_point" in t) == (not sym)
+
+
+def test_algorithm_registry_and_unknown_name():
+    from compressor.quant.algorithms import algorithm_names, find_algorithm, get_algorithm
+
+    assert algorithm_names() == ["awq", "gptq", "none", "rtn"]
+    assert [get_algorithm(n).needs_calibration for n in ("rtn", "awq", "gptq", "none")] == [False, True, True, False]
+    assert [get_algorithm(n).folds_input_scales for n in ("rtn", "awq", "gptq", "none")] == [False, True, False, False]
+    assert not get_algorithm("none").quantizes_weights and find_algorithm("unknown") is None
+    with pytest.raises(InputError, match=r"unknown algorithm 'smoothquant' \(choose from awq, gptq, none, rtn\)"):
+        get_algorithm("smoothquant")
+
+
+def test_algorithm_summary_fields():
+    from compressor.quant.algorithms import get_algorithm
+
+    r = _recipe("gptq", **{"gptq.act_order": True, "weights.symmetric": False})
+    assert get_algorithm("gptq").summary_fields(r, "gptq") == {
+        "act_order": True, "static_groups": False, "gptq_checkpoint_format": "gptq_v2"}
+    assert list(get_algorithm("gptq").summary_fields(r, "compressed-tensors")) == ["act_order", "static_groups"]
+    assert get_algorithm("none").summary_fields(r, "compressed-tensors") == {"num_bits": None, "group_size": None, "symmetric": None}
+    assert get_algorithm("awq").summary_fields(r, "awq") == {} == get_algorithm("rtn").summary_fields(r, "gptq")
+
+
+def test_algorithm_flag_warnings():
+    from compressor.quant.algorithms import get_algorithm
+
+    flags = {"bits": 3, "group_size": None, "symmetric": None, "act_order": False}
+    r3 = _recipe("rtn", **{"weights.num_bits": 3})
+    odd = ("3-bit weights: vLLM's compressed-tensors WNA16 kernels serve 4 and 8 bits only; "
+           "kvq verify and transformers read this artifact")
+    assert get_algorithm("rtn").flag_warnings(flags, r3, "compressed-tensors") == [
+        "--act-order/--no-act-order has no effect with algorithm rtn (GPTQ only)", odd]
+    assert get_algorithm("gptq").flag_warnings(flags, r3, "compressed-tensors") == [odd]
+    assert get_algorithm("gptq").flag_warnings(flags, r3, "gptq") == []
+    assert get_algorithm("none").flag_warnings(flags, r3, "compressed-tensors") == [
+        "--bits/--group-size/--symmetric have no effect: the recipe keeps weights in float (algorithm none)",
+        "--act-order/--no-act-order has no effect with algorithm none (GPTQ only)"]
+    assert get_algorithm("awq").flag_warnings(dict.fromkeys(flags), _recipe("awq"), "compressed-tensors") == []

@@ -108,21 +108,21 @@ class Crash(Exception):
 
 def crash_gptq_at(monkeypatch, layer: int):
     """Make GPTQ raise :class:`Crash` when it reaches decoder layer ``layer``; returns the real function."""
-    import compressor.pipeline as pl
+    import compressor.quant.gptq_layer as pl
 
-    real = pl._gptq_layer
+    real = pl.gptq_layer
 
     def crash(i, *a, **k):
         if i == layer:
             raise Crash(f"simulated crash in layer {layer}")
         return real(i, *a, **k)
 
-    monkeypatch.setattr(pl, "_gptq_layer", crash)
+    monkeypatch.setattr(pl, "gptq_layer", crash)
     return real
 
 
 def test_resume_after_a_simulated_crash(tmp_path, deep_dir, whole, monkeypatch, capsys):
-    import compressor.pipeline as pl
+    import compressor.quant.gptq_layer as pl
     import compressor.streaming as st
 
     out = tmp_path / "r"
@@ -136,7 +136,7 @@ def test_resume_after_a_simulated_crash(tmp_path, deep_dir, whole, monkeypatch, 
     assert sorted(p.name for p in staging.glob("part-*.safetensors")) == ["part-layer-00000.safetensors",
                                                                           "part-layer-00001.safetensors"]
     assert [p.name for p in staging.glob("resume-hidden-*")] == ["resume-hidden-00002.safetensors"]  # older ones removed
-    monkeypatch.setattr(pl, "_gptq_layer", real)
+    monkeypatch.setattr(pl, "gptq_layer", real)
     loaded = []
     real_load = st.load_into
     monkeypatch.setattr(st, "load_into", lambda model, ckpt, arch, names: (loaded.append(names[0]), real_load(model, ckpt, arch, names)))
@@ -150,16 +150,16 @@ def test_resume_after_a_simulated_crash(tmp_path, deep_dir, whole, monkeypatch, 
 
 
 def test_resume_refusals(tmp_path, deep_dir, monkeypatch, capsys):
-    import compressor.pipeline as pl
+    import compressor.quant.algorithms as pl
 
     out = tmp_path / "r"
     code, _, err = run(["quantize", deep_dir, "--algorithm", "rtn", "--group-size", "32", "-o", out, "--resume"], capsys)
     assert code == 2 and "no interrupted run to resume" in err
-    real = pl._rtn_layer
-    monkeypatch.setattr(pl, "_rtn_layer", lambda i, *a: (_ for _ in ()).throw(Crash()) if i == 1 else real(i, *a))
+    real = pl.rtn_layer
+    monkeypatch.setattr(pl, "rtn_layer", lambda i, *a: (_ for _ in ()).throw(Crash()) if i == 1 else real(i, *a))
     with pytest.raises(Crash):
         run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="rtn", group_size=32))
-    monkeypatch.setattr(pl, "_rtn_layer", real)
+    monkeypatch.setattr(pl, "rtn_layer", real)
     # other inputs (here the group size) cannot continue that run
     code, _, err = run(["quantize", deep_dir, "--algorithm", "rtn", "--group-size", "64", "-o", out, "--resume"], capsys)
     assert code == 2 and "made from other inputs" in err
@@ -219,7 +219,7 @@ def _rank_main(rank, world, port, src, out, result_file):
     torch.set_num_threads(1)
     from compressor.api import QuantizeOptions, run_quantize
     import compressor.distributed as d
-    import compressor.pipeline as pl
+    import compressor.quant.gptq_layer as pl
 
     calls = []
     real = d.deal
@@ -266,12 +266,12 @@ def test_resume_refused_under_several_ranks(tmp_path, deep_dir, monkeypatch, cap
 def test_resume_refuses_a_damaged_checkpoint(tmp_path, deep_dir, monkeypatch, capsys):
     """A part or the saved activations changed after the checkpoint: --resume refuses (it
     would otherwise bake the damage into a manifest that then verifies)."""
-    import compressor.pipeline as pl
+    import compressor.quant.gptq_layer as pl
 
     real = crash_gptq_at(monkeypatch, 2)
     with pytest.raises(Crash):
         run_quantize(QuantizeOptions(model=str(deep_dir), output=tmp_path / "r", algorithm="gptq", **FAST))
-    monkeypatch.setattr(pl, "_gptq_layer", real)
+    monkeypatch.setattr(pl, "gptq_layer", real)
     staging = tmp_path / ".r.kvq-partial"
     for name in ("part-layer-00000.safetensors", "resume-hidden-00002.safetensors"):
         f = staging / name

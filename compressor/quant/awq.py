@@ -1,7 +1,7 @@
 """Activation-aware Weight Quantization (AWQ), Lin et al., 2023 (arXiv:2306.00978).
 
-Tensor-in, tensor-out pieces; the sequential driver (``compressor.pipeline``) owns the
-hooks and the model. Follows the reference implementation's math (mit-han-lab/llm-awq,
+Tensor-in, tensor-out pieces; the per-layer handler (:mod:`compressor.quant.awq_layer`) owns
+the hooks and the layer's state. Follows the reference implementation's math (mit-han-lab/llm-awq,
 AutoAWQ ``awq/quantize/quantizer.py``):
 
 * scale search: ``s = x_mean^a / w_mean^(1-a)`` (``duo_scaling``) or ``x_mean^a``, for

@@ -1,0 +1,179 @@
+"""Weight-quantization algorithms as registered per-layer handlers.
+
+One :class:`Algorithm` subclass per recipe ``algorithm`` value, registered by name with
+:func:`register_algorithm` (the habit of torchao's ``quant_api.py``: one handler per
+config, no ``if mode == ...`` chains). A handler carries everything that depends on the
+algorithm:
+
+========================  ==================================================================
+``quantize_layer``        the per-layer step: quantize one decoder layer's targeted linears
+``needs_calibration``     whether the step needs captured layer inputs (``--calib``)
+``quantizes_weights``     ``False`` for ``none`` (float weights; a KV-only artifact)
+``folds_input_scales``    the artifact's weights carry folded input scales that weight
+                          statistics must undo (AWQ; :func:`compressor.quality.weight_report`)
+``summary_fields``        the algorithm's part of the manifest's ``quantization`` block
+``flag_warnings``         command-line flags the effective recipe makes meaningless
+``run_warnings``          warnings drawn from all layers' figures after the run
+========================  ==================================================================
+
+Handlers: ``rtn`` and ``none`` here, ``awq`` in :mod:`compressor.quant.awq_layer`, ``gptq``
+in :mod:`compressor.quant.gptq_layer` (each beside its math module).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ..arch import layer_linears
+from ..errors import InputError
+from .layer import LayerContext, LayerOutcome
+
+_REGISTRY: dict[str, "Algorithm"] = {}
+
+
+class Algorithm:
+    """One weight-quantization algorithm (subclass it and decorate with :func:`register_algorithm`)."""
+
+    #: the recipe's ``algorithm`` value
+    name: ClassVar[str] = ""
+    #: the per-layer step needs the layer's captured inputs (AWQ, GPTQ)
+    needs_calibration: ClassVar[bool] = False
+    #: ``False``: weights stay float (only the KV cache is quantized)
+    quantizes_weights: ClassVar[bool] = True
+    #: the artifact's weights are ``diag(1/s_row) W diag(s_col)`` (AWQ's folded scales)
+    folds_input_scales: ClassVar[bool] = False
+
+    def quantize_layer(self, i: int, layer, hidden: list | None, kw: dict | None, ctx: LayerContext) -> LayerOutcome:
+        """Quantize decoder layer ``i``'s targeted linears in place.
+
+        Args:
+            layer: the decoder layer (on the compute device when ``hidden`` is given).
+            hidden: the layer's inputs, float32 ``[b, T, H]`` per batch; ``None`` when no
+                calibration pass runs (only for handlers without ``needs_calibration``).
+            kw: the layer's captured keyword arguments (mask, RoPE, positions), or ``None``.
+            ctx: schemes, targets and where to store each :class:`~compressor.quant.layer.QuantizedLinear`.
+
+        Returns:
+            A :class:`~compressor.quant.layer.LayerOutcome`; the driver recomputes the
+            layer's outputs afterwards.
+
+        Raises:
+            QuantizationError: a non-finite value was produced (names the module).
+        """
+        raise NotImplementedError
+
+    def summary_fields(self, recipe, fmt: str) -> dict:
+        """The algorithm-specific entries of the manifest's ``quantization`` block.
+
+        Apply with ``quant.update(...)`` after the common keys (``algorithm``, ``format``,
+        ``num_bits``, ``group_size``, ``symmetric``, ``modules``, ``storage_dtype``) and
+        ``schemes`` are in place: existing keys keep their position, new ones follow.
+        ``fmt`` is the output format name (``compressed-tensors``, ``awq``, ``gptq``).
+        """
+        return {}
+
+    def flag_warnings(self, flags: dict, recipe, fmt: str) -> list[str]:
+        """Command-line flags the effective ``recipe`` makes meaningless, said aloud.
+
+        ``flags``: ``{"bits", "group_size", "symmetric", "act_order"}``, each ``None`` when
+        not given on the command line; ``fmt`` the output format name.
+        """
+        out = []
+        if flags.get("act_order") is not None:
+            out.append(f"--act-order/--no-act-order has no effect with algorithm {self.name} (GPTQ only)")
+        return out + odd_bits_warnings(recipe, fmt)
+
+    def run_warnings(self, layers: list[dict]) -> list[str]:
+        """Warnings drawn from every layer's figures (``QuantizeResult.layers``) after the run."""
+        return []
+
+
+def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: register one instance of ``cls`` under ``cls.name``."""
+    if not cls.name or cls.name in _REGISTRY:
+        raise ValueError(f"algorithm handler {cls.__name__}: name {cls.name!r} is empty or already registered")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The handler registered for ``name``.
+
+    Raises:
+        InputError: no algorithm of that name (lists the registered ones).
+    """
+    handler = _REGISTRY.get(name)
+    if handler is None:
+        raise InputError(f"unknown algorithm {name!r} (choose from {', '.join(algorithm_names())})")
+    return handler
+
+
+def find_algorithm(name: str) -> Algorithm | None:
+    """The handler registered for ``name``, or ``None`` (e.g. ``"unknown"`` for a foreign artifact)."""
+    return _REGISTRY.get(name)
+
+
+def algorithm_names() -> list[str]:
+    """The registered algorithm names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def odd_bits_warnings(recipe, fmt: str) -> list[str]:
+    """The warning for weight widths vLLM's compressed-tensors kernels do not serve (none when ``fmt`` is another format)."""
+    bits = {recipe.weights.num_bits} | {o.weights.num_bits for o in recipe.overrides if o.weights.num_bits}
+    odd = sorted(b for b in bits if b not in (4, 8))
+    if odd and fmt == "compressed-tensors":
+        return [f"{'/'.join(map(str, odd))}-bit weights: vLLM's compressed-tensors WNA16 kernels serve 4 and 8 bits only; "
+                "kvq verify and transformers read this artifact"]
+    return []
+
+
+def rtn_layer(i: int, layer, ctx: LayerContext) -> list[float]:
+    """Round-to-nearest quantization of decoder layer ``i``'s targeted linears; returns their relative errors."""
+    errs = []
+    for rel in layer_linears(ctx.arch, layer):
+        name = f"{ctx.arch.layers}.{i}.{rel}"
+        if name in ctx.targets:
+            ctx.modules[name], e = ctx.quantizer.quantize_linear(name, ctx.targets[name])
+            errs.append(e)
+    return errs
+
+
+@register_algorithm
+class RTN(Algorithm):
+    """Round-to-nearest with min-max qparams (:mod:`compressor.quant.rtn`); no calibration.
+
+    Inside a calibration pass (static KV scales) the driver recomputes the layer after it,
+    so the KV observers see the quantized layer.
+    """
+
+    name = "rtn"
+
+    def quantize_layer(self, i, layer, hidden, kw, ctx):
+        return LayerOutcome(rtn_layer(i, layer, ctx))
+
+
+@register_algorithm
+class NoWeights(Algorithm):
+    """``none``: weights stay float; only the KV cache is quantized."""
+
+    name = "none"
+    quantizes_weights = False
+
+    def quantize_layer(self, i, layer, hidden, kw, ctx):
+        return LayerOutcome(rtn_layer(i, layer, ctx))  # no targets: nothing is quantized
+
+    def summary_fields(self, recipe, fmt):
+        return {"num_bits": None, "group_size": None, "symmetric": None}
+
+    def flag_warnings(self, flags, recipe, fmt):
+        out = []
+        if any(flags.get(k) is not None for k in ("bits", "group_size", "symmetric")):
+            out.append("--bits/--group-size/--symmetric have no effect: the recipe keeps weights in float (algorithm none)")
+        if flags.get("act_order") is not None:
+            out.append(f"--act-order/--no-act-order has no effect with algorithm {self.name} (GPTQ only)")
+        return out
+
+
+# the handlers living beside their math modules register themselves on import
+from . import awq_layer, gptq_layer  # noqa: E402,F401

@@ -1,0 +1,243 @@
+"""AWQ (Lin et al., 2023, arXiv:2306.00978) as a per-layer handler of the sequential driver.
+
+The math (scale and clip searches) is in :mod:`compressor.quant.awq`; this module owns the
+hooks and the layer's state, in named steps:
+
+1. :func:`observe` -- mean ``|x|`` per input channel over every calibration token a module
+   sees, the full inputs of the first ``loss_n`` sequences, the float layer's output;
+2. :func:`search_group_scales` -- one scaling group's scales (grid search on the inspected
+   module's output error);
+3. :func:`fold_group` / :func:`fold_scales` -- the scales folded into the preceding op and
+   the group's linears (the float function is unchanged);
+4. :func:`clip_and_quantize` -- clip search and RTN with the clipped range;
+5. the driver recomputes the layer's outputs with the quantized weights.
+
+Cold MoE experts (too few routed tokens) get no scaling group of their own and no
+clipping: RTN, still sharing the layer's input scaling.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..arch import expert_index, get_module, layer_groups, layer_linears
+from .algorithms import Algorithm, register_algorithm
+from .awq import search_clip, search_scales
+from .layer import LayerContext, LayerOutcome, inspect_forward, layer_forward
+
+
+def fold_scales(prev, s: torch.Tensor, prev_rows, norm_offset: float) -> torch.Tensor | None:
+    """Divide ``prev``'s output by ``s [C]`` in its weights (exactly); returns the per-row
+    scale ``[out]`` of a linear ``prev`` (``None`` for a norm).
+
+    ``prev_rows``: ``(k, n)`` when only chunk ``k`` of ``n`` of a linear's output rows
+    feeds the group (GLM-4's fused ``gate_up_proj``), else ``None``; ``norm_offset``: 1 for
+    ``(1 + weight)`` norms (Gemma), else 0.
+    """
+    if isinstance(prev, torch.nn.Linear):
+        rows = torch.ones(prev.weight.shape[0], dtype=s.dtype, device=s.device)
+        if prev_rows is None:
+            rows = s.to(rows)
+        else:
+            k, n = prev_rows
+            step = prev.weight.shape[0] // n
+            rows[k * step:(k + 1) * step] = s
+        prev.weight.data.div_(rows.view(-1, 1).to(prev.weight))
+        if prev.bias is not None:
+            prev.bias.data.div_(rows.to(prev.bias))
+        return rows
+    # a norm: y = x_hat * (norm_offset + w) [+ b] -> (norm_offset + w) / s
+    w = prev.weight.data
+    w.copy_(((w.float() + norm_offset) / s.to(w.device) - norm_offset).to(w.dtype))
+    if getattr(prev, "bias", None) is not None:
+        prev.bias.data.div_(s.to(prev.bias))
+    return None
+
+
+def observe(layer, hidden, kw, watched: dict, loss_n: int):
+    """Run the float layer over ``hidden`` with input hooks on ``watched`` (key -> module).
+
+    Returns ``(abs_sum, n_rows, stored, float_out)``: per key the sum of ``|x|`` per input
+    channel ``[in]`` (``None`` if never called) and the rows seen; the inputs of the first
+    ``loss_n`` sequences (float32, a list of ``[b, T, in]`` or, for routed experts, ``[n, in]``);
+    the float layer's output on those sequences (a list of ``[b, T, H]``).
+    """
+    abs_sum = {k: None for k in watched}
+    n_rows = {k: 0 for k in watched}
+    stored: dict[str, list[torch.Tensor]] = {k: [] for k in watched}
+    keep = [True]
+
+    def make_hook(key):
+        def hook(_mod, args):
+            x = args[0].detach()
+            flat = x.abs().float().reshape(-1, x.shape[-1])
+            abs_sum[key] = flat.sum(0) if abs_sum[key] is None else abs_sum[key] + flat.sum(0)
+            n_rows[key] += flat.shape[0]
+            if keep[0]:
+                stored[key].append(x.float())
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(k)) for k, m in watched.items()]
+    float_out = []
+    seen = 0
+    try:
+        for h in hidden:
+            keep[0] = seen < loss_n
+            y = layer_forward(layer, h, kw)
+            if seen < loss_n:
+                float_out.append(y[: loss_n - seen])
+            seen += h.shape[0]
+    finally:
+        for hd in handles:
+            hd.remove()
+    return abs_sum, n_rows, stored, float_out
+
+
+def _loss_inputs(stored, watched, linears, hidden, loss_n) -> dict[str, torch.Tensor]:
+    """Per watched key, the inputs the losses use: ``[loss_n, T, in]`` (``[n, in]`` for routed experts)."""
+    x_loss = {}
+    for k, v in stored.items():
+        if not v:
+            x_loss[k] = torch.zeros(0, watched[k].in_features if k in linears else hidden[0].shape[-1], device=hidden[0].device)
+        elif v[0].ndim == 2:  # routed tokens of one expert
+            x_loss[k] = torch.cat(v)[: loss_n * hidden[0].shape[1]]
+        else:
+            x_loss[k] = torch.cat(v)[:loss_n]
+    return x_loss
+
+
+def search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw, ctx: LayerContext):
+    """AWQ scales of one scaling group; ``(s [in] float32, best ratio, input key)`` or ``None`` when
+    the group is skipped (nothing targeted, shapes that do not chain, a cold expert's own
+    group, no token among the loss samples)."""
+    arch, quantizer, opts, targets = ctx.arch, ctx.quantizer, ctx.recipe.awq, ctx.targets
+    prev = get_module(layer, group.prev_op)
+    lins = [linears[r] for r in group.linears]
+    quantized = [prefix + r in targets for r in group.linears]
+    if not any(quantized):
+        return None
+    if group.requires_square:
+        prev_out = prev.weight.shape[0]
+        if any(m.in_features != prev_out for m in lins) or lins[0].weight.shape != prev.weight.shape:
+            return None
+    if expert_index(arch, group.prev_op) in cold:
+        return None  # a cold expert's own group (up -> down): RTN fallback, no scaling
+    key = group.inputs_at or group.linears[0]
+    x = x_loss[key]
+    if x.numel() == 0 or x_mean[key] is None:
+        return None  # no token reached this group among the loss samples
+    inspect = get_module(layer, group.inspect)
+    ref_out = inspect_forward(inspect, x, kw, group.inspect_is_attention)
+    weights = [m.weight.detach().clone() for m in lins]
+
+    def loss_fn(cands, lins=lins, weights=weights, quantized=quantized, inspect=inspect, x=x, ref=ref_out, g=group):
+        for m, c, w, q in zip(lins, cands, weights, quantized):
+            m.weight.data.copy_(c if q else w)
+        try:
+            out = inspect_forward(inspect, x, kw, g.inspect_is_attention)
+            return (out - ref).float().pow(2).mean()
+        finally:
+            for m, w in zip(lins, weights):
+                m.weight.data.copy_(w)
+
+    shown = group.linears if len(group.linears) <= 4 else group.linears[:2] + (f"... ({len(group.linears)} linears)",)
+    name = f"{prefix}{group.prev_op} -> {', '.join(shown)}"
+    specs = [quantizer.schemes.get(prefix + r, quantizer.schemes[next(iter(quantizer.schemes))]) for r in group.linears]
+    s, ratio, _ = search_scales(
+        x_mean[key], weights, loss_fn, [b for b, _, _ in specs], [g for _, g, _ in specs],
+        [y for _, _, y in specs], n_grid=opts.n_grid, duo_scaling=opts.duo_scaling, name=name,
+    )
+    return s, ratio, key
+
+
+def fold_group(layer, group, s, key, linears, x_loss, col_scale, row_scale, norm_offset: float) -> None:
+    """Fold ``s``: the group's preceding op output ``/= s``, its linears' (and routers')
+    input channels ``*= s`` (float function unchanged); the loss inputs follow."""
+    rows = fold_scales(get_module(layer, group.prev_op), s, group.prev_rows, norm_offset)
+    if group.prev_op in linears:
+        row_scale[group.prev_op] = rows
+    for r in group.linears:
+        linears[r].weight.data.mul_(s)
+        col_scale[r] = s
+    for a in group.also_scale:
+        get_module(layer, a).weight.data.mul_(s.to(get_module(layer, a).weight))
+    for k in set(group.linears) | {key}:
+        x_loss[k] = x_loss[k] / s
+
+
+def clip_and_quantize(i, linears, x_loss, cold, col_scale, row_scale, originals, ctx: LayerContext) -> list[float]:
+    """Clip search and quantization of every targeted linear (cold experts: RTN, no clipping);
+    returns the relative weight errors (in the original weights' space)."""
+    arch, quantizer, opts, targets = ctx.arch, ctx.quantizer, ctx.recipe.awq, ctx.targets
+    prefix = f"{arch.layers}.{i}."
+    errs = []
+    for rel, lin in linears.items():
+        name = prefix + rel
+        if name not in targets:
+            continue
+        clip_max = None
+        e = expert_index(arch, rel)
+        xs = x_loss[rel].reshape(-1, lin.in_features)
+        if opts.clip and rel not in arch.clip_skip and not (e is not None and e in cold) and xs.shape[0]:
+            idx = torch.linspace(0, xs.shape[0] - 1, min(opts.clip_tokens, xs.shape[0])).long()
+            bits, gs, sym = quantizer.schemes[name]
+            clip_max = search_clip(lin.weight.detach(), xs[idx], bits, gs, sym, opts.clip_grid, opts.clip_max_shrink)
+        ctx.modules[name], err = quantizer.quantize_linear(
+            name, lin, clip_max, col_scale.get(rel), originals[rel], row_scale.get(rel)
+        )
+        errs.append(err)
+    return errs
+
+
+def awq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> LayerOutcome:
+    """AWQ for decoder layer ``i``: observe, search and fold each scaling group's scales, clip and quantize."""
+    arch, loss_n = ctx.arch, ctx.loss_n
+    prefix = f"{arch.layers}.{i}."
+    linears = {rel: get_module(layer, rel) for rel in layer_linears(arch, layer)}
+    groups = layer_groups(arch, layer)
+    watched = dict(linears)
+    for g in groups:
+        if g.inputs_at:
+            watched[g.inputs_at] = get_module(layer, g.inputs_at)
+
+    phases = {}
+    tp = time.perf_counter()
+    experts = ctx.experts(layer)
+    if experts is not None:
+        experts.counts.zero_()
+    abs_sum, n_rows, stored, float_out = observe(layer, hidden, kw, watched, loss_n)
+    counts = experts.counts.tolist() if experts is not None else None
+    cold = ctx.cold(counts)
+    x_loss = _loss_inputs(stored, watched, linears, hidden, loss_n)
+    x_mean = {k: (s / max(n_rows[k], 1)) if s is not None else None for k, s in abs_sum.items()}
+    originals = {rel: m.weight.detach().clone() for rel, m in linears.items()}
+    col_scale: dict[str, torch.Tensor] = {}
+    row_scale: dict[str, torch.Tensor] = {}
+    ratios = {}
+    phases["observe"], tp = time.perf_counter() - tp, time.perf_counter()
+
+    for group in groups:  # one scaling group at a time: later groups see the earlier folds
+        found = search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw, ctx)
+        if found is None:
+            continue
+        s, ratios[group.prev_op], key = found
+        fold_group(layer, group, s, key, linears, x_loss, col_scale, row_scale, arch.norm_offset)
+
+    phases["scale_search"], tp = time.perf_counter() - tp, time.perf_counter()
+    errs = clip_and_quantize(i, linears, x_loss, cold, col_scale, row_scale, originals, ctx)
+    phases["clip_and_quantize"] = time.perf_counter() - tp
+    return LayerOutcome(errs, torch.cat(float_out), counts, {"awq_ratios": ratios}, phases)
+
+
+@register_algorithm
+class AWQ(Algorithm):
+    """Activation-aware weight quantization; needs calibration; folds its scales into the weights."""
+
+    name = "awq"
+    needs_calibration = True
+    folds_input_scales = True
+
+    def quantize_layer(self, i, layer, hidden, kw, ctx):
+        return awq_layer(i, layer, hidden, kw, ctx)

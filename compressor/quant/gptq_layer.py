@@ -1,0 +1,187 @@
+"""GPTQ (Frantar et al., 2022, arXiv:2210.17323) as a per-layer handler of the sequential driver.
+
+The Hessian and the column-by-column solve are in :mod:`compressor.quant.gptq`; this
+module owns the hooks: one Hessian per set of linears reading the same input (fused
+sets), stage by stage (``true_sequential``: later stages see the earlier stages'
+quantized outputs) or all at once. The solves of a pass are dealt to the ranks
+(:func:`compressor.distributed.deal`). Cold MoE experts (too few routed tokens) and sets
+that saw no token fall back to RTN.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..arch import expand, expert_index, get_module, is_expert, layer_fused_sets, layer_linears, num_experts
+from ..distributed import deal
+from .algorithms import Algorithm, odd_bits_warnings, register_algorithm
+from .gptq import HessianAccumulator, gptq_quantize
+from .layer import LayerContext, LayerOutcome, StopForward, layer_forward
+
+
+def reader_sets(stage: list[str], fused_sets: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """Partition a stage's linears into sets reading the same input (fused sets; the rest alone)."""
+    out, seen = [], set()
+    for f in fused_sets:
+        members = tuple(r for r in f if r in stage)
+        if members:
+            out.append(members)
+            seen.update(members)
+    out += [(r,) for r in stage if r not in seen]
+    order = {r: k for k, r in enumerate(stage)}
+    return sorted(out, key=lambda m: order[m[0]])
+
+
+def _passes(i, layer, ctx: LayerContext) -> list[list[str]]:
+    """The targeted linears of layer ``i`` (relative names) per Hessian pass."""
+    arch = ctx.arch
+    prefix = f"{arch.layers}.{i}."
+    n_exp = num_experts(arch, layer)
+    present = set(layer_linears(arch, layer))
+    stages = [[r for pat in st for r in expand(pat, n_exp) if r in present and prefix + r in ctx.targets]
+              for st in arch.sequential]
+    stages = [st for st in stages if st]
+    return stages if ctx.recipe.gptq.true_sequential else [[r for st in stages for r in st]]
+
+
+def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, first_pass: bool, n_ref: int):
+    """One calibration pass with input hooks: a :class:`HessianAccumulator` per reader set
+    (keyed by its first linear). Returns ``(accumulators, float_out)``: on the first pass
+    batch 0 runs to the layer's output, ``float_out = out[:n_ref]`` (nothing is quantized
+    yet); otherwise ``None``. Without ``conditional`` (routed experts fire only for their
+    tokens) a batch stops once every set has its input."""
+    accs = {st[0]: HessianAccumulator(get_module(layer, st[0]).in_features, device=hidden[0].device) for st in sets}
+    fired: set[str] = set()
+    run_through = [False]  # this batch runs to the layer's output (the float reference)
+    float_out = None
+
+    def make_hook(rel):
+        def hook(_mod, args):
+            accs[rel].add(args[0])
+            fired.add(rel)
+            if not conditional and not run_through[0] and len(fired) == len(accs):
+                raise StopForward
+        return hook
+
+    handles = [get_module(layer, key).register_forward_pre_hook(make_hook(key)) for key in accs]
+    try:
+        for j, h in enumerate(hidden):
+            fired.clear()
+            run_through[0] = first_pass and j == 0
+            try:
+                out = layer_forward(layer, h, kw)
+            except StopForward:
+                continue
+            if run_through[0]:
+                float_out = out[:n_ref]
+    finally:
+        for hd in handles:
+            hd.remove()
+    return accs, float_out
+
+
+def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext):
+    """Quantize one pass's reader sets: RTN for cold experts and sets without tokens, GPTQ
+    (dealt to the ranks) for the rest. Returns ``(errs, damps, retries, dead_channels)``."""
+    arch, quantizer, opts = ctx.arch, ctx.quantizer, ctx.recipe.gptq
+    prefix = f"{arch.layers}.{i}."
+    errs, damps, retries, dead = [], [], 0, 0
+    tasks = []  # (linear, Hessian): the solves of this pass, dealt to the ranks (compressor.distributed)
+    for st in sets:
+        e = expert_index(arch, st[0])
+        if (e is not None and e in cold) or accs[st[0]].n == 0:
+            for rel in st:  # RTN fallback: too few routed tokens for a Hessian
+                name = prefix + rel
+                ctx.modules[name], err = quantizer.quantize_linear(name, get_module(layer, rel))
+                errs.append(err)
+            continue
+        H = accs[st[0]].hessian()
+        tasks += [(rel, H) for rel in st]
+
+    def solve(task):
+        rel, H = task
+        name = prefix + rel
+        bits, gs, sym = quantizer.schemes[name]
+        r = gptq_quantize(
+            get_module(layer, rel).weight.detach(), H, bits, gs, sym, block_size=opts.block_size, damp=opts.damp,
+            damp_increment=opts.damp_increment, act_order=opts.act_order,
+            static_groups=opts.static_groups, scale_dtype=quantizer.dtype, name=name,
+        )
+        return r.q, r.scale, r.zero_point, r.g_idx, r.damp, r.retries, r.dead_channels
+
+    for (rel, _H), (q, scale, zp, g_idx, damp, r_retries, r_dead) in zip(tasks, deal(tasks, solve)):
+        name = prefix + rel
+        ctx.modules[name], err = quantizer.finish(name, get_module(layer, rel), q, scale, zp, g_idx)
+        errs.append(err)
+        damps.append(damp)
+        retries += r_retries
+        dead += r_dead
+    del tasks
+    return errs, damps, retries, dead
+
+
+def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> LayerOutcome:
+    """GPTQ for decoder layer ``i``: per pass, accumulate the Hessians, then solve."""
+    arch = ctx.arch
+    n_ref = min(ctx.loss_n, hidden[0].shape[0])
+    float_out = None  # the float layer's output on hidden[0][:n_ref], for the output error: taken
+    # from the first Hessian pass (nothing in the layer is quantized yet), which runs batch 0 to the end
+    fused_sets = layer_fused_sets(arch, layer)
+    experts = ctx.experts(layer)
+    counts: list[int] | None = None
+    errs, damps, retries, dead = [], [], 0, 0
+    hess_t = quant_t = 0.0
+    for p_i, group in enumerate(_passes(i, layer, ctx)):
+        sets = reader_sets(group, fused_sets)
+        conditional = any(is_expert(arch, r) for r in group)  # experts fire only for routed tokens: no early stop
+        t_h = time.perf_counter()
+        if experts is not None:
+            experts.counts.zero_()
+        accs, out = accumulate_hessians(layer, hidden, kw, sets, conditional, p_i == 0, n_ref)
+        if out is not None:
+            float_out = out
+        if conditional and counts is None and experts is not None:
+            counts = experts.counts.tolist()
+        cold = ctx.cold(counts)
+        hess_t += time.perf_counter() - t_h
+        t_q = time.perf_counter()
+        p_errs, p_damps, p_retries, p_dead = solve_pass(i, layer, sets, accs, cold, ctx)
+        errs += p_errs
+        damps += p_damps
+        retries += p_retries
+        dead += p_dead
+        quant_t += time.perf_counter() - t_q
+    if float_out is None:  # no pass ran (nothing targeted in this layer)
+        float_out = layer_forward(layer, hidden[0][:n_ref], kw)
+    figures = {"gptq": {"max_damp": max(damps) if damps else None, "damp_retries": retries, "dead_channels": dead}}
+    return LayerOutcome(errs, float_out, counts, figures, {"hessian": hess_t, "gptq": quant_t})
+
+
+@register_algorithm
+class GPTQ(Algorithm):
+    """GPTQ with a streamed Hessian per reader set; needs calibration."""
+
+    name = "gptq"
+    needs_calibration = True
+
+    def quantize_layer(self, i, layer, hidden, kw, ctx):
+        return gptq_layer(i, layer, hidden, kw, ctx)
+
+    def summary_fields(self, recipe, fmt):
+        from ..formats import gptq_checkpoint_format
+
+        out = {"act_order": recipe.gptq.act_order, "static_groups": recipe.gptq.static_groups}
+        if fmt == "gptq":
+            out["gptq_checkpoint_format"] = gptq_checkpoint_format(recipe.weights.symmetric)
+        return out
+
+    def flag_warnings(self, flags, recipe, fmt):
+        return odd_bits_warnings(recipe, fmt)
+
+    def run_warnings(self, layers):
+        raised = [f for f in layers if f.get("gptq", {}).get("damp_retries")]
+        if not raised:
+            return []
+        worst = max(f["gptq"]["max_damp"] for f in raised)
+        return [f"GPTQ raised the damping in {len(raised)} layer(s) (Hessian not positive definite; largest damp {worst:.4g}); "
+                "see quality.layers[].gptq in the manifest"]

@@ -1,0 +1,165 @@
+"""What a per-layer algorithm step works with (:mod:`compressor.quant.algorithms`).
+
+The sequential driver (:mod:`compressor.pipeline`) hands each registered algorithm one
+decoder layer at a time together with a :class:`LayerContext`; the step quantizes the
+layer's targeted linears in place through :class:`LinearQuantizer` (which stores a
+:class:`QuantizedLinear` per module and writes the dequantized weight back) and returns
+a :class:`LayerOutcome`. The driver then recomputes the layer's outputs, runs the KV
+observers and turns the outcome into the layer's figures.
+
+Shapes: hidden states ``[b, T, H]`` float32; a linear's weight ``[out, in]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..arch import ArchSpec
+from ..errors import QuantizationError
+from ..moe import UnfusedExperts, cold_experts, routed_experts
+from ..recipe import Recipe
+from .kv import cache_kwarg
+from .primitives import dequantize
+from .rtn import rtn_quantize
+
+
+@dataclass
+class QuantizedLinear:
+    """One quantized Linear in the internal (compressed-tensors, signed) convention.
+
+    ``q`` int8 ``[out, in]``; ``scale`` ``[out, G]`` in the storage dtype; ``zero_point``
+    int8 ``[out, G]`` or ``None`` (symmetric); ``g_idx`` int32 ``[in]`` or ``None`` (groups
+    are contiguous, ``c // group_size``). Format writers (``compressor.formats``) pack it.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    num_bits: int
+    group_size: int
+    symmetric: bool
+
+    @property
+    def scheme(self) -> tuple[int, int, bool]:
+        return (self.num_bits, self.group_size, self.symmetric)
+
+
+class LinearQuantizer:
+    """Per-module schemes plus the storage dtype; turns a Linear into a :class:`QuantizedLinear`.
+
+    ``schemes``: full module name -> ``(num_bits, group_size, symmetric)`` (group sizes
+    resolved); ``dtype``: the storage dtype of scales in the artifact.
+    """
+
+    def __init__(self, schemes: dict[str, tuple[int, int, bool]], dtype: torch.dtype):
+        self.schemes, self.dtype = schemes, dtype
+
+    def finish(self, name, lin, q, scale, zp, g_idx, col_scale=None, original=None, row_scale=None):
+        """Store ``(q, scale, zp, g_idx)``, write the dequantized weight into ``lin``; returns (record, rel. error).
+
+        ``col_scale [in]`` / ``row_scale [out]``: AWQ scales folded into this linear's input
+        columns / output rows, undone for the error (measured against ``original``, the
+        weight before folding, or the linear's current weight).
+
+        Raises:
+            QuantizationError: a non-finite scale or dequantized weight (names the module).
+        """
+        bits, gs, sym = self.schemes[name]
+        scale = scale.to(self.dtype)  # what the artifact stores and loaders dequantize with
+        deq = dequantize(q, scale, None if sym else zp, gs, dtype=torch.float32, g_idx=g_idx)
+        if not (torch.isfinite(scale.float()).all() and torch.isfinite(deq).all()):
+            raise QuantizationError(f"quantizing {name} produced NaN or Inf; nothing was written")
+        ref = (original if original is not None else lin.weight.detach()).float()
+        # error in the original's space: AWQ's folded input scales (col) and, when this linear
+        # feeds another scaling group, its divided output rows (row) undone
+        eff = deq / col_scale if col_scale is not None else deq
+        if row_scale is not None:
+            eff = eff * row_scale.view(-1, 1).to(eff)
+        rel = float((eff - ref.to(eff.device)).norm() / ref.norm().clamp(min=1e-12))
+        lin.weight.data.copy_(deq.to(lin.weight.dtype))
+        record = QuantizedLinear(
+            q=q.cpu(), scale=scale.cpu().contiguous(), zero_point=None if sym else zp.cpu(),
+            g_idx=None if g_idx is None else g_idx.cpu().to(torch.int32), num_bits=bits, group_size=gs, symmetric=sym,
+        )
+        return record, rel
+
+    def quantize_linear(self, name, lin, clip_max=None, col_scale=None, original=None, row_scale=None):
+        """Round-to-nearest (optionally clipped, ``clip_max [out, G]``) quantization of one Linear, in place."""
+        bits, gs, sym = self.schemes[name]
+        q, scale, zp = rtn_quantize(lin.weight.detach(), bits, gs, sym, clip_max)
+        return self.finish(name, lin, q, scale, zp, None, col_scale, original, row_scale)
+
+
+@dataclass
+class LayerContext:
+    """What every per-layer step reads: the architecture row, recipe, schemes, targets.
+
+    ``targets``: full module name -> Linear the recipe quantizes; ``modules``: where steps
+    store full module name -> :class:`QuantizedLinear`; ``observer``: the KV observers
+    (``None`` without static KV scales); ``loss_n``: how many calibration sequences the
+    output-error figures (and AWQ's losses) use.
+    """
+
+    arch: ArchSpec
+    recipe: Recipe
+    quantizer: LinearQuantizer
+    targets: dict
+    modules: dict
+    observer: object
+    loss_n: int
+
+    def experts(self, layer) -> UnfusedExperts | None:
+        """The layer's unfused routed experts (``None`` for a dense layer)."""
+        return routed_experts(layer, self.arch)
+
+    def cold(self, counts: list[int] | None) -> set[int]:
+        """Experts routed fewer than ``max(moe.min_tokens, 1)`` (token, slot) pairs."""
+        return cold_experts(counts, self.recipe.moe.min_tokens)
+
+
+@dataclass
+class LayerOutcome:
+    """What a per-layer step reports back to the driver.
+
+    ``errs``: relative weight error per quantized linear, in quantization order.
+    ``float_out``: the float layer's output on the first calibration rows ``[n, T, H]``
+    (the driver compares the recomputed output's first ``n`` rows with it), or ``None``.
+    ``counts``: routed (token, slot) pairs per expert seen by the step, or ``None`` (the
+    driver counts them on the recompute pass). ``figures``: algorithm-specific entries of
+    the layer's figures (e.g. ``awq_ratios``, ``gptq``). ``phases``: seconds per named
+    phase (the driver adds ``recompute``), or ``None`` for no ``phase_seconds``.
+    """
+
+    errs: list[float]
+    float_out: torch.Tensor | None = None
+    counts: list[int] | None = None
+    figures: dict = field(default_factory=dict)
+    phases: dict | None = None
+
+
+class StopForward(Exception):
+    """Raised by a hook once the inputs it needs are captured (skips the rest of the layer)."""
+
+
+def layer_forward(layer, h, kw, observer=None):
+    """One decoder layer on ``h [b, T, H]`` with its captured keyword arguments; returns ``[b, T, H]``.
+
+    With ``observer`` (KV observers) the layer runs with that cache, so the observers see
+    its post-RoPE keys and values.
+    """
+    extra = {cache_kwarg(layer): observer, "use_cache": True} if observer is not None else {}
+    out = layer(h, **kw, **extra)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def inspect_forward(module, x, kw, is_attention):
+    """The output of an AWQ group's inspected module (attention with the layer's mask/RoPE, or an MLP)."""
+    if is_attention:
+        out = module(hidden_states=x, position_embeddings=kw.get("position_embeddings"),
+                     attention_mask=kw.get("attention_mask"))
+    else:
+        out = module(x)
+    return out[0] if isinstance(out, tuple) else out
