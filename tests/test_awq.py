@@ -60,3 +60,48 @@ def test_clip_search_never_worse_than_no_clip():
         return (x[:256] @ dequantize(q, sc, zp, 32).t() - x[:256] @ w.t()).pow(2).mean()
 
     assert err(clip) <= err(None) * 1.0001
+
+
+def test_dead_channels_do_not_drive_the_scales():
+    """A channel that never carries activation (x_mean == 0) gets scale 1 and is left out of
+    the sqrt(max * min) normalisation: the live channels' scales are those of the model
+    without it (issue #22: one Gemma (1 + w) = 0 channel drove the others to 47-303)."""
+    from compressor.quant.awq import candidate_scales
+
+    x = torch.tensor([0.5, 2.0, 0.0, 1.0])
+    w = torch.tensor([0.3, 0.6, 0.4, 0.5])
+    for ratio in (0.25, 0.5, 0.95):
+        s = candidate_scales(x, w, ratio)
+        live = candidate_scales(x[[0, 1, 3]], w[[0, 1, 3]], ratio)
+        assert s[2] == 1 and torch.allclose(s[[0, 1, 3]], live)
+        assert s.max() < 10
+
+
+def test_awq_bf16_artifact_keeps_its_quality_with_a_zero_gemma_norm_channel(tmp_path, tokenizer):
+    """Gemma-style (1 + w) norms with one channel at w = -1 in every folded norm: the bf16
+    artifact's KL to the float model stays within 25 % of the float32 artifact's (it was
+    3.5x worse before dead channels were left out of the scale normalisation)."""
+    from test_arch import tiny
+
+    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.artifact import load_artifact
+
+    m = tiny("gemma3_text", 0, len(tokenizer))
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.input_layernorm.weight[3] = -1.0
+            layer.pre_feedforward_layernorm.weight[5] = -1.0
+    m.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    ids = torch.randint(1, 300, (4, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = m(ids).logits.float().log_softmax(-1)
+    kl = {}
+    for dt in ("float32", "bfloat16"):
+        out = tmp_path / dt
+        run_quantize(QuantizeOptions(model=str(tmp_path / "src"), output=out, recipe="w4a16-awq", group_size=32,
+                                     calib_samples=16, calib_seqlen=64, dtype=dt))
+        with torch.no_grad():
+            lp = load_artifact(out)[0](ids).logits.float().log_softmax(-1)
+        kl[dt] = float((ref.exp() * (ref - lp)).sum(-1).mean())
+    assert kl["bfloat16"] <= 1.25 * kl["float32"], kl

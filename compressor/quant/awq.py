@@ -45,12 +45,24 @@ def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: float) -> torch.Tensor:
-    """AWQ per-input-channel scales for exponent ``ratio``; ``[in]`` float32, finite and > 0."""
+    """AWQ per-input-channel scales for exponent ``ratio``; ``[in]`` float32, finite and > 0.
+
+    Channels that never carry activation (``x_mean == 0``, e.g. behind a Gemma
+    ``(1 + w)`` norm weight of exactly -1) are dead: their scale is 1 and they are left out
+    of the ``sqrt(max * min)`` normalisation, which they would otherwise dominate (their
+    clamped 1e-4 drove every other channel's scale up by ~100x, and a folded ``(1 + w)``
+    norm next to -1 loses its precision in bf16).
+    """
     x = x_mean.float().clamp(min=0)
     if w_mean is not None:
         s = (x.pow(ratio) / (w_mean.float().pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
     else:
         s = x.pow(ratio).clamp(min=1e-4)
+    dead = x == 0
+    if ratio > 0 and dead.any() and not dead.all():
+        live = s[~dead]
+        s = torch.where(dead, torch.ones_like(s), s / (live.max() * live.min()).sqrt())
+        return s
     s = s / (s.max() * s.min()).sqrt()
     return s
 
