@@ -16,17 +16,16 @@ import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from . import __version__, interrupts
 from .arch import get_arch, state_from_checkpoint
 from .errors import InputError
-from .formats import compressed_tensors as ct
+from .formats import read_quant_weight, reader_for
 from .integrity import build_manifest, check_hashes  # noqa: F401  (re-exported)
 from .manifest import MANIFEST_NAME, Manifest, load_manifest
-from .runtime.weights import PACKED_LEAVES, read_quant_weight
 from .safetensors_io import read_header
 
 WEIGHTS_NAME = "model.safetensors"
@@ -112,9 +111,15 @@ def _config_dict(model, quant_config: dict, dtype_name: str) -> dict:
     data.pop("_name_or_path", None)
     data.pop("quantization_config", None)
     data["dtype"] = dtype_name
+    # TODO(lead): a GGUF source has no `architectures`, written as null; vLLM needs the class name (changes bytes)
     if quant_config is not None:
         data["quantization_config"] = quant_config
     return data
+
+
+def _record_committed(out: Path) -> None:
+    """The default ``on_committed``: what the CLI's interruption handling reads."""
+    interrupts.committed.append(str(out))
 
 
 def write_artifact(
@@ -133,6 +138,7 @@ def write_artifact(
     staging=None,
     skip_prefix: str | None = None,
     shard_bytes: int = 5 * 10**9,
+    on_committed: Callable[[Path], None] | None = None,
 ) -> Manifest:
     """Write the artifact folder ``out`` atomically and return its manifest.
 
@@ -153,6 +159,10 @@ def write_artifact(
             into the shards; ``skip_prefix`` then names the tensors already in those parts.
         shard_bytes: maximum data bytes per shard; one shard is ``model.safetensors``,
             several are ``model-0000k-of-0000N.safetensors`` plus the index.
+        on_committed: called with ``out`` right after the rename that places the
+            artifact (while signals are deferred), e.g. to record that ``out`` now holds a
+            complete artifact; default: append ``str(out)`` to
+            :data:`compressor.interrupts.committed` (the CLI's interruption message reads it).
     """
     from safetensors.torch import save_file
 
@@ -198,7 +208,7 @@ def write_artifact(
                 os.replace(out, old / "artifact")
             os.replace(tmp, out)
             placed = True
-            interrupts.committed.append(str(out))
+            (on_committed or _record_committed)(out)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
             if staging is not None:
@@ -263,7 +273,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
         raise InputError(f"{folder}/config.json: {e}") from None
     qc = raw_cfg.get("quantization_config") or {}
     method = qc.get("quant_method")
-    if qc and method not in ("compressed-tensors", "awq", "gptq"):
+    if qc and reader_for(method) is None:
         raise InputError(f"{folder}: quant_method {method!r} is not one kvq reads (compressed-tensors, awq, gptq)")
     if method == "compressed-tensors" and qc.get("format") not in ("pack-quantized", "dense"):
         raise InputError(f"{folder}: only compressed-tensors pack-quantized artifacts can be loaded (format {qc.get('format')!r})")
@@ -274,7 +284,8 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    leaves = PACKED_LEAVES.get(method, ())
+    fmt = reader_for(method)
+    leaves = fmt.leaves if fmt is not None else ()
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
     for s in shards:
@@ -288,7 +299,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
                 else:
                     state[key] = f.get_tensor(key).to(dtype) if f.get_slice(key).get_dtype() in ("F16", "BF16", "F32", "F64") else f.get_tensor(key)
     for module, t in packed.items():
-        try:  # the runtime's reader: one validation of every format, then kvq's dequantization
+        try:  # the format's reader (the runtime uses the same): one validation, then kvq's dequantization
             state[f"{module}.weight"] = read_quant_weight(method, qc, module, t).dequantize(dtype)
         except InputError as e:
             raise InputError(f"{folder}: {e}") from None

@@ -190,3 +190,25 @@ def test_tokenizer_config_does_not_depend_on_how_it_was_loaded(tmp_path, tiny_mo
         texts.append((tmp_path / str(offline) / "tokenizer_config.json").read_text())
     assert texts[0] == texts[1] and "local_files_only" not in texts[0]
     assert AutoTokenizer.from_pretrained(str(tmp_path / "True"))("hello world").input_ids
+
+
+def test_on_committed_replaces_the_process_wide_record(tmp_path, tiny_model_dir):
+    """write_artifact reports the placed folder to ``on_committed``; only without one does it
+    append to ``interrupts.committed`` (the CLI's record)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compressor import interrupts
+    from compressor.artifact import write_artifact
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    fields = {"tool": {"name": "kvq"}, "source": {}, "recipe": {}, "quantization": {"algorithm": "none"}}
+    before, seen = list(interrupts.committed), []
+    write_artifact(tmp_path / "a", model, tokenizer, {}, None, fields, on_committed=seen.append)
+    assert seen == [tmp_path / "a"] and interrupts.committed == before
+    try:
+        write_artifact(tmp_path / "b", model, tokenizer, {}, None, fields)
+        assert interrupts.committed == before + [str(tmp_path / "b")]
+    finally:
+        interrupts.committed[:] = before
+    assert (tmp_path / "a" / "config.json").read_bytes() == (tmp_path / "b" / "config.json").read_bytes()

@@ -1,14 +1,26 @@
-"""AutoAWQ GEMM and GPTQ (v1/v2) writers/readers: round trips, per-element reference
-packers written from the upstream loops, dequant equality, refusals, and a cross-check of
-the AWQ layout with compressed-tensors' own AutoAWQ converter."""
+"""The format objects (compressed-tensors, AutoAWQ GEMM, GPTQ v1/v2): writers/readers,
+round trips, per-element reference packers written from the upstream loops, dequant
+equality, refusals, a cross-check of the AWQ layout with compressed-tensors' own AutoAWQ
+converter, the compressed-tensors config against the library, and the packer's memory."""
 
 from __future__ import annotations
 
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from compressed_tensors.quantization import QuantizationConfig
 
+from compressor import formats
 from compressor.errors import InputError
 from compressor.formats import compressed_tensors as ct
+from compressor.pipeline import QuantizedLinear
+from compressor.recipe import load_recipe, with_overrides
 from compressor.formats.awq import (
     awq_module_tensors, awq_quantization_config, check_awq_compatible, read_awq_module,
 )
@@ -52,6 +64,18 @@ def internal_dequant(q, scale, zp, g_idx, group_size):
     gi = (torch.arange(in_f) // gs) if g_idx is None else g_idx.long()
     z = 0.0 if zp is None else zp.float()[:, gi]
     return (q.float() - z) * scale.float()[:, gi]
+
+
+def per_bit_pack_int32(q: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """kvq's former compressed-tensors packer (one int64 per bit, ~64 bytes per weight),
+    kept as the byte reference for the bounded-memory packer: ``[rows, cols]`` -> int32."""
+    rows, cols = q.shape
+    u = q.to(torch.int64) + (1 << (num_bits - 1))
+    bits = ((u.unsqueeze(-1) >> torch.arange(num_bits, dtype=torch.int64)) & 1).reshape(rows, cols * num_bits)
+    n_words = -(-cols * num_bits // 32)
+    bits = torch.nn.functional.pad(bits, (0, n_words * 32 - cols * num_bits))
+    words = (bits.reshape(rows, n_words, 32) << torch.arange(32, dtype=torch.int64)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def u32_to_i32(w: int) -> int:
@@ -128,7 +152,7 @@ def naive_gptq_tensors(q, zp, bits, v1):
 
 
 def naive_unpack_seq(words, bits, n):
-    """Dense little-endian bit stream read one bit at a time (the spec in FORMATS.md)."""
+    """Dense little-endian bit stream read one bit at a time (the spec in docs/formats.md)."""
     ws = [w & 0xFFFFFFFF for w in words]
     vals = []
     for j in range(n):
@@ -205,8 +229,7 @@ def test_awq_dequant_matches_internal(symmetric):
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_awq_matches_compressed_tensors_converter(symmetric):
-    pytest.importorskip("transformers")
-    conv_mod = pytest.importorskip("compressed_tensors.entrypoints.convert.converters.autoawq")
+    from compressed_tensors.entrypoints.convert.converters import autoawq as conv_mod  # a move fails loudly
     out_f, in_f, gs = 48, 128, 32
     q, scale, zp, _ = make_case(out_f, in_f, 4, gs, symmetric, False, seed=5)
     t = awq_module_tensors(q, scale, zp, gs)
@@ -260,11 +283,12 @@ def test_awq_quantization_config():
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("n", [1, 7, 10, 11, 21, 22, 32, 33, 75])
-def test_dense_packer_equals_compressed_tensors_pack_int32(bits, n):
+def test_dense_packer_equals_the_per_bit_reference(bits, n):
     g = torch.Generator().manual_seed(bits * 100 + n)
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     q = torch.randint(qmin, qmax + 1, (5, n), generator=g).to(torch.int8)
     packed = pack_rows(q.long() - qmin, bits)
+    assert torch.equal(packed, per_bit_pack_int32(q, bits))
     assert torch.equal(packed, ct.pack_int32(q, bits, 1))
     assert torch.equal(unpack_rows(packed, bits, n) + qmin, q.long())
     ws = packed[2].tolist()
@@ -443,14 +467,14 @@ def test_readers_reject_inconsistent_tensors():
 
 
 def test_row_blocking_gives_identical_bytes(monkeypatch):
-    import compressor.formats.gptq as gptq_mod
+    import compressor.formats.packing as packing
 
     q, scale, zp, g_idx = make_case(40, 128, 3, 32, False, True, seed=12)
     zp = zp.clamp(min=-3)
     ref = gptq_module_tensors(q, scale, zp, g_idx, 3, 32)
     q4, s4, z4, _ = make_case(40, 128, 4, 32, False, False, seed=13)
     ref_awq = awq_module_tensors(q4, s4, z4, 32)
-    monkeypatch.setattr(gptq_mod, "_CHUNK_ELEMS", 100)  # also used by the AWQ packer
+    monkeypatch.setattr(packing, "_CHUNK_ELEMS", 100)  # the one packer: GPTQ, AWQ and compressed-tensors
     got = gptq_module_tensors(q, scale, zp, g_idx, 3, 32)
     got_awq = awq_module_tensors(q4, s4, z4, 32)
     for k in ref:
@@ -459,3 +483,116 @@ def test_row_blocking_gives_identical_bytes(monkeypatch):
         assert torch.equal(got_awq[k], ref_awq[k]), k
     assert torch.equal(read_gptq_module(got, 3)[0], q)
     assert torch.equal(read_awq_module(got_awq)[0], q4)
+    ref_ct = ct.module_tensors(q4, s4, z4, 4, torch.float16)
+    monkeypatch.setattr(packing, "_CHUNK_ELEMS", 1 << 20)
+    got_ct = ct.module_tensors(q4, s4, z4, 4, torch.float16)
+    for k in ref_ct:
+        assert torch.equal(got_ct[k], ref_ct[k]), k
+
+
+# ================================================================ format objects, config, packer memory
+
+def test_registry_and_import_direction():
+    from compressor.runtime import weights
+
+    assert formats.FORMATS == ("compressed-tensors", "awq", "gptq")
+    for name in formats.FORMATS:
+        f = formats.get_format(name)
+        assert f.name == f.quant_method == name and f.marker in f.leaves
+        assert formats.PACKED_LEAVES[name] == f.leaves and formats.reader_for(name) is f
+    with pytest.raises(InputError, match="unknown format 'marlin'; choose one of compressed-tensors, awq, gptq"):
+        formats.get_format("marlin")
+    assert weights.QuantWeight is formats.QuantWeight and weights.read_quant_weight is formats.read_quant_weight
+    root = Path(formats.__file__).parent.parent
+    for path in [root / "artifact.py", *sorted((root / "formats").glob("*.py"))]:  # runtime -> formats, never back
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert "runtime" not in (node.module or ""), f"{path.name} imports {node.module}"
+
+
+@pytest.mark.parametrize("fmt,bits,gs,symmetric,act_order", [
+    ("compressed-tensors", 4, 32, False, False), ("compressed-tensors", 8, -1, True, False),
+    ("awq", 4, 32, False, False), ("awq", 4, 64, True, False),
+    ("gptq", 3, 32, False, True), ("gptq", 4, -1, True, False),
+])
+def test_format_objects_write_then_read(fmt, bits, gs, symmetric, act_order):
+    q, scale, zp, g_idx = make_case(64, 128, bits, gs, symmetric, act_order, seed=bits + gs)
+    if fmt == "gptq" and not symmetric:
+        zp = zp.clamp(min=-(1 << (bits - 1)) + 1)
+    rec = QuantizedLinear(q, scale.half(), zp, g_idx, bits, gs, symmetric)
+    qc = {"compressed-tensors": lambda: ct.quantization_config({"m": rec.scheme}, ["lm_head"], "x"),
+          "awq": lambda: awq_quantization_config(gs, None),
+          "gptq": lambda: gptq_quantization_config(bits, gs, act_order, symmetric, False, True, 0.01,
+                                                   "gptq" if symmetric else "gptq_v2", "x")}[fmt]()
+    stored = formats.get_format(fmt).pack(rec, torch.float16)
+    assert set(stored) <= set(formats.get_format(fmt).leaves)
+    w = formats.read_quant_weight(fmt, qc, "m", stored)
+    assert torch.equal(w.dequantize(), internal_dequant(q, scale.half(), zp, g_idx, gs))
+    with pytest.raises(InputError, match="^module m: lacks "):
+        formats.read_quant_weight(fmt, qc, "m", {k: v for k, v in stored.items() if k != formats.get_format(fmt).marker})
+
+
+def test_compressed_tensors_config_is_built_by_the_library_and_unchanged():
+    """The bundled w4a16-mixed recipe (GPTQ act-order with static groups, down_proj W8 per
+    channel) plus static fp8 per-head KV: the quantization_config kvq wrote before it was
+    built through compressed-tensors' pydantic models (golden file, key order included),
+    and the library parses it back."""
+    recipe = with_overrides(load_recipe("w4a16-mixed"), kv_cache={"scheme": "fp8", "strategy": "head"})
+    names = [f"model.layers.{i}.{m}" for i in range(2)
+             for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
+    schemes = {n: (8, -1, True) if "down_proj" in n else (4, 64, False) for n in names}
+    cfg = formats.format_config("compressed-tensors", recipe, schemes, ["model.layers.1.mlp.gate_proj"],
+                        {"compressed-tensors": "0.20.1", "kvq": "0.1.0"})
+    golden = Path(__file__).parent / "golden" / "ct-mixed-quantization_config.json"
+    assert json.dumps(cfg, indent=2) + "\n" == golden.read_text()
+    parsed = QuantizationConfig.model_validate(cfg)  # the library reads it back
+    assert parsed.format == "pack-quantized" and parsed.quantization_status == "compressed"
+    assert parsed.ignore == cfg["ignore"] and parsed.kv_cache_scheme.strategy == "attn_head"
+    for name, group in parsed.config_groups.items():
+        assert group.targets == cfg["config_groups"][name]["targets"]
+        assert group.weights.model_dump(mode="json").items() <= cfg["config_groups"][name]["weights"].items()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_pack_int32_bytes_equal_the_per_bit_packer(bits, dim):
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = torch.randint(qmin, qmax + 1, (37, 301), generator=torch.Generator().manual_seed(bits), dtype=torch.int8)
+    ref = per_bit_pack_int32(q, bits) if dim == 1 else per_bit_pack_int32(q.t(), bits).t().contiguous()
+    assert torch.equal(ct.pack_int32(q, bits, dim), ref)
+    assert torch.equal(ct.unpack_int32(ref, bits, tuple(q.shape), dim), q)
+
+
+PEAK_SCRIPT = r"""
+import re, torch
+from compressor.formats.compressed_tensors import pack_int32, unpack_int32
+def kb(key):
+    return int(re.search(rf"^{key}:\s+(\d+) kB", open("/proc/self/status").read(), re.M).group(1)) * 1024
+def peak(fn):  # extra peak RSS of fn(), per weight: reset VmHWM to the current RSS first
+    open("/proc/self/clear_refs", "w").write("5")
+    base = kb("VmRSS")
+    return fn(), (kb("VmHWM") - base) / q.numel()
+q = torch.randint(-8, 8, (4096, 11008), dtype=torch.int8)
+packed, pack_peak = peak(lambda: pack_int32(q, 4, 1))
+back, unpack_peak = peak(lambda: unpack_int32(packed, 4, tuple(q.shape), 1))
+assert torch.equal(back, q)
+print(pack_peak, unpack_peak)
+"""
+
+
+def test_default_packer_memory_is_bounded_at_a_real_shape():
+    """pack_int32 on one 4096x11008 int4 matrix (a Llama-7B MLP): peak extra RSS, output
+    included, under 4 bytes per weight (the per-bit packer took ~64, +3.1 GiB); the same
+    bound for unpacking."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    pack_peak, unpack_peak = map(float, out.stdout.split())
+    assert pack_peak < 4.0 and unpack_peak < 4.0, out.stdout

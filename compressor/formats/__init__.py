@@ -1,15 +1,22 @@
-"""On-disk formats written and read by kvq.
+"""On-disk formats written and read by kvq: one :class:`~.base.WeightFormat` object per format.
 
 * ``compressed-tensors`` (default): what vLLM and transformers load natively.
 * ``awq``: AutoAWQ GEMM (``quant_method: awq``, ``version: gemm``), 4-bit only.
 * ``gptq``: AutoGPTQ / GPTQModel (``quant_method: gptq``); symmetric schemes are written
   as ``checkpoint_format: gptq`` (v1, zero points stored minus one, what every GPTQ loader
   reads), asymmetric ones as ``gptq_v2`` (real zero points), because v1 cannot represent
-  an unsigned zero point of 0 (FORMATS.md 2c).
+  an unsigned zero point of 0 (``docs/formats.md``, GPTQ).
 
-The pipeline produces format-neutral records (``q``, ``scale``, ``zero_point``,
-``g_idx`` in the compressed-tensors signed convention); this module checks, before any
-work, that the recipe fits the chosen format, then packs the records.
+Each object holds the format's writer (``pack``: a pipeline ``QuantizedLinear`` in the
+compressed-tensors signed convention -> stored tensors), reader (``read``: stored tensors
+-> :class:`~.base.QuantWeight`), ``config`` (``config.json["quantization_config"]``) and
+checks (``check`` before any work, ``check_shapes`` once the model is loaded). The
+artifact writer and reader (:mod:`compressor.artifact`) and the runtime
+(:mod:`compressor.runtime`) both go through :func:`get_format`; nothing here imports
+either of them.
+
+The module-level functions below (``check_format``, ``pack_modules``, ...) are the
+historical entry points, kept as thin wrappers over the format objects.
 """
 
 from __future__ import annotations
@@ -17,23 +24,69 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
+from .awq import AwqFormat
+from .base import QuantWeight, WeightFormat, dynamic_act_order, recipe_schemes
+from .compressed_tensors import CompressedTensorsFormat
+from .gptq import GptqFormat, gptq_checkpoint_format
 
-FORMATS = ("compressed-tensors", "awq", "gptq")
+__all__ = [
+    "FORMATS", "GPTQ_BITS", "MARKER", "PACKED_LEAVES", "QuantWeight", "WeightFormat", "check_format", "check_shapes",
+    "dynamic_act_order", "format_config", "get_format", "gptq_checkpoint_format", "pack_modules",
+    "read_quant_weight", "reader_for",
+]
+
+_REGISTRY: dict[str, WeightFormat] = {f.name: f for f in (CompressedTensorsFormat(), AwqFormat(), GptqFormat())}
+_BY_METHOD: dict[str, WeightFormat] = {f.quant_method: f for f in _REGISTRY.values()}
+
+FORMATS = tuple(_REGISTRY)
 GPTQ_BITS = (2, 3, 4, 8)
+#: tensor leaves of a packed Linear, per ``quantization_config.quant_method``
+PACKED_LEAVES = {m: f.leaves for m, f in _BY_METHOD.items()}
+#: the leaf whose presence marks a module as packed
+MARKER = {m: f.marker for m, f in _BY_METHOD.items()}
+
+_recipe_schemes = recipe_schemes  # the historical private name
 
 
-def _recipe_schemes(recipe) -> list:
-    """The base weight scheme and the base updated by each override."""
-    return [recipe.weights] + [
-        recipe.weights.model_copy(update={k: v for k, v in o.weights.model_dump().items() if v is not None})
-        for o in recipe.overrides
-    ]
+def get_format(name: str) -> WeightFormat:
+    """The format object for a ``--format`` value.
+
+    Raises:
+        InputError: unknown format (the message lists the known ones).
+    """
+    fmt = _REGISTRY.get(name)
+    if fmt is None:
+        raise InputError(f"unknown format '{name}'; choose one of {', '.join(FORMATS)}")
+    return fmt
 
 
-def dynamic_act_order(recipe) -> bool:
-    """True when the recipe's GPTQ act-order needs a stored ``g_idx`` (no static groups)."""
-    grouped = any(s.group_size != -1 for s in _recipe_schemes(recipe))  # per channel: one group, no g_idx
-    return recipe.algorithm == "gptq" and recipe.gptq.act_order and not recipe.gptq.static_groups and grouped
+def reader_for(method: str | None) -> WeightFormat | None:
+    """The format object that reads ``quantization_config.quant_method == method``, or None."""
+    return _BY_METHOD.get(method) if method is not None else None
+
+
+def read_quant_weight(method: str, qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
+    """Read one packed Linear of an artifact (used by the artifact loader and the runtime).
+
+    Args:
+        method: ``quantization_config.quant_method`` (``compressed-tensors``, ``awq``, ``gptq``).
+        qc: the ``quantization_config`` dict.
+        module: full module name (selects the compressed-tensors config group).
+        t: the module's stored tensors, keyed by leaf (``weight_packed``, ``qweight``, ...).
+
+    Raises:
+        InputError: ``module <name>: ...``: tensors missing or inconsistent with the
+            config, unknown method.
+    """
+    try:
+        fmt = reader_for(method)
+        if fmt is None:
+            raise InputError(f"quant_method {method!r} is not one the runtime reads (compressed-tensors, awq, gptq)")
+        return fmt.read(qc, module, t)
+    except InputError as e:
+        raise InputError(f"module {module}: {e}") from None
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+        raise InputError(f"module {module}: cannot read its {method} tensors ({type(e).__name__}: {e})") from None
 
 
 def check_format(fmt: str, recipe, dtype_name: str) -> None:
@@ -43,39 +96,10 @@ def check_format(fmt: str, recipe, dtype_name: str) -> None:
         InputError: unknown format; compressed-tensors with dynamic act-order (its 0.20
             release removed ``actorder: group``); AWQ with bits other than 4, per-channel
             groups, a ``g_idx`` or mixed precision; GPTQ with bits outside 2/3/4/8 or mixed
-            precision; AWQ/GPTQ with a storage dtype other than float16 (their kernels read
-            fp16 scales).
+            precision; AWQ/GPTQ with a KV-only recipe, a static KV scheme, or a storage
+            dtype other than float16 (their kernels read fp16 scales).
     """
-    if fmt not in FORMATS:
-        raise InputError(f"unknown format '{fmt}'; choose one of {', '.join(FORMATS)}")
-    schemes = _recipe_schemes(recipe)
-    if fmt != "compressed-tensors" and recipe.algorithm == "none":
-        raise InputError(f"--format {fmt} stores quantized weights; a KV-only recipe (algorithm none) needs --format compressed-tensors")
-    if fmt != "compressed-tensors" and recipe.kv_cache is not None and recipe.kv_cache.spec().static:
-        raise InputError(
-            f"--format {fmt} has no field for static KV-cache scales ({recipe.kv_cache.spec().describe()}); "
-            "use --format compressed-tensors (kv_cache_scheme + k_scale/v_scale, read by vLLM)"
-        )
-    if fmt == "compressed-tensors":
-        if dynamic_act_order(recipe):
-            raise InputError(
-                "compressed-tensors 0.20 stores act-order only with static groups (actorder: weight); "
-                "set gptq.static_groups: true or use --format gptq (which stores g_idx)"
-            )
-        return
-    if dtype_name != "float16":
-        raise InputError(f"--format {fmt} stores float16 scales; use --dtype float16 (got {dtype_name})")
-    if fmt == "awq":
-        from .awq import check_awq_compatible
-
-        for s in schemes:
-            check_awq_compatible(s.num_bits, s.group_size if s.group_size != "auto" else 128, [8],
-                                 dynamic_act_order(recipe), recipe.is_mixed)
-    else:
-        from .gptq import check_gptq_compatible
-
-        for s in schemes:
-            check_gptq_compatible(s.num_bits, recipe.is_mixed)
+    get_format(fmt).check(recipe, dtype_name)
 
 
 def check_shapes(fmt: str, out_features: dict[str, int]) -> None:
@@ -84,38 +108,17 @@ def check_shapes(fmt: str, out_features: dict[str, int]) -> None:
     Raises:
         InputError: names the first module whose ``out_features`` is not a multiple of 8.
     """
-    if fmt == "awq":
-        bad = [n for n, o in out_features.items() if o % 8]
-        if bad:
-            raise InputError(f"--format awq needs out_features divisible by 8; {bad[0]} has {out_features[bad[0]]}")
-
-
-def gptq_checkpoint_format(symmetric: bool) -> str:
-    """``gptq`` (v1) for symmetric schemes, ``gptq_v2`` for asymmetric ones (see the module docstring)."""
-    return "gptq" if symmetric else "gptq_v2"
+    get_format(fmt).check_shapes(out_features)
 
 
 def pack_modules(modules: dict, fmt: str, dtype: torch.dtype) -> dict[str, dict[str, torch.Tensor]]:
     """Pack pipeline records (``QuantizedLinear``) into the stored tensors of ``fmt``.
 
     Returns module name -> {tensor suffix -> tensor} (e.g. ``weight_packed`` or ``qweight``).
+    ``dtype`` is the storage dtype of compressed-tensors scales (AWQ/GPTQ store float16).
     """
-    out = {}
-    for name, r in modules.items():
-        if fmt == "compressed-tensors":
-            from .compressed_tensors import module_tensors
-
-            out[name] = module_tensors(r.q, r.scale, r.zero_point, r.num_bits, dtype)
-        elif fmt == "awq":
-            from .awq import awq_module_tensors
-
-            out[name] = awq_module_tensors(r.q, r.scale, r.zero_point, r.group_size, torch.float16)
-        else:
-            from .gptq import gptq_module_tensors
-
-            out[name] = gptq_module_tensors(r.q, r.scale, r.zero_point, r.g_idx, r.num_bits, r.group_size,
-                                            torch.float16, gptq_checkpoint_format(r.symmetric))
-    return out
+    f = get_format(fmt)
+    return {name: f.pack(r, dtype) for name, r in modules.items()}
 
 
 def format_config(fmt: str, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict | None:
@@ -126,29 +129,4 @@ def format_config(fmt: str, recipe, schemes: dict[str, tuple[int, int, bool]], i
         ignored: decoder linears left in float (``lm_head`` is added where the format needs it).
         versions: ``{"compressed-tensors": ..., "kvq": ...}``.
     """
-    if fmt == "compressed-tensors":
-        from .compressed_tensors import kv_cache_scheme, quantization_config
-
-        kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
-        kv_cfg = kv_cache_scheme(kv) if kv is not None else None
-        if not schemes and kv_cfg is None:
-            return None  # nothing compressed-tensors can describe (KV scheme lives in the manifest)
-        actorder = "weight" if recipe.algorithm == "gptq" and recipe.gptq.act_order else None
-        return quantization_config(schemes, ["lm_head"] + ignored, versions["compressed-tensors"], actorder, kv_cfg)
-    bits, gs, sym = next(iter(schemes.values()))
-    if fmt == "awq":
-        from .awq import awq_quantization_config
-
-        return awq_quantization_config(gs, ignored or None)
-    from .gptq import gptq_quantization_config
-
-    g = recipe.gptq
-    cfg = gptq_quantization_config(
-        bits, gs, dynamic_act_order(recipe), sym, g.static_groups, g.true_sequential, g.damp,
-        gptq_checkpoint_format(sym), versions["kvq"],
-    )
-    if ignored:  # GPTQModel's per-module negative overrides: these modules stay in float
-        import re
-
-        cfg["dynamic"] = {f"-:^{re.escape(n)}$": {} for n in ignored}
-    return cfg
+    return get_format(fmt).config(recipe, schemes, ignored, versions)

@@ -12,7 +12,7 @@ Matched against (read, not copied):
   ``entrypoints/convert/converters/autoawq.py`` (``AutoAWQConverter``: ``q_ct = q_awq - 8``,
   ``zp_ct = z_awq - 8``) -- cross-checked in ``tests/test_formats.py``.
 * casper-hansen/AutoAWQ ``awq/models/_config.py`` @024d960 (``AwqConfig.to_transformers_dict``).
-* The shared ``FORMATS.md`` sections 2b/2d.
+* ``docs/formats.md`` (AutoAWQ GEMM and the side-by-side table).
 
 Per quantized Linear (4-bit only, ``G = in // group_size``):
 
@@ -34,7 +34,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .gptq import _count_outside, _row_blocks
+from .base import (QuantWeight, WeightFormat, check_float16_weight_format, dynamic_act_order, recipe_schemes,
+                   require_leaves, symmetric_zero)
+from .packing import count_outside as _count_outside
+from .packing import pack_rows
+from .packing import row_blocks as _row_blocks
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -45,16 +49,14 @@ _OFFSET = 8
 @torch.no_grad()
 def _pack_awq_cols(values: torch.Tensor, offset: int) -> torch.Tensor:
     """Nibbles ``values + offset`` (``[rows, cols]``, cols % 8 == 0, each in 0..15)
-    -> int32 ``[rows, cols // 8]`` in AWQ order (slot ``i`` holds column ``8c + AWQ_ORDER[i]``)."""
+    -> int32 ``[rows, cols // 8]`` in AWQ order (slot ``i`` holds column ``8c + AWQ_ORDER[i]``).
+
+    The columns are permuted into AWQ order, then packed sequentially by the shared
+    dense packer (:func:`~compressor.formats.packing.pack_rows`, 4 bits).
+    """
     rows, cols = values.shape
-    out = torch.empty(rows, cols // 8, dtype=torch.int32)
-    order = list(AWQ_ORDER)
-    for r0, r1 in _row_blocks(rows, cols):
-        u = (values[r0:r1].to(torch.int64) + offset) & 0xF
-        slots = u.reshape(r1 - r0, cols // 8, 8)[:, :, order]
-        words = (slots << _SHIFTS).sum(-1)
-        out[r0:r1] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return out
+    perm = torch.arange(cols).reshape(-1, 8)[:, list(AWQ_ORDER)].reshape(-1)
+    return pack_rows(values[:, perm], 4, offset)
 
 
 @torch.no_grad()
@@ -229,3 +231,55 @@ def check_awq_compatible(
         raise InputError("AWQ GEMM format cannot store an act-order g_idx (dynamic act-order); disable act-order")
     if mixed:
         raise InputError("AWQ GEMM format cannot represent mixed precision (one bits/group_size for all modules)")
+
+
+class AwqFormat(WeightFormat):
+    """``--format awq``: AutoAWQ GEMM ``qweight``/``qzeros``/``scales``, 4-bit, float16 scales."""
+
+    name = "awq"
+    quant_method = "awq"
+    leaves = ("qweight", "qzeros", "scales")
+    marker = "qweight"
+
+    def check(self, recipe, dtype_name: str) -> None:
+        """Refuse KV-only and static-KV recipes, a dtype other than float16, and what
+        :func:`check_awq_compatible` refuses (bits other than 4, per-channel groups, a
+        ``g_idx``, mixed precision). Raises InputError."""
+        check_float16_weight_format(self.name, recipe, dtype_name)
+        for s in recipe_schemes(recipe):
+            check_awq_compatible(s.num_bits, s.group_size if s.group_size != "auto" else 128, [8],
+                                 dynamic_act_order(recipe), recipe.is_mixed)
+
+    def check_shapes(self, out_features: dict[str, int]) -> None:
+        """AWQ packs 8 output channels per word.
+
+        Raises:
+            InputError: names the first module whose ``out_features`` is not a multiple of 8.
+        """
+        bad = [n for n, o in out_features.items() if o % 8]
+        if bad:
+            raise InputError(f"--format awq needs out_features divisible by 8; {bad[0]} has {out_features[bad[0]]}")
+
+    def pack(self, rec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """:func:`awq_module_tensors` of the record, scales in float16 whatever ``dtype``."""
+        return awq_module_tensors(rec.q, rec.scale, rec.zero_point, rec.group_size, torch.float16)
+
+    def read(self, qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
+        """Read ``qweight``/``qzeros``/``scales`` (4-bit) with the config's ``group_size`` (default 128).
+
+        Raises:
+            InputError: a tensor missing or shapes inconsistent with ``group_size``.
+        """
+        require_leaves(t, self.leaves)
+        q, scale, zp = read_awq_module(t)
+        gs = int(qc.get("group_size", 128))
+        gs = q.shape[1] if gs == -1 else gs
+        if q.shape[1] % gs or scale.shape[1] != q.shape[1] // gs:
+            raise InputError(f"scales shape {tuple(scale.shape)} does not match group_size {gs}")
+        return QuantWeight(q, scale, symmetric_zero(zp), 4, gs)
+
+    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict:
+        """:func:`awq_quantization_config` of the (single) scheme's group size; ``ignored``
+        becomes ``modules_to_not_convert`` (``null`` when empty)."""
+        bits, gs, sym = next(iter(schemes.values()))
+        return awq_quantization_config(gs, ignored or None)

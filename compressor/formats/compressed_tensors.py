@@ -12,16 +12,22 @@ Matches vllm-project/compressed-tensors 0.20 (``compressors/pack_quantized/base.
 * ``<module>.weight_zero_point`` (asymmetric only) int32 ``[ceil(out * b / 32), G]``:
   the signed zero points packed the same way **along dim 0**.
 * ``<module>.weight_shape`` int64 ``[2]`` = ``[out, in]``.
+
+:class:`CompressedTensorsFormat` is the format object (writer, reader, config, checks);
+``quantization_config`` is built through the library's pydantic models. Layout details:
+``docs/formats.md``.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
 from ..errors import InputError
 from ..quant.primitives import qrange
-
-_BITS32 = torch.arange(32, dtype=torch.int64)
+from .base import QuantWeight, WeightFormat, dynamic_act_order, require_leaves, symmetric_zero
+from .packing import n_words, pack_rows, row_blocks, unpack_rows
 
 
 @torch.no_grad()
@@ -29,7 +35,9 @@ def pack_int32(q: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Ten
     """Pack signed ints ``q [rows, cols]`` (int8) into int32 words along ``packed_dim``.
 
     Returns int32 ``[rows, ceil(cols*b/32)]`` (``packed_dim=1``) or
-    ``[ceil(rows*b/32), cols]`` (``packed_dim=0``).
+    ``[ceil(rows*b/32), cols]`` (``packed_dim=0``): the values offset by ``2^(b-1)`` as
+    the dense bit stream of :func:`~compressor.formats.packing.pack_rows` (the bytes of
+    compressed-tensors' ``pack_to_int32``); transient memory is bounded by one row block.
 
     Raises:
         InputError: a value outside the signed ``num_bits`` range (packing must never
@@ -42,35 +50,28 @@ def pack_int32(q: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Ten
         raise InputError(f"values outside the int{num_bits} range [{qmin}, {qmax}] cannot be packed")
     if packed_dim == 0:
         return pack_int32(q.t(), num_bits, 1).t().contiguous()
-    rows, cols = q.shape
-    u = q.to(torch.int64) + (1 << (num_bits - 1))  # unsigned 0..2^b-1
-    bits = (u.unsqueeze(-1) >> torch.arange(num_bits, dtype=torch.int64)) & 1  # [rows, cols, b]
-    bits = bits.reshape(rows, cols * num_bits)
-    n_words = -(-cols * num_bits // 32)
-    pad = n_words * 32 - cols * num_bits
-    if pad:
-        bits = torch.nn.functional.pad(bits, (0, pad))
-    words = (bits.reshape(rows, n_words, 32) << _BITS32).sum(-1)  # 0 .. 2^32-1
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32)
+    return pack_rows(q, num_bits, 1 << (num_bits - 1))
 
 
 @torch.no_grad()
 def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int], packed_dim: int = 1) -> torch.Tensor:
-    """Inverse of :func:`pack_int32`: int32 words -> signed int8 ``shape``."""
+    """Inverse of :func:`pack_int32`: int32 words -> signed int8 ``shape``.
+
+    Raises:
+        InputError: ``packed`` does not have the shape ``num_bits``-bit values of ``shape`` pack to.
+    """
     rows, cols = shape
     if packed_dim == 0:
         return unpack_int32(packed.t(), num_bits, (cols, rows), 1).t().contiguous()
-    n_words = -(-cols * num_bits // 32)
-    if tuple(packed.shape) != (rows, n_words):
+    words = n_words(cols, num_bits)
+    if tuple(packed.shape) != (rows, words):
         raise InputError(
-            f"packed tensor has shape {tuple(packed.shape)}, expected {(rows, n_words)} for {num_bits}-bit {shape}"
+            f"packed tensor has shape {tuple(packed.shape)}, expected {(rows, words)} for {num_bits}-bit {shape}"
         )
-    w = packed.to(torch.int64) & 0xFFFFFFFF
-    bits = ((w.unsqueeze(-1) >> _BITS32) & 1).reshape(rows, n_words * 32)[:, : cols * num_bits]
-    bits = bits.reshape(rows, cols, num_bits)
-    u = (bits << torch.arange(num_bits, dtype=torch.int64)).sum(-1)
-    return (u - (1 << (num_bits - 1))).to(torch.int8)
+    out = torch.empty(rows, cols, dtype=torch.int8)
+    for r0, r1 in row_blocks(rows, cols):  # int64 only one block at a time
+        out[r0:r1] = unpack_rows(packed[r0:r1], num_bits, cols) - (1 << (num_bits - 1))
+    return out
 
 
 def module_tensors(
@@ -109,19 +110,37 @@ def read_module(tensors: dict[str, torch.Tensor], num_bits: int) -> tuple[torch.
     return q, scale, zp
 
 
-def _weights_args(num_bits: int, group_size: int, symmetric: bool, actorder: str | None) -> dict:
-    return {
-        "num_bits": num_bits,
-        "type": "int",
-        "symmetric": symmetric,
-        "strategy": "channel" if group_size == -1 else "group",
-        "group_size": None if group_size == -1 else group_size,
-        "block_structure": None,
-        "dynamic": False,
-        "actorder": actorder,
-        "observer": "minmax",
-        "observer_kwargs": {},
-    }
+#: keys of a saved ``QuantizationArgs`` for weights, in the order llm-compressor's checkpoints
+#: have them (the library's serializer drops ``block_structure``/``actorder``/``observer_kwargs``
+#: when empty; saved checkpoints and kvq's artifacts carry them as null / {})
+_WEIGHT_ARGS_KEYS = ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic",
+                     "actorder", "observer", "observer_kwargs")
+#: the same keys in the order kvq has always written ``kv_cache_scheme``
+_KV_ARGS_KEYS = ("num_bits", "type", "strategy", "dynamic", "symmetric", "group_size", "block_structure",
+                 "actorder", "observer", "observer_kwargs")
+
+
+def _dump(model, keys: tuple[str, ...]) -> dict:
+    """``model.model_dump(mode="json")`` restricted to ``keys`` in that order; a key the
+    library's serializer omitted is written with the model's own value (``None`` / ``{}``)."""
+    data = model.model_dump(mode="json")
+    return {k: data[k] if k in data else copy.deepcopy(getattr(model, k)) for k in keys}
+
+
+def _dump_args(args, keys: tuple[str, ...] = _WEIGHT_ARGS_KEYS) -> dict | None:
+    return None if args is None else _dump(args, keys)
+
+
+def _weight_args(num_bits: int, group_size: int, symmetric: bool, actorder: str | None):
+    """compressed-tensors ``QuantizationArgs`` of an integer weight scheme (``-1``: per channel)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(
+        num_bits=num_bits, type="int", symmetric=symmetric,
+        strategy="channel" if group_size == -1 else "group",
+        group_size=None if group_size == -1 else group_size,
+        block_structure=None, dynamic=False, actorder=actorder, observer="minmax", observer_kwargs={},
+    )
 
 
 def quantization_config(
@@ -133,6 +152,12 @@ def quantization_config(
 ) -> dict:
     """``config.json["quantization_config"]`` for integer weight-only schemes.
 
+    Built as compressed-tensors' own pydantic ``QuantizationConfig`` /
+    ``QuantizationScheme`` / ``QuantizationArgs`` (so the library's validators run) and
+    dumped with the keys llm-compressor's saved checkpoints carry (``docs/formats.md``):
+    the weight args keep ``block_structure``/``actorder``/``observer_kwargs`` even when
+    empty, and ``sparsity_config``/``transform_config``/``version`` are added.
+
     Args:
         schemes: quantized module name -> ``(num_bits, group_size, symmetric)``.
         ignore: module names left in float (``lm_head`` and ignored linears).
@@ -140,34 +165,44 @@ def quantization_config(
             only act-order compressed-tensors 0.20 stores; ``"group"`` was removed).
         kv_cache: ``kv_cache_scheme`` (see :func:`kv_cache_scheme`) or None.
 
-    Keys follow compressed-tensors' ``QuantizationConfig`` as saved by llm-compressor
-    (see the shared FORMATS.md, section 2a). ``group_size=-1`` is written as
-    ``strategy: channel``. The most common scheme targets the class ``Linear``; every
-    other scheme gets its own group listing exact module names, which take precedence
-    over class targets in compressed-tensors' ``match_targets`` (exact name, then regex,
-    then class) and in vLLM's target matching.
+    ``group_size=-1`` is written as ``strategy: channel``. The most common scheme targets
+    the class ``Linear``; every other scheme gets its own group listing exact module
+    names, which take precedence over class targets in compressed-tensors'
+    ``match_targets`` (exact name, then regex, then class) and in vLLM's target matching.
+
+    Raises:
+        pydantic.ValidationError: a scheme compressed-tensors refuses (kvq's recipes never
+            produce one: the check is the library's).
     """
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
     counts: dict[tuple, list[str]] = {}
     for name, sch in schemes.items():
         counts.setdefault(tuple(sch), []).append(name)
     ordered = sorted(counts.items(), key=lambda kv: (-len(kv[1]), kv[0]))
-    groups = {}
-    for k, (sch, names) in enumerate(ordered):
-        groups[f"group_{k}"] = {
-            "targets": ["Linear"] if k == 0 else sorted(names),
-            "weights": _weights_args(*sch, actorder),
-            "input_activations": None,
-            "output_activations": None,
-            "format": "pack-quantized",
-        }
+    groups = {
+        f"group_{k}": QuantizationScheme(
+            targets=["Linear"] if k == 0 else sorted(names), weights=_weight_args(*sch, actorder),
+            input_activations=None, output_activations=None, format="pack-quantized",
+        )
+        for k, (sch, names) in enumerate(ordered)
+    }
+    cfg = QuantizationConfig(
+        config_groups=groups, quant_method="compressed-tensors",
+        kv_cache_scheme=None if kv_cache is None else QuantizationArgs(**kv_cache),
+        format="pack-quantized" if groups else "dense", quantization_status="compressed",
+        global_compression_ratio=None, ignore=sorted(ignore),
+    )
     return {
-        "config_groups": groups,
-        "format": "pack-quantized" if groups else "dense",
-        "global_compression_ratio": None,
-        "ignore": sorted(ignore),
-        "kv_cache_scheme": kv_cache,
-        "quant_method": "compressed-tensors",
-        "quantization_status": "compressed",
+        "config_groups": {
+            name: {**_dump(g, ("targets",)), "weights": _dump_args(g.weights),
+                   "input_activations": _dump_args(g.input_activations),
+                   "output_activations": _dump_args(g.output_activations), **_dump(g, ("format",))}
+            for name, g in cfg.config_groups.items()
+        },
+        **_dump(cfg, ("format", "global_compression_ratio", "ignore")),
+        "kv_cache_scheme": _dump_args(cfg.kv_cache_scheme, _KV_ARGS_KEYS),
+        **_dump(cfg, ("quant_method", "quantization_status")),
         "sparsity_config": {},
         "transform_config": {},
         "version": ct_version,
@@ -178,24 +213,20 @@ def kv_cache_scheme(spec) -> dict | None:
     """compressed-tensors ``kv_cache_scheme`` for a static KV spec, ``None`` for the others.
 
     fp8 per tensor / per head and int8 static per head map to ``strategy: tensor`` /
-    ``attn_head`` (FORMATS.md 2a; vLLM's validator accepts those strategies, symmetric
-    only). Dynamic per-token int8 and KIVI have no field in compressed-tensors: the
-    manifest records them.
+    ``attn_head`` (``docs/formats.md``; vLLM's validator accepts those strategies,
+    symmetric only). Dynamic per-token int8 and KIVI have no field in compressed-tensors:
+    the manifest records them. Built as the library's ``QuantizationArgs``.
     """
     if spec is None or not spec.static:
         return None
-    return {
-        "num_bits": 8,
-        "type": "float" if spec.scheme == "fp8" else "int",
-        "strategy": "tensor" if spec.strategy == "tensor" else "attn_head",
-        "dynamic": False,
-        "symmetric": True,
-        "group_size": None,
-        "block_structure": None,
-        "actorder": None,
-        "observer": "minmax",
-        "observer_kwargs": {},
-    }
+    from compressed_tensors.quantization import QuantizationArgs
+
+    args = QuantizationArgs(
+        num_bits=8, type="float" if spec.scheme == "fp8" else "int",
+        strategy="tensor" if spec.strategy == "tensor" else "attn_head", dynamic=False, symmetric=True,
+        group_size=None, block_structure=None, actorder=None, observer="minmax", observer_kwargs={},
+    )
+    return _dump(args, _KV_ARGS_KEYS)
 
 
 def kv_scale_tensors(scales: dict[int, tuple[torch.Tensor, torch.Tensor]], layers_path: str, attention: str, strategy: str) -> dict[str, torch.Tensor]:
@@ -230,3 +261,61 @@ def module_scheme(qc: dict, module: str) -> dict:
         if "Linear" in (g.get("targets") or []):
             return g["weights"]
     raise InputError(f"no quantization config group applies to {module}")
+
+
+class CompressedTensorsFormat(WeightFormat):
+    """``--format compressed-tensors`` (the default): ``pack-quantized``, read by vLLM and transformers.
+
+    Also the only format with static KV-cache scales (``kv_cache_scheme`` plus
+    ``k_scale``/``v_scale`` tensors, see :func:`kv_scale_tensors`).
+    """
+
+    name = "compressed-tensors"
+    quant_method = "compressed-tensors"
+    leaves = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+    marker = "weight_packed"
+
+    def check(self, recipe, dtype_name: str) -> None:
+        """Refuse dynamic act-order (compressed-tensors 0.20 removed ``actorder: group``).
+
+        Raises:
+            InputError: GPTQ act-order with grouped schemes and no static groups.
+        """
+        if dynamic_act_order(recipe):
+            raise InputError(
+                "compressed-tensors 0.20 stores act-order only with static groups (actorder: weight); "
+                "set gptq.static_groups: true or use --format gptq (which stores g_idx)"
+            )
+
+    def pack(self, rec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """:func:`module_tensors` of the record, scales in ``dtype``."""
+        return module_tensors(rec.q, rec.scale, rec.zero_point, rec.num_bits, dtype)
+
+    def read(self, qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
+        """Read ``weight_packed``/``weight_scale``/``weight_shape`` (+ ``weight_zero_point``,
+        ``weight_g_idx``) with the config group that applies to ``module``.
+
+        Raises:
+            InputError: a tensor missing, no config group, shapes inconsistent with the group.
+        """
+        require_leaves(t, ("weight_packed", "weight_scale", "weight_shape"))
+        wargs = module_scheme(qc, module)
+        bits = int(wargs["num_bits"])
+        q, scale, zp = read_module(t, bits)
+        k = q.shape[1]
+        gs = k if wargs.get("strategy") == "channel" else int(wargs["group_size"])
+        if k % gs or tuple(scale.shape) != (q.shape[0], k // gs):
+            raise InputError(f"weight_scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)}")
+        g_idx = t.get("weight_g_idx")
+        return QuantWeight(q, scale, symmetric_zero(zp), bits, gs, None if g_idx is None else g_idx.to(torch.int32))
+
+    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict | None:
+        """:func:`quantization_config` with ``lm_head`` ignored, ``actorder: weight`` for GPTQ
+        act-order and the recipe's static ``kv_cache_scheme``; ``None`` when there is
+        nothing to describe (no quantized module and no static KV scheme)."""
+        kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
+        kv_cfg = kv_cache_scheme(kv) if kv is not None else None
+        if not schemes and kv_cfg is None:
+            return None  # nothing compressed-tensors can describe (KV scheme lives in the manifest)
+        actorder = "weight" if recipe.algorithm == "gptq" and recipe.gptq.act_order else None
+        return quantization_config(schemes, ["lm_head"] + ignored, versions["compressed-tensors"], actorder, kv_cfg)

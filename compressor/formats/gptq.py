@@ -10,7 +10,7 @@ Matched against (read, not copied):
   (``convert_gptq_v1_to_v2_format_module`` / ``convert_gptq_v2_to_v1_format_module``;
   newer versions shift 3-bit zeros per logical field, as done here) and
   ``gptqmodel/quantization/config.py`` (``meta`` field names, ``FORMAT.GPTQ_V2``).
-* The shared ``FORMATS.md`` sections 2c/2d.
+* ``docs/formats.md`` (GPTQ and the side-by-side table).
 
 Per quantized Linear (``G`` groups, ``b`` bits, ``in``/``out`` features):
 
@@ -43,14 +43,19 @@ Note: GPTQModel's loader refuses ``sym: false`` with ``checkpoint_format: "gptq"
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ..errors import InputError
 from ..quant.primitives import qrange
+from .packing import count_outside as _count_outside
+from .packing import pack_rows, unpack_rows  # noqa: F401  (re-exported: the GPTQ layout's packer)
+from .base import (QuantWeight, WeightFormat, check_float16_weight_format, dynamic_act_order, recipe_schemes,
+                   require_leaves, symmetric_zero)
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
-_MASK32 = 0xFFFFFFFF
 
 
 def _check_bits(num_bits: int) -> None:
@@ -63,82 +68,11 @@ def _check_format(checkpoint_format: str) -> None:
         raise InputError(f"GPTQ checkpoint_format must be 'gptq' (v1) or 'gptq_v2', got {checkpoint_format!r}")
 
 
-def _n_words(n: int, num_bits: int) -> int:
-    return -(-n * num_bits // 32)
-
-
-def _positions(n: int, num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    pos = torch.arange(n, dtype=torch.int64) * num_bits
-    return pos // 32, pos % 32
-
-
-_CHUNK_ELEMS = 1 << 22  # rows are packed in blocks of about this many values (bounded memory)
-
-
-def _row_blocks(rows: int, n: int):
-    step = max(1, _CHUNK_ELEMS // max(n, 1))
-    return ((r0, min(rows, r0 + step)) for r0 in range(0, rows, step))
-
-
-@torch.no_grad()
-def pack_rows(values: torch.Tensor, num_bits: int, offset: int = 0) -> torch.Tensor:
-    """Pack ``u = values + offset`` (each in ``[0, 2^b)``), ``values [rows, n]`` any int dtype,
-    into int32 ``[rows, ceil(n*b/32)]``.
-
-    Element ``j`` of a row occupies bits ``j*b .. j*b+b-1`` of the row's word stream
-    (little-endian, crossing words when ``b`` does not divide 32; unused tail bits are 0).
-    Each value is masked to ``b`` bits, so nothing can bleed into a neighbour; callers
-    validate the range first. Vectorised over blocks of rows; peak extra memory is a few
-    int64 copies of one block (no per-bit expansion).
-    """
-    rows, n = values.shape
-    n_words = _n_words(n, num_bits)
-    word, off = _positions(n, num_bits)
-    mask = (1 << num_bits) - 1
-    out = torch.empty(rows, n_words, dtype=torch.int32)
-    for r0, r1 in _row_blocks(rows, n):
-        u = (values[r0:r1].to(torch.int64) + offset) & mask
-        acc = torch.zeros(r1 - r0, n_words + 1, dtype=torch.int64)  # spare word for the spill index
-        acc.index_add_(1, word, (u << off) & _MASK32)
-        # the high part is non-zero only for values that cross into the next word
-        acc.index_add_(1, word + 1, u >> (32 - off))
-        acc = acc[:, :n_words]
-        out[r0:r1] = torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
-    return out
-
-
-@torch.no_grad()
-def unpack_rows(words: torch.Tensor, num_bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_rows`: int32 ``[rows, ceil(n*b/32)]`` -> int64 ``[rows, n]`` in ``[0, 2^b)``.
-
-    Raises:
-        InputError: the word count does not match ``n`` values of ``num_bits`` bits.
-    """
-    rows, n_words = words.shape
-    if n_words != _n_words(n, num_bits):
-        raise InputError(
-            f"packed tensor has {n_words} words per row, expected {_n_words(n, num_bits)} for {n} {num_bits}-bit values"
-        )
-    word, off = _positions(n, num_bits)
-    mask = (1 << num_bits) - 1
-    out = torch.empty(rows, n, dtype=torch.int64)
-    for r0, r1 in _row_blocks(rows, n):
-        w = torch.nn.functional.pad(words[r0:r1].to(torch.int64) & _MASK32, (0, 1))
-        lo = w[:, word] >> off
-        hi = w[:, word + 1] << (32 - off)
-        out[r0:r1] = (lo | hi) & mask
-    return out
-
-
 def default_g_idx(in_features: int, group_size: int) -> torch.Tensor:
     """The trivial (no act-order) ``g_idx``: int32 ``[in]`` = ``arange(in) // group_size``
     (all zeros for ``group_size = -1``)."""
     gs = in_features if group_size in (-1, 0, None) else int(group_size)
     return (torch.arange(in_features, dtype=torch.int64) // gs).to(torch.int32)
-
-
-def _count_outside(t: torch.Tensor, lo: int, hi: int) -> int:
-    return int(((t < lo) | (t > hi)).sum())
 
 
 @torch.no_grad()
@@ -324,7 +258,7 @@ def sniff_checkpoint_format(qzeros: torch.Tensor, num_bits: int, out_features: i
     Returns:
         ``"gptq"``, ``"gptq_v2"`` or ``None``. Raises InputError for unsupported bits.
 
-    Source: vLLM PR #38966 (FORMATS.md 2c); zero convention from AutoGPTQ ``pack()``.
+    Source: vLLM PR #38966 (``docs/formats.md``, GPTQ); zero convention from AutoGPTQ ``pack()``.
     """
     _check_bits(num_bits)
     if qzeros.ndim != 2 or qzeros.numel() == 0:
@@ -356,7 +290,7 @@ def gptq_quantization_config(
 
     Keys as read by transformers/optimum (top level) and as written by GPTQModel >= 4
     (``meta`` block: ``quantizer``, ``damp_percent``, ``static_groups``,
-    ``true_sequential``), see FORMATS.md 2c. ``meta.quantizer`` is ``["kvq:<tool_version>"]``.
+    ``true_sequential``), see ``docs/formats.md``. ``meta.quantizer`` is ``["kvq:<tool_version>"]``.
 
     Raises:
         InputError: unsupported bits or checkpoint format.
@@ -417,3 +351,69 @@ def check_gptq_compatible(
                 f"GPTQ {num_bits}-bit needs in_features*{num_bits} and out_features*{num_bits} to be multiples "
                 f"of 32; a Linear of shape [{out_f}, {in_f}] is not"
             )
+
+
+def gptq_checkpoint_format(symmetric: bool) -> str:
+    """``gptq`` (v1) for symmetric schemes, ``gptq_v2`` for asymmetric ones: v1 stores ``z - 1``
+    and cannot represent an unsigned zero point of 0 (see the module docstring)."""
+    return "gptq" if symmetric else "gptq_v2"
+
+
+class GptqFormat(WeightFormat):
+    """``--format gptq``: AutoGPTQ / GPTQModel ``qweight``/``qzeros``/``scales``/``g_idx``.
+
+    Symmetric schemes are written as ``checkpoint_format: gptq`` (v1, what every GPTQ
+    loader reads), asymmetric ones as ``gptq_v2``. Scales are stored in float16.
+    """
+
+    name = "gptq"
+    quant_method = "gptq"
+    leaves = ("qweight", "qzeros", "scales", "g_idx")
+    marker = "qweight"
+
+    def check(self, recipe, dtype_name: str) -> None:
+        """Refuse KV-only and static-KV recipes, a dtype other than float16, bits outside
+        2/3/4/8 and mixed precision (InputError, see :func:`check_gptq_compatible`)."""
+        check_float16_weight_format(self.name, recipe, dtype_name)
+        for s in recipe_schemes(recipe):
+            check_gptq_compatible(s.num_bits, recipe.is_mixed)
+
+    def pack(self, rec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """:func:`gptq_module_tensors` of the record, scales in float16 whatever ``dtype``."""
+        return gptq_module_tensors(rec.q, rec.scale, rec.zero_point, rec.g_idx, rec.num_bits, rec.group_size,
+                                   torch.float16, gptq_checkpoint_format(rec.symmetric))
+
+    def read(self, qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
+        """Read ``qweight``/``qzeros``/``scales``/``g_idx`` with the config's ``bits``/``group_size``.
+
+        A symmetric checkpoint's stored zeros decide v1 or v2 when they are unambiguous
+        (vLLM PR #38966: some v2 checkpoints declare v1), see :func:`sniff_checkpoint_format`.
+
+        Raises:
+            InputError: a tensor missing, shapes inconsistent with the config, a v1 wrapped zero.
+        """
+        require_leaves(t, self.leaves)
+        bits = int(qc["bits"])
+        fmt = qc.get("checkpoint_format", "gptq")
+        if qc.get("sym", True):  # vLLM PR #38966: some v2 checkpoints declare v1; trust the stored zeros
+            fmt = sniff_checkpoint_format(t["qzeros"], bits) or fmt
+        q, scale, zp, g_idx = read_gptq_module(t, bits, fmt)
+        k, n_groups = q.shape[1], scale.shape[1]
+        gs = int(qc.get("group_size", -1))
+        gs = k if gs in (-1, 0) or n_groups == 1 else gs
+        if -(-k // gs) != n_groups:
+            raise InputError(f"scales has {n_groups} groups, expected {-(-k // gs)} for group_size {gs}")
+        return QuantWeight(q, scale, symmetric_zero(zp), bits, gs, g_idx)
+
+    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict:
+        """:func:`gptq_quantization_config` of the (single) scheme; ``ignored`` modules become
+        GPTQModel ``dynamic`` negative overrides (``"-:^<name>$": {}``)."""
+        bits, gs, sym = next(iter(schemes.values()))
+        g = recipe.gptq
+        cfg = gptq_quantization_config(
+            bits, gs, dynamic_act_order(recipe), sym, g.static_groups, g.true_sequential, g.damp,
+            gptq_checkpoint_format(sym), versions["kvq"],
+        )
+        if ignored:  # GPTQModel's per-module negative overrides: these modules stay in float
+            cfg["dynamic"] = {f"-:^{re.escape(n)}$": {} for n in ignored}
+        return cfg

@@ -1,0 +1,172 @@
+"""What every on-disk format shares: the read-side weight record and the format interface.
+
+:class:`QuantWeight` holds a Linear's codes in kvq's signed convention
+(:mod:`compressor.quant.primitives`): ``w ≈ (q - zero_point) * scale`` per input group.
+
+==============  ====================  =========================================
+field           shape                 dtype
+==============  ====================  =========================================
+``q``           ``[N, K]``            int8, ``[-2^(b-1), 2^(b-1) - 1]``
+``scale``       ``[N, G]``            as stored (float16 / bfloat16 / float32)
+``zero_point``  ``[N, G]`` or None    int8 (None: symmetric, zero point 0)
+``g_idx``       ``[K]`` or None       int32 group of each input column (GPTQ
+                                      act-order); None: ``k // group_size``
+==============  ====================  =========================================
+
+``N = out_features``, ``K = in_features``, ``G = K // group_size`` (``group_size = K``
+for per-channel schemes).
+
+:class:`WeightFormat` is one on-disk layout: its writer (:meth:`~WeightFormat.pack`, a
+pipeline record to stored tensors), its reader (:meth:`~WeightFormat.read`, stored tensors
+to a :class:`QuantWeight`), its ``config.json["quantization_config"]``
+(:meth:`~WeightFormat.config`) and its refusals (:meth:`~WeightFormat.check`,
+:meth:`~WeightFormat.check_shapes`). The three formats live beside their packing code
+(:mod:`.compressed_tensors`, :mod:`.awq`, :mod:`.gptq`); the registry is
+:func:`compressor.formats.get_format`. The layouts are described in ``docs/formats.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+from ..quant.primitives import dequantize
+
+
+@dataclass
+class QuantWeight:
+    """Codes and quantization parameters of one Linear (see the module table)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    num_bits: int
+    group_size: int
+    g_idx: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return int(self.q.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.q.shape[1])
+
+    @property
+    def per_channel(self) -> bool:
+        return self.group_size == self.in_features
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Float ``[N, K]`` weight, bit-identical to what :func:`compressor.artifact.load_artifact` builds."""
+        return dequantize(self.q, self.scale, self.zero_point, self.group_size, dtype=dtype, g_idx=self.g_idx)
+
+    def sorted_by_group(self) -> tuple["QuantWeight", torch.Tensor | None]:
+        """Remove an act-order ``g_idx`` by permuting input columns.
+
+        Returns ``(weight, perm)``: ``weight`` has contiguous groups (``g_idx`` None) and
+        ``y = x[..., perm] @ weight.dequantize().T`` equals ``x @ self.dequantize().T``.
+        ``perm`` is None when nothing needed permuting; the original weight and None are
+        returned when groups do not have exactly ``group_size`` columns each (the caller
+        then keeps ``g_idx`` and dequantizes).
+        """
+        if self.g_idx is None:
+            return self, None
+        gi = self.g_idx.long()
+        trivial = torch.arange(self.in_features) // self.group_size
+        if torch.equal(gi, trivial) and self.in_features % self.group_size == 0:
+            return QuantWeight(self.q, self.scale, self.zero_point, self.num_bits, self.group_size), None
+        counts = torch.bincount(gi, minlength=self.scale.shape[1])
+        if self.in_features % self.group_size or not bool((counts == self.group_size).all()):
+            return self, None
+        perm = torch.sort(gi, stable=True).indices
+        return QuantWeight(self.q[:, perm].contiguous(), self.scale, self.zero_point, self.num_bits, self.group_size), perm
+
+
+def symmetric_zero(zp: torch.Tensor | None) -> torch.Tensor | None:
+    """An all-zero zero point (GPTQ/AWQ symmetric checkpoints store one) is the symmetric case: None."""
+    return None if zp is None or not bool(zp.any()) else zp
+
+
+def require_leaves(t: dict[str, torch.Tensor], names: tuple[str, ...]) -> None:
+    """Raises InputError ``lacks a/b/c`` when one of ``names`` is not among the module's tensors."""
+    if not set(names) <= set(t):
+        raise InputError(f"lacks {'/'.join(names)}")
+
+
+def recipe_schemes(recipe) -> list:
+    """The base weight scheme and the base updated by each override."""
+    return [recipe.weights] + [
+        recipe.weights.model_copy(update={k: v for k, v in o.weights.model_dump().items() if v is not None})
+        for o in recipe.overrides
+    ]
+
+
+def dynamic_act_order(recipe) -> bool:
+    """True when the recipe's GPTQ act-order needs a stored ``g_idx`` (no static groups)."""
+    grouped = any(s.group_size != -1 for s in recipe_schemes(recipe))  # per channel: one group, no g_idx
+    return recipe.algorithm == "gptq" and recipe.gptq.act_order and not recipe.gptq.static_groups and grouped
+
+
+def check_float16_weight_format(name: str, recipe, dtype_name: str) -> None:
+    """The refusals shared by the older toolchains' formats (AWQ, GPTQ), in this order.
+
+    Raises:
+        InputError: a KV-only recipe (``algorithm: none``: nothing to pack); a static
+            KV-cache scheme (no field for ``k_scale``/``v_scale``); a storage dtype other
+            than float16 (their kernels read fp16 scales).
+    """
+    if recipe.algorithm == "none":
+        raise InputError(f"--format {name} stores quantized weights; a KV-only recipe (algorithm none) needs --format compressed-tensors")
+    if recipe.kv_cache is not None and recipe.kv_cache.spec().static:
+        raise InputError(
+            f"--format {name} has no field for static KV-cache scales ({recipe.kv_cache.spec().describe()}); "
+            "use --format compressed-tensors (kv_cache_scheme + k_scale/v_scale, read by vLLM)"
+        )
+    if dtype_name != "float16":
+        raise InputError(f"--format {name} stores float16 scales; use --dtype float16 (got {dtype_name})")
+
+
+class WeightFormat:
+    """One on-disk format of quantized Linears: writer, reader, config and checks.
+
+    Subclasses set the class attributes and implement the methods; instances hold no
+    state (the registry keeps one of each).
+
+    Attributes:
+        name: the ``--format`` value.
+        quant_method: ``config.json["quantization_config"]["quant_method"]`` it writes and reads.
+        leaves: tensor suffixes a packed Linear may store (``<module>.<leaf>``).
+        marker: the leaf whose presence marks a module as packed.
+    """
+
+    name: str = ""
+    quant_method: str = ""
+    leaves: tuple[str, ...] = ()
+    marker: str = ""
+
+    def check(self, recipe, dtype_name: str) -> None:
+        """Refuse, before any work, a recipe this format cannot represent (InputError)."""
+        raise NotImplementedError
+
+    def check_shapes(self, out_features: dict[str, int]) -> None:
+        """Refuse module shapes known once the model is loaded (InputError); none by default."""
+
+    def pack(self, rec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Stored tensors (suffix -> tensor) of one pipeline record (``QuantizedLinear``)."""
+        raise NotImplementedError
+
+    def read(self, qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
+        """A :class:`QuantWeight` from one module's stored tensors (InputError if inconsistent)."""
+        raise NotImplementedError
+
+    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict | None:
+        """``config.json["quantization_config"]`` (``None``: the artifact needs none).
+
+        Args:
+            schemes: quantized module name -> ``(num_bits, group_size, symmetric)``.
+            ignored: decoder linears left in float (``lm_head`` is added where the format needs it).
+            versions: ``{"compressed-tensors": ..., "kvq": ...}``.
+        """
+        raise NotImplementedError

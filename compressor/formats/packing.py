@@ -1,0 +1,97 @@
+"""The one bit packer every format uses: a dense little-endian bit stream per row.
+
+Element ``j`` of a row occupies bits ``j*b .. j*b+b-1`` of the row's int32 word stream
+(crossing words when ``b`` does not divide 32; unused tail bits are 0). This is
+compressed-tensors' ``pack_to_int32`` (0.17+, dense packing, PR #715) and AutoGPTQ's
+``pack()`` (``32 // b`` values per word for 2/4/8 bits, the 10-1-10-1-10 scheme for 3
+bits); see ``docs/formats.md``. AWQ's nibble interleave is a column permutation on top
+(:mod:`.awq`).
+
+Memory: rows are processed in blocks of about :data:`_CHUNK_ELEMS` values, so the
+transient is a few int64 copies of one block (about 8 MiB per copy) whatever the
+matrix size; no per-bit expansion.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError
+
+_MASK32 = 0xFFFFFFFF
+_CHUNK_ELEMS = 1 << 20  # rows are packed in blocks of about this many values (bounded memory)
+
+
+def n_words(n: int, num_bits: int) -> int:
+    """Int32 words holding ``n`` values of ``num_bits`` bits: ``ceil(n * b / 32)``."""
+    return -(-n * num_bits // 32)
+
+
+def _positions(n: int, num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(n, dtype=torch.int64) * num_bits
+    return pos // 32, pos % 32
+
+
+def row_blocks(rows: int, n: int):
+    """``(r0, r1)`` row ranges of about :data:`_CHUNK_ELEMS` values each (rows of ``n`` values)."""
+    step = max(1, _CHUNK_ELEMS // max(n, 1))
+    return ((r0, min(rows, r0 + step)) for r0 in range(0, rows, step))
+
+
+def count_outside(t: torch.Tensor, lo: int, hi: int) -> int:
+    """Number of entries of ``t`` outside ``[lo, hi]``."""
+    return int(((t < lo) | (t > hi)).sum())
+
+
+@torch.no_grad()
+def pack_rows(values: torch.Tensor, num_bits: int, offset: int = 0) -> torch.Tensor:
+    """Pack ``u = values + offset`` (each in ``[0, 2^b)``), ``values [rows, n]`` any int dtype,
+    into int32 ``[rows, ceil(n*b/32)]``.
+
+    Element ``j`` of a row occupies bits ``j*b .. j*b+b-1`` of the row's word stream
+    (little-endian, crossing words when ``b`` does not divide 32; unused tail bits are 0).
+    Each value is masked to ``b`` bits, so nothing can bleed into a neighbour; callers
+    validate the range first. Vectorised over blocks of rows; peak extra memory is a few
+    int64 copies of one block (no per-bit expansion).
+    """
+    rows, n = values.shape
+    words_per_row = n_words(n, num_bits)
+    word, off = _positions(n, num_bits)
+    spill = 32 - off
+    mask = (1 << num_bits) - 1
+    out = torch.empty(rows, words_per_row, dtype=torch.int32)
+    for r0, r1 in row_blocks(rows, n):
+        u = values[r0:r1].to(torch.int64, copy=True)
+        u.add_(offset).bitwise_and_(mask)
+        acc = torch.zeros(r1 - r0, words_per_row + 1, dtype=torch.int64)  # spare word for the spill index
+        part = torch.bitwise_left_shift(u, off).bitwise_and_(_MASK32)
+        acc.index_add_(1, word, part)
+        # the high part is non-zero only for values that cross into the next word
+        acc.index_add_(1, word + 1, torch.bitwise_right_shift(u, spill, out=part))
+        del u, part
+        acc = acc[:, :words_per_row]
+        out[r0:r1] = torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
+    return out
+
+
+@torch.no_grad()
+def unpack_rows(words: torch.Tensor, num_bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_rows`: int32 ``[rows, ceil(n*b/32)]`` -> int64 ``[rows, n]`` in ``[0, 2^b)``.
+
+    Raises:
+        InputError: the word count does not match ``n`` values of ``num_bits`` bits.
+    """
+    rows, words_per_row = words.shape
+    if words_per_row != n_words(n, num_bits):
+        raise InputError(
+            f"packed tensor has {words_per_row} words per row, expected {n_words(n, num_bits)} for {n} {num_bits}-bit values"
+        )
+    word, off = _positions(n, num_bits)
+    mask = (1 << num_bits) - 1
+    out = torch.empty(rows, n, dtype=torch.int64)
+    for r0, r1 in row_blocks(rows, n):
+        w = torch.nn.functional.pad(words[r0:r1].to(torch.int64) & _MASK32, (0, 1))
+        lo = w[:, word] >> off
+        hi = w[:, word + 1] << (32 - off)
+        out[r0:r1] = (lo | hi) & mask
+    return out
