@@ -205,8 +205,7 @@ def test_awq_dequant_matches_internal(symmetric):
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_awq_matches_compressed_tensors_converter(symmetric):
-    pytest.importorskip("transformers")
-    conv_mod = pytest.importorskip("compressed_tensors.entrypoints.convert.converters.autoawq")
+    import compressed_tensors.entrypoints.convert.converters.autoawq as conv_mod
     out_f, in_f, gs = 48, 128, 32
     q, scale, zp, _ = make_case(out_f, in_f, 4, gs, symmetric, False, seed=5)
     t = awq_module_tensors(q, scale, zp, gs)
