@@ -9,7 +9,7 @@ DEMO   ?= .kvq-demo
 DEMO_SAMPLES ?= 32
 DEMO_WINDOWS ?= 8
 
-.PHONY: install test demo bench bench-quality clean
+.PHONY: install test test-fast demo bench bench-quality clean
 
 # a throwaway EC P-256 key pair for the demo's signature (argv[1]: folder for key.pem / pub.pem)
 define KEYGEN
@@ -36,6 +36,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# the fast lane: unit tests only (no real-model `integration` tests, no `slow` ones such as the wheel build)
+test-fast: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration and not slow"
 
 # quantize (+ sign) -> verify (+ report) -> serve-smoke on the real default model (AWQ W4 g64 + fp8 KV cache)
 demo: install

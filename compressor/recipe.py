@@ -1,23 +1,33 @@
-"""Recipes: what to quantize and how, as validated data (YAML in ``recipes/``).
+"""Recipes: what to quantize and how, as validated data (YAML in ``compressor/recipes/``).
 
 A recipe is a pydantic model with ``extra="forbid"``, so an unknown or misspelt key is
 an error naming the key. Bundled recipes are looked up by name (``w4a16-awq``) or a
 path to a YAML file is given; command-line flags override fields afterwards and the
 *effective* recipe is stored in the artifact's manifest.
+
+The bundled YAML files are package data (``compressor/recipes/*.yaml``, listed in
+``pyproject.toml``) read through :mod:`importlib.resources`, so a built wheel, an
+editable install and a source checkout all find them.
 """
 
 from __future__ import annotations
 
 import re
+from importlib.resources import files
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InputError
 
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotations are strings at run time
+    from importlib.resources.abc import Traversable
+
+#: the bundled recipes: package data inside ``compressor`` (a directory on disk for any
+#: ordinary install; a :class:`~importlib.resources.abc.Traversable` in general)
+RECIPE_DIR: Traversable = files(__package__) / "recipes"
 STANDARD_GROUP_SIZES = (128, 64, 32)
 
 
@@ -217,9 +227,17 @@ def matches(patterns: list[str], module_name: str) -> bool:
     return False
 
 
-def bundled_recipes() -> dict[str, Path]:
-    """Names and paths of the recipes shipped in ``recipes/``."""
-    return {p.stem: p for p in sorted(RECIPE_DIR.glob("*.yaml"))}
+def bundled_recipes() -> dict[str, Traversable]:
+    """Names (file stems, sorted) and resources of the recipes shipped in ``compressor/recipes/``.
+
+    The values are :class:`~importlib.resources.abc.Traversable` (``pathlib.Path`` for an
+    installed or editable package); read them with ``.read_text()``. An install without the
+    package data yields ``{}`` (every name is then an unknown recipe, an input error).
+    """
+    if not RECIPE_DIR.is_dir():
+        return {}
+    found = [p for p in RECIPE_DIR.iterdir() if p.name.endswith(".yaml") and p.is_file()]
+    return {p.name[: -len(".yaml")]: p for p in sorted(found, key=lambda p: p.name)}
 
 
 def _format_validation(err: ValidationError, where: str) -> str:
@@ -232,8 +250,8 @@ def _format_validation(err: ValidationError, where: str) -> str:
     return f"{where}: {loc}: {msg}"
 
 
-def _read_recipe(name_or_path: str) -> tuple[dict, Path]:
-    path = Path(name_or_path)
+def _read_recipe(name_or_path: str) -> tuple[dict, Path | Traversable]:
+    path: Path | Traversable = Path(name_or_path)
     bundled = bundled_recipes()
     if not path.exists():
         if name_or_path in bundled:
@@ -249,6 +267,11 @@ def _read_recipe(name_or_path: str) -> tuple[dict, Path]:
     if not isinstance(data, dict):
         raise InputError(f"recipe {path} must be a YAML mapping")
     return data, path
+
+
+def _stem(path: Path | Traversable) -> str:
+    """The file name without its last suffix (``Path.stem``; any Traversable has ``.name``)."""
+    return Path(path.name).stem
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
@@ -272,13 +295,13 @@ def load_recipes(names: list[str] | tuple[str, ...]) -> Recipe:
     stems = []
     for n in names:
         data, path = _read_recipe(n)
-        parse_recipe({**data, "name": data.get("name", path.stem)}, str(path))  # each file valid on its own
+        parse_recipe({**data, "name": data.get("name", _stem(path))}, str(path))  # each file valid on its own
         data.pop("name", None)
         data.pop("description", None)
         if isinstance(data.get("kv_cache"), dict) and "scheme" in data["kv_cache"]:
             merged.pop("kv_cache", None)  # a new KV scheme replaces the previous one whole
         merged = _deep_merge(merged, data)
-        stems.append(path.stem)
+        stems.append(_stem(path))
     if "algorithm" not in merged and "weights" not in merged:
         merged["algorithm"] = "none"
     merged["name"] = "+".join(stems)
@@ -296,7 +319,7 @@ def load_recipe(name_or_path: str | None) -> Recipe:
     if name_or_path is None:
         name_or_path = "w4a16-awq"
     data, path = _read_recipe(name_or_path)
-    data.setdefault("name", path.stem)
+    data.setdefault("name", _stem(path))
     return parse_recipe(data, str(path))
 
 

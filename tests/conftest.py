@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-init models built in the test (no downloads)."""
+"""Shared fixtures and helpers: tiny random-init models built in the test (no downloads), and
+the in-process CLI runner every CLI test uses (``from conftest import kvq_run as run``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,32 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def kvq_run(argv, capsys) -> tuple[int, str, str]:
+    """Run ``kvq ARGV...`` in this process (``compressor.cli.main``): (exit code, stdout, stderr).
+
+    ``argv`` items may be paths or numbers (each is passed through ``str``); ``capsys`` is
+    pytest's fixture, read (and so cleared) once the command exits.
+    """
+    from compressor.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return exc.value.code, cap.out, cap.err
+
+
+def assert_clean_error(code, err, expected_code, pattern, parent: Path | None = None):
+    """The CLI error contract: exit ``expected_code``, the last stderr line ``kvq: error: ...``
+    containing ``pattern``, no traceback, and (with ``parent``) no ``kvq-tmp`` folder left in it."""
+    assert code == expected_code, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("kvq: error:"), err
+    assert "Traceback" not in err
+    assert pattern in err, err
+    if parent is not None:
+        assert not [p for p in parent.iterdir() if "kvq-tmp" in p.name], "temp folder left behind"
 
 
 def tiny_config(**kw):

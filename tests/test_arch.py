@@ -27,7 +27,7 @@ from compressor.quant.rtn import rtn_quantize
 from compressor.recipe import load_recipe, with_overrides
 from compressor.safetensors_io import read_header
 
-from test_cli import assert_clean_error, run
+from conftest import assert_clean_error, kvq_run as run
 
 _BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)

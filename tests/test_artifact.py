@@ -93,7 +93,6 @@ def _ct_decompress(folder: Path, module: str) -> torch.Tensor:
 
 def test_compressed_tensors_library_decompresses_our_asymmetric_artifact(artifact):
     """compressed-tensors' decompression of our checkpoint equals our dequantized weights."""
-    pytest.importorskip("compressed_tensors")
     ours = dict(load_artifact(artifact)[0].named_parameters())
     for module in ("model.layers.0.self_attn.k_proj", "model.layers.1.mlp.down_proj"):
         theirs = _ct_decompress(artifact, module)

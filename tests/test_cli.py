@@ -9,24 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from compressor.cli import main
-
-
-def run(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return exc.value.code, cap.out, cap.err
-
-
-def assert_clean_error(code, err, expected_code, pattern, parent: Path | None = None):
-    assert code == expected_code, err
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert lines and lines[-1].startswith("kvq: error:"), err
-    assert "Traceback" not in err
-    assert pattern in err, err
-    if parent is not None:
-        assert not [p for p in parent.iterdir() if "kvq-tmp" in p.name], "temp folder left behind"
+from conftest import assert_clean_error, kvq_run as run
 
 
 QUICK = ["--calib-samples", "4", "--calib-seqlen", "32", "--group-size", "32"]
@@ -252,6 +235,7 @@ def _kvq_popen(*args):
 SIGTERM_ARGS = ("--calib-samples", "512", "--calib-seqlen", "64", "--group-size", "32")
 
 
+@pytest.mark.slow  # spawns kvq processes (make test-fast leaves it out)
 def test_sigterm_before_any_layer_exits_143_and_leaves_nothing(tmp_path, tiny_model_dir):
     """SIGTERM while the model loads: exit 143, no artifact and no staging folder left."""
     import signal
@@ -266,6 +250,7 @@ def test_sigterm_before_any_layer_exits_143_and_leaves_nothing(tmp_path, tiny_mo
     assert "terminated; no artifact was written" in err and not list(tmp_path.iterdir()), err
 
 
+@pytest.mark.slow  # spawns kvq processes (make test-fast leaves it out)
 def test_sigterm_after_a_layer_keeps_the_checkpoint_and_resume_finishes(tmp_path, tiny_model_dir, capsys):
     """SIGTERM (a preempted CI job) once a layer is checkpointed: exit 143, no artifact, the
     staging folder kept and named; the same command with --resume then completes and verifies."""

@@ -10,7 +10,7 @@ from compressor.artifact import load_artifact
 from compressor.manifest import load_manifest
 from compressor.safetensors_io import read_header
 
-from test_cli import assert_clean_error, run
+from conftest import assert_clean_error, kvq_run as run
 
 QUICK = dict(calib_samples=8, calib_seqlen=64, group_size=32)
 

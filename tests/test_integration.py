@@ -10,8 +10,7 @@ import os
 
 import pytest
 
-from compressor.cli import main
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, kvq_run as _run
 
 pytestmark = pytest.mark.integration
 
@@ -25,13 +24,6 @@ def _texts():
     if calib.is_file() and ev.is_file():
         return str(calib), str(ev)
     return "embedded", "embedded"
-
-
-def _run(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return exc.value.code, cap.out, cap.err
 
 
 def test_real_model_quantize_verify(tmp_path, capsys):

@@ -19,15 +19,9 @@ from compressor.cli import main
 from compressor.errors import InputError
 from compressor.manifest import MANIFEST_NAME, SIGNATURE_NAME, json_schema, load_manifest
 from compressor.safetensors_io import file_digest, read_header
+from conftest import kvq_run as run
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return exc.value.code, cap.out, cap.err
 
 
 def one_line_error(code, err, expected, pattern):

@@ -17,7 +17,7 @@ from compressor.quant.kv import (
 from compressor.recipe import load_recipes
 from compressor.safetensors_io import read_header
 
-from test_cli import assert_clean_error, run
+from conftest import assert_clean_error, kvq_run as run
 from test_pipeline import _model
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from compressor.calib import load_text, sample_windows, tokenize
 from compressor.manifest import load_manifest
 
-from test_cli import run
+from conftest import kvq_run as run
 
 EVAL = ["--seqlen", "64", "--max-windows", "3", "--max-new-tokens", "4", "--hidden-batches", "1"]
 

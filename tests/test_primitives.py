@@ -39,7 +39,7 @@ def test_quantize_dequantize_error_bound(bits, rows, groups, gs, symmetric, seed
 
 
 def test_matches_compressed_tensors_qparams():
-    ct = pytest.importorskip("compressed_tensors.quantization.utils.helpers")
+    import compressed_tensors.quantization.utils.helpers as ct
     from compressed_tensors.quantization import QuantizationArgs
 
     w = torch.randn(16, 64)
@@ -104,7 +104,7 @@ def test_pack_round_trip(bits, rows, cols, dim, seed):
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("dim", [0, 1])
 def test_pack_matches_compressed_tensors(bits, dim):
-    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    import compressed_tensors.compressors.pack_quantized.helpers as helpers
     qmin, qmax = qrange(bits)
     q = torch.randint(qmin, qmax + 1, (24, 72), dtype=torch.int8)
     assert torch.equal(pack_int32(q, bits, dim), helpers.pack_to_int32(q, bits, packed_dim=dim))

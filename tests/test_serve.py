@@ -8,18 +8,11 @@ import httpx
 import pytest
 
 from compressor.api import QuantizeOptions, run_quantize
-from compressor.cli import main
 from compressor.serve import Engine, Server, check_host
 from compressor.errors import InputError
+from conftest import kvq_run as run
 
 FAST = ["--max-new-tokens", "6"]
-
-
-def run(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return exc.value.code, cap.out, cap.err
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from compressor.manifest import load_manifest
 from compressor.safetensors_io import read_header, write_shards
 
 from conftest import make_model_dir
-from test_cli import run
+from conftest import kvq_run as run
 
 FAST = dict(group_size=32, calib_samples=4, calib_seqlen=32)
 
@@ -234,6 +234,7 @@ def _rank_main(rank, world, port, src, out, result_file):
                "solved": [c[1] for c in calls if isinstance(c, tuple)]}, open(f"{result_file}.{rank}", "w"))
 
 
+@pytest.mark.slow  # spawns two quantizing processes (make test-fast leaves it out)
 def test_gloo_two_processes_split_the_gptq_solves(tmp_path, deep_dir, whole):
     """2 processes (gloo, CPU) quantize together: each solves half of the linears, rank 0
     writes, and the artifact is bit-identical to the single-process one."""

@@ -10,21 +10,14 @@ import pytest
 import torch
 
 from compressor.api import VerifyOptions, run_verify
-from compressor.cli import main
 from compressor.evaluate import hidden_state_errors
 from compressor.prompts import BUILTIN_PROMPTS, load_prompts
 from compressor.report import VerifyReport, json_schema
 from compressor.stats import first_divergence, kl_and_top1, relative_error, summarize, weight_error, weight_stats
+from conftest import kvq_run as run
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--seqlen", "64", "--max-windows", "3", "--max-new-tokens", "6", "--hidden-batches", "1"]
-
-
-def run(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return exc.value.code, cap.out, cap.err
 
 
 # --- statistics against hand-computed values ----------------------------------------------
