@@ -111,7 +111,8 @@ def _config_dict(model, quant_config: dict, dtype_name: str) -> dict:
     data.pop("_name_or_path", None)
     data.pop("quantization_config", None)
     data["dtype"] = dtype_name
-    # TODO(lead): a GGUF source has no `architectures`, written as null; vLLM needs the class name (changes bytes)
+    if not data.get("architectures"):  # a GGUF source has none; vLLM picks the model class from this field
+        data["architectures"] = [type(model).__name__]
     if quant_config is not None:
         data["quantization_config"] = quant_config
     return data

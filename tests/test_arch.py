@@ -240,6 +240,11 @@ def test_quantize_then_verify(model_type, artifacts, model_dirs):
     # the artifact loads back into transformers' own modules (fused experts for MoE)
     model, _ = load_artifact(art)
     assert type(model).__name__ == type(load_model_float(model_dirs[model_type])).__name__
+    # vLLM picks the model class from config.json's architectures: it names a class transformers resolves
+    import transformers
+
+    names = json.loads((art / "config.json").read_text())["architectures"]
+    assert names == [type(model).__name__] and hasattr(transformers, names[0])
 
 
 def load_model_float(path):

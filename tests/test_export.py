@@ -147,3 +147,20 @@ def test_recipe_validation_errors_exit_2(tmp_path, capsys, yaml_text, pattern):
     recipe.write_text(yaml_text)
     code, _, err = run(["quantize", tmp_path / "missing-model", "--recipe", recipe, "-o", tmp_path / "out"], capsys)
     assert_clean_error(code, err, 2, pattern, tmp_path)
+
+
+def test_a_source_without_architectures_gets_the_class_name(tmp_path, tokenizer):
+    """A GGUF source's config has no ``architectures`` (transformers' GGUF loader leaves it
+    empty); the artifact names the class, which vLLM needs to pick its model."""
+    import json
+
+    from conftest import make_model_dir
+
+    from compressor.api import QuantizeOptions, run_quantize
+
+    src = make_model_dir(tmp_path / "src", tokenizer)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["architectures"] = None
+    (src / "config.json").write_text(json.dumps(cfg))
+    run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "out", recipe="w4a16-rtn-g64", group_size=32))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

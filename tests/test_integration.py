@@ -40,6 +40,7 @@ def test_real_model_quantize_verify(tmp_path, capsys):
     assert summary["artifact_bytes"] < 0.25 * summary["float32_bytes"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True and cfg["num_hidden_layers"] == 30
+    assert cfg["architectures"] == ["LlamaForCausalLM"]  # a GGUF source has none: vLLM needs the class
 
     # 8 x 128 calibration tokens is a smoke budget: the gate here is a sanity bound, the
     # quality figures at the default budget are in BENCHMARKS.md

@@ -1,7 +1,7 @@
 """compressed-tensors ``pack-quantized`` layout (what vLLM and transformers load).
 
 Matches vllm-project/compressed-tensors 0.20 (``compressors/pack_quantized/base.py`` and
-``helpers.py`` after PR #715, dense packing):
+``helpers.py`` after PR #732 (0.18), dense packing):
 
 * ``<module>.weight_packed`` int32 ``[out, ceil(in * b / 32)]``: the signed values
   ``q in [-2^(b-1), 2^(b-1)-1]`` are offset by ``2^(b-1)`` to unsigned and written as a
@@ -221,11 +221,8 @@ def kv_cache_scheme(spec) -> dict | None:
         return None
     from compressed_tensors.quantization import QuantizationArgs
 
-    args = QuantizationArgs(
-        num_bits=8, type="float" if spec.scheme == "fp8" else "int",
-        strategy="tensor" if spec.strategy == "tensor" else "attn_head", dynamic=False, symmetric=True,
-        group_size=None, block_structure=None, actorder=None, observer="minmax", observer_kwargs={},
-    )
+    # the KV scheme object declares its field (compressor.quant.kv_schemes); the library validates it
+    args = QuantizationArgs(**spec.codec.config_field())
     return _dump(args, _KV_ARGS_KEYS)
 
 

@@ -2,7 +2,7 @@
 
 Element ``j`` of a row occupies bits ``j*b .. j*b+b-1`` of the row's int32 word stream
 (crossing words when ``b`` does not divide 32; unused tail bits are 0). This is
-compressed-tensors' ``pack_to_int32`` (0.17+, dense packing, PR #715) and AutoGPTQ's
+compressed-tensors' ``pack_to_int32`` (0.18+, dense packing, PR #732) and AutoGPTQ's
 ``pack()`` (``32 // b`` values per word for 2/4/8 bits, the 10-1-10-1-10 scheme for 3
 bits); see ``docs/formats.md``. AWQ's nibble interleave is a column permutation on top
 (:mod:`.awq`).

@@ -23,7 +23,7 @@ scheme      strategy      what is stored per layer
 ==========  ============  ===========================================================
 
 Static scales follow the compressed-tensors / vLLM convention ``stored = Q(x / scale)``,
-``x ≈ stored * scale`` (FORMATS.md 2a): fp8 ``scale = absmax / 448``, int8
+``x ≈ stored * scale`` (docs/formats.md, KV cache): fp8 ``scale = absmax / 448``, int8
 ``scale = absmax / 127``, from absmax statistics collected by :class:`KVObserver` during
 the sequential calibration pass.
 
