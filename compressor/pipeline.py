@@ -439,7 +439,8 @@ def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: 
     if recount:
         experts.counts.zero_()
     tp = time.perf_counter()
-    new_hidden = _recompute(i, layer, hidden, kw, ctx.observer)
+    peak: list = []
+    new_hidden = _recompute(i, layer, hidden, kw, ctx.observer, peak)
     if recount:
         counts = experts.counts.tolist()
     _record_moe(i, layer, ctx, algorithm, result, counts)
@@ -447,6 +448,7 @@ def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: 
     if outcome.float_out is not None:
         out_err = _out_error(_first_rows(new_hidden, outcome.float_out.shape[0]), outcome.float_out)
     fig = _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", outcome.errs, out_err, 0.0, **outcome.figures)
+    fig["max_abs_activation"] = float(f"{peak[0]:.6g}")
     if outcome.phases is not None:
         phases = {**outcome.phases, "recompute": time.perf_counter() - tp}
         fig["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
@@ -490,12 +492,32 @@ def _figures(i, schemes, prefix, errs, out_err, seconds, **extra):
     }
 
 
-def _recompute(i, layer, hidden, kw, observer=None):
-    """The layer's outputs with its quantized weights (the next layer's inputs); KV statistics on the way."""
-    new_hidden = [layer_forward(layer, h, kw, observer) for h in hidden]
+def _recompute(i, layer, hidden, kw, observer=None, peak: list | None = None):
+    """The layer's outputs with its quantized weights (the next layer's inputs); KV statistics on the way.
+
+    ``peak``: when given, ``peak[0]`` becomes the largest absolute value among the layer's
+    outputs and every linear's output inside it (float32, over all calibration tokens): what
+    a float16 deployment must hold below 65,504 (``compressor.commands.quantize`` checks it).
+    """
+    handles = []
+    if peak is not None:
+        peak[:] = [0.0]
+
+        def track(_m, _inp, out):
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                peak[0] = max(peak[0], float(out.detach().abs().amax()))
+
+        handles = [m.register_forward_hook(track) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        new_hidden = [layer_forward(layer, h, kw, observer) for h in hidden]
+    finally:
+        for hd in handles:
+            hd.remove()
     for j, h in enumerate(new_hidden):
         if not torch.isfinite(h).all():
             raise QuantizationError(f"decoder layer {i} produced NaN/Inf after quantization (batch {j}); nothing was written")
+        if peak is not None:
+            peak[0] = max(peak[0], float(h.abs().amax()))
     return new_hidden
 
 
