@@ -427,7 +427,8 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, devi
 @click.option("--backend", type=click.Choice(["auto", "aten", "dequant", "triton"]), default="auto", show_default=True, help="Weight kernels (see serve-smoke).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the runtime runs.")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help="Concurrent requests batched into one generation.")
-def serve(artifact, host, port, allow_remote, backend, device, max_batch):
+@click.option("--max-queue", type=click.IntRange(1, 65536), default=64, show_default=True, help="Sequences (prompts) allowed to wait; a request that does not fit gets 429.")
+def serve(artifact, host, port, allow_remote, backend, device, max_batch, max_queue):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API until Ctrl-C.
 
     Routes: GET /health, POST /v1/completions, POST /v1/chat/completions (greedy when
@@ -438,31 +439,12 @@ def serve(artifact, host, port, allow_remote, backend, device, max_batch):
       kvq serve out/smollm2-w4 --port 8000 &
       curl -s localhost:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 8}'
     """
-    from .serve import check_host
+    from .runtime.server import ServeOptions, check_host, run_server
 
-    check_host(host, allow_remote)
+    check_host(host, allow_remote)  # refuse before loading anything
     _quiet_libraries()
-    from transformers import AutoTokenizer
-
-    from .errors import CheckFailed
-    from .integrity import check_hashes
-    from .runtime import Runtime
-    from .serve import Engine, Server
-
-    if not Path(artifact).is_dir():
-        raise InputError(f"artifact folder {artifact} not found")
-    if not check_hashes(artifact)["ok"]:
-        raise CheckFailed(f"{artifact} does not match its manifest; run `kvq verify {artifact} --hashes-only`")
-    rt = Runtime.from_artifact(artifact, device=_device(device), backend=backend, kv="artifact")
-    eng = Engine(rt, AutoTokenizer.from_pretrained(str(artifact)), Path(artifact).name, max_batch)
-    srv = Server(eng, host, port).start()
-    click.echo(f"kvq: serving {Path(artifact).name} on {srv.url} (Ctrl-C to stop)", err=True)
-    try:
-        while srv.thread.is_alive():
-            srv.thread.join(0.5)
-    finally:
-        srv.stop()
-        eng.close()
+    run_server(ServeOptions(artifact, host, port, allow_remote, backend, _device(device), max_batch, max_queue),
+               announce=lambda line: click.echo(line, err=True))
 
 
 @cli.command()

@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from compressor.api import QuantizeOptions, run_quantize
-from compressor.serve import Engine, Server, check_host
+from compressor.cli import main
+from compressor.runtime.server import Engine, Server, check_host
 from compressor.errors import InputError
 from conftest import kvq_run as run
 
@@ -167,7 +168,7 @@ def test_http_limits_sampling_and_openai_fields(art):
     from transformers import AutoTokenizer
 
     from compressor.runtime import Runtime
-    from compressor.serve import MAX_BODY_BYTES
+    from compressor.runtime.server import MAX_BODY_BYTES
 
     rt = Runtime.from_artifact(art, kv="artifact")
     eng = Engine(rt, AutoTokenizer.from_pretrained(str(art)), "tiny")

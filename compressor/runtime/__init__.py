@@ -12,6 +12,10 @@ module                 contents
 ``weights``            :class:`~compressor.runtime.weights.QuantWeight`, artifact readers
 ``kv_cache``           preallocated KV caches: float, fp8, int8 (head/token), KIVI int4/int2
 ``triton_kernels``     W4A16 Triton GEMV/GEMM, launcher, layout, torch reference
+``engine``             :class:`~compressor.runtime.engine.Engine`: bounded queue, batching,
+                       cancellation (``kvq serve``)
+``server``             the OpenAI-compatible HTTP server, its pydantic request models,
+                       ``run_server`` (``kvq serve``)
 =====================  ==================================================================
 
 Triton is optional and imported only when a Triton kernel is first used.

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -182,7 +182,8 @@ class Runtime:
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, greedy: bool = True,
                  temperature: float = 1.0, seed: int = 0, eos_token_id: int | Sequence[int] | None = None,
-                 prefill_chunk: int | None = None, return_prompt_logits: bool = False) -> GenerationResult:
+                 prefill_chunk: int | None = None, return_prompt_logits: bool = False,
+                 cancelled: Callable[[], Sequence[bool]] | None = None) -> GenerationResult:
         """Generate continuations of several prompts at once.
 
         Args:
@@ -195,6 +196,9 @@ class Runtime:
             prefill_chunk: prompt tokens per prefill forward (default: the longest prompt).
             return_prompt_logits: keep float32 logits of every prompt position (for KL /
                 agreement against a reference).
+            cancelled: called before each decode step, one flag per sequence; a flagged
+                sequence stops there (keeping the tokens it has), and the batch stops when
+                every sequence has (the HTTP server drops requests whose client left).
 
         Raises:
             InputError: empty prompt list or prompt, ids outside the vocabulary,
@@ -259,6 +263,10 @@ class Runtime:
                     done[b] = toks[b] in eos
             if i == max_new_tokens - 1 or all(done):
                 break
+            if cancelled is not None:
+                done = [d or bool(c) for d, c in zip(done, cancelled())]
+                if all(done):
+                    break
             nxt = pick(self.decoder.forward(nxt[:, None].cpu(), cache, ones, last_only=True))
             decode_tokens += B
         self._sync()
