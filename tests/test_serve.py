@@ -8,7 +8,6 @@ import httpx
 import pytest
 
 from compressor.api import QuantizeOptions, run_quantize
-from compressor.cli import main
 from compressor.runtime.server import Engine, Server, check_host
 from compressor.errors import InputError
 from conftest import kvq_run as run
