@@ -15,7 +15,6 @@ Markdown table for BENCHMARKS.md. ``QUICK=1``: 2 windows, 8 calibration samples.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time

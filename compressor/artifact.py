@@ -14,7 +14,6 @@ import platform
 import shutil
 import tempfile
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -258,7 +257,6 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .quant.primitives import dequantize
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
