@@ -82,3 +82,9 @@ bench-quality: install
 
 clean:
 	rm -rf $(DEMO) build *.egg-info
+
+# GPU check (issue #19): Triton W4A16 vs torch, quantize --device cuda vs CPU, serve-smoke on CUDA; one JSON,
+# bench/results/gpu_check.json, under 8 minutes on one GPU. On a CUDA machine install with `make install TORCH=torch`.
+.PHONY: gpu-check
+gpu-check: install
+	$(BIN)/python bench/gpu_check.py --shared $(SHARED)
