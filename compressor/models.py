@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,11 +105,8 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
     Raises:
         InputError: the files cannot be parsed by transformers.
     """
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    transformers.logging.set_verbosity_error()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         if source.kind == "gguf":
             kw = {"gguf_file": source.path.name}
