@@ -354,4 +354,4 @@ def check_host(host: str, allow_remote: bool) -> None:
 # serve-smoke moved to compressor.commands.serve_smoke; these names stay importable from here
 
 from .commands.options import SmokeOptions  # noqa: E402,F401
-from .commands.serve_smoke import _smoke_thresholds, run_serve_smoke  # noqa: E402,F401
+from .commands.serve_smoke import run_serve_smoke  # noqa: E402,F401

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Union
+from typing import Annotated, Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, ValidationError, field_validator, model_validator
-from typing_extensions import Annotated
 
 from ..errors import InputError
 from ..gates import gates_of
@@ -36,8 +35,8 @@ class OptionError(InputError):
     Attributes:
         reason: what is wrong (``must be a finite number``).
         option: the option's flat keyword (``max_kl``), ``None`` for a combination.
-        hint: how the command line names the culprit (``--group-size``), if it differs
-            from the option's own flag; ``None`` for a combination.
+        hint: how the message names the culprit, as written (``--group-size``);
+            ``None``: the option's flag, quoted as click quotes it (or nothing, for a combination).
     """
 
     def __init__(self, reason: str, option: Optional[str] = None, hint: Optional[str] = None):
