@@ -103,8 +103,6 @@ def load_text(spec: str, text_field: str = "text", part: str = "calib") -> TextS
 def _via_datasets(path: Path, builder: str, field: str) -> str:
     import datasets
 
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
     try:
         ds = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as e:  # datasets raises many types for malformed files

@@ -1,5 +1,10 @@
 """The ``kvq`` command line: parses options into config objects and calls the library.
 
+Each command builds its options object (:mod:`compressor.commands.options`, where ranges
+and combinations are validated; the click types take their ranges from there) and calls
+its command (:mod:`compressor.commands`). Process-wide settings (environment variables,
+third-party logging and progress bars) are made here, never in the library.
+
 Exit codes: 0 ok, 1 a check failed, 2 usage or input error. Errors are one line.
 """
 
@@ -9,19 +14,13 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import click
 
+from .commands.options import OptionError, QuantizeOptions, SmokeOptions, VerifyOptions, bounds
+from .console import make_console as _console
 from .errors import InputError, KvqError
-
-
-
-def _console():
-    from rich.console import Console
-
-    return Console(stderr=True)
 
 
 def _quiet_libraries() -> None:
@@ -29,19 +28,36 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported (calibration files)
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
 
-def _finite(ctx, param, value):
-    """click callback: refuse NaN/Inf for float options (they would poison gates and arithmetic)."""
-    import math
+def _range(options, flat: str, kind=int):
+    """The click type of option ``flat`` of ``options``: its range as the options object
+    declares it (shown in ``--help`` and checked while parsing), else plain ``kind``."""
+    b = bounds(options, flat)
+    if b["min"] is None and b["max"] is None:
+        return kind
+    return (click.IntRange if kind is int else click.FloatRange)(**b)
 
-    if value is not None and not math.isfinite(value):
-        raise click.BadParameter("must be a finite number", param=param)
-    return value
+
+#: options whose flag is not ``--`` + the option's name with dashes
+_FLAGS = {"digest_algorithm": "--digest", "shard_bytes": "--shard-size", "eval_text": "--eval"}
+
+
+def _options(cls, **flat):
+    """``cls(**flat)``; an :class:`OptionError` becomes click's usage error, named by flag."""
+    try:
+        return cls(**flat)
+    except OptionError as e:
+        hint = e.hint
+        if hint is None and e.option is not None:
+            hint = f"'{_FLAGS.get(e.option, '--' + e.option.replace('_', '-'))}'"
+        raise click.BadParameter(e.reason, param_hint=hint) from None
 
 
 def _device(name: str) -> str:
@@ -75,7 +91,7 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
 
 
 def _parse_size(value: str, param) -> int:
-    """``5GB`` / ``500MB`` / ``2GiB`` / ``123456`` -> bytes (at least 1 MB)."""
+    """``5GB`` / ``500MB`` / ``2GiB`` / ``123456`` -> bytes (at least 1 MB: smaller shards are for tests)."""
     import re
 
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
@@ -94,7 +110,7 @@ def _parse_size(value: str, param) -> int:
 @click.option("--recipe", "recipes_", multiple=True, default=("w4a16-awq",), show_default=True, help="Bundled recipe name (see `kvq recipes`) or path to a YAML recipe; repeatable: later ones add to or override earlier ones (--recipe w4a16-awq --recipe kv-fp8).")
 @click.option("--kv-scheme", type=click.Choice(["fp8", "int8", "int4", "int2"]), default=None, help="Shortcut for a KV-cache scheme with its defaults (fp8 per tensor, int8 per token, int4/int2 KIVI group 32 residual 128).")
 @click.option("--algorithm", type=click.Choice(["awq", "gptq", "rtn", "none"]), default=None, help="Override the recipe's algorithm (none: weights stay float, e.g. a KV-only artifact).")
-@click.option("--bits", type=click.IntRange(2, 8), default=None, help="Override weights.num_bits (2-8).")
+@click.option("--bits", type=_range(QuantizeOptions, "bits"), default=None, help="Override weights.num_bits (2-8).")
 @click.option("--group-size", default=None, help="Override weights.group_size: 32, 64, 128, -1 (per channel) or auto.")
 @click.option("--symmetric/--asymmetric", default=None, help="Override weights.symmetric (the bundled 4/3-bit recipes are asymmetric, w8a16-rtn symmetric).")
 @click.option("--act-order/--no-act-order", default=None, help="Override gptq.act_order (GPTQ: visit columns by descending Hessian diagonal).")
@@ -102,8 +118,8 @@ def _parse_size(value: str, param) -> int:
 @click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "awq", "gptq"]), default="compressed-tensors", show_default=True, help="On-disk layout: compressed-tensors (vLLM/transformers), awq (AutoAWQ GEMM, 4-bit only) or gptq (AutoGPTQ/GPTQModel; g_idx for act-order).")
 @click.option("--calib", default="embedded", show_default=True, help="Calibration text: a .txt/.jsonl/.parquet file, 'embedded' (offline CPython prose), or wikitext2/c4/pileval (online); or a .safetensors file with one integer tensor input_ids [samples, seqlen] of pre-tokenized windows (used as they are; --calib-samples/--calib-seqlen/--seed do not apply).")
 @click.option("--calib-field", default="text", show_default=True, help="Text column of a .jsonl/.parquet calibration file.")
-@click.option("--calib-samples", type=click.IntRange(1, 1_000_000), default=128, show_default=True, help="Number of calibration sequences.")
-@click.option("--calib-seqlen", type=click.IntRange(2, 1_048_576), default=512, show_default=True, help="Tokens per calibration sequence.")
+@click.option("--calib-samples", type=_range(QuantizeOptions, "calib_samples"), default=128, show_default=True, help="Number of calibration sequences.")
+@click.option("--calib-seqlen", type=_range(QuantizeOptions, "calib_seqlen"), default=512, show_default=True, help="Tokens per calibration sequence.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for drawing calibration windows.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where each layer is processed.")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True, help="Storage dtype of scales and unquantized tensors.")
@@ -115,7 +131,7 @@ def _parse_size(value: str, param) -> int:
 @click.option("--sign-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="With --sign-certificate: a certificate of its chain (repeatable).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Read a safetensors MODEL one decoder layer at a time (peak memory about one layer plus calibration activations); --no-stream loads it whole. GGUF files are always loaded whole.")
 @click.option("--shard-size", default="5GB", show_default=True, callback=lambda c, p, v: _parse_size(v, p), help="Maximum size of one output weights file (e.g. 500MB, 2GiB; at least 1MB); several files get model-0000k-of-0000N names and model.safetensors.index.json.")
-@click.option("--activation-budget-gib", type=click.FloatRange(0, None), default=8.0, show_default=True, help="Calibration activations above this size move to memory-mapped files in the staging folder.")
+@click.option("--activation-budget-gib", type=_range(QuantizeOptions, "activation_budget_gib", float), default=8.0, show_default=True, help="Calibration activations above this size move to memory-mapped files in the staging folder.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run of the same command from its last finished layer (kept in .OUTPUT.kvq-partial beside OUTPUT); refused if the inputs changed.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout; no progress bar.")
 def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, symmetric, act_order, settings, fmt, calib, calib_field,
@@ -154,7 +170,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     checkpoint; the artifact appears only when complete (atomic rename).
     """
     _quiet_libraries()
-    from .api import QuantizeOptions, run_quantize
+    from . import api
     from .signing import SignOptions
 
     if (sign_certificate or sign_chain) and not sign_key:
@@ -164,11 +180,6 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     sign = None if sign_key is None else SignOptions(private_key=sign_key, password=sign_password,
                                                      signing_certificate=sign_certificate, certificate_chain=tuple(sign_chain))
 
-    if group_size is not None and group_size != "auto":
-        try:
-            group_size = int(group_size)
-        except ValueError:
-            raise click.BadParameter("must be an integer, -1 or 'auto'", param_hint="--group-size") from None
     parsed = []
     for item in settings:
         key, sep, value = item.partition("=")
@@ -180,14 +191,14 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
             parsed.append((key.strip(), yaml.safe_load(value)))
         except yaml.YAMLError:
             raise click.BadParameter(f"cannot parse the value of {item!r}", param_hint="--set") from None
-    opts = QuantizeOptions(
-        model=model, output=output, recipe=tuple(recipes_), kv_scheme=kv_scheme, algorithm=algorithm, bits=bits, group_size=group_size,
+    opts = _options(
+        QuantizeOptions, model=model, output=output, recipe=tuple(recipes_), kv_scheme=kv_scheme, algorithm=algorithm, bits=bits, group_size=group_size,
         symmetric=symmetric, act_order=act_order, settings=tuple(parsed), format=fmt, calib=calib, calib_field=calib_field, calib_samples=calib_samples,
         calib_seqlen=calib_seqlen, seed=seed, device=_device(device), dtype=dtype, overwrite=overwrite,
         digest_algorithm=digest_algorithm, sign=sign, stream=stream, shard_bytes=shard_size, resume=resume,
         activation_budget_gib=activation_budget_gib,
     )
-    summary = run_quantize(opts, console=None if as_json else _console())
+    summary = api.run_quantize(opts, console=None if as_json else _console())
     if summary.get("rank", 0) != 0:  # torchrun: rank 0 reports for the group
         return
     if as_json:
@@ -198,25 +209,25 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--reference", default=None, help="Original model to compare with (default: the source recorded in the manifest).")
 @click.option("--eval", "eval_text", default="embedded", show_default=True, help="Evaluation text: a .txt/.raw/.jsonl/.parquet file or 'embedded' (held-out CPython prose).")
-@click.option("--seqlen", type=click.IntRange(2, None), default=2048, show_default=True, help="Tokens per evaluation window.")
-@click.option("--max-windows", type=click.IntRange(1, None), default=None, help="Evaluate only the first N windows (default: all).")
-@click.option("--max-ppl-increase", type=click.FloatRange(0, None), default=None, callback=_finite, help="Gate: maximum perplexity increase in percent (default: the recipe's gates.max_ppl_increase_pct).")
+@click.option("--seqlen", type=_range(VerifyOptions, "seqlen"), default=2048, show_default=True, help="Tokens per evaluation window.")
+@click.option("--max-windows", type=_range(VerifyOptions, "max_windows"), default=None, help="Evaluate only the first N windows (default: all).")
+@click.option("--max-ppl-increase", type=_range(VerifyOptions, "max_ppl_increase", float), default=None, help="Gate: maximum perplexity increase in percent (default: the recipe's gates.max_ppl_increase_pct).")
 @click.option("--hashes-only", is_flag=True, help="Only recheck file and tensor digests against the manifest.")
 @click.option("--kv-scheme", type=click.Choice(["fp8", "int8", "int4", "int2"]), default=None, help="Evaluate with this KV-cache scheme (its defaults) instead of the artifact's; works on any artifact, static scales are calibrated on --kv-calib.")
-@click.option("--kv-budget-gib", type=click.FloatRange(0, None, min_open=True), default=16.0, callback=_finite, show_default=True, help="KV-cache memory budget for the accounting line (max tokens, max batch per context).")
-@click.option("--kv-chunk", type=click.IntRange(1, None), default=128, show_default=True, help="With a quantized KV cache, tokens per prefill chunk (each chunk reads the cache after writing).")
+@click.option("--kv-budget-gib", type=_range(VerifyOptions, "kv_budget_gib", float), default=16.0, show_default=True, help="KV-cache memory budget for the accounting line (max tokens, max batch per context).")
+@click.option("--kv-chunk", type=_range(VerifyOptions, "kv_chunk"), default=128, show_default=True, help="With a quantized KV cache, tokens per prefill chunk (each chunk reads the cache after writing).")
 @click.option("--kv-calib", default="embedded", show_default=True, help="Calibration text for --kv-scheme static scales (fp8, int8 per head): 16 x 512 tokens of it, seed 0; recorded in the report.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where perplexity is computed.")
 @click.option("--weights-only", is_flag=True, help="Weight statistics only (per tensor error, SQNR, original vs artifact mean/std/absmax/kurtosis): no eval text, no perplexity; fast CI check.")
-@click.option("--max-mean-kl", type=click.FloatRange(0, None), default=None, callback=_finite, help="Gate: maximum mean KL(reference || artifact) per token, nats (default: the recipe's gates.max_mean_kl).")
-@click.option("--max-p99-kl", type=click.FloatRange(0, None), default=None, callback=_finite, help="Gate: maximum 99th-percentile token KL, nats.")
-@click.option("--min-top1", type=click.FloatRange(0, 100), default=None, callback=_finite, help="Gate: minimum top-1 agreement with the reference, percent of predicted tokens.")
-@click.option("--min-sqnr-db", type=float, default=None, callback=_finite, help="Gate: minimum weight SQNR in dB over every quantized tensor (failing tensors are named).")
-@click.option("--max-hidden-error", type=click.FloatRange(0, None), default=None, callback=_finite, help="Gate: maximum relative hidden-state error after the last decoder layer (0.05 = 5 %).")
-@click.option("--min-median-divergence", type=click.IntRange(0, None), default=None, help="Gate: minimum median position where greedy generations first differ.")
+@click.option("--max-mean-kl", type=_range(VerifyOptions, "max_mean_kl", float), default=None, help="Gate: maximum mean KL(reference || artifact) per token, nats (default: the recipe's gates.max_mean_kl).")
+@click.option("--max-p99-kl", type=_range(VerifyOptions, "max_p99_kl", float), default=None, help="Gate: maximum 99th-percentile token KL, nats.")
+@click.option("--min-top1", type=_range(VerifyOptions, "min_top1", float), default=None, help="Gate: minimum top-1 agreement with the reference, percent of predicted tokens.")
+@click.option("--min-sqnr-db", type=_range(VerifyOptions, "min_sqnr_db", float), default=None, help="Gate: minimum weight SQNR in dB over every quantized tensor (failing tensors are named).")
+@click.option("--max-hidden-error", type=_range(VerifyOptions, "max_hidden_error", float), default=None, help="Gate: maximum relative hidden-state error after the last decoder layer (0.05 = 5 %).")
+@click.option("--min-median-divergence", type=_range(VerifyOptions, "min_median_divergence"), default=None, help="Gate: minimum median position where greedy generations first differ.")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Prompts for the greedy-drift check: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: 8 built-in prompts.")
-@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=32, show_default=True, help="Tokens generated per prompt for the greedy-drift check.")
-@click.option("--hidden-batches", type=click.IntRange(1, 64), default=2, show_default=True, help="Eval windows (first 512 tokens each) for the per-layer hidden-state error.")
+@click.option("--max-new-tokens", type=_range(VerifyOptions, "max_new_tokens"), default=32, show_default=True, help="Tokens generated per prompt for the greedy-drift check.")
+@click.option("--hidden-batches", type=_range(VerifyOptions, "hidden_batches"), default=2, show_default=True, help="Eval windows (first 512 tokens each) for the per-layer hidden-state error.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write report.md (PR comment), report.html, report.json and PNG plots into this folder.")
 @click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Check model.sig with this EC public key (PEM) before anything else.")
 @click.option("--certificate-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="Check model.sig against this certificate chain (PEM, repeatable).")
@@ -265,22 +276,15 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
         raise InputError(f"cannot write --json-out {json_out}: its folder does not exist")
     from .signing import VerifyKeys
 
-    if sum(bool(x) for x in (public_key, certificate_chain, identity or issuer)) > 1:
-        raise click.BadParameter("choose one of --public-key, --certificate-chain, --identity/--issuer")
     keys = VerifyKeys(public_key=public_key, certificate_chain=tuple(certificate_chain), identity=identity, issuer=issuer)
-
-    if hashes_only and weights_only:
-        raise click.BadParameter("choose one of --hashes-only and --weights-only")
-    if no_manifest and hashes_only:
-        raise click.BadParameter("--no-manifest has no digests to check: --hashes-only does not apply")
-    if no_manifest and not reference:
-        raise click.BadParameter("--no-manifest needs --reference (a foreign artifact records no source model)")
-    gate_flags = {"--max-ppl-increase": max_ppl_increase, "--max-mean-kl": max_mean_kl, "--max-p99-kl": max_p99_kl,
-                  "--min-top1": min_top1, "--min-sqnr-db": min_sqnr_db, "--max-hidden-error": max_hidden_error,
-                  "--min-median-divergence": min_median_divergence}
-    given = [k for k, v in gate_flags.items() if v is not None]
-    if hashes_only and given:
-        raise click.BadParameter(f"{given[0]} cannot be evaluated with --hashes-only (no statistics are computed)")
+    opts = _options(
+        VerifyOptions, artifact=artifact, reference=reference, eval_text=eval_text, seqlen=seqlen, max_windows=max_windows,
+        max_ppl_increase=max_ppl_increase, hashes_only=hashes_only, device=device, kv_scheme=kv_scheme,
+        kv_budget_gib=kv_budget_gib, kv_chunk=kv_chunk, kv_calib=kv_calib, keys=keys, weights_only=weights_only,
+        max_mean_kl=max_mean_kl, max_p99_kl=max_p99_kl, min_top1=min_top1, min_sqnr_db=min_sqnr_db,
+        max_hidden_error=max_hidden_error, min_median_divergence=min_median_divergence,
+        prompts=prompts_file, max_new_tokens=max_new_tokens, hidden_batches=hidden_batches, no_manifest=no_manifest,
+    )
     for path, flag in ((report_dir, "--report"), (json_out, "--json-out")):
         if path is not None and Path(artifact).is_dir() and path.resolve().is_relative_to(Path(artifact).resolve()):
             raise InputError(f"{flag} {path} is inside the artifact; writing there would change what was signed")
@@ -293,18 +297,9 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
         full = verify_integrity(artifact, keys, console)
     else:
         _quiet_libraries()
-        from .api import VerifyOptions, run_verify
+        from . import api
 
-        opts = VerifyOptions(
-            artifact=artifact, reference=reference, eval_text=eval_text, seqlen=seqlen, max_windows=max_windows,
-            max_ppl_increase=max_ppl_increase, hashes_only=False, device=_device(device), kv_scheme=kv_scheme,
-            kv_budget_gib=kv_budget_gib, kv_chunk=kv_chunk, kv_calib=kv_calib, keys=keys, weights_only=weights_only,
-            max_mean_kl=max_mean_kl, max_p99_kl=max_p99_kl, min_top1=min_top1, min_sqnr_db=min_sqnr_db,
-            max_hidden_error=max_hidden_error, min_median_divergence=min_median_divergence,
-            prompts=str(prompts_file) if prompts_file else None, max_new_tokens=max_new_tokens,
-            hidden_batches=hidden_batches, no_manifest=no_manifest,
-        )
-        full = run_verify(opts, console=console)
+        full = api.run_verify(opts.model_copy(update={"device": _device(device)}), console=console)
     from .report import json_safe
 
     report = json_safe({k: v for k, v in full.items() if not k.startswith("_")})
@@ -351,7 +346,7 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
       kvq sign out/smollm2-w4 --private-key key.pem --signing-certificate cert.pem --certificate-chain ca.pem
       kvq sign out/smollm2-w4 --sigstore
     """
-    from .integrity import run_sign
+    from .commands.sign import run_sign
     from .signing import SignOptions
 
     if identity_token is not None and not sigstore and _from_command_line("identity_token"):
@@ -368,15 +363,15 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
 @cli.command("serve-smoke")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Prompts: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: 8 built-in prompts.")
-@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=32, show_default=True, help="Tokens generated per prompt (greedy).")
+@click.option("--max-new-tokens", type=_range(SmokeOptions, "max_new_tokens"), default=32, show_default=True, help="Tokens generated per prompt (greedy).")
 @click.option("--reference", default=None, help="Original model to compare with (default: the source recorded in the manifest).")
 @click.option("--backend", type=click.Choice(["auto", "aten", "dequant", "triton"]), default="auto", show_default=True, help="Weight kernels: auto (CPU: PyTorch int4/int8 weight-only ops, else dequantize; CUDA: Triton W4A16), or one of them.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the runtime and the reference run.")
 @click.option("--http", is_flag=True, help="Also start the OpenAI-compatible server on a free 127.0.0.1 port, send --http-requests concurrent requests (completions and chat), check the answers, stop it.")
-@click.option("--http-requests", type=click.IntRange(1, 256), default=8, show_default=True, help="Concurrent requests for --http.")
-@click.option("--min-top1", type=click.FloatRange(0, 100), default=None, callback=_finite, help="Gate: minimum top-1 agreement with the reference over generated positions, percent (default: recipe gates.serve_min_top1_pct, else 70).")
-@click.option("--max-kl", type=click.FloatRange(0, None), default=None, callback=_finite, help="Gate: maximum mean KL(reference || runtime) over prompt positions, nats (default: recipe gates.serve_max_prompt_kl, else 0.5).")
-@click.option("--min-first-divergence", type=click.IntRange(0, None), default=None, help="Gate: minimum median first generated position where the reference would pick another token.")
+@click.option("--http-requests", type=_range(SmokeOptions, "http_requests"), default=8, show_default=True, help="Concurrent requests for --http.")
+@click.option("--min-top1", type=_range(SmokeOptions, "min_top1", float), default=None, help="Gate: minimum top-1 agreement with the reference over generated positions, percent (default: recipe gates.serve_min_top1_pct, else 70).")
+@click.option("--max-kl", type=_range(SmokeOptions, "max_kl", float), default=None, help="Gate: maximum mean KL(reference || runtime) over prompt positions, nats (default: recipe gates.serve_max_prompt_kl, else 0.5).")
+@click.option("--min-first-divergence", type=_range(SmokeOptions, "min_first_divergence"), default=None, help="Gate: minimum median first generated position where the reference would pick another token.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, device, http, http_requests, min_top1, max_kl,
                 min_first_divergence, as_json):
@@ -406,9 +401,9 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, devi
       kvq serve-smoke out/smollm2-w4-fp8kv --http --json
     """
     _quiet_libraries()
-    from .serve import SmokeOptions, run_serve_smoke
+    from .commands.serve_smoke import run_serve_smoke
 
-    opts = SmokeOptions(artifact=artifact, prompts=str(prompts_file) if prompts_file else None,
+    opts = _options(SmokeOptions, artifact=artifact, prompts=str(prompts_file) if prompts_file else None,
                         max_new_tokens=max_new_tokens, reference=reference, device=_device(device), backend=backend,
                         http=http, http_requests=http_requests, min_top1=min_top1, max_kl=max_kl,
                         min_first_divergence=min_first_divergence)

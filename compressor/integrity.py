@@ -1,6 +1,6 @@
-"""Artifact integrity without torch: manifest digests, signature checks, signing.
+"""Artifact integrity without torch: manifest digests, signature checks.
 
-Everything ``kvq verify --hashes-only`` and ``kvq sign`` need lives here and imports
+Everything ``kvq verify --hashes-only`` and ``kvq sign`` (:mod:`compressor.commands.sign`) need lives here and imports
 neither torch nor transformers, so those commands start in about a second.
 """
 
@@ -13,10 +13,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from .errors import CheckFailed, InputError
+from .errors import InputError
 from .manifest import MANIFEST_NAME, SIGNATURE_NAME, FileRecord, Manifest, TensorRecord, load_manifest
 from .safetensors_io import digest_files, file_digest
-from .signing import SignOptions, VerifyKeys, check_sign_options, sign_folder, verify_signature
+from .signing import VerifyKeys, verify_signature
 
 
 def build_manifest(folder: Path, fields: dict, extra_provenance: dict | None = None,
@@ -206,29 +206,6 @@ def check_artifact_folder(folder) -> Path:
     return folder
 
 
-def run_sign(folder: Path, opts: SignOptions, console=None) -> dict:
-    """``kvq sign``: check the artifact against its manifest, then sign it with model_signing.
-
-    Raises:
-        InputError: not an artifact, bad key material.
-        CheckFailed: the artifact does not match its manifest (nothing is signed), or signing failed.
-    """
-    folder = Path(folder)
-    check_artifact_folder(folder)
-    check_sign_options(opts)
-    load_manifest(folder)
-    hashes = check_hashes(folder)
-    if not hashes["ok"]:
-        if console:
-            print_hashes(console, hashes)
-        diffs = sum(len(hashes[k]) for k in HASH_KEYS)
-        raise CheckFailed(f"{folder} does not match its manifest ({diffs} difference(s)); refusing to sign it")
-    path = sign_folder(folder, opts)
-    if console:
-        console.print(f"[green]signed[/] {folder} ({opts.method()}): {path}", highlight=False)
-    return {"artifact": str(folder), "signature": str(path), "method": opts.method(), "hashes": hashes}
-
-
 def verify_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) -> dict:
     """``kvq verify --hashes-only``: signature (when keys are given) and digests; the report dict.
 
@@ -266,3 +243,12 @@ def foreign_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) ->
     return {"schema_version": "kvq.verify-report/1", "artifact": str(folder), "mode": "hashes-only",
             "signature": signature, "hashes": hashes, "gates": [], "failed_gates": [], "warnings": [],
             "passed": signature["ok"] is not False, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def __getattr__(name: str):
+    """``run_sign`` moved to :mod:`compressor.commands.sign`; still importable from here."""
+    if name == "run_sign":
+        from .commands.sign import run_sign
+
+        return run_sign
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

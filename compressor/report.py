@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict
 
 from .errors import InputError
+from .gates import gate
 
 REPORT_SCHEMA = "kvq.verify-report/1"
 
@@ -175,118 +176,152 @@ def _fmt(v, spec=".4f") -> str:
 PNG_NAMES = ("perplexity_per_window.png", "kl_histogram.png", "layer_errors.png")
 
 
+def _figure(*grid, figsize, dpi, **kw):
+    """``(figure, axes)`` like ``pyplot.subplots``, on a private Agg canvas (nothing global)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(*grid, **kw)
+
+
 def plots(report: dict, folder: Path) -> list[Path]:
-    """Draw the report's PNGs into ``folder``; returns their paths (only those with data)."""
-    import matplotlib
+    """Draw the report's PNGs into ``folder``; returns their paths (only those with data).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from matplotlib.ticker import MaxNLocator
-
-    def fin(v):
-        return float(v) if v is not None and math.isfinite(v) else float("nan")
-
-    out: list[Path] = []
+    Figures are drawn on their own Agg canvas (no pyplot): the process's matplotlib
+    backend is left as it is.
+    """
     name = Path(report["artifact"]).name
     gates = {g["name"]: g for g in report.get("gates", [])}
-    pw = report.get("per_window")
-    if pw:
-        fig, ax = plt.subplots(figsize=(8, 3.6), dpi=110)
-        xs = [r["window"] for r in pw]
-        ax.plot(xs, [fin(r["ppl_reference"]) for r in pw], "o-", label="reference (original model)", color="#555555")
-        ax.plot(xs, [fin(r["ppl_artifact"]) for r in pw], "o-", label=f"artifact ({report['distribution']['measured_on']})",
-                color="#d62728")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("evaluation window (index into the eval text)")
-        ax.set_ylabel("perplexity (lower is better)")
-        ax.set_title(f"Perplexity per window: {name}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        out.append(folder / "perplexity_per_window.png")
-        fig.savefig(out[-1])
-        plt.close(fig)
-    kl_values = report.get("_kl_values")
-    if kl_values is not None and len(kl_values):
-        import numpy as np
+    out: list[Path] = []
+    for png, draw in (("perplexity_per_window.png", _plot_perplexity), ("kl_histogram.png", _plot_kl),
+                      ("layer_errors.png", _plot_layers)):
+        fig = draw(report, name, gates)
+        if fig is not None:
+            fig.tight_layout()
+            out.append(folder / png)
+            fig.savefig(out[-1])
+    return out
 
-        v = np.asarray(kl_values, dtype=np.float64)
-        v = v[np.isfinite(v)]
-    else:
-        v = None
-    if v is not None and v.size:
-        fig, ax = plt.subplots(figsize=(8, 3.6), dpi=110)
-        pos = v[v > 0]
-        lo = max(float(pos.min()) if pos.size else 1e-7, 1e-7)
-        hi = max(float(v.max()), lo * 10)
-        bins = np.logspace(np.log10(lo), np.log10(hi), 60)
-        n_low = int((v <= lo).sum())
-        ax.hist(np.clip(v, lo, None), bins=bins, color="#1f77b4")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        d = report["distribution"]["kl"]
-        for label, val, style in (("mean", d["mean"], "-"), ("p99", d["p99"], "--")):
-            if val is not None and math.isfinite(val):
-                ax.axvline(max(val, lo), color="#d62728", linestyle=style, label=f"{label} {val:.3g} nats")
-        for gname, style in (("max_mean_kl", ":"), ("max_p99_kl", "-.")):
-            if gname in gates and gates[gname]["threshold"]:
-                ax.axvline(gates[gname]["threshold"], color="#2ca02c", linestyle=style,
-                           label=f"gate {gname} {gates[gname]['threshold']:g}")
-        ax.set_xlabel("KL(reference || artifact) per predicted token, nats (log scale)"
-                      + (f"; first bin includes {n_low} tokens <= {lo:.1e}" if n_low > 1 else ""))
-        ax.set_ylabel("tokens (log scale)")
-        ax.set_title(f"Next-token KL divergence, {d['count']:,} tokens: {name}")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        out.append(folder / "kl_histogram.png")
-        fig.savefig(out[-1])
-        plt.close(fig)
+
+def _fin(v) -> float:
+    return float(v) if v is not None and math.isfinite(v) else float("nan")
+
+
+def _plot_perplexity(report: dict, name: str, gates: dict):
+    """Perplexity per eval window, reference and artifact; ``None`` without windows."""
+    from matplotlib.ticker import MaxNLocator
+
+    pw = report.get("per_window")
+    if not pw:
+        return None
+    fig, ax = _figure(figsize=(8, 3.6), dpi=110)
+    xs = [r["window"] for r in pw]
+    ax.plot(xs, [_fin(r["ppl_reference"]) for r in pw], "o-", label="reference (original model)", color="#555555")
+    ax.plot(xs, [_fin(r["ppl_artifact"]) for r in pw], "o-", label=f"artifact ({report['distribution']['measured_on']})",
+            color="#d62728")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("evaluation window (index into the eval text)")
+    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_title(f"Perplexity per window: {name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def _plot_kl(report: dict, name: str, gates: dict):
+    """Histogram of the per-token KL divergence (log-log), its mean/p99 and KL gates;
+    ``None`` without finite values."""
+    import numpy as np
+
+    kl_values = report.get("_kl_values")
+    if kl_values is None or not len(kl_values):
+        return None
+    v = np.asarray(kl_values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    if not v.size:
+        return None
+    fig, ax = _figure(figsize=(8, 3.6), dpi=110)
+    pos = v[v > 0]
+    lo = max(float(pos.min()) if pos.size else 1e-7, 1e-7)
+    hi = max(float(v.max()), lo * 10)
+    bins = np.logspace(np.log10(lo), np.log10(hi), 60)
+    n_low = int((v <= lo).sum())
+    ax.hist(np.clip(v, lo, None), bins=bins, color="#1f77b4")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    d = report["distribution"]["kl"]
+    for label, val, style in (("mean", d["mean"], "-"), ("p99", d["p99"], "--")):
+        if val is not None and math.isfinite(val):
+            ax.axvline(max(val, lo), color="#d62728", linestyle=style, label=f"{label} {val:.3g} nats")
+    for gname, style in (("max_mean_kl", ":"), ("max_p99_kl", "-.")):
+        if gname in gates and gates[gname]["threshold"]:
+            ax.axvline(gates[gname]["threshold"], color="#2ca02c", linestyle=style,
+                       label=f"gate {gname} {gates[gname]['threshold']:g}")
+    ax.set_xlabel("KL(reference || artifact) per predicted token, nats (log scale)"
+                  + (f"; first bin includes {n_low} tokens <= {lo:.1e}" if n_low > 1 else ""))
+    ax.set_ylabel("tokens (log scale)")
+    ax.set_title(f"Next-token KL divergence, {d['count']:,} tokens: {name}")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_layers(report: dict, name: str, gates: dict):
+    """Weight SQNR per quantized tensor by layer and, below it, the hidden-state error per
+    layer; ``None`` without weight statistics."""
     w = report.get("weights")
     hidden = report.get("hidden_state_error")
-    if w and w["layers"]:
-        rows = 2 if hidden else 1
-        fig, axes = plt.subplots(rows, 1, figsize=(10, 3.4 * rows), dpi=110, squeeze=False)
-        ax = axes[0][0]
-        kinds = sorted({t["name"].split(".")[-2] for t in w["tensors"]})
-        finite = [t["sqnr_db"] for t in w["tensors"] if t["sqnr_db"] is not None and math.isfinite(t["sqnr_db"])]
-        for kind in kinds:
-            pts = sorted((t["layer"], fin(t["sqnr_db"])) for t in w["tensors"] if t["name"].split(".")[-2] == kind)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1, label=kind)
-        thr = gates.get("min_sqnr_db", {}).get("threshold")
-        if thr is not None:
-            ax.axhline(thr, color="#d62728", linestyle="--", lw=1, label=f"gate min_sqnr_db {thr:g}")
-            finite.append(thr)
-        if finite:
-            ax.set_ylim(min(finite) - 1.0, max(finite) + 1.0)
-        bad = [t["name"] for t in w["tensors"] if t["sqnr_db"] is None or not math.isfinite(t["sqnr_db"])]
-        if bad:
-            ax.text(0.01, 0.02, f"not drawn (NaN/Inf): {len(bad)} tensor(s)", transform=ax.transAxes, color="#d62728")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("decoder layer")
-        ax.set_ylabel("weight SQNR, dB (higher is better)")
-        ax.set_title(f"Weight SQNR per quantized tensor (artifact vs original): {name}")
-        ax.legend(ncol=1, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-        ax.grid(alpha=0.3)
-        if hidden:
-            ax = axes[1][0]
-            ax.bar(range(len(hidden["per_layer"])), [100 * fin(e) for e in hidden["per_layer"]], color="#ff7f0e",
-                   label="relative error of the layer's output")
-            thr = gates.get("max_hidden_error", {}).get("threshold")
-            if thr is not None:
-                ax.axhline(100 * thr, color="#d62728", linestyle="--", lw=1, label=f"gate (last layer) {100 * thr:g} %")
-            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_xlabel("decoder layer")
-            ax.set_ylabel("relative error, % (lower is better)")
-            ax.set_title(f"Hidden-state error after each layer ({hidden['batches']} x {hidden['seqlen']} tokens, "
-                         "both models end to end)")
-            ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        out.append(folder / "layer_errors.png")
-        fig.savefig(out[-1])
-        plt.close(fig)
-    return out
+    if not (w and w["layers"]):
+        return None
+    rows = 2 if hidden else 1
+    fig, axes = _figure(rows, 1, figsize=(10, 3.4 * rows), dpi=110, squeeze=False)
+    _plot_sqnr(axes[0][0], w, name, gates)
+    if hidden:
+        _plot_hidden(axes[1][0], hidden, gates)
+    return fig
+
+
+def _plot_sqnr(ax, w: dict, name: str, gates: dict) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    kinds = sorted({t["name"].split(".")[-2] for t in w["tensors"]})
+    finite = [t["sqnr_db"] for t in w["tensors"] if t["sqnr_db"] is not None and math.isfinite(t["sqnr_db"])]
+    for kind in kinds:
+        pts = sorted((t["layer"], _fin(t["sqnr_db"])) for t in w["tensors"] if t["name"].split(".")[-2] == kind)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1, label=kind)
+    thr = gates.get("min_sqnr_db", {}).get("threshold")
+    if thr is not None:
+        ax.axhline(thr, color="#d62728", linestyle="--", lw=1, label=f"gate min_sqnr_db {thr:g}")
+        finite.append(thr)
+    if finite:
+        ax.set_ylim(min(finite) - 1.0, max(finite) + 1.0)
+    bad = [t["name"] for t in w["tensors"] if t["sqnr_db"] is None or not math.isfinite(t["sqnr_db"])]
+    if bad:
+        ax.text(0.01, 0.02, f"not drawn (NaN/Inf): {len(bad)} tensor(s)", transform=ax.transAxes, color="#d62728")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("weight SQNR, dB (higher is better)")
+    ax.set_title(f"Weight SQNR per quantized tensor (artifact vs original): {name}")
+    ax.legend(ncol=1, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax.grid(alpha=0.3)
+
+
+def _plot_hidden(ax, hidden: dict, gates: dict) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.bar(range(len(hidden["per_layer"])), [100 * _fin(e) for e in hidden["per_layer"]], color="#ff7f0e",
+           label="relative error of the layer's output")
+    thr = gates.get("max_hidden_error", {}).get("threshold")
+    if thr is not None:
+        ax.axhline(100 * thr, color="#d62728", linestyle="--", lw=1, label=f"gate (last layer) {100 * thr:g} %")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("relative error, % (lower is better)")
+    ax.set_title(f"Hidden-state error after each layer ({hidden['batches']} x {hidden['seqlen']} tokens, "
+                 "both models end to end)")
+    ax.grid(axis="y", alpha=0.3)
 
 
 def markdown(report: dict, images: list[Path] | None = None) -> str:
@@ -311,7 +346,7 @@ def markdown(report: dict, images: list[Path] | None = None) -> str:
     if report["gates"]:
         lines += ["", "| gate | value | threshold | result |", "|---|---|---|---|"]
         for g in report["gates"]:
-            op = ">=" if g["name"].startswith("min_") else "<="
+            op = gate(g["name"]).symbol
             lines.append(f"| {g['name']} ({g['measured_on']}) | {_fmt(g['value'], '.4g')} | {op} {_fmt(g['threshold'], 'g')} "
                          f"| {'pass' if g['passed'] else '**FAIL**'} |")
     if report.get("perplexity"):

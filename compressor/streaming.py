@@ -3,9 +3,9 @@
 ``kvq quantize`` on a Hugging Face safetensors folder builds the model on the ``meta``
 device (no weight memory), reads the embedding, final norm and head from the source
 shards (:class:`LazyCheckpoint`, plain reads: nothing stays mapped), and materializes one decoder layer at a
-time just before the pipeline processes it (:class:`compressor.pipeline.LayerHooks`). When the layer is done
-its packed tensors and remaining float tensors are written to a part file in the staging
-folder and the layer's weights go back to ``meta``; at the end the parts are concatenated
+time just before the pipeline processes it (:class:`LayerWriter`, the pipeline's per-layer
+hooks). When the layer is done its packed tensors and remaining float tensors are written to
+a part file in the staging folder and the layer's weights go back to ``meta``; at the end the parts are concatenated
 into the artifact's shards (:func:`compressor.safetensors_io.write_shards`). Peak memory
 is therefore about one decoder layer plus the calibration activations, independent of
 depth. GGUF sources, and folders whose tensor names do not map onto the model (a layout
@@ -32,13 +32,15 @@ import hashlib
 import json
 import os
 import shutil
+import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, KvqError
 from .safetensors_io import file_digest, read_header
 
 RESUME_NAME = "resume.json"
@@ -130,7 +132,6 @@ def open_lazy(source, dtype: torch.dtype = torch.float32):
     Raises:
         InputError: unreadable config/tokenizer, bad shard headers.
     """
-    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .arch import checkpoint_name, get_arch
@@ -145,7 +146,6 @@ def open_lazy(source, dtype: torch.dtype = torch.float32):
         source = ModelSource(source.spec, "hf", cached)
     elif source.kind != "hf":
         return None, f"{source.kind} sources are loaded whole"
-    transformers.logging.set_verbosity_error()
     try:
         cfg = AutoConfig.from_pretrained(str(source.path))
         tokenizer = AutoTokenizer.from_pretrained(str(source.path))
@@ -378,3 +378,99 @@ def spill(hidden: list[torch.Tensor], folder: Path, tag: str, budget_bytes: int)
         out.append(m)
         path.unlink()  # the mapping keeps the pages; the name is not needed (nothing left behind on a crash)
     return out
+
+
+@contextmanager
+def keep_checkpoint(staging: Staging | None, n_layers: int, drop_on_error: bool):
+    """On the way out of a failed or interrupted block: keep the staging folder (and say so
+    on stderr) when at least one layer is checkpointed, else remove it; with
+    ``drop_on_error`` a kvq error (bad input, numerical fault) removes it anyway."""
+    try:
+        yield
+    except BaseException as e:
+        if staging is None or not staging.path.exists():
+            raise
+        done = staging.state.get("layers_done") or 0
+        if (drop_on_error and isinstance(e, KvqError)) or not done:
+            shutil.rmtree(staging.path, ignore_errors=True)
+        else:
+            print(f"kvq: stopped after {done} of {n_layers} layers; the finished layers are kept in {staging.path}: "
+                  "rerun the same command with --resume to continue", file=sys.stderr)
+        raise
+
+
+class LayerWriter:
+    """The per-layer hooks of :func:`compressor.pipeline.quantize_model` (the protocol of
+    :class:`compressor.pipeline.LayerHooks`): load, write, checkpoint and release one
+    decoder layer at a time.
+
+    :meth:`load` reads decoder layer ``i``'s tensors from a streamed source (``ckpt``;
+    ``None``: the model is already whole). :meth:`done` pops the layer's packed modules
+    from the result (their schemes kept in :attr:`schemes`), writes them with the layer's
+    float tensors to the part ``layer-<i>`` of ``staging`` (``None`` on torchrun ranks other
+    than 0: nothing is written), returns the layer's weights to ``meta`` and records the
+    resume state (figures, MoE records, KV statistics, the next layer's inputs).
+    :meth:`restore` takes up an interrupted run from ``staging``.
+
+    Attributes the pipeline reads: ``start`` (first layer to process), ``hidden`` (its
+    inputs on resume), ``kv_absmax``, ``activation_budget`` (bytes; larger activations are
+    spilled to ``spill_dir``), ``layers``, ``moe``, ``moe_fallback`` (results of the layers
+    done before an interruption).
+    """
+
+    def __init__(self, model, arch, ckpt: LazyCheckpoint | None, staging: Staging | None, fmt: str,
+                 dtype: torch.dtype, rename, activation_budget_gib: float):
+        self.model, self.arch, self.ckpt, self.staging = model, arch, ckpt, staging
+        self.fmt, self.dtype, self.rename = fmt, dtype, rename
+        self.schemes: dict[str, tuple] = {}  # module name -> (bits, group size, symmetric), layers written
+        self.start = 0
+        self.hidden: list[torch.Tensor] | None = None
+        self.kv_absmax: dict = {}
+        self.activation_budget = int(activation_budget_gib * 2**30)
+        self.spill_dir = staging.path if staging is not None else Path(tempfile.gettempdir())
+        self.layers: list = []
+        self.moe: list = []
+        self.moe_fallback: list = []
+
+    def restore(self, device: str) -> None:
+        """Take up the interrupted run recorded in the staging folder, if any: layers before
+        ``start`` are done (their weights go to ``meta`` and are never loaded again)."""
+        from .arch import get_module
+
+        st = self.staging.state if self.staging is not None else {}
+        if not st.get("layers_done"):
+            return
+        self.start = int(st["layers_done"])
+        self.layers, self.moe, self.moe_fallback = st["layers"], st["moe"], st["moe_fallback"]
+        self.schemes.update({n: tuple(v) for n, v in st["schemes"].items()})
+        self.kv_absmax = {int(j): (torch.tensor(k), torch.tensor(v)) for j, (k, v) in st["kv_absmax"].items()}
+        self.hidden = self.staging.load_hidden(device)
+        for i in range(self.start):
+            to_meta(get_module(self.model, self.arch.layers)[i])
+
+    def load(self, i: int, layer: torch.nn.Module) -> None:
+        """Materialize decoder layer ``i`` (streamed sources only)."""
+        if self.ckpt is not None:
+            load_into(self.model, self.ckpt, self.arch, layer_names(self.model, self.arch, i))
+
+    def done(self, i: int, layer: torch.nn.Module, result, hidden: list[torch.Tensor] | None) -> None:
+        """Write decoder layer ``i`` (``result``: the pipeline's ``QuantizeResult`` so far;
+        ``hidden``: the next layer's inputs, ``None`` without a calibration pass)."""
+        from .artifact import state_tensors
+        from .formats import pack_modules
+
+        prefix = f"{self.arch.layers}.{i}."
+        recs = {n: result.modules.pop(n) for n in [n for n in result.modules if n.startswith(prefix)]}
+        self.schemes.update({n: r.scheme for n, r in recs.items()})
+        if self.staging is None:  # not rank 0: nothing to write
+            to_meta(layer)
+            return
+        packed = {self.rename(n): t for n, t in pack_modules(recs, self.fmt, self.dtype).items()}
+        self.staging.save_part(f"layer-{i:05d}", state_tensors(self.model, packed, self.dtype, rename=self.rename,
+                                                               prefix=prefix))
+        to_meta(layer)
+        self.staging.checkpoint(i + 1, {
+            "layers": result.layers, "moe": result.moe, "moe_fallback": result.moe_fallback,
+            "schemes": {n: list(v) for n, v in self.schemes.items()},
+            "kv_absmax": {str(j): [k.tolist(), v.tolist()] for j, (k, v) in result.kv_absmax.items()},
+        }, hidden)

@@ -287,3 +287,20 @@ def test_a_recipe_that_is_not_utf8_is_an_input_error(tmp_path, capsys):
     bad.write_bytes(b"\xff\xfe\x00")
     code, _, err = run(["quantize", "m", "-o", tmp_path / "x", "--recipe", bad], capsys)
     assert_clean_error(code, err, 2, "cannot read recipe")
+
+
+def test_options_take_flat_keywords_and_refuse_in_one_place():
+    """Library callers get the command line's refusals (OptionError, exit 2), named by option."""
+    from compressor.api import OptionError, QuantizeOptions, VerifyOptions
+
+    q = QuantizeOptions(model="m", output="o", calib_samples=8, group_size="64", recipe="w4a16-gptq")
+    assert (q.calibration.samples, q.scheme.group_size, q.scheme.recipes) == (8, 64, ("w4a16-gptq",))
+    for kw, words in ((dict(calib_samples=0), "calib_samples"), (dict(group_size="big"), "--group-size"),
+                      (dict(activation_budget_gib=float("nan")), "finite"), (dict(digest_algorithm="md5"), "md5")):
+        with pytest.raises(OptionError, match=words) as e:
+            QuantizeOptions(model="m", output="o", **kw)
+        assert e.value.exit_code == 2
+    with pytest.raises(OptionError, match="--no-manifest needs --reference"):
+        VerifyOptions(artifact="a", no_manifest=True)
+    with pytest.raises(OptionError, match="--min-top1 cannot be evaluated with --hashes-only"):
+        VerifyOptions(artifact="a", hashes_only=True, min_top1=50)

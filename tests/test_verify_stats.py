@@ -322,3 +322,17 @@ def test_invalid_recipe_gates_in_manifest_are_input_errors(awq_art, tmp_path, ca
     (art / "kvq-manifest.json").write_text(build_manifest(art, fields).to_json())
     code, _, err = run(["verify", art, "--weights-only"], capsys)
     assert code == 2 and "recipe.gates.max_ppl_increase_pct" in err
+
+
+def test_the_gate_table_names_every_recipe_gate_and_option():
+    """compressor.gates is the one list of gates: the recipe's gates block, the verify and
+    serve-smoke options and their flags all follow it."""
+    from compressor.commands.options import SmokeGateOptions, VerifyGateOptions
+    from compressor.gates import gate, gates_of, recipe_gate_names
+    from compressor.recipe import Gates
+
+    assert recipe_gate_names() == tuple(Gates.model_fields)
+    assert tuple(VerifyGateOptions.model_fields) == tuple(g.option for g in gates_of("verify", configurable=True))
+    assert tuple(SmokeGateOptions.model_fields) == tuple(g.option for g in gates_of("serve-smoke", configurable=True))
+    assert gate("min_sqnr_db").passes(20.0, 15.0) and not gate("min_sqnr_db").passes(None, 15.0)
+    assert gate("max_mean_kl").symbol == "<=" and gate("min_top1_agreement_pct").flag == "--min-top1"

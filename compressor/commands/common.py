@@ -1,0 +1,35 @@
+"""Helpers shared by the commands: the reference model, peak memory."""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, MiB (one decimal)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def load_reference(spec: str, source):
+    """The reference model of ``verify`` / ``serve-smoke``, as a float model on the CPU.
+
+    Args:
+        spec: what the user named (``--reference`` or the manifest's source spec).
+        source: ``spec`` resolved by :func:`compressor.models.resolve_source`.
+
+    Returns:
+        A ``PreTrainedModel``: a kvq artifact (a folder with a manifest) dequantized to
+        float32 (to verify one artifact against another, or against itself);
+        anything else loaded as the original, in float32.
+
+    Raises:
+        InputError: the source cannot be read (from the loaders).
+    """
+    from ..artifact import load_artifact
+    from ..manifest import MANIFEST_NAME
+    from ..models import load_model
+
+    if Path(spec).is_dir() and (Path(spec) / MANIFEST_NAME).is_file():
+        return load_artifact(spec)[0]
+    return load_model(source)[0]

@@ -1,0 +1,417 @@
+"""``kvq quantize``: plan, load, quantize layer by layer, write the artifact.
+
+:func:`run_quantize` reads as its steps:
+
+1. :func:`_plan` -- every refusal before any expensive work: the output folder, signing
+   inputs, the effective recipe (recipes, ``--kv-scheme``, ``--set``, flags), the format,
+   the model source and its architecture, the calibration text;
+2. :func:`_load` -- the model (streamed one decoder layer at a time where it can be, see
+   :mod:`compressor.streaming`) and the calibration windows;
+3. :func:`_quantize` -- the staging folder (resumable) and the sequential pipeline
+   (:func:`compressor.pipeline.quantize_model`) with a :class:`~compressor.streaming.LayerWriter`
+   writing each finished layer;
+4. :func:`_write` -- the format's config, the remaining tensors, the manifest, the
+   signature, and the atomic rename into place; then the summary dict.
+
+Nothing is written on an input error; an interruption after the first layer keeps the
+finished layers for ``--resume``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .. import console as show
+from ..arch import checkpoint_name, get_arch, routers
+from ..artifact import DTYPES, check_output, tool_info, write_artifact
+from ..calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
+from ..distributed import setup as setup_distributed
+from ..errors import InputError
+from ..formats import check_format, check_shapes, format_config, gptq_checkpoint_format, pack_modules
+from ..formats.compressed_tensors import kv_scale_tensors
+from ..models import ALIASES, load_model, peek_model_type, resolve_source
+from ..pipeline import quantize_model
+from ..quant.kv import layout_bytes_per_token
+from ..recipe import KVCacheOptions, Recipe, load_recipes, with_overrides
+from ..signing import check_sign_options, sign_folder
+from ..streaming import LayerWriter, keep_checkpoint, open_lazy, open_staging, resume_key
+from .common import peak_rss_mib
+from .options import QuantizeOptions
+
+
+@dataclass
+class _Plan:
+    """What :func:`_plan` established before loading anything."""
+
+    out: Path
+    recipe: Recipe
+    source: object  # compressor.models.ModelSource
+    kv: object  # the recipe's KV spec (compressor.quant.kv), None without a KV scheme
+    token_file: bool  # calibration given as pre-tokenized ids
+    text: object  # calibration text (compressor.calib), None when not needed or token ids
+    warnings: list[str]  # grows as the run goes: the manifest's quality.warnings
+
+
+@dataclass
+class _Source:
+    """The loaded model and calibration data."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    ckpt: object  # compressor.streaming.LazyCheckpoint of a streamed source, else None
+    loading: str  # how the source weights were read (for the summary)
+    calib_ids: Optional[torch.Tensor]  # [samples, seqlen] token ids, None without calibration
+    calibration: Optional[dict]  # provenance record for the manifest
+
+
+def run_quantize(opts: QuantizeOptions, console=None) -> dict:
+    """Quantize ``opts.model`` and write the artifact; returns the JSON summary.
+
+    All input checks (output folder, recipe, model source, calibration text, group size)
+    run before the expensive work; nothing is written on error.
+
+    Raises:
+        InputError: bad usage or input; QuantizationError: non-finite values produced.
+    """
+    t0 = time.perf_counter()
+    plan = _plan(opts, console)
+    rank, world_size, device = setup_distributed(opts.execution.device)
+    if rank != 0:
+        console = None
+    src = _load(plan, opts, console, world_size)
+    n_layers = src.model.config.num_hidden_layers
+    arch = get_arch(src.model.config.model_type)
+    source_fp = plan.source.fingerprint()
+    key = resume_key({"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
+                      "calibration": src.calibration, "format": opts.write.format, "dtype": opts.write.dtype,
+                      "kvq": tool_info()["version"]})
+    staging = open_staging(plan.out, key, opts.execution.resume, console) if rank == 0 else None  # other ranks write nothing
+    with keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume
+        writer = LayerWriter(src.model, arch, src.ckpt, staging, opts.write.format, DTYPES[opts.write.dtype],
+                             lambda name: checkpoint_name(arch, name), opts.execution.activation_budget_gib)
+        writer.restore(device)
+        result = _quantize(plan, src, writer, opts, device, console)
+    with keep_checkpoint(staging, n_layers, drop_on_error=False):  # every layer is done: keep them whatever happens
+        src.calib_ids = None
+        gc.collect()
+        if rank != 0:
+            return {"rank": rank, "world_size": world_size, "output": None, "quantize_seconds": round(result.seconds, 2)}
+        written = _write(plan, src, result, writer, staging, source_fp, opts, console)
+    summary = _summary(plan, src, written, writer, world_size, opts, t0)
+    show.quantize_done(console, summary, result.layers, result.moe)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------
+# 1. plan
+
+def _plan(opts: QuantizeOptions, console) -> _Plan:
+    """Every refusal before the model loads: output folder, signing inputs, recipe, format,
+    model source and architecture, calibration input; the warnings the flags earn."""
+    out = Path(opts.output)
+    if Path(opts.model).exists():  # before check_output: name the real problem when -o is the source
+        _refuse_output_in_source(Path(opts.model), out, opts.model)
+    check_output(out, opts.write.overwrite)
+    if opts.write.sign is not None:
+        check_sign_options(opts.write.sign)
+    recipe = _effective_recipe(opts)
+    warnings = _flag_warnings(opts, recipe) + _format_warnings(opts.write.format, recipe)
+    check_format(opts.write.format, recipe, opts.write.dtype)
+    source = resolve_source(opts.model)
+    if peek_model_type(source) is not None:  # an unsupported architecture fails before the model is loaded
+        get_arch(peek_model_type(source))
+    _refuse_output_in_source(source.path, out, opts.model)
+    kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
+    needs_calib = recipe.algorithm in ("awq", "gptq") or (kv is not None and kv.static)
+    calib = opts.calibration
+    token_file = needs_calib and is_token_file(calib.source)
+    if token_file:  # structure checked before the model loads; the id range after (it needs the vocabulary)
+        load_token_ids(calib.source)
+    text = load_text(calib.source, calib.field, part="calib") if needs_calib and not token_file else None
+    if text is not None and text.note:
+        show.note(console, f"[yellow]calibration:[/] {text.note}")
+    if opts.execution.resume and os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
+        raise InputError("--resume is not available under torchrun (several ranks); resume with one process")
+    return _Plan(out, recipe, source, kv, token_file, text, warnings)
+
+
+def _refuse_output_in_source(source: Path, out: Path, spec: str) -> None:
+    src = source.resolve()
+    if src == out.resolve() or out.resolve() in src.parents:
+        raise InputError(f"output folder {out} is (or contains) the source model {spec}; choose another -o")
+
+
+def _effective_recipe(opts: QuantizeOptions) -> Recipe:
+    """The recipes combined, then the ``--kv-scheme`` section (so ``--set kv_cache.*`` can
+    refine it), then ``--set``, then the dedicated flags (an explicit flag wins over
+    ``--set`` of the same key)."""
+    s = opts.scheme
+    recipe = load_recipes(s.recipes)
+    if s.kv_scheme is not None:
+        recipe = with_overrides(recipe, kv_cache=KVCacheOptions(scheme=s.kv_scheme).model_dump())
+    if s.settings:
+        recipe = with_overrides(recipe, **dict(s.settings))
+    return with_overrides(recipe, **{
+        "algorithm": s.algorithm, "weights.num_bits": s.bits, "weights.group_size": s.group_size,
+        "weights.symmetric": s.symmetric, "gptq.act_order": s.act_order,
+    })
+
+
+def _flag_warnings(opts: QuantizeOptions, recipe: Recipe) -> list[str]:
+    """Flags that the effective recipe's algorithm makes meaningless (said aloud rather
+    than silently dropped)."""
+    s, out = opts.scheme, []
+    if recipe.algorithm == "none" and any(v is not None for v in (s.bits, s.group_size, s.symmetric)):
+        out.append("--bits/--group-size/--symmetric have no effect: the recipe keeps weights in float (algorithm none)")
+    if s.act_order is not None and recipe.algorithm != "gptq":
+        out.append(f"--act-order/--no-act-order has no effect with algorithm {recipe.algorithm} (GPTQ only)")
+    return out
+
+
+def _format_warnings(fmt: str, recipe: Recipe) -> list[str]:
+    """Weight widths the format's usual consumers cannot serve."""
+    if recipe.algorithm == "none":
+        return []
+    bits = {recipe.weights.num_bits} | {o.weights.num_bits for o in recipe.overrides if o.weights.num_bits}
+    odd = sorted(b for b in bits if b not in (4, 8))
+    if odd and fmt == "compressed-tensors":
+        return [f"{'/'.join(map(str, odd))}-bit weights: vLLM's compressed-tensors WNA16 kernels serve 4 and 8 bits only; "
+                "kvq verify and transformers read this artifact"]
+    return []
+
+
+# ---------------------------------------------------------------------------------------
+# 2. load
+
+def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Source:
+    """The model (streamed where the source allows) and the calibration windows.
+
+    Raises:
+        InputError: unreadable model, a linear whose shape the format cannot hold,
+            calibration token ids outside the vocabulary.
+    """
+    source = plan.source
+    show.note(console, f"loading {source.spec} ({source.kind}) ..."
+                       + (f" (rank 0 of {world_size})" if world_size > 1 else ""))
+    model, ckpt, loading = None, None, "whole model (--no-stream)"
+    if opts.execution.stream:
+        lazy = open_lazy(source)
+        if lazy[0] is not None:
+            model, tokenizer, ckpt = lazy
+            loading = "streamed: one decoder layer at a time"
+        else:
+            loading = f"whole model ({lazy[1]})"
+    if model is None:
+        model, tokenizer = load_model(source)
+    show.note(console, f"source weights: {loading}", highlight=False)
+    check_shapes(opts.write.format, {n: m.out_features for n, m in model.named_modules()
+                                     if isinstance(m, torch.nn.Linear) and not plan.recipe.is_ignored(n) and n != "lm_head"})
+    calib_ids, calibration = _calibration(plan, opts, model, tokenizer, console)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if calib_ids is not None and max_pos and calib_ids.shape[1] > max_pos:
+        plan.warnings.append(f"calibration sequences of {calib_ids.shape[1]} tokens exceed the model's "
+                             f"max_position_embeddings {max_pos}")
+    return _Source(model, tokenizer, ckpt, loading, calib_ids, calibration)
+
+
+def _calibration(plan: _Plan, opts: QuantizeOptions, model, tokenizer, console) -> tuple:
+    """``(calib_ids [samples, seqlen] int64 or None, provenance dict or None)``."""
+    c = opts.calibration
+    if plan.token_file:
+        calib_ids, calibration = load_token_ids(c.source, model.config.vocab_size)
+        show.note(console, f"calibration: {calib_ids.shape[0]} x {calib_ids.shape[1]} pre-tokenized ids from {c.source} "
+                           "(--calib-samples/--calib-seqlen/--seed do not apply)")
+        return calib_ids, calibration
+    if plan.text is None:
+        return None, None
+    calib_ids = sample_windows(tokenize(tokenizer, plan.text.text), c.samples, c.seqlen, c.seed)
+    calibration = {**plan.text.provenance(), "samples": c.samples, "seqlen": c.seqlen, "seed": c.seed}
+    show.note(console, f"calibration: {c.samples} x {c.seqlen} tokens from {plan.text.name} (seed {c.seed})")
+    return calib_ids, calibration
+
+
+# ---------------------------------------------------------------------------------------
+# 3. quantize
+
+def _quantize(plan: _Plan, src: _Source, writer: LayerWriter, opts: QuantizeOptions, device: str, console):
+    """The sequential pipeline over every decoder layer, with a progress bar; returns its
+    :class:`compressor.pipeline.QuantizeResult`."""
+    recipe, kv = plan.recipe, plan.kv
+    n_layers = src.model.config.num_hidden_layers
+    with show.progress(console, "layers") as bar:
+        label = "float weights" if recipe.algorithm == "none" else f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}"
+        task = bar.add_task(label + (f" + KV {kv.scheme}" if kv else ""), total=n_layers, completed=writer.start)
+        return quantize_model(
+            src.model, recipe, src.calib_ids, device=device, dtype=DTYPES[opts.write.dtype],
+            on_layer=lambda i, n, fig: show.layer_done(console, bar, task, i, n, fig), hooks=writer,
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# 4. write
+
+@dataclass
+class _Written:
+    manifest: object  # compressor.manifest.Manifest
+    quant: dict
+    quality: dict
+    timing: dict
+    float_bytes: int
+
+
+def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, source_fp: dict,
+           opts: QuantizeOptions, console) -> _Written:
+    """The remaining tensors, the format's config, the manifest and signature; the artifact
+    is renamed into place at the end (:func:`compressor.artifact.write_artifact`)."""
+    import compressed_tensors
+
+    recipe, model, w = plan.recipe, src.model, opts.write
+    warnings = plan.warnings
+    warnings += result.warnings
+    show.warnings(console, warnings)
+    schemes, rename, arch = writer.schemes, writer.rename, writer.arch
+    schemes.update({n: r.scheme for n, r in result.modules.items()})
+    quant = _quantization_summary(recipe, w.format, w.dtype, result.group_size, schemes)
+    # names as the checkpoint (and vLLM) spells them; MoE routers stay float and are listed as ignored
+    ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in schemes)
+    ignored += routers(arch, model)
+    qcfg = format_config(w.format, recipe, {rename(n): v for n, v in schemes.items()},
+                         [rename(n) for n in ignored if n != "lm_head"],
+                         {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]})
+    packed = {rename(n): t for n, t in pack_modules(result.modules, w.format, DTYPES[w.dtype]).items()}
+    result.modules.clear()
+    kv_record = _kv_record(plan.kv, result, arch, model, packed)
+    float_bytes = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
+    quality = _quality(result, recipe, warnings)
+    timing = _timing(result)
+    if opts.model not in ALIASES:  # record paths absolutely so verify finds the reference from anywhere
+        source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
+    manifest = write_artifact(
+        plan.out, model, src.tokenizer, packed, qcfg,
+        {"tool": tool_info(), "source": source_fp, "recipe": recipe.model_dump(mode="json"),
+         "calibration": src.calibration, "quantization": quant, "quality": quality, "kv_cache": kv_record,
+         "format": w.format},
+        provenance={"timing": timing, "device": opts.execution.device},
+        dtype_name=w.dtype, overwrite=w.overwrite, digest_algorithm=w.digest_algorithm, rename=rename,
+        finalize=(lambda tmp: sign_folder(tmp, w.sign)) if w.sign is not None else None,
+        staging=staging, skip_prefix=arch.layers + ".", shard_bytes=w.shard_bytes,
+    )
+    return _Written(manifest, quant, quality, timing, float_bytes)
+
+
+def _quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schemes: dict) -> dict:
+    """The manifest's ``quantization`` block: algorithm, format, weight scheme, module
+    count, storage dtype; the schemes of a mixed recipe; the algorithm's own fields."""
+    quant = {
+        "algorithm": recipe.algorithm,
+        "format": fmt,
+        "num_bits": recipe.weights.num_bits,
+        "group_size": group_size,
+        "symmetric": recipe.weights.symmetric,
+        "modules": len(schemes),
+        "storage_dtype": dtype,
+    }
+    if recipe.is_mixed:
+        quant["schemes"] = [{"num_bits": b, "group_size": g, "symmetric": y,
+                             "modules": sorted(n for n, v in schemes.items() if v == (b, g, y))}
+                            for b, g, y in sorted(set(schemes.values()))]
+    quant.update(_summary_fields(recipe, fmt))  # keys already present keep their place
+    return quant
+
+
+def _summary_fields(recipe: Recipe, fmt: str) -> dict:
+    """The algorithm's fields of the ``quantization`` block: no weight scheme for ``none``;
+    GPTQ's column order, group mode and (``--format gptq``) checkpoint format."""
+    if recipe.algorithm == "none":
+        return {"num_bits": None, "group_size": None, "symmetric": None}
+    if recipe.algorithm == "gptq":
+        out = {"act_order": recipe.gptq.act_order, "static_groups": recipe.gptq.static_groups}
+        if fmt == "gptq":
+            out["gptq_checkpoint_format"] = gptq_checkpoint_format(recipe.weights.symmetric)
+        return out
+    return {}
+
+
+def _kv_record(kv, result, arch, model, packed: dict) -> Optional[dict]:
+    """The manifest's ``kv_cache`` block; static scales are added to ``packed`` as
+    ``<layers>.<i>.<attention>.k_scale`` / ``v_scale`` tensors."""
+    if kv is None:
+        return None
+    record = {"scheme": kv.scheme, "strategy": kv.strategy, "bits": kv.bits, "static_scales": kv.static}
+    if kv.strategy == "kivi":
+        record.update({"group_size": kv.group_size, "residual_length": kv.residual_length,
+                       "keys": "per channel, groups of group_size tokens", "values": "per token, groups of group_size channels"})
+    if kv.static:
+        for name, t in kv_scale_tensors(result.kv_scales, arch.layers, arch.attention, kv.strategy).items():
+            module, _, leaf = name.rpartition(".")
+            packed.setdefault(module, {})[leaf] = t
+        record["scale_tensors"] = f"{arch.layers}.<i>.{arch.attention}.k_scale / v_scale, shape " + (
+            "[1]" if kv.strategy == "tensor" else "[num_kv_heads, 1, 1]")
+        record["absmax"] = {str(i): {"k": [round(float(x), 4) for x in k], "v": [round(float(x), 4) for x in v]}
+                            for i, (k, v) in result.kv_absmax.items()}
+    layout = arch.kv_layout(model.config)
+    record["layout"] = layout.as_dict()
+    record["bytes_per_token"] = layout_bytes_per_token(kv, layout)
+    record["fp16_bytes_per_token"] = layout_bytes_per_token(None, layout)
+    return record
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(sum(vals) / len(vals), 6) if vals else None
+
+
+def _quality(result, recipe: Recipe, warnings: list[str]) -> dict:
+    """The manifest's ``quality`` block (per-layer figures without timings, warnings, MoE routing)."""
+    quality = {
+        "layers": [{k: v for k, v in f.items() if k not in ("seconds", "phase_seconds")} for f in result.layers],
+        "mean_rel_error": _mean([f["mean_rel_error"] for f in result.layers]),
+        "warnings": warnings,
+    }
+    if result.moe:  # routed calibration tokens per expert; experts quantized with the RTN fallback
+        quality["moe"] = {"min_tokens": max(recipe.moe.min_tokens, 1), "layers": result.moe, "fallback": result.moe_fallback}
+    return quality
+
+
+def _timing(result) -> dict:
+    """Timings: they vary run to run, so they go to the provenance block, outside the content digest."""
+    timing = {"quantize_seconds": round(result.seconds, 2), "layer_seconds": [f["seconds"] for f in result.layers]}
+    if result.layers and "phase_seconds" in result.layers[0]:
+        timing["phase_seconds"] = {k: round(sum(f["phase_seconds"][k] for f in result.layers), 2)
+                                   for k in result.layers[0]["phase_seconds"]}
+    return timing
+
+
+def _summary(plan: _Plan, src: _Source, written: _Written, writer: LayerWriter, world_size: int,
+             opts: QuantizeOptions, t0: float) -> dict:
+    """The JSON summary of ``kvq quantize --json``."""
+    manifest, quality = written.manifest, written.quality
+    return {
+        "output": str(plan.out),
+        "recipe": plan.recipe.name,
+        "quantization": written.quant,
+        "calibration": src.calibration,
+        "artifact_bytes": sum(f.size for f in manifest.files.values()),
+        "float32_bytes": written.float_bytes,
+        "quantize_seconds": written.timing["quantize_seconds"],
+        "phase_seconds": written.timing.get("phase_seconds"),
+        "wall_seconds": round(time.perf_counter() - t0, 2),
+        "peak_rss_mib": peak_rss_mib(),
+        "source_loading": src.loading,
+        "shards": sum(1 for n in manifest.files if n.endswith(".safetensors")),
+        "resumed_from_layer": writer.start or None,
+        "world_size": world_size,
+        "mean_rel_error": quality["mean_rel_error"],
+        "moe": quality.get("moe"),
+        "warnings": plan.warnings,
+        "content_digest": manifest.content_digest(),
+        "digest_algorithm": opts.write.digest_algorithm,
+        "signed": None if opts.write.sign is None else opts.write.sign.method(),
+    }

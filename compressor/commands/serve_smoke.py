@@ -1,0 +1,282 @@
+"""``kvq serve-smoke``: serve the artifact with the bundled runtime, compare with the original.
+
+:func:`run_serve_smoke` reads as its steps:
+
+1. :func:`_plan` -- every refusal up front: not an artifact, an architecture the runtime
+   does not serve, the prompts, the gate thresholds (:mod:`compressor.gates`);
+2. the digests (a tampered artifact fails, exit 1); then the reference model's spec;
+3. :func:`_serve` -- the runtime (packed weights, the artifact's KV scheme): greedy
+   generation of every prompt as one batch and of the first alone, timed; optionally the
+   same engine behind the HTTP API (:func:`_http_smoke`);
+4. :func:`_compare` -- the reference (float, transformers) teacher-forced on each prompt
+   plus the runtime's continuation: KL on the prompt positions, top-1 agreement over the
+   generated positions, first divergence;
+5. :func:`_gates` -- the thresholds against those statistics; the report dict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import console as show
+from .. import gates
+from ..errors import InputError
+from .common import load_reference, peak_rss_mib
+from .options import SmokeOptions
+
+
+@dataclass
+class _Plan:
+    folder: Path
+    manifest: object  # compressor.manifest.Manifest
+    prompts: list[str]
+    thresholds: dict[str, float]
+
+
+@dataclass
+class _Served:
+    """What the runtime produced: token ids of each prompt, the batched generation
+    (``compressor.runtime`` result with ``tokens`` and ``prompt_logits``), the tokenizer."""
+
+    ids: list[list[int]]
+    batch: object
+    tokenizer: object
+
+
+def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
+    """Serve the artifact with the bundled runtime and compare it with the reference model.
+
+    Steps: digests (refuses a tampered artifact); load the runtime (packed weights, the
+    artifact's KV scheme); greedy generation of every prompt as one batch, and of the
+    first prompt alone (batch 1), timing prefill and decode; the reference model (float,
+    transformers) teacher-forced on each prompt plus the runtime's continuation: KL(ref ||
+    runtime) over the prompt positions, top-1 agreement over the generated positions, and
+    the first generated position where the reference's greedy choice differs (exactly
+    where its own greedy generation would diverge); optionally the HTTP round trip.
+
+    Raises:
+        InputError: not an artifact, bad prompts file, unsupported model, no reference.
+    """
+    from ..integrity import check_hashes
+    from ..models import resolve_source
+
+    t0 = time.perf_counter()
+    plan = _plan(opts)
+    hashes = check_hashes(plan.folder)
+    report: dict = {"artifact": str(plan.folder), "hashes_ok": hashes["ok"], "prompts": len(plan.prompts),
+                    "max_new_tokens": opts.max_new_tokens, "gates": [], "failed_gates": [], "passed": False}
+    if not hashes["ok"]:
+        report["hashes"] = hashes
+        report["failed_gates"] = ["digests"]
+        show.note(console, "[red]digests FAILED[/]: the artifact does not match its manifest; run `kvq verify --hashes-only`",
+                  highlight=False)
+        report["seconds"] = round(time.perf_counter() - t0, 2)
+        return report
+    ref_spec = opts.reference or plan.manifest.source.get("spec")
+    if not ref_spec:
+        raise InputError("the manifest records no source model; pass --reference")
+    ref_source = resolve_source(ref_spec)
+    served = _serve(plan, opts, report, console)
+    report["reference"] = ref_spec
+    report["comparison"] = _compare(load_reference(ref_spec, ref_source), served, plan.prompts, opts)
+    report["gates"] = _gates(report, plan.thresholds, opts)
+    report["failed_gates"] = [g["name"] for g in report["gates"] if not g["passed"]]
+    report["passed"] = not report["failed_gates"]
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    if console:
+        show.smoke_table(console, report, len(served.ids))
+    return report
+
+
+def _plan(opts: SmokeOptions) -> _Plan:
+    """Artifact folder and manifest, servable architecture, prompts, thresholds.
+
+    Raises:
+        InputError: not an artifact; MoE/MLA/Gemma/GLM (one line, exit 2, before hashing);
+            a bad prompts file.
+    """
+    from ..integrity import check_artifact_folder
+    from ..manifest import load_manifest
+    from ..prompts import load_prompts
+    from ..runtime.model import check_servable_folder
+
+    folder = check_artifact_folder(opts.artifact)
+    manifest = load_manifest(folder)
+    check_servable_folder(folder)
+    prompts = load_prompts(opts.prompts)
+    return _Plan(folder, manifest, prompts, _smoke_thresholds(manifest, opts))
+
+
+def _smoke_thresholds(manifest, opts: SmokeOptions) -> dict[str, float]:
+    """Each serve-smoke gate's threshold: its flag, else the recipe's ``gates`` block, else
+    the table's default; gates left without one are not evaluated."""
+    stored = dict((manifest.recipe or {}).get("gates") or {})
+    chosen = gates.choose_thresholds(gates.SERVE_SMOKE, opts.gates.model_dump(), stored)
+    return {name: float(v) for name, v in chosen.items() if v is not None}
+
+
+def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
+    """Run the runtime (warm-up, batch 1, every prompt as one batch) and optionally the
+    HTTP smoke; fills ``report["runtime"]`` (and ``report["http"]``).
+
+    Raises:
+        InputError: a prompt plus ``max_new_tokens`` exceeds the context length.
+    """
+    from transformers import AutoTokenizer
+
+    from ..runtime import Runtime
+    from ..runtime.server import Engine
+
+    rt = Runtime.from_artifact(plan.folder, device=opts.device, backend=opts.backend, kv="artifact")
+    tok = AutoTokenizer.from_pretrained(str(plan.folder))
+    eng = Engine(rt, tok, plan.folder.name)
+    try:
+        ids = [eng.encode(p) for p in plan.prompts]
+        for i, x in enumerate(ids):
+            try:
+                eng.check_length(x, opts.max_new_tokens)
+            except InputError as e:
+                raise InputError(f"prompt {i + 1}: {e}") from None
+        if console:
+            show.runtime_line(console, rt.describe())
+        rt.generate(ids[:1], max_new_tokens=2)  # warm-up (allocator, kernel selection)
+        one = rt.generate(ids[:1], max_new_tokens=opts.max_new_tokens)
+        batch = rt.generate(ids, max_new_tokens=opts.max_new_tokens, return_prompt_logits=True)
+        report["runtime"] = {**rt.describe(), "batch_1": one.summary(), f"batch_{len(ids)}": batch.summary(),
+                             "peak_rss_mib": peak_rss_mib()}
+        if opts.http:
+            report["http"] = _http_smoke(eng, plan.prompts, ids, batch.tokens, opts, console)
+    finally:
+        eng.close()
+    return _Served(ids, batch, tok)
+
+
+def _compare(ref_model, served: _Served, prompts: list[str], opts: SmokeOptions) -> dict:
+    """The reference teacher-forced on each prompt plus the runtime's continuation: the
+    report's ``comparison`` section (KL on prompt positions, top-1 agreement and first
+    divergence over generated positions, per prompt)."""
+    import torch
+
+    from ..stats import first_divergence, kl_and_top1, summarize
+
+    ref_model.to(opts.device)
+    batch = served.batch
+    kls, agree, total, firsts, per_prompt = [], 0, 0, [], []
+    with torch.no_grad():
+        for i, (p_ids, gen, plog) in enumerate(zip(served.ids, batch.tokens, batch.prompt_logits)):
+            seq = torch.tensor([p_ids + gen], device=opts.device)
+            logits = ref_model(seq).logits[0].float().cpu()
+            n = len(p_ids)
+            kl, _same = kl_and_top1(logits[: n - 1], plog[: n - 1]) if n > 1 else (torch.zeros(0, dtype=torch.float64), None)
+            ref_next = logits[n - 1: n - 1 + len(gen)].argmax(-1).tolist()  # reference's choice at each generated position
+            match = [int(a == b) for a, b in zip(ref_next, gen)]
+            agree += sum(match)
+            total += len(match)
+            f = first_divergence(ref_next, gen)
+            firsts.append(f)
+            kls.append(kl)
+            per_prompt.append({"prompt": prompts[i][:60], "prompt_tokens": n, "generated": served.tokenizer.decode(gen),
+                               "top1_pct": 100.0 * sum(match) / max(1, len(match)), "first_divergence": f,
+                               "prompt_kl_mean": float(kl.mean()) if kl.numel() else None})
+    del ref_model
+    kl_all = torch.cat(kls).numpy() if kls else []
+    eff = [opts.max_new_tokens if f is None else f for f in firsts]
+    return {
+        "top1_agreement_pct": 100.0 * agree / max(1, total), "generated_positions": total,
+        "prompt_kl": summarize(kl_all), "first_divergence": firsts, "median_first_divergence": summarize(eff)["median"],
+        "min_first_divergence": summarize(eff)["min"], "per_prompt": per_prompt,
+    }
+
+
+def _gates(report: dict, thresholds: dict[str, float], opts: SmokeOptions) -> list[dict]:
+    """Every serve-smoke gate with a threshold (:mod:`compressor.gates`); with ``--http``,
+    ``http_answers``: every request answered well-formed, ``/health`` ok, a malformed
+    request refused with 400."""
+    c = report["comparison"]
+    out = []
+    for spec in gates.gates_of(gates.SERVE_SMOKE, configurable=True):
+        if spec.name not in thresholds:
+            continue
+        if spec.name == "serve_max_prompt_kl" and not (c["prompt_kl"]["count"] or opts.gates.max_kl is not None):
+            continue  # no prompt has 2 tokens: only an explicit --max-kl is evaluated (and fails, value None)
+        out.append(gates.result(spec.name, thresholds[spec.name], gates.statistic(report, spec)))
+    http = report.get("http")
+    if http is not None:
+        g = gates.result("http_answers", http["requests"], http["ok"])
+        g["passed"] = g["passed"] and not http["problems"]
+        out.append(g)
+    return out
+
+
+def _http_smoke(eng, prompts: list[str], ids: list[list[int]], offline: list[list[int]], opts: SmokeOptions,
+                console) -> dict:
+    """Start the server on a free loopback port, send ``http_requests`` concurrent requests
+    (completions and chat, alternating), check them, stop the server."""
+    import httpx
+
+    from ..runtime.server import Server
+
+    srv = Server(eng).start()
+    n = opts.http_requests
+    max_tokens = opts.max_new_tokens
+    expected = {}
+    t0 = time.perf_counter()
+    try:
+        async def go():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=600) as client:
+                health = await client.get("/health")
+                calls = []
+                for i in range(n):
+                    p = prompts[i % len(prompts)]
+                    if i % 2 == 0:
+                        expected[i] = i % len(prompts)
+                        calls.append(client.post("/v1/completions", json={"model": eng.name, "prompt": p,
+                                                                          "max_tokens": max_tokens, "temperature": 0}))
+                    else:
+                        calls.append(client.post("/v1/chat/completions", json={
+                            "model": eng.name, "messages": [{"role": "user", "content": p}],
+                            "max_tokens": max_tokens, "temperature": 0}))
+                bad = await client.post("/v1/completions", json={"prompt": 5})
+                return health, await asyncio.gather(*calls), bad
+
+        health, responses, bad = asyncio.run(go())
+    finally:
+        srv.stop()
+    seconds = time.perf_counter() - t0
+    ok, matched, completions, problems, prefix = 0, 0, 0, [], []
+    for i, r in enumerate(responses):
+        try:
+            body = r.json()
+            choice = body["choices"][0]
+            text = choice["text"] if i in expected else choice["message"]["content"]
+            good = r.status_code == 200 and isinstance(text, str) and body["usage"]["completion_tokens"] > 0
+        except (ValueError, KeyError, IndexError, TypeError):
+            good, text = False, None
+        ok += int(good)
+        if not good:
+            problems.append(f"request {i}: status {r.status_code}: {r.text[:200]}")
+        if i in expected:
+            completions += 1
+            off = offline[expected[i]][:max_tokens]
+            if eng.eos is not None and eng.eos in off:  # the server stops at the end-of-sequence token
+                off = off[: off.index(eng.eos) + 1]
+            want = eng.finish(ids[expected[i]], off, max_tokens, [])[0]
+            if good and text == want:
+                matched += 1
+            if good:
+                prefix.append(len(os.path.commonprefix([text, want])))
+    if bad.status_code != 400:
+        problems.append(f"a malformed request got status {bad.status_code}, not 400")
+    if health.status_code != 200:
+        problems.append(f"/health answered {health.status_code}")
+    out = {"url": srv.url, "requests": n, "ok": ok, "completions": completions, "matched_offline": matched,
+           "mean_common_prefix_chars": round(sum(prefix) / len(prefix), 1) if prefix else None,
+           "health": health.status_code == 200, "bad_request_status": bad.status_code,
+           "seconds": round(seconds, 3), "requests_per_s": round(n / seconds, 2), "batch_sizes": list(eng.batches),
+           "problems": problems}
+    show.http_line(console, out, seconds, len(offline))
+    return out

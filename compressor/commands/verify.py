@@ -1,0 +1,455 @@
+"""``kvq verify``: integrity, then statistics against the reference model, then the gates.
+
+:func:`run_verify` reads as its steps:
+
+1. :func:`_integrity` -- the signature (when keys are given) and every digest; nothing in
+   the manifest is trusted before this passes (``--hashes-only`` stops here);
+2. :func:`_plan` -- every refusal before a model loads: gate thresholds (recipe ``gates``
+   overridden by flags, see :mod:`compressor.gates`), the reference model and whether it is
+   the recorded source, the eval text, the KV scheme to evaluate;
+3. :func:`_load` -- the artifact (dequantized) and the reference, checked to be the same
+   architecture and finite; weight statistics (``--weights-only`` stops here);
+4. :func:`_evaluate` -- perplexity, KL divergence, top-1 agreement per window, hidden-state
+   error per layer, greedy drift, the KV cache's effect and memory accounting;
+5. :func:`_gates` -- every gate whose threshold is set and whose statistic was computed;
+   the report is validated against its schema (:mod:`compressor.report`).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .. import console as show
+from .. import gates
+from ..arch import get_arch
+from ..artifact import foreign_manifest, load_artifact, read_kv_cache
+from ..calib import load_text, sample_windows, tokenize
+from ..errors import CheckFailed, InputError
+from ..evaluate import windows
+from ..integrity import check_artifact_folder, foreign_integrity, verify_integrity
+from ..manifest import load_manifest
+from ..models import resolve_source
+from ..quant.kv import kv_budget, make_spec, quantized_cache
+from .common import load_reference
+from .options import VerifyOptions
+
+#: gates appear in the report in the order of the sections their statistics come from
+_SECTIONS = ("nonfinite_tensors", "perplexity", "distribution", "drift", "hidden_state_error", "weights")
+
+
+@dataclass
+class _Plan:
+    """What :func:`_plan` established before loading a model."""
+
+    folder: Path
+    manifest: object  # compressor.manifest.Manifest or ForeignManifest
+    weights_quantized: bool
+    thresholds: dict[str, float]
+    ref_spec: str
+    ref_source: object  # compressor.models.ModelSource
+    text: object  # eval text (compressor.calib), None unless full mode
+    kv_info: Optional[tuple]  # (KV spec, static scales or None), None: no KV scheme
+    kv_source: Optional[str]  # "artifact" or "--kv-scheme"
+
+
+@dataclass
+class _Models:
+    artifact: torch.nn.Module
+    tokenizer: object
+    reference: torch.nn.Module
+
+
+def run_verify(opts: VerifyOptions, console=None) -> dict:
+    """Signature, digests, then statistics against the reference model, and the gates.
+
+    Modes: ``hashes_only`` (signature + digests), ``weights_only`` (plus weight-space
+    statistics: per tensor relative error, SQNR, original-vs-artifact statistics; no
+    eval text), full (plus perplexity, KL divergence, top-1 agreement, per window;
+    hidden-state error per layer; greedy drift on a prompt set). Every gate whose
+    threshold is set (recipe ``gates`` or flags) is evaluated; ``passed`` is false if the
+    signature (when checked), a digest or any gate fails. Memory holds both models and
+    one window's logits per model.
+
+    Raises:
+        InputError: not an artifact, bad manifest/header, reference, eval text or prompts not found.
+        CheckFailed: the recorded source model changed since quantization.
+    """
+    from ..prompts import load_prompts
+    from ..report import validate
+
+    t0 = time.perf_counter()
+    folder, manifest, report = _integrity(opts, console)
+    prompts = load_prompts(opts.evaluation.prompts) if opts.mode == "full" else None
+    if not report["passed"] or opts.hashes_only:
+        report["seconds"] = round(time.perf_counter() - t0, 2)
+        return validate(report)
+    plan = _plan(opts, folder, manifest, report, console)
+    models = _load(plan, opts, report, console)
+    served, results = "weights only", {}
+    if opts.mode == "full":
+        served, results = _evaluate(plan, models, prompts, opts, report, console)
+    del models
+    gc.collect()
+    report["gates"] = _gates(report, plan.thresholds, served)
+    report["failed_gates"] = [x["name"] for x in report["gates"] if not x["passed"]]
+    report["passed"] = report["passed"] and not report["failed_gates"]
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    if console:
+        show.verify_table(console, report, results, opts.kv.budget_gib)
+    return validate({k: v for k, v in report.items() if not k.startswith("_")}) and report
+
+
+# ---------------------------------------------------------------------------------------
+# 1. integrity
+
+def _integrity(opts: VerifyOptions, console) -> tuple[Path, object, dict]:
+    """``(folder, manifest, report)``: the report so far holds the signature and digest
+    checks (``--no-manifest``: the signature only, from another tool's artifact)."""
+    folder = check_artifact_folder(opts.artifact)
+    if opts.no_manifest:
+        manifest = foreign_manifest(folder)
+        report = {**foreign_integrity(folder, opts.keys, console), "mode": opts.mode}
+    else:
+        manifest = load_manifest(folder)
+        report = {**verify_integrity(folder, opts.keys, console), "mode": opts.mode}  # signature, then digests
+    return folder, manifest, report
+
+
+# ---------------------------------------------------------------------------------------
+# 2. plan
+
+def _plan(opts: VerifyOptions, folder: Path, manifest, report: dict, console) -> _Plan:
+    """Thresholds, reference, eval text and KV scheme, checked before a model loads.
+
+    Raises:
+        InputError: a gate this mode cannot evaluate, no reference, eval text not found.
+        CheckFailed: the recorded source changed since quantization (no ``--reference``).
+    """
+    weights_quantized = manifest.quantization.get("algorithm") != "none"
+    thresholds, gate_warnings = _thresholds(manifest, opts, opts.mode, weights_quantized)
+    report["warnings"].extend(gate_warnings)
+    ref_spec = opts.reference or manifest.source.get("spec")
+    if not ref_spec:
+        raise InputError("the manifest records no source model; pass --reference")
+    ref_source = resolve_source(ref_spec)
+    _check_reference_is_source(opts, manifest, ref_spec, ref_source, report)
+    text = None
+    if opts.mode == "full":
+        text = load_text(opts.evaluation.text, part="eval")
+        if text.note:
+            show.note(console, f"[yellow]eval text:[/] {text.note}")
+    kv_info = read_kv_cache(folder, manifest)
+    kv_source = "artifact" if kv_info else None
+    if opts.kv.scheme:
+        kv_info, kv_source = (make_spec(opts.kv.scheme), None), "--kv-scheme"
+    return _Plan(folder, manifest, weights_quantized, thresholds, ref_spec, ref_source, text, kv_info, kv_source)
+
+
+def _check_reference_is_source(opts: VerifyOptions, manifest, ref_spec: str, ref_source, report: dict) -> None:
+    """Record whether the reference's weight files are the quantized source's (a warning
+    when ``--reference`` names another model; an error when the recorded source changed)."""
+    recorded = manifest.source.get("files") or {}
+    same = bool(recorded) and ref_source.fingerprint()["files"] == recorded
+    report["reference"] = ref_spec
+    report["reference_matches_source"] = None if opts.no_manifest else same
+    if not same and not opts.no_manifest:
+        msg = (f"reference {ref_spec} is not the model that was quantized (its weight-file digests differ from the "
+               "manifest's source record)")
+        if opts.reference is None:  # the recorded source itself changed: the comparison would prove nothing
+            raise CheckFailed(msg + "; the source changed since quantization -- pass --reference to compare with another model")
+        report["warnings"].append(msg)
+
+
+def _thresholds(manifest, opts: VerifyOptions, mode: str, weights_quantized: bool) -> tuple[dict[str, float], list[str]]:
+    """Gate thresholds: the recipe's ``gates`` (stored in the manifest), overridden by flags.
+
+    Returns ``(thresholds, warnings)``: recipe gates this mode cannot evaluate become
+    warnings; flags it cannot evaluate are refused.
+
+    Raises:
+        InputError: the manifest's ``recipe.gates`` is invalid; a gate flag whose statistic
+            this mode or artifact does not compute (it would pass silently).
+    """
+    from pydantic import ValidationError
+
+    from ..recipe import Gates
+
+    try:
+        stored = Gates.model_validate(manifest.recipe.get("gates") or {}).model_dump()
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise InputError(f"manifest recipe.gates.{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    out, warnings = {}, []
+    for spec in gates.gates_of(gates.VERIFY, configurable=True):
+        flag = getattr(opts.gates, spec.option)
+        value = flag if flag is not None else stored.get(spec.name)
+        if value is None and flag is None and mode == "full":
+            value = spec.default
+        if value is None:
+            continue
+        why = spec.unavailable(mode, weights_quantized)
+        if why is not None:
+            if flag is not None:
+                raise InputError(f"{spec.flag} cannot be evaluated: {why}")
+            warnings.append(f"recipe gate {spec.name} not evaluated: {why}")
+            continue
+        out[spec.name] = float(value)
+    if "min_median_divergence" in out and out["min_median_divergence"] > opts.evaluation.max_new_tokens:
+        raise InputError(f"--min-median-divergence {out['min_median_divergence']:g} exceeds --max-new-tokens "
+                         f"{opts.evaluation.max_new_tokens}: the gate could never pass")
+    return out, warnings
+
+
+# ---------------------------------------------------------------------------------------
+# 3. load
+
+def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
+    """Both models on ``opts.device``, checked comparable and finite; the weight statistics.
+
+    Raises:
+        InputError: the reference is another architecture or holds NaN/Inf.
+    """
+    from ..quality import weight_report
+
+    model, tokenizer = load_artifact(plan.folder)
+    ref_model = load_reference(plan.ref_spec, plan.ref_source)
+    _check_same_architecture(model, ref_model, plan.ref_spec)
+    bad_ref = _nonfinite_parameters(ref_model)
+    if bad_ref:
+        raise InputError(f"reference model tensor {bad_ref[0]} contains NaN or Inf; it cannot serve as the reference")
+    bad = _nonfinite_parameters(model)
+    report["nonfinite_tensors"] = bad
+    if bad:
+        show.note(console, f"[red]NaN or Inf[/] in {len(bad)} artifact tensor(s): {', '.join(bad[:5])}", highlight=False)
+    model.to(opts.device)
+    ref_model.to(opts.device)
+    if plan.weights_quantized:
+        algorithm = plan.manifest.recipe.get("algorithm", "")
+        if opts.no_manifest:  # the producer's algorithm is unknown: AWQ shows as rescaled norm weights
+            algorithm = "awq" if _norms_rescaled(ref_model, model) else "unknown"
+            report["warnings"].append(f"foreign artifact: weight statistics assume {'AWQ-folded' if algorithm == 'awq' else 'unscaled'} "
+                                      "weights (inferred from the norm weights)")
+        report["weights"] = weight_report(ref_model, model, algorithm)
+    return _Models(model, tokenizer, ref_model)
+
+
+def _check_same_architecture(artifact, reference, ref_spec: str) -> None:
+    """Refuse a reference that is not the same architecture: another ``model_type``, or
+    parameters that differ in name or shape (depth, width, vocabulary).
+
+    Raises:
+        InputError: names the first difference.
+    """
+    a, r = artifact.config, reference.config
+    if a.model_type != r.model_type:
+        raise InputError(f"reference {ref_spec} is a {r.model_type} model, the artifact a {a.model_type} model: "
+                         "nothing comparable")
+    pa = {n: tuple(p.shape) for n, p in artifact.named_parameters()}
+    pr = {n: tuple(p.shape) for n, p in reference.named_parameters()}
+    if pa != pr:
+        only_a, only_r = sorted(set(pa) - set(pr)), sorted(set(pr) - set(pa))
+        shape = next((n for n in sorted(pa) if n in pr and pa[n] != pr[n]), None)
+        what = (f"{only_a[0]} is missing from the reference" if only_a else f"the reference has an extra {only_r[0]}" if only_r
+                else f"{shape} is {list(pa[shape])} in the artifact but {list(pr[shape])} in the reference")
+        raise InputError(f"reference {ref_spec} does not have the artifact's architecture: {what}")
+
+
+def _norms_rescaled(reference, artifact) -> bool:
+    """True when any norm weight of ``artifact`` differs from ``reference``'s by more than
+    fp16/bf16 storage rounding (AWQ folds its scales there, typically by factors of 0.5-2)."""
+    ref = dict(reference.named_parameters())
+    return any(("norm" in n) and n in ref and p.shape == ref[n].shape
+               and not torch.allclose(p.float(), ref[n].float(), rtol=1e-2, atol=1e-6)
+               for n, p in artifact.named_parameters())
+
+
+def _nonfinite_parameters(model) -> list[str]:
+    """Names of parameters and buffers holding NaN or Inf."""
+    return [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
+            if p.is_floating_point() and not torch.isfinite(p).all()]
+
+
+# ---------------------------------------------------------------------------------------
+# 4. evaluate
+
+def _evaluate(plan: _Plan, models: _Models, prompts: list[str], opts: VerifyOptions, report: dict,
+              console) -> tuple[str, dict]:
+    """Full mode: the statistics on the eval text and the prompts, into ``report``.
+
+    Returns ``(served, results)``: the configuration the gates judge (``weights only``,
+    ``KV only`` or ``weights + KV``) and the per-configuration results of
+    :func:`compressor.evaluate.compare`.
+    """
+    from ..evaluate import compare
+
+    ev = opts.evaluation
+    model, ref_model = models.artifact, models.reference
+    wins = windows(tokenize(models.tokenizer, plan.text.text), ev.seqlen, ev.max_windows)
+    kv_info = plan.kv_info
+    if kv_info is not None and kv_info[0].static and kv_info[1] is None:
+        # --kv-scheme with static scales on a model that has none: calibrate them now
+        kv_info = (kv_info[0], _calibrate_kv(model, models.tokenizer, kv_info[0], opts, console))
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and ev.seqlen > max_pos:
+        report["warnings"].append(f"--seqlen {ev.seqlen} exceeds the model's max_position_embeddings {max_pos}")
+    make_cache = _cache_factory(model, kv_info, ev.seqlen, report)
+    candidates, served = _candidates(models, plan.weights_quantized, make_cache)
+    with show.progress(console, "windows") as bar:
+        task = bar.add_task(f"reference + {len(candidates)} configuration(s)", total=len(wins))
+        results = compare(ref_model, candidates, wins, opts.device, opts.kv.chunk,
+                          lambda i, n: bar.update(task, completed=i))
+    _distribution_sections(report, results, served, wins, plan.text, ev.seqlen)
+    _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts, make_cache, served, opts)
+    if kv_info is not None:
+        report["kv_cache"] = _kv_report(kv_info[0], plan.kv_source, plan.ref_source, opts)
+    return served, results
+
+
+def _cache_factory(model, kv_info, seqlen: int, report: dict):
+    """A function making the quantized KV cache to evaluate with, or ``None`` without a KV scheme."""
+    if kv_info is None:
+        return None
+    spec, scales = kv_info
+    if spec.strategy == "kivi" and seqlen <= spec.residual_length:
+        report["warnings"].append(
+            f"--seqlen {seqlen} <= KIVI residual_length {spec.residual_length}: no token is ever quantized, "
+            "the KV figures measure nothing; use a longer --seqlen")
+    layout = get_arch(model.config.model_type).kv_layout(model.config)
+    n_layers = model.config.num_hidden_layers
+    return lambda: quantized_cache(spec, n_layers, scales, layout)
+
+
+def _candidates(models: _Models, weights_quantized: bool, make_cache) -> tuple[dict, str]:
+    """The configurations compared with the reference, and the one the gates judge."""
+    candidates = {}
+    if weights_quantized:
+        candidates["weights only"] = (models.artifact, None)
+        if make_cache:
+            candidates["weights + KV"] = (models.artifact, make_cache)
+    if make_cache:
+        candidates["KV only"] = (models.reference, make_cache)
+    if not candidates:
+        candidates["weights only"] = (models.artifact, None)
+    served = ("weights + KV" if weights_quantized and make_cache
+              else ("weights only" if weights_quantized or not make_cache else "KV only"))
+    return candidates, served
+
+
+def _distribution_sections(report: dict, results: dict, served: str, wins, text, seqlen: int) -> None:
+    """The report's ``eval``, ``perplexity``, ``perplexity_breakdown``, ``distribution`` and
+    ``per_window`` sections (and the KL values for the histogram)."""
+    ref, art = results["reference"], results[served]
+    increase = (art["ppl"] / ref["ppl"] - 1.0) * 100.0
+    report["eval"] = {**text.provenance(), "seqlen": seqlen, "windows": art["windows"],
+                      "predicted_tokens": art["predicted_tokens"]}
+    report["perplexity"] = {"artifact": round(art["ppl"], 4), "reference": round(ref["ppl"], 4),
+                            "increase_pct": round(increase, 4), "measured_on": served,
+                            "per_window_artifact": art["per_window_ppl"], "per_window_reference": ref["per_window_ppl"]}
+    report["perplexity_breakdown"] = {
+        label: {"ppl": round(r["ppl"], 4), "increase_pct": round((r["ppl"] / ref["ppl"] - 1) * 100, 4)}
+        for label, r in results.items() if label not in ("seconds",)
+    }
+    report["distribution"] = {
+        "measured_on": served, "kl": art["kl"], "top1_agreement_pct": 100.0 * art["top1_agreement"],
+        "breakdown": {label: {"kl": r["kl"], "top1_agreement_pct": 100.0 * r["top1_agreement"]}
+                      for label, r in results.items() if label not in ("reference", "seconds")},
+    }
+    report["per_window"] = [
+        {"window": i, "ppl_artifact": art["per_window_ppl"][i], "ppl_reference": ref["per_window_ppl"][i],
+         "kl_mean": art["per_window_kl_mean"][i], "top1_pct": round(100.0 * art["per_window_top1"][i], 4)}
+        for i in range(len(wins))]
+    report["_kl_values"] = art["kl_values"]
+
+
+def _hidden_and_drift(report: dict, models: _Models, weights_quantized: bool, wins, prompts, make_cache,
+                      served: str, opts: VerifyOptions) -> None:
+    """The report's ``hidden_state_error`` (quantized weights only) and ``drift`` sections."""
+    from ..evaluate import hidden_state_errors
+    from ..quality import greedy_drift
+
+    ev = opts.evaluation
+    if weights_quantized:
+        hb = wins[: ev.hidden_batches, : min(ev.seqlen, 512)]
+        per_layer = hidden_state_errors(models.reference, models.artifact, hb, opts.device)
+        report["hidden_state_error"] = {"batches": int(hb.shape[0]), "seqlen": int(hb.shape[1]),
+                                        "per_layer": per_layer, "last": per_layer[-1]}
+    drift_model = models.artifact if weights_quantized else models.reference
+    drift_cache = make_cache if served != "weights only" else None
+    report["drift"] = {**greedy_drift(models.reference, drift_model, models.tokenizer, prompts, ev.max_new_tokens,
+                                      drift_cache, opts.device), "measured_on": served}
+
+
+def _calibrate_kv(model, tokenizer, spec, opts: VerifyOptions, console) -> dict:
+    """Static KV scales for ``--kv-scheme`` on a model without stored ones (calibration text ``opts.kv.calib``)."""
+    from ..quant.kv import cache_kwarg, kv_observer, layer_scales, observed_absmax
+
+    kv = opts.kv
+    text = load_text(kv.calib, part="calib")
+    ids = sample_windows(tokenize(tokenizer, text.text), kv.calib_samples, 512, 0)
+    obs = kv_observer(model.config.num_hidden_layers)
+    with torch.no_grad():
+        for b in ids.split(4):
+            model(b.to(opts.device), use_cache=True, **{cache_kwarg(model): obs})
+    show.note(console, f"KV scales for {spec.describe()} calibrated on {kv.calib_samples} x 512 tokens of {text.name}")
+    layout = get_arch(model.config.model_type).kv_layout(model.config)
+    return {i: tuple(x.half().float() for x in layer_scales(k, v, spec, layout))
+            for i, (k, v) in observed_absmax(obs).items()}
+
+
+def _kv_report(spec, source, ref_source, opts: VerifyOptions) -> dict:
+    """Scheme plus memory accounting for the model's shape (bytes/token, what a budget holds)."""
+    from transformers import AutoConfig
+
+    kv = opts.kv
+    cfg = AutoConfig.from_pretrained(str(Path(opts.artifact)))
+    layout = get_arch(cfg.model_type).kv_layout(cfg)
+    shape = (layout.n_layers, layout.components[0].heads, layout.components[0].width)
+    max_pos = getattr(cfg, "max_position_embeddings", None) or 32768
+    contexts = tuple(sorted({c for c in (2048, 8192, 32768) if c <= max_pos} | {max_pos}))
+    q = kv_budget(spec, *shape, kv.budget_gib, contexts, layout=layout)
+    fp = kv_budget(None, *shape, kv.budget_gib, contexts, layout=layout)
+    return {
+        "scheme": spec.describe(), "source": source, "kv_chunk": kv.chunk,
+        "calibration": ({"text": kv.calib, "samples": kv.calib_samples, "seqlen": 512, "seed": 0}
+                        if source == "--kv-scheme" and spec.static else None),
+        "layers_kv_heads_head_dim": list(shape) if layout.attention == "gqa" else None, "layout": layout.as_dict(),
+        "budget_gib": kv.budget_gib,
+        "bytes_per_token": q["bytes_per_token"], "fp16_bytes_per_token": fp["bytes_per_token"],
+        "max_tokens": q["max_tokens"], "fp16_max_tokens": fp["max_tokens"],
+        "max_batch": q["max_batch"], "fp16_max_batch": fp["max_batch"],
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# 5. gates
+
+def _gates(report: dict, thresholds: dict[str, float], served: str) -> list[dict]:
+    """``finite_weights``, then every gate whose threshold is set and whose statistic this
+    run computed (:mod:`compressor.gates`), in the order of the report's sections."""
+    bad = report["nonfinite_tensors"]
+    out = [gates.result("finite_weights", 0.0, float(len(bad)), measured_on="artifact tensors",
+                        detail=("NaN or Inf in: " + ", ".join(bad[:5])) if bad else None)]
+    order = sorted(gates.gates_of(gates.VERIFY, configurable=True),
+                   key=lambda g: _SECTIONS.index(g.statistic.split(".")[0]))
+    for spec in order:
+        if spec.name not in thresholds or not report.get(spec.statistic.split(".")[0]):
+            continue
+        value = gates.statistic(report, spec)
+        detail = _below_sqnr(report["weights"], thresholds[spec.name]) if spec.name == "min_sqnr_db" else None
+        out.append(gates.result(spec.name, thresholds[spec.name], None if value is None else float(value),
+                                measured_on=spec.measured_on or served, detail=detail))
+    return out
+
+
+def _below_sqnr(weights: dict, threshold: float) -> Optional[str]:
+    """The tensors below the SQNR threshold, named (the first five)."""
+    below = [t["name"] for t in weights["tensors"] if not t["sqnr_db"] >= threshold]
+    if not below:
+        return None
+    return f"{len(below)} tensor(s) below: " + ", ".join(below[:5]) + (" ..." if len(below) > 5 else "")

@@ -1,0 +1,221 @@
+"""What the commands print on stderr: progress bars, notes, warnings and result tables (rich).
+
+Every function takes the command's ``console`` (a ``rich.console.Console``; ``None`` in
+``--json`` mode and on torchrun ranks other than 0, where nothing is printed) and the
+command's result dict: the commands compute, this module only renders. Progress bars show
+on a terminal only; elsewhere (CI logs) quantization prints one plain line per layer.
+"""
+
+from __future__ import annotations
+
+from .gates import gate
+from .manifest import SIGNATURE_NAME
+
+
+def make_console():
+    """The console of the ``kvq`` command line: rich, on stderr."""
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def note(console, text: str, **kw) -> None:
+    """Print one line (rich markup allowed) unless ``console`` is ``None``; ``kw`` go to ``print``."""
+    if console is not None:
+        console.print(text, **kw)
+
+
+def warnings(console, items: list[str]) -> None:
+    """One ``warning:`` line per item."""
+    for w in items:
+        note(console, f"[yellow]warning:[/] {w}", highlight=False)
+
+
+def progress(console, total_label: str):
+    """A rich progress bar (description, bar, done/total ``total_label``, elapsed, ETA),
+    disabled without a terminal."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(total_label),
+        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+        console=console, disable=console is None or not console.is_terminal, transient=False,
+    )
+
+
+def layer_done(console, bar, task, i: int, n: int, fig: dict) -> None:
+    """Advance the bar; where there is no terminal (CI logs) print one plain line per layer."""
+    bar.update(task, completed=i + 1)
+    if console is not None and not console.is_terminal:
+        err = fig.get("output_rel_error")
+        console.print(f"layer {i + 1}/{n} done in {fig['seconds']:.1f} s"
+                      + ("" if err is None else f", relative output error {err:.4f}"), highlight=False)
+
+
+# ---------------------------------------------------------------------------------------
+# kvq quantize
+
+def layer_table(console, layers: list[dict]) -> None:
+    """The per-layer quantization table: bits, group, modules, weight and output error, seconds."""
+    from rich.table import Table
+
+    t = Table(title="per-layer quantization", show_lines=False)
+    for col in ("layer", "bits", "group", "modules", "mean rel. weight error", "rel. output error", "seconds"):
+        t.add_column(col, justify="right")
+    for f in layers:
+        out_err = "-" if f["output_rel_error"] is None else f"{f['output_rel_error']:.4f}"
+        w_err = "-" if f["mean_rel_error"] is None else f"{f['mean_rel_error']:.4f}"
+        t.add_row(str(f["layer"]), str(f["num_bits"] or "float"), str(f["group_size"] or "-"), str(f["modules"]),
+                  w_err, out_err, f"{f['seconds']:.1f}")
+    console.print(t)
+
+
+def quantize_done(console, summary: dict, layers: list[dict], moe_layers: list[dict]) -> None:
+    """After ``kvq quantize``: the per-layer table, routed tokens per MoE layer, and where
+    the artifact was written."""
+    if console is None:
+        return
+    layer_table(console, layers)
+    for m in moe_layers:
+        toks = m["expert_tokens"]
+        console.print(f"MoE layer {m['layer']}: {m['experts']} experts, routed calibration tokens "
+                      + ("not counted (no calibration pass)" if toks is None else
+                         f"min {min(toks)} / median {sorted(toks)[len(toks) // 2]} / max {max(toks)}"
+                         + (f", {len(m['below_min_tokens'])} below {summary['moe']['min_tokens']}"
+                            if m["below_min_tokens"] else "")),
+                      highlight=False)
+    size, float_bytes = summary["artifact_bytes"], summary["float32_bytes"]
+    console.print(
+        f"[green]wrote[/] {summary['output']} ({size / 2**20:.1f} MiB; float32 model {float_bytes / 2**20:.1f} MiB) "
+        f"in {summary['wall_seconds']:.0f} s, peak RSS {summary['peak_rss_mib']:.0f} MiB"
+        + (f", signed ({summary['signed']}) into {SIGNATURE_NAME}" if summary["signed"] is not None else "")
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# kvq verify
+
+def verify_table(console, report: dict, results: dict, kv_budget_gib: float) -> None:
+    """The verify result: warnings, the table of statistics and gates, the eval and KV
+    accounting lines, one line per failed gate."""
+    from rich.table import Table
+
+    warnings(console, report["warnings"])
+    t = Table(title=f"kvq verify {report['artifact']} ({report['mode']})")
+    for c in ("check", "value", "threshold", "result"):
+        t.add_column(c)
+    if report["hashes"].get("checked", True):
+        t.add_row("tensor/file digests", f"{report['hashes']['tensors_checked']} tensors", "all equal", "[green]pass")
+    else:
+        t.add_row("tensor/file digests", "no kvq manifest", "", "[yellow]not checked")
+    _verify_rows(t, report, results)
+    console.print(t)
+    _verify_footer(console, report, kv_budget_gib)
+
+
+def _verify_rows(t, report: dict, results: dict) -> None:
+    gates = {x["name"]: x for x in report["gates"]}
+
+    def row(label, value, gate_name=None):
+        gt = gates.get(gate_name)
+        if gt is None:
+            t.add_row(label, value, "", "")
+        else:
+            spec = gate(gate_name)
+            t.add_row(label, value, f"{spec.symbol} {gt['threshold'] * spec.scale:g}{spec.unit}",
+                      "[green]pass" if gt["passed"] else "[red]FAIL")
+
+    if "perplexity" in report:
+        ref = results["reference"]
+        for label, r in results.items():
+            if label == "seconds":
+                continue
+            rel = "" if label == "reference" else f"({(r['ppl'] / ref['ppl'] - 1) * 100:+.2f} %)"
+            t.add_row(f"perplexity {label}", f"{r['ppl']:.4f} {rel}", "", "")
+        p, d = report["perplexity"], report["distribution"]
+        served = p["measured_on"]
+        row(f"perplexity increase ({served})", f"{p['increase_pct']:+.2f} %", "max_ppl_increase_pct")
+        k = d["kl"]
+        row(f"KL mean ({served}), nats", f"{k['mean']:.4g}", "max_mean_kl")
+        row("KL median / p99 / max, nats", f"{k['median']:.4g} / {k['p99']:.4g} / {k['max']:.4g}", "max_p99_kl")
+        row(f"top-1 agreement ({served})", f"{d['top1_agreement_pct']:.2f} %", "min_top1_agreement_pct")
+        dr = report["drift"]
+        row(f"greedy drift: first differing token ({dr['prompts']} prompts)",
+            f"median {dr['median']:g}, min {dr['min']:g} of {dr['max_new_tokens']} generated", "min_median_divergence")
+        if report.get("hidden_state_error"):
+            row("hidden-state error, last layer", f"{100 * report['hidden_state_error']['last']:.4g} %", "max_hidden_error")
+    w = report.get("weights")
+    if w and w["tensors"]:
+        row(f"weight SQNR, min over {len(w['tensors'])} tensors", f"{w['min_sqnr_db']:.2f} dB ({w['min_sqnr_tensor']})",
+            "min_sqnr_db")
+    if "finite_weights" in gates:
+        row("NaN/Inf in artifact tensors", f"{gates['finite_weights']['value']:g} tensors", "finite_weights")
+
+
+def _verify_footer(console, report: dict, kv_budget_gib: float) -> None:
+    if "eval" in report:
+        e = report["eval"]
+        console.print(f"eval: {e['windows']} windows x {e['seqlen']} tokens ({e['predicted_tokens']} predicted) from {e['source']}",
+                      highlight=False)
+    if report.get("kv_cache"):
+        k = report["kv_cache"]
+        console.print(
+            f"KV cache {k['scheme']} ({k['source']}): {k['bytes_per_token']:.0f} B/token vs fp16 {k['fp16_bytes_per_token']:.0f} B/token; "
+            f"{kv_budget_gib:g} GiB holds {k['max_tokens']:,} tokens (fp16: {k['fp16_max_tokens']:,}); "
+            + ", ".join(f"context {c}: batch {b} (fp16 {k['fp16_max_batch'][c]})" for c, b in k["max_batch"].items()),
+            highlight=False)
+    for gt in report["gates"]:
+        if not gt["passed"]:
+            console.print(f"[red]gate failed[/]: {gt['name']} = "
+                          f"{'n/a' if gt['value'] is None else format(gt['value'], '.4g')} (threshold {gt['threshold']:g})"
+                          + (f"; {gt['detail']}" if gt.get("detail") else ""), highlight=False)
+
+
+# ---------------------------------------------------------------------------------------
+# kvq serve-smoke
+
+def runtime_line(console, d: dict) -> None:
+    """The runtime serve-smoke loaded: device, dtype, kernels, KV scheme (``Runtime.describe()``)."""
+    note(console, f"runtime: {d['device']} {d['dtype']}, kernels {d['kernels']}, KV {d['kv_scheme']} "
+                  f"({d['kv_bytes_per_token']:.0f} B/token)", highlight=False)
+
+
+def http_line(console, http: dict, seconds: float, offline_batch: int) -> None:
+    """The HTTP smoke's result in one line (``seconds``: its unrounded duration)."""
+    note(console, f"http: {http['ok']}/{http['requests']} concurrent requests answered on {http['url']} in "
+                  f"{seconds:.1f} s (batches {http['batch_sizes']}); {http['matched_offline']}/"
+                  f"{http['completions']} greedy completions identical to the offline batch-{offline_batch} run "
+                  f"(batch composition changes rounding; not gated); bad request -> {http['bad_request_status']}; "
+                  "server stopped", highlight=False)
+
+
+def smoke_table(console, report: dict, n: int) -> None:
+    """The serve-smoke result: speed per batch size, KV cache, memory, agreement, gates,
+    the first prompts' continuations."""
+    from rich.table import Table
+
+    rt, c = report["runtime"], report["comparison"]
+    t = Table(title=f"kvq serve-smoke {report['artifact']}")
+    for col in ("figure", "value"):
+        t.add_column(col)
+    for key in dict.fromkeys(("batch_1", f"batch_{n}")):
+        s = rt[key]
+        dec = s["decode_tokens_per_s"]
+        dec = "n/a" if s["decode_tokens"] == 0 or dec != dec else f"{dec:.1f}"
+        t.add_row(f"{key.replace('_', ' ')}: prefill / decode", f"{s['prefill_tokens_per_s']:.1f} / {dec} tokens/s")
+    t.add_row("KV cache", f"{rt['kv_scheme']}, {rt['kv_bytes_per_token']:.0f} bytes/token")
+    t.add_row("peak RSS (runtime phase)", f"{rt['peak_rss_mib']:.0f} MiB")
+    t.add_row("top-1 agreement (generated positions)", f"{c['top1_agreement_pct']:.1f} % of {c['generated_positions']}")
+    k = c["prompt_kl"]
+    if k["count"]:
+        t.add_row("KL(ref || runtime) on prompts, mean / p99", f"{k['mean']:.4f} / {k['p99']:.4f} nats")
+    t.add_row("first divergence, median / min", f"{c['median_first_divergence']:g} / {c['min_first_divergence']:g} "
+              f"of {report['max_new_tokens']} generated tokens")
+    for g in report["gates"]:
+        val = "n/a" if g["value"] is None else format(g["value"], ".4g")
+        t.add_row(f"gate {g['name']}", f"{val} vs {g['threshold']:g}: " + ("[green]pass" if g["passed"] else "[red]FAIL"))
+    console.print(t)
+    if report["failed_gates"]:
+        console.print(f"[red]serve-smoke FAILED[/]: {', '.join(report['failed_gates'])}", highlight=False)
+    for p in c["per_prompt"][:3]:
+        console.print(f"  {p['prompt']!r} -> {p['generated'][:80]!r}", highlight=False)
