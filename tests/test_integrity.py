@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -373,7 +372,6 @@ def test_file_added_after_signing_is_named(signed, keys, tmp_path, capsys):
 def test_rehashed_manifest_without_resigning_is_caught(signed, keys, tmp_path, capsys):
     """An attacker edits a tensor and rewrites the manifest's digests: hashes agree, the signature does not."""
     from compressor.artifact import build_manifest
-    from compressor.manifest import Manifest
 
     art = _copy(signed, tmp_path / "a")
     e = read_header(art / "model.safetensors")["model.layers.0.self_attn.q_proj.weight_scale"]

@@ -5,7 +5,6 @@ import math
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -167,7 +166,6 @@ def test_recipe_gates_are_used_without_flags(awq_art, tmp_path, capsys):
     m = json.loads((art / "kvq-manifest.json").read_text())
     m["recipe"]["gates"]["min_sqnr_db"] = 99.0
     from compressor.artifact import build_manifest
-    from compressor.manifest import Manifest
 
     fields = {k: v for k, v in m.items() if k not in ("files", "tensors", "provenance", "digest_algorithm", "schema_version")}
     (art / "kvq-manifest.json").write_text(build_manifest(art, fields).to_json())
