@@ -34,10 +34,11 @@ from ..artifact import DTYPES, check_output, tool_info, write_artifact
 from ..calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
-from ..formats import check_format, check_shapes, format_config, gptq_checkpoint_format, pack_modules
+from ..formats import check_format, check_shapes, format_config, pack_modules
 from ..formats.compressed_tensors import kv_scale_tensors
 from ..models import ALIASES, load_model, peek_model_type, resolve_source
 from ..pipeline import quantize_model
+from ..quant.algorithms import get_algorithm
 from ..quant.kv import layout_bytes_per_token
 from ..recipe import KVCacheOptions, Recipe, load_recipes, with_overrides
 from ..signing import check_sign_options, sign_folder
@@ -122,14 +123,17 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     if opts.write.sign is not None:
         check_sign_options(opts.write.sign)
     recipe = _effective_recipe(opts)
-    warnings = _flag_warnings(opts, recipe) + _format_warnings(opts.write.format, recipe)
+    algorithm = get_algorithm(recipe.algorithm)
+    flags = {"bits": opts.scheme.bits, "group_size": opts.scheme.group_size, "symmetric": opts.scheme.symmetric,
+             "act_order": opts.scheme.act_order}
+    warnings = algorithm.flag_warnings(flags, recipe, opts.write.format)
     check_format(opts.write.format, recipe, opts.write.dtype)
     source = resolve_source(opts.model)
     if peek_model_type(source) is not None:  # an unsupported architecture fails before the model is loaded
         get_arch(peek_model_type(source))
     _refuse_output_in_source(source.path, out, opts.model)
     kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
-    needs_calib = recipe.algorithm in ("awq", "gptq") or (kv is not None and kv.static)
+    needs_calib = algorithm.needs_calibration or (kv is not None and kv.static)
     calib = opts.calibration
     token_file = needs_calib and is_token_file(calib.source)
     if token_file:  # structure checked before the model loads; the id range after (it needs the vocabulary)
@@ -162,29 +166,6 @@ def _effective_recipe(opts: QuantizeOptions) -> Recipe:
         "algorithm": s.algorithm, "weights.num_bits": s.bits, "weights.group_size": s.group_size,
         "weights.symmetric": s.symmetric, "gptq.act_order": s.act_order,
     })
-
-
-def _flag_warnings(opts: QuantizeOptions, recipe: Recipe) -> list[str]:
-    """Flags that the effective recipe's algorithm makes meaningless (said aloud rather
-    than silently dropped)."""
-    s, out = opts.scheme, []
-    if recipe.algorithm == "none" and any(v is not None for v in (s.bits, s.group_size, s.symmetric)):
-        out.append("--bits/--group-size/--symmetric have no effect: the recipe keeps weights in float (algorithm none)")
-    if s.act_order is not None and recipe.algorithm != "gptq":
-        out.append(f"--act-order/--no-act-order has no effect with algorithm {recipe.algorithm} (GPTQ only)")
-    return out
-
-
-def _format_warnings(fmt: str, recipe: Recipe) -> list[str]:
-    """Weight widths the format's usual consumers cannot serve."""
-    if recipe.algorithm == "none":
-        return []
-    bits = {recipe.weights.num_bits} | {o.weights.num_bits for o in recipe.overrides if o.weights.num_bits}
-    odd = sorted(b for b in bits if b not in (4, 8))
-    if odd and fmt == "compressed-tensors":
-        return [f"{'/'.join(map(str, odd))}-bit weights: vLLM's compressed-tensors WNA16 kernels serve 4 and 8 bits only; "
-                "kvq verify and transformers read this artifact"]
-    return []
 
 
 # ---------------------------------------------------------------------------------------
@@ -246,7 +227,7 @@ def _quantize(plan: _Plan, src: _Source, writer: LayerWriter, opts: QuantizeOpti
     recipe, kv = plan.recipe, plan.kv
     n_layers = src.model.config.num_hidden_layers
     with show.progress(console, "layers") as bar:
-        label = "float weights" if recipe.algorithm == "none" else f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}"
+        label = "float weights" if not get_algorithm(recipe.algorithm).quantizes_weights else f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}"
         task = bar.add_task(label + (f" + KV {kv.scheme}" if kv else ""), total=n_layers, completed=writer.start)
         return quantize_model(
             src.model, recipe, src.calib_ids, device=device, dtype=DTYPES[opts.write.dtype],
@@ -322,21 +303,8 @@ def _quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, sche
         quant["schemes"] = [{"num_bits": b, "group_size": g, "symmetric": y,
                              "modules": sorted(n for n, v in schemes.items() if v == (b, g, y))}
                             for b, g, y in sorted(set(schemes.values()))]
-    quant.update(_summary_fields(recipe, fmt))  # keys already present keep their place
+    quant.update(get_algorithm(recipe.algorithm).summary_fields(recipe, fmt))  # keys already present keep their place
     return quant
-
-
-def _summary_fields(recipe: Recipe, fmt: str) -> dict:
-    """The algorithm's fields of the ``quantization`` block: no weight scheme for ``none``;
-    GPTQ's column order, group mode and (``--format gptq``) checkpoint format."""
-    if recipe.algorithm == "none":
-        return {"num_bits": None, "group_size": None, "symmetric": None}
-    if recipe.algorithm == "gptq":
-        out = {"act_order": recipe.gptq.act_order, "static_groups": recipe.gptq.static_groups}
-        if fmt == "gptq":
-            out["gptq_checkpoint_format"] = gptq_checkpoint_format(recipe.weights.symmetric)
-        return out
-    return {}
 
 
 def _kv_record(kv, result, arch, model, packed: dict) -> Optional[dict]:
