@@ -122,7 +122,8 @@ def _parse_size(value: str, param) -> int:
 @click.option("--calib-seqlen", type=_range(QuantizeOptions, "calib_seqlen"), default=512, show_default=True, help="Tokens per calibration sequence.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for drawing calibration windows.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where each layer is processed.")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True, help="Storage dtype of scales and unquantized tensors.")
+@click.option("--dtype", type=click.Choice(["auto", "float16", "bfloat16", "float32"]), default="auto", show_default=True, help="Storage and declared dtype of scales and unquantized tensors (config.json's dtype). auto: the source's (bfloat16 or float16 checkpoints keep theirs; float32, FP8 and GGUF sources get bfloat16). float16 is refused when a layer's calibration activations exceed 65,504.")
+@click.option("--allow-float16-overflow", is_flag=True, help="Keep --dtype float16 although some layer's activations exceed float16's range (recorded in the manifest's warnings).")
 @click.option("--overwrite", is_flag=True, help="Replace an earlier artifact (a folder holding kvq-manifest.json) or an empty folder, atomically at the end; any other folder is refused.")
 @click.option("--digest", "digest_algorithm", type=click.Choice(["sha256", "blake3"]), default="sha256", show_default=True, help="Digest of files and tensors in kvq-manifest.json.")
 @click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Sign the artifact as the last step with this EC private key (PEM), through model_signing; writes OUT/model.sig.")
@@ -135,7 +136,7 @@ def _parse_size(value: str, param) -> int:
 @click.option("--resume", is_flag=True, help="Continue an interrupted run of the same command from its last finished layer (kept in .OUTPUT.kvq-partial beside OUTPUT); refused if the inputs changed.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout; no progress bar.")
 def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, symmetric, act_order, settings, fmt, calib, calib_field,
-             calib_samples, calib_seqlen, seed, device, dtype, overwrite, digest_algorithm, sign_key, sign_password,
+             calib_samples, calib_seqlen, seed, device, dtype, allow_float16_overflow, overwrite, digest_algorithm, sign_key, sign_password,
              sign_certificate, sign_chain, stream, shard_size, activation_budget_gib, resume, as_json):
     """Quantize MODEL's linear weights and write an artifact to OUTPUT.
 
@@ -194,7 +195,8 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     opts = _options(
         QuantizeOptions, model=model, output=output, recipe=tuple(recipes_), kv_scheme=kv_scheme, algorithm=algorithm, bits=bits, group_size=group_size,
         symmetric=symmetric, act_order=act_order, settings=tuple(parsed), format=fmt, calib=calib, calib_field=calib_field, calib_samples=calib_samples,
-        calib_seqlen=calib_seqlen, seed=seed, device=_device(device), dtype=dtype, overwrite=overwrite,
+        calib_seqlen=calib_seqlen, seed=seed, device=_device(device), dtype=dtype,
+        allow_float16_overflow=allow_float16_overflow, overwrite=overwrite,
         digest_algorithm=digest_algorithm, sign=sign, stream=stream, shard_bytes=shard_size, resume=resume,
         activation_budget_gib=activation_budget_gib,
     )
@@ -227,6 +229,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.option("--min-median-divergence", type=_range(VerifyOptions, "min_median_divergence"), default=None, help="Gate: minimum median position where greedy generations first differ.")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Prompts for the greedy-drift check: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: 8 built-in prompts.")
 @click.option("--max-new-tokens", type=_range(VerifyOptions, "max_new_tokens"), default=32, show_default=True, help="Tokens generated per prompt for the greedy-drift check.")
+@click.option("--eval-dtype", type=click.Choice(["auto", "float32"]), default="auto", show_default=True, help="Evaluate the artifact in the dtype its config.json declares (auto: what transformers and vLLM load it in, so the figures describe the model users serve) or in float32. The reference is float32; the report's evaluated_in says which.")
 @click.option("--hidden-batches", type=_range(VerifyOptions, "hidden_batches"), default=2, show_default=True, help="Eval windows (first 512 tokens each) for the per-layer hidden-state error.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write report.md (PR comment), report.html, report.json and PNG plots into this folder.")
 @click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Check model.sig with this EC public key (PEM) before anything else.")
@@ -238,7 +241,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report to this file.")
 def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, kv_scheme, kv_budget_gib,
            kv_chunk, kv_calib, device, weights_only, max_mean_kl, max_p99_kl, min_top1, min_sqnr_db, max_hidden_error,
-           min_median_divergence, prompts_file, max_new_tokens, hidden_batches, report_dir, public_key, certificate_chain,
+           min_median_divergence, prompts_file, max_new_tokens, eval_dtype, hidden_batches, report_dir, public_key, certificate_chain,
            identity, issuer, no_manifest, as_json, json_out):
     """Check ARTIFACT's integrity and quality against the original model.
 
@@ -251,7 +254,8 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     2. weight statistics against the reference (original) model: per quantized tensor
        relative Frobenius error, SQNR (dB), mean/std/absmax/kurtosis before and after
        (AWQ's folded scales undone); --weights-only stops here;
-    3. on the eval text (non-overlapping windows, no special tokens): perplexity of the
+    3. on the eval text (non-overlapping windows, each starting with the BOS when the
+       tokenizer adds one; the artifact in its declared dtype, see --eval-dtype): perplexity of the
        artifact and the reference, KL(reference || artifact) per token (mean, median,
        p99, max), top-1 agreement, each also per window; hidden-state error after each
        decoder layer; greedy-generation drift (first differing position) on a prompt set.
@@ -284,6 +288,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
         max_mean_kl=max_mean_kl, max_p99_kl=max_p99_kl, min_top1=min_top1, min_sqnr_db=min_sqnr_db,
         max_hidden_error=max_hidden_error, min_median_divergence=min_median_divergence,
         prompts=prompts_file, max_new_tokens=max_new_tokens, hidden_batches=hidden_batches, no_manifest=no_manifest,
+        eval_dtype=eval_dtype,
     )
     for path, flag in ((report_dir, "--report"), (json_out, "--json-out")):
         if path is not None and Path(artifact).is_dir() and path.resolve().is_relative_to(Path(artifact).resolve()):

@@ -210,3 +210,45 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+#: safetensors dtype names of floating weights -> torch dtype names
+_FLOAT_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def source_float_dtype(source: ModelSource) -> str | None:
+    """The dtype most of a Hugging Face folder's floating-point weight bytes are stored in
+    (``bfloat16``, ``float16``, ``float32``, ``float8_e4m3fn``, ...), read from the
+    safetensors headers; ``None`` for a GGUF file."""
+    if source.kind != "hf":
+        return None
+    count: dict[str, int] = {}
+    for shard in sorted(source.path.glob("*.safetensors")):
+        for e in read_header(shard).values():
+            if e.dtype in _FLOAT_NAMES:
+                count[e.dtype] = count.get(e.dtype, 0) + (e.end - e.start)
+    return _FLOAT_NAMES[max(count, key=count.get)] if count else None
+
+
+def storage_dtype(source: ModelSource, requested: str, fmt: str = "compressed-tensors") -> tuple[str, str]:
+    """The artifact's storage and declared dtype, and why (recorded in the manifest).
+
+    ``requested`` other than ``auto`` wins. ``auto`` follows the source: a bfloat16 or
+    float16 checkpoint keeps its dtype (a model trained and served in bf16 may overflow
+    float16: activations past 65,504); a float32, FP8 or GGUF source gets bfloat16 (the
+    dtype such models are served in; ``--dtype float32`` or ``float16`` to choose).
+
+    Returns:
+        ``(dtype name, reason)``.
+    """
+    if requested != "auto":
+        return requested, "--dtype"
+    if fmt in ("awq", "gptq"):
+        return "float16", f"--format {fmt}: its kernels read float16 scales"
+    found = source_float_dtype(source)
+    if found in ("bfloat16", "float16"):
+        return found, f"the source's weights are {found}"
+    if source.kind == "gguf":
+        return "bfloat16", "GGUF source: bfloat16 unless --dtype says otherwise"
+    return "bfloat16", f"the source's weights are {found or 'not floating point'}: bfloat16 unless --dtype says otherwise"

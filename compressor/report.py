@@ -123,6 +123,8 @@ class VerifyReport(_M):
     nonfinite_tensors: list[str] = []
     reference: Optional[str] = None
     reference_matches_source: Optional[bool] = None
+    #: the dtype the artifact was evaluated in: {"dtype", "declared", "why"} (issue #21)
+    evaluated_in: Optional[dict[str, Any]] = None
     eval: Optional[dict[str, Any]] = None
     perplexity: Optional[dict[str, Any]] = None
     perplexity_breakdown: Optional[dict[str, Any]] = None

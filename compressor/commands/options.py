@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Optional, Union
+from typing import Literal, Annotated, Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, ValidationError, field_validator, model_validator
 
@@ -163,7 +163,10 @@ class WriteOptions(_Section):
     """The artifact written: on-disk format, storage dtype, digests, shards, signature."""
 
     format: str = "compressed-tensors"
-    dtype: str = "float16"
+    #: storage and declared dtype; ``auto`` follows the source (compressor.models.storage_dtype)
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
+    #: keep --dtype float16 although a layer's activations exceed float16's range (said in the manifest)
+    allow_float16_overflow: bool = False
     overwrite: bool = False
     digest_algorithm: str = "sha256"  # manifest digests: sha256 | blake3
     shard_bytes: int = Field(5 * 10**9, ge=1)  # maximum data bytes per output shard (the CLI asks >= 1 MB)
@@ -204,6 +207,7 @@ class QuantizeOptions(_Options):
         "calib_samples": ("calibration", "samples"), "calib_seqlen": ("calibration", "seqlen"),
         "seed": ("calibration", "seed"),
         "format": ("write", "format"), "dtype": ("write", "dtype"), "overwrite": ("write", "overwrite"),
+        "allow_float16_overflow": ("write", "allow_float16_overflow"),
         "digest_algorithm": ("write", "digest_algorithm"), "shard_bytes": ("write", "shard_bytes"),
         "sign": ("write", "sign"),
         "device": ("execution", "device"), "stream": ("execution", "stream"), "resume": ("execution", "resume"),
@@ -230,6 +234,8 @@ class EvalOptions(_Section):
     hidden_batches: int = Field(2, ge=1, le=64)
     prompts: Optional[Text] = None  # greedy-drift prompt file (default: built-in set)
     max_new_tokens: int = Field(32, ge=1, le=4096)
+    #: ``auto``: evaluate the artifact in the dtype its config.json declares (what users load); ``float32`` on request
+    dtype: Literal["auto", "float32"] = "auto"
 
 
 class KVEvalOptions(_Section):
@@ -267,6 +273,7 @@ class VerifyOptions(_Options):
         "eval_text": ("evaluation", "text"), "seqlen": ("evaluation", "seqlen"),
         "max_windows": ("evaluation", "max_windows"), "hidden_batches": ("evaluation", "hidden_batches"),
         "prompts": ("evaluation", "prompts"), "max_new_tokens": ("evaluation", "max_new_tokens"),
+        "eval_dtype": ("evaluation", "dtype"),
         "kv_scheme": ("kv", "scheme"), "kv_budget_gib": ("kv", "budget_gib"), "kv_chunk": ("kv", "chunk"),
         "kv_calib": ("kv", "calib"), "kv_calib_samples": ("kv", "calib_samples"),
         **{g.option: ("gates", g.option) for g in gates_of("verify", configurable=True)},

@@ -36,7 +36,7 @@ from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import check_format, check_shapes, format_config, pack_modules
 from ..formats.compressed_tensors import kv_scale_tensors
-from ..models import ALIASES, load_model, peek_model_type, resolve_source
+from ..models import ALIASES, load_model, peek_model_type, resolve_source, storage_dtype
 from ..pipeline import quantize_model
 from ..quant.algorithms import get_algorithm
 from ..quant.kv import layout_bytes_per_token
@@ -58,6 +58,12 @@ class _Plan:
     token_file: bool  # calibration given as pre-tokenized ids
     text: object  # calibration text (compressor.calib), None when not needed or token ids
     warnings: list[str]  # grows as the run goes: the manifest's quality.warnings
+    dtype: str = "float16"  # storage and declared dtype (compressor.models.storage_dtype)
+    dtype_reason: str = "--dtype"
+
+
+#: the largest finite float16 value: activations past it overflow in a float16 deployment
+FLOAT16_MAX = 65504.0
 
 
 @dataclass
@@ -91,11 +97,11 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
     arch = get_arch(src.model.config.model_type)
     source_fp = plan.source.fingerprint()
     key = resume_key({"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
-                      "calibration": src.calibration, "format": opts.write.format, "dtype": opts.write.dtype,
+                      "calibration": src.calibration, "format": opts.write.format, "dtype": plan.dtype,
                       "kvq": tool_info()["version"]})
     staging = open_staging(plan.out, key, opts.execution.resume, console) if rank == 0 else None  # other ranks write nothing
     with keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume
-        writer = LayerWriter(src.model, arch, src.ckpt, staging, opts.write.format, DTYPES[opts.write.dtype],
+        writer = LayerWriter(src.model, arch, src.ckpt, staging, opts.write.format, DTYPES[plan.dtype],
                              lambda name: checkpoint_name(arch, name), opts.execution.activation_budget_gib)
         writer.restore(device)
         result = _quantize(plan, src, writer, opts, device, console)
@@ -127,8 +133,9 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     flags = {"bits": opts.scheme.bits, "group_size": opts.scheme.group_size, "symmetric": opts.scheme.symmetric,
              "act_order": opts.scheme.act_order}
     warnings = algorithm.flag_warnings(flags, recipe, opts.write.format)
-    check_format(opts.write.format, recipe, opts.write.dtype)
     source = resolve_source(opts.model)
+    dtype, dtype_reason = storage_dtype(source, opts.write.dtype, opts.write.format)
+    check_format(opts.write.format, recipe, dtype)
     if peek_model_type(source) is not None:  # an unsupported architecture fails before the model is loaded
         get_arch(peek_model_type(source))
     _refuse_output_in_source(source.path, out, opts.model)
@@ -143,7 +150,7 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
         show.note(console, f"[yellow]calibration:[/] {text.note}")
     if opts.execution.resume and os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
         raise InputError("--resume is not available under torchrun (several ranks); resume with one process")
-    return _Plan(out, recipe, source, kv, token_file, text, warnings)
+    return _Plan(out, recipe, source, kv, token_file, text, warnings, dtype, dtype_reason)
 
 
 def _refuse_output_in_source(source: Path, out: Path, spec: str) -> None:
@@ -230,9 +237,27 @@ def _quantize(plan: _Plan, src: _Source, writer: LayerWriter, opts: QuantizeOpti
         label = "float weights" if not get_algorithm(recipe.algorithm).quantizes_weights else f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}"
         task = bar.add_task(label + (f" + KV {kv.scheme}" if kv else ""), total=n_layers, completed=writer.start)
         return quantize_model(
-            src.model, recipe, src.calib_ids, device=device, dtype=DTYPES[opts.write.dtype],
-            on_layer=lambda i, n, fig: show.layer_done(console, bar, task, i, n, fig), hooks=writer,
+            src.model, recipe, src.calib_ids, device=device, dtype=DTYPES[plan.dtype],
+            on_layer=lambda i, n, fig: _layer_done(plan, opts, console, bar, task, i, n, fig), hooks=writer,
         )
+
+
+def _layer_done(plan: _Plan, opts: QuantizeOptions, console, bar, task, i: int, n: int, fig: dict) -> None:
+    """Progress, and the float16 range check on the layer's activations (issue #21).
+
+    Raises:
+        InputError: float16 storage and a layer whose activations exceed 65,504, without
+            ``--allow-float16-overflow`` (raised at that layer: nothing is written).
+    """
+    peak = fig.get("max_abs_activation")
+    if plan.dtype == "float16" and peak is not None and peak > FLOAT16_MAX:
+        where = f"decoder layer {i}: activations reach {peak:,.6g}, beyond float16's {FLOAT16_MAX:,.0f}"
+        if not opts.write.allow_float16_overflow:
+            raise InputError(f"{where}; a float16 artifact would overflow (dtype {plan.dtype}: {plan.dtype_reason}): "
+                             "use --dtype bfloat16 or float32, or --allow-float16-overflow to keep float16")
+        if not any(w.startswith("float16 overflow accepted") for w in plan.warnings):
+            plan.warnings.append(f"float16 overflow accepted (--allow-float16-overflow): {where}")
+    show.layer_done(console, bar, task, i, n, fig)
 
 
 # ---------------------------------------------------------------------------------------
@@ -256,17 +281,21 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
     recipe, model, w = plan.recipe, src.model, opts.write
     warnings = plan.warnings
     warnings += result.warnings
+    if plan.dtype == "float16" and not any("max_abs_activation" in f for f in result.layers):
+        warnings.append("float16 storage: activations were not measured (no calibration pass), so float16 overflow "
+                        "was not checked")
     show.warnings(console, warnings)
     schemes, rename, arch = writer.schemes, writer.rename, writer.arch
     schemes.update({n: r.scheme for n, r in result.modules.items()})
-    quant = _quantization_summary(recipe, w.format, w.dtype, result.group_size, schemes)
+    quant = _quantization_summary(recipe, w.format, plan.dtype, result.group_size, schemes)
+    quant["storage_dtype_reason"] = plan.dtype_reason
     # names as the checkpoint (and vLLM) spells them; MoE routers stay float and are listed as ignored
     ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in schemes)
     ignored += routers(arch, model)
     qcfg = format_config(w.format, recipe, {rename(n): v for n, v in schemes.items()},
                          [rename(n) for n in ignored if n != "lm_head"],
                          {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]})
-    packed = {rename(n): t for n, t in pack_modules(result.modules, w.format, DTYPES[w.dtype]).items()}
+    packed = {rename(n): t for n, t in pack_modules(result.modules, w.format, DTYPES[plan.dtype]).items()}
     result.modules.clear()
     kv_record = _kv_record(plan.kv, result, arch, model, packed)
     float_bytes = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
@@ -280,7 +309,7 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
          "calibration": src.calibration, "quantization": quant, "quality": quality, "kv_cache": kv_record,
          "format": w.format},
         provenance={"timing": timing, "device": opts.execution.device},
-        dtype_name=w.dtype, overwrite=w.overwrite, digest_algorithm=w.digest_algorithm, rename=rename,
+        dtype_name=plan.dtype, overwrite=w.overwrite, digest_algorithm=w.digest_algorithm, rename=rename,
         finalize=(lambda tmp: sign_folder(tmp, w.sign)) if w.sign is not None else None,
         staging=staging, skip_prefix=arch.layers + ".", shard_bytes=w.shard_bytes,
     )

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from .. import console as show
 from .. import gates
 from ..arch import get_arch
 from ..artifact import foreign_manifest, load_artifact, read_kv_cache
-from ..calib import load_text, sample_windows, tokenize
+from ..calib import bos_token_for_eval, load_text, sample_windows, tokenize
 from ..errors import CheckFailed, InputError
 from ..evaluate import windows
 from ..integrity import check_artifact_folder, foreign_integrity, verify_integrity
@@ -217,7 +218,8 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
     """
     from ..quality import weight_report
 
-    model, tokenizer = load_artifact(plan.folder)
+    dtype, report["evaluated_in"] = _eval_dtype(plan.folder, opts.evaluation.dtype)
+    model, tokenizer = load_artifact(plan.folder, dtype=dtype)
     ref_model = load_reference(plan.ref_spec, plan.ref_source)
     _check_same_architecture(model, ref_model, plan.ref_spec)
     bad_ref = _nonfinite_parameters(ref_model)
@@ -237,6 +239,24 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
                                       "weights (inferred from the norm weights)")
         report["weights"] = weight_report(ref_model, model, algorithm)
     return _Models(model, tokenizer, ref_model)
+
+
+def _eval_dtype(folder: Path, requested: str) -> tuple[torch.dtype, dict]:
+    """The dtype the artifact is evaluated in: the one its ``config.json`` declares (what
+    transformers and vLLM load it in by default), or float32 with ``--eval-dtype float32``.
+    The reference model is always float32."""
+    from ..artifact import DTYPES
+
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    declared = cfg.get("dtype") or cfg.get("torch_dtype")
+    declared = declared if declared in DTYPES else None
+    if requested == "float32" or declared is None:
+        why = "--eval-dtype float32" if requested == "float32" else "config.json declares no dtype kvq evaluates"
+        return torch.float32, {"dtype": "float32", "declared": declared, "why": why}
+    return DTYPES[declared], {"dtype": declared, "declared": declared, "why": "the dtype config.json declares"}
 
 
 def _check_same_architecture(artifact, reference, ref_spec: str) -> None:
@@ -290,7 +310,8 @@ def _evaluate(plan: _Plan, models: _Models, prompts: list[str], opts: VerifyOpti
 
     ev = opts.evaluation
     model, ref_model = models.artifact, models.reference
-    wins = windows(tokenize(models.tokenizer, plan.text.text), ev.seqlen, ev.max_windows)
+    bos = bos_token_for_eval(models.tokenizer)  # the tokenizer's own rule: windows start with its BOS, if any
+    wins = windows(tokenize(models.tokenizer, plan.text.text), ev.seqlen, ev.max_windows, bos_id=bos)
     kv_info = plan.kv_info
     if kv_info is not None and kv_info[0].static and kv_info[1] is None:
         # --kv-scheme with static scales on a model that has none: calibrate them now
@@ -305,6 +326,9 @@ def _evaluate(plan: _Plan, models: _Models, prompts: list[str], opts: VerifyOpti
         results = compare(ref_model, candidates, wins, opts.device, opts.kv.chunk,
                           lambda i, n: bar.update(task, completed=i))
     _distribution_sections(report, results, served, wins, plan.text, ev.seqlen)
+    report["eval"]["bos_token_id"] = bos
+    report["eval"]["bos_rule"] = ("each window starts with the BOS the tokenizer adds (llama.cpp's perplexity)" if bos is not None
+                                  else "the tokenizer adds no BOS: windows are text tokens only")
     _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts, make_cache, served, opts)
     if kv_info is not None:
         report["kv_cache"] = _kv_report(kv_info[0], plan.kv_source, plan.ref_source, opts)
