@@ -15,7 +15,7 @@ from typing import Optional
 
 from .errors import InputError
 from .manifest import MANIFEST_NAME, SIGNATURE_NAME, FileRecord, Manifest, TensorRecord, load_manifest
-from .safetensors_io import digest_files, file_digest
+from .safetensors_io import FolderDigests, digest_files, file_digest
 from .signing import VerifyKeys, verify_signature
 
 
@@ -41,6 +41,132 @@ def build_manifest(folder: Path, fields: dict, extra_provenance: dict | None = N
     return Manifest(files=files, tensors=tensors, provenance=provenance, digest_algorithm=digest_algorithm, **fields)
 
 
+def _scan_artifact_folder(folder: Path) -> tuple[set[str], list[str]]:
+    """Sort the entries of ``folder`` into plain files and unsafe ones.
+
+    Returns ``(present, unsafe)``: the names of the plain files other than the manifest
+    and the signature, and one ``"name: reason"`` line per symlink, folder or special file
+    (a manifest or signature that is not a regular file included). Links are never followed.
+    """
+    present, unsafe = set(), []
+    for p in folder.iterdir():
+        if p.name in (MANIFEST_NAME, SIGNATURE_NAME):
+            if p.is_symlink() or not p.is_file():
+                unsafe.append(f"{p.name}: not a regular file")
+            continue
+        if p.is_symlink():
+            target = os.readlink(p)
+            where = "outside" if not (folder / target).resolve().is_relative_to(folder.resolve()) else "inside"
+            unsafe.append(f"{p.name}: symlink to {target} ({where} the artifact; kvq does not follow links)")
+        elif not p.is_file():
+            unsafe.append(f"{p.name}: {'folder' if p.is_dir() else 'special file'} (an artifact holds plain files only)")
+        else:
+            present.add(p.name)
+    return present, unsafe
+
+
+def _modified_files(folder: Path, manifest: Manifest, d: FolderDigests, names: list[str]) -> list[str]:
+    """The files among ``names`` (listed and present) whose size or digest differ from the manifest.
+
+    A safetensors file recorded by its header that no longer parses is modified; a file
+    recorded whole (v1 manifest, or a file kvq could not parse then) but now hashed by
+    header is rehashed whole.
+    """
+    algo = manifest.digest_algorithm
+    modified = []
+    for name in names:
+        rec = manifest.files[name]
+        size, digest, covers = d.files[name]
+        if name in d.errors and rec.covers == "header":
+            modified.append(name)
+        elif size != rec.size or (covers == rec.covers and digest != rec.digest):
+            modified.append(name)
+        elif covers != rec.covers:  # recorded whole (v1 manifest, or a file kvq could not parse then)
+            if file_digest(folder / name, algo) != rec.digest:
+                modified.append(name)
+    return modified
+
+
+def _renamed_files(folder: Path, manifest: Manifest, d: FolderDigests, missing: list[str],
+                   extra: list[str]) -> dict[str, str]:
+    """``{old: new}``: a missing file whose size and digest turn up under an extra name (each claimed once)."""
+    algo = manifest.digest_algorithm
+    renamed: dict[str, str] = {}
+    for old in list(missing):
+        rec = manifest.files[old]
+        for new in extra:
+            if new in renamed.values() or new not in d.files:
+                continue
+            size, digest, covers = d.files[new]
+            if rec.covers != covers and rec.covers == "file":
+                digest = file_digest(folder / new, algo)
+            if size == rec.size and digest == rec.digest:
+                renamed[old] = new
+                break
+    return renamed
+
+
+def _tensor_differences(manifest: Manifest, d: FolderDigests,
+                        shard_of: dict[str, str]) -> tuple[set[str], list[str], list[str]]:
+    """Compare every hashed tensor with its manifest record.
+
+    ``shard_of`` maps a renamed file's new name to its recorded one. Returns ``(seen,
+    modified, extra)``: the names hashed, those whose bytes, file, or header dtype or shape
+    differ (in hashing order), and those the manifest does not list.
+    """
+    seen, modified, extra = set(), [], []
+    for tname, (shard, entry, digest) in d.tensors.items():
+        seen.add(tname)
+        rec = manifest.tensors.get(tname)
+        if rec is None:
+            extra.append(tname)
+        elif (rec.file != shard_of.get(shard, shard) or rec.digest != digest or rec.dtype != entry.dtype
+              or tuple(rec.shape) != tuple(entry.shape)):  # a header edit of dtype or shape names the tensor
+            modified.append(tname)
+    return seen, modified, extra
+
+
+def _renamed_tensors(manifest: Manifest, d: FolderDigests, missing: list[str], unclaimed: list[str],
+                     shard_of: dict[str, str]) -> dict[str, str]:
+    """``{old: new}``: a missing tensor whose file, dtype, shape and digest turn up under an extra name.
+
+    Claimed names are removed from ``unclaimed`` (sorted, modified in place).
+    """
+    renamed: dict[str, str] = {}
+    for old in missing:
+        rec = manifest.tensors[old]
+        for new in unclaimed:
+            shard, entry, digest = d.tensors[new]
+            if (shard_of.get(shard, shard) == rec.file and digest == rec.digest and entry.dtype == rec.dtype
+                    and tuple(entry.shape) == tuple(rec.shape)):
+                renamed[old] = new
+                unclaimed.remove(new)
+                break
+    return renamed
+
+
+def _compare_tensors(report: dict, manifest: Manifest, d: FolderDigests, shard_of: dict[str, str],
+                     listed: set[str]) -> int:
+    """Fill the ``*_tensors`` lists of ``report`` (and the files holding modified tensors); the number of tensors seen."""
+    seen, modified, extra_tensors = _tensor_differences(manifest, d, shard_of)
+    report["modified_tensors"].extend(modified)
+    # a file holding a modified tensor is a modified file too
+    for tname in report["modified_tensors"]:
+        shard = d.tensors[tname][0]
+        if shard in listed and shard not in report["modified_files"]:
+            report["modified_files"].append(shard)
+    # tensors of a file that could not be parsed are reported through that file, not one by one
+    unparsed = {n for n in d.errors}
+    missing_tensors = sorted(t for t in set(manifest.tensors) - seen if manifest.tensors[t].file not in unparsed)
+    # renamed in the header: a missing tensor whose file, dtype, shape and digest turn up under an extra name
+    unclaimed = sorted(extra_tensors)
+    renamed_tensors = _renamed_tensors(manifest, d, missing_tensors, unclaimed, shard_of)
+    report["renamed_tensors"] = [f"{o} -> {n}" for o, n in sorted(renamed_tensors.items())]
+    report["missing_tensors"] = [t for t in missing_tensors if t not in renamed_tensors]
+    report["extra_tensors"] = unclaimed
+    return len(seen)
+
+
 def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
     """Recompute every file and tensor digest and compare them with the manifest.
 
@@ -57,26 +183,17 @@ def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
     ``bytes_hashed``, ``seconds`` and ``mb_per_s`` (10^6 bytes per second). Like
     model-signing, it names every difference rather than stopping at the first.
 
+    Steps: :func:`_scan_artifact_folder`, one :func:`digest_files` pass, file comparison
+    (:func:`_modified_files`, :func:`_renamed_files`), tensor comparison
+    (:func:`_compare_tensors`).
+
     Raises:
         InputError: no manifest, or an invalid one (see :func:`load_manifest`).
     """
     folder = Path(folder)
     manifest = load_manifest(folder)
     algo = manifest.digest_algorithm
-    present, unsafe = set(), []
-    for p in folder.iterdir():
-        if p.name in (MANIFEST_NAME, SIGNATURE_NAME):
-            if p.is_symlink() or not p.is_file():
-                unsafe.append(f"{p.name}: not a regular file")
-            continue
-        if p.is_symlink():
-            target = os.readlink(p)
-            where = "outside" if not (folder / target).resolve().is_relative_to(folder.resolve()) else "inside"
-            unsafe.append(f"{p.name}: symlink to {target} ({where} the artifact; kvq does not follow links)")
-        elif not p.is_file():
-            unsafe.append(f"{p.name}: {'folder' if p.is_dir() else 'special file'} (an artifact holds plain files only)")
-        else:
-            present.add(p.name)
+    present, unsafe = _scan_artifact_folder(folder)
     unsafe_names = {u.split(":", 1)[0] for u in unsafe}
     listed = set(manifest.files)
     extra = sorted(present - listed)
@@ -85,70 +202,19 @@ def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
               "renamed_files": [], "modified_files": [], "modified_tensors": [], "missing_tensors": [],
               "extra_tensors": [], "renamed_tensors": [], "unsafe_files": sorted(unsafe),
               "unreadable_files": sorted(f"{n}: {e}" for n, e in d.errors.items())}
-    for name in sorted(listed & present):
-        rec = manifest.files[name]
-        size, digest, covers = d.files[name]
-        if name in d.errors and rec.covers == "header":
-            report["modified_files"].append(name)
-        elif size != rec.size or (covers == rec.covers and digest != rec.digest):
-            report["modified_files"].append(name)
-        elif covers != rec.covers:  # recorded whole (v1 manifest, or a file kvq could not parse then)
-            if file_digest(folder / name, algo) != rec.digest:
-                report["modified_files"].append(name)
+    report["modified_files"].extend(_modified_files(folder, manifest, d, sorted(listed & present)))
     # renames: a missing file whose size and digest turn up under an extra name
-    renamed: dict[str, str] = {}
-    for old in list(report["missing_files"]):
-        rec = manifest.files[old]
-        for new in extra:
-            if new in renamed.values() or new not in d.files:
-                continue
-            size, digest, covers = d.files[new]
-            if rec.covers != covers and rec.covers == "file":
-                digest = file_digest(folder / new, algo)
-            if size == rec.size and digest == rec.digest:
-                renamed[old] = new
-                break
+    renamed = _renamed_files(folder, manifest, d, report["missing_files"], extra)
     report["renamed_files"] = [f"{o} -> {n}" for o, n in sorted(renamed.items())]
     report["missing_files"] = [n for n in report["missing_files"] if n not in renamed]
     report["extra_files"] = [n for n in extra if n not in renamed.values()]
     shard_of = {v: k for k, v in renamed.items()}
-    seen, extra_tensors = set(), []
-    for tname, (shard, entry, digest) in d.tensors.items():
-        seen.add(tname)
-        rec = manifest.tensors.get(tname)
-        if rec is None:
-            extra_tensors.append(tname)
-        elif (rec.file != shard_of.get(shard, shard) or rec.digest != digest or rec.dtype != entry.dtype
-              or tuple(rec.shape) != tuple(entry.shape)):  # a header edit of dtype or shape names the tensor
-            report["modified_tensors"].append(tname)
-    # a file holding a modified tensor is a modified file too
-    for tname in report["modified_tensors"]:
-        shard = d.tensors[tname][0]
-        if shard in listed and shard not in report["modified_files"]:
-            report["modified_files"].append(shard)
-    # tensors of a file that could not be parsed are reported through that file, not one by one
-    unparsed = {n for n in d.errors}
-    missing_tensors = sorted(t for t in set(manifest.tensors) - seen if manifest.tensors[t].file not in unparsed)
-    # renamed in the header: a missing tensor whose file, dtype, shape and digest turn up under an extra name
-    unclaimed = sorted(extra_tensors)
-    renamed_tensors: dict[str, str] = {}
-    for old in missing_tensors:
-        rec = manifest.tensors[old]
-        for new in unclaimed:
-            shard, entry, digest = d.tensors[new]
-            if (shard_of.get(shard, shard) == rec.file and digest == rec.digest and entry.dtype == rec.dtype
-                    and tuple(entry.shape) == tuple(rec.shape)):
-                renamed_tensors[old] = new
-                unclaimed.remove(new)
-                break
-    report["renamed_tensors"] = [f"{o} -> {n}" for o, n in sorted(renamed_tensors.items())]
-    report["missing_tensors"] = [t for t in missing_tensors if t not in renamed_tensors]
-    report["extra_tensors"] = unclaimed
+    tensors_checked = _compare_tensors(report, manifest, d, shard_of, listed)
     for k in list(report):
         if isinstance(report[k], list):
             report[k] = sorted(report[k])
     report["ok"] = not any(v for k, v in report.items() if isinstance(v, list))
-    report["tensors_checked"] = len(seen)
+    report["tensors_checked"] = tensors_checked
     report["files_checked"] = len(listed & present)
     report["bytes_hashed"] = d.bytes_hashed
     report["seconds"] = round(d.seconds, 4)

@@ -197,16 +197,127 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+@dataclass
+class _Plan:
+    """What :func:`digest_files` will hash: jobs (largest first) and what it learnt per file."""
+
+    jobs: list[_Job]
+    kinds: dict[str, str]  # file -> "header" (safetensors, hashed per tensor) or "file" (hashed whole)
+    sizes: dict[str, int]
+    entries: dict[str, dict[str, TensorEntry]]
+    errors: dict[str, str]  # safetensors files whose header did not parse (hashed whole)
+
+
+def _plan_jobs(folder: Path, names, parse_safetensors: bool) -> _Plan:
+    """One job per safetensors header and tensor range, one per other file; sorted largest first.
+
+    Raises:
+        InputError: a file that cannot be stat'ed.
+    """
+    plan = _Plan([], {}, {}, {}, {})
+    for name in names:
+        p = folder / name
+        try:
+            plan.sizes[name] = p.stat().st_size
+        except OSError as e:
+            raise InputError(f"cannot read {p}: {e.strerror}") from None
+        if parse_safetensors and name.endswith(".safetensors"):
+            try:
+                plan.entries[name] = read_header(p)
+            except InputError as e:
+                plan.errors[name] = str(e)
+        if name in plan.entries:
+            plan.kinds[name] = "header"
+            plan.jobs.append(_Job(name, None, 0, header_span(p)))
+            plan.jobs.extend(_Job(name, t.name, t.start, t.end) for t in plan.entries[name].values())
+        else:
+            plan.kinds[name] = "file"
+            plan.jobs.append(_Job(name, None, 0, plan.sizes[name]))
+    plan.jobs.sort(key=lambda j: j.end - j.start, reverse=True)
+    return plan
+
+
+def _batch_jobs(jobs: list[_Job]) -> list[list[_Job]]:
+    """One pool task per job of at least 4 MiB; small tensors (norms, scales) in batches of >= 4 MiB."""
+    batches: list[list[_Job]] = []
+    small: list[_Job] = []
+    small_bytes = 0
+    for j in jobs:
+        if j.end - j.start >= _BATCH_BYTES:
+            batches.append([j])
+            continue
+        small.append(j)
+        small_bytes += j.end - j.start
+        if small_bytes >= _BATCH_BYTES:
+            batches.append(small)
+            small, small_bytes = [], 0
+    if small:
+        batches.append(small)
+    return batches
+
+
+def _hash_batch(batch: list[_Job], maps: dict[str, tuple], algorithm: str) -> list[tuple[_Job, str]]:
+    """Hash each job's byte range of its mapped file, in 64 MiB slices; ``[(job, hex digest)]``.
+
+    Each hashed slice is dropped from this process's RSS (``madvise(MADV_DONTNEED)``) as soon
+    as it is hashed.
+    """
+    out = []
+    for job in batch:
+        n = job.end - job.start
+        h = new_hasher(algorithm, n)
+        if n:
+            _f, mm, view = maps[job.file]
+            step = 1 << 26  # 64 MiB slices keep page-cache pressure bounded on huge tensors
+            for off in range(job.start, job.end, step):
+                stop = min(off + step, job.end)
+                h.update(view[off:stop])
+                # drop the hashed pages from this process's RSS (they stay in the page
+                # cache; a neighbour still being hashed just faults its page back in)
+                first = off - off % mmap.PAGESIZE
+                mm.madvise(mmap.MADV_DONTNEED, first, stop - first)
+        out.append((job, h.hexdigest()))
+    return out
+
+
+def _hash_mapped(folder: Path, plan: _Plan, algorithm: str, workers: int) -> list[tuple[_Job, str]]:
+    """Map every non-empty file read-only, hash all jobs, then unmap and close every file.
+
+    BLAKE3 (threaded inside one input) or one worker: batches one after another; otherwise
+    a pool of ``workers`` threads (hashlib releases the GIL).
+    """
+    maps: dict[str, tuple] = {}
+    try:
+        for name in plan.kinds:
+            if plan.sizes[name] == 0:
+                continue
+            f = open(folder / name, "rb")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            maps[name] = (f, mm, memoryview(mm))
+        batches = _batch_jobs(plan.jobs)
+        if algorithm == "blake3" or workers == 1:  # blake3 threads inside one input: one job at a time
+            results = [r for b in batches for r in _hash_batch(b, maps, algorithm)]
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as ex:
+                results = [r for rs in ex.map(lambda b: _hash_batch(b, maps, algorithm), batches) for r in rs]
+    finally:
+        for f, mm, view in maps.values():
+            view.release()
+            mm.close()
+            f.close()
+    return results
+
+
 def digest_files(folder: str | os.PathLike, names, algorithm: str = "sha256", workers: int | None = None,
                  parse_safetensors: bool = True) -> FolderDigests:
     """Hash the plain files ``names`` of ``folder`` (mmap, streamed, parallel).
 
     Each safetensors file is read once: its header and every tensor's byte range are
-    separate jobs; all jobs of all files go to one pool of ``workers`` threads (default:
-    the CPUs this process may use), largest first, so a few large tensors do not leave a
-    core idle at the end (longest-processing-time-first scheduling). hashlib and blake3
-    release the GIL while hashing, so threads use several cores. Nothing is loaded into
-    memory beyond the page cache.
+    separate jobs (:func:`_plan_jobs`); all jobs of all files go to one pool of ``workers``
+    threads (default: the CPUs this process may use), largest first, so a few large tensors
+    do not leave a core idle at the end (longest-processing-time-first scheduling;
+    :func:`_hash_mapped`). hashlib and blake3 release the GIL while hashing, so threads use
+    several cores. Nothing is loaded into memory beyond the page cache.
 
     Raises:
         InputError: unknown algorithm, or a file that cannot be opened.
@@ -217,91 +328,16 @@ def digest_files(folder: str | os.PathLike, names, algorithm: str = "sha256", wo
     folder = Path(folder)
     new_hasher(algorithm)  # validate early
     workers = workers or default_workers()
-    jobs: list[_Job] = []
+    plan = _plan_jobs(folder, names, parse_safetensors)
+    results = _hash_mapped(folder, plan, algorithm, workers)
     files: dict[str, tuple[int, str, str]] = {}
-    kinds: dict[str, str] = {}
-    sizes: dict[str, int] = {}
-    entries: dict[str, dict[str, TensorEntry]] = {}
-    errors: dict[str, str] = {}
-    for name in names:
-        p = folder / name
-        try:
-            sizes[name] = p.stat().st_size
-        except OSError as e:
-            raise InputError(f"cannot read {p}: {e.strerror}") from None
-        if parse_safetensors and name.endswith(".safetensors"):
-            try:
-                entries[name] = read_header(p)
-            except InputError as e:
-                errors[name] = str(e)
-        if name in entries:
-            kinds[name] = "header"
-            jobs.append(_Job(name, None, 0, header_span(p)))
-            jobs.extend(_Job(name, t.name, t.start, t.end) for t in entries[name].values())
-        else:
-            kinds[name] = "file"
-            jobs.append(_Job(name, None, 0, sizes[name]))
-    jobs.sort(key=lambda j: j.end - j.start, reverse=True)
-
-    maps: dict[str, tuple] = {}
-    try:
-        for name in kinds:
-            if sizes[name] == 0:
-                continue
-            f = open(folder / name, "rb")
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            maps[name] = (f, mm, memoryview(mm))
-
-        def _run(batch: list[_Job]) -> list[tuple[_Job, str]]:
-            out = []
-            for job in batch:
-                n = job.end - job.start
-                h = new_hasher(algorithm, n)
-                if n:
-                    _f, mm, view = maps[job.file]
-                    step = 1 << 26  # 64 MiB slices keep page-cache pressure bounded on huge tensors
-                    for off in range(job.start, job.end, step):
-                        stop = min(off + step, job.end)
-                        h.update(view[off:stop])
-                        # drop the hashed pages from this process's RSS (they stay in the page
-                        # cache; a neighbour still being hashed just faults its page back in)
-                        first = off - off % mmap.PAGESIZE
-                        mm.madvise(mmap.MADV_DONTNEED, first, stop - first)
-                out.append((job, h.hexdigest()))
-            return out
-
-        # small tensors (norms, scales) travel in batches of >= 4 MiB: one pool task each
-        batches: list[list[_Job]] = []
-        small: list[_Job] = []
-        small_bytes = 0
-        for j in jobs:
-            if j.end - j.start >= _BATCH_BYTES:
-                batches.append([j])
-                continue
-            small.append(j)
-            small_bytes += j.end - j.start
-            if small_bytes >= _BATCH_BYTES:
-                batches.append(small)
-                small, small_bytes = [], 0
-        if small:
-            batches.append(small)
-        if algorithm == "blake3" or workers == 1:  # blake3 threads inside one input: one job at a time
-            results = [r for b in batches for r in _run(b)]
-        else:
-            with ThreadPoolExecutor(max_workers=workers) as ex:
-                results = [r for rs in ex.map(_run, batches) for r in rs]
-    finally:
-        for f, mm, view in maps.values():
-            view.release()
-            mm.close()
-            f.close()
     tensors: dict[str, tuple[str, TensorEntry, str]] = {}
     for job, digest in results:
         if job.name is None:
-            files[job.file] = (sizes[job.file], digest, kinds[job.file])
+            files[job.file] = (plan.sizes[job.file], digest, plan.kinds[job.file])
         else:
-            tensors[job.name] = (job.file, entries[job.file][job.name], digest)
-    return FolderDigests(algorithm, files, tensors, errors, sum(sizes.values()), time.perf_counter() - t0)
+            tensors[job.name] = (job.file, plan.entries[job.file][job.name], digest)
+    return FolderDigests(algorithm, files, tensors, plan.errors, sum(plan.sizes.values()), time.perf_counter() - t0)
 
 
 def tensor_digests(path: str | os.PathLike, algorithm: str = "sha256", workers: int | None = None) -> dict[str, str]:

@@ -103,6 +103,151 @@ def _inverse_cholesky(H: torch.Tensor, damp: float, damp_increment: float, max_d
             )
 
 
+@dataclass(frozen=True)
+class _Grid:
+    """The integer grid of one :func:`gptq_quantize` call.
+
+    ``group_size`` is the effective one (``in`` for per-channel); ``qmin``/``qmax`` come from
+    :func:`~compressor.quant.primitives.qrange`; every scale is rounded to ``scale_dtype``.
+    """
+
+    num_bits: int
+    symmetric: bool
+    group_size: int
+    scale_dtype: torch.dtype
+    qmin: int
+    qmax: int
+
+
+def _prepare_inputs(w: torch.Tensor, H: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """float32 copies ``W [out, in]`` and ``H [in, in]`` (on ``w``'s device) with dead channels fixed.
+
+    A dead input channel (``H[i, i] == 0``) gets ``H[i, i] = 1`` and its weight column zeroed,
+    as in the reference implementation. Returns ``(W, H, n_dead)``.
+
+    Raises:
+        QuantizationError: ``w`` or ``H`` holds NaN or Inf.
+    """
+    W = w.detach().float().clone()
+    H = H.detach().float().clone().to(W.device)
+    if not (torch.isfinite(W).all() and torch.isfinite(H).all()):
+        raise QuantizationError(f"GPTQ input for {name} contains NaN or Inf")
+    dead = torch.diag(H) == 0
+    n_dead = int(dead.sum())
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    return W, H, n_dead
+
+
+def _static_group_qparams(W: torch.Tensor, grid: _Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qparams of every group from the original weights in the original column order.
+
+    Returns scale float32 ``[out, G]`` (already rounded to ``grid.scale_dtype``) and zero
+    point int8 ``[out, G]``, fixed for the whole column loop.
+    """
+    s0, z0 = compute_qparams(W, grid.num_bits, grid.group_size, grid.symmetric)
+    return s0.to(grid.scale_dtype).float(), z0
+
+
+def _act_order_permutation(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``act_order``: columns by descending ``diag(H)``; returns ``(W[:, perm], H[perm][:, perm], perm)``."""
+    perm = torch.argsort(torch.diag(H), descending=True)
+    return W[:, perm], H[perm][:, perm], perm
+
+
+def _quantize_block(W1: torch.Tensor, U1: torch.Tensor, i1: int, col_group_list: list[int], scale: torch.Tensor,
+                    zero: torch.Tensor, losses: torch.Tensor, grid: _Grid,
+                    static: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the columns of one lazy block, propagating each column's error inside the block.
+
+    ``W1`` ``[out, b]`` (updated in place) holds columns ``i1 .. i1 + b`` in visiting order,
+    ``U1`` ``[b, b]`` the matching block of the upper Cholesky factor of ``H⁻¹``. Unless
+    ``static``, the qparams of a group are computed when its first column is reached and
+    stored into ``scale``/``zero`` ``[out, G]``; ``losses`` (float64 ``[out]``) accumulates
+    ``(w - ŵ)² / [H⁻¹]_cc / 2``. Returns ``Q1`` (float32 integer values ``[out, b]``) and
+    ``Err1`` (the scaled errors ``[out, b]`` for the update of the remaining columns).
+    """
+    gs = grid.group_size
+    Err1 = torch.empty_like(W1)
+    Q1 = torch.empty(W1.shape[0], W1.shape[1], dtype=torch.float32, device=W1.device)
+    for i in range(W1.shape[1]):
+        j = i1 + i
+        g = col_group_list[j]
+        if not static and j % gs == 0:
+            s, z = compute_qparams(W1[:, i : i + gs], grid.num_bits, gs, grid.symmetric)
+            scale[:, g] = s[:, 0].to(grid.scale_dtype).float()
+            zero[:, g] = z[:, 0]
+        s_col = scale[:, g]
+        z_col = zero[:, g].float()
+        col = W1[:, i]
+        q = torch.clamp(torch.round(col / s_col) + z_col, grid.qmin, grid.qmax)
+        Q1[:, i] = q
+        deq = (q - z_col) * s_col
+        d = U1[i, i]
+        err = (col - deq) / d
+        losses += ((col - deq) ** 2 / d**2).double() / 2
+        W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
+        Err1[:, i] = err
+    return Q1, Err1
+
+
+def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid, block_size: int, perm: torch.Tensor | None,
+                      static_qparams: tuple[torch.Tensor, torch.Tensor] | None):
+    """The blocked column loop of GPTQ (algorithm 1) over ``W`` ``[out, in]`` in visiting order.
+
+    Blocks are widened to a multiple of the group size so a group never straddles a block;
+    after each block its error is applied to the remaining columns in one matmul (``W`` is
+    updated in place). With ``static_qparams`` column ``j`` belongs to group
+    ``perm[j] // group_size``, otherwise to ``j // group_size``.
+
+    Returns ``(Q, scale, zero, col_group, losses)``: int8 ``[out, in]`` in visiting order,
+    float32 and int8 ``[out, G]``, the int64 group of each visited column ``[in]``, and the
+    float64 per-row loss ``[out]``.
+    """
+    out_f, in_f = W.shape
+    gs = grid.group_size
+    if gs < in_f:
+        block_size = max(gs, (block_size // gs) * gs)  # a group never straddles a block
+    n_groups = in_f // gs
+    Q = torch.empty(out_f, in_f, dtype=torch.int8, device=W.device)
+    scale = torch.empty(out_f, n_groups, dtype=torch.float32, device=W.device)
+    zero = torch.empty(out_f, n_groups, dtype=torch.int8, device=W.device)
+    if static_qparams is not None:
+        scale.copy_(static_qparams[0])
+        zero.copy_(static_qparams[1])
+    # group of the column visited at position j (original index perm[j])
+    orig = perm if perm is not None else torch.arange(in_f, device=W.device)
+    col_group = (orig // gs) if static_qparams is not None else (torch.arange(in_f, device=W.device) // gs)
+    col_group_list = col_group.tolist()
+    losses = torch.zeros(out_f, dtype=torch.float64, device=W.device)
+
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        W1 = W[:, i1:i2].clone()
+        Q1, Err1 = _quantize_block(W1, U[i1:i2, i1:i2], i1, col_group_list, scale, zero, losses, grid,
+                                   static_qparams is not None)
+        Q[:, i1:i2] = Q1.to(torch.int8)
+        if i2 < in_f:
+            W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+    return Q, scale, zero, col_group, losses
+
+
+def _restore_column_order(Q: torch.Tensor, perm: torch.Tensor | None, col_group: torch.Tensor,
+                          static: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Undo the ``act_order`` permutation of ``Q`` ``[out, in]``; returns ``(Q, g_idx)``.
+
+    ``g_idx`` (int32 ``[in]``, group of each original column) only when columns were
+    reordered without static groups; ``None`` when groups stay contiguous.
+    """
+    g_idx = None
+    if perm is not None:
+        inv = torch.argsort(perm)
+        Q = Q[:, inv]
+        if not static:
+            g_idx = col_group[inv].to(torch.int32)
+    return Q, g_idx
+
+
 @torch.no_grad()
 def gptq_quantize(
     w: torch.Tensor,
@@ -119,7 +264,13 @@ def gptq_quantize(
     scale_dtype: torch.dtype = torch.float32,
     name: str = "",
 ) -> GPTQResult:
-    """Quantize one weight matrix with GPTQ.
+    """Quantize one weight matrix with GPTQ (Frantar et al., 2022, algorithm 1, as the reference implementation).
+
+    Steps: float32 copies with dead channels fixed (:func:`_prepare_inputs`); static group
+    qparams from the original weights (``static_groups``, or per-channel); the ``act_order``
+    permutation; the upper Cholesky factor of the damped ``H⁻¹`` (:func:`_inverse_cholesky`,
+    with retries); the blocked column loop (:func:`_quantize_columns`); un-permutation and
+    ``g_idx`` (:func:`_restore_column_order`).
 
     Args:
         w: ``[out, in]`` float weight (not modified).
@@ -139,84 +290,26 @@ def gptq_quantize(
         :class:`GPTQResult`.
 
     Raises:
+        InputError: ``num_bits`` outside 2..8.
         QuantizationError: the Hessian stays non positive definite, or non-finite values appear.
     """
-    out_f, in_f = w.shape
+    _out_f, in_f = w.shape
     gs = in_f if group_size in (-1, 0, None) else int(group_size)
     qmin, qmax = qrange(num_bits)
-    W = w.detach().float().clone()
-    H = H.detach().float().clone().to(W.device)
-    if not (torch.isfinite(W).all() and torch.isfinite(H).all()):
-        raise QuantizationError(f"GPTQ input for {name} contains NaN or Inf")
-    dead = torch.diag(H) == 0
-    n_dead = int(dead.sum())
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-
+    grid = _Grid(num_bits, symmetric, gs, scale_dtype, qmin, qmax)
+    W, H, n_dead = _prepare_inputs(w, H, name)
     static_qparams = None
     if static_groups or gs == in_f:
         # groups fixed from the original weights, original column order
-        s0, z0 = compute_qparams(W, num_bits, gs, symmetric)
-        static_qparams = (s0.to(scale_dtype).float(), z0)
-
+        static_qparams = _static_group_qparams(W, grid)
     perm = None
     if act_order:
-        perm = torch.argsort(torch.diag(H), descending=True)
-        W = W[:, perm]
-        H = H[perm][:, perm]
+        W, H, perm = _act_order_permutation(W, H)
     U, damp_used, retries = _inverse_cholesky(H, damp, damp_increment, max_damp, name)
     del H
 
-    if gs < in_f:
-        block_size = max(gs, (block_size // gs) * gs)  # a group never straddles a block
-    n_groups = in_f // gs
-    Q = torch.empty(out_f, in_f, dtype=torch.int8, device=W.device)
-    scale = torch.empty(out_f, n_groups, dtype=torch.float32, device=W.device)
-    zero = torch.empty(out_f, n_groups, dtype=torch.int8, device=W.device)
-    if static_qparams is not None:
-        scale.copy_(static_qparams[0])
-        zero.copy_(static_qparams[1])
-    # group of the column visited at position j (original index perm[j])
-    orig = perm if perm is not None else torch.arange(in_f, device=W.device)
-    col_group = (orig // gs) if static_qparams is not None else (torch.arange(in_f, device=W.device) // gs)
-    col_group_list = col_group.tolist()
-    losses = torch.zeros(out_f, dtype=torch.float64, device=W.device)
-
-    for i1 in range(0, in_f, block_size):
-        i2 = min(i1 + block_size, in_f)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.empty_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        Q1 = torch.empty(out_f, i2 - i1, dtype=torch.float32, device=W.device)
-        s_col = z_col = None
-        for i in range(i2 - i1):
-            j = i1 + i
-            g = col_group_list[j]
-            if static_qparams is None and j % gs == 0:
-                s, z = compute_qparams(W1[:, i : i + gs], num_bits, gs, symmetric)
-                scale[:, g] = s[:, 0].to(scale_dtype).float()
-                zero[:, g] = z[:, 0]
-            s_col = scale[:, g]
-            z_col = zero[:, g].float()
-            col = W1[:, i]
-            q = torch.clamp(torch.round(col / s_col) + z_col, qmin, qmax)
-            Q1[:, i] = q
-            deq = (q - z_col) * s_col
-            d = U1[i, i]
-            err = (col - deq) / d
-            losses += ((col - deq) ** 2 / d**2).double() / 2
-            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        Q[:, i1:i2] = Q1.to(torch.int8)
-        if i2 < in_f:
-            W[:, i2:] -= Err1 @ U[i1:i2, i2:]
-
-    g_idx = None
-    if perm is not None:
-        inv = torch.argsort(perm)
-        Q = Q[:, inv]
-        if static_qparams is None:
-            g_idx = col_group[inv].to(torch.int32)
+    Q, scale, zero, col_group, losses = _quantize_columns(W, U, grid, block_size, perm, static_qparams)
+    Q, g_idx = _restore_column_order(Q, perm, col_group, static_qparams is not None)
     if not (torch.isfinite(scale).all() and torch.isfinite(losses).all()):
         raise QuantizationError(f"GPTQ produced NaN or Inf for {name}")
     return GPTQResult(
