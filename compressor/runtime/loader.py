@@ -29,6 +29,9 @@ from .model import NORM_LAYOUTS, Decoder, DecoderLayer, DecoderSpec, LoadInfo, c
 from .moe import MoE, make_router
 from .weights import MARKER, PACKED_LEAVES, read_quant_weight
 
+#: kernel name reported for routed experts served by the grouped Triton MoE kernel
+GROUPED_KERNEL = "triton-moe-w4a16"
+
 
 def _read_config(folder: Path) -> tuple[dict, object]:
     from transformers import AutoConfig
@@ -203,7 +206,12 @@ class _Builder:
             raise InputError(f"{self.t.folder}: {router}.weight routes to {weight.shape[0]} experts, the layer stores {len(experts)}")
         shared_prefix = self.name(i, "mlp.shared_experts")
         shared = self.gated(shared_prefix) if self.has_module(f"{shared_prefix}.gate_proj") else None
-        return MoE(make_router(self.cfg, weight, bias), experts, shared, grouped=_grouped(experts, self.act))
+        grouped = _grouped(experts, self.act)
+        if grouped is not None:  # report what runs: one grouped launch per projection for all experts
+            for e in range(len(experts)):
+                for p in ("gate_proj", "up_proj", "down_proj"):
+                    self.kernels[self.name(i, f"{moe.experts}.{e}.{p}")] = GROUPED_KERNEL
+        return MoE(make_router(self.cfg, weight, bias), experts, shared, grouped=grouped)
 
     def layer(self, i: int, rope_key) -> DecoderLayer:
         stored = {n for _, roles in NORM_LAYOUTS for n in roles.values() if f"{self.name(i, n)}.weight" in self.t}
