@@ -174,7 +174,7 @@ class _Builder:
         scale = float(scalar) ** -0.5 if scalar else s.head_dim ** -0.5
         window = s.sliding_windows[i] if s.sliding_windows else None
         return Attention(i, lin, s.n_heads, s.n_kv_heads, s.head_dim, scale, self.traits.rope, *qk,
-                         softcap=getattr(cfg, "attn_logit_softcapping", None), window=window, rope_key=rope_key)
+                         window=window, rope_key=rope_key)
 
     def gated(self, prefix: str) -> GatedMLP:
         return GatedMLP(*(self.linear(f"{prefix}.{p}") for p in ("gate_proj", "up_proj", "down_proj")), self.act)
