@@ -136,6 +136,9 @@ def test_serve_smoke_exits_0_on_every_row(model_type, row_artifacts):
 _VARIANTS = {
     # transformers' Gemma3Attention ignores attn_logit_softcapping (only the final logits are capped): so does the runtime
     "gemma3-attn-softcap-ignored": ("gemma3_text", dict(attn_logit_softcapping=20.0)),
+    "gemma3-linear-rope-on-full-layers": ("gemma3_text", dict(rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     "deepseek-q-proj-no-interleave": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False)),
     "deepseek-yarn-mscale": ("deepseek_v3", dict(rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
