@@ -1,7 +1,7 @@
 """The runtime serves every row of the architecture table (issue #16): parity of its logits with
 kvq verify's dequantized model under the same KV scheme, for each served row with W4 weights and
 fp8 and int8 KV; the MoE routers against transformers' own router modules; experts grouped per
-step; the MLA cache (latent + RoPE key) and its refusals; float variants of the new rows (soft-
+step; the MLA cache (latent + RoPE key; fp8, int8, KIVI) and its refusals; batched generation; float variants of the new rows (soft-
 capping as transformers applies it, q_proj MLA, YaRN, sliding windows, renormalized routing); kvq serve-smoke on each row's
 tiny artifact; the grouped W4A16 MoE Triton kernel under Triton's CPU interpreter.
 
@@ -245,11 +245,43 @@ def test_mla_cache_bytes_and_refusals(row_artifacts):
     assert float_cache.bytes_per_token() == layout_bytes_per_token(None, layout, fp_bytes=4)
     one = {i: (torch.ones(1), torch.ones(1)) for i in range(2)}
     for spec, pattern in ((make_spec("fp8", "head"), "per-head scales do not apply"),
-                          (make_spec("int4"), "MLA cache serves fp8 .tensor. and int8 .token."),
+                          (make_spec("int8", "head"), "per-head scales do not apply"),
                           (make_spec("fp8"), "needs calibrated")):
         with pytest.raises(InputError, match=pattern) as e:
             make_mla_cache(spec, None if pattern == "needs calibrated" else one, 2, 1, 8, 32, 8, torch.float32, "cpu")
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("bits,residual", [(4, 16), (2, 8)])
+def test_mla_kivi_cache_equals_verify(bits, residual, row_artifacts):
+    """KIVI on MLA: latent and RoPE key both per channel in groups of tokens, the residual window rule."""
+    from transformers import AutoModelForCausalLM
+
+    src = row_artifacts["deepseek_v3"]["fp8"].parent / "deepseek_v3-src"
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    spec = make_spec(f"int{bits}", group_size=8, residual_length=residual)
+    rt = Runtime.from_artifact(src, kv=spec)
+    ids = torch.randint(1, 300, (2, 40), generator=torch.Generator().manual_seed(2))
+    for chunk in (None, 7, 1):
+        assert _err(rt.logits(ids, chunk=chunk), _reference(model, ids, spec, None, chunk)) < PARITY_TOL, chunk
+    assert _err(rt.logits(ids), _reference(model, ids, None, None)) > 10 * PARITY_TOL
+    cache = rt.new_cache(1, 64)  # codes of (32 + 8) channels, float32 scale + zero per channel every 8 tokens
+    assert cache.bytes_per_token() == 2 * ((32 + 8) * bits / 8 + (32 + 8) * 2 * 4 / 8)
+    assert cache.fixed_bytes_per_sequence() == 2 * (residual + 1) * (32 + 8) * 4
+
+
+@pytest.mark.parametrize("kv", [None, "int8", make_spec("int4", group_size=8, residual_length=16)])
+def test_mla_moe_batched_generation_equals_one_by_one(kv, row_artifacts):
+    # float32 activations in the aten ops: with bf16 ones a layer's numerics depend on how many rows
+    # reach it (DEQUANT_MIN_M), and batching changes the rows routed to each expert
+    rt = Runtime.from_artifact(row_artifacts["deepseek_v3"]["fp8"], kv=kv, act_dtype=torch.float32)
+    prompts = [IDS[0, :20].tolist(), IDS[1, :5].tolist(), IDS[1, 6:19].tolist()]
+    for chunk in (None, 8):
+        one = [rt.generate([p], max_new_tokens=10, prefill_chunk=chunk, return_prompt_logits=True) for p in prompts]
+        both = rt.generate(prompts, max_new_tokens=10, prefill_chunk=chunk, return_prompt_logits=True)
+        assert both.tokens == [r.tokens[0] for r in one]
+        for b, r in enumerate(one):
+            assert _err(both.prompt_logits[b], r.prompt_logits[0]) < PARITY_TOL
 
 
 # ---------------------------------------------------------------------------------------

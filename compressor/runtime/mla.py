@@ -8,8 +8,9 @@ passes to ``cache.update``, so the runtime cache quantizes them with the same
 :class:`~compressor.quant.kv_schemes.KVScheme` calls as ``kvq verify``'s
 :func:`~compressor.quant.kv.quantized_cache` with :func:`~compressor.quant.kv.mla_layout`
 (fp8 ``tensor``: one static scale per layer shared by both parts; int8 ``token``: a dynamic
-scale and zero point per token and part). Per-head schemes do not apply (one latent shared by
-all heads) and are refused; KIVI (int4/int2) on MLA is served by ``kvq verify`` only.
+scale and zero point per token and part; int4/int2 KIVI: both parts per channel in groups of
+tokens, :class:`MLAKIVICache`). Per-head schemes do not apply (one latent shared by all heads)
+and are refused.
 
 Attention, per head ``h`` with ``W_kv_b = kv_b_proj.weight`` viewed ``[H, d_nope + d_v, r]``:
 
@@ -36,7 +37,7 @@ from ..errors import InputError
 from ..quant.kv import check_layout, mla_layout
 from ..quant.kv_schemes import KIVIScheme, KVSpec
 from .blocks import RMSNorm, apply_rope
-from .kv_cache import CACHE_CLASSES, KVCache, QuantKVCache
+from .kv_cache import CACHE_CLASSES, KIVICache, KVCache, QuantKVCache, _pack_codes, _unpack_codes
 
 
 # ---------------------------------------------------------------------------------------
@@ -61,6 +62,69 @@ class _MLAStorage:
             self.v = [self._zeros(*shp, self.widths["v"]) for _ in range(self.n_layers)]
 
 
+class MLAKIVICache(KIVICache):
+    """KIVI int4/int2 over the MLA entry: the latent and the RoPE key both grouped per channel over
+    ``group_size`` tokens (KIVI's key treatment, as :func:`~compressor.quant.kv.mla_layout` says and
+    ``kvq verify``'s cache does), the same residual window rule as the GQA cache.
+
+    Storage per layer: codes ``[B, 1, Lg, w * bits / 8]``, float32 scale/zero ``[B, 1, Lg / g, w]``
+    and a float window ``[B, 1, R + 1, w]`` for each part (``w`` = ``kv_lora_rank`` or
+    ``qk_rope_head_dim``; slot ``k`` the latent, slot ``v`` the RoPE key).
+
+    Raises:
+        InputError: as :class:`~compressor.runtime.kv_cache.KIVICache`; a width not a multiple of ``8 / bits``.
+    """
+
+    def __init__(self, *args, widths: tuple[int, int], **kw):
+        self.widths = {"k": int(widths[0]), "v": int(widths[1])}
+        super().__init__(*args, **kw)
+        if self.widths["v"] % (8 // self.bits):
+            raise InputError(f"KIVI {self.bits}-bit packing needs qk_rope_head_dim divisible by {8 // self.bits}, "
+                             f"got {self.widths['v']}")
+
+    def _alloc(self):
+        B, L, g = self.batch, self.max_len, self.g
+        n_groups = math.ceil(L / g)
+        store = {}
+        for kind, w in self.widths.items():
+            store[kind] = (
+                [self._zeros(B, 1, n_groups * g, w * self.bits // 8, dtype=torch.uint8) for _ in range(self.n_layers)],
+                [self._zeros(B, 1, n_groups, w, dtype=torch.float32) for _ in range(self.n_layers)],
+                [self._zeros(B, 1, n_groups, w, dtype=torch.float32) for _ in range(self.n_layers)],
+                [self._zeros(B, 1, self.R + 1, w) for _ in range(self.n_layers)])
+        (self.kc, self.ks, self.kz, self.rk), (self.vc, self.vs, self.vz, self.rv) = store["k"], store["v"]
+
+    def _parts(self, kind: str):
+        return (self.kc, self.ks, self.kz) if kind == "k" else (self.vc, self.vs, self.vz)
+
+    def _quantize_into(self, layer, row, pos, k, v):
+        n, g = k.shape[1], self.g
+        for kind, x in (("k", k), ("v", v)):
+            codes, scale, zero = self._parts(kind)
+            c, s, z = self.codec.encode(x.unsqueeze(0), None, "k")  # per channel, groups of g tokens
+            codes[layer][row, :, pos:pos + n] = _pack_codes(c[0], self.bits)
+            scale[layer][row, :, pos // g:(pos + n) // g] = s[0]
+            zero[layer][row, :, pos // g:(pos + n) // g] = z[0]
+
+    def _read(self, layer, q1, end):
+        length, lq = int(end.max()), int(q1.max())
+        q1d = q1.to(self.device).view(-1, 1)
+        pos = torch.arange(length, device=self.device).view(1, -1)
+        idx = (pos - q1d).clamp(0, self.R)  # [B, L] slot in the window
+        out = []
+        for kind in "kv":
+            res = (self.rk if kind == "k" else self.rv)[layer]
+            win = res.gather(2, idx[:, None, :, None].expand(-1, 1, -1, self.widths[kind]))
+            if lq:
+                codes, scale, zero = self._parts(kind)
+                parts = (_unpack_codes(codes[layer][:, :, :lq], self.bits), scale[layer][:, :, :lq // self.g],
+                         zero[layer][:, :, :lq // self.g])
+                deq = torch.nn.functional.pad(self.codec.decode(parts, None, "k", self.dtype), (0, 0, 0, length - lq))
+                win = torch.where((pos < q1d)[:, None, :, None], deq, win)
+            out.append(win)
+        return out[0], out[1]
+
+
 @lru_cache(maxsize=None)
 def _mla_class(base: type) -> type:
     return type(f"MLA{base.__name__}", (_MLAStorage, base), {"__doc__": f"{base.__name__} holding an MLA latent + RoPE key."})
@@ -75,8 +139,8 @@ def make_mla_cache(spec: KVSpec | None, scales, n_layers: int, batch: int, max_l
         kv_lora_rank, rope_dim: widths of the latent and of the RoPE key.
 
     Raises:
-        InputError: a per-head scheme (no KV heads on MLA), KIVI (served by ``kvq verify``
-            only), a static scheme without scales.
+        InputError: a per-head scheme (no KV heads on MLA), a static scheme without scales,
+            KIVI limits (:class:`MLAKIVICache`).
     """
     geo = (n_layers, batch, 1, max_len, kv_lora_rank)
     widths = (kv_lora_rank, rope_dim)
@@ -84,8 +148,7 @@ def make_mla_cache(spec: KVSpec | None, scales, n_layers: int, batch: int, max_l
         return _mla_class(KVCache)(*geo, dtype=dtype, device=device, widths=widths)
     check_layout(spec, mla_layout(n_layers, kv_lora_rank, rope_dim))
     if isinstance(spec.codec, KIVIScheme):
-        raise InputError(f"KV scheme {spec.describe()}: the runtime's MLA cache serves fp8 (tensor) and int8 (token); "
-                         "check a KIVI MLA artifact with kvq verify")
+        return MLAKIVICache(*geo, dtype=dtype, device=device, spec=spec, widths=widths)
     if spec.static and scales is None:
         raise InputError(f"KV scheme {spec.describe()} needs calibrated k_scale/v_scale (an artifact quantized with it has them)")
     cls = next(c for c in CACHE_CLASSES if isinstance(spec.codec, c.codecs))
