@@ -116,7 +116,7 @@ def test_logits_equal_verify_dequantized_model(model_type, kv, row_artifacts):
 
 @pytest.mark.parametrize("model_type", SERVED)
 def test_serve_smoke_exits_0_on_every_row(model_type, row_artifacts):
-    from compressor.serve import SmokeOptions, run_serve_smoke
+    from compressor.commands.serve_smoke import SmokeOptions, run_serve_smoke
 
     for kv in ("fp8", "int8"):
         # random tiny models predict near-uniform distributions (prompt KL ~1e-3 nats against the float
