@@ -176,6 +176,7 @@ _GEMMA3 = ArchSpec(
     sequential=_LLAMA_LIKE.sequential,
     fused=_LLAMA_LIKE.fused,
     norm_offset=1.0,
+    runtime=True,
 )
 
 #: GLM-4 (0414): fused gate_up_proj (gate rows, then up rows), post_self_attn/post_mlp
@@ -189,6 +190,7 @@ _GLM4 = ArchSpec(
     ),
     sequential=(_QKV, ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
     fused=(_QKV,),
+    runtime=True,
 )
 
 #: Mixtral, Qwen3-MoE (and its dense mlp_only_layers), GLM-4.5 (glm4_moe: shared experts,
@@ -200,6 +202,7 @@ _MOE = ArchSpec(
     sequential=(_QKV, ("self_attn.o_proj",)) + _MLP_STAGES,
     fused=(_QKV,) + _MLP_FUSED,
     moe=MoESpec(),
+    runtime=True,
 )
 
 _MIXTRAL = replace(_MOE, checkpoint_names=(
@@ -227,6 +230,7 @@ _DEEPSEEK_V3 = ArchSpec(
     clip_skip=_MLA_Q + ("self_attn.q_b_proj", "self_attn.kv_b_proj"),
     moe=MoESpec(),
     kv="mla",
+    runtime=True,
 )
 
 #: model_type -> ArchSpec

@@ -1,17 +1,27 @@
-"""The bundled runtime behind ``kvq serve-smoke``: a compact llama-family decoder over an
-artifact's packed weights, with a preallocated (optionally quantized) KV cache.
+"""The bundled runtime behind ``kvq serve-smoke``: a compact decoder for every row of the
+architecture table over an artifact's packed weights, with a preallocated (optionally
+quantized) KV cache.
 
 =====================  ==================================================================
 module                 contents
 =====================  ==================================================================
 ``generate``           :class:`Runtime` (``from_artifact``, ``logits``, ``generate``),
                        :class:`GenerationResult`
-``model``              :class:`~compressor.runtime.model.Decoder`, ``load_decoder``
+``model``              :class:`~compressor.runtime.model.Decoder`, ``DecoderLayer``,
+                       ``DecoderSpec``, the norm layouts, ``check_servable``
+``loader``             ``load_decoder``: config + shards -> Decoder (modules by arch row)
+``blocks``             RMSNorm (Llama / Gemma ``1 + w``), rotary embeddings and layouts,
+                       gated MLPs, per-row traits
+``attention``          GQA attention (q/k norms, biases, partial rotary, sliding windows)
+``mla``                multi-head latent attention and its latent + RoPE-key cache
+``moe``                routers (softmax top-k; sigmoid group-limited), MoE block, grouped
+                       W4A16 experts
 ``linear``             weight-only Linear kernels (float, dequant, aten int4/int8, Triton)
                        and the backend rule
 ``weights``            :class:`~compressor.runtime.weights.QuantWeight`, artifact readers
 ``kv_cache``           preallocated KV caches: float, fp8, int8 (head/token), KIVI int4/int2
-``triton_kernels``     W4A16 Triton GEMV/GEMM, launcher, layout, torch reference
+``triton_kernels``     W4A16 Triton GEMV/GEMM and grouped MoE kernel, launchers, layout,
+                       torch references
 ``engine``             :class:`~compressor.runtime.engine.Engine`: bounded queue, batching,
                        cancellation (``kvq serve``)
 ``server``             the OpenAI-compatible HTTP server, its pydantic request models,

@@ -19,8 +19,9 @@ import torch
 
 from ..errors import InputError
 from ..quant.kv_schemes import KVSpec, make_spec
-from .kv_cache import KVCache, make_cache
-from .model import Decoder, LoadInfo, load_decoder
+from .kv_cache import KVCache
+from .loader import load_decoder
+from .model import Decoder, LoadInfo
 
 
 @dataclass
@@ -121,9 +122,7 @@ class Runtime:
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """A preallocated KV cache of this runtime's scheme for ``batch`` sequences of up to ``max_len`` tokens."""
-        s = self.decoder.spec
-        return make_cache(self.kv_spec, self.kv_scales, s.n_layers, batch, s.n_kv_heads, max_len, s.head_dim,
-                          self.decoder.dtype, self.device)
+        return self.decoder.new_cache(self.kv_spec, self.kv_scales, batch, max_len)
 
     def describe(self) -> dict:
         """Kernels per module kind, fallbacks with reasons, bytes: what a report prints."""
@@ -136,7 +135,8 @@ class Runtime:
             "fallbacks": dict(self.info.fallbacks), "weight_bytes": self.info.weight_bytes,
             "kv_scheme": "none" if self.kv_spec is None else self.kv_spec.describe(),
             "kv_bytes_per_token": cache.bytes_per_token(), "kv_fixed_bytes_per_sequence": cache.fixed_bytes_per_sequence(),
-            "layers": s.n_layers, "kv_heads": s.n_kv_heads, "head_dim": s.head_dim,
+            "layers": s.n_layers, "kv_heads": s.n_kv_heads, "head_dim": s.head_dim, "attention": s.kv,
+            **({"kv_lora_rank": s.kv_widths[0], "qk_rope_head_dim": s.kv_widths[1]} if s.kv == "mla" else {}),
         }
 
     def _sync(self) -> None:

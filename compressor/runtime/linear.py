@@ -92,6 +92,20 @@ class Linear(torch.nn.Module):
     def _stored(self):
         return [self.bias]
 
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float ``[N, K]`` weight this layer multiplies by, in the caller's input column
+        order (an act-order permutation undone), built from the stored codes on each call (for
+        MLA's absorbed ``kv_b_proj``; no copy is kept)."""
+        w = self._dense(dtype)
+        if self.in_perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.in_perm] = w
+        return out
+
+    def _dense(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.dequantized(dtype)
+
 
 class FloatLinear(Linear):
     """Unquantized module: ``F.linear`` in the compute dtype (bit-identical to transformers)."""
@@ -104,6 +118,9 @@ class FloatLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias_f)
+
+    def _dense(self, dtype):
+        return self.weight.to(dtype)
 
     def _stored(self):
         return [self.weight, self.bias_f]
@@ -310,6 +327,13 @@ class TritonW4Linear(QuantLinear):
         from .triton_kernels import w4a16_matmul
 
         return w4a16_matmul(x2.to(self.scales.dtype), self.qweight, self.scales, self.zeros, self.group_size).to(x2.dtype)
+
+    def _dense(self, dtype):
+        from .triton_kernels import unpack_w4
+
+        gs = self.group_size
+        u = unpack_w4(self.qweight).float()
+        return ((u - self.zeros.float().repeat_interleave(gs, dim=1)) * self.scales.float().repeat_interleave(gs, dim=1)).to(dtype)
 
     def _stored(self):
         return [self.qweight, self.scales, self.zeros, self.bias]

@@ -21,8 +21,10 @@ dtype; products accumulated in float32; the output rounded to the activation dty
 :func:`compressor.quant.primitives.dequantize` rounded to the activation dtype.
 
 Kernels: ``gemv`` (small ``M``: one program per row and ``BLOCK_N`` output columns, a
-``tl.sum`` reduction over ``BLOCK_K`` inputs) and ``gemm`` (``tl.dot`` tiles of
-``BLOCK_M x BLOCK_N``, ``BLOCK_K`` deep). The dequantized tile never leaves registers.
+``tl.sum`` reduction over ``BLOCK_K`` inputs), ``gemm`` (``tl.dot`` tiles of
+``BLOCK_M x BLOCK_N``, ``BLOCK_K`` deep) and ``moe`` (the grouped gemm of a
+mixture-of-experts layer: rows sorted by expert, each program one expert's tile; see
+:func:`moe_w4a16`). The dequantized tile never leaves registers.
 :func:`choose_config` picks the kernel and block sizes; :func:`w4a16_matmul` validates
 and launches.
 
@@ -234,7 +236,40 @@ def _kernels(interpret: bool):
         out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
-    return {"gemv": w4_gemv, "gemm": w4_gemm}
+    @triton.jit
+    def w4_moe(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, rows_ptr, bexp_ptr, R, N, K, G, stride_xm, stride_om,
+               rows_per_token, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+        rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        r_mask = rows < R
+        xrow = rows // rows_per_token
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        kw = K // 8
+        ng = K // G
+        qw_e = qw_ptr + e * N * kw
+        s_e = s_ptr + e * N * ng
+        z_e = z_ptr + e * N * ng
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            a = tl.load(x_ptr + xrow[:, None] * stride_xm + offs_k[None, :],
+                        mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            mask = k_mask[:, None] & n_mask[None, :]
+            words = tl.load(qw_e + offs_n[None, :] * kw + offs_k[:, None] // 8, mask=mask, other=0)
+            u = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
+            grp = offs_n[None, :] * ng + offs_k[:, None] // G
+            s = tl.load(s_e + grp, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_e + grp, mask=mask, other=0.0).to(tl.float32)
+            w = ((u.to(tl.float32) - z) * s).to(a.dtype)
+            acc += tl.dot(a, w, out_dtype=tl.float32)
+        out = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+
+    return {"gemv": w4_gemv, "gemm": w4_gemm, "moe": w4_moe}
 
 
 def check_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -296,4 +331,99 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     else:
         kern[cfg.grid(m, n)](x, qweight, scales, zeros, out, m, n, k, group_size, x.stride(0), out.stride(0),
                              BLOCK_M=cfg.block_m, **common)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# grouped W4A16 for mixture-of-experts layers
+
+
+def moe_block_m(rows: int, n_experts: int) -> int:
+    """Rows per program of the grouped kernel: 16 (``tl.dot``'s minimum) up to 64, following
+    the mean rows per expert."""
+    mean = rows / max(1, n_experts)
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+
+
+@torch.no_grad()
+def moe_align(idx: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the routed rows by expert, each expert's run padded to a multiple of ``block_m``.
+
+    Args:
+        idx: int64 ``[T, k]`` expert of each (token, slot); row ``r = t * k + j``.
+
+    Returns:
+        ``(sorted_rows int32 [P], block_expert int32 [P / block_m])``: rows of expert ``e``
+        in order, then padding ``R = T * k`` (masked by the kernel); the expert of each block.
+    """
+    flat = idx.flatten()
+    R = flat.numel()
+    counts = torch.bincount(flat, minlength=n_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = torch.arange(R, device=idx.device) - (torch.cumsum(counts, 0) - counts)[sorted_e]
+    dest = (torch.cumsum(padded, 0) - padded)[sorted_e] + rank
+    rows = torch.full((int(padded.sum()),), R, dtype=torch.int32, device=idx.device)
+    rows[dest] = order.to(torch.int32)
+    blocks = torch.repeat_interleave(torch.arange(n_experts, device=idx.device, dtype=torch.int32), padded // block_m)
+    return rows, blocks
+
+
+def moe_w4a16_reference(x: torch.Tensor, idx: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor, group_size: int, rows_per_token: int) -> torch.Tensor:
+    """Pure-torch :func:`moe_w4a16`: row ``r`` is ``x[r // rows_per_token] @ W[idx.flatten()[r]].T``."""
+    flat = idx.flatten()
+    out = torch.zeros(flat.numel(), qweight.shape[1], dtype=x.dtype, device=x.device)
+    for e in flat.unique().tolist():
+        r = (flat == e).nonzero().flatten()
+        out[r] = w4a16_reference(x[r // rows_per_token], qweight[e], scales[e], zeros[e], group_size)
+    return out
+
+
+def moe_w4a16(x: torch.Tensor, idx: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int, rows_per_token: int = 1, block_n: int | None = None) -> torch.Tensor:
+    """Grouped W4A16 over routed rows: ``out[r] = x[r // rows_per_token] @ W_e.T`` for ``e = idx.flatten()[r]``.
+
+    One launch serves every expert of a layer: the rows are sorted by expert
+    (:func:`moe_align`), each program computes ``BLOCK_M`` rows of one expert against
+    ``BLOCK_N`` output columns, unpacking that expert's 4-bit tile in registers (the
+    numerics of :func:`w4a16_reference`). ``rows_per_token = k`` reads each token's input
+    once per routed slot (gate/up); ``1`` reads row ``r`` itself (down).
+
+    Args:
+        x: ``[M, K]`` float16/bfloat16 (float32 under the interpreter), ``M * rows_per_token == idx.numel()``.
+        idx: int64 ``[T, k]`` expert ids in ``[0, E)``.
+        qweight: int32 ``[E, N, K/8]``; scales, zeros: ``[E, N, K/group_size]`` (:func:`pack_w4` per expert).
+
+    Returns:
+        ``[T * k, N]`` in ``x.dtype``.
+
+    Raises:
+        InputError: shapes that do not fit, devices, dtypes (as :func:`check_launch`); triton missing.
+    """
+    E, n = qweight.shape[0], qweight.shape[1]
+    if qweight.ndim != 3 or scales.ndim != 3 or zeros.ndim != 3 or scales.shape[0] != E or zeros.shape[0] != E:
+        raise InputError(f"grouped W4A16 expects [E, N, K/8] codes and [E, N, G] scales/zeros, got "
+                         f"{tuple(qweight.shape)}, {tuple(scales.shape)}, {tuple(zeros.shape)}")
+    check_launch(x, qweight[0], scales[0], zeros[0], group_size)
+    if idx.ndim != 2 or x.shape[0] * rows_per_token != idx.numel():
+        raise InputError(f"grouped W4A16: {x.shape[0]} input rows x {rows_per_token} != {idx.numel()} routed rows")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= E):
+        raise InputError(f"grouped W4A16: expert ids outside [0, {E})")
+    if not triton_available():
+        raise InputError("the triton backend needs the 'triton' package (pip install kvq-compressor[triton])")
+    R, k = idx.numel(), x.shape[1]
+    out = torch.empty(R, n, dtype=x.dtype, device=x.device)
+    if R == 0:
+        return out
+    bm = moe_block_m(R, E)
+    rows, blocks = moe_align(idx.to(x.device), E, bm)
+    bn = block_n or _pow2_at_most(n, 64, 16)
+    bk = 64 if k >= 64 else 32
+    x = x.contiguous()
+    grid = (blocks.numel(), -(-n // bn))
+    _kernels(interpreting())["moe"][grid](x, qweight, scales, zeros, out, rows, blocks, R, n, k, group_size,
+                                          x.stride(0), out.stride(0), rows_per_token,
+                                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=2)
     return out

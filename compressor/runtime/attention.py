@@ -1,0 +1,59 @@
+"""Grouped-query attention of the runtime (MHA/GQA/MQA), over a preallocated KV cache.
+
+One class serves every GQA row: optional per-head q/k RMSNorms before RoPE (Qwen3,
+GLM-4-MoE's ``use_qk_norm``, Gemma 3), q/k/v biases (Qwen2, GLM-4), a rotary layout
+(:func:`~compressor.runtime.blocks.apply_rope`: Llama ``half``, GLM-4 ``pairs``, partial
+rotary through the width of ``cos``), the softmax scale (``head_dim ** -0.5``, Gemma's
+``query_pre_attn_scalar ** -0.5``) and a sliding window (the mask the decoder builds for it).
+Gemma 3's ``attn_logit_softcapping`` is ignored, as transformers' ``Gemma3Attention`` ignores
+it (only the final logits are soft-capped). Shapes are commented ``# (B, H, T, D)`` as in nanoGPT.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from .blocks import RMSNorm, apply_rope
+
+
+class Attention:
+    """GQA self-attention of one layer.
+
+    Args:
+        lin: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` -> Linear.
+        n_heads, n_kv_heads, head_dim: geometry (``n_heads % n_kv_heads == 0``).
+        scale: softmax scale.
+        rope_layout: ``half`` | ``pairs`` (see :func:`~compressor.runtime.blocks.apply_rope`).
+        q_norm, k_norm: per-head RMSNorms applied before RoPE (or None).
+        window: sliding window in tokens (None: full attention); picks the decoder's mask.
+        rope_key: which of the decoder's rotary embeddings this layer uses.
+    """
+
+    def __init__(self, index: int, lin: dict, n_heads: int, n_kv_heads: int, head_dim: int, scale: float,
+                 rope_layout: str = "half", q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                 window: int | None = None, rope_key=None):
+        self.index, self.lin = index, lin
+        self.n_heads, self.n_kv_heads, self.head_dim, self.scale = n_heads, n_kv_heads, head_dim, scale
+        self.rope_layout, self.q_norm, self.k_norm = rope_layout, q_norm, k_norm
+        self.window, self.rope_key = window, rope_key
+
+    def norms(self) -> dict:
+        """Relative name -> RMSNorm (for byte accounting)."""
+        return {n: m for n, m in (("q_norm", self.q_norm), ("k_norm", self.k_norm)) if m is not None}
+
+    def __call__(self, h, ropes, masks, cache, start, n_new):
+        B, T, _ = h.shape
+        q = self.lin["q_proj"](h).view(B, T, self.n_heads, self.head_dim)
+        k = self.lin["k_proj"](h).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.lin["v_proj"](h).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D)
+        cos, sin = ropes[self.rope_key]
+        c, sn = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, R)
+        q, k = apply_rope(q, c, sn, self.rope_layout), apply_rope(k, c, sn, self.rope_layout)
+        keys, values = cache.update(self.index, k, v, start, n_new)  # (B, Hkv, L, D) dequantized
+        mask = masks[self.window]
+        o = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=self.scale,
+                                           enable_gqa=self.n_heads != self.n_kv_heads)  # (B, H, T, D)
+        return self.lin["o_proj"](o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
