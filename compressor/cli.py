@@ -382,9 +382,10 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, devi
                 min_first_divergence, as_json):
     """Serve ARTIFACT with the bundled runtime and check it answers like the original.
 
-    The runtime serves llama, mistral, qwen2 and qwen3 artifacts; other architectures
-    (MoE, multi-head latent attention, Gemma 3, GLM-4) are refused (exit 2): check them
-    with kvq verify.
+    The runtime serves every row of the architecture table: llama, mistral, qwen2, qwen3,
+    gemma3_text, glm4, and the MoE rows mixtral, qwen3_moe, glm4_moe and deepseek_v3
+    (routers as transformers computes them, packed experts; MLA caches the compressed
+    latent plus the RoPE key); an architecture it does not serve is refused (exit 2).
 
     \b
     1. rechecks the digests (a tampered artifact fails, exit 1);

@@ -101,7 +101,7 @@ def test_help_lists_the_architecture_table(capsys):
     text = " ".join(out.split())
     assert code == 0 and all(mt in text for mt in ARCHITECTURES)
     code, out, _ = run(["serve-smoke", "--help"], capsys)
-    assert "serves llama, mistral, qwen2 and qwen3" in " ".join(out.split())
+    assert "serves every row of the architecture table" in " ".join(out.split())
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "mistral", "glm4", "deepseek_v3"])
