@@ -214,6 +214,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, tokenize
         else:
             tokenizer = load_tokenizer(source.path, source.spec, tokenizer_dir)
             model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, use_safetensors=True)
+            check_buildable(model.config, source.spec)
     except InputError:
         raise
     except Exception as e:  # transformers raises many types for unreadable files
@@ -222,6 +223,22 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, tokenize
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def check_buildable(cfg, spec: str) -> None:
+    """Refuse a configuration the layer-by-layer pipeline cannot run, in one line.
+
+    GLM-5's cross-layer top-k sharing (``indexer_types`` ``"shared"``: a layer without its
+    own indexer attends to the tokens the previous layer's indexer chose) needs the top-k
+    carried from layer to layer, which the sequential pipeline does not do.
+
+    Raises:
+        InputError: naming the first such layer.
+    """
+    shared = [i for i, t in enumerate(getattr(cfg, "indexer_types", None) or ()) if t == "shared"]
+    if shared:
+        raise InputError(f"cannot quantize {spec}: decoder layer {shared[0]} reuses the previous layer's sparse-attention "
+                         "top-k (indexer_types 'shared'); kvq runs one layer at a time and does not carry it between layers")
 
 
 def _block_fp8(folder: Path) -> tuple[int, int] | None:

@@ -194,7 +194,7 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .arch import checkpoint_name, get_arch
-    from .models import load_tokenizer, register_published_types
+    from .models import check_buildable, load_tokenizer, register_published_types
     from .moe import unfuse_experts
 
     if source.kind == "gguf":  # a GGUF converted once before streams from kvq's cache
@@ -212,6 +212,7 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     try:
         cfg = AutoConfig.from_pretrained(str(source.path))
         tokenizer = load_tokenizer(source.path, source.spec, tokenizer_dir)
+        check_buildable(cfg, source.spec)
         if ckpt.block_fp8 is not None:  # the weights are dequantized as they are read
             del cfg.quantization_config
         with torch.device("meta"):

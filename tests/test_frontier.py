@@ -340,6 +340,16 @@ def test_kimi_k25_is_refused_in_one_line(tmp_path, tokenizer, capsys):
     assert_clean_error(code, err, 2, "unsupported architecture 'kimi_k25' (Kimi K2.5 is a vision-language wrapper", tmp_path)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_glm5_shared_top_k_layers_are_refused(stream, tmp_path, tokenizer, capsys):
+    src = make_published(tmp_path / "glm5", tokenizer, "glm_moe_dsa")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["indexer_types"] = ["full", "shared"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run(["quantize", src, "-o", tmp_path / "out", "--algorithm", "gptq"] + ([] if stream else ["--no-stream"]), capsys)
+    assert_clean_error(code, err, 2, "decoder layer 1 reuses the previous layer's sparse-attention top-k", tmp_path)
+
+
 # ---------------------------------------------------------------------------------------
 # multi-token-prediction layers
 
