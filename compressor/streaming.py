@@ -190,11 +190,7 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     Raises:
         InputError: unreadable config/tokenizer, bad shard headers.
     """
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from .arch import checkpoint_name, get_arch
-    from .models import check_buildable, load_tokenizer, register_published_types
     from .moe import unfuse_experts
 
     if source.kind == "gguf":  # a GGUF converted once before streams from kvq's cache
@@ -206,6 +202,34 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
         source = ModelSource(source.spec, "hf", cached)
     elif source.kind != "hf":
         return None, f"{source.kind} sources are loaded whole"
+    model, tokenizer, ckpt = _meta_model(source, dtype, tokenizer_dir)
+    cfg = model.config
+    arch = get_arch(cfg.model_type)
+    unfuse_experts(model, arch)
+    bad = _real_buffers(model)
+    if bad is not None:
+        return None, f"module {bad} keeps buffers kvq cannot rebuild"
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    names = [n for n in model.state_dict() if not (tied and n == "lm_head.weight") and not n.endswith(".counts")]
+    missing = [n for n in names if checkpoint_name(arch, n) not in ckpt]
+    if missing:
+        return None, f"tensor {checkpoint_name(arch, missing[0])} is not stored under that name in the source shards"
+    prefix = arch.layers + "."
+    for n in names:
+        if not n.startswith(prefix):
+            _load_one(model, ckpt, arch, n, dtype)
+    if tied:
+        model.tie_weights()
+    return model, tokenizer, ckpt
+
+
+def _meta_model(source, dtype: torch.dtype, tokenizer_dir):
+    """``(model on meta, tokenizer, checkpoint)`` of a Hugging Face folder, eval mode, no gradients."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .models import check_buildable, load_tokenizer, register_published_types
+
     transformers.logging.set_verbosity_error()
     register_published_types()
     ckpt = LazyCheckpoint(source.path)  # reads (and checks) the source's quantization_config
@@ -224,22 +248,6 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
         raise InputError(f"cannot load model {source.spec}: {first}") from None
     model.eval()
     model.requires_grad_(False)
-    arch = get_arch(cfg.model_type)
-    unfuse_experts(model, arch)
-    bad = _real_buffers(model)
-    if bad is not None:
-        return None, f"module {bad} keeps buffers kvq cannot rebuild"
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    names = [n for n in model.state_dict() if not (tied and n == "lm_head.weight") and not n.endswith(".counts")]
-    missing = [n for n in names if checkpoint_name(arch, n) not in ckpt]
-    if missing:
-        return None, f"tensor {checkpoint_name(arch, missing[0])} is not stored under that name in the source shards"
-    prefix = arch.layers + "."
-    for n in names:
-        if not n.startswith(prefix):
-            _load_one(model, ckpt, arch, n, dtype)
-    if tied:
-        model.tie_weights()
     return model, tokenizer, ckpt
 
 
@@ -270,22 +278,40 @@ def layer_names(model, arch, i: int) -> list[str]:
 
 
 def load_whole(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None):
-    """``(model, tokenizer)`` with every weight read through :class:`LazyCheckpoint` (the
-    whole-model path for block-FP8 sources, whose dequantization transformers' loader
-    would do differently or not at all on CPU): the same tensors a streamed run reads.
+    """``(model, tokenizer)`` with every weight read through :class:`LazyCheckpoint`: the
+    whole-model path for block-FP8 sources (transformers' own FP8 loader dequantizes
+    differently, or not at all on CPU), giving the tensors a streamed run reads, in
+    transformers' module layout (fused experts, as :func:`compressor.models.load_model`
+    returns). Multi-token-prediction layers are not read (no module holds them).
 
     Raises:
-        InputError: the folder's tensor names do not map onto the model (the reason).
+        InputError: a tensor of the model is not stored in the folder, or holds NaN/Inf.
     """
-    from .arch import get_arch, get_module
+    from .arch import checkpoint_name, get_arch, mtp_layer, state_from_checkpoint
 
-    lazy = open_lazy(source, dtype, tokenizer_dir)
-    if lazy[0] is None:
-        raise InputError(f"cannot load model {source.spec}: {lazy[1]}")
-    model, tokenizer, ckpt = lazy
-    arch = get_arch(model.config.model_type)
-    for i in range(len(get_module(model, arch.layers))):
-        load_into(model, ckpt, arch, layer_names(model, arch, i), dtype)
+    model, tokenizer, ckpt = _meta_model(source, dtype, tokenizer_dir)
+    cfg = model.config
+    arch = get_arch(cfg.model_type)
+    state = {}
+    for name in ckpt.where:
+        if (name.endswith("_scale_inv") and name[: -len("_scale_inv")] in ckpt.where) \
+                or mtp_layer(arch, cfg.num_hidden_layers, name) is not None:
+            continue
+        t = ckpt.get(name, dtype)
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to quantize")
+        state[name] = t
+    state = state_from_checkpoint(arch, model, state)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    missing = [n for n in model.load_state_dict(state, strict=False, assign=True).missing_keys
+               if not (tied and n == "lm_head.weight")]
+    if missing:
+        raise InputError(f"cannot load model {source.spec}: tensor {checkpoint_name(arch, missing[0])} is not stored in it")
+    bad = _real_buffers(model)
+    if bad is not None:
+        raise InputError(f"cannot load model {source.spec}: module {bad} keeps buffers kvq cannot rebuild")
+    if tied:
+        model.tie_weights()
     return model, tokenizer
 
 

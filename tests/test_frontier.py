@@ -431,6 +431,14 @@ def test_block_fp8_source_equals_its_exact_float_copy(model_type, sources, tmp_p
     assert digests(tmp_path / "s") == digests(tmp_path / "w") == digests(tmp_path / "f")
     cfg = json.loads((tmp_path / "s" / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    rep = run_verify(VerifyOptions(artifact=tmp_path / "s", seqlen=64, max_windows=2, max_new_tokens=4, hidden_batches=1))
+    assert rep["passed"] and rep["reference_matches_source"]  # the FP8 release as the reference
+    kept = kept_tensor_names(ckpt, get_arch(model_type), 2)
+    assert not any(k.endswith("_scale_inv") for k in kept)
+    if kept:  # the MTP layer's FP8 projections are copied dequantized
+        parts = {}
+        copy_kept_tensors(ckpt, kept, torch.float32, lambda tag, t: parts.update(t))
+        assert torch.equal(parts["model.layers.2.eh_proj.weight"], exact["model.layers.2.eh_proj.weight"])
 
 
 @pytest.mark.parametrize("qc,msg", [
