@@ -262,7 +262,10 @@ def register_published_types() -> None:
     names to it and changes nothing else.
     """
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from .arch import PUBLISHED_AS
@@ -400,7 +403,7 @@ def tiktoken_tokenizer(folder: Path, tcfg: dict, vocab_file: str, pattern: str):
     if wrong:
         raise InputError(f"{folder}: special token {wrong[0][0]!r} would get id {tok.token_to_id(wrong[0][0])}, "
                          f"not {wrong[0][1]} as tokenizer_config.json says")
-    content = lambda v: v["content"] if isinstance(v, dict) else v  # noqa: E731
+    content = lambda v: v["content"] if isinstance(v, dict) else v
     kw = {k: content(tcfg[k]) for k in ("bos_token", "eos_token", "unk_token", "pad_token") if tcfg.get(k)}
     out = PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
     template = tcfg.get("chat_template")
