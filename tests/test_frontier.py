@@ -176,7 +176,7 @@ def _patch_catcher(mp):
 
     def forward(self, hidden_states, *args, **kwargs):
         out = real(self, hidden_states, *args, **kwargs)
-        return (out, None) if "prev_topk_indices" in kwargs else out
+        return (out, None) if "prev_topk_indices" in kwargs and not isinstance(out, tuple) else out
 
     mp.setattr(pipeline._Catcher, "forward", forward)
 
