@@ -111,6 +111,9 @@ class ArchSpec:
     # in-memory name -> checkpoint name templates (relative to a layer), for checkpoints
     # whose names differ from transformers' modules (Mixtral: block_sparse_moe.experts.<e>.w1)
     checkpoint_names: tuple[tuple[str, str], ...] = ()
+    # decoder layers return ``(hidden, extra)`` instead of ``hidden`` (GLM-5: the top-k
+    # indices handed to the next layer); stand-ins for a layer must return the same shape
+    layer_returns_tuple: bool = False
 
     def kv_layout(self, config):
         """The model's :class:`compressor.quant.kv.KVLayout` (what one token costs in the cache)."""
@@ -233,6 +236,25 @@ _DEEPSEEK_V3 = ArchSpec(
     runtime=True,
 )
 
+#: DeepSeek sparse attention (DeepSeek-V3.2 ``deepseek_v32``, GLM-5 ``glm_moe_dsa``): MLA
+#: plus a lightning indexer per layer (``self_attn.indexer``: ``wq_b`` on the query latent,
+#: ``wk`` and ``weights_proj`` on the layer input, ``k_norm``) that picks the top-k keys each
+#: query attends to. Its projections stay float and are listed in the format's ignore
+#: list: their relu(q.k) scores decide a discrete top-k selection (an error there swaps
+#: which tokens are attended, not how much), they are ~1% of a layer's weights, and vLLM
+#: builds ``weights_proj`` unquantized. AWQ scaling groups whose prev_op feeds the indexer
+#: scale its input columns too (``also_scale``), so the selection is unchanged by folding.
+#: The indexer's key cache (``index_head_dim`` per token) is not a kvq KV scheme: kvq neither
+#: calibrates nor quantizes it and bytes/token count the MLA latent only.
+_INDEXER = "self_attn.indexer"
+_DSA = replace(_DEEPSEEK_V3, awq_groups=(
+    ScalingGroup("input_layernorm", _MLA_Q, "self_attn", inspect_is_attention=True,
+                 also_scale=(f"{_INDEXER}.wk", f"{_INDEXER}.weights_proj")),
+    ScalingGroup("self_attn.q_a_layernorm", ("self_attn.q_b_proj",), "self_attn.q_b_proj",
+                 also_scale=(f"{_INDEXER}.wq_b",)),
+    ScalingGroup("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",), "self_attn.kv_b_proj"),
+) + _mlp_groups())
+
 #: model_type -> ArchSpec
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": _LLAMA_LIKE,
@@ -245,6 +267,24 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3_moe": _MOE,
     "mixtral": _MIXTRAL,
     "deepseek_v3": _DEEPSEEK_V3,
+    "kimi_k2": _DEEPSEEK_V3,  # DeepSeek-V3 fields and tensor names under Moonshot's model_type
+    "glm4_moe_lite": _DEEPSEEK_V3,  # GLM-4.7-Flash: MLA + routed/shared experts, DeepSeek-V3 names
+    "deepseek_v32": _DSA,
+    "glm_moe_dsa": replace(_DSA, layer_returns_tuple=True),  # GLM-5: layers pass their top-k on
+}
+
+#: published ``model_type`` that transformers has no class for -> the transformers
+#: ``model_type`` whose config and model classes compute it (same fields, same tensor
+#: names). kvq builds it with those classes and never runs the repository's own code
+#: (``auto_map``); the artifact's ``config.json`` keeps the published ``model_type`` and
+#: fields (:func:`compressor.models.register_published_types`).
+PUBLISHED_AS: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+
+#: model_type -> why kvq refuses it (said in the one-line error)
+REFUSED: dict[str, str] = {
+    "kimi_k25": "Kimi K2.5 is a vision-language wrapper (a DeepSeek-V3 text model plus a vision tower and "
+                "projector); kvq's artifact writer and verifier handle text-only decoders and cannot yet carry "
+                "the vision tower through untouched",
 }
 
 
@@ -257,8 +297,9 @@ def get_arch(model_type: str) -> ArchSpec:
     try:
         return ARCHITECTURES[model_type]
     except KeyError:
+        why = f" ({REFUSED[model_type]})" if model_type in REFUSED else ""
         raise InputError(
-            f"unsupported architecture '{model_type}'; supported: {', '.join(sorted(ARCHITECTURES))}"
+            f"unsupported architecture '{model_type}'{why}; supported: {', '.join(sorted(ARCHITECTURES))}"
         ) from None
 
 
@@ -400,6 +441,21 @@ def linear_weight(arch: ArchSpec, layer, rel: str) -> torch.Tensor:
         return param[e]
     i = param.shape[1] // 2
     return param[e, half * i:(half + 1) * i]
+
+
+def mtp_layer(arch: ArchSpec, num_hidden_layers: int, name: str) -> int | None:
+    """The layer index of a multi-token-prediction tensor, else ``None``.
+
+    DeepSeek-V3, GLM-4.5/4.7/5 and DeepSeek-V3.2 checkpoints store their
+    ``num_nextn_predict_layers`` MTP modules as decoder layers ``num_hidden_layers, ...``
+    (``<layers>.<n>.enorm/hnorm/eh_proj/shared_head.*`` plus a full decoder layer);
+    transformers builds no module for them (its loaders drop them as unexpected keys).
+    """
+    prefix = arch.layers + "."
+    if not name.startswith(prefix):
+        return None
+    idx = name[len(prefix):].split(".", 1)[0]
+    return int(idx) if idx.isdigit() and int(idx) >= num_hidden_layers else None
 
 
 def routers(arch: ArchSpec, model) -> list[str]:

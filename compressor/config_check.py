@@ -183,6 +183,45 @@ def _check_mlp(c: dict, shapes: dict, prefix: str, pre: str, n_layers: int, wher
             return
 
 
+#: source ``quant_method``s another part of kvq reads (already-quantized artifacts)
+PACKED_SOURCES = ("compressed-tensors", "awq", "gptq")
+
+
+def source_quantization(cfg: dict, where: str = "config.json") -> tuple[int, int] | None:
+    """The block shape ``(rows, cols)`` of a block-FP8 source, ``None`` for a float source.
+
+    Block FP8 is DeepSeek-V3's layout (also Kimi K2's and the GLM ``-FP8`` releases'):
+    ``quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [128, 128]}``.
+    compressed-tensors / AWQ / GPTQ sources also give ``None`` (packed artifacts, read
+    elsewhere).
+
+    Raises:
+        InputError: any other ``quant_method`` (named), FP8 without ``weight_block_size``
+            (per-tensor FP8) or with another format than e4m3, a malformed block size.
+    """
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return None
+    if not isinstance(qc, dict):
+        raise InputError(f"{where}: quantization_config must be an object")
+    method = qc.get("quant_method")
+    if method in PACKED_SOURCES:
+        return None
+    if method != "fp8":
+        raise InputError(f"{where}: quantization_config.quant_method {method!r} is not a source kvq reads "
+                         "(float safetensors, or block FP8 as DeepSeek-V3 / Kimi K2 / GLM -FP8 publish it)")
+    block = qc.get("weight_block_size")
+    if block is None:
+        raise InputError(f"{where}: quant_method 'fp8' without weight_block_size (per-tensor FP8) is not a source "
+                         "kvq reads; it reads block FP8 (weight_block_size [128, 128], weight_scale_inv per block)")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_DIM for b in block)):
+        raise InputError(f"{where}: quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise InputError(f"{where}: block FP8 format {qc.get('fmt')!r} is not read (kvq reads e4m3)")
+    return int(block[0]), int(block[1])
+
+
 def check_folder(folder: str | Path, model_type: str | None = None) -> dict:
     """Read ``folder/config.json`` and check it against the folder's safetensors headers.
 
@@ -196,6 +235,7 @@ def check_folder(folder: str | Path, model_type: str | None = None) -> dict:
 
     folder = Path(folder)
     cfg = read_config(folder / "config.json")
+    source_quantization(cfg, f"{folder / 'config.json'}")
     shapes: dict[str, list[int]] = {}
     for shard in sorted(folder.glob("*.safetensors")):
         shapes.update({n: list(e.shape) for n, e in read_header(shard).items()})

@@ -84,6 +84,7 @@ def resolve_source(spec: str) -> ModelSource:
     from .config_check import check_folder
 
     check_folder(path)  # config.json against the weights' shapes, before anything is built
+    register_published_types()  # e.g. kimi_k2: built with DeepSeek-V3's classes, not the repository's code
     return ModelSource(spec, "hf", path)
 
 
@@ -170,22 +171,33 @@ def _write_gguf_cache(source: ModelSource, model, tokenizer) -> None:
         pass
 
 
-def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None):
     """Load ``(model, tokenizer)`` in ``dtype`` on CPU, eval mode, no gradients.
 
     For GGUF the quantization marker transformers sets (``quant_method: gguf``) is removed,
     since the weights are plain float once loaded; the converted model is cached
-    (:func:`cached_gguf_folder`) and later loads read the cache.
+    (:func:`cached_gguf_folder`) and later loads read the cache. A block-FP8 folder is read
+    through kvq's own dequantizing reader (:func:`compressor.streaming.load_whole`, the
+    tensors a streamed run reads). Published model types transformers has no class for
+    are built with the classes they publish (:func:`register_published_types`); the
+    tokenizer comes from :func:`load_tokenizer` (``tokenizer_dir`` overrides).
 
     Raises:
         InputError: the files cannot be parsed by transformers.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    register_published_types()
     cached = cached_gguf_folder(source)
     if cached is not None:
         model, tokenizer = load_model(ModelSource(source.spec, "hf", cached), dtype)
         return model, tokenizer
+    if source.kind == "hf" and _block_fp8(source.path) is not None:
+        from .streaming import load_whole
+
+        return load_whole(source, dtype, tokenizer_dir)
+    from transformers import AutoTokenizer
+
     try:
         if source.kind == "gguf":
             kw = {"gguf_file": source.path.name}
@@ -200,8 +212,9 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
             if dtype == torch.float32:
                 _write_gguf_cache(source, model, tokenizer)
         else:
-            tokenizer = AutoTokenizer.from_pretrained(str(source.path))
+            tokenizer = load_tokenizer(source.path, source.spec, tokenizer_dir)
             model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, use_safetensors=True)
+            check_buildable(model.config, source.spec)
     except InputError:
         raise
     except Exception as e:  # transformers raises many types for unreadable files
@@ -252,3 +265,192 @@ def storage_dtype(source: ModelSource, requested: str, fmt: str = "compressed-te
     if source.kind == "gguf":
         return "bfloat16", "GGUF source: bfloat16 unless --dtype says otherwise"
     return "bfloat16", f"the source's weights are {found or 'not floating point'}: bfloat16 unless --dtype says otherwise"
+
+
+def check_buildable(cfg, spec: str) -> None:
+    """Refuse a configuration the layer-by-layer pipeline cannot run, in one line.
+
+    GLM-5's cross-layer top-k sharing (``indexer_types`` ``"shared"``: a layer without its
+    own indexer attends to the tokens the previous layer's indexer chose) needs the top-k
+    carried from layer to layer, which the sequential pipeline does not do.
+
+    Raises:
+        InputError: naming the first such layer.
+    """
+    shared = [i for i, t in enumerate(getattr(cfg, "indexer_types", None) or ()) if t == "shared"]
+    if shared:
+        raise InputError(f"cannot quantize {spec}: decoder layer {shared[0]} reuses the previous layer's sparse-attention "
+                         "top-k (indexer_types 'shared'); kvq runs one layer at a time and does not carry it between layers")
+
+
+def _block_fp8(folder: Path) -> tuple[int, int] | None:
+    from .config_check import read_config, source_quantization
+
+    return source_quantization(read_config(folder / "config.json"), str(folder / "config.json"))
+
+
+def register_published_types() -> None:
+    """Teach transformers' ``AutoConfig`` / ``AutoModelForCausalLM`` the published model
+    types it has no class for (:data:`compressor.arch.PUBLISHED_AS`, e.g. ``kimi_k2`` ->
+    DeepSeek-V3), so that kvq never needs the repository's own code (``auto_map``,
+    ``trust_remote_code``).
+
+    Each gets a config subclass of its architecture's config class that only renames
+    ``model_type`` (``config.json`` round-trips with the published ``model_type``,
+    ``architectures`` and ``auto_map``, so vLLM loads the artifact as it loads the release),
+    a model subclass that only binds it, and the architecture's checkpoint conversions
+    (per-expert tensors -> fused experts). Idempotent; a model type transformers
+    already knows is never replaced. transformers' registry is process-wide: this adds
+    names to it and changes nothing else.
+    """
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from .arch import PUBLISHED_AS
+
+    for published, base in PUBLISHED_AS.items():
+        if published in CONFIG_MAPPING:
+            continue
+        # the checkpoint -> module conversions (per-expert tensors -> fused experts): without
+        # them transformers' whole-model loader would leave the experts at their random init
+        conversions = get_checkpoint_conversion_mapping(base)
+        if conversions is not None and get_checkpoint_conversion_mapping(published) is None:
+            register_checkpoint_conversion_mapping(published, conversions)
+        base_cfg = CONFIG_MAPPING[base]
+        stem = "".join(p.capitalize() for p in published.split("_"))
+        cfg_cls = type(f"{stem}Config", (base_cfg,), {"model_type": published, "__module__": __name__})
+        model_cls = type(f"{stem}ForCausalLM", (MODEL_FOR_CAUSAL_LM_MAPPING[base_cfg],),
+                         {"config_class": cfg_cls, "__module__": __name__})
+        AutoConfig.register(published, cfg_cls)
+        AutoModelForCausalLM.register(cfg_cls, model_cls)
+
+
+#: ``tokenization_kimi.TikTokenTokenizer.pat_str`` as Moonshot publishes it (Kimi K2):
+#: Han runs split from other letters (class intersections ``&&``, which the tokenizers
+#: library's Oniguruma regex engine reads as tiktoken's Rust engine does)
+KIMI_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+#: special-token ids Kimi reserves after the BPE ranks (``num_reserved_special_tokens``)
+KIMI_RESERVED = 256
+#: custom tokenizer classes kvq reads without their code: class -> (vocabulary file, pattern)
+TIKTOKEN_CLASSES = {"tokenization_kimi.TikTokenTokenizer": ("tiktoken.model", KIMI_PATTERN)}
+
+
+def load_tokenizer(folder: str | Path, spec: str | None = None, tokenizer_dir: str | Path | None = None):
+    """The tokenizer of a Hugging Face folder (``tokenizer_dir`` instead, when given).
+
+    A folder whose ``tokenizer_config.json`` names custom code (``auto_map``) is never
+    loaded by running it: Kimi's ``tokenization_kimi.TikTokenTokenizer`` (``tiktoken.model``
+    ranks, Kimi's split pattern, ``num_reserved_special_tokens`` 256 named from
+    ``added_tokens_decoder``) is converted to a fast byte-level BPE with the same ids
+    (:func:`tiktoken_tokenizer`); any other custom class is refused. The artifact then
+    carries the converted ``tokenizer.json`` (plus the chat template), which transformers
+    and vLLM read without custom code.
+
+    Raises:
+        InputError: unreadable tokenizer files, or a custom tokenizer kvq cannot convert
+            (one line saying how to give a usable one).
+    """
+    import json
+
+    from transformers import AutoTokenizer
+
+    folder = Path(tokenizer_dir) if tokenizer_dir is not None else Path(folder)
+    spec = spec or str(folder)
+    try:
+        tcfg = json.loads((folder / "tokenizer_config.json").read_text()) if (folder / "tokenizer_config.json").is_file() else {}
+        auto = tcfg.get("auto_map") if isinstance(tcfg, dict) else None
+        ref = auto.get("AutoTokenizer") if isinstance(auto, dict) else auto
+        ref = next((r for r in ref if r), None) if isinstance(ref, (list, tuple)) else ref
+        if ref is None:
+            return AutoTokenizer.from_pretrained(str(folder))
+        ref = str(ref).split("--")[-1]
+        if ref in TIKTOKEN_CLASSES and (folder / TIKTOKEN_CLASSES[ref][0]).is_file():
+            return tiktoken_tokenizer(folder, tcfg, *TIKTOKEN_CLASSES[ref])
+    except InputError:
+        raise
+    except Exception as e:  # transformers/tokenizers raise many types for unreadable files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"cannot load model {spec}: {first}") from None
+    raise InputError(f"cannot load the tokenizer of {spec}: it needs the repository's own code ({ref}), which kvq "
+                     "does not run; give a folder holding a tokenizer.json for it with --tokenizer DIR")
+
+
+def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """A ``tiktoken`` BPE file (one ``<base64 token> <rank>`` per line) as token -> rank.
+
+    Raises:
+        InputError: a malformed line, or ranks that are not ``0 .. n-1``.
+    """
+    import base64
+    import binascii
+
+    ranks: dict[bytes, int] = {}
+    for k, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
+        except (ValueError, binascii.Error):
+            raise InputError(f"{path}:{k}: not a '<base64 token> <rank>' line") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise InputError(f"{path}: ranks are not 0 .. {len(ranks) - 1}, each once")
+    return ranks
+
+
+def tiktoken_tokenizer(folder: Path, tcfg: dict, vocab_file: str, pattern: str):
+    """A fast tokenizer equal to a ``tiktoken`` one, built from its files, no code run.
+
+    The BPE (vocabulary = ranks, merges recovered from the ranks, whole pieces found in the
+    vocabulary taken as they are: tiktoken's lowest-rank-first merging) is transformers'
+    ``TikTokenConverter``, fed ranks read by :func:`read_tiktoken_ranks` (so the ``tiktoken``
+    package is not needed). Ids ``n .. n + 255`` after the ``n`` ranks are the special
+    tokens, named from ``added_tokens_decoder`` (``<|reserved_token_i|>`` for unnamed ones).
+
+    Raises:
+        InputError: a special token does not get the id ``tokenizer_config.json`` gives it.
+    """
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = read_tiktoken_ranks(folder / vocab_file)
+
+    class _Ranks(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(_url):
+            return ranks
+
+    named = {int(i): (t["content"] if isinstance(t, dict) else str(t))
+             for i, t in (tcfg.get("added_tokens_decoder") or {}).items()}
+    n = len(ranks)
+    top = max([n + KIMI_RESERVED - 1, *named])
+    specials = [named.get(i, f"<|reserved_token_{i}|>") for i in range(n, top + 1)]
+    tok = _Ranks(vocab_file=str(folder / vocab_file), pattern=pattern, extra_special_tokens=specials).converted()
+    wrong = [(t, i) for i, t in named.items() if tok.token_to_id(t) != i]
+    if wrong:
+        raise InputError(f"{folder}: special token {wrong[0][0]!r} would get id {tok.token_to_id(wrong[0][0])}, "
+                         f"not {wrong[0][1]} as tokenizer_config.json says")
+    content = lambda v: v["content"] if isinstance(v, dict) else v
+    kw = {k: content(tcfg[k]) for k in ("bos_token", "eos_token", "unk_token", "pad_token") if tcfg.get(k)}
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
+    template = tcfg.get("chat_template")
+    if template is None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    if template is not None:
+        out.chat_template = template
+    return out

@@ -48,17 +48,29 @@ HIDDEN_PREFIX = "resume-hidden-"  # + layers done + .safetensors: a new file per
 ARTIFACT_DIR = "artifact"  # the artifact is assembled here, renamed to OUT when complete
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
 
 
 class LazyCheckpoint:
     """Tensor name -> shard of a safetensors folder; tensors are read on demand (``pread``).
 
+    Block-FP8 checkpoints (DeepSeek-V3, Kimi K2, the GLM ``-FP8`` releases: ``config.json``
+    ``quantization_config: {quant_method: fp8, weight_block_size: [bo, bi]}``) store a
+    linear's weight ``W [out, in]`` as ``float8_e4m3fn`` ``q`` plus a float32
+    ``<name>_scale_inv [ceil(out / bo), ceil(in / bi)]``, one scale per ``bo x bi`` block
+    (edge blocks ragged). :meth:`get` dequantizes such a tensor as it reads it:
+    ``W[i, j] = float32(q[i, j]) * scale_inv[i // bo, j // bi]`` computed in float32 (the
+    e4m3 -> float32 conversion is exact; the product is one float32 rounding), then cast
+    to the dtype asked for (round to nearest even) -- the arithmetic of DeepSeek's own
+    ``weight_dequant``. ``block_fp8`` is ``(bo, bi)``; by default it is read from the
+    folder's ``config.json`` (:func:`compressor.config_check.source_quantization`).
+
     Raises:
-        InputError: a shard with a bad header; a tensor name in two shards.
+        InputError: a shard with a bad header; a tensor name in two shards; a
+            ``quantization_config`` kvq does not read.
     """
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, block_fp8: tuple[int, int] | None | str = "config"):
         self.folder = Path(folder)
         self.where: dict[str, tuple[Path, object]] = {}
         for shard in sorted(self.folder.glob("*.safetensors")):
@@ -66,17 +78,18 @@ class LazyCheckpoint:
                 if name in self.where:
                     raise InputError(f"{self.folder}: tensor {name} is stored in both {self.where[name][0].name} and {shard.name}")
                 self.where[name] = (shard, entry)
+        if block_fp8 == "config":
+            from .config_check import read_config, source_quantization
+
+            cfg_file = self.folder / "config.json"
+            block_fp8 = source_quantization(read_config(cfg_file), str(cfg_file)) if cfg_file.is_file() else None
+        self.block_fp8 = block_fp8
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Read ``name`` into memory as ``dtype`` (a private copy).
-
-        The bytes are read with ``pread`` rather than through a memory map, so the source
-        shards never count towards this process's resident memory (a map would keep every
-        page read so far resident: peak RSS would grow with the model).
-        """
+    def _read(self, name: str) -> torch.Tensor:
+        """``name`` as stored (its own dtype), in a private buffer."""
         shard, e = self.where[name]
         buf = bytearray(e.end - e.start)
         with open(shard, "rb") as f:
@@ -85,8 +98,42 @@ class LazyCheckpoint:
             raise InputError(f"{shard}: truncated while reading {name}")
         if e.dtype not in _DTYPES:
             raise InputError(f"{shard}: tensor {name} has dtype {e.dtype}, which kvq does not load")
-        t = torch.frombuffer(buf, dtype=_DTYPES[e.dtype]).view(e.shape) if buf else torch.empty(e.shape, dtype=_DTYPES[e.dtype])
+        return torch.frombuffer(buf, dtype=_DTYPES[e.dtype]).view(e.shape) if buf else torch.empty(e.shape, dtype=_DTYPES[e.dtype])
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Read ``name`` into memory as ``dtype`` (a private copy; block-FP8 weights dequantized).
+
+        The bytes are read with ``pread`` rather than through a memory map, so the source
+        shards never count towards this process's resident memory (a map would keep every
+        page read so far resident: peak RSS would grow with the model).
+
+        Raises:
+            InputError: truncated shard, a dtype kvq does not load, an FP8 tensor without
+                its ``_scale_inv`` (or with one of the wrong shape).
+        """
+        t = self._read(name)
+        if t.dtype == torch.float8_e4m3fn:
+            return self._dequantize(name, t).to(dtype)
         return t.to(dtype) if t.is_floating_point() else t.clone()
+
+    def _dequantize(self, name: str, q: torch.Tensor) -> torch.Tensor:
+        """Block-FP8 ``q [out, in]`` times its ``scale_inv`` block by block, in float32."""
+        shard = self.where[name][0]
+        scale_name = name + "_scale_inv"
+        if self.block_fp8 is None or scale_name not in self.where or q.ndim != 2:
+            raise InputError(f"{shard}: tensor {name} is float8_e4m3fn but kvq finds no block scale for it "
+                             "(config.json quantization_config {quant_method: fp8, weight_block_size} and a "
+                             f"2-D weight with {scale_name})")
+        bo, bi = self.block_fp8
+        out, inp = q.shape
+        scale = self._read(scale_name).to(torch.float32)
+        if tuple(scale.shape) != (-(-out // bo), -(-inp // bi)):
+            raise InputError(f"{shard}: {scale_name} is {list(scale.shape)}, but {name} [{out}, {inp}] in "
+                             f"{bo} x {bi} blocks needs [{-(-out // bo)}, {-(-inp // bi)}]")
+        w = q.to(torch.float32)
+        for r in range(scale.shape[0]):  # one block row at a time: no full-size scale tensor
+            w[r * bo:(r + 1) * bo].mul_(scale[r].repeat_interleave(bi)[:inp])
+        return w
 
 
 def _set_tensor(model, name: str, value: torch.Tensor) -> None:
@@ -102,28 +149,41 @@ def _set_tensor(model, name: str, value: torch.Tensor) -> None:
 
 def _real_buffers(model) -> str | None:
     """Rebuild modules whose buffers were created on ``meta`` (rotary embeddings compute
-    ``inv_freq`` in ``__init__``); return the name of one that cannot be rebuilt, else None."""
+    ``inv_freq`` in ``__init__``); return the name of one that cannot be rebuilt, else None.
+
+    Persistent buffers (a MoE router's ``e_score_correction_bias``) are part of the state
+    dict: they are read from the checkpoint with the parameters (:func:`open_lazy` checks
+    every one is stored), so they need no rebuilding. ``counts`` (routed-token counters of
+    :class:`compressor.moe.UnfusedExperts`) are kvq's own."""
     for name, module in list(model.named_modules()):
-        if not any(b is not None and b.is_meta for b in module._buffers.values()):
+        meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+        if not meta:
             continue
         if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config"):
             with torch.device("cpu"):
                 fresh = type(module)(config=module.config)
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, leaf, fresh)
-        elif all(b is None or not b.is_meta or n == "counts" for n, b in module._buffers.items()):
+        elif all(n == "counts" or n not in module._non_persistent_buffers_set for n in meta):
             continue
         else:
             return name
     return None
 
 
-def open_lazy(source, dtype: torch.dtype = torch.float32):
+def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None):
     """Build ``(model, tokenizer, checkpoint)`` with decoder layers on ``meta`` and the rest loaded.
 
     MoE experts are unfused (:func:`compressor.moe.unfuse_experts`) so parameter names are
     the per-expert ones; each maps to a checkpoint tensor through
-    :func:`compressor.arch.checkpoint_name`.
+    :func:`compressor.arch.checkpoint_name`. Routers' score-correction biases are read
+    from the checkpoint like parameters; block-FP8 weights are dequantized as they are
+    read (:class:`LazyCheckpoint`); published model types transformers has no class for
+    (``kimi_k2``) are built with the classes of the architecture they publish
+    (:data:`compressor.arch.PUBLISHED_AS`); the tokenizer comes from
+    :func:`compressor.models.load_tokenizer` (``tokenizer_dir`` overrides the model's).
+    Multi-token-prediction layers stored after the decoder layers have no module: see
+    :func:`kept_tensor_names`.
 
     Returns:
         ``(model, tokenizer, checkpoint)``, or ``(None, reason)`` when the folder cannot be
@@ -132,8 +192,6 @@ def open_lazy(source, dtype: torch.dtype = torch.float32):
     Raises:
         InputError: unreadable config/tokenizer, bad shard headers.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     from .arch import checkpoint_name, get_arch
     from .moe import unfuse_experts
 
@@ -146,22 +204,13 @@ def open_lazy(source, dtype: torch.dtype = torch.float32):
         source = ModelSource(source.spec, "hf", cached)
     elif source.kind != "hf":
         return None, f"{source.kind} sources are loaded whole"
-    try:
-        cfg = AutoConfig.from_pretrained(str(source.path))
-        tokenizer = AutoTokenizer.from_pretrained(str(source.path))
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    except Exception as e:  # transformers raises many types for unreadable files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise InputError(f"cannot load model {source.spec}: {first}") from None
-    model.eval()
-    model.requires_grad_(False)
+    model, tokenizer, ckpt = _meta_model(source, dtype, tokenizer_dir)
+    cfg = model.config
     arch = get_arch(cfg.model_type)
     unfuse_experts(model, arch)
     bad = _real_buffers(model)
     if bad is not None:
         return None, f"module {bad} keeps buffers kvq cannot rebuild"
-    ckpt = LazyCheckpoint(source.path)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     names = [n for n in model.state_dict() if not (tied and n == "lm_head.weight") and not n.endswith(".counts")]
     missing = [n for n in names if checkpoint_name(arch, n) not in ckpt]
@@ -173,6 +222,34 @@ def open_lazy(source, dtype: torch.dtype = torch.float32):
             _load_one(model, ckpt, arch, n, dtype)
     if tied:
         model.tie_weights()
+    return model, tokenizer, ckpt
+
+
+def _meta_model(source, dtype: torch.dtype, tokenizer_dir):
+    """``(model on meta, tokenizer, checkpoint)`` of a Hugging Face folder, eval mode, no gradients."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .models import check_buildable, load_tokenizer, register_published_types
+
+    transformers.logging.set_verbosity_error()
+    register_published_types()
+    ckpt = LazyCheckpoint(source.path)  # reads (and checks) the source's quantization_config
+    try:
+        cfg = AutoConfig.from_pretrained(str(source.path))
+        tokenizer = load_tokenizer(source.path, source.spec, tokenizer_dir)
+        check_buildable(cfg, source.spec)
+        if ckpt.block_fp8 is not None:  # the weights are dequantized as they are read
+            del cfg.quantization_config
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    except InputError:
+        raise
+    except Exception as e:  # transformers raises many types for unreadable files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"cannot load model {source.spec}: {first}") from None
+    model.eval()
+    model.requires_grad_(False)
     return model, tokenizer, ckpt
 
 
@@ -200,6 +277,94 @@ def layer_names(model, arch, i: int) -> list[str]:
     layer = model.get_submodule(f"{arch.layers}.{i}")
     skip = {f"{n}" for n, m in layer.named_modules() for b in m._non_persistent_buffers_set for n in [f"{n}.{b}" if n else b]}
     return [f"{arch.layers}.{i}.{n}" for n in layer.state_dict() if n not in skip]
+
+
+def load_whole(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None):
+    """``(model, tokenizer)`` with every weight read through :class:`LazyCheckpoint`: the
+    whole-model path for block-FP8 sources (transformers' own FP8 loader dequantizes
+    differently, or not at all on CPU), giving the tensors a streamed run reads, in
+    transformers' module layout (fused experts, as :func:`compressor.models.load_model`
+    returns). Multi-token-prediction layers are not read (no module holds them).
+
+    Raises:
+        InputError: a tensor of the model is not stored in the folder, or holds NaN/Inf.
+    """
+    from .arch import checkpoint_name, get_arch, mtp_layer, state_from_checkpoint
+
+    model, tokenizer, ckpt = _meta_model(source, dtype, tokenizer_dir)
+    cfg = model.config
+    arch = get_arch(cfg.model_type)
+    state = {}
+    for name in ckpt.where:
+        if (name.endswith("_scale_inv") and name[: -len("_scale_inv")] in ckpt.where) \
+                or mtp_layer(arch, cfg.num_hidden_layers, name) is not None:
+            continue
+        t = ckpt.get(name, dtype)
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to quantize")
+        state[name] = t
+    state = state_from_checkpoint(arch, model, state)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    missing = [n for n in model.load_state_dict(state, strict=False, assign=True).missing_keys
+               if not (tied and n == "lm_head.weight")]
+    if missing:
+        raise InputError(f"cannot load model {source.spec}: tensor {checkpoint_name(arch, missing[0])} is not stored in it")
+    bad = _real_buffers(model)
+    if bad is not None:
+        raise InputError(f"cannot load model {source.spec}: module {bad} keeps buffers kvq cannot rebuild")
+    if tied:
+        model.tie_weights()
+    return model, tokenizer
+
+
+def kept_tensor_names(ckpt: LazyCheckpoint, arch, num_hidden_layers: int) -> list[str]:
+    """Checkpoint names of the multi-token-prediction tensors kvq keeps, sorted.
+
+    DeepSeek-V3 / GLM checkpoints store ``num_nextn_predict_layers`` MTP layers as decoder
+    layers ``num_hidden_layers, ...`` (:func:`compressor.arch.mtp_layer`); transformers
+    builds no module for them, so neither load path reads them. kvq copies them into the
+    artifact in float (block-FP8 ones dequantized; each ``_scale_inv`` is consumed by its
+    weight), unquantized, so a serving engine's speculative decoding still finds them.
+    """
+    from .arch import mtp_layer
+
+    return sorted(n for n in ckpt.where if mtp_layer(arch, num_hidden_layers, n) is not None
+                  and not (n.endswith("_scale_inv") and n[: -len("_scale_inv")] in ckpt.where))
+
+
+def kept_modules(ckpt: LazyCheckpoint, names: list[str]) -> list[str]:
+    """The linears among kept tensors (owners of a 2-D ``.weight``; embeddings and output
+    heads excepted, as ``lm_head`` is): the names a format's ignore list must carry so a
+    loader does not expect them packed."""
+    return sorted(n[: -len(".weight")] for n in names if n.endswith(".weight") and len(ckpt.where[n][1].shape) == 2
+                  and not n.endswith(("embed_tokens.weight", "shared_head.head.weight")))
+
+
+def copy_kept_tensors(ckpt: LazyCheckpoint, names: list[str], dtype: torch.dtype, save_part,
+                      part_bytes: int = 1 << 30, tag: str = "mtp") -> int:
+    """Copy ``names`` from ``ckpt`` (float in ``dtype``, block FP8 dequantized) through
+    ``save_part(name, tensors)`` in parts of at most ``part_bytes`` (one tensor more if a
+    single tensor is larger), so an MTP layer of a large MoE never sits in memory whole.
+    Returns the number of parts written (``<tag>-00000``, ...).
+
+    Raises:
+        InputError: a tensor holds NaN or Inf.
+    """
+    part, size, n = {}, 0, 0
+    for name in names:
+        t = ckpt.get(name, dtype)
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to copy it")
+        part[name] = t
+        size += t.numel() * t.element_size()
+        if size >= part_bytes:
+            save_part(f"{tag}-{n:05d}", part)
+            part, size, n = {}, 0, n + 1
+            _trim_heap()
+    if part:
+        save_part(f"{tag}-{n:05d}", part)
+        n += 1
+    return n
 
 
 def to_meta(module: torch.nn.Module) -> None:

@@ -1,0 +1,560 @@
+"""Kimi and GLM as they are published (issue #15): each new row of compressor/arch.py on a
+tiny checkpoint laid out like the release (published model_type, config fields, tensor
+names, router score-correction buffers, multi-token-prediction layer, block-FP8 weights,
+Kimi's tiktoken tokenizer) through quantize -> verify, streamed, with tensor digests equal
+to the whole-model run."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from compressor.api import QuantizeOptions, VerifyOptions, run_quantize, run_verify
+from compressor.arch import ARCHITECTURES, REFUSED, get_arch, get_module, layer_groups, mtp_layer
+from compressor.errors import InputError
+from compressor.manifest import load_manifest
+from compressor.models import load_tokenizer, resolve_source
+from compressor.moe import unfuse_experts
+from compressor.quant.awq_layer import fold_scales as _fold
+from compressor.safetensors_io import read_header
+from compressor.streaming import (
+    LazyCheckpoint, copy_kept_tensors, kept_modules, kept_tensor_names, open_lazy,
+)
+
+from test_cli import assert_clean_error, run
+
+_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+             max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+_MLA = dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+            first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True)
+_DSA = dict(_MLA, index_topk=16, index_head_dim=16, index_n_heads=4)  # top-16 of 48 tokens: sparse
+_KIMI_AUTO_MAP = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                  "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+#: published model_type -> (transformers model_type that builds it, tiny published-like fields)
+CONFIGS = {
+    # Kimi K2: DeepSeek-V3 fields under model_type kimi_k2 with custom code (auto_map), no MTP, YaRN
+    "kimi_k2": ("deepseek_v3", dict(_MLA, routed_scaling_factor=2.827, num_nextn_predict_layers=0, rope_theta=50000.0,
+                                    rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                                      beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))),
+    "glm4_moe_lite": ("glm4_moe_lite", dict(_MLA, routed_scaling_factor=1.8, num_nextn_predict_layers=1)),
+    "deepseek_v32": ("deepseek_v32", dict(_DSA, n_group=2, num_nextn_predict_layers=1)),
+    "glm_moe_dsa": ("glm_moe_dsa", dict(_DSA, num_nextn_predict_layers=1)),
+    # the rows that existed, now streamed, with the MTP layer their releases carry
+    "deepseek_v3": ("deepseek_v3", dict(_MLA, n_group=2, num_nextn_predict_layers=1)),
+    "glm4_moe": ("glm4_moe", dict(head_dim=16, num_key_value_heads=2, moe_intermediate_size=32, n_routed_experts=4,
+                                  n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                  use_qk_norm=True, num_experts_per_tok=2, num_nextn_predict_layers=1)),
+}
+NEW = ("kimi_k2", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+IDS = torch.randint(1, 300, (8, 48), generator=torch.Generator().manual_seed(1))
+FAST = dict(group_size=32, calib_samples=4, calib_seqlen=48)
+
+
+def test_every_new_row_has_a_tiny_model():
+    assert set(NEW) <= set(ARCHITECTURES) and set(CONFIGS) <= set(ARCHITECTURES)
+    assert "kimi_k25" in REFUSED and "kimi_k25" not in ARCHITECTURES
+
+
+def tiny(model_type: str, seed: int = 0, vocab_size: int = 320, layers: int = 2):
+    """A random-init model of the transformers class that builds ``model_type``."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    base, fields = CONFIGS[model_type]
+    cfg = CONFIG_MAPPING[base](**{**_BASE, "vocab_size": vocab_size, **fields, "num_hidden_layers": layers})
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif n.endswith("mlp.gate.weight"):  # routers: random, not transformers' zero init
+                p.normal_(0, 0.5)
+            elif p.ndim == 3:  # fused experts
+                p.normal_(0, 0.05)
+        for n, b in m.named_buffers():
+            if n.endswith("e_score_correction_bias"):  # a real bias, so a lost buffer shows
+                b.uniform_(-0.2, 0.2)
+    return m
+
+
+def _mtp_tensors(state: dict, n_layers: int, seed: int) -> dict:
+    """A DeepSeek-V3 / GLM multi-token-prediction layer ``n_layers``: a copy of the last
+    decoder layer's tensor names (random values) plus enorm, hnorm, eh_proj, shared_head
+    and its own embed_tokens, as the releases store it."""
+    g = torch.Generator().manual_seed(seed)
+    last, mtp = f"model.layers.{n_layers - 1}.", f"model.layers.{n_layers}."
+    out = {}
+    for k, v in state.items():
+        if k.startswith(last):
+            k = mtp + k[len(last):]
+            out[k] = (torch.rand(v.shape, generator=g) + 0.5 if "norm" in k else torch.randn(v.shape, generator=g) * 0.05)
+    h, vocab = state["model.embed_tokens.weight"].shape[1], state["model.embed_tokens.weight"].shape[0]
+    out.update({mtp + "enorm.weight": torch.ones(h), mtp + "hnorm.weight": torch.ones(h),
+                mtp + "eh_proj.weight": torch.randn(h, 2 * h, generator=g) * 0.05,
+                mtp + "shared_head.norm.weight": torch.ones(h),
+                mtp + "shared_head.head.weight": torch.randn(vocab, h, generator=g) * 0.05,
+                mtp + "embed_tokens.weight": torch.randn(vocab, h, generator=g) * 0.05})
+    return out
+
+
+def make_published(path, tokenizer, model_type: str, seed: int = 0):
+    """The tiny model saved as its release lays it out: the published config.json (model_type,
+    auto_map, architectures) and the MTP layer after the decoder layers."""
+    m = tiny(model_type, seed, len(tokenizer))
+    m.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    if model_type == "kimi_k2":
+        cfg.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], auto_map=_KIMI_AUTO_MAP)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    if cfg.get("num_nextn_predict_layers"):
+        state = load_file(str(path / "model.safetensors"))
+        state.update(_mtp_tensors(state, cfg["num_hidden_layers"], seed + 1))
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def to_block_fp8(src, dst, block=(16, 24)):
+    """``src`` as a block-FP8 release: every decoder-layer projection (not routers, norms,
+    embeddings, head) stored float8_e4m3fn with a float32 ``weight_scale_inv`` per block,
+    ``scale = blockmax / 448``; returns the exact float values a reader must give back."""
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    exact = {}
+    for k in list(state):
+        v = state[k]
+        if not (k.startswith("model.layers.") and k.endswith("_proj.weight") and v.ndim == 2):
+            continue
+        q, scale = _quantize_block_fp8(v.float(), block)
+        state[k], state[k + "_scale_inv"] = q, scale
+        exact[k] = q.float() * scale.repeat_interleave(block[0], 0)[: v.shape[0]].repeat_interleave(block[1], 1)[:, : v.shape[1]]
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return exact
+
+
+def _quantize_block_fp8(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    bo, bi = block
+    rows, cols = -(-w.shape[0] // bo), -(-w.shape[1] // bi)
+    scale = torch.empty(rows, cols)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    for r in range(rows):
+        for c in range(cols):
+            blk = w[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi]
+            scale[r, c] = blk.abs().max().clamp(min=1e-12) / 448.0
+            q[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi] = (blk / scale[r, c]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def digests(folder):
+    return {n: t.digest for n, t in load_manifest(folder).tensors.items()}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("published")
+    return {mt: make_published(root / mt, tokenizer, mt) for mt in CONFIGS}
+
+
+def _patch_catcher(mp):
+    """GLM-5's decoder layers return ``(hidden, top-k indices)``; the pipeline's capture
+    stand-ins return ``hidden`` alone until pipeline._Catcher honours the row's
+    ``layer_returns_tuple`` (test_glm5_capture_needs_no_patch). This stands in for that line."""
+    import compressor.pipeline as pipeline
+
+    real = pipeline._Catcher.forward
+
+    def forward(self, hidden_states, *args, **kwargs):
+        out = real(self, hidden_states, *args, **kwargs)
+        return (out, None) if "prev_topk_indices" in kwargs and not isinstance(out, tuple) else out
+
+    mp.setattr(pipeline._Catcher, "forward", forward)
+
+
+@pytest.fixture(autouse=True)
+def _glm5_capture(monkeypatch):
+    _patch_catcher(monkeypatch)
+
+
+# ---------------------------------------------------------------------------------------
+# AWQ folds exactly (the indexer absorbs the scales of the groups it reads)
+
+
+@pytest.mark.parametrize("model_type", NEW)
+def test_awq_groups_fold_exactly(model_type):
+    m = tiny(model_type)
+    arch = get_arch(model_type)
+    ref = m(IDS[:2]).logits.double()
+    unfuse_experts(m, arch)
+    g = torch.Generator().manual_seed(0)
+    scaled_indexer = 0
+    for layer in get_module(m, arch.layers):
+        for grp in layer_groups(arch, layer):
+            prev, lins = get_module(layer, grp.prev_op), [get_module(layer, r) for r in grp.linears]
+            if grp.requires_square and lins[0].weight.shape != prev.weight.shape:
+                continue
+            s = torch.rand(lins[0].in_features, generator=g) * 2 + 0.25
+            _fold(prev, s, grp.prev_rows, arch.norm_offset)
+            for lin in lins:
+                lin.weight.data.mul_(s)
+            for a in grp.also_scale:
+                get_module(layer, a).weight.data.mul_(s)
+                scaled_indexer += "indexer" in a
+    assert scaled_indexer == (6 if model_type in ("deepseek_v32", "glm_moe_dsa") else 0)  # wk, weights_proj, wq_b x 2 layers
+    out = m(IDS[:2]).logits.double()
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_indexer_must_absorb_the_scale():
+    """The control: without scaling the indexer's wk/weights_proj, a fold into
+    input_layernorm changes which tokens the sparse attention selects."""
+    m = tiny("deepseek_v32")
+    arch = get_arch("deepseek_v32")
+    ref = m(IDS[:2]).logits
+    layer = m.model.layers[0]
+    (grp,) = [g for g in layer_groups(arch, layer) if g.prev_op == "input_layernorm"]
+    assert grp.also_scale == ("self_attn.indexer.wk", "self_attn.indexer.weights_proj")
+    s = torch.rand(64, generator=torch.Generator().manual_seed(0)) * 4 + 0.1
+    _fold(layer.input_layernorm, s, None, 0.0)
+    for r in grp.linears:
+        get_module(layer, r).weight.data.mul_(s)
+    assert float((m(IDS[:2]).logits - ref).abs().max()) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------
+# quantize -> verify, streamed == whole model
+
+
+ALGORITHM = {"kimi_k2": "gptq", "glm4_moe_lite": "awq", "deepseek_v32": "awq", "glm_moe_dsa": "awq",
+             "deepseek_v3": "rtn", "glm4_moe": "rtn"}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, sources):
+    root = tmp_path_factory.mktemp("frontier-out")
+    out = {}
+    mp = pytest.MonkeyPatch()
+    _patch_catcher(mp)
+    try:
+        for mt, src in sources.items():
+            for stream in (True, False):
+                kw = {"kv_scheme": "fp8"} if mt == "kimi_k2" else {}
+                dst = root / f"{mt}-{'s' if stream else 'w'}"
+                out[(mt, stream)] = (dst, run_quantize(QuantizeOptions(model=str(src), output=dst, algorithm=ALGORITHM[mt],
+                                                                        stream=stream, **FAST, **kw)))
+    finally:
+        mp.undo()
+    return out
+
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_streamed_equals_whole_model(model_type, artifacts):
+    (s_dir, s), (w_dir, w) = artifacts[(model_type, True)], artifacts[(model_type, False)]
+    assert s["source_loading"] == "streamed: one decoder layer at a time", s["source_loading"]
+    assert w["source_loading"].startswith("whole model")
+    assert digests(s_dir) == digests(w_dir)
+    assert s["moe"] == w["moe"]
+
+
+@pytest.mark.parametrize("model_type", NEW)
+def test_quantize_then_verify(model_type, artifacts, sources):
+    art, summary = artifacts[(model_type, True)]
+    arch = get_arch(model_type)
+    hdr = read_header(art / "model.safetensors")
+    packed = {k[: -len(".weight_packed")] for k in hdr if k.endswith(".weight_packed")}
+    # MLA (q_a, q_b, kv_a, kv_b, o) + dense MLP of layer 0, MLA + 4 experts + shared expert of layer 1
+    assert summary["quantization"]["modules"] == len(packed) == 5 + 3 + 5 + 3 * 4 + 3
+    assert not any("indexer" in p for p in packed)
+    qc = json.loads((art / "config.json").read_text())["quantization_config"]
+    if "indexer" in str(arch.awq_groups):  # DSA: the indexer's projections float and listed as ignored
+        assert {"model.layers.0.self_attn.indexer.wk", "model.layers.0.self_attn.indexer.wq_b",
+                "model.layers.0.self_attn.indexer.weights_proj"} <= set(qc["ignore"])
+        assert "model.layers.1.self_attn.indexer.wk.weight" in hdr
+    assert "model.layers.1.mlp.gate" in qc["ignore"] and "model.layers.1.mlp.gate.e_score_correction_bias" in hdr
+    rep = run_verify(VerifyOptions(artifact=art, seqlen=64, max_windows=2, max_new_tokens=4, hidden_batches=1))
+    assert rep["passed"], rep["failed_gates"]
+    assert rep["weights"]["min_sqnr_db"] > 10
+    assert rep["perplexity"]["increase_pct"] < 20 and rep["distribution"]["top1_agreement_pct"] > 50
+
+
+def test_kimi_k2_artifact_keeps_the_published_config(artifacts, sources):
+    """Built with DeepSeek-V3's classes (no repository code), written back as Kimi K2."""
+    art, _ = artifacts[("kimi_k2", True)]
+    cfg = json.loads((art / "config.json").read_text())
+    src = json.loads((sources["kimi_k2"] / "config.json").read_text())
+    assert cfg["model_type"] == "kimi_k2" and cfg["auto_map"] == _KIMI_AUTO_MAP
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert cfg["kv_lora_rank"] == src["kv_lora_rank"] and cfg["routed_scaling_factor"] == 2.827
+    assert cfg["quantization_config"]["kv_cache_scheme"] is not None
+
+
+def test_router_bias_is_read_from_the_checkpoint(sources):
+    """The score-correction bias is a persistent buffer: streamed, it comes from the shards."""
+    src = resolve_source(str(sources["glm4_moe_lite"]))
+    model, _, ckpt = open_lazy(src)
+    from compressor.streaming import layer_names, load_into
+
+    arch = get_arch("glm4_moe_lite")
+    names = layer_names(model, arch, 1)
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    load_into(model, ckpt, arch, names)
+    want = load_file(str(sources["glm4_moe_lite"] / "model.safetensors"))["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(model.model.layers[1].mlp.gate.e_score_correction_bias, want) and want.abs().sum() > 0
+
+
+@pytest.mark.xfail(strict=True, reason="pipeline._Catcher must return (hidden, None) for rows with layer_returns_tuple")
+def test_glm5_capture_needs_no_patch(sources, tmp_path, monkeypatch):
+    monkeypatch.undo()  # the real pipeline
+    assert get_arch("glm_moe_dsa").layer_returns_tuple
+    run_quantize(QuantizeOptions(model=str(sources["glm_moe_dsa"]), output=tmp_path / "o", algorithm="gptq", **FAST))
+
+
+@pytest.mark.xfail(strict=True, reason="quant/kv.py's observer and quantized cache layers need update_indexer (see report)")
+def test_kv_scheme_on_sparse_attention(sources, tmp_path):
+    """The indexer's key cache is not a kvq KV scheme (kept as transformers keeps it); the
+    MLA latent is quantized as on DeepSeek-V3."""
+    out = tmp_path / "o"
+    run_quantize(QuantizeOptions(model=str(sources["deepseek_v32"]), output=out, algorithm="rtn", kv_scheme="fp8", **FAST))
+    rep = run_verify(VerifyOptions(artifact=out, seqlen=64, max_windows=2, max_new_tokens=4, hidden_batches=1))
+    assert rep["passed"]
+
+
+def test_kimi_k25_is_refused_in_one_line(tmp_path, tokenizer, capsys):
+    src = tmp_path / "k25"
+    shutil.copytree(make_published(tmp_path / "k2", tokenizer, "kimi_k2"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": cfg,
+                                                 "vision_config": {"hidden_size": 32}}))
+    code, _, err = run(["quantize", src, "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, "unsupported architecture 'kimi_k25' (Kimi K2.5 is a vision-language wrapper", tmp_path)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_glm5_shared_top_k_layers_are_refused(stream, tmp_path, tokenizer, capsys):
+    src = make_published(tmp_path / "glm5", tokenizer, "glm_moe_dsa")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["indexer_types"] = ["full", "shared"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run(["quantize", src, "-o", tmp_path / "out", "--algorithm", "gptq"] + ([] if stream else ["--no-stream"]), capsys)
+    assert_clean_error(code, err, 2, "decoder layer 1 reuses the previous layer's sparse-attention top-k", tmp_path)
+
+
+# ---------------------------------------------------------------------------------------
+# multi-token-prediction layers
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "glm_moe_dsa"])
+def test_mtp_layer_is_found_and_copied_in_float(model_type, sources):
+    src = sources[model_type]
+    ckpt = LazyCheckpoint(src)
+    arch = get_arch(model_type)
+    names = kept_tensor_names(ckpt, arch, 2)
+    stored = load_file(str(src / "model.safetensors"))
+    assert names == sorted(k for k in stored if k.startswith("model.layers.2."))
+    assert all(mtp_layer(arch, 2, n) == 2 for n in names) and mtp_layer(arch, 2, "model.layers.1.mlp.gate.weight") is None
+    mods = kept_modules(ckpt, names)
+    assert "model.layers.2.eh_proj" in mods and "model.layers.2.mlp.experts.3.down_proj" in mods
+    assert not any(m.endswith(("norm", "embed_tokens", "shared_head.head")) for m in mods)
+    parts = {}
+    n = copy_kept_tensors(ckpt, names, torch.float16, lambda tag, t: parts.__setitem__(tag, dict(t)), part_bytes=20_000)
+    assert n == len(parts) > 1
+    got = {k: v for p in parts.values() for k, v in p.items()}
+    assert set(got) == set(names)
+    for k in names:
+        assert got[k].dtype == torch.float16 and torch.equal(got[k], stored[k].half())
+
+
+@pytest.mark.xfail(strict=True, reason="the lead wires streaming.copy_kept_tensors into run_quantize (see report)")
+def test_mtp_layer_is_kept_in_the_artifact(artifacts):
+    art, summary = artifacts[("deepseek_v3", True)]
+    hdr = read_header(art / "model.safetensors")
+    assert "model.layers.2.eh_proj.weight" in hdr
+    assert any("multi-token-prediction" in w for w in summary["warnings"])
+
+
+# ---------------------------------------------------------------------------------------
+# block-FP8 sources
+
+
+def test_block_fp8_reader_is_exact_with_ragged_blocks(tmp_path):
+    """128 x 128 blocks on a 300 x 200 weight (ragged last block row and column)."""
+    w = torch.randn(300, 200) * torch.logspace(-2, 1, 200)
+    q, scale = _quantize_block_fp8(w, (128, 128))
+    assert scale.shape == (3, 2)
+    save_file({"l.weight": q, "l.weight_scale_inv": scale, "n.weight": torch.ones(3, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))
+    ckpt = LazyCheckpoint(tmp_path, block_fp8=(128, 128))
+    want = q.float() * scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
+    assert torch.equal(ckpt.get("l.weight", torch.float32), want)
+    assert torch.equal(ckpt.get("l.weight", torch.bfloat16), want.bfloat16())  # float32 product, then one cast
+    assert torch.equal(ckpt.get("n.weight", torch.float32), torch.ones(3))
+    assert float((want - w).abs().max() / w.abs().max()) < 0.07  # e4m3: 3 mantissa bits
+    with pytest.raises(InputError, match="no block scale"):
+        LazyCheckpoint(tmp_path, block_fp8=None).get("l.weight", torch.float32)
+    save_file({"l.weight": q, "l.weight_scale_inv": scale[:2]}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(InputError, match=r"needs \[3, 2\]"):
+        LazyCheckpoint(tmp_path, block_fp8=(128, 128)).get("l.weight", torch.float32)
+
+
+@pytest.mark.parametrize("model_type", ["kimi_k2", "glm4_moe_lite"])
+def test_block_fp8_source_equals_its_exact_float_copy(model_type, sources, tmp_path):
+    """Streamed and whole-model runs on the FP8 release, and a run on a float32 folder holding
+    exactly ``weight_fp8.float() * scale_inv``, write the same tensors."""
+    fp8 = tmp_path / "fp8"
+    exact = to_block_fp8(sources[model_type], fp8)
+    assert len(exact) > 10
+    ckpt = LazyCheckpoint(fp8)
+    assert ckpt.block_fp8 == (16, 24)
+    for k, v in exact.items():
+        assert torch.equal(ckpt.get(k, torch.float32), v)
+    flt = tmp_path / "float"
+    shutil.copytree(sources[model_type], flt)
+    state = load_file(str(flt / "model.safetensors"))
+    state.update(exact)
+    save_file({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, str(flt / "model.safetensors"),
+              metadata={"format": "pt"})
+    res = {}
+    for name, src, stream in (("s", fp8, True), ("w", fp8, False), ("f", flt, True)):
+        res[name] = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / name, algorithm="gptq", stream=stream, **FAST))
+    assert res["s"]["source_loading"].startswith("streamed") and res["w"]["source_loading"].startswith("whole")
+    assert digests(tmp_path / "s") == digests(tmp_path / "w") == digests(tmp_path / "f")
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    rep = run_verify(VerifyOptions(artifact=tmp_path / "s", seqlen=64, max_windows=2, max_new_tokens=4, hidden_batches=1))
+    assert rep["passed"] and rep["reference_matches_source"]  # the FP8 release as the reference
+    kept = kept_tensor_names(ckpt, get_arch(model_type), 2)
+    assert not any(k.endswith("_scale_inv") for k in kept)
+    if kept:  # the MTP layer's FP8 projections are copied dequantized
+        parts = {}
+        copy_kept_tensors(ckpt, kept, torch.float32, lambda tag, t: parts.update(t))
+        assert torch.equal(parts["model.layers.2.eh_proj.weight"], exact["model.layers.2.eh_proj.weight"])
+
+
+@pytest.mark.parametrize("qc,msg", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantization_config.quant_method 'bitsandbytes' is not a source kvq reads"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method 'fp8' without weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size must be two positive integers"),
+])
+def test_other_source_quantizations_are_refused(qc, msg, sources, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(sources["glm4_moe_lite"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    code, _, err = run(["quantize", src, "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, msg, tmp_path)
+
+
+def test_config_check_accepts_the_published_layouts(sources, tmp_path):
+    """MLA projections, the MTP layer and block-FP8 ``_scale_inv`` tensors pass the
+    config.json checks; a lying vocab_size is still caught on such a folder."""
+    fp8 = tmp_path / "fp8"
+    to_block_fp8(sources["deepseek_v32"], fp8, (128, 128))
+    assert resolve_source(str(fp8)).kind == "hf"
+    cfg = json.loads((fp8 / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**cfg, "vocab_size": 100}))
+    with pytest.raises(InputError, match="vocab_size = 100"):
+        resolve_source(str(fp8))
+
+
+# ---------------------------------------------------------------------------------------
+# Kimi's tiktoken tokenizer, read without its code
+
+
+def _tiktoken_folder(path, text: str):
+    """A Kimi-style tokenizer folder: tiktoken.model (256 byte ranks + merges learned from
+    ``text``), tokenizer_config.json naming tokenization_kimi.TikTokenTokenizer (auto_map)
+    with added_tokens_decoder for the first reserved ids, a chat template."""
+    ranks = {bytes([b]): b for b in range(256)}
+    data = text.encode()
+    for _ in range(60):  # greedy pair merges: enough multi-byte tokens to exercise merging
+        counts = {}
+        for a, b in zip(data, data[1:]):
+            counts[(a, b)] = counts.get((a, b), 0) + 1
+        pair = max(counts, key=counts.get)
+        tok = bytes(pair)
+        if tok in ranks:
+            break
+        ranks[tok] = len(ranks)
+        data = data.replace(tok, b"\x00")  # crude: only used to pick the next pair
+    for word in ("中文", "模型", " the", "ing", "量化"):
+        ranks.setdefault(word.encode(), len(ranks))
+    path.mkdir()
+    (path / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    n = len(ranks)
+    added = {str(n): {"content": "[BOS]", "special": True}, str(n + 1): {"content": "[EOS]", "special": True},
+             str(n + 2): {"content": "<|im_end|>", "special": True}}
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]",
+        "added_tokens_decoder": added, "chat_template": "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"}))
+    (path / "tokenization_kimi.py").write_text("raise SystemExit('repository code must not run')\n")
+    return ranks
+
+
+def _reference_tiktoken(ranks: dict[bytes, int], text: str) -> list[int]:
+    """tiktoken's algorithm: split with the pattern, then merge the lowest-rank adjacent pair."""
+    import regex
+
+    from compressor.models import KIMI_PATTERN
+
+    ids = []
+    for piece in regex.findall(KIMI_PATTERN, text, flags=regex.V1):
+        parts = [bytes([b]) for b in piece.encode()]
+        while len(parts) > 1:
+            best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], 1 << 60))
+            if parts[best] + parts[best + 1] not in ranks:
+                break
+            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        ids += [ranks[p] for p in parts]
+    return ids
+
+
+def test_kimi_tiktoken_tokenizer_is_read_without_its_code(tmp_path):
+    text = "the quantized model is serving the thing; 中文模型量化 2024 tokens! I'm testing THE Thing\n\n  ok"
+    ranks = _tiktoken_folder(tmp_path / "tok", text * 3)
+    tok = load_tokenizer(tmp_path / "tok")
+    n = len(ranks)
+    assert tok.encode(text, add_special_tokens=False) == _reference_tiktoken(ranks, text)
+    assert tok.convert_tokens_to_ids(["[BOS]", "[EOS]", "<|im_end|>"]) == [n, n + 1, n + 2]
+    assert tok.convert_tokens_to_ids(f"<|reserved_token_{n + 255}|>") == n + 255 and len(tok) == n + 256
+    assert tok.eos_token == "[EOS]" and tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert tok.encode("中文<|im_end|>", add_special_tokens=False)[-1] == n + 2
+    assert "<|im_end|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+
+
+def test_kimi_k2_with_its_tiktoken_tokenizer_quantizes(tmp_path, sources):
+    src = tmp_path / "k2"
+    shutil.copytree(sources["kimi_k2"], src)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (src / f).unlink(missing_ok=True)
+    shutil.rmtree(tmp_path / "tok", ignore_errors=True)
+    _tiktoken_folder(tmp_path / "tok", "the model 中文 " * 20)
+    for f in (tmp_path / "tok").iterdir():
+        shutil.copy(f, src / f.name)
+    s = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "o", algorithm="rtn", recipe="kv-fp8", **FAST))
+    assert s["source_loading"].startswith("streamed")
+    tcfg = json.loads((tmp_path / "o" / "tokenizer_config.json").read_text())
+    assert "auto_map" not in tcfg and (tmp_path / "o" / "tokenizer.json").is_file()
+
+
+def test_other_custom_tokenizers_are_refused_in_one_line(tmp_path, sources, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(sources["glm4_moe_lite"], src)
+    tcfg = json.loads((src / "tokenizer_config.json").read_text())
+    tcfg["auto_map"] = {"AutoTokenizer": ["tokenization_chatglm.ChatGLM4Tokenizer", None]}
+    (src / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    (src / "tokenizer.json").unlink()
+    code, _, err = run(["quantize", src, "-o", tmp_path / "out", "--recipe", "kv-fp8"], capsys)
+    assert_clean_error(code, err, 2, "needs the repository's own code (tokenization_chatglm.ChatGLM4Tokenizer)", tmp_path)
+    assert "--tokenizer DIR" in err
