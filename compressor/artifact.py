@@ -304,6 +304,9 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
             raise InputError(f"{folder}: {e}") from None
     state = state_from_checkpoint(get_arch(cfg.model_type), model, state)  # MoE: per-expert tensors -> fused experts
     missing, unexpected = model.load_state_dict(state, strict=False)
+    from .arch import mtp_layer
+
+    unexpected = [u for u in unexpected if mtp_layer(get_arch(cfg.model_type), cfg.num_hidden_layers, u) is None]
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
         what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"

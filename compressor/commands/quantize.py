@@ -292,6 +292,7 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
     # names as the checkpoint (and vLLM) spells them; MoE routers stay float and are listed as ignored
     ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in schemes)
     ignored += routers(arch, model)
+    ignored += _keep_mtp_layers(plan, src, staging, warnings, console)
     qcfg = format_config(w.format, recipe, {rename(n): v for n, v in schemes.items()},
                          [rename(n) for n in ignored if n != "lm_head"],
                          {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]})
@@ -314,6 +315,31 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
         staging=staging, skip_prefix=arch.layers + ".", shard_bytes=w.shard_bytes,
     )
     return _Written(manifest, quant, quality, timing, float_bytes)
+
+
+def _keep_mtp_layers(plan: _Plan, src: _Source, staging, warnings: list[str], console) -> list[str]:
+    """Multi-token-prediction layers a DeepSeek-V3/GLM checkpoint stores after the decoder
+    layers (``num_nextn_predict_layers``): transformers builds no module for them, so the
+    pipeline never sees them; they are copied into the artifact in float (the storage
+    dtype), never silently dropped, and listed in the format's ignore list.
+
+    Returns:
+        the names of the copied modules (for the ignore list).
+    """
+    from ..streaming import LazyCheckpoint, copy_kept_tensors, kept_modules, kept_tensor_names
+
+    ckpt = src.ckpt if src.ckpt is not None else (LazyCheckpoint(plan.source.path) if plan.source.kind == "hf" else None)
+    n_layers = src.model.config.num_hidden_layers
+    kept = kept_tensor_names(ckpt, get_arch(src.model.config.model_type), n_layers) if ckpt is not None else []
+    if not kept:
+        return []
+    copy_kept_tensors(ckpt, kept, DTYPES[plan.dtype], staging.save_part)
+    layers = sorted({int(k.split(".")[2]) for k in kept})
+    w = (f"{len(kept)} multi-token-prediction tensors (layer(s) {layers}) copied in float ({plan.dtype}), "
+         "not quantized")
+    warnings.append(w)
+    show.warnings(console, [w])
+    return kept_modules(ckpt, kept)
 
 
 def _quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schemes: dict) -> dict:

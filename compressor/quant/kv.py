@@ -203,9 +203,9 @@ def cache_kwarg(module) -> str:
 
 
 def _layer_base():
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicIndexedLayer
 
-    return DynamicLayer
+    return DynamicIndexedLayer
 
 
 def kv_observer(n_layers: int):
@@ -230,6 +230,9 @@ def kv_observer(n_layers: int):
             self.k_absmax = k if self.k_absmax is None else torch.maximum(self.k_absmax, k)
             self.v_absmax = v if self.v_absmax is None else torch.maximum(self.v_absmax, v)
             return key_states, value_states
+
+        def update_indexer(self, indexer_key_states, *args, **kwargs):
+            return indexer_key_states
 
         def get_seq_length(self) -> int:
             return 0
