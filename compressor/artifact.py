@@ -154,7 +154,7 @@ def write_artifact(
             unsigned); an exception from it leaves nothing behind.
         rename: maps the model's tensor names to checkpoint names (``modules`` are already
             named so), see :func:`compressor.arch.checkpoint_name`.
-        staging: a :class:`compressor.streaming.Staging` whose folder becomes the artifact
+        staging: a :class:`compressor.staging.Staging` whose folder becomes the artifact
             and whose part files (decoder layers written as they finished) are assembled
             into the shards; ``skip_prefix`` then names the tensors already in those parts.
         shard_bytes: maximum data bytes per shard; one shard is ``model.safetensors``,

@@ -408,7 +408,7 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
             hidden, fig = _quantize_and_recompute(i, layer, hidden, layer_kwargs[i], ctx, algorithm, result)
             layer.to("cpu")
             if hooks is not None and hooks.activation_budget is not None:
-                from .streaming import spill
+                from .staging import spill
 
                 hidden = spill(hidden, hooks.spill_dir, f"{i % 2}", hooks.activation_budget)
         fig["seconds"] = round(time.perf_counter() - t1, 3)

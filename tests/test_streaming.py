@@ -50,7 +50,7 @@ def test_streamed_equals_whole_model(alg, tmp_path, deep_dir, whole):
 
 def test_at_most_one_decoder_layer_is_materialized(tmp_path, deep_dir, monkeypatch):
     """Whenever a layer is loaded, every other decoder layer holds no weights (meta)."""
-    import compressor.streaming as st
+    import compressor.staging as st  # the LayerWriter's loads
 
     seen = []
     real = st.load_into
@@ -123,7 +123,7 @@ def crash_gptq_at(monkeypatch, layer: int):
 
 def test_resume_after_a_simulated_crash(tmp_path, deep_dir, whole, monkeypatch, capsys):
     import compressor.quant.gptq_layer as pl
-    import compressor.streaming as st
+    import compressor.staging as st  # the LayerWriter's loads
 
     out = tmp_path / "r"
     real = crash_gptq_at(monkeypatch, 2)
@@ -328,7 +328,7 @@ def test_interrupted_final_write_keeps_the_checkpoint(tmp_path, deep_dir, whole,
 def test_checkpoint_is_crash_consistent(tmp_path, deep_dir, whole, monkeypatch):
     """A crash after layer 2's activations are saved but before resume.json names them: the
     checkpoint of layer 1 is still whole, and --resume continues from it."""
-    import compressor.streaming as st
+    import compressor.staging as st
 
     real = st._atomic_write
     calls = []

@@ -8,7 +8,7 @@
 2. :func:`_load` -- the model (streamed one decoder layer at a time where it can be, see
    :mod:`compressor.streaming`) and the calibration windows;
 3. :func:`_quantize` -- the staging folder (resumable) and the sequential pipeline
-   (:func:`compressor.pipeline.quantize_model`) with a :class:`~compressor.streaming.LayerWriter`
+   (:func:`compressor.pipeline.quantize_model`) with a :class:`~compressor.staging.LayerWriter`
    writing each finished layer;
 4. :func:`_write` -- the format's config, the remaining tensors, the manifest, the
    signature, and the atomic rename into place; then the summary dict.
@@ -42,7 +42,8 @@ from ..quant.algorithms import get_algorithm
 from ..quant.kv import layout_bytes_per_token
 from ..recipe import KVCacheOptions, Recipe, load_recipes, with_overrides
 from ..signing import check_sign_options, sign_folder
-from ..streaming import LayerWriter, keep_checkpoint, open_lazy, open_staging, resume_key
+from ..staging import LayerWriter, keep_checkpoint, open_staging, resume_key
+from ..streaming import open_lazy
 from .common import peak_rss_mib
 from .options import QuantizeOptions
 

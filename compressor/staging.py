@@ -1,0 +1,281 @@
+"""The staging folder of ``kvq quantize``: per-layer part files, resume checkpoints, spilled
+activations, and the :class:`LayerWriter` the pipeline hands each finished layer to.
+
+Resume: the staging folder ``.<OUT>.kvq-partial`` beside the output holds the finished
+layers' part files and ``resume.json`` (what was done, the SHA-256 of every part and of
+the saved activations, and a key over the source files, recipe, calibration and output
+options); after each layer the next layer's input activations are saved too. A resumed
+run rehashes the parts and refuses any that changed, so a damaged checkpoint never
+reaches the manifest. ``kvq quantize ... --resume`` continues after the last
+finished layer when the key matches; without ``--resume`` a stale staging folder is
+replaced. Activations above the budget move to memory-mapped files here (:func:`spill`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import InputError, KvqError
+from .safetensors_io import file_digest
+from .streaming import ARTIFACT_DIR, HIDDEN_PREFIX, RESUME_NAME, LazyCheckpoint, layer_names, load_into, to_meta
+
+
+@contextmanager
+def _atomic_write(path: Path):
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class Staging:
+    """The staging folder of one quantize run: part files, resume state, spilled activations."""
+
+    path: Path
+    key: str
+    parts: list[Path] = field(default_factory=list)
+    state: dict = field(default_factory=dict)
+
+    def part(self, name: str) -> Path:
+        return self.path / f"part-{name}.safetensors"
+
+    def save_part(self, name: str, tensors: dict[str, torch.Tensor]) -> Path:
+        """Write one part (atomically) and remember it."""
+        from safetensors.torch import save_file
+
+        p = self.part(name)
+        tmp = p.with_name(p.name + ".tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, p)
+        if p not in self.parts:
+            self.parts.append(p)
+        return p
+
+    def checkpoint(self, layers_done: int, state: dict, hidden: list[torch.Tensor] | None) -> None:
+        """Record that layers ``< layers_done`` are written; ``hidden`` are the next layer's inputs."""
+        from safetensors.torch import save_file
+
+        # Crash-consistent: the previous checkpoint's files stay valid until resume.json is
+        # replaced (atomically) by one naming the new files; only then is the old hidden file removed.
+        old_hidden = self.state.get("hidden")
+        digests = {k: v for k, v in self.state.get("digests", {}).items() if k != old_hidden}
+        for p in self.parts:  # each part is hashed once, when it is new
+            if p.name not in digests:
+                digests[p.name] = file_digest(p)
+        hidden_name = None
+        if hidden is not None:
+            hidden_name = f"{HIDDEN_PREFIX}{layers_done:05d}.safetensors"
+            tmp = self.path / (hidden_name + ".tmp")
+            save_file({f"b{j}": h.contiguous() for j, h in enumerate(hidden)}, str(tmp))
+            digests[hidden_name] = file_digest(tmp)
+            os.replace(tmp, self.path / hidden_name)
+        self.state = {"key": self.key, "layers_done": layers_done, "parts": [p.name for p in self.parts],
+                      "hidden": hidden_name, "digests": digests, **state}
+        with _atomic_write(self.path / RESUME_NAME) as f:
+            json.dump(self.state, f)
+        if old_hidden and old_hidden != hidden_name:
+            (self.path / old_hidden).unlink(missing_ok=True)
+
+    def load_hidden(self, device: str) -> list[torch.Tensor] | None:
+        from safetensors.torch import load_file
+
+        name = self.state.get("hidden")
+        if not name:
+            return None
+        p = self.path / name
+        try:
+            d = load_file(str(p))
+        except Exception as e:  # safetensors raises its own error types for damaged files
+            raise InputError(f"--resume: {p} is damaged ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                             "rerun without --resume to start over") from None
+        return [d[f"b{j}"].to(device) for j in range(len(d))]
+
+    @property
+    def artifact_dir(self) -> Path:
+        """Where the artifact is assembled; the staging folder's parts and checkpoint stay
+        beside it until the artifact is renamed into place, so an interruption while it is
+        being written (joining parts, hashing, signing) can still be resumed."""
+        return self.path / ARTIFACT_DIR
+
+
+def staging_path(out: Path) -> Path:
+    return out.resolve().parent / f".{out.name}.kvq-partial"
+
+
+def resume_key(parts: dict) -> str:
+    """SHA-256 over the canonical JSON of what determines the output (source digests,
+    recipe, calibration provenance, format and dtype)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def open_staging(out: Path, key: str, resume: bool, console=None) -> Staging:
+    """The staging folder for ``out``: resumed when ``resume`` and its key matches, else new.
+
+    Raises:
+        InputError: ``resume`` asked but no resumable run exists, or it was made from other
+            inputs (its key differs); the staging path exists and is not kvq's.
+    """
+    path = staging_path(out)
+    state_file = path / RESUME_NAME
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{path} exists and is not a folder; remove it")
+    if resume:
+        if not state_file.is_file():
+            raise InputError(f"--resume: no interrupted run to resume for {out} (no {path}/{RESUME_NAME})")
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, ValueError) as e:
+            raise InputError(f"--resume: cannot read {state_file}: {e}") from None
+        if state.get("key") != key:
+            raise InputError(f"--resume: the interrupted run in {path} was made from other inputs (source, recipe, "
+                             "calibration or output options differ); rerun without --resume to start over")
+        parts = [path / n for n in state.get("parts", [])]
+        lost = [p.name for p in parts if not p.is_file()]
+        if lost:
+            raise InputError(f"--resume: {path} lacks {lost[0]}; rerun without --resume to start over")
+        recorded = state.get("digests") or {}
+        for name in [p.name for p in parts] + ([state["hidden"]] if state.get("hidden") else []):
+            f = path / name
+            if name not in recorded or not f.is_file() or file_digest(f) != recorded[name]:
+                raise InputError(f"--resume: {f} changed since it was checkpointed (its SHA-256 differs from "
+                                 f"{RESUME_NAME}); rerun without --resume to start over")
+        shutil.rmtree(path / ARTIFACT_DIR, ignore_errors=True)  # an interrupted final write
+        if console:
+            console.print(f"resuming: {state['layers_done']} layer(s) already done in {path}", highlight=False)
+        return Staging(path, key, parts, state)
+    if path.exists():
+        if not state_file.is_file() and any(path.iterdir()):
+            raise InputError(f"{path} exists and was not written by an interrupted kvq quantize; remove it")
+        if console and state_file.is_file():
+            console.print(f"[yellow]note:[/] replacing the interrupted run in {path} (pass --resume to continue it)",
+                          highlight=False)
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return Staging(path, key)
+
+
+def spill(hidden: list[torch.Tensor], folder: Path, tag: str, budget_bytes: int) -> list[torch.Tensor]:
+    """Move ``hidden`` to memory-mapped files in ``folder`` when their total size exceeds
+    ``budget_bytes``; returns tensors backed by those files (or ``hidden`` unchanged)."""
+    total = sum(h.numel() * h.element_size() for h in hidden)
+    if total <= budget_bytes or not hidden or hidden[0].device.type != "cpu":
+        return hidden
+    out = []
+    for j, h in enumerate(hidden):
+        path = folder / f"act-{os.getpid()}-{tag}-{j}.bin"
+        with open(path, "wb") as f:
+            f.truncate(h.numel() * h.element_size())
+        m = torch.from_file(str(path), shared=True, size=h.numel(), dtype=h.dtype).view(h.shape)
+        m.copy_(h)
+        out.append(m)
+        path.unlink()  # the mapping keeps the pages; the name is not needed (nothing left behind on a crash)
+    return out
+
+
+@contextmanager
+def keep_checkpoint(staging: Staging | None, n_layers: int, drop_on_error: bool):
+    """On the way out of a failed or interrupted block: keep the staging folder (and say so
+    on stderr) when at least one layer is checkpointed, else remove it; with
+    ``drop_on_error`` a kvq error (bad input, numerical fault) removes it anyway."""
+    try:
+        yield
+    except BaseException as e:
+        if staging is None or not staging.path.exists():
+            raise
+        done = staging.state.get("layers_done") or 0
+        if (drop_on_error and isinstance(e, KvqError)) or not done:
+            shutil.rmtree(staging.path, ignore_errors=True)
+        else:
+            print(f"kvq: stopped after {done} of {n_layers} layers; the finished layers are kept in {staging.path}: "
+                  "rerun the same command with --resume to continue", file=sys.stderr)
+        raise
+
+
+class LayerWriter:
+    """The per-layer hooks of :func:`compressor.pipeline.quantize_model` (the protocol of
+    :class:`compressor.pipeline.LayerHooks`): load, write, checkpoint and release one
+    decoder layer at a time.
+
+    :meth:`load` reads decoder layer ``i``'s tensors from a streamed source (``ckpt``;
+    ``None``: the model is already whole). :meth:`done` pops the layer's packed modules
+    from the result (their schemes kept in :attr:`schemes`), writes them with the layer's
+    float tensors to the part ``layer-<i>`` of ``staging`` (``None`` on torchrun ranks other
+    than 0: nothing is written), returns the layer's weights to ``meta`` and records the
+    resume state (figures, MoE records, KV statistics, the next layer's inputs).
+    :meth:`restore` takes up an interrupted run from ``staging``.
+
+    Attributes the pipeline reads: ``start`` (first layer to process), ``hidden`` (its
+    inputs on resume), ``kv_absmax``, ``activation_budget`` (bytes; larger activations are
+    spilled to ``spill_dir``), ``layers``, ``moe``, ``moe_fallback`` (results of the layers
+    done before an interruption).
+    """
+
+    def __init__(self, model, arch, ckpt: LazyCheckpoint | None, staging: Staging | None, fmt: str,
+                 dtype: torch.dtype, rename, activation_budget_gib: float):
+        self.model, self.arch, self.ckpt, self.staging = model, arch, ckpt, staging
+        self.fmt, self.dtype, self.rename = fmt, dtype, rename
+        self.schemes: dict[str, tuple] = {}  # module name -> (bits, group size, symmetric), layers written
+        self.start = 0
+        self.hidden: list[torch.Tensor] | None = None
+        self.kv_absmax: dict = {}
+        self.activation_budget = int(activation_budget_gib * 2**30)
+        self.spill_dir = staging.path if staging is not None else Path(tempfile.gettempdir())
+        self.layers: list = []
+        self.moe: list = []
+        self.moe_fallback: list = []
+
+    def restore(self, device: str) -> None:
+        """Take up the interrupted run recorded in the staging folder, if any: layers before
+        ``start`` are done (their weights go to ``meta`` and are never loaded again)."""
+        from .arch import get_module
+
+        st = self.staging.state if self.staging is not None else {}
+        if not st.get("layers_done"):
+            return
+        self.start = int(st["layers_done"])
+        self.layers, self.moe, self.moe_fallback = st["layers"], st["moe"], st["moe_fallback"]
+        self.schemes.update({n: tuple(v) for n, v in st["schemes"].items()})
+        self.kv_absmax = {int(j): (torch.tensor(k), torch.tensor(v)) for j, (k, v) in st["kv_absmax"].items()}
+        self.hidden = self.staging.load_hidden(device)
+        for i in range(self.start):
+            to_meta(get_module(self.model, self.arch.layers)[i])
+
+    def load(self, i: int, layer: torch.nn.Module) -> None:
+        """Materialize decoder layer ``i`` (streamed sources only)."""
+        if self.ckpt is not None:
+            load_into(self.model, self.ckpt, self.arch, layer_names(self.model, self.arch, i))
+
+    def done(self, i: int, layer: torch.nn.Module, result, hidden: list[torch.Tensor] | None) -> None:
+        """Write decoder layer ``i`` (``result``: the pipeline's ``QuantizeResult`` so far;
+        ``hidden``: the next layer's inputs, ``None`` without a calibration pass)."""
+        from .artifact import state_tensors
+        from .formats import pack_modules
+
+        prefix = f"{self.arch.layers}.{i}."
+        recs = {n: result.modules.pop(n) for n in [n for n in result.modules if n.startswith(prefix)]}
+        self.schemes.update({n: r.scheme for n, r in recs.items()})
+        if self.staging is None:  # not rank 0: nothing to write
+            to_meta(layer)
+            return
+        packed = {self.rename(n): t for n, t in pack_modules(recs, self.fmt, self.dtype).items()}
+        self.staging.save_part(f"layer-{i:05d}", state_tensors(self.model, packed, self.dtype, rename=self.rename,
+                                                               prefix=prefix))
+        to_meta(layer)
+        self.staging.checkpoint(i + 1, {
+            "layers": result.layers, "moe": result.moe, "moe_fallback": result.moe_fallback,
+            "schemes": {n: list(v) for n, v in self.schemes.items()},
+            "kv_absmax": {str(j): [k.tolist(), v.tolist()] for j, (k, v) in result.kv_absmax.items()},
+        }, hidden)
