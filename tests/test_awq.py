@@ -105,3 +105,17 @@ def test_awq_bf16_artifact_keeps_its_quality_with_a_zero_gemma_norm_channel(tmp_
             lp = load_artifact(out)[0](ids).logits.float().log_softmax(-1)
         kl[dt] = float((ref.exp() * (ref - lp)).sum(-1).mean())
     assert kl["bfloat16"] <= 1.25 * kl["float32"], kl
+
+
+def test_folded_norm_is_rounded_to_the_storage_dtype():
+    """The live model holds the folded norm as the artifact stores it, so the recomputed
+    outputs and the reported output error are those of the stored model (issue #22)."""
+    from compressor.quant.awq_layer import fold_scales
+
+    norm = torch.nn.LayerNorm(8, elementwise_affine=True, bias=False)
+    torch.nn.init.uniform_(norm.weight, -0.9, 0.5)
+    s = torch.linspace(0.5, 40.0, 8)
+    exact = (norm.weight.detach().float() + 1) / s - 1
+    fold_scales(norm, s, None, 1.0, torch.bfloat16)
+    assert torch.equal(norm.weight.detach(), exact.to(torch.bfloat16).float())
+    assert not torch.equal(norm.weight.detach(), exact)  # bf16 rounding did change it

@@ -28,13 +28,17 @@ from .awq import search_clip, search_scales
 from .layer import LayerContext, LayerOutcome, inspect_forward, layer_forward
 
 
-def fold_scales(prev, s: torch.Tensor, prev_rows, norm_offset: float) -> torch.Tensor | None:
+def fold_scales(prev, s: torch.Tensor, prev_rows, norm_offset: float,
+                storage: torch.dtype | None = None) -> torch.Tensor | None:
     """Divide ``prev``'s output by ``s [C]`` in its weights (exactly); returns the per-row
     scale ``[out]`` of a linear ``prev`` (``None`` for a norm).
 
     ``prev_rows``: ``(k, n)`` when only chunk ``k`` of ``n`` of a linear's output rows
     feeds the group (GLM-4's fused ``gate_up_proj``), else ``None``; ``norm_offset``: 1 for
-    ``(1 + weight)`` norms (Gemma), else 0.
+    ``(1 + weight)`` norms (Gemma), else 0; ``storage``: the artifact's dtype: a folded
+    norm weight is rounded to it in place, so the recomputed layer outputs (and the
+    output error quantize reports) are those of the stored model (a ``(1 + w)`` norm
+    folded next to ``w = -1`` keeps few bits in bfloat16).
     """
     if isinstance(prev, torch.nn.Linear):
         rows = torch.ones(prev.weight.shape[0], dtype=s.dtype, device=s.device)
@@ -50,7 +54,8 @@ def fold_scales(prev, s: torch.Tensor, prev_rows, norm_offset: float) -> torch.T
         return rows
     # a norm: y = x_hat * (norm_offset + w) [+ b] -> (norm_offset + w) / s
     w = prev.weight.data
-    w.copy_(((w.float() + norm_offset) / s.to(w.device) - norm_offset).to(w.dtype))
+    folded = (w.float() + norm_offset) / s.to(w.device) - norm_offset
+    w.copy_((folded if storage is None else folded.to(storage)).to(w.dtype))
     if getattr(prev, "bias", None) is not None:
         prev.bias.data.div_(s.to(prev.bias))
     return None
@@ -152,10 +157,11 @@ def search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw,
     return s, ratio, key
 
 
-def fold_group(layer, group, s, key, linears, x_loss, col_scale, row_scale, norm_offset: float) -> None:
+def fold_group(layer, group, s, key, linears, x_loss, col_scale, row_scale, norm_offset: float,
+               storage: torch.dtype | None = None) -> None:
     """Fold ``s``: the group's preceding op output ``/= s``, its linears' (and routers')
     input channels ``*= s`` (float function unchanged); the loss inputs follow."""
-    rows = fold_scales(get_module(layer, group.prev_op), s, group.prev_rows, norm_offset)
+    rows = fold_scales(get_module(layer, group.prev_op), s, group.prev_rows, norm_offset, storage)
     if group.prev_op in linears:
         row_scale[group.prev_op] = rows
     for r in group.linears:
@@ -223,7 +229,7 @@ def awq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> Layer
         if found is None:
             continue
         s, ratios[group.prev_op], key = found
-        fold_group(layer, group, s, key, linears, x_loss, col_scale, row_scale, arch.norm_offset)
+        fold_group(layer, group, s, key, linears, x_loss, col_scale, row_scale, arch.norm_offset, ctx.quantizer.dtype)
 
     phases["scale_search"], tp = time.perf_counter() - tp, time.perf_counter()
     errs = clip_and_quantize(i, linears, x_loss, cold, col_scale, row_scale, originals, ctx)
