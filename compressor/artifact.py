@@ -117,11 +117,6 @@ def _config_dict(model, quant_config: dict, dtype_name: str) -> dict:
     return data
 
 
-def _record_committed(out: Path) -> None:
-    """The default ``on_committed``: what the CLI's interruption handling reads."""
-    interrupts.committed.append(str(out))
-
-
 def write_artifact(
     out: Path,
     model,
@@ -161,8 +156,7 @@ def write_artifact(
             several are ``model-0000k-of-0000N.safetensors`` plus the index.
         on_committed: called with ``out`` right after the rename that places the
             artifact (while signals are deferred), e.g. to record that ``out`` now holds a
-            complete artifact; default: append ``str(out)`` to
-            :data:`compressor.interrupts.committed` (the CLI's interruption message reads it).
+            complete artifact (the CLI passes one that its interruption message reads).
     """
     from safetensors.torch import save_file
 
@@ -208,7 +202,8 @@ def write_artifact(
                 os.replace(out, old / "artifact")
             os.replace(tmp, out)
             placed = True
-            (on_committed or _record_committed)(out)
+            if on_committed is not None:
+                on_committed(out)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
             if staging is not None:

@@ -203,7 +203,8 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
         digest_algorithm=digest_algorithm, sign=sign, stream=stream, shard_bytes=shard_size, resume=resume,
         activation_budget_gib=activation_budget_gib,
     )
-    summary = api.run_quantize(opts, console=None if as_json else _console())
+    summary = api.run_quantize(opts, console=None if as_json else _console(),
+                               on_committed=_record_committed)
     if summary.get("rank", 0) != 0:  # torchrun: rank 0 reports for the group
         return
     if as_json:
@@ -464,6 +465,13 @@ def recipes():
         r = load_recipes([name])
         kind = "kv" if r.algorithm == "none" else r.algorithm
         click.echo(f"{name:18s} {kind:4s}  {r.description}")
+
+
+def _record_committed(out) -> None:
+    """``kvq quantize`` placed a complete artifact at ``out``: the interruption message says so."""
+    from . import interrupts
+
+    interrupts.committed.append(str(out))
 
 
 def _from_command_line(param: str) -> bool:

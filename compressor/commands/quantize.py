@@ -79,11 +79,14 @@ class _Source:
     calibration: Optional[dict]  # provenance record for the manifest
 
 
-def run_quantize(opts: QuantizeOptions, console=None) -> dict:
+def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict:
     """Quantize ``opts.model`` and write the artifact; returns the JSON summary.
 
     All input checks (output folder, recipe, model source, calibration text, group size)
     run before the expensive work; nothing is written on error.
+
+    ``on_committed(out)`` is called right after the artifact is renamed into place (the
+    CLI records it for its interruption message).
 
     Raises:
         InputError: bad usage or input; QuantizationError: non-finite values produced.
@@ -111,7 +114,7 @@ def run_quantize(opts: QuantizeOptions, console=None) -> dict:
         gc.collect()
         if rank != 0:
             return {"rank": rank, "world_size": world_size, "output": None, "quantize_seconds": round(result.seconds, 2)}
-        written = _write(plan, src, result, writer, staging, source_fp, opts, console)
+        written = _write(plan, src, result, writer, staging, source_fp, opts, console, on_committed)
     summary = _summary(plan, src, written, writer, world_size, opts, t0)
     show.quantize_done(console, summary, result.layers, result.moe)
     return summary
@@ -274,7 +277,7 @@ class _Written:
 
 
 def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, source_fp: dict,
-           opts: QuantizeOptions, console) -> _Written:
+           opts: QuantizeOptions, console, on_committed=None) -> _Written:
     """The remaining tensors, the format's config, the manifest and signature; the artifact
     is renamed into place at the end (:func:`compressor.artifact.write_artifact`)."""
     import compressed_tensors
@@ -313,7 +316,7 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
         provenance={"timing": timing, "device": opts.execution.device},
         dtype_name=plan.dtype, overwrite=w.overwrite, digest_algorithm=w.digest_algorithm, rename=rename,
         finalize=(lambda tmp: sign_folder(tmp, w.sign)) if w.sign is not None else None,
-        staging=staging, skip_prefix=arch.layers + ".", shard_bytes=w.shard_bytes,
+        staging=staging, skip_prefix=arch.layers + ".", shard_bytes=w.shard_bytes, on_committed=on_committed,
     )
     return _Written(manifest, quant, quality, timing, float_bytes)
 
