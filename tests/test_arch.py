@@ -307,7 +307,7 @@ def test_kv_only_moe_artifact_equals_transformers_save(tmp_path, model_dirs):
     """With float weights the artifact's tensor names are exactly what transformers'
     save_pretrained writes (its reverse conversion of fused experts), and it loads back."""
     out = tmp_path / "kv"
-    run_quantize(QuantizeOptions(model=str(model_dirs["mixtral"]), output=out, recipe="kv-int8"))
+    run_quantize(QuantizeOptions(model=str(model_dirs["mixtral"]), output=out, recipe="kv-int8", dtype="float16"))
     hdr = read_header(out / "model.safetensors")
     assert set(hdr) == set(read_header(model_dirs["mixtral"] / "model.safetensors"))
     a, b = load_model_float(out), load_model_float(model_dirs["mixtral"])
@@ -322,7 +322,7 @@ def test_moe_formats_round_trip(fmt, tmp_path, model_dirs):
 
     out = tmp_path / fmt
     run_quantize(QuantizeOptions(model=str(model_dirs["mixtral"]), output=out, algorithm="rtn", group_size=32,
-                                 symmetric=fmt != "awq", format=fmt))
+                                 symmetric=fmt != "awq", format=fmt, dtype="float16"))
     model, _ = load_artifact(out)
     src = load_model_float(model_dirs["mixtral"])
     for i in range(2):

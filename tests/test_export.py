@@ -22,7 +22,7 @@ def _logits(folder, ids):
 
 @pytest.fixture(scope="module")
 def gptq_artifacts(tmp_path_factory, tiny_model_dir):
-    """The same symmetric GPTQ quantization (dynamic act-order where the format can store it) in 3 formats."""
+    """The same symmetric GPTQ quantization (dynamic act-order where the format can store it) in 3 formats, all stored in float16 (what the AWQ/GPTQ formats hold)."""
     root = tmp_path_factory.mktemp("export")
     out = {}
     for fmt, settings in (
@@ -32,7 +32,7 @@ def gptq_artifacts(tmp_path_factory, tiny_model_dir):
     ):
         out[fmt] = root / fmt
         run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out[fmt], recipe="w4a16-gptq", symmetric=True,
-                                     format=fmt, settings=settings, **QUICK))
+                                     format=fmt, settings=settings, dtype="float16", **QUICK))
     return out
 
 

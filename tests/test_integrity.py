@@ -490,7 +490,8 @@ def test_overflow_produced_by_quantization_is_refused(tmp_path, tokenizer, capsy
     t = load_file(str(f))
     t["model.layers.0.self_attn.o_proj.weight"][0, 0] = 1e30
     save_file(t, str(f), metadata={"format": "pt"})
-    code, _, err = run(["quantize", src, "-o", tmp_path / "o", "--algorithm", "rtn", "--group-size", "32"], capsys)
+    code, _, err = run(["quantize", src, "-o", tmp_path / "o", "--algorithm", "rtn", "--group-size", "32",
+                        "--dtype", "float16"], capsys)
     one_line_error(code, err, 1, "model.layers.0.self_attn.o_proj")
     assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if "kvq-tmp" in p.name]
 
@@ -785,11 +786,11 @@ def _two_dim_tensor(header: dict, dtype: str) -> str:
 def test_header_dtype_or_shape_edit_names_the_tensor(signed, tmp_path, capsys, what):
     art = _copy(signed, tmp_path / "a")
     f = art / "model.safetensors"
-    name = _two_dim_tensor(json.loads(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")]), "F16")
+    name = _two_dim_tensor(json.loads(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")]), "BF16")
 
     def edit(h):
         if what == "dtype":
-            h[name]["dtype"] = "BF16"  # same size: the data offsets still fit
+            h[name]["dtype"] = "F16"  # same size: the data offsets still fit
         else:
             h[name]["shape"] = h[name]["shape"][::-1]
     _edit_header(f, edit)

@@ -218,7 +218,7 @@ def test_scale_storage_round_trip(kv_artifacts):
     assert qc["kv_cache_scheme"]["type"] == "float" and qc["kv_cache_scheme"]["strategy"] == "attn_head"
     h = read_header(a / "model.safetensors")
     assert h["model.layers.1.self_attn.k_scale"].shape == (2, 1, 1)  # [num_kv_heads, 1, 1]
-    assert h["model.layers.1.self_attn.v_scale"].dtype == "F16"
+    assert h["model.layers.1.self_attn.v_scale"].dtype == "BF16"  # the storage dtype (bf16 for a float32 source)
     man = load_manifest(a)
     assert man.kv_cache["scheme"] == "fp8" and man.kv_cache["strategy"] == "head" and man.kv_cache["static_scales"]
     spec, scales = read_kv_cache(a)

@@ -11,7 +11,7 @@ def peak_rss_mib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
-def load_reference(spec: str, source):
+def load_reference(spec: str, source, artifact_dtype=None):
     """The reference model of ``verify`` / ``serve-smoke``, as a float model on the CPU.
 
     Args:
@@ -20,7 +20,8 @@ def load_reference(spec: str, source):
 
     Returns:
         A ``PreTrainedModel``: a kvq artifact (a folder with a manifest) dequantized to
-        float32 (to verify one artifact against another, or against itself);
+        ``artifact_dtype`` (default float32; verify passes the dtype it evaluates the
+        artifact in, so an artifact compared with itself shows no difference);
         anything else loaded as the original, in float32.
 
     Raises:
@@ -31,5 +32,5 @@ def load_reference(spec: str, source):
     from ..models import load_model
 
     if Path(spec).is_dir() and (Path(spec) / MANIFEST_NAME).is_file():
-        return load_artifact(spec)[0]
+        return load_artifact(spec, **({} if artifact_dtype is None else {"dtype": artifact_dtype}))[0]
     return load_model(source)[0]

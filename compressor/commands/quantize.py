@@ -137,9 +137,12 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     flags = {"bits": opts.scheme.bits, "group_size": opts.scheme.group_size, "symmetric": opts.scheme.symmetric,
              "act_order": opts.scheme.act_order}
     warnings = algorithm.flag_warnings(flags, recipe, opts.write.format)
+    fmt = opts.write.format
+    # before the source is read: --format awq/gptq with auto is float16 whatever the source
+    check_format(fmt, recipe, opts.write.dtype if opts.write.dtype != "auto" else
+                 ("float16" if fmt in ("awq", "gptq") else "bfloat16"))
     source = resolve_source(opts.model)
-    dtype, dtype_reason = storage_dtype(source, opts.write.dtype, opts.write.format)
-    check_format(opts.write.format, recipe, dtype)
+    dtype, dtype_reason = storage_dtype(source, opts.write.dtype, fmt)
     if peek_model_type(source) is not None:  # an unsupported architecture fails before the model is loaded
         get_arch(peek_model_type(source))
     _refuse_output_in_source(source.path, out, opts.model)

@@ -220,7 +220,7 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
 
     dtype, report["evaluated_in"] = _eval_dtype(plan.folder, opts.evaluation.dtype)
     model, tokenizer = load_artifact(plan.folder, dtype=dtype)
-    ref_model = load_reference(plan.ref_spec, plan.ref_source)
+    ref_model = load_reference(plan.ref_spec, plan.ref_source, dtype)
     _check_same_architecture(model, ref_model, plan.ref_spec)
     bad_ref = _nonfinite_parameters(ref_model)
     if bad_ref:
