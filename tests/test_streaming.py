@@ -291,7 +291,7 @@ def test_resume_refuses_a_damaged_checkpoint(tmp_path, deep_dir, monkeypatch, ca
 def test_json_only_from_rank_0(tmp_path, deep_dir, monkeypatch, capsys):
     import compressor.api as api
 
-    monkeypatch.setattr(api, "run_quantize", lambda opts, console=None: {"rank": 1, "world_size": 2, "output": None})
+    monkeypatch.setattr(api, "run_quantize", lambda opts, console=None, **kw: {"rank": 1, "world_size": 2, "output": None})
     code, out, _ = run(["quantize", deep_dir, "-o", tmp_path / "o", "--json"], capsys)
     assert code == 0 and out == ""
 
