@@ -62,6 +62,13 @@ SIZES = {
     "kimi-fp8": ("deepseek_v3", dict(KIMI, n_routed_experts=150)),
     # the same widths with 16 routed experts, for a calibrated (GPTQ/AWQ) run that holds one layer whole
     "kimi-fp8-16e": ("deepseek_v3", dict(KIMI, n_routed_experts=16)),
+    # a tiny MoE + MLA model (DeepSeek-V3 layout) for the runtime's decode benchmark (bench/serve_bench.py)
+    "tiny-mla": ("deepseek_v3", dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
+                                     first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,
+                                     kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+                                     n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1,
+                                     norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+                                     vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=4096)),
 }
 #: the block shape of the FP8 sizes (``weight_block_size``), DeepSeek-V3's and Kimi K2's
 FP8_BLOCK = (128, 128)
