@@ -8,9 +8,17 @@ SmolLM2 tokenizer's 49,152-token vocabulary, tied embeddings) and differ only in
 are N(0, 0.02) (norms 1), generated tensor by tensor and written shard by shard, so the
 generator itself never holds a model.
 
+Kimi K2 sizes (issue #15): ``kimi-fp8`` has Kimi K2's widths (DeepSeek-V3 layout, MLA,
+hidden 7168, routed experts 2048 wide, a dense first layer 18432 wide) stored as a
+block-FP8 release (``float8_e4m3fn`` projections with a float32 ``weight_scale_inv`` per
+128 x 128 block, ``quantization_config.quant_method: fp8``) with 150 routed experts, so
+its MoE layer is 25.2 GiB in float32: more than a 24 GiB machine holds. ``kimi-fp8-16e``
+is the same with 16 routed experts (3.2 GiB a layer) for a calibrated run, which holds
+one whole layer.
+
 Usage: python bench/scale_bench.py [--sizes 0.5b,1b,3b,moe] [--recipe w4a16-rtn-g64]
           [--calib-samples 8] [--calib-seqlen 256] [--work DIR]
-Writes bench/results/scale_bench.json and prints a Markdown table.
+Writes bench/results/scale_bench-<recipe>[-<tag>].json and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -34,6 +42,12 @@ TOKENIZER = ROOT / "bench" / "work" / "peer" / "smollm2-135m-f32"  # written by 
 VOCAB = 49152
 DENSE = dict(hidden_size=1536, intermediate_size=4096, num_attention_heads=12, num_key_value_heads=4,
              vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-5)
+KIMI = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=2,
+            first_k_dense_replace=1, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_shared_experts=1, num_experts_per_tok=8,
+            n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827, scoring_func="sigmoid",
+            topk_method="noaux_tc", num_nextn_predict_layers=0, vocab_size=VOCAB, tie_word_embeddings=True,
+            max_position_embeddings=4096, rope_theta=50000.0, _fp8=True)
 SIZES = {
     "0.5b": ("llama", dict(DENSE, num_hidden_layers=15)),
     "1b": ("llama", dict(DENSE, num_hidden_layers=33)),
@@ -43,7 +57,21 @@ SIZES = {
                               num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=16,
                               num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=VOCAB,
                               tie_word_embeddings=True, max_position_embeddings=4096, norm_topk_prob=True)),
+    # Kimi K2's widths (DeepSeek-V3 layout: MLA, hidden 7168, routed experts 2048 wide, 18432-wide dense
+    # first layer) as a block-FP8 release; 150 routed experts make the MoE layer 24.6 GiB in float32
+    "kimi-fp8": ("deepseek_v3", dict(KIMI, n_routed_experts=150)),
+    # the same widths with 16 routed experts, for a calibrated (GPTQ/AWQ) run that holds one layer whole
+    "kimi-fp8-16e": ("deepseek_v3", dict(KIMI, n_routed_experts=16)),
+    # a tiny MoE + MLA model (DeepSeek-V3 layout) for the runtime's decode benchmark (bench/serve_bench.py)
+    "tiny-mla": ("deepseek_v3", dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
+                                     first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,
+                                     kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+                                     n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1,
+                                     norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+                                     vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=4096)),
 }
+#: the block shape of the FP8 sizes (``weight_block_size``), DeepSeek-V3's and Kimi K2's
+FP8_BLOCK = (128, 128)
 SHARD_BYTES = 1 << 30
 
 
@@ -72,10 +100,25 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return {checkpoint_name(arch, n): tuple(t.shape) for n, t in state.items()}
 
 
+def largest_layer_f32_bytes(model_type: str, kw: dict) -> int:
+    """Float32 bytes of the largest decoder layer (what a whole-layer run would hold)."""
+    import re
+
+    shapes = param_shapes(make_config(model_type, {k: v for k, v in kw.items() if not k.startswith("_")}))
+    per: dict[int, int] = {}
+    for name, shape in shapes.items():
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m:
+            per[int(m.group(1))] = per.get(int(m.group(1)), 0) + int(torch.Size(shape).numel()) * 4
+    return max(per.values())
+
+
 def generate(folder: Path, model_type: str, kw: dict) -> int:
     """Write the synthetic model into ``folder`` (skipped when complete); returns the parameter count."""
     from safetensors.torch import save_file
 
+    kw = dict(kw)
+    fp8 = kw.pop("_fp8", False)
     cfg = make_config(model_type, kw)
     shapes = param_shapes(cfg)
     n_params = sum(int(torch.Size(s).numel()) for s in shapes.values())
@@ -105,10 +148,14 @@ def generate(folder: Path, model_type: str, kw: dict) -> int:
             t = torch.ones(shape, dtype=torch.bfloat16)
         elif name.endswith("mlp.gate.weight"):  # routers: spread, so tokens reach many experts
             t = (torch.randn(shape, generator=gen) * 0.5).to(torch.bfloat16)
+        elif fp8 and ".layers." in name and name.endswith("proj.weight"):  # block FP8, W = q * 0.02
+            t = torch.randn(shape, generator=gen).to(torch.float8_e4m3fn)
+            rows, cols = (-(-shape[0] // FP8_BLOCK[0]), -(-shape[1] // FP8_BLOCK[1]))
+            shards[-1][name + "_scale_inv"] = torch.full((rows, cols), 0.02, dtype=torch.float32)
         else:
             t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
         shards[-1][name] = t
-        size += t.numel() * 2
+        size += t.numel() * t.element_size()
         if size >= SHARD_BYTES:
             flush()
     flush(final=True)
@@ -120,14 +167,33 @@ def generate(folder: Path, model_type: str, kw: dict) -> int:
         os.replace(tmp / f"part-{i:05d}.safetensors", tmp / final)
         weight_map.update({n: final for n in ns})
     (tmp / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": n_params * 2}, "weight_map": weight_map}, indent=2))
+        {"metadata": {"total_size": sum((tmp / f).stat().st_size for f in set(weight_map.values()))},
+         "weight_map": weight_map}, indent=2))
     cfg.dtype = "bfloat16"
+    if fp8:
+        cfg.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "weight_block_size": list(FP8_BLOCK)}
     cfg.save_pretrained(tmp)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER / f, tmp / f)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     return n_params
+
+
+def write_tokenizer() -> None:
+    """SmolLM2's tokenizer files into ``TOKENIZER`` (from kvq's GGUF conversion, made once)."""
+    sys.path.insert(0, str(ROOT))
+    from compressor.models import cached_gguf_folder, load_model, resolve_source
+
+    source = resolve_source("smollm2-135m")
+    folder = cached_gguf_folder(source)
+    if folder is None:  # converts the GGUF once and caches it
+        load_model(source)
+        folder = cached_gguf_folder(source)
+    TOKENIZER.mkdir(parents=True, exist_ok=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / f, TOKENIZER / f)
 
 
 def quantize(folder: Path, out: Path, recipe: str, samples: int, seqlen: int, extra: list[str]) -> dict:
@@ -156,10 +222,11 @@ def main() -> None:
     ap.add_argument("--work", default=str(ROOT / "bench" / "work" / "scale"))
     ap.add_argument("--extra", default="", help="extra kvq quantize flags (space separated)")
     ap.add_argument("--generate-only", action="store_true")
+    ap.add_argument("--tag", default="", help="suffix of the results file (scale_bench-<recipe>-<tag>.json)")
     ap.add_argument("--whole", default="", help="sizes to quantize a second time with --no-stream (comparison)")
     a = ap.parse_args()
     if not (TOKENIZER / "tokenizer.json").exists():
-        sys.exit(f"scale-bench: {TOKENIZER} missing: run `QUICK=1 python bench/peer_bench.py` first (it writes the float SmolLM2 folder)")
+        write_tokenizer()
     work = Path(a.work)
     rows = []
     for size in a.sizes.split(","):
@@ -174,7 +241,9 @@ def main() -> None:
             extra = a.extra.split() + (["--no-stream"] if mode == "whole" else [])
             r = quantize(folder, work / f"out-{size}", a.recipe, a.calib_samples, a.calib_seqlen, extra)
             r.update(size=size, mode=mode, model_type=model_type, params=n, layers=kw["num_hidden_layers"],
-                     source_bytes=sum(p.stat().st_size for p in folder.glob("*.safetensors")))
+                     source_bytes=sum(p.stat().st_size for p in folder.glob("*.safetensors")),
+                     largest_layer_f32_gib=round(largest_layer_f32_bytes(model_type, kw) / 2**30, 2),
+                     source_format="block FP8 (128 x 128)" if kw.get("_fp8") else "bf16")
             rows.append(r)
             print(json.dumps(r), flush=True)
             shutil.rmtree(work / f"out-{size}", ignore_errors=True)
@@ -182,14 +251,16 @@ def main() -> None:
         return
     res = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
            "recipe": a.recipe, "calibration": f"{a.calib_samples} x {a.calib_seqlen}", "rows": rows}
-    out = ROOT / "bench" / "results" / f"scale_bench-{a.recipe}.json"
+    out = ROOT / "bench" / "results" / f"scale_bench-{a.recipe}{'-' + a.tag if a.tag else ''}.json"
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(f"recipe {a.recipe}, calibration {a.calib_samples} x {a.calib_seqlen}")
-    print("| model | parameters | layers | source bf16 (GiB) | source loading | wall (s) | peak RSS (MiB) | artifact (MiB) | shards |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | parameters | layers | source (GiB) | largest layer, float32 (GiB) | source loading | wall (s) "
+          "| peak RSS (MiB) | artifact (MiB) | shards |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['size']} ({r['model_type']}) | {r['params'] / 1e9:.2f} B | {r['layers']} | {r['source_bytes'] / 2**30:.2f} "
-              f"| {r['mode']} | {r['wall_seconds']:.0f} | {r['peak_rss_mib']:,.0f} | {r['artifact_bytes'] / 2**20:,.0f} | {r['shards']} |")
+        print(f"| {r['size']} ({r['model_type']}, {r['source_format']}) | {r['params'] / 1e9:.2f} B | {r['layers']} "
+              f"| {r['source_bytes'] / 2**30:.2f} | {r['largest_layer_f32_gib']:.2f} | {r['mode']} | {r['wall_seconds']:.0f} "
+              f"| {r['peak_rss_mib']:,.0f} | {r['artifact_bytes'] / 2**20:,.0f} | {r['shards']} |")
 
 
 if __name__ == "__main__":

@@ -79,15 +79,19 @@ def library_versions() -> dict[str, str]:
 
 
 def state_tensors(model, modules: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype, rename=None,
-                  prefix: str | None = None, skip_prefix: str | None = None) -> dict[str, torch.Tensor]:
+                  prefix: str | None = None, skip_prefix: str | None = None, names: set[str] | None = None,
+                  exclude: set[str] | None = None) -> dict[str, torch.Tensor]:
     """The tensors to store: ``model``'s float state (in ``dtype``; tied ``lm_head`` once;
     weights of packed modules left out) plus ``modules``' packed tensors, by checkpoint
     name. ``prefix`` keeps only names under it (one decoder layer); ``skip_prefix`` drops
-    names under it (the decoder layers, already written part by part)."""
+    names under it (the decoder layers, already written part by part); ``names`` keeps only
+    those in-memory names, ``exclude`` drops them (a layer's expert groups, written before)."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if (prefix is not None and not name.startswith(prefix)) or (skip_prefix is not None and name.startswith(skip_prefix)):
+            continue
+        if (names is not None and name not in names) or (exclude and name in exclude):
             continue
         name = rename(name) if rename is not None else name  # checkpoint names (e.g. Mixtral's block_sparse_moe)
         module = name.rsplit(".", 1)[0]

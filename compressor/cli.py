@@ -133,11 +133,12 @@ def _parse_size(value: str, param) -> int:
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Read a safetensors MODEL one decoder layer at a time (peak memory about one layer plus calibration activations); --no-stream loads it whole. GGUF files are always loaded whole.")
 @click.option("--shard-size", default="5GB", show_default=True, callback=lambda c, p, v: _parse_size(v, p), help="Maximum size of one output weights file (e.g. 500MB, 2GiB; at least 1MB); several files get model-0000k-of-0000N names and model.safetensors.index.json.")
 @click.option("--activation-budget-gib", type=_range(QuantizeOptions, "activation_budget_gib", float), default=8.0, show_default=True, help="Calibration activations above this size move to memory-mapped files in the staging folder.")
+@click.option("--memory-budget-gib", type=_range(QuantizeOptions, "memory_budget_gib", float), default=4.0, show_default=True, help="Float32 weights of one decoder layer held at once by a streamed run without calibration (RTN, KV-only with float weights): a larger layer's routed experts are read, quantized, written and released in groups of at most this size. Calibrated runs (AWQ, GPTQ, static KV scales) hold one whole layer.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run of the same command from its last finished layer (kept in .OUTPUT.kvq-partial beside OUTPUT); refused if the inputs changed.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout; no progress bar.")
 def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, symmetric, act_order, settings, fmt, calib, calib_field,
              calib_samples, calib_seqlen, seed, device, dtype, allow_float16_overflow, overwrite, digest_algorithm, sign_key, sign_password,
-             sign_certificate, sign_chain, stream, shard_size, activation_budget_gib, resume, as_json):
+             sign_certificate, sign_chain, stream, shard_size, activation_budget_gib, memory_budget_gib, resume, as_json):
     """Quantize MODEL's linear weights and write an artifact to OUTPUT.
 
     MODEL is a Hugging Face folder (safetensors), a .gguf file, or the alias
@@ -201,7 +202,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
         calib_seqlen=calib_seqlen, seed=seed, device=_device(device), dtype=dtype,
         allow_float16_overflow=allow_float16_overflow, overwrite=overwrite,
         digest_algorithm=digest_algorithm, sign=sign, stream=stream, shard_bytes=shard_size, resume=resume,
-        activation_budget_gib=activation_budget_gib,
+        activation_budget_gib=activation_budget_gib, memory_budget_gib=memory_budget_gib,
     )
     summary = api.run_quantize(opts, console=None if as_json else _console(),
                                on_committed=_record_committed)

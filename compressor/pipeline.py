@@ -26,6 +26,7 @@ input columns with the experts' so routing is unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -85,7 +86,11 @@ class LayerHooks:
     records a resume checkpoint and releases the weights. Layers ``< start`` were done by
     an interrupted run: they are skipped, ``hidden`` holds the inputs of layer ``start``
     and ``kv_absmax`` the KV statistics already observed. Activations above
-    ``activation_budget`` bytes move to memory-mapped files in ``spill_dir``.
+    ``activation_budget`` bytes move to memory-mapped files in ``spill_dir``. Optional:
+    ``expert_groups(i)`` (``None`` or the layer's tensor names in bounded groups) and
+    ``load_groups(i, result)`` (reads, yields and writes those groups), used instead of
+    ``load`` for uncalibrated steps that quantize each linear on its own (see
+    :class:`compressor.staging.LayerWriter`).
     """
 
     load: Callable[[int, torch.nn.Module], None]
@@ -399,11 +404,17 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
         if i < start:
             continue
         t1 = time.perf_counter()
-        if hooks is not None:
-            hooks.load(i, layer)
-        if hidden is None:
+        grouped = (hidden is None and algorithm.per_linear and hooks is not None
+                   and getattr(hooks, "expert_groups", None) is not None and hooks.expert_groups(i) is not None)
+        if grouped:
+            fig = _quantize_layer_grouped(i, layer, ctx, algorithm, result, hooks)
+        elif hidden is None:
+            if hooks is not None:
+                hooks.load(i, layer)
             fig = _quantize_layer(i, layer, ctx, algorithm, result)
         else:
+            if hooks is not None:
+                hooks.load(i, layer)
             layer.to(device)
             hidden, fig = _quantize_and_recompute(i, layer, hidden, layer_kwargs[i], ctx, algorithm, result)
             layer.to("cpu")
@@ -426,6 +437,20 @@ def _quantize_layer(i, layer, ctx: LayerContext, algorithm: Algorithm, result: Q
     outcome = algorithm.quantize_layer(i, layer, None, None, ctx)
     _record_moe(i, layer, ctx, algorithm, result, None)
     return _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", outcome.errs, None, 0.0)
+
+
+def _quantize_layer_grouped(i, layer, ctx: LayerContext, algorithm: Algorithm, result: QuantizeResult, hooks) -> dict:
+    """Layer ``i`` without a calibration pass, read in bounded groups of routed experts
+    (``hooks.load_groups``; each group is written and released before the next is read), for
+    handlers whose linears are quantized independently (``per_linear``: RTN, ``none``)."""
+    errs: list[float] = []
+    groups = 0
+    for modules in hooks.load_groups(i, result):
+        sub = dataclasses.replace(ctx, targets={n: ctx.targets[n] for n in modules if n in ctx.targets})
+        errs += algorithm.quantize_layer(i, layer, None, None, sub).errs
+        groups += 1
+    _record_moe(i, layer, ctx, algorithm, result, None)
+    return _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", errs, None, 0.0, weight_groups=groups)
 
 
 def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: Algorithm, result: QuantizeResult):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -28,6 +29,10 @@ import torch
 from .errors import InputError, KvqError
 from .safetensors_io import file_digest
 from .streaming import ARTIFACT_DIR, HIDDEN_PREFIX, RESUME_NAME, LazyCheckpoint, layer_names, load_into, to_meta
+
+
+#: a routed expert's tensors in kvq's (unfused) names, relative to the decoder layer
+_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 
 @contextmanager
@@ -221,10 +226,14 @@ class LayerWriter:
     inputs on resume), ``kv_absmax``, ``activation_budget`` (bytes; larger activations are
     spilled to ``spill_dir``), ``layers``, ``moe``, ``moe_fallback`` (results of the layers
     done before an interruption).
+
+    Layers larger than ``memory_budget_gib`` (float32 weight bytes): :meth:`load_groups`
+    materializes a streamed layer in bounded groups of routed experts instead of
+    :meth:`load`, for steps that quantize each linear on its own (RTN, float weights).
     """
 
     def __init__(self, model, arch, ckpt: LazyCheckpoint | None, staging: Staging | None, fmt: str,
-                 dtype: torch.dtype, rename, activation_budget_gib: float):
+                 dtype: torch.dtype, rename, activation_budget_gib: float, memory_budget_gib: float = 4.0):
         self.model, self.arch, self.ckpt, self.staging = model, arch, ckpt, staging
         self.fmt, self.dtype, self.rename = fmt, dtype, rename
         self.schemes: dict[str, tuple] = {}  # module name -> (bits, group size, symmetric), layers written
@@ -236,6 +245,8 @@ class LayerWriter:
         self.layers: list = []
         self.moe: list = []
         self.moe_fallback: list = []
+        self.memory_budget = int(memory_budget_gib * 2**30)
+        self._written: set[str] = set()  # tensors of the current layer already written by expert groups
 
     def restore(self, device: str) -> None:
         """Take up the interrupted run recorded in the staging folder, if any: layers before
@@ -258,6 +269,71 @@ class LayerWriter:
         if self.ckpt is not None:
             load_into(self.model, self.ckpt, self.arch, layer_names(self.model, self.arch, i))
 
+    def expert_groups(self, i: int) -> list[list[str]] | None:
+        """Decoder layer ``i``'s tensor names in groups: the non-expert tensors first, then
+        routed experts (whole experts, in index order) in groups of at most
+        ``memory_budget`` float32 bytes (at least one expert each). ``None`` when the layer
+        is not streamed or fits the budget whole (it is then loaded at once)."""
+        if self.ckpt is None:
+            return None
+        names = layer_names(self.model, self.arch, i)
+        params = dict(self.model.get_submodule(f"{self.arch.layers}.{i}").named_parameters(prefix=f"{self.arch.layers}.{i}"))
+        sizes = {n: params[n].numel() * 4 if n in params else 0 for n in names}
+        if sum(sizes.values()) <= self.memory_budget:
+            return None
+        prefix = f"{self.arch.layers}.{i}."
+        experts: dict[int, list[str]] = {}
+        rest = []
+        for n in names:
+            m = _EXPERT.search(n[len(prefix):])
+            (experts.setdefault(int(m.group(1)), []) if m else rest).append(n)
+        if not experts:
+            return None
+        groups, cur, cur_bytes = [rest], [], 0
+        for e in sorted(experts):
+            b = sum(sizes[n] for n in experts[e])
+            if cur and cur_bytes + b > self.memory_budget:
+                groups.append(cur)
+                cur, cur_bytes = [], 0
+            cur += experts[e]
+            cur_bytes += b
+        return groups + [cur]
+
+    def load_groups(self, i: int, result):
+        """Materialize streamed decoder layer ``i`` group by group (:meth:`expert_groups`),
+        yielding each group's module names after it is read; once the caller has quantized
+        a group of experts (its records in ``result.modules``), that group is packed,
+        written to the part ``layer-<i>-e<k>`` and returned to ``meta`` before the next is
+        read. The non-expert group stays loaded for :meth:`done`.
+
+        Raises:
+            InputError: a tensor holds NaN or Inf (named).
+        """
+        groups = self.expert_groups(i)
+        assert groups is not None, "load_groups: the layer fits the budget; use load()"
+        self._written = set()
+        for k, names in enumerate(groups):
+            load_into(self.model, self.ckpt, self.arch, names)
+            modules = sorted({n.rsplit(".", 1)[0] for n in names})
+            yield modules
+            if k:
+                self._write_group(i, k, names, modules, result)
+
+    def _write_group(self, i: int, k: int, names: list[str], modules: list[str], result) -> None:
+        from .artifact import state_tensors
+        from .formats import pack_modules
+
+        recs = {n: result.modules.pop(n) for n in modules if n in result.modules}
+        self.schemes.update({n: r.scheme for n, r in recs.items()})
+        if self.staging is not None:
+            packed = {self.rename(n): t for n, t in pack_modules(recs, self.fmt, self.dtype).items()}
+            self.staging.save_part(f"layer-{i:05d}-e{k:04d}", state_tensors(
+                self.model, packed, self.dtype, rename=self.rename, names=set(names)))
+        self._written.update(names)
+        experts = {m.rsplit(".", 1)[0] for m in modules}  # ...experts.<e>.gate_proj -> ...experts.<e>
+        for m in sorted(experts):
+            to_meta(self.model.get_submodule(m))
+
     def done(self, i: int, layer: torch.nn.Module, result, hidden: list[torch.Tensor] | None) -> None:
         """Write decoder layer ``i`` (``result``: the pipeline's ``QuantizeResult`` so far;
         ``hidden``: the next layer's inputs, ``None`` without a calibration pass)."""
@@ -272,7 +348,8 @@ class LayerWriter:
             return
         packed = {self.rename(n): t for n, t in pack_modules(recs, self.fmt, self.dtype).items()}
         self.staging.save_part(f"layer-{i:05d}", state_tensors(self.model, packed, self.dtype, rename=self.rename,
-                                                               prefix=prefix))
+                                                               prefix=prefix, exclude=self._written))
+        self._written = set()
         to_meta(layer)
         self.staging.checkpoint(i + 1, {
             "layers": result.layers, "moe": result.moe, "moe_fallback": result.moe_fallback,

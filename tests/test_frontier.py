@@ -555,3 +555,49 @@ def test_serve_smoke_on_published_rows(model_type, tmp_path, tokenizer):
         return
     rep = run_serve_smoke(SmokeOptions(artifact=out, max_new_tokens=4))
     assert rep["passed"], rep.get("failed_gates")
+
+
+# ---------------------------------------------------------------------------------------
+# memory bounded below one layer: routed experts read, quantized and written in groups
+
+
+@pytest.mark.parametrize("model_type,algorithm,kw", [
+    ("kimi_k2", "rtn", {}),
+    ("glm4_moe", "rtn", {"kv_scheme": "int8"}),  # int8 per-token KV: dynamic, no calibration pass
+])
+def test_expert_groups_bound_the_layer_and_write_the_same_tensors(model_type, algorithm, kw, sources, tmp_path):
+    """An FP8 release, streamed with a budget below one MoE layer: each routed-expert group
+    is read, quantized and written before the next; tensors equal the whole-model run's."""
+    src = tmp_path / "fp8"
+    to_block_fp8(sources[model_type], src)
+    from compressor.staging import LayerWriter
+
+    reads: list[tuple[int, int]] = []  # (layer, routed experts materialized at that moment)
+    real = LayerWriter.load_groups
+
+    def spy(self, i, result):
+        for modules in real(self, i, result):
+            layer = self.model.get_submodule(f"model.layers.{i}")
+            reads.append((i, sum(1 for n, p in layer.named_parameters() if ".experts." in n and not p.is_meta
+                                 and n.endswith("down_proj.weight"))))
+            yield modules
+
+    import compressor.staging as staging
+    orig = staging.LayerWriter.load_groups
+    staging.LayerWriter.load_groups = spy
+    try:
+        expert_bytes = 3 * 64 * 32 * 4  # one routed expert in float32 (hidden 64, moe_intermediate 32)
+        g = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "g", algorithm=algorithm,
+                                         memory_budget_gib=1.5 * expert_bytes / 2**30, **FAST, **kw))
+    finally:
+        staging.LayerWriter.load_groups = orig
+    w = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "w", algorithm=algorithm, stream=False, **FAST, **kw))
+    s = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "s", algorithm=algorithm, **FAST, **kw))
+    assert digests(tmp_path / "g") == digests(tmp_path / "w") == digests(tmp_path / "s")
+    layers = {f["layer"]: f for f in load_manifest(tmp_path / "g").quality["layers"]}
+    assert layers[1]["weight_groups"] == 1 + 4  # the non-expert tensors, then 4 experts one at a time
+    assert "weight_groups" not in layers[0]  # the dense first layer fits the budget
+    assert [n for i, n in reads if i == 1] == [0, 1, 1, 1, 1], reads  # never more than one expert held
+    assert "weight_groups" not in {k for f in load_manifest(tmp_path / "s").quality["layers"] for k in f}
+    rep = run_verify(VerifyOptions(artifact=tmp_path / "g", seqlen=64, max_windows=1, max_new_tokens=4, hidden_batches=1))
+    assert rep["passed"], rep["failed_gates"]

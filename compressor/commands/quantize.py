@@ -106,7 +106,8 @@ def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict
     staging = open_staging(plan.out, key, opts.execution.resume, console) if rank == 0 else None  # other ranks write nothing
     with keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume
         writer = LayerWriter(src.model, arch, src.ckpt, staging, opts.write.format, DTYPES[plan.dtype],
-                             lambda name: checkpoint_name(arch, name), opts.execution.activation_budget_gib)
+                             lambda name: checkpoint_name(arch, name), opts.execution.activation_budget_gib,
+                             opts.execution.memory_budget_gib)
         writer.restore(device)
         result = _quantize(plan, src, writer, opts, device, console)
     with keep_checkpoint(staging, n_layers, drop_on_error=False):  # every layer is done: keep them whatever happens

@@ -9,6 +9,8 @@ algorithm:
 ``quantize_layer``        the per-layer step: quantize one decoder layer's targeted linears
 ``needs_calibration``     whether the step needs captured layer inputs (``--calib``)
 ``quantizes_weights``     ``False`` for ``none`` (float weights; a KV-only artifact)
+``per_linear``            each linear is quantized from its own weight alone (RTN, ``none``): a
+                          large layer may be read and written in groups of routed experts
 ``folds_input_scales``    the artifact's weights carry folded input scales that weight
                           statistics must undo (AWQ; :func:`compressor.quality.weight_report`)
 ``summary_fields``        the algorithm's part of the manifest's ``quantization`` block
@@ -40,6 +42,8 @@ class Algorithm:
     needs_calibration: ClassVar[bool] = False
     #: ``False``: weights stay float (only the KV cache is quantized)
     quantizes_weights: ClassVar[bool] = True
+    #: each targeted linear is quantized from its own weight alone, whatever else is loaded
+    per_linear: ClassVar[bool] = False
     #: the artifact's weights are ``diag(1/s_row) W diag(s_col)`` (AWQ's folded scales)
     folds_input_scales: ClassVar[bool] = False
 
@@ -148,6 +152,7 @@ class RTN(Algorithm):
     """
 
     name = "rtn"
+    per_linear = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return LayerOutcome(rtn_layer(i, layer, ctx))
@@ -159,6 +164,7 @@ class NoWeights(Algorithm):
 
     name = "none"
     quantizes_weights = False
+    per_linear = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return LayerOutcome(rtn_layer(i, layer, ctx))  # no targets: nothing is quantized
