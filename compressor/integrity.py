@@ -263,13 +263,20 @@ def check_signature(folder: Path, keys: Optional[VerifyKeys], console=None) -> d
 
 
 def check_artifact_folder(folder) -> Path:
-    """``folder`` as a Path; raise :class:`InputError` unless it is an existing folder (a file is named as such)."""
+    """``folder`` as the Path every later step uses: an existing folder, or :class:`InputError`
+    (a file is named as such).
+
+    A symlink given as the artifact path (``kvq verify link``, ``link/``) is resolved here,
+    once, to the folder it names: model_signing refuses a symlinked model path, so checking
+    or signing through the link would call a valid signature failed. Links *inside* the
+    artifact stay refused (:func:`check_hashes`).
+    """
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"{folder} is not a folder (an artifact is the folder `kvq quantize -o` wrote)")
     if not folder.is_dir():
         raise InputError(f"artifact folder {folder} not found")
-    return folder
+    return folder.resolve() if folder.is_symlink() else folder
 
 
 def verify_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) -> dict:
@@ -279,8 +286,7 @@ def verify_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) -> 
         InputError: not an artifact folder, invalid manifest, bad key files.
     """
     t0 = time.perf_counter()
-    folder = Path(folder)
-    check_artifact_folder(folder)
+    folder = check_artifact_folder(folder)
     load_manifest(folder)
     signature = check_signature(folder, keys, console)
     hashes = check_hashes(folder)
