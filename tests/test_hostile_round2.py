@@ -96,3 +96,65 @@ def test_artifact_through_a_symlink_verifies_and_signs(signed, keys, tmp_path, c
     assert (art / SIGNATURE_NAME).read_bytes() != before and not (link / SIGNATURE_NAME).is_symlink()
     code, out, err = run(["verify", art, "--hashes-only", "--public-key", keys[1], "--json"], capsys)
     assert code == 0 and json.loads(out)["signature"]["ok"] is True, err
+
+
+# --- 5. certificates without a signing usage --------------------------------------------
+
+def _cert(path: Path, key, digital_signature: bool | None, code_signing: bool | None, ca: bool) -> Path:
+    """A self-signed certificate; ``digital_signature`` None: no KeyUsage at all,
+    ``code_signing`` None: no ExtendedKeyUsage at all."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvq round2")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+         .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+         .not_valid_after(now + datetime.timedelta(days=30))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if digital_signature is not None:
+        b = b.add_extension(x509.KeyUsage(digital_signature=digital_signature, content_commitment=False,
+                                          key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                          key_cert_sign=ca, crl_sign=ca, encipher_only=False, decipher_only=False),
+                            critical=True)
+    if code_signing is not None:
+        usages = [ExtendedKeyUsageOID.CODE_SIGNING] if code_signing else [ExtendedKeyUsageOID.SERVER_AUTH]
+        b = b.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    path.write_bytes(b.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+@pytest.mark.parametrize("digital_signature, code_signing, ca", [
+    (False, None, True),  # a CA certificate: keyCertSign and cRLSign only
+    (False, False, False),  # a TLS server certificate
+    (None, None, False),  # no usage extensions at all
+])
+def test_certificate_without_a_signing_usage_is_refused_at_sign_time(src, signed, tmp_path, monkeypatch, capsys,
+                                                                      digital_signature, code_signing, ca):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    key_pem = tmp_path / "key.pem"
+    key_pem.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    cert = _cert(tmp_path / "cert.pem", key, digital_signature, code_signing, ca)
+    art = _copy(signed, tmp_path / "a")
+    before = (art / SIGNATURE_NAME).read_bytes()
+    code, _, err = run(["sign", art, "--private-key", key_pem, "--signing-certificate", cert], capsys)
+    assert_clean_error(code, err, 2, "is not for signing")
+    assert (art / SIGNATURE_NAME).read_bytes() == before
+    _no_loading(monkeypatch)
+    out = tmp_path / "never"
+    code, _, err = run(["quantize", src, "-o", out, *RTN, "--sign-key", key_pem, "--sign-certificate", cert], capsys)
+    assert_clean_error(code, err, 2, "codeSigning", tmp_path)
+    assert not out.exists()
+    # the rule is model_signing's: code signing alone (no KeyUsage) signs, and verifies
+    ok = _cert(tmp_path / "ok.pem", key, None, True, False)
+    code, _, err = run(["sign", art, "--private-key", key_pem, "--signing-certificate", ok], capsys)
+    assert code == 0, err
+    code, _, err = run(["verify", art, "--hashes-only", "--certificate-chain", ok], capsys)
+    assert code == 0 and "signature ok" in err, err
