@@ -64,6 +64,60 @@ def _no_loading(monkeypatch):
     monkeypatch.setattr(q, "load_model", boom)
 
 
+# --- 2. manifests with a huge number of entries -----------------------------------------
+
+def _add_tensors(art: Path, n: int) -> None:
+    data = json.loads((art / MANIFEST_NAME).read_text())
+    rec = next(iter(data["tensors"].values()))
+    for i in range(n):
+        data["tensors"][f"ghost.{i:07d}.weight"] = rec
+    (art / MANIFEST_NAME).write_text(json.dumps(data))
+
+
+def test_long_lists_of_differences_are_summarised(signed, tmp_path, capsys):
+    art = _copy(signed, tmp_path / "a")
+    _add_tensors(art, 1000)
+    code, out, err = run(["verify", art, "--hashes-only"], capsys)
+    lines = [ln for ln in err.splitlines() if ln.startswith("missing tensor")]
+    assert code == 1 and len(lines) == 21, err
+    assert lines[-1] == "missing tensor: ... and 980 more"
+    code, out, _ = run(["verify", art, "--hashes-only", "--json"], capsys)
+    assert len(json.loads(out)["hashes"]["missing_tensors"]) == 1000  # the JSON report keeps every name
+
+
+def test_signature_differences_are_summarised(signed, keys, tmp_path, capsys):
+    art = _copy(signed, tmp_path / "a")
+    for i in range(50):
+        (art / f"extra-{i:02d}.txt").write_text("x")
+    code, _, err = run(["verify", art, "--hashes-only", "--public-key", keys[1]], capsys)
+    flat = _flat(err)
+    names = ", ".join(f"extra-{i:02d}.txt" for i in range(20))
+    assert code == 1 and f"added since signing: {names}, ... and 30 more" in flat, err
+    assert flat.count("added since signing") == 1 and "extra-20.txt" not in flat.split("added since signing")[1]
+    assert len([ln for ln in err.splitlines() if ln.startswith("extra file")]) == 21
+
+
+def test_manifest_entry_count_and_size_are_bounded(signed, tmp_path, monkeypatch, capsys):
+    import compressor.manifest as mf
+
+    art = _copy(signed, tmp_path / "a")
+    n = len(load_manifest(art).tensors) + len(load_manifest(art).files)
+    monkeypatch.setattr(mf, "MAX_MANIFEST_ENTRIES", n + 10)
+    assert run(["verify", art, "--hashes-only"], capsys)[0] == 0
+    _add_tensors(art, 11)
+    code, _, err = run(["verify", art, "--hashes-only"], capsys)
+    assert_clean_error(code, err, 2, f"{n + 11:,} files and tensors listed, above the {n + 10:,}")
+    monkeypatch.undo()
+    big = _copy(signed, tmp_path / "big")
+    with open(big / MANIFEST_NAME, "r+b") as f:  # sparse: past the real bound without writing 512 MiB
+        f.truncate(mf.MAX_MANIFEST_BYTES + 1)
+    for argv in (["verify", big, "--hashes-only"], ["sign", big, "--private-key", tmp_path / "none.pem"]):
+        code, _, err = run(argv, capsys)
+        assert code == 2 and "Traceback" not in err, err
+    code, _, err = run(["verify", big, "--hashes-only"], capsys)
+    assert_clean_error(code, err, 2, "above the 512 MiB a kvq manifest may take")
+
+
 # --- 3. output path that is a symlink ---------------------------------------------------
 
 @pytest.mark.parametrize("dangling", [True, False])
@@ -158,3 +212,14 @@ def test_certificate_without_a_signing_usage_is_refused_at_sign_time(src, signed
     assert code == 0, err
     code, _, err = run(["verify", art, "--hashes-only", "--certificate-chain", ok], capsys)
     assert code == 0 and "signature ok" in err, err
+
+
+# --- 7. no signature, no key material ---------------------------------------------------
+
+def test_missing_signature_is_noted_without_key_material(signed, tmp_path, capsys):
+    art = _copy(signed, tmp_path / "a")
+    (art / SIGNATURE_NAME).unlink()
+    code, out, err = run(["verify", art, "--hashes-only"], capsys)
+    assert code == 0 and f"no signature ({SIGNATURE_NAME} is missing)" in _flat(err), err
+    code, _, err = run(["verify", signed, "--hashes-only"], capsys)
+    assert code == 0 and "no signature" not in err and "present but not checked" in _flat(err)
