@@ -8,7 +8,9 @@ options); after each layer the next layer's input activations are saved too. A r
 run rehashes the parts and refuses any that changed, so a damaged checkpoint never
 reaches the manifest. ``kvq quantize ... --resume`` continues after the last
 finished layer when the key matches; without ``--resume`` a stale staging folder is
-replaced. Activations above the budget move to memory-mapped files here (:func:`spill`).
+replaced. kvq marks each staging folder it creates (:data:`MARKER_NAME`), so one killed
+before its first checkpoint is recognised and started over rather than refused.
+Activations above the budget move to memory-mapped files here (:func:`spill`).
 """
 
 from __future__ import annotations
@@ -126,50 +128,102 @@ def resume_key(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+#: written into a staging folder when kvq creates it, before any part: a folder holding it is
+#: kvq's even when a kill -9 came before the first checkpoint (``resume.json``)
+MARKER_NAME = "kvq-staging.json"
+
+
 def open_staging(out: Path, key: str, resume: bool, console=None) -> Staging:
     """The staging folder for ``out``: resumed when ``resume`` and its key matches, else new.
 
+    A staging folder kvq made (its :data:`MARKER_NAME`, or a ``resume.json``) but that holds
+    no checkpoint -- killed after the first part was written, before the first checkpoint --
+    is started over, with a note; with ``resume`` the note says there was nothing to resume
+    (no layer was finished, so starting over loses nothing).
+
     Raises:
-        InputError: ``resume`` asked but no resumable run exists, or it was made from other
-            inputs (its key differs); the staging path exists and is not kvq's.
+        InputError: ``resume`` asked but no staging folder exists, or its run was made from
+            other inputs (its key differs), or a checkpointed file changed; the staging path
+            exists and is not kvq's.
     """
     path = staging_path(out)
     state_file = path / RESUME_NAME
     if path.exists() and not path.is_dir():
         raise InputError(f"{path} exists and is not a folder; remove it")
-    if resume:
-        if not state_file.is_file():
-            raise InputError(f"--resume: no interrupted run to resume for {out} (no {path}/{RESUME_NAME})")
-        try:
-            state = json.loads(state_file.read_text())
-        except (OSError, ValueError) as e:
-            raise InputError(f"--resume: cannot read {state_file}: {e}") from None
-        if state.get("key") != key:
-            raise InputError(f"--resume: the interrupted run in {path} was made from other inputs (source, recipe, "
-                             "calibration or output options differ); rerun without --resume to start over")
-        parts = [path / n for n in state.get("parts", [])]
-        lost = [p.name for p in parts if not p.is_file()]
-        if lost:
-            raise InputError(f"--resume: {path} lacks {lost[0]}; rerun without --resume to start over")
-        recorded = state.get("digests") or {}
-        for name in [p.name for p in parts] + ([state["hidden"]] if state.get("hidden") else []):
-            f = path / name
-            if name not in recorded or not f.is_file() or file_digest(f) != recorded[name]:
-                raise InputError(f"--resume: {f} changed since it was checkpointed (its SHA-256 differs from "
-                                 f"{RESUME_NAME}); rerun without --resume to start over")
-        shutil.rmtree(path / ARTIFACT_DIR, ignore_errors=True)  # an interrupted final write
-        if console:
-            console.print(f"resuming: {state['layers_done']} layer(s) already done in {path}", highlight=False)
-        return Staging(path, key, parts, state)
+    ours = path.is_dir() and ((path / MARKER_NAME).is_file() or state_file.is_file())
+    if resume and state_file.is_file():
+        return _resume(path, out, key, console)
+    if resume and not ours:
+        raise InputError(f"--resume: no interrupted run to resume for {out} (no {path}/{RESUME_NAME})")
     if path.exists():
-        if not state_file.is_file() and any(path.iterdir()):
+        if not ours and any(path.iterdir()):
             raise InputError(f"{path} exists and was not written by an interrupted kvq quantize; remove it")
-        if console and state_file.is_file():
-            console.print(f"[yellow]note:[/] replacing the interrupted run in {path} (pass --resume to continue it)",
-                          highlight=False)
+        if resume:
+            show_note = (f"[yellow]note:[/] --resume: the interrupted run in {path} stopped before its first layer was "
+                         "checkpointed: nothing to resume; starting over")
+        elif state_file.is_file():
+            show_note = f"[yellow]note:[/] replacing the interrupted run in {path} (pass --resume to continue it)"
+        else:
+            show_note = (f"[yellow]note:[/] replacing {path}, an interrupted run that finished no layer"
+                         if ours else None)
+        if console and show_note:
+            console.print(show_note, highlight=False)
         shutil.rmtree(path)
     path.mkdir(parents=True)
+    (path / MARKER_NAME).write_text(json.dumps({"tool": "kvq", "output": str(out)}))  # its presence is what counts
     return Staging(path, key)
+
+
+def _resume(path: Path, out: Path, key: str, console) -> Staging:
+    """The checkpointed run in ``path``, every recorded file rehashed (see :func:`open_staging`)."""
+    state_file = path / RESUME_NAME
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"--resume: cannot read {state_file}: {e}") from None
+    if state.get("key") != key:
+        raise InputError(f"--resume: the interrupted run in {path} was made from other inputs (source, recipe, "
+                         "calibration or output options differ); rerun without --resume to start over")
+    parts = [path / n for n in state.get("parts", [])]
+    lost = [p.name for p in parts if not p.is_file()]
+    if lost:
+        raise InputError(f"--resume: {path} lacks {lost[0]}; rerun without --resume to start over")
+    recorded = state.get("digests") or {}
+    for name in [p.name for p in parts] + ([state["hidden"]] if state.get("hidden") else []):
+        f = path / name
+        if name not in recorded or not f.is_file() or file_digest(f) != recorded[name]:
+            raise InputError(f"--resume: {f} changed since it was checkpointed (its SHA-256 differs from "
+                             f"{RESUME_NAME}); rerun without --resume to start over")
+    shutil.rmtree(path / ARTIFACT_DIR, ignore_errors=True)  # an interrupted final write
+    if console:
+        console.print(f"resuming: {state['layers_done']} layer(s) already done in {path}", highlight=False)
+    return Staging(path, key, parts, state)
+
+
+def checkpointed_layers(out: Path) -> int:
+    """How many layers the staging folder of ``out`` has checkpointed (0: none, or no folder)."""
+    try:
+        return int(json.loads((staging_path(out) / RESUME_NAME).read_text()).get("layers_done") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+@contextmanager
+def name_kept_checkpoint(out: Path, resume: bool):
+    """Around the steps of a ``--resume`` run before its staging folder is opened (loading the
+    source, hashing it): an interruption or crash there leaves the folder as it was, so name
+    it on stderr, as :func:`keep_checkpoint` does once the layers run. Input errors (exit 2)
+    stay one line."""
+    try:
+        yield
+    except KvqError:
+        raise
+    except BaseException:
+        done = checkpointed_layers(out) if resume else 0
+        if done:
+            print(f"kvq: the {done} finished layer(s) of the interrupted run are kept in {staging_path(out)}: "
+                  "rerun the same command with --resume to continue", file=sys.stderr)
+        raise
 
 
 def spill(hidden: list[torch.Tensor], folder: Path, tag: str, budget_bytes: int) -> list[torch.Tensor]:

@@ -214,6 +214,53 @@ def test_certificate_without_a_signing_usage_is_refused_at_sign_time(src, signed
     assert code == 0 and "signature ok" in err, err
 
 
+# --- 6. a staging folder killed before its first checkpoint -----------------------------
+
+def _killed_before_first_checkpoint(src, out: Path, monkeypatch) -> Path:
+    """The state a kill -9 leaves after layer 0's part file is written and before the first
+    checkpoint: the part, no resume.json, and no clean-up (a SIGKILL runs none)."""
+    import compressor.staging as st
+    from compressor.api import QuantizeOptions, run_quantize
+
+    class Killed(BaseException):
+        pass
+
+    def killed(self, *a, **k):
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(st.Staging, "checkpoint", killed)
+        m.setattr(st.shutil, "rmtree", lambda *a, **k: None)  # kill -9: nothing is cleaned up
+        with pytest.raises(Killed):
+            run_quantize(QuantizeOptions(model=str(src), output=out, algorithm="rtn", group_size=32))
+    staging = out.parent / f".{out.name}.kvq-partial"
+    assert sorted(p.name for p in staging.iterdir()) == [st.MARKER_NAME, "part-layer-00000.safetensors"]
+    return staging
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_staging_killed_before_the_first_checkpoint_starts_over(src, signed, tmp_path, monkeypatch, capsys, resume):
+    out = tmp_path / "r"
+    staging = _killed_before_first_checkpoint(src, out, monkeypatch)
+    code, _, err = run(["quantize", src, "-o", out, *RTN, *(["--resume"] if resume else [])], capsys)
+    assert code == 0, err
+    err = _flat(err)
+    assert ("nothing to resume; starting over" in err) == resume
+    assert ("an interrupted run that finished no layer" in err) == (not resume)
+    assert not staging.exists() and load_manifest(out).tensors == load_manifest(signed).tensors
+    assert run(["verify", out, "--hashes-only"], capsys)[0] == 0
+
+
+def test_a_folder_kvq_did_not_write_is_still_refused(src, tmp_path, capsys):
+    staging = tmp_path / ".r.kvq-partial"
+    staging.mkdir()
+    (staging / "notes.txt").write_text("mine")
+    for extra in ([], ["--resume"]):
+        code, _, err = run(["quantize", src, "-o", tmp_path / "r", *RTN, *extra], capsys)
+        assert code == 2 and "Traceback" not in err, err
+    assert (staging / "notes.txt").read_text() == "mine"
+
+
 # --- 7. no signature, no key material ---------------------------------------------------
 
 def test_missing_signature_is_noted_without_key_material(signed, tmp_path, capsys):
@@ -223,3 +270,33 @@ def test_missing_signature_is_noted_without_key_material(signed, tmp_path, capsy
     assert code == 0 and f"no signature ({SIGNATURE_NAME} is missing)" in _flat(err), err
     code, _, err = run(["verify", signed, "--hashes-only"], capsys)
     assert code == 0 and "no signature" not in err and "present but not checked" in _flat(err)
+
+
+# --- 8. an interruption while a resumed run loads ---------------------------------------
+
+def test_interruption_while_a_resumed_run_loads_names_the_staging_folder(src, tmp_path, monkeypatch, capsys):
+    import compressor.commands.quantize as q
+    import compressor.quant.algorithms as alg
+
+    class Crash(Exception):
+        pass
+
+    out = tmp_path / "r"
+    real = alg.rtn_layer
+    with monkeypatch.context() as m:
+        m.setattr(alg, "rtn_layer", lambda i, *a: (_ for _ in ()).throw(Crash()) if i == 1 else real(i, *a))
+        code, _, err = run(["quantize", src, "-o", out, *RTN], capsys)
+    assert code == 1 and "stopped after 1 of 2 layers" in err, err
+    staging = tmp_path / ".r.kvq-partial"
+    state = json.loads((staging / "resume.json").read_text())
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(q, "open_lazy", interrupted)
+        code, _, err = run(["quantize", src, "-o", out, *RTN, "--resume"], capsys)
+    assert code == 130 and f"kept in {staging}" in err and "--resume to continue" in err, err
+    assert json.loads((staging / "resume.json").read_text()) == state  # untouched
+    code, _, err = run(["quantize", src, "-o", out, *RTN, "--resume"], capsys)
+    assert code == 0 and "resuming: 1 layer(s) already done" in _flat(err), err

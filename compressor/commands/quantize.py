@@ -42,7 +42,7 @@ from ..quant.algorithms import get_algorithm
 from ..quant.kv import layout_bytes_per_token
 from ..recipe import KVCacheOptions, Recipe, load_recipes, with_overrides
 from ..signing import check_sign_options, sign_folder
-from ..staging import LayerWriter, keep_checkpoint, open_staging, resume_key
+from ..staging import LayerWriter, keep_checkpoint, name_kept_checkpoint, open_staging, resume_key
 from ..streaming import open_lazy
 from .common import peak_rss_mib
 from .options import QuantizeOptions
@@ -96,14 +96,15 @@ def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict
     rank, world_size, device = setup_distributed(opts.execution.device)
     if rank != 0:
         console = None
-    src = _load(plan, opts, console, world_size)
-    n_layers = src.model.config.num_hidden_layers
-    arch = get_arch(src.model.config.model_type)
-    source_fp = plan.source.fingerprint()
-    key = resume_key({"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
-                      "calibration": src.calibration, "format": opts.write.format, "dtype": plan.dtype,
-                      "kvq": tool_info()["version"]})
-    staging = open_staging(plan.out, key, opts.execution.resume, console) if rank == 0 else None  # other ranks write nothing
+    with name_kept_checkpoint(plan.out, opts.execution.resume):  # interrupted while loading: say where the layers are
+        src = _load(plan, opts, console, world_size)
+        n_layers = src.model.config.num_hidden_layers
+        arch = get_arch(src.model.config.model_type)
+        source_fp = plan.source.fingerprint()
+        key = resume_key({"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
+                          "calibration": src.calibration, "format": opts.write.format, "dtype": plan.dtype,
+                          "kvq": tool_info()["version"]})
+        staging = open_staging(plan.out, key, opts.execution.resume, console) if rank == 0 else None  # other ranks write nothing
     with keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume
         writer = LayerWriter(src.model, arch, src.ckpt, staging, opts.write.format, DTYPES[plan.dtype],
                              lambda name: checkpoint_name(arch, name), opts.execution.activation_budget_gib,
