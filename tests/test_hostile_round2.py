@@ -300,3 +300,74 @@ def test_interruption_while_a_resumed_run_loads_names_the_staging_folder(src, tm
     assert json.loads((staging / "resume.json").read_text()) == state  # untouched
     code, _, err = run(["quantize", src, "-o", out, *RTN, "--resume"], capsys)
     assert code == 0 and "resuming: 1 layer(s) already done" in _flat(err), err
+
+
+# --- 8b. signals that were lost, or that land inside torch's import ---------------------
+
+def test_an_interruption_whose_exception_was_lost_stops_the_run(src, tmp_path, monkeypatch, capsys):
+    """CPython drops an exception raised in a ``__del__`` (the signal handler can run there);
+    the run must still stop at its next safe point, not finish with later signals ignored."""
+    import signal
+
+    import compressor.commands.quantize as q
+
+    real = q.open_lazy
+
+    def lost(*a, **k):
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except KeyboardInterrupt:
+            pass  # what CPython does with an exception raised inside a finalizer
+        return real(*a, **k)
+
+    monkeypatch.setattr(q, "open_lazy", lost)
+    out = tmp_path / "o"
+    code, _, err = run(["quantize", src, "-o", out, *RTN], capsys)
+    assert code == 143 and "terminated; no artifact was written" in err, err
+    assert not list(tmp_path.iterdir())  # no artifact, no staging folder
+
+
+def _python(tmp_path: Path, body: str, module: bool = False):
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "probe.py").write_text(body)
+    argv = [sys.executable, "-m", "probe"] if module else [sys.executable, str(tmp_path / "probe.py")]
+    return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"})
+
+
+def test_an_interruption_raised_inside_pyrun_code_keeps_kvqs_exit_code(tmp_path):
+    """An exact KeyboardInterrupt leaving code run through PyRun_* (pybind11's py::exec in
+    torch's import) makes a ``python -m`` process kill itself with SIGINT at exit, whatever
+    exit code it chose; kvq raises a subclass, so ``python -m compressor`` exits 143."""
+    r = _python(tmp_path, (
+        "import ctypes, signal, sys\n"
+        "from compressor import interrupts\n"
+        "interrupts.install()\n"
+        "ctypes.pythonapi.PyRun_SimpleString(b'import signal; signal.raise_signal(signal.SIGTERM)')\n"
+        "sys.exit(143 if interrupts.received() == signal.SIGTERM else 1)\n"), module=True)
+    assert r.returncode == 143, (r.returncode, r.stderr)
+
+
+def test_a_signal_during_the_torch_import_is_held_until_it_is_done(tmp_path):
+    """SIGTERM while torch is being imported: raised only once torch (and transformers) are
+    imported, never inside torch's initialisation (where it can abort the process)."""
+    r = _python(tmp_path, (
+        "import signal, sys\n"
+        "from compressor import cli, interrupts\n"
+        "class Hook:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            signal.raise_signal(signal.SIGTERM)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Hook())\n"
+        "interrupts.install()\n"
+        "try:\n"
+        "    cli._quiet_libraries()\n"
+        "except KeyboardInterrupt:\n"
+        "    print('raised after import', 'torch' in sys.modules and 'transformers' in sys.modules)\n"
+        "    sys.exit(0)\n"
+        "sys.exit(1)\n"))
+    assert r.returncode == 0 and r.stdout.strip() == "raised after import True", (r.returncode, r.stdout, r.stderr)

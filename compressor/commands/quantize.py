@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from .. import console as show
+from .. import interrupts
 from ..arch import checkpoint_name, get_arch, routers
 from ..artifact import DTYPES, check_output, tool_info, write_artifact
 from ..calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
@@ -106,12 +107,14 @@ def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict
                           "kvq": tool_info()["version"]})
         staging = open_staging(plan.out, key, opts.execution.resume, console) if rank == 0 else None  # other ranks write nothing
     with keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume
+        interrupts.check()  # a signal whose exception was lost while loading stops the run here
         writer = LayerWriter(src.model, arch, src.ckpt, staging, opts.write.format, DTYPES[plan.dtype],
                              lambda name: checkpoint_name(arch, name), opts.execution.activation_budget_gib,
                              opts.execution.memory_budget_gib)
         writer.restore(device)
         result = _quantize(plan, src, writer, opts, device, console)
     with keep_checkpoint(staging, n_layers, drop_on_error=False):  # every layer is done: keep them whatever happens
+        interrupts.check()
         src.calib_ids = None
         gc.collect()
         if rank != 0:
@@ -267,6 +270,7 @@ def _layer_done(plan: _Plan, opts: QuantizeOptions, console, bar, task, i: int, 
         if not any(w.startswith("float16 overflow accepted") for w in plan.warnings):
             plan.warnings.append(f"float16 overflow accepted (--allow-float16-overflow): {where}")
     show.layer_done(console, bar, task, i, n, fig)
+    interrupts.check()  # the layer is checkpointed: a signal whose exception was lost stops the run here
 
 
 # ---------------------------------------------------------------------------------------
