@@ -64,6 +64,69 @@ def _no_loading(monkeypatch):
     monkeypatch.setattr(q, "load_model", boom)
 
 
+# --- 1. calibration memory --------------------------------------------------------------
+
+def test_huge_calibration_is_refused_before_loading(src, tmp_path, monkeypatch, capsys):
+    """1,000,000 samples (inside the accepted range) x the longest seqlen: far beyond any
+    machine's memory and disk; refused in one line, naming what the activations need."""
+    _no_loading(monkeypatch)
+    out = tmp_path / "o"
+    code, _, err = run(["quantize", src, "-o", out, *FAST_GPTQ[:4], "--calib-samples", "1000000",
+                        "--calib-seqlen", "1048576"], capsys)
+    assert_clean_error(code, err, 2, "calibration activations of 1,000,000 x 1,048,576 tokens", tmp_path)
+    assert "lower --calib-samples" in err and not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("memory_gib, disk_gib, pattern", [
+    (8, 10**6, "of memory"),  # spilled or not, one copy (122 GiB) cannot be held
+    (10**6, 100, "of disk"),  # memory enough, but the checkpoints need 2 copies on disk
+])
+def test_calibration_memory_and_disk_bounds(src, tmp_path, monkeypatch, capsys, memory_gib, disk_gib, pattern):
+    import compressor.staging as st
+
+    _no_loading(monkeypatch)
+    monkeypatch.setattr(st, "available_memory", lambda: memory_gib * 2**30)
+    monkeypatch.setattr(st, "free_disk", lambda folder: disk_gib * 2**30)
+    code, _, err = run(["quantize", src, "-o", tmp_path / "o", *FAST_GPTQ[:4], "--calib-samples", "1000000"], capsys)
+    assert_clean_error(code, err, 2, pattern, tmp_path)
+    assert "122.1 GiB a copy" in err  # 1e6 x 512 x 64 x 4 bytes
+
+
+def test_calibration_that_fits_once_but_not_twice_is_spilled(src, tmp_path, monkeypatch, capsys):
+    """Within --activation-budget-gib, but two copies exceed the memory available: the run
+    spills (budget 0, said in a note) instead of running out of memory; same artifact."""
+    import compressor.staging as st
+
+    samples, seqlen, hidden = 4, 32, 64
+    copy, ids = samples * seqlen * hidden * 4, samples * seqlen * 8
+    monkeypatch.setattr(st, "available_memory", lambda: copy + ids + copy // 2)
+    budgets = []
+    real_spill = st.spill
+    monkeypatch.setattr(st, "spill", lambda h, folder, tag, budget: (budgets.append(budget), real_spill(h, folder, tag, budget))[1])
+    code, _, err = run(["quantize", src, "-o", tmp_path / "spilled", *FAST_GPTQ], capsys)
+    assert code == 0, err
+    assert "two copies do not fit" in _flat(err) and budgets and set(budgets) == {0}
+    monkeypatch.setattr(st, "available_memory", lambda: None)
+    budgets.clear()
+    code, _, err = run(["quantize", src, "-o", tmp_path / "plain", *FAST_GPTQ], capsys)
+    assert code == 0 and "two copies do not fit" not in _flat(err) and set(budgets) == {8 * 2**30}
+    assert load_manifest(tmp_path / "spilled").tensors == load_manifest(tmp_path / "plain").tensors
+
+
+def test_samples_beyond_the_text_say_the_windows_repeat(src, tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("A short calibration text about quantization, repeated a little. " * 8)
+    code, out, err = run(["quantize", src, "-o", tmp_path / "o", *FAST_GPTQ[:4], "--calib", text,
+                          "--calib-samples", "16", "--calib-seqlen", "32", "--json"], capsys)
+    assert code == 0, err
+    warned = [w for w in json.loads(out)["warnings"] if "repeat the text" in w]
+    assert len(warned) == 1 and "16 x 32 = 512 tokens" in warned[0]
+    assert warned == [w for w in load_manifest(tmp_path / "o").quality["warnings"] if "repeat the text" in w]
+    code, out, err = run(["quantize", src, "-o", tmp_path / "o2", *FAST_GPTQ[:4], "--calib", text,
+                          "--calib-samples", "2", "--calib-seqlen", "32", "--json"], capsys)
+    assert code == 0 and not [w for w in json.loads(out)["warnings"] if "repeat the text" in w]
+
+
 # --- 2. manifests with a huge number of entries -----------------------------------------
 
 def _add_tensors(art: Path, n: int) -> None:
