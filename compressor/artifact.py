@@ -39,10 +39,17 @@ def check_output(out: Path, overwrite: bool) -> None:
     deletes unrelated files.
 
     Raises:
-        InputError: the folder (or a file) exists and ``overwrite`` is false; it exists,
-            is not empty and is not a kvq artifact; or its parent is missing or not writable.
+        InputError: ``out`` is a symlink (dangling or not: the artifact is put in place by
+            renaming a folder onto that path, which a link cannot take); the folder (or a
+            file) exists and ``overwrite`` is false; it exists, is not empty and is not a
+            kvq artifact; or its parent is missing or not writable.
     """
     out = Path(out)
+    if out.is_symlink():
+        target = os.readlink(out)
+        state = "a dangling symlink" if not out.exists() else "a symlink"
+        raise InputError(f"output path {out} is {state} (to {target}); kvq renames the finished artifact into "
+                         "place and does not write through links: give the real path as -o")
     if out.exists() and not overwrite:
         raise InputError(f"output folder {out} exists; choose another -o or pass --overwrite")
     if out.exists() and not out.is_dir():

@@ -24,13 +24,22 @@ from .errors import InputError, KvqError
 
 
 def _quiet_libraries() -> None:
-    """The CLI owns its process: silence third-party progress bars (kvq draws its own)."""
+    """The CLI owns its process: silence third-party progress bars (kvq draws its own).
+
+    Every command that needs torch calls this first; torch and transformers are imported
+    here with SIGINT/SIGTERM held (:func:`compressor.interrupts.deferred`): a signal during
+    torch's C++ initialisation must not raise there (it can abort the process, exit 134), so
+    it is raised once the import is done."""
+    from . import interrupts
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported (calibration files)
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
-    import transformers
+    with interrupts.deferred():
+        import torch  # noqa: F401
+        import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

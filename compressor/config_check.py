@@ -70,6 +70,12 @@ def _text_config(cfg: dict) -> dict:
     return inner if isinstance(inner, dict) else cfg
 
 
+def hidden_size(cfg: dict) -> int | None:
+    """The language model's ``hidden_size`` (``text_config``'s in a multimodal wrapper), or ``None``."""
+    v = _text_config(cfg).get("hidden_size")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def _size(cfg: dict, name: str, where: str, limit: int = MAX_DIM, required: bool = False) -> int | None:
     if name not in cfg or cfg[name] is None:
         if required:

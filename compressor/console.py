@@ -31,6 +31,29 @@ def warnings(console, items: list[str]) -> None:
         note(console, f"[yellow]warning:[/] {w}", highlight=False)
 
 
+#: items of a list of differences printed one per line before the rest are only counted
+LIST_LIMIT = 20
+
+
+def capped_list(console, label: str, items: list[str], limit: int = LIST_LIMIT) -> None:
+    """One ``label: item`` line (``label`` in red) for each of the first ``limit`` items,
+    then ``label: ... and K more`` for the rest: a manifest of a million entries must not
+    take a million lines (the JSON report keeps every item)."""
+    for item in items[:limit]:
+        note(console, f"[red]{label}[/]: {item}", highlight=False)
+    if len(items) > limit:
+        note(console, f"[red]{label}[/]: ... and {len(items) - limit:,} more", highlight=False)
+
+
+def capped_names(line: str, limit: int = LIST_LIMIT) -> str:
+    """``what: a, b, c, ...`` with at most ``limit`` names, then ``... and K more``."""
+    head, sep, names = line.partition(": ")
+    parts = names.split(", ") if sep else []
+    if len(parts) <= limit:
+        return line
+    return f"{head}: {', '.join(parts[:limit])}, ... and {len(parts) - limit:,} more"
+
+
 def progress(console, total_label: str):
     """A rich progress bar (description, bar, done/total ``total_label``, elapsed, ETA),
     disabled without a terminal."""

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
+from .console import capped_list, capped_names
 from .errors import InputError
 from .manifest import MANIFEST_NAME, SIGNATURE_NAME, FileRecord, Manifest, TensorRecord, load_manifest
 from .safetensors_io import FolderDigests, digest_files, file_digest
@@ -227,16 +228,15 @@ HASH_KEYS = ("unsafe_files", "unreadable_files", "modified_tensors", "missing_te
 
 
 def print_hashes(console, hashes: dict) -> None:
-    """Print :func:`check_hashes`' result: one summary line, or one line per difference."""
+    """Print :func:`check_hashes`' result: one summary line, or one line per difference (at
+    most :data:`compressor.console.LIST_LIMIT` of each kind, then how many more)."""
     if hashes["ok"]:
         console.print(f"[green]hashes ok[/]: {hashes['tensors_checked']} tensors, {hashes['files_checked']} files match "
                       f"the manifest ({hashes['digest_algorithm']}, {hashes['bytes_hashed'] / 1e6:.0f} MB in "
                       f"{hashes['seconds']:.2f} s, {hashes['mb_per_s']:.0f} MB/s)", highlight=False)
         return
-    for key in HASH_KEYS:
-        for name in hashes[key]:
-            label = key.replace("_", " ")[:-1]
-            console.print(f"[red]{label}[/]: {name}", highlight=False)
+    for key in HASH_KEYS:  # at most LIST_LIMIT lines of each kind, then a count
+        capped_list(console, key.replace("_", " ")[:-1], hashes[key])
 
 
 def check_signature(folder: Path, keys: Optional[VerifyKeys], console=None) -> dict:
@@ -250,6 +250,9 @@ def check_signature(folder: Path, keys: Optional[VerifyKeys], console=None) -> d
         if console and present:
             console.print(f"[yellow]signature present but not checked[/]: pass --public-key, --certificate-chain or "
                           f"--identity/--issuer to check {SIGNATURE_NAME}", highlight=False)
+        elif console:  # not a failure (nothing was asked to be checked), but say it: nobody vouches for these files
+            console.print(f"[yellow]note:[/] no signature ({SIGNATURE_NAME} is missing): who made this artifact is not "
+                          "checked; sign it with `kvq sign`, then verify with --public-key", highlight=False)
         return sig
     sig = {"present": present, **verify_signature(folder, keys)}
     if console:
@@ -257,19 +260,25 @@ def check_signature(folder: Path, keys: Optional[VerifyKeys], console=None) -> d
             console.print(f"[green]signature ok[/] ({sig['method']}): {SIGNATURE_NAME} verifies over every file", highlight=False)
         else:
             console.print(f"[red]signature FAILED[/]: {sig['error']}", highlight=False)
-            for d in sig["differences"]:
-                console.print(f"  [red]signed files differ[/]: {d}", highlight=False)
+            capped_list(console, "  signed files differ", [capped_names(d) for d in sig["differences"]])
     return sig
 
 
 def check_artifact_folder(folder) -> Path:
-    """``folder`` as a Path; raise :class:`InputError` unless it is an existing folder (a file is named as such)."""
+    """``folder`` as the Path every later step uses: an existing folder, or :class:`InputError`
+    (a file is named as such).
+
+    A symlink given as the artifact path (``kvq verify link``, ``link/``) is resolved here,
+    once, to the folder it names: model_signing refuses a symlinked model path, so checking
+    or signing through the link would call a valid signature failed. Links *inside* the
+    artifact stay refused (:func:`check_hashes`).
+    """
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"{folder} is not a folder (an artifact is the folder `kvq quantize -o` wrote)")
     if not folder.is_dir():
         raise InputError(f"artifact folder {folder} not found")
-    return folder
+    return folder.resolve() if folder.is_symlink() else folder
 
 
 def verify_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) -> dict:
@@ -279,8 +288,7 @@ def verify_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) -> 
         InputError: not an artifact folder, invalid manifest, bad key files.
     """
     t0 = time.perf_counter()
-    folder = Path(folder)
-    check_artifact_folder(folder)
+    folder = check_artifact_folder(folder)
     load_manifest(folder)
     signature = check_signature(folder, keys, console)
     hashes = check_hashes(folder)

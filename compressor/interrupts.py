@@ -1,10 +1,11 @@
 """SIGINT/SIGTERM handling for the ``kvq`` command.
 
-The first signal raises ``KeyboardInterrupt`` so the running command unwinds (temporary
-folders are removed, a resumable checkpoint is kept); later signals are ignored while it
-unwinds, so clean-up is not cut short. Inside :func:`deferred` (the renames that put a
-finished artifact in place) a signal is held and raised when the block ends, so the output
-path is never left half-replaced.
+The first signal raises :class:`Interrupted` (a ``KeyboardInterrupt``) so the running
+command unwinds (temporary folders are removed, a resumable checkpoint is kept); later
+signals are ignored while it unwinds, so clean-up is not cut short. Inside :func:`deferred`
+(the renames that put a finished artifact in place, and the import of torch) a signal is
+held and raised when the block ends, so the output path is never left half-replaced and no
+exception is thrown into torch's C++ initialisation.
 """
 
 from __future__ import annotations
@@ -16,12 +17,21 @@ _state: dict = {"defer": 0, "pending": None}
 committed: list[str] = []  # outputs put in place by this process (for the interruption message)
 
 
+class Interrupted(KeyboardInterrupt):
+    """What a SIGINT or SIGTERM raises: caught by every ``except KeyboardInterrupt`` (click
+    turns it into ``Abort``), but not *exactly* a ``KeyboardInterrupt``. CPython records an
+    exact ``KeyboardInterrupt`` that leaves code run through ``PyRun_*`` (pybind11's
+    ``py::exec``, which torch's import uses) as unhandled for good, and a ``python -m``
+    process then kills itself with SIGINT at exit (status -2) whatever exit code kvq chose,
+    although kvq had caught it; a subclass is not recorded."""
+
+
 def _handler(signum, frame):
     if _state["pending"] is not None:  # already unwinding
         return
     _state["pending"] = signum
     if not _state["defer"]:
-        raise KeyboardInterrupt
+        raise Interrupted
 
 
 def install() -> tuple:
@@ -58,4 +68,15 @@ def deferred():
     finally:
         _state["defer"] -= 1
     if not _state["defer"] and _state["pending"] is not None:
-        raise KeyboardInterrupt
+        raise Interrupted
+
+
+def check() -> None:
+    """Raise :class:`Interrupted` when a signal was received but its exception never reached
+    the command. CPython drops an exception raised inside a ``__del__`` method or a weakref
+    callback, and the handler can run there (garbage collection runs at any moment, most
+    often early, while libraries load); the run would then go on to the end with later
+    signals ignored. Called at safe points of ``kvq quantize``: before the first layer, after
+    each layer, before the artifact is written. Outside :func:`install` nothing is pending."""
+    if _state["pending"] is not None and not _state["defer"]:
+        raise Interrupted

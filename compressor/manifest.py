@@ -40,6 +40,11 @@ MANIFEST_NAME = "kvq-manifest.json"
 SIGNATURE_NAME = "model.sig"
 READ_VERSIONS = ("kvq.manifest/1", SCHEMA_VERSION)
 HEX64 = r"^[0-9a-f]{64}$"
+#: bounds on a manifest read from disk, checked before it is parsed or validated. The largest
+#: published MoE models quantized by kvq list about 300k tensors (Kimi K2: 384 experts x 61
+#: layers, four tensors per packed linear) in a manifest of about 80 MB.
+MAX_MANIFEST_BYTES = 512 * 2**20
+MAX_MANIFEST_ENTRIES = 1_000_000  # files + tensors
 
 
 def _safe_name(name: str) -> str:
@@ -133,13 +138,19 @@ def load_manifest(folder: str | Path) -> Manifest:
     """Read and validate ``folder/kvq-manifest.json``.
 
     Raises:
-        InputError: missing, not JSON, duplicate keys, nested too deeply, unknown schema
-            version, unsafe paths, bad digests, sizes or shapes that are not integers.
+        InputError: missing, larger than :data:`MAX_MANIFEST_BYTES`, not JSON, duplicate
+            keys, nested too deeply, more than :data:`MAX_MANIFEST_ENTRIES` files and
+            tensors, unknown schema version, unsafe paths, bad digests, sizes or shapes that
+            are not integers.
     """
     path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
         raise InputError(f"{folder} has no {MANIFEST_NAME}: not a kvq artifact (another tool's artifact: kvq verify "
                          "--no-manifest --reference MODEL)")
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise InputError(f"{path}: {size:,} bytes, above the {MAX_MANIFEST_BYTES // 2**20} MiB a kvq manifest may "
+                         "take; not read")
     try:
         data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys)
     except InputError as e:  # a duplicate key: JSON allows it, but which value counts is parser-defined
@@ -150,6 +161,10 @@ def load_manifest(folder: str | Path) -> Manifest:
         raise InputError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: manifest must be a JSON object")
+    entries = sum(len(data[k]) for k in ("files", "tensors") if isinstance(data.get(k), dict))
+    if entries > MAX_MANIFEST_ENTRIES:
+        raise InputError(f"{path}: {entries:,} files and tensors listed, above the {MAX_MANIFEST_ENTRIES:,} a kvq "
+                         "manifest may list; not read")
     if data.get("schema_version") == "kvq.manifest/1":
         data = _upgrade_v1(data)
     if data.get("schema_version") != SCHEMA_VERSION:

@@ -396,10 +396,11 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
         resumed = hooks is not None and hooks.hidden is not None
         hidden, layer_kwargs = capture_layer_inputs(model, arch, calib_ids, batch_size, device, kwargs_only=resumed)
         if resumed:
-            hidden = hooks.hidden
+            hidden, hooks.hidden = hooks.hidden, None  # taken: the loop's copy is the only one kept
             for i, (k, v) in hooks.kv_absmax.items():
                 if observer is not None:
                     observer.layers[i].k_absmax, observer.layers[i].v_absmax = k, v
+        hidden = _spill(hidden, hooks, "in")  # layer 0's inputs too: above the budget one copy stays in memory
     for i, layer in enumerate(layers):
         if i < start:
             continue
@@ -418,10 +419,7 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
             layer.to(device)
             hidden, fig = _quantize_and_recompute(i, layer, hidden, layer_kwargs[i], ctx, algorithm, result)
             layer.to("cpu")
-            if hooks is not None and hooks.activation_budget is not None:
-                from .staging import spill
-
-                hidden = spill(hidden, hooks.spill_dir, f"{i % 2}", hooks.activation_budget)
+            hidden = _spill(hidden, hooks, f"{i % 2}")
         fig["seconds"] = round(time.perf_counter() - t1, 3)
         result.layers.append(fig)
         if observer is not None and observer.layers[i].k_absmax is not None:
@@ -430,6 +428,15 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
             hooks.done(i, layer, result, hidden)
         if on_layer:
             on_layer(i, n_layers, fig)
+
+
+def _spill(hidden, hooks: LayerHooks | None, tag: str):
+    """``hidden`` moved to memory-mapped files when it exceeds the hooks' activation budget."""
+    if hooks is None or hooks.activation_budget is None:
+        return hidden
+    from .staging import spill
+
+    return spill(hidden, hooks.spill_dir, tag, hooks.activation_budget)
 
 
 def _quantize_layer(i, layer, ctx: LayerContext, algorithm: Algorithm, result: QuantizeResult) -> dict:

@@ -159,7 +159,8 @@ def check_sign_options(opts: SignOptions) -> None:
 
     Raises:
         InputError: no method, two methods, missing or unparseable key/certificate files,
-            password problems, a signing certificate that does not belong to the key.
+            password problems, a signing certificate that does not belong to the key or
+            that grants no signing usage (:func:`_check_signing_usage`).
     """
     if opts.sigstore:
         if opts.private_key or opts.signing_certificate:
@@ -176,10 +177,40 @@ def check_sign_options(opts: SignOptions) -> None:
         if leaf.public_key() != key.public_key():
             raise InputError(f"signing certificate {opts.signing_certificate} does not match private key "
                              f"{opts.private_key} (the certificate is for another key)")
+        _check_signing_usage(leaf, opts.signing_certificate)
         for c in opts.certificate_chain:
             _check_pem(_readable(c, "certificate"), "cert")
     elif opts.certificate_chain:
         raise InputError("--certificate-chain needs --signing-certificate (the leaf certificate of the key)")
+
+
+def _check_signing_usage(cert, path: Path) -> None:
+    """Refuse a signing certificate that model_signing's certificate verifier never accepts:
+    one whose KeyUsage lacks ``digitalSignature`` (or that has none) and whose
+    ExtendedKeyUsage lacks ``codeSigning`` (or that has none) -- a CA certificate with only
+    ``keyCertSign``, say. The rule is the verifier's own, so what is refused here is exactly
+    what ``kvq verify --certificate-chain`` (and the stock ``model_signing verify``) would fail.
+
+    Raises:
+        InputError: neither usage is granted, or the certificate's extensions cannot be parsed.
+    """
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    def granted(kind, test) -> bool:
+        try:
+            return test(cert.extensions.get_extension_for_class(kind).value)
+        except x509.ExtensionNotFound:
+            return False
+        except ValueError as e:  # a duplicate or malformed extension
+            raise InputError(f"signing certificate {path}: cannot read its extensions ({e})") from None
+
+    if granted(x509.KeyUsage, lambda u: u.digital_signature) or \
+            granted(x509.ExtendedKeyUsage, lambda u: ExtendedKeyUsageOID.CODE_SIGNING in u):
+        return
+    raise InputError(f"signing certificate {path} is not for signing: it grants neither the key usage digitalSignature "
+                     "nor the extended key usage codeSigning, so no verifier (model_signing) would accept a model.sig "
+                     "made with it; use a leaf certificate issued for code signing")
 
 
 def _hashing_config():

@@ -8,7 +8,9 @@ options); after each layer the next layer's input activations are saved too. A r
 run rehashes the parts and refuses any that changed, so a damaged checkpoint never
 reaches the manifest. ``kvq quantize ... --resume`` continues after the last
 finished layer when the key matches; without ``--resume`` a stale staging folder is
-replaced. Activations above the budget move to memory-mapped files here (:func:`spill`).
+replaced. kvq marks each staging folder it creates (:data:`MARKER_NAME`), so one killed
+before its first checkpoint is recognised and started over rather than refused.
+Activations above the budget move to memory-mapped files here (:func:`spill`).
 """
 
 from __future__ import annotations
@@ -126,50 +128,186 @@ def resume_key(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+#: written into a staging folder when kvq creates it, before any part: a folder holding it is
+#: kvq's even when a kill -9 came before the first checkpoint (``resume.json``)
+MARKER_NAME = "kvq-staging.json"
+
+
 def open_staging(out: Path, key: str, resume: bool, console=None) -> Staging:
     """The staging folder for ``out``: resumed when ``resume`` and its key matches, else new.
 
+    A staging folder kvq made (its :data:`MARKER_NAME`, or a ``resume.json``) but that holds
+    no checkpoint -- killed after the first part was written, before the first checkpoint --
+    is started over, with a note; with ``resume`` the note says there was nothing to resume
+    (no layer was finished, so starting over loses nothing).
+
     Raises:
-        InputError: ``resume`` asked but no resumable run exists, or it was made from other
-            inputs (its key differs); the staging path exists and is not kvq's.
+        InputError: ``resume`` asked but no staging folder exists, or its run was made from
+            other inputs (its key differs), or a checkpointed file changed; the staging path
+            exists and is not kvq's.
     """
     path = staging_path(out)
     state_file = path / RESUME_NAME
     if path.exists() and not path.is_dir():
         raise InputError(f"{path} exists and is not a folder; remove it")
-    if resume:
-        if not state_file.is_file():
-            raise InputError(f"--resume: no interrupted run to resume for {out} (no {path}/{RESUME_NAME})")
-        try:
-            state = json.loads(state_file.read_text())
-        except (OSError, ValueError) as e:
-            raise InputError(f"--resume: cannot read {state_file}: {e}") from None
-        if state.get("key") != key:
-            raise InputError(f"--resume: the interrupted run in {path} was made from other inputs (source, recipe, "
-                             "calibration or output options differ); rerun without --resume to start over")
-        parts = [path / n for n in state.get("parts", [])]
-        lost = [p.name for p in parts if not p.is_file()]
-        if lost:
-            raise InputError(f"--resume: {path} lacks {lost[0]}; rerun without --resume to start over")
-        recorded = state.get("digests") or {}
-        for name in [p.name for p in parts] + ([state["hidden"]] if state.get("hidden") else []):
-            f = path / name
-            if name not in recorded or not f.is_file() or file_digest(f) != recorded[name]:
-                raise InputError(f"--resume: {f} changed since it was checkpointed (its SHA-256 differs from "
-                                 f"{RESUME_NAME}); rerun without --resume to start over")
-        shutil.rmtree(path / ARTIFACT_DIR, ignore_errors=True)  # an interrupted final write
-        if console:
-            console.print(f"resuming: {state['layers_done']} layer(s) already done in {path}", highlight=False)
-        return Staging(path, key, parts, state)
+    ours = path.is_dir() and ((path / MARKER_NAME).is_file() or state_file.is_file())
+    if resume and state_file.is_file():
+        return _resume(path, out, key, console)
+    if resume and not ours:
+        raise InputError(f"--resume: no interrupted run to resume for {out} (no {path}/{RESUME_NAME})")
     if path.exists():
-        if not state_file.is_file() and any(path.iterdir()):
+        if not ours and any(path.iterdir()):
             raise InputError(f"{path} exists and was not written by an interrupted kvq quantize; remove it")
-        if console and state_file.is_file():
-            console.print(f"[yellow]note:[/] replacing the interrupted run in {path} (pass --resume to continue it)",
-                          highlight=False)
+        if resume:
+            show_note = (f"[yellow]note:[/] --resume: the interrupted run in {path} stopped before its first layer was "
+                         "checkpointed: nothing to resume; starting over")
+        elif state_file.is_file():
+            show_note = f"[yellow]note:[/] replacing the interrupted run in {path} (pass --resume to continue it)"
+        else:
+            show_note = (f"[yellow]note:[/] replacing {path}, an interrupted run that finished no layer"
+                         if ours else None)
+        if console and show_note:
+            console.print(show_note, highlight=False)
         shutil.rmtree(path)
     path.mkdir(parents=True)
+    (path / MARKER_NAME).write_text(json.dumps({"tool": "kvq", "output": str(out)}))  # its presence is what counts
     return Staging(path, key)
+
+
+def _resume(path: Path, out: Path, key: str, console) -> Staging:
+    """The checkpointed run in ``path``, every recorded file rehashed (see :func:`open_staging`)."""
+    state_file = path / RESUME_NAME
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"--resume: cannot read {state_file}: {e}") from None
+    if state.get("key") != key:
+        raise InputError(f"--resume: the interrupted run in {path} was made from other inputs (source, recipe, "
+                         "calibration or output options differ); rerun without --resume to start over")
+    parts = [path / n for n in state.get("parts", [])]
+    lost = [p.name for p in parts if not p.is_file()]
+    if lost:
+        raise InputError(f"--resume: {path} lacks {lost[0]}; rerun without --resume to start over")
+    recorded = state.get("digests") or {}
+    for name in [p.name for p in parts] + ([state["hidden"]] if state.get("hidden") else []):
+        f = path / name
+        if name not in recorded or not f.is_file() or file_digest(f) != recorded[name]:
+            raise InputError(f"--resume: {f} changed since it was checkpointed (its SHA-256 differs from "
+                             f"{RESUME_NAME}); rerun without --resume to start over")
+    shutil.rmtree(path / ARTIFACT_DIR, ignore_errors=True)  # an interrupted final write
+    if console:
+        console.print(f"resuming: {state['layers_done']} layer(s) already done in {path}", highlight=False)
+    return Staging(path, key, parts, state)
+
+
+def checkpointed_layers(out: Path) -> int:
+    """How many layers the staging folder of ``out`` has checkpointed (0: none, or no folder)."""
+    try:
+        return int(json.loads((staging_path(out) / RESUME_NAME).read_text()).get("layers_done") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+@contextmanager
+def name_kept_checkpoint(out: Path, resume: bool):
+    """Around the steps of a ``--resume`` run before its staging folder is opened (loading the
+    source, hashing it): an interruption or crash there leaves the folder as it was, so name
+    it on stderr, as :func:`keep_checkpoint` does once the layers run. Input errors (exit 2)
+    stay one line."""
+    try:
+        yield
+    except KvqError:
+        raise
+    except BaseException:
+        done = checkpointed_layers(out) if resume else 0
+        if done:
+            print(f"kvq: the {done} finished layer(s) of the interrupted run are kept in {staging_path(out)}: "
+                  "rerun the same command with --resume to continue", file=sys.stderr)
+        raise
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process can still take: ``MemAvailable`` of ``/proc/meminfo``,
+    lowered to the cgroup's limit minus its usage where one is set (a container); ``None``
+    where neither can be read (the memory check is then skipped)."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, usage in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            cap = Path("/sys/fs/cgroup", limit).read_text().strip()
+            if cap != "max" and int(cap) < 2**60:
+                found.append(max(int(cap) - int(Path("/sys/fs/cgroup", usage).read_text()), 0))
+                break
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
+
+
+def free_disk(folder: Path) -> int | None:
+    """Free bytes on the file system of ``folder`` (``None`` when it cannot be asked)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def plan_activations(samples: int, seqlen: int, hidden: int, budget_bytes: int, folder: Path,
+                     device: str = "cpu") -> tuple[bool, str | None]:
+    """Check, before any work, that the calibration activations fit; returns ``(spill_all, note)``.
+
+    One copy is ``samples x seqlen x hidden x 4`` bytes (float32); the layer loop holds a
+    layer's inputs and its recomputed outputs (two copies) plus the int64 token ids, and the
+    resume checkpoint writes the next layer's inputs to the staging folder after every layer
+    (two files while one replaces the other). Above ``budget_bytes`` (``--activation-budget-gib``)
+    the inputs move to memory-mapped files there: one copy in memory, three on disk. When two
+    copies would not fit in :func:`available_memory` although one is within the budget, they
+    are spilled anyway: ``spill_all`` is then true (run with a budget of 0) and the note says so. On CUDA the
+    activations stay on the device (no spill): two copies must fit in its free memory.
+
+    Only these activations are counted (the model's layer and the algorithm's buffers come on
+    top), so a refusal is certain, a pass is not a guarantee.
+
+    Raises:
+        InputError: they cannot fit in memory (spilled or not), in the device's memory, or
+            in the free disk of ``folder``; the line says how much each needs.
+    """
+    copy, ids = samples * seqlen * hidden * 4, samples * seqlen * 8
+    what = (f"calibration activations of {samples:,} x {seqlen:,} tokens x hidden size {hidden:,} (float32, "
+            f"{_gib(copy)} a copy)")
+    fix = "lower --calib-samples or --calib-seqlen"
+    mem, spill_all, note = available_memory(), False, None
+    if device.startswith("cuda"):
+        import torch
+
+        dev = torch.cuda.mem_get_info(torch.device(device))[0]
+        if 2 * copy > dev:
+            raise InputError(f"{what} need {_gib(2 * copy)} (inputs and outputs of a layer) on {device}, which has "
+                             f"{_gib(dev)} free: {fix}")
+        spilled, ram, disk = False, ids + copy, 2 * copy  # the checkpoint goes through host memory
+    else:
+        if copy <= budget_bytes and mem is not None and 2 * copy + ids > mem:
+            spill_all = True
+            note = (f"{what}: two copies do not fit in the {_gib(mem)} of memory available, so they are spilled to "
+                    "memory-mapped files in the staging folder (as with a lower --activation-budget-gib)")
+        spilled = spill_all or copy > budget_bytes
+        ram, disk = ids + copy * (1 if spilled else 2), copy * (3 if spilled else 2)
+    if mem is not None and ram > mem:
+        raise InputError(f"{what} need at least {_gib(ram)} of memory ({'one copy spilled to disk, ' if spilled else ''}"
+                         f"plus the token ids), but {_gib(mem)} is available: {fix}")
+    room = free_disk(folder)
+    if room is not None and disk > room:
+        raise InputError(f"{what} need {_gib(disk)} of disk in {folder} for the resume checkpoints"
+                         f"{' and the spilled copy' if spilled else ''}, which has {_gib(room)} free: {fix}")
+    return spill_all, note
 
 
 def spill(hidden: list[torch.Tensor], folder: Path, tag: str, budget_bytes: int) -> list[torch.Tensor]:

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from .. import console as show
+from .. import interrupts
 from ..arch import checkpoint_name, get_arch, routers
 from ..artifact import DTYPES, check_output, tool_info, write_artifact
 from ..calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
@@ -42,7 +43,9 @@ from ..quant.algorithms import get_algorithm
 from ..quant.kv import layout_bytes_per_token
 from ..recipe import KVCacheOptions, Recipe, load_recipes, with_overrides
 from ..signing import check_sign_options, sign_folder
-from ..staging import LayerWriter, keep_checkpoint, open_staging, resume_key
+from ..staging import (
+    LayerWriter, keep_checkpoint, name_kept_checkpoint, open_staging, plan_activations, resume_key,
+)
 from ..streaming import open_lazy
 from .common import peak_rss_mib
 from .options import QuantizeOptions
@@ -61,6 +64,8 @@ class _Plan:
     warnings: list[str]  # grows as the run goes: the manifest's quality.warnings
     dtype: str = "float16"  # storage and declared dtype (compressor.models.storage_dtype)
     dtype_reason: str = "--dtype"
+    calib_shape: Optional[tuple[int, int]] = None  # (samples, seqlen) of the calibration windows, None without
+    activation_budget_gib: Optional[float] = None  # in effect (0: spill all); None until the activations are checked
 
 
 #: the largest finite float16 value: activations past it overflow in a float16 deployment
@@ -96,21 +101,24 @@ def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict
     rank, world_size, device = setup_distributed(opts.execution.device)
     if rank != 0:
         console = None
-    src = _load(plan, opts, console, world_size)
-    n_layers = src.model.config.num_hidden_layers
-    arch = get_arch(src.model.config.model_type)
-    source_fp = plan.source.fingerprint()
-    key = resume_key({"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
-                      "calibration": src.calibration, "format": opts.write.format, "dtype": plan.dtype,
-                      "kvq": tool_info()["version"]})
-    staging = open_staging(plan.out, key, opts.execution.resume, console) if rank == 0 else None  # other ranks write nothing
+    with name_kept_checkpoint(plan.out, opts.execution.resume):  # interrupted while loading: say where the layers are
+        src = _load(plan, opts, console, world_size)
+        n_layers = src.model.config.num_hidden_layers
+        arch = get_arch(src.model.config.model_type)
+        source_fp = plan.source.fingerprint()
+        key = resume_key({"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
+                          "calibration": src.calibration, "format": opts.write.format, "dtype": plan.dtype,
+                          "kvq": tool_info()["version"]})
+        staging = open_staging(plan.out, key, opts.execution.resume, console) if rank == 0 else None  # other ranks write nothing
     with keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume
+        interrupts.check()  # a signal whose exception was lost while loading stops the run here
         writer = LayerWriter(src.model, arch, src.ckpt, staging, opts.write.format, DTYPES[plan.dtype],
-                             lambda name: checkpoint_name(arch, name), opts.execution.activation_budget_gib,
+                             lambda name: checkpoint_name(arch, name), plan.activation_budget_gib,
                              opts.execution.memory_budget_gib)
         writer.restore(device)
         result = _quantize(plan, src, writer, opts, device, console)
     with keep_checkpoint(staging, n_layers, drop_on_error=False):  # every layer is done: keep them whatever happens
+        interrupts.check()
         src.calib_ids = None
         gc.collect()
         if rank != 0:
@@ -151,14 +159,40 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     needs_calib = algorithm.needs_calibration or (kv is not None and kv.static)
     calib = opts.calibration
     token_file = needs_calib and is_token_file(calib.source)
+    calib_shape = (calib.samples, calib.seqlen) if needs_calib else None
     if token_file:  # structure checked before the model loads; the id range after (it needs the vocabulary)
-        load_token_ids(calib.source)
+        calib_shape = tuple(load_token_ids(calib.source)[0].shape)
     text = load_text(calib.source, calib.field, part="calib") if needs_calib and not token_file else None
     if text is not None and text.note:
         show.note(console, f"[yellow]calibration:[/] {text.note}")
     if opts.execution.resume and os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
         raise InputError("--resume is not available under torchrun (several ranks); resume with one process")
-    return _Plan(out, recipe, source, kv, token_file, text, warnings, dtype, dtype_reason)
+    plan = _Plan(out, recipe, source, kv, token_file, text, warnings, dtype, dtype_reason, calib_shape)
+    if source.kind == "hf":  # config.json was checked against the weights: its hidden size is the model's
+        from ..config_check import hidden_size, read_config
+
+        _check_activations(plan, opts, hidden_size(read_config(source.path / "config.json")), console)
+    return plan
+
+
+def _check_activations(plan: _Plan, opts: QuantizeOptions, hidden: Optional[int], console) -> None:
+    """The calibration activations against memory, disk and ``--activation-budget-gib``
+    (:func:`compressor.staging.plan_activations`); sets ``plan.activation_budget_gib``.
+    Run in the plan for a Hugging Face folder, after loading for a GGUF file (its hidden size
+    is known only then).
+
+    Raises:
+        InputError: the activations cannot fit (the line says what each needs).
+    """
+    plan.activation_budget_gib = opts.execution.activation_budget_gib
+    if plan.calib_shape is None or not hidden:
+        return
+    spill_all, note = plan_activations(*plan.calib_shape, hidden, int(plan.activation_budget_gib * 2**30),
+                                       plan.out.resolve().parent, opts.execution.device)
+    if spill_all:
+        plan.activation_budget_gib = 0.0
+    if note:
+        show.note(console, f"[yellow]note:[/] {note}", highlight=False)
 
 
 def _refuse_output_in_source(source: Path, out: Path, spec: str) -> None:
@@ -207,6 +241,8 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
     if model is None:
         model, tokenizer = load_model(source)
     show.note(console, f"source weights: {loading}", highlight=False)
+    if plan.activation_budget_gib is None:  # a GGUF source: its hidden size is known now
+        _check_activations(plan, opts, getattr(model.config, "hidden_size", None), console)
     check_shapes(opts.write.format, {n: m.out_features for n, m in model.named_modules()
                                      if isinstance(m, torch.nn.Linear) and not plan.recipe.is_ignored(n) and n != "lm_head"})
     calib_ids, calibration = _calibration(plan, opts, model, tokenizer, console)
@@ -227,7 +263,13 @@ def _calibration(plan: _Plan, opts: QuantizeOptions, model, tokenizer, console) 
         return calib_ids, calibration
     if plan.text is None:
         return None, None
-    calib_ids = sample_windows(tokenize(tokenizer, plan.text.text), c.samples, c.seqlen, c.seed)
+    tokens = tokenize(tokenizer, plan.text.text)
+    calib_ids = sample_windows(tokens, c.samples, c.seqlen, c.seed)
+    if c.samples * c.seqlen > tokens.numel():
+        plan.warnings.append(
+            f"calibration: {c.samples} x {c.seqlen} = {c.samples * c.seqlen:,} tokens asked of a text of "
+            f"{tokens.numel():,} tokens ({plan.text.name}): the windows overlap and repeat the text (at most "
+            f"{tokens.numel() // c.seqlen} windows of {c.seqlen} would not); give more text or fewer --calib-samples")
     calibration = {**plan.text.provenance(), "samples": c.samples, "seqlen": c.seqlen, "seed": c.seed}
     show.note(console, f"calibration: {c.samples} x {c.seqlen} tokens from {plan.text.name} (seed {c.seed})")
     return calib_ids, calibration
@@ -266,6 +308,7 @@ def _layer_done(plan: _Plan, opts: QuantizeOptions, console, bar, task, i: int, 
         if not any(w.startswith("float16 overflow accepted") for w in plan.warnings):
             plan.warnings.append(f"float16 overflow accepted (--allow-float16-overflow): {where}")
     show.layer_done(console, bar, task, i, n, fig)
+    interrupts.check()  # the layer is checkpointed: a signal whose exception was lost stops the run here
 
 
 # ---------------------------------------------------------------------------------------

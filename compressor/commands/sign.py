@@ -25,8 +25,7 @@ def run_sign(folder: Path, opts: SignOptions, console=None) -> dict:
         InputError: not an artifact, bad key material.
         CheckFailed: the artifact does not match its manifest (nothing is signed), or signing failed.
     """
-    folder = Path(folder)
-    check_artifact_folder(folder)
+    folder = check_artifact_folder(folder)  # a symlinked artifact path is resolved once, here
     check_sign_options(opts)
     load_manifest(folder)
     hashes = check_hashes(folder)
