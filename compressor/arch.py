@@ -108,6 +108,9 @@ class ArchSpec:
     kv: str = "gqa"
     # the bundled runtime (kvq serve-smoke / serve) runs this layout
     runtime: bool = False
+    # config field bounding the sequence length at which the runtime's dense attention is
+    # exact (DeepSeek sparse attention: ``index_topk``; longer sequences are refused)
+    dense_exact_within: str | None = None
     # in-memory name -> checkpoint name templates (relative to a layer), for checkpoints
     # whose names differ from transformers' modules (Mixtral: block_sparse_moe.experts.<e>.w1)
     checkpoint_names: tuple[tuple[str, str], ...] = ()
@@ -246,6 +249,9 @@ _DEEPSEEK_V3 = ArchSpec(
 #: scale its input columns too (``also_scale``), so the selection is unchanged by folding.
 #: The indexer's key cache (``index_head_dim`` per token) is not a kvq KV scheme: kvq neither
 #: calibrates nor quantizes it and bytes/token count the MLA latent only.
+#: The bundled runtime has no indexer: it computes dense MLA, which is exact while a sequence
+#: holds at most ``index_topk`` tokens (the indexer then selects every earlier key: transformers
+#: takes ``min(index_topk, keys)`` of the causally masked scores), and refuses longer ones.
 _INDEXER = "self_attn.indexer"
 _DSA = replace(_DEEPSEEK_V3, awq_groups=(
     ScalingGroup("input_layernorm", _MLA_Q, "self_attn", inspect_is_attention=True,
@@ -253,7 +259,7 @@ _DSA = replace(_DEEPSEEK_V3, awq_groups=(
     ScalingGroup("self_attn.q_a_layernorm", ("self_attn.q_b_proj",), "self_attn.q_b_proj",
                  also_scale=(f"{_INDEXER}.wq_b",)),
     ScalingGroup("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",), "self_attn.kv_b_proj"),
-) + _mlp_groups(), runtime=False)  # the bundled runtime has no lightning indexer yet: serve-smoke refuses these rows
+) + _mlp_groups(), dense_exact_within="index_topk")
 
 #: model_type -> ArchSpec
 ARCHITECTURES: dict[str, ArchSpec] = {

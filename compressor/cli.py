@@ -399,8 +399,9 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, devi
     The runtime serves llama, mistral, qwen2, qwen3, gemma3_text, glm4, and the MoE
     rows mixtral, qwen3_moe, glm4_moe, deepseek_v3, kimi_k2 and glm4_moe_lite (routers
     as transformers computes them, packed experts; MLA caches the compressed latent
-    plus the RoPE key). deepseek_v32 and glm_moe_dsa (DeepSeek sparse attention) are
-    refused (exit 2): the runtime has no lightning indexer yet; check them with kvq verify.
+    plus the RoPE key), deepseek_v32 and glm_moe_dsa (DeepSeek sparse attention,
+    computed densely: exact while a sequence holds at most index_topk tokens, 2048 in
+    the releases; a longer prompt plus --max-new-tokens is refused, exit 2).
 
     \b
     1. rechecks the digests (a tampered artifact fails, exit 1);

@@ -538,23 +538,69 @@ def test_other_custom_tokenizers_are_refused_in_one_line(tmp_path, sources, caps
 
 @pytest.mark.parametrize("model_type", NEW)
 def test_serve_smoke_on_published_rows(model_type, tmp_path, tokenizer):
-    """kvq serve-smoke agrees with the reference on kimi_k2 and glm4_moe_lite (MLA + MoE);
-    the DeepSeek-sparse-attention rows (deepseek_v32, glm_moe_dsa) are refused in one line:
-    the bundled runtime has no lightning indexer (dense attention measured 41-50 % top-1
-    agreement against transformers' sparse reference on the tiny models)."""
+    """kvq serve-smoke agrees with the reference on every published row. The sparse-attention
+    rows (deepseek_v32, glm_moe_dsa) are built with index_topk = max_position_embeddings, so
+    every prompt is within the bound where the runtime's dense attention is exact; on these
+    random tiny models their greedy top-1 agreement with the float source over 4 tokens per
+    prompt measured 66-72 % (near-tied logits) while the prompt KL was 0.0007-0.001 nats, so
+    the top-1 gate is set at 50 % there and the KL gate carries the check."""
     from compressor.commands.options import SmokeOptions
     from compressor.commands.serve_smoke import run_serve_smoke
 
-    src = make_published(tmp_path / "src", tokenizer, model_type)
+    kw = {"index_topk": 256} if model_type in ("deepseek_v32", "glm_moe_dsa") else {}
+    src = make_published(tmp_path / "src", tokenizer, model_type, **kw)
     out = tmp_path / "out"
     run_quantize(QuantizeOptions(model=str(src), output=out, algorithm="rtn", group_size=32, kv_scheme="fp8",
                                  calib_samples=4, calib_seqlen=32))
-    if model_type in ("deepseek_v32", "glm_moe_dsa"):
-        with pytest.raises(InputError, match=model_type):
-            run_serve_smoke(SmokeOptions(artifact=out, max_new_tokens=4))
-        return
-    rep = run_serve_smoke(SmokeOptions(artifact=out, max_new_tokens=4))
+    gate = {"min_top1": 50.0, "max_kl": 0.01} if kw else {}
+    rep = run_serve_smoke(SmokeOptions(artifact=out, max_new_tokens=4, **gate))
     assert rep["passed"], rep.get("failed_gates")
+
+
+@pytest.mark.parametrize("model_type", NEW)
+def test_runtime_logits_equal_verify_on_published_rows(model_type, tmp_path, tokenizer):
+    """The runtime's logits equal verify's dequantized model (same int8 KV cache) on each
+    published MLA row; their configs publish rms_norm_eps 1e-5 (GLM) where transformers
+    builds the latent norms with 1e-6 (a 1e-4 difference before the runtime followed it).
+    Sparse-attention rows: within index_topk tokens the indexer selects every earlier key,
+    so the runtime's dense MLA equals transformers' sparse attention; beyond it the two
+    differ and the runtime refuses in one line."""
+    from compressor.artifact import load_artifact, read_kv_cache
+    from compressor.quant.kv import cache_kwarg, quantized_cache
+    from compressor.runtime import Runtime
+
+    topk = 24
+    sparse_rows = ("deepseek_v32", "glm_moe_dsa")
+    src = make_published(tmp_path / "src", tokenizer, model_type, rms_norm_eps=1e-5,
+                         **({"index_topk": topk} if model_type in sparse_rows else {}))
+    out = tmp_path / "out"
+    run_quantize(QuantizeOptions(model=str(src), output=out, algorithm="rtn", group_size=32, kv_scheme="int8",
+                                 calib_samples=4, calib_seqlen=32, dtype="float32"))
+    model, _ = load_artifact(out)
+    spec, scales = read_kv_cache(out)
+    rt = Runtime.from_artifact(out, backend="dequant")
+    layout = get_arch(model_type).kv_layout(model.config)
+    ids = IDS[:2, :topk]
+    with torch.no_grad():
+        cache = quantized_cache(spec, model.config.num_hidden_layers, scales, layout=layout)
+        ref = model(ids, use_cache=True, **{cache_kwarg(model): cache}).logits
+    assert float((rt.logits(ids) - ref).abs().max()) < 1e-5
+    if model_type not in sparse_rows:
+        return
+    longer = IDS[:2, :topk + 8]
+    with torch.no_grad():  # beyond index_topk the indexer leaves keys out: dense attention is another computation
+        sparse = model(longer).logits
+        for m in model.modules():
+            if hasattr(m, "index_topk"):
+                m.index_topk = 10**6
+        dense = model(longer).logits
+    assert float((sparse[:, :topk] - dense[:, :topk]).abs().max()) < 1e-5
+    assert float((sparse[:, topk:] - dense[:, topk:]).abs().max()) > 1e-3
+    with pytest.raises(InputError, match=rf"{model_type}: .*index_topk = {topk} tokens; this one needs {topk + 8}"):
+        rt.logits(longer)
+    with pytest.raises(InputError, match="index_topk"):
+        rt.generate([IDS[0, :topk - 2].tolist()], max_new_tokens=4)
+    assert len(rt.generate([IDS[0, :topk - 4].tolist()], max_new_tokens=4).tokens[0]) == 4
 
 
 # ---------------------------------------------------------------------------------------

@@ -42,12 +42,15 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn", "proportional")
 class RowTraits:
     """What a row's transformers modeling code fixes outside ``config.json``.
 
-    ``rope``: the rotary layout of GQA attention (:func:`apply_rope`; MLA rows read
-    ``config.rope_interleave``); ``embed_scale``: the embedding is multiplied by
-    ``sqrt(hidden_size)`` (rounded to the compute dtype, as ``Gemma3TextScaledWordEmbedding``).
+    ``rope``: the rotary layout of GQA attention (:func:`apply_rope`); ``mla_rope``: the
+    rotary layout of MLA attention when the modeling code fixes it (DeepSeek-V3.2 and GLM-5
+    always call ``apply_rotary_pos_emb_interleave``), ``None``: ``config.rope_interleave``
+    decides (DeepSeek-V3, Kimi K2, GLM-4.7-Flash); ``embed_scale``: the embedding is multiplied
+    by ``sqrt(hidden_size)`` (rounded to the compute dtype, as ``Gemma3TextScaledWordEmbedding``).
     """
 
     rope: str = "half"
+    mla_rope: str | None = None
     embed_scale: bool = False
 
 
@@ -55,6 +58,8 @@ class RowTraits:
 ROW_TRAITS: dict[str, RowTraits] = {
     "gemma3_text": RowTraits(embed_scale=True),
     "glm4": RowTraits(rope="pairs"),
+    "deepseek_v32": RowTraits(mla_rope="deinterleave"),
+    "glm_moe_dsa": RowTraits(mla_rope="deinterleave"),
 }
 
 

@@ -158,6 +158,7 @@ class Engine:
         if len(ids) + max_tokens > limit:
             raise InputError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
                              f"length {limit}")
+        self.runtime.check_length(len(ids) + max_tokens)
 
     def _take_batch(self) -> list[_Request]:
         """The next batch (lock held): up to ``max_batch`` greedy sequences, or the first sampled one alone."""

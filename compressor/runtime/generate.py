@@ -151,6 +151,22 @@ class Runtime:
             if lo < 0 or hi >= self.vocab_size:
                 raise InputError(f"prompt {b} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.vocab_size})")
 
+    def check_length(self, tokens: int) -> None:
+        """Refuse a sequence of ``tokens`` tokens the runtime cannot compute exactly.
+
+        DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) attends to the ``index_topk`` keys its
+        lightning indexer picks; this runtime has no indexer and computes dense attention,
+        which is the same computation while a sequence holds at most ``index_topk`` tokens.
+
+        Raises:
+            InputError: ``tokens`` exceeds that bound (names it and the model type).
+        """
+        limit = self.decoder.spec.dense_limit
+        if limit is not None and tokens > limit:
+            raise InputError(f"{self.decoder.spec.model_type}: the bundled runtime computes its sparse attention densely, "
+                             f"which is exact only while a sequence holds at most index_topk = {limit} tokens; this one "
+                             f"needs {tokens} (check longer contexts with kvq verify)")
+
     # -- API ----------------------------------------------------------------------------
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor | Sequence[Sequence[int]], chunk: int | None = None) -> torch.Tensor:
@@ -165,13 +181,15 @@ class Runtime:
             float32 ``[B, T, vocab]``.
 
         Raises:
-            InputError: not 2-D, empty, ids outside the vocabulary, ``chunk < 1``.
+            InputError: not 2-D, empty, ids outside the vocabulary, ``chunk < 1``, longer than
+                :meth:`check_length` allows.
         """
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         if ids.ndim != 2 or ids.numel() == 0:
             raise InputError(f"input_ids must be a non-empty [batch, tokens] array, got shape {tuple(ids.shape)}")
         self._check_ids(ids.tolist())
         B, T = ids.shape
+        self.check_length(T)
         chunk = T if chunk is None else int(chunk)
         if chunk < 1:
             raise InputError(f"chunk must be >= 1, got {chunk}")
@@ -202,7 +220,8 @@ class Runtime:
 
         Raises:
             InputError: empty prompt list or prompt, ids outside the vocabulary,
-                negative ``max_new_tokens``, ``temperature <= 0`` when sampling, ``prefill_chunk < 1``.
+                negative ``max_new_tokens``, ``temperature <= 0`` when sampling, ``prefill_chunk < 1``,
+                a prompt plus ``max_new_tokens`` longer than :meth:`check_length` allows.
         """
         if not prompts:
             raise InputError("no prompts given")
@@ -216,6 +235,7 @@ class Runtime:
         B = len(rows)
         lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
         longest = int(lens.max())
+        self.check_length(longest + max_new_tokens)
         chunk = longest if prefill_chunk is None else int(prefill_chunk)
         if chunk < 1:
             raise InputError(f"prefill_chunk must be >= 1, got {chunk}")

@@ -29,6 +29,11 @@ from .model import NORM_LAYOUTS, Decoder, DecoderLayer, DecoderSpec, LoadInfo, c
 from .moe import MoE, make_router
 from .weights import MARKER, PACKED_LEAVES, read_quant_weight
 
+#: eps of MLA's q_a_layernorm / kv_a_layernorm: transformers' DeepSeek-V3, GLM-4.7-Flash,
+#: DeepSeek-V3.2 and GLM-5 modules build them with their RMSNorm's default, whatever
+#: config.rms_norm_eps says
+MLA_LATENT_NORM_EPS = 1e-6
+
 #: kernel name reported for routed experts served by the grouped Triton MoE kernel
 GROUPED_KERNEL = "triton-moe-w4a16"
 
@@ -131,9 +136,10 @@ class _Builder:
             self.fallbacks[name] = lin.fallback_reason
         return lin
 
-    def norm(self, name: str, offset: float | None = None) -> RMSNorm:
+    def norm(self, name: str, offset: float | None = None, eps: float | None = None) -> RMSNorm:
         w = _float(self.t.get(f"{name}.weight"), self.device, self.dtype)
-        return RMSNorm(w, self.spec.rms_norm_eps, self.arch.norm_offset if offset is None else offset)
+        return RMSNorm(w, self.spec.rms_norm_eps if eps is None else eps,
+                       self.arch.norm_offset if offset is None else offset)
 
     def float_tensor(self, name: str, dtype=None) -> torch.Tensor:
         x = _float(self.t.get(name), self.device, dtype or self.dtype)
@@ -162,10 +168,14 @@ class _Builder:
         if s.kv == "mla":
             rels = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
             lin = {r: self.linear(self.name(i, f"{a}.{r}")) for r in rels if self.has_module(self.name(i, f"{a}.{r}"))}
-            q_norm = self.norm(self.name(i, f"{a}.q_a_layernorm")) if "q_a_proj" in lin else None
+            # transformers builds the latent norms with its RMSNorm's default eps (1e-6), not
+            # config.rms_norm_eps (GLM-4.7-Flash and GLM-5 publish 1e-5), in every MLA row
+            q_norm = self.norm(self.name(i, f"{a}.q_a_layernorm"), eps=MLA_LATENT_NORM_EPS) if "q_a_proj" in lin else None
             dims = (s.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
-            layout = "deinterleave" if getattr(cfg, "rope_interleave", False) else "half"
-            return MLAttention(i, lin, q_norm, self.norm(self.name(i, f"{a}.kv_a_layernorm")), dims, mla_scale(cfg),
+            layout = row_traits(cfg.model_type).mla_rope or ("deinterleave" if getattr(cfg, "rope_interleave", False)
+                                                             else "half")
+            kv_norm = self.norm(self.name(i, f"{a}.kv_a_layernorm"), eps=MLA_LATENT_NORM_EPS)
+            return MLAttention(i, lin, q_norm, kv_norm, dims, mla_scale(cfg),
                                layout, rope_key)
         lin = {r: self.linear(self.name(i, f"{a}.{r}")) for r in ("q_proj", "k_proj", "v_proj", "o_proj")}
         qk = [self.norm(self.name(i, f"{a}.{n}")) if self.has_module(self.name(i, f"{a}.{n}")) else None
@@ -270,7 +280,7 @@ def load_decoder(folder: str | Path, device: str | torch.device = "cpu", backend
         raise InputError("--device cuda but torch sees no CUDA device")
     raw, cfg = _read_config(folder)
     arch = get_arch(cfg.model_type)
-    spec = DecoderSpec.from_config(cfg, arch.kv)
+    spec = DecoderSpec.from_config(cfg, arch.kv, arch.dense_exact_within)
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else (
             torch.bfloat16 if str(raw.get("dtype", raw.get("torch_dtype"))) == "bfloat16" else torch.float16)

@@ -64,9 +64,12 @@ class DecoderSpec:
     kv: str = "gqa"
     kv_widths: tuple = field(default=())
     final_logit_softcapping: float | None = None
+    #: longest sequence for which the dense attention computed here is exact (DeepSeek sparse
+    #: attention's ``index_topk``); ``None``: no such bound
+    dense_limit: int | None = None
 
     @classmethod
-    def from_config(cls, cfg, kv: str = "gqa") -> "DecoderSpec":
+    def from_config(cls, cfg, kv: str = "gqa", dense_field: str | None = None) -> "DecoderSpec":
         """Raises InputError: a missing field or GQA heads that do not divide."""
         try:
             n_heads = int(cfg.num_attention_heads)
@@ -86,7 +89,8 @@ class DecoderSpec:
                        float(getattr(cfg, "rms_norm_eps", 1e-6)), str(act),
                        bool(getattr(cfg, "tie_word_embeddings", False)),
                        int(getattr(cfg, "max_position_embeddings", 0) or 0), tuple(windows), kv, widths,
-                       None if cap is None else float(cap))
+                       None if cap is None else float(cap),
+                       None if dense_field is None else int(getattr(cfg, dense_field)))
         except (AttributeError, TypeError, ValueError) as e:
             raise InputError(f"config.json lacks a field the runtime needs ({e})") from None
         if n_heads % n_kv:
