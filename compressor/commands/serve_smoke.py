@@ -101,7 +101,9 @@ def _refused(report: dict, e, console, t0: float) -> dict:
     if isinstance(e, SignatureFailed):
         report["signature"] = e.signature
         report["failed_gates"] = ["signature"]
-        show.note(console, f"[red]{e}[/]", highlight=False)
+        from rich.markup import escape
+
+        show.note(console, f"[red]{escape(str(e))}[/]", highlight=False)
     else:
         report["hashes_ok"] = False
         report["hashes"] = e.report
