@@ -371,17 +371,20 @@ def foreign_manifest(folder: str | Path) -> ForeignManifest:
     return ForeignManifest({"algorithm": algorithm}, {"algorithm": algorithm, "gates": {}}, {}, kv_rec)
 
 
-def read_kv_cache(folder: str | Path, manifest=None):
+def read_kv_cache(folder: str | Path, manifest=None, tensors=None, n_layers: int | None = None):
     """The artifact's KV-cache scheme and static scales, or ``None`` when it has none.
 
     Returns ``(KVSpec, {layer: (k_scale, v_scale)} | None)``; scales are read from the
-    ``<layers>.<i>.<attention>.k_scale``/``v_scale`` tensors.
+    ``<layers>.<i>.<attention>.k_scale``/``v_scale`` tensors (float32, flattened).
+
+    Args:
+        tensors: where to read them (an object with ``keys()`` and ``get(name)``, the
+            runtime's checked reader); default: the folder's safetensors shards.
+        n_layers: decoder layers (default: ``config.json``'s ``num_hidden_layers``).
 
     Raises:
         InputError: the manifest names a static scheme but scale tensors are missing.
     """
-    from safetensors import safe_open
-
     from .quant.kv import make_spec
 
     folder = Path(folder)
@@ -393,19 +396,29 @@ def read_kv_cache(folder: str | Path, manifest=None):
     if not spec.static:
         return spec, None
     scales: dict[int, list] = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            for key in f.keys():
-                module, _, leaf = key.rpartition(".")
-                if leaf in ("k_scale", "v_scale"):
-                    idx = [p for p in module.split(".") if p.isdigit()]
-                    if not idx:
-                        continue
-                    scales.setdefault(int(idx[0]), [None, None])[0 if leaf == "k_scale" else 1] = f.get_tensor(key).float().flatten()
-    n_layers = int(json.loads((folder / "config.json").read_text()).get("num_hidden_layers", len(scales)))
+    for key, get in _scale_tensors(folder, tensors):
+        module, _, leaf = key.rpartition(".")
+        idx = [p for p in module.split(".") if p.isdigit()]
+        if idx:
+            scales.setdefault(int(idx[0]), [None, None])[0 if leaf == "k_scale" else 1] = get().float().flatten()
+    if n_layers is None:
+        n_layers = int(json.loads((folder / "config.json").read_text()).get("num_hidden_layers", len(scales)))
     missing = [i for i in range(n_layers) if i not in scales or None in scales[i]]
     if missing:
         raise InputError(f"{folder}: KV scheme {spec.describe()} but k_scale/v_scale missing for layer {missing[0]}")
     return spec, {i: (k, v) for i, (k, v) in scales.items()}
+
+
+def _scale_tensors(folder: Path, tensors):
+    """``(name, read)`` for each stored ``k_scale``/``v_scale`` tensor, from ``tensors`` or the folder's shards."""
+    is_scale = lambda key: key.rpartition(".")[2] in ("k_scale", "v_scale")  # noqa: E731
+    if tensors is not None:
+        yield from ((key, lambda key=key: tensors.get(key)) for key in list(tensors.keys()) if is_scale(key))
+        return
+    from safetensors import safe_open
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            yield from ((key, lambda key=key, f=f: f.get_tensor(key)) for key in f.keys() if is_scale(key))
 
 

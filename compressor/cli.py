@@ -113,6 +113,33 @@ def _parse_size(value: str, param) -> int:
     return n
 
 
+_SIGNATURE_OPTIONS = (
+    click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Check model.sig with this EC public key (PEM) before anything else."),
+    click.option("--certificate-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="Check model.sig against this certificate chain (PEM, repeatable)."),
+    click.option("--identity", default=None, help="Sigstore keyless: the expected signer identity (e.g. an e-mail or workflow URL); needs --issuer and network."),
+    click.option("--issuer", default=None, help="Sigstore keyless: the expected OIDC issuer, e.g. https://token.actions.githubusercontent.com."),
+)
+
+
+_NO_MANIFEST_SERVE = ("ARTIFACT was written by another tool and has no kvq-manifest.json: serve it unchecked (one line "
+                      "says so; model.sig is still checked when key material is given).")
+
+
+def _signature_options(f):
+    """--public-key / --certificate-chain / --identity + --issuer (verify, serve-smoke, serve):
+    the command receives ``public_key``, ``certificate_chain``, ``identity``, ``issuer``."""
+    for option in reversed(_SIGNATURE_OPTIONS):
+        f = option(f)
+    return f
+
+
+def _verify_keys(public_key, certificate_chain, identity, issuer):
+    """The :class:`~compressor.signing.VerifyKeys` of :func:`_signature_options`' values."""
+    from .signing import VerifyKeys
+
+    return VerifyKeys(public_key=public_key, certificate_chain=tuple(certificate_chain), identity=identity, issuer=issuer)
+
+
 @cli.command()
 @click.argument("model")
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Artifact folder to create (must not exist unless --overwrite).")
@@ -246,10 +273,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.option("--eval-dtype", type=click.Choice(["auto", "float32"]), default="auto", show_default=True, help="Evaluate the artifact in the dtype its config.json declares (auto: what transformers and vLLM load it in, so the figures describe the model users serve) or in float32. The reference is float32; the report's evaluated_in says which.")
 @click.option("--hidden-batches", type=_range(VerifyOptions, "hidden_batches"), default=2, show_default=True, help="Eval windows (first 512 tokens each) for the per-layer hidden-state error.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write report.md (PR comment), report.html, report.json and PNG plots into this folder.")
-@click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Check model.sig with this EC public key (PEM) before anything else.")
-@click.option("--certificate-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="Check model.sig against this certificate chain (PEM, repeatable).")
-@click.option("--identity", default=None, help="Sigstore keyless: the expected signer identity (e.g. an e-mail or workflow URL); needs --issuer and network.")
-@click.option("--issuer", default=None, help="Sigstore keyless: the expected OIDC issuer, e.g. https://token.actions.githubusercontent.com.")
+@_signature_options
 @click.option("--no-manifest", is_flag=True, help="ARTIFACT was written by another tool (e.g. llm-compressor) and has no kvq-manifest.json: skip the digest step (the signature is still checked when keys are given) and compare with --reference, which is then required.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report to this file.")
@@ -292,9 +316,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     """
     if json_out is not None and not json_out.resolve().parent.is_dir():
         raise InputError(f"cannot write --json-out {json_out}: its folder does not exist")
-    from .signing import VerifyKeys
-
-    keys = VerifyKeys(public_key=public_key, certificate_chain=tuple(certificate_chain), identity=identity, issuer=issuer)
+    keys = _verify_keys(public_key, certificate_chain, identity, issuer)
     opts = _options(
         VerifyOptions, artifact=artifact, reference=reference, eval_text=eval_text, seqlen=seqlen, max_windows=max_windows,
         max_ppl_increase=max_ppl_increase, hashes_only=hashes_only, device=device, kv_scheme=kv_scheme,
@@ -391,9 +413,11 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
 @click.option("--min-top1", type=_range(SmokeOptions, "min_top1", float), default=None, help="Gate: minimum top-1 agreement with the reference over generated positions, percent (default: recipe gates.serve_min_top1_pct, else 70).")
 @click.option("--max-kl", type=_range(SmokeOptions, "max_kl", float), default=None, help="Gate: maximum mean KL(reference || runtime) over prompt positions, nats (default: recipe gates.serve_max_prompt_kl, else 0.5).")
 @click.option("--min-first-divergence", type=_range(SmokeOptions, "min_first_divergence"), default=None, help="Gate: minimum median first generated position where the reference would pick another token.")
+@_signature_options
+@click.option("--no-manifest", is_flag=True, help=_NO_MANIFEST_SERVE + " --reference is then required.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, device, http, http_requests, min_top1, max_kl,
-                min_first_divergence, as_json):
+                min_first_divergence, public_key, certificate_chain, identity, issuer, no_manifest, as_json):
     """Serve ARTIFACT with the bundled runtime and check it answers like the original.
 
     The runtime serves llama, mistral, qwen2, qwen3, gemma3_text, glm4, and the MoE
@@ -404,9 +428,14 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, devi
     the releases; a longer prompt plus --max-new-tokens is refused, exit 2).
 
     \b
-    1. rechecks the digests (a tampered artifact fails, exit 1);
-    2. loads the runtime: packed weights read directly (CPU: PyTorch's int4/int8
-       weight-only matmul ops, else dequantize-then-matmul; CUDA: Triton W4A16) and a
+    1. with --public-key, --certificate-chain or --identity/--issuer: model.sig first
+       (another key, a missing signature or a file changed since signing: exit 1);
+    2. loads the runtime, checking as it loads: every byte is read once, each tensor's
+       digest is computed from the very bytes it is built from and compared with
+       kvq-manifest.json, as are config.json, the tokenizer files and the file list;
+       a modified, missing, extra or renamed tensor or file is named (exit 1) before
+       anything runs. Packed weights are read directly (CPU: PyTorch's int4/int8
+       weight-only matmul ops, else dequantize-then-matmul; CUDA: Triton W4A16), with a
        preallocated KV cache in the artifact's scheme (fp8 with its scales, int8,
        int4/int2 KIVI);
     3. greedy generation of every prompt as one batch and of the first prompt alone:
@@ -426,9 +455,10 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, devi
     from .commands.serve_smoke import run_serve_smoke
 
     opts = _options(SmokeOptions, artifact=artifact, prompts=str(prompts_file) if prompts_file else None,
-                        max_new_tokens=max_new_tokens, reference=reference, device=_device(device), backend=backend,
-                        http=http, http_requests=http_requests, min_top1=min_top1, max_kl=max_kl,
-                        min_first_divergence=min_first_divergence)
+                    max_new_tokens=max_new_tokens, reference=reference, device=_device(device), backend=backend,
+                    http=http, http_requests=http_requests, min_top1=min_top1, max_kl=max_kl,
+                    min_first_divergence=min_first_divergence, no_manifest=no_manifest,
+                    keys=_verify_keys(public_key, certificate_chain, identity, issuer))
     report = run_serve_smoke(opts, console=None if as_json else _console())
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True, default=str))
@@ -445,22 +475,37 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, devi
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the runtime runs.")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help="Concurrent requests batched into one generation.")
 @click.option("--max-queue", type=click.IntRange(1, 65536), default=64, show_default=True, help="Sequences (prompts) allowed to wait; a request that does not fit gets 429.")
-def serve(artifact, host, port, allow_remote, backend, device, max_batch, max_queue):
+@_signature_options
+@click.option("--no-manifest", is_flag=True, help=_NO_MANIFEST_SERVE)
+def serve(artifact, host, port, allow_remote, backend, device, max_batch, max_queue, public_key, certificate_chain,
+          identity, issuer, no_manifest):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API until Ctrl-C.
 
     Routes: GET /health, POST /v1/completions, POST /v1/chat/completions (greedy when
-    temperature is 0, the default). The artifact's digests are checked first.
+    temperature is 0, the default).
+
+    Before the port opens: with --public-key, --certificate-chain or --identity/--issuer,
+    model.sig is checked first; then the artifact is checked as it loads: every byte is
+    read once, each tensor's digest is computed from the bytes it is built from, and
+    they, config.json, the tokenizer files and the file list are compared with
+    kvq-manifest.json. A failed check names the tensor or file and exits 1 without
+    serving.
 
     \b
     Example:
       kvq serve out/smollm2-w4 --port 8000 &
+      kvq serve out/smollm2-w4 --public-key pub.pem
       curl -s localhost:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 8}'
     """
     from .runtime.server import ServeOptions, check_host, run_server
 
     check_host(host, allow_remote)  # refuse before loading anything
+    keys = _verify_keys(public_key, certificate_chain, identity, issuer)
+    if keys.conflict():
+        raise click.UsageError(keys.conflict())
     _quiet_libraries()
-    run_server(ServeOptions(artifact, host, port, allow_remote, backend, _device(device), max_batch, max_queue),
+    run_server(ServeOptions(artifact, host, port, allow_remote, backend, _device(device), max_batch, max_queue,
+                            keys=keys, no_manifest=no_manifest),
                announce=lambda line: click.echo(line, err=True))
 
 

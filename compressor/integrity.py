@@ -42,7 +42,7 @@ def build_manifest(folder: Path, fields: dict, extra_provenance: dict | None = N
     return Manifest(files=files, tensors=tensors, provenance=provenance, digest_algorithm=digest_algorithm, **fields)
 
 
-def _scan_artifact_folder(folder: Path) -> tuple[set[str], list[str]]:
+def scan_artifact_folder(folder: Path) -> tuple[set[str], list[str]]:
     """Sort the entries of ``folder`` into plain files and unsafe ones.
 
     Returns ``(present, unsafe)``: the names of the plain files other than the manifest
@@ -172,33 +172,48 @@ def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
     """Recompute every file and tensor digest and compare them with the manifest.
 
     Every byte of the artifact is hashed once (safetensors: header plus each tensor's
-    range; other files whole), on all cores. Returns a dict with ``ok`` and the sorted
-    lists ``modified_tensors`` (bytes, file, or the header's dtype or shape differ from
-    the manifest), ``missing_tensors``, ``extra_tensors``, ``renamed_tensors``
-    (``"old -> new"``: a missing tensor whose file, dtype, shape and digest reappear
-    under another name in the header), ``modified_files``,
-    ``missing_files``, ``extra_files``, ``renamed_files`` (``"old -> new"``: a missing
-    file whose size and digest reappear under another name), ``unsafe_files`` (symlinks,
-    folders, special files: kvq never writes them and never follows them) and
-    ``unreadable_files`` (safetensors files whose header no longer parses), plus counts,
-    ``bytes_hashed``, ``seconds`` and ``mb_per_s`` (10^6 bytes per second). Like
-    model-signing, it names every difference rather than stopping at the first.
-
-    Steps: :func:`_scan_artifact_folder`, one :func:`digest_files` pass, file comparison
-    (:func:`_modified_files`, :func:`_renamed_files`), tensor comparison
-    (:func:`_compare_tensors`).
+    range; other files whole), on all cores. Returns :func:`compare_with_manifest`'s
+    report. Like model-signing, it names every difference rather than stopping at the
+    first. The runtime's loader computes the same digests from the bytes it loads instead
+    (:mod:`compressor.load_integrity`) and compares them with the same function.
 
     Raises:
         InputError: no manifest, or an invalid one (see :func:`load_manifest`).
     """
     folder = Path(folder)
     manifest = load_manifest(folder)
+    present, unsafe = scan_artifact_folder(folder)
+    d = digest_files(folder, sorted(present), manifest.digest_algorithm, workers)
+    return compare_with_manifest(folder, manifest, present, unsafe, d)
+
+
+def compare_with_manifest(folder: Path, manifest: Manifest, present: set[str], unsafe: list[str],
+                          d: FolderDigests) -> dict:
+    """Compare digests ``d`` of the plain files ``present`` of ``folder`` with ``manifest``.
+
+    ``present`` and ``unsafe`` come from :func:`scan_artifact_folder`; ``d`` holds a
+    digest of every file of ``present`` and of every tensor of its parseable safetensors
+    files, however they were read (:func:`digest_files` by :func:`check_hashes`, or the
+    runtime loader from the bytes it loads).
+
+    Returns a dict with ``ok`` and the sorted lists ``modified_tensors`` (bytes, file, or
+    the header's dtype or shape differ from the manifest), ``missing_tensors``,
+    ``extra_tensors``, ``renamed_tensors`` (``"old -> new"``: a missing tensor whose
+    file, dtype, shape and digest reappear under another name in the header),
+    ``modified_files``, ``missing_files``, ``extra_files``, ``renamed_files`` (``"old ->
+    new"``: a missing file whose size and digest reappear under another name),
+    ``unsafe_files`` (symlinks, folders, special files: kvq never writes them and never
+    follows them) and ``unreadable_files`` (safetensors files whose header no longer
+    parses), plus counts, ``bytes_hashed``, ``seconds`` and ``mb_per_s`` (10^6 bytes per
+    second).
+
+    Steps: file comparison (:func:`_modified_files`, :func:`_renamed_files`), tensor
+    comparison (:func:`_compare_tensors`).
+    """
     algo = manifest.digest_algorithm
-    present, unsafe = _scan_artifact_folder(folder)
     unsafe_names = {u.split(":", 1)[0] for u in unsafe}
     listed = set(manifest.files)
     extra = sorted(present - listed)
-    d = digest_files(folder, sorted(present), algo, workers)
     report = {"digest_algorithm": algo, "missing_files": sorted(listed - present - unsafe_names), "extra_files": [],
               "renamed_files": [], "modified_files": [], "modified_tensors": [], "missing_tensors": [],
               "extra_tensors": [], "renamed_tensors": [], "unsafe_files": sorted(unsafe),
@@ -227,13 +242,25 @@ HASH_KEYS = ("unsafe_files", "unreadable_files", "modified_tensors", "missing_te
              "renamed_tensors", "modified_files", "missing_files", "extra_files", "renamed_files")
 
 
+def describe_differences(hashes: dict, limit: int = 6) -> str:
+    """:func:`check_hashes`' differences on one line: ``modified tensor a, extra file b (+3 more)``."""
+    items = [f"{key.replace('_', ' ')[:-1]} {name}" for key in HASH_KEYS for name in hashes[key]]
+    more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def hashes_summary(hashes: dict) -> str:
+    """``N tensors, M files match the manifest (sha256, X MB in S s, R MB/s)`` for a passed :func:`check_hashes`."""
+    return (f"{hashes['tensors_checked']} tensors, {hashes['files_checked']} files match the manifest "
+            f"({hashes['digest_algorithm']}, {hashes['bytes_hashed'] / 1e6:.0f} MB in {hashes['seconds']:.2f} s, "
+            f"{hashes['mb_per_s']:.0f} MB/s)")
+
+
 def print_hashes(console, hashes: dict) -> None:
     """Print :func:`check_hashes`' result: one summary line, or one line per difference (at
     most :data:`compressor.console.LIST_LIMIT` of each kind, then how many more)."""
     if hashes["ok"]:
-        console.print(f"[green]hashes ok[/]: {hashes['tensors_checked']} tensors, {hashes['files_checked']} files match "
-                      f"the manifest ({hashes['digest_algorithm']}, {hashes['bytes_hashed'] / 1e6:.0f} MB in "
-                      f"{hashes['seconds']:.2f} s, {hashes['mb_per_s']:.0f} MB/s)", highlight=False)
+        console.print(f"[green]hashes ok[/]: {hashes_summary(hashes)}", highlight=False)
         return
     for key in HASH_KEYS:  # at most LIST_LIMIT lines of each kind, then a count
         capped_list(console, key.replace("_", " ")[:-1], hashes[key])

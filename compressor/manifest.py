@@ -152,7 +152,22 @@ def load_manifest(folder: str | Path) -> Manifest:
         raise InputError(f"{path}: {size:,} bytes, above the {MAX_MANIFEST_BYTES // 2**20} MiB a kvq manifest may "
                          "take; not read")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys)
+        raw = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from None
+    return parse_manifest(raw, path)
+
+
+def parse_manifest(raw: bytes, path: str | Path) -> Manifest:
+    """Validate the manifest bytes ``raw`` (read from ``path``, named in errors): what
+    :func:`load_manifest` does once the file is read, for a caller that must use the very
+    bytes it checked (e.g. against a signature).
+
+    Raises:
+        InputError: see :func:`load_manifest`.
+    """
+    try:
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except InputError as e:  # a duplicate key: JSON allows it, but which value counts is parser-defined
         raise InputError(f"{path}: {e} (a manifest must not repeat a key)") from None
     except RecursionError:

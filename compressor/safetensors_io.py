@@ -67,19 +67,47 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise InputError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            n = int.from_bytes(head, "little")
-            if n > MAX_HEADER_BYTES or n > size - 8:
-                raise InputError(f"{path}: bad safetensors header: length {n} exceeds the file or the 100 MiB limit")
-            raw = f.read(n)
+            size = os.fstat(f.fileno()).st_size
+            span = read_header_span(f, size, path)
     except OSError as e:
         raise InputError(f"cannot read {path}: {e.strerror}") from None
+    return parse_header(span, size, path)
+
+
+def read_header_span(f, size: int, path: str | os.PathLike) -> bytes:
+    """The first ``8 + N`` bytes of the open safetensors file ``f`` (length prefix and JSON header).
+
+    ``size`` is the file's size in bytes; ``f`` is read from its current position (0).
+
+    Raises:
+        InputError: shorter than 8 bytes, a header length beyond the file or above 100 MiB.
+        OSError: the read failed.
+    """
+    head = f.read(8)
+    if len(head) < 8:
+        raise InputError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+    n = int.from_bytes(head, "little")
+    if n > MAX_HEADER_BYTES or n > size - 8:
+        raise InputError(f"{path}: bad safetensors header: length {n} exceeds the file or the 100 MiB limit")
+    raw = f.read(n)
+    if len(raw) < n:
+        raise InputError(f"{path}: not a safetensors file (truncated header)")
+    return head + raw
+
+
+def parse_header(span: bytes, size: int, path: str | os.PathLike) -> dict[str, TensorEntry]:
+    """Validate the header bytes ``span`` (from :func:`read_header_span`) of a file of ``size`` bytes.
+
+    Returns ``{name: TensorEntry}`` with absolute byte ranges. Parsing the very bytes that
+    were hashed is what lets a loader serve what it checked.
+
+    Raises:
+        InputError: see :func:`read_header`.
+    """
+    n = len(span) - 8
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(span[8:].decode("utf-8"), object_pairs_hook=_no_duplicates)
     except InputError as e:
         raise InputError(f"{path}: {e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -159,6 +187,21 @@ def new_hasher(algorithm: str, nbytes: int = 0):
 
         return blake3.blake3(max_threads=blake3.blake3.AUTO if nbytes >= _BLAKE3_THREADED_MIN else 1)
     raise InputError(f"unknown digest algorithm {algorithm!r} (choose from {', '.join(HASH_ALGORITHMS)})")
+
+
+def digest_bytes(data, algorithm: str = "sha256") -> str:
+    """Hex digest of the bytes-like ``data``: a tensor's stored bytes, a header span, a whole file.
+
+    The same digest :func:`digest_files` computes from the file (it feeds the same bytes
+    to the same hasher in slices), for a loader that hashes what it read into memory.
+
+    Raises:
+        InputError: unknown algorithm.
+    """
+    view = memoryview(data)
+    h = new_hasher(algorithm, view.nbytes)
+    h.update(view)
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,12 @@ class VerifyKeys:
         """Whether any key material was given (otherwise the signature is only noted, not checked)."""
         return bool(self.public_key or self.certificate_chain or self.identity or self.issuer)
 
+    def conflict(self) -> Optional[str]:
+        """Why this key material is ambiguous (more than one way given), or None."""
+        if sum(bool(x) for x in (self.public_key, self.certificate_chain, self.identity or self.issuer)) > 1:
+            return "choose one of --public-key, --certificate-chain, --identity/--issuer"
+        return None
+
     def method(self) -> str:
         """``key``, ``certificate`` or ``sigstore``."""
         if self.public_key:
@@ -362,31 +368,30 @@ def verify_signature(folder: Path, keys: VerifyKeys) -> dict:
     """Check ``folder/model.sig`` with ``model_signing`` against the given key material.
 
     Returns ``{"checked": True, "ok": bool, "method": ..., "error": str|None,
-    "differences": [...]}``. ``differences`` names the files that differ when the
-    signature is valid but the folder changed, one short line each: ``added since
-    signing: a, b``, ``removed since signing: ...``, ``changed since signing: x``.
-    ``error`` is one line: the signature is missing, a symlink, not a Sigstore bundle,
-    made with another kind of key material (key vs certificate vs Sigstore), does not
-    verify with the given key or chain, or Sigstore cannot be reached.
+    "differences": [...], "signed_files": {...}}``. ``differences`` names the files that
+    differ when the signature is valid but the folder changed, one short line each:
+    ``added since signing: a, b``, ``removed since signing: ...``, ``changed since
+    signing: x``. ``error`` is one line: the signature is missing, a symlink, not a
+    Sigstore bundle, made with another kind of key material (key vs certificate vs
+    Sigstore), does not verify with the given key or chain, or Sigstore cannot be reached.
+    ``signed_files`` (when ``ok``): ``{file name: SHA-256}`` from the statement of the very
+    bundle that verified (it is read once and checked from a private copy), so a caller
+    can bind the bytes it reads afterwards (the manifest) to what was signed.
 
     Raises:
         InputError: unreadable or unparseable key/certificate files; identity without issuer.
     """
-    import model_signing
-
     folder = Path(folder)
     sig = folder / SIGNATURE_NAME
     method = keys.method()
     if keys.public_key:
-        pub = _readable(keys.public_key, "public key")
-        _check_pem(pub, "public")
+        _check_pem(_readable(keys.public_key, "public key"), "public")
     elif keys.certificate_chain:
-        chain = [_readable(c, "certificate") for c in keys.certificate_chain]
-        for c in chain:
-            _check_pem(c, "cert")
+        for c in keys.certificate_chain:
+            _check_pem(_readable(c, "certificate"), "cert")
     elif not (keys.identity and keys.issuer):
         raise InputError("Sigstore verification needs both --identity and --issuer")
-    result = {"checked": True, "ok": False, "method": method, "error": None, "differences": []}
+    result = {"checked": True, "ok": False, "method": method, "error": None, "differences": [], "signed_files": {}}
     if sig.is_symlink():
         result["error"] = f"{SIGNATURE_NAME} is a symlink (refused)"
         return result
@@ -396,26 +401,45 @@ def verify_signature(folder: Path, keys: VerifyKeys) -> dict:
     if not sig.exists():
         result["error"] = f"no signature: {SIGNATURE_NAME} is missing (sign with `kvq sign`)"
         return result
+    try:
+        data = sig.read_bytes()
+    except OSError as e:
+        result["error"] = f"cannot read {SIGNATURE_NAME}: {e.strerror}"
+        return result
+    with tempfile.TemporaryDirectory(prefix="kvq-verify-") as scratch:
+        copy = Path(scratch) / SIGNATURE_NAME
+        copy.write_bytes(data)
+        _run_verifier(folder, copy, keys, result)
+    if result["ok"]:
+        result["signed_files"] = signed_files(data)
+    return result
+
+
+def _run_verifier(folder: Path, sig: Path, keys: VerifyKeys, result: dict) -> None:
+    """:func:`verify_signature`'s model_signing step on the bundle ``sig``; fills ``result``."""
+    import model_signing
+
+    method = result["method"]
     kind, error = _bundle_kind(sig)
     if error is None and kind != method and not (method == "sigstore" and kind == "certificate"):
         error = (f"{SIGNATURE_NAME} was made with {_MADE_WITH[kind]}, not the kind of key material given "
                  f"(key vs certificate vs Sigstore): check it with {_CHECK_WITH[kind]}, not {_CHECK_WITH[method]}")
     if error is not None:
         result["error"] = error
-        return result
+        return
     cfg = model_signing.verifying.Config()
     try:  # the Sigstore verifier fetches its trust root (TUF) when it is made: network
         if method == "key":
-            cfg.use_elliptic_key_verifier(public_key=pub)
+            cfg.use_elliptic_key_verifier(public_key=Path(keys.public_key))
         elif method == "certificate":
-            cfg.use_certificate_verifier(certificate_chain=chain)
+            cfg.use_certificate_verifier(certificate_chain=[Path(c) for c in keys.certificate_chain])
         else:
             cfg.use_sigstore_verifier(identity=keys.identity, oidc_issuer=keys.issuer,
                                       use_staging=keys.sigstore_staging)
     except Exception as e:
         result["error"] = (f"cannot reach Sigstore (offline?): {_first_line(e)}" if _offline(e)
                            else f"cannot set up the {method} verifier: {_library_error(e)}")
-        return result
+        return
     try:
         cfg.verify(folder, sig)
     except Exception as e:  # the library raises ValueError and friends; all mean "not verified"
@@ -431,6 +455,20 @@ def verify_signature(folder: Path, keys: VerifyKeys) -> dict:
             result["error"] = "signature is valid but the files differ from what was signed"
         else:
             result["error"] = _verify_error(e, method)
-        return result
+        return
     result["ok"] = True
-    return result
+
+
+def signed_files(bundle: bytes) -> dict[str, str]:
+    """``{file name: SHA-256 hex}`` listed by a model_signing bundle's in-toto statement
+    (``predicate.resources``); empty when the bundle has no such list. Trust it only for a
+    bundle that verified."""
+    import base64
+    import json
+
+    try:
+        statement = json.loads(base64.b64decode(json.loads(bundle)["dsseEnvelope"]["payload"]))
+        resources = statement["predicate"]["resources"]
+        return {r["name"]: r["digest"] for r in resources if r.get("algorithm") == "sha256"}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}

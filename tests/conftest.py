@@ -94,3 +94,13 @@ def make_model_dir(path: Path, tokenizer, seed: int = 0, **cfg_kw) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("tiny") / "model", tokenizer)
+
+
+def quantize_tiny(out: Path, model_dir: Path, **kw) -> Path:
+    """A tiny RTN W4 (group 32) artifact of ``model_dir`` at ``out``, calibrated on 4 x 32 tokens; ``kw`` adds
+    :class:`~compressor.api.QuantizeOptions` fields (``kv_scheme="fp8"``, ``digest_algorithm="blake3"``)."""
+    from compressor.api import QuantizeOptions, run_quantize
+
+    run_quantize(QuantizeOptions(model=str(model_dir), output=out, algorithm="rtn", group_size=32, calib_samples=4,
+                                 calib_seqlen=32, **kw))
+    return out

@@ -7,20 +7,17 @@ import shutil
 import httpx
 import pytest
 
-from compressor.api import QuantizeOptions, run_quantize
 from compressor.runtime.server import Engine, Server, check_host
 from compressor.errors import InputError
 from conftest import kvq_run as run
+from conftest import quantize_tiny
 
 FAST = ["--max-new-tokens", "6"]
 
 
 @pytest.fixture(scope="module")
 def art(tmp_path_factory, tiny_model_dir):
-    out = tmp_path_factory.mktemp("srv") / "w4-fp8"
-    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, algorithm="rtn", group_size=32, kv_scheme="fp8",
-                                 calib_samples=4, calib_seqlen=32))
-    return out
+    return quantize_tiny(tmp_path_factory.mktemp("srv") / "w4-fp8", tiny_model_dir, kv_scheme="fp8")
 
 
 def test_serve_smoke_json_report_and_gates(art, capsys):

@@ -301,9 +301,7 @@ class VerifyOptions(_Options):
 
     @model_validator(mode="after")
     def _combinations(self):
-        k = self.keys
-        if k is not None and sum(bool(x) for x in (k.public_key, k.certificate_chain, k.identity or k.issuer)) > 1:
-            raise OptionError("choose one of --public-key, --certificate-chain, --identity/--issuer")
+        _check_keys(self.keys)
         if self.hashes_only and self.weights_only:
             raise OptionError("choose one of --hashes-only and --weights-only")
         if self.no_manifest and self.hashes_only:
@@ -315,6 +313,12 @@ class VerifyOptions(_Options):
             if given:
                 raise OptionError(f"{given[0]} cannot be evaluated with --hashes-only (no statistics are computed)")
         return self
+
+
+def _check_keys(keys: Optional[VerifyKeys]) -> None:
+    """Raises OptionError when more than one way to check ``model.sig`` is given."""
+    if keys is not None and keys.conflict():
+        raise OptionError(keys.conflict())
 
 
 # ---------------------------------------------------------------------------------------
@@ -332,7 +336,8 @@ class SmokeOptions(_Options):
     """Options of ``kvq serve-smoke`` (see its ``--help``).
 
     Raises:
-        OptionError: a value out of range.
+        OptionError: a value out of range; more than one way to check ``model.sig``;
+            ``no_manifest`` without ``reference``.
     """
 
     FLAT: ClassVar[dict[str, tuple[str, str]]] = {
@@ -346,4 +351,13 @@ class SmokeOptions(_Options):
     backend: str = "auto"
     http: bool = False
     http_requests: int = Field(8, ge=1, le=256)
+    keys: Optional[InstanceOf[VerifyKeys]] = None  # check model.sig with these first
+    no_manifest: bool = False  # another tool's artifact: nothing to check digests against; reference required
     gates: SmokeGateOptions = Field(default_factory=SmokeGateOptions)
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        _check_keys(self.keys)
+        if self.no_manifest and not self.reference:
+            raise OptionError("--no-manifest needs --reference (a foreign artifact records no source model)")
+        return self

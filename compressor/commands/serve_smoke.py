@@ -4,10 +4,13 @@
 
 1. :func:`_plan` -- every refusal up front: not an artifact, an architecture the runtime
    does not serve, the prompts, the gate thresholds (:mod:`compressor.gates`);
-2. the digests (a tampered artifact fails, exit 1); then the reference model's spec;
-3. :func:`_serve` -- the runtime (packed weights, the artifact's KV scheme): greedy
-   generation of every prompt as one batch and of the first alone, timed; optionally the
-   same engine behind the HTTP API (:func:`_http_smoke`);
+2. the reference model's spec;
+3. :func:`_serve` -- the signature (with key material), then the runtime loaded through
+   one checked read (:func:`compressor.runtime.generate.load_checked`: each tensor's
+   digest from the bytes it is built from; a failed check is the gate ``signature`` or
+   ``digests``, exit 1, every difference named), with packed weights and the artifact's
+   KV scheme: greedy generation of every prompt as one batch and of the first alone,
+   timed; optionally the same engine behind the HTTP API (:func:`_http_smoke`);
 4. :func:`_compare` -- the reference (float, transformers) teacher-forced on each prompt
    plus the runtime's continuation: KL on the prompt positions, top-1 agreement over the
    generated positions, first divergence;
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from .. import console as show
 from .. import gates
-from ..errors import InputError
+from ..errors import CheckFailed, InputError
 from .common import load_reference, peak_rss_mib
 from .options import SmokeOptions
 
@@ -50,37 +53,35 @@ class _Served:
 def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
     """Serve the artifact with the bundled runtime and compare it with the reference model.
 
-    Steps: digests (refuses a tampered artifact); load the runtime (packed weights, the
-    artifact's KV scheme); greedy generation of every prompt as one batch, and of the
-    first prompt alone (batch 1), timing prefill and decode; the reference model (float,
-    transformers) teacher-forced on each prompt plus the runtime's continuation: KL(ref ||
-    runtime) over the prompt positions, top-1 agreement over the generated positions, and
-    the first generated position where the reference's greedy choice differs (exactly
-    where its own greedy generation would diverge); optionally the HTTP round trip.
+    Steps: the signature (with key material) and the digests, checked as the runtime
+    loads (one read: each tensor's digest from the bytes it is built from; a failed check
+    is reported, failed gate ``signature`` or ``digests``, with every difference named);
+    the runtime (packed weights, the artifact's KV scheme): greedy generation of every
+    prompt as one batch, and of the first prompt alone (batch 1), timing prefill and
+    decode; the reference model (float, transformers) teacher-forced on each prompt plus
+    the runtime's continuation: KL(ref || runtime) over the prompt positions, top-1
+    agreement over the generated positions, and the first generated position where the
+    reference's greedy choice differs (exactly where its own greedy generation would
+    diverge); optionally the HTTP round trip.
 
     Raises:
         InputError: not an artifact, bad prompts file, unsupported model, no reference.
     """
-    from ..integrity import check_hashes
+    from ..load_integrity import ArtifactMismatch, SignatureFailed
     from ..models import resolve_source
 
     t0 = time.perf_counter()
     plan = _plan(opts)
-    hashes = check_hashes(plan.folder)
-    report: dict = {"artifact": str(plan.folder), "hashes_ok": hashes["ok"], "prompts": len(plan.prompts),
+    report: dict = {"artifact": str(plan.folder), "hashes_ok": None, "prompts": len(plan.prompts),
                     "max_new_tokens": opts.max_new_tokens, "gates": [], "failed_gates": [], "passed": False}
-    if not hashes["ok"]:
-        report["hashes"] = hashes
-        report["failed_gates"] = ["digests"]
-        show.note(console, "[red]digests FAILED[/]: the artifact does not match its manifest; run `kvq verify --hashes-only`",
-                  highlight=False)
-        report["seconds"] = round(time.perf_counter() - t0, 2)
-        return report
-    ref_spec = opts.reference or plan.manifest.source.get("spec")
+    ref_spec = opts.reference or (plan.manifest.source.get("spec") if plan.manifest else None)
     if not ref_spec:
         raise InputError("the manifest records no source model; pass --reference")
     ref_source = resolve_source(ref_spec)
-    served = _serve(plan, opts, report, console)
+    try:
+        served = _serve(plan, opts, report, console)
+    except (SignatureFailed, ArtifactMismatch) as e:
+        return _refused(report, e, console, t0)
     report["reference"] = ref_spec
     report["comparison"] = _compare(load_reference(ref_spec, ref_source), served, plan.prompts, opts)
     report["gates"] = _gates(report, plan.thresholds, opts)
@@ -92,12 +93,36 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
     return report
 
 
+def _refused(report: dict, e, console, t0: float) -> dict:
+    """The report of a failed signature or digest check (nothing ran): gate ``signature`` or ``digests``."""
+    from ..integrity import print_hashes
+    from ..load_integrity import SignatureFailed
+
+    if isinstance(e, SignatureFailed):
+        report["signature"] = e.signature
+        report["failed_gates"] = ["signature"]
+        from rich.markup import escape
+
+        show.note(console, f"[red]{escape(str(e))}[/]", highlight=False)
+    else:
+        report["hashes_ok"] = False
+        report["hashes"] = e.report
+        report["failed_gates"] = ["digests"]
+        if console:
+            print_hashes(console, e.report)
+        show.note(console, f"[red]digests FAILED[/]: {report['artifact']} does not match its manifest (checked as loaded; "
+                           "nothing ran)", highlight=False)
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    return report
+
+
 def _plan(opts: SmokeOptions) -> _Plan:
-    """Artifact folder and manifest, servable architecture, prompts, thresholds.
+    """Artifact folder and manifest (None with ``--no-manifest``), servable architecture,
+    prompts, thresholds.
 
     Raises:
-        InputError: not an artifact; MoE/MLA/Gemma/GLM (one line, exit 2, before hashing);
-            a bad prompts file.
+        InputError: not an artifact; an architecture the runtime does not serve (one
+            line, exit 2, before hashing); a bad prompts file.
     """
     from ..integrity import check_artifact_folder
     from ..manifest import load_manifest
@@ -105,7 +130,7 @@ def _plan(opts: SmokeOptions) -> _Plan:
     from ..runtime.model import check_servable_folder
 
     folder = check_artifact_folder(opts.artifact)
-    manifest = load_manifest(folder)
+    manifest = None if opts.no_manifest else load_manifest(folder)
     check_servable_folder(folder)
     prompts = load_prompts(opts.prompts)
     return _Plan(folder, manifest, prompts, _smoke_thresholds(manifest, opts))
@@ -114,25 +139,29 @@ def _plan(opts: SmokeOptions) -> _Plan:
 def _smoke_thresholds(manifest, opts: SmokeOptions) -> dict[str, float]:
     """Each serve-smoke gate's threshold: its flag, else the recipe's ``gates`` block, else
     the table's default; gates left without one are not evaluated."""
-    stored = dict((manifest.recipe or {}).get("gates") or {})
+    stored = dict(((manifest.recipe if manifest is not None else None) or {}).get("gates") or {})
     chosen = gates.choose_thresholds(gates.SERVE_SMOKE, opts.gates.model_dump(), stored)
     return {name: float(v) for name, v in chosen.items() if v is not None}
 
 
 def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
-    """Run the runtime (warm-up, batch 1, every prompt as one batch) and optionally the
-    HTTP smoke; fills ``report["runtime"]`` (and ``report["http"]``).
+    """Load the runtime through one checked read, run it (warm-up, batch 1, every prompt
+    as one batch) and optionally the HTTP smoke; fills ``report["signature"]``,
+    ``report["hashes"]``, ``report["runtime"]`` (and ``report["http"]``).
 
     Raises:
         InputError: a prompt plus ``max_new_tokens`` exceeds the context length.
+        SignatureFailed, ArtifactMismatch: a failed check (before anything runs).
     """
-    from transformers import AutoTokenizer
-
-    from ..runtime import Runtime
+    from ..runtime.generate import load_checked
     from ..runtime.server import Engine
 
-    rt = Runtime.from_artifact(plan.folder, device=opts.device, backend=opts.backend, kv="artifact")
-    tok = AutoTokenizer.from_pretrained(str(plan.folder))
+    rt, tok, sig, manifest = load_checked(plan.folder, opts, lambda line: show.note(console, line, highlight=False))
+    if manifest != plan.manifest:  # the plan's gates and reference came from the manifest the load checked against
+        raise CheckFailed(f"{plan.folder}: its manifest changed while serve-smoke read it")
+    report["signature"] = sig
+    report["hashes_ok"] = None if rt.integrity is None else rt.integrity["ok"]
+    report["hashes"] = rt.integrity if rt.integrity is not None else {"checked": False, "note": "--no-manifest"}
     eng = Engine(rt, tok, plan.folder.name)
     try:
         ids = [eng.encode(p) for p in plan.prompts]

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -77,11 +77,13 @@ class Runtime:
     kv_scales: dict | None = None
     backend: str = "auto"
     folder: Path | None = None
+    integrity: dict | None = None  # the load's digest report (checking reader), see from_artifact
 
     @classmethod
     def from_artifact(cls, folder: str | Path, device: str = "cpu", backend: str = "auto",
                       kv: str | KVSpec | None = "artifact", dtype: torch.dtype | None = None,
-                      kv_scales: dict | None = None, act_dtype: torch.dtype | None = None) -> "Runtime":
+                      kv_scales: dict | None = None, act_dtype: torch.dtype | None = None,
+                      reads=None) -> "Runtime":
         """Load ``folder`` for serving.
 
         Args:
@@ -97,17 +99,31 @@ class Runtime:
             kv_scales: ``layer -> (k_scale, v_scale)`` for a static scheme the artifact
                 has no scales for (default: the artifact's).
             act_dtype: activation dtype inside the aten/Triton kernels.
+            reads: an open :class:`~compressor.load_integrity.ArtifactReader` of ``folder``
+                (what ``kvq serve`` passes): every tensor and file is read once through
+                it, hashed and compared with the manifest as it is read, and this returns
+                only once every byte matched (:meth:`~compressor.load_integrity.
+                ArtifactReader.finish`; the report in :attr:`integrity`). The caller keeps
+                it open to read the tokenizer from its ``files_folder``, then closes it.
 
         Raises:
             InputError: see :func:`~compressor.runtime.model.load_decoder`; a static KV
                 scheme without scales; a bad ``kv`` value.
+            ArtifactMismatch: with a checking ``reads``, any file or tensor that differs
+                from the manifest (named).
         """
+        from .loader import Tensors
+
         folder = Path(folder)
         if not folder.is_dir():
             raise InputError(f"artifact folder {folder} not found")
-        decoder, info = load_decoder(folder, device, backend, dtype, act_dtype)  # validates every header first
-        spec, scales = _resolve_kv(folder, kv, kv_scales)
+        decoder, info = load_decoder(folder, device, backend, dtype, act_dtype, reads)  # validates every header first
+        tensors = Tensors(reads) if reads is not None else None
+        manifest = reads.manifest if reads is not None else None
+        spec, scales = _resolve_kv(folder, kv, kv_scales, tensors, manifest, decoder.spec.n_layers)
         rt = cls(decoder, info, spec, scales, backend, folder)
+        if reads is not None:
+            rt.integrity = reads.finish()
         rt.new_cache(1, 1)  # validates the KV scheme against the model's geometry now, not at the first request
         return rt
 
@@ -302,8 +318,10 @@ class Runtime:
         )
 
 
-def _resolve_kv(folder: Path, kv, kv_scales) -> tuple[KVSpec | None, dict | None]:
-    """``(spec, scales)`` for the ``kv`` argument of :meth:`Runtime.from_artifact`.
+def _resolve_kv(folder: Path, kv, kv_scales, tensors=None, manifest=None,
+                n_layers: int | None = None) -> tuple[KVSpec | None, dict | None]:
+    """``(spec, scales)`` for the ``kv`` argument of :meth:`Runtime.from_artifact`; static
+    scales are read from ``tensors`` (the checked reader) when given, with ``manifest``.
 
     Raises:
         InputError: unknown scheme, a static scheme without scales.
@@ -311,7 +329,10 @@ def _resolve_kv(folder: Path, kv, kv_scales) -> tuple[KVSpec | None, dict | None
     from ..artifact import read_kv_cache
     from ..manifest import MANIFEST_NAME
 
-    art = read_kv_cache(folder) if (folder / MANIFEST_NAME).is_file() else None
+    if manifest is not None:
+        art = read_kv_cache(folder, manifest, tensors, n_layers)
+    else:
+        art = read_kv_cache(folder, None, tensors, n_layers) if (folder / MANIFEST_NAME).is_file() else None
     if kv is None or kv == "none":
         return None, None
     if kv == "artifact":
@@ -330,3 +351,37 @@ def _resolve_kv(folder: Path, kv, kv_scales) -> tuple[KVSpec | None, dict | None
         return spec, art[1]
     raise InputError(f"KV scheme {spec.describe()} needs calibrated k_scale/v_scale and {folder} has none for it; "
                      "quantize with that KV scheme (kvq quantize --kv-scheme) or choose a dynamic one (int8, int4, int2)")
+
+
+class Loaded(NamedTuple):
+    """What :func:`load_checked` returns."""
+
+    runtime: Runtime
+    tokenizer: object
+    signature: dict  # compressor.integrity.check_signature's dict
+    manifest: object  # the compressor.manifest.Manifest checked against (None: --no-manifest)
+
+
+def load_checked(artifact: Path, opts, note: Callable[[str], None]) -> Loaded:
+    """Load ``artifact`` for serving through one checked read (:func:`compressor.load_integrity.
+    open_for_serving`: the signature first, then every file and tensor hashed from the
+    bytes the runtime loads); the tokenizer comes from the checked copies of its files. ``opts`` has ``keys``, ``no_manifest``, ``device`` and
+    ``backend``. ``note`` receives the one-line outcome of each check.
+
+    Raises:
+        InputError: see :func:`~compressor.load_integrity.open_for_serving` and
+            :meth:`~compressor.runtime.Runtime.from_artifact`.
+        SignatureFailed, ArtifactMismatch: a failed check (exit 1), before anything is served.
+    """
+    from transformers import AutoTokenizer
+
+    from ..integrity import hashes_summary
+    from ..load_integrity import open_for_serving
+
+    reads, sig = open_for_serving(artifact, opts.keys, opts.no_manifest, note)
+    with reads:
+        rt = Runtime.from_artifact(artifact, device=opts.device, backend=opts.backend, kv="artifact", reads=reads)
+        tok = AutoTokenizer.from_pretrained(str(reads.files_folder))
+    if rt.integrity is not None:
+        note(f"hashes ok, checked as loaded: {hashes_summary(rt.integrity)}")
+    return Loaded(rt, tok, sig, reads.manifest)

@@ -1,7 +1,9 @@
 """Build a runtime :class:`~compressor.runtime.model.Decoder` from an artifact folder.
 
 :func:`load_decoder` reads ``config.json`` (through transformers' ``AutoConfig``) and the
-safetensors shards tensor by tensor, memory-mapped. Module names come from the architecture
+safetensors shards tensor by tensor through an :class:`~compressor.load_integrity.ArtifactReader`:
+each tensor's stored bytes are read once into the buffer it is built on (and, for ``kvq serve``
+and ``kvq serve-smoke``, hashed and compared with the manifest first). Module names come from the architecture
 row (:mod:`compressor.arch`) and are looked up under their checkpoint names
 (:func:`~compressor.arch.checkpoint_name`: Mixtral's ``block_sparse_moe.experts.<e>.w1``).
 What a layer is follows what it stores: a router (``<moe.router>.weight``) makes it a
@@ -38,55 +40,66 @@ MLA_LATENT_NORM_EPS = 1e-6
 GROUPED_KERNEL = "triton-moe-w4a16"
 
 
-def _read_config(folder: Path) -> tuple[dict, object]:
+def _read_config(folder: Path, shown: Path | None = None) -> tuple[dict, object]:
+    """``(raw dict, transformers config)`` of ``folder/config.json``; errors name ``shown`` (the artifact)."""
     from transformers import AutoConfig
 
+    shown = shown or folder
     if not (folder / "config.json").is_file():
-        raise InputError(f"{folder} has no config.json")
+        raise InputError(f"{shown} has no config.json")
     try:
         raw = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise InputError(f"{folder}/config.json: {e}") from None
+        raise InputError(f"{shown}/config.json: {e}") from None
     if not isinstance(raw, dict):
-        raise InputError(f"{folder}/config.json must be a JSON object")
+        raise InputError(f"{shown}/config.json must be a JSON object")
     check_servable(str(raw.get("model_type")))
     try:
         cfg = AutoConfig.from_pretrained(str(folder))
     except Exception as e:  # transformers raises many types for a bad config
-        raise InputError(f"{folder}/config.json: {str(e).splitlines()[0]}") from None
+        raise InputError(f"{shown}/config.json: {str(e).splitlines()[0]}") from None
     return raw, cfg
 
 
-class _Tensors:
-    """Name -> tensor over the artifact's shards, opened memory-mapped, read one tensor at a time."""
+#: safetensors dtype -> torch dtype
+TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2, "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16,
+    "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32, "I64": torch.int64,
+    "U64": torch.uint64, "F64": torch.float64,
+}
 
-    def __init__(self, folder: Path):
-        from safetensors import safe_open
 
-        from ..safetensors_io import read_header
+class Tensors:
+    """Name -> tensor over an :class:`~compressor.load_integrity.ArtifactReader`: each tensor is
+    read once into a fresh buffer (checked against the manifest when the reader checks)
+    and built on that very buffer, so the runtime serves the bytes that were hashed."""
 
-        shards = sorted(folder.glob("*.safetensors"))
-        if not shards:
-            raise InputError(f"{folder} has no .safetensors file")
-        self.files = []
-        self.where: dict[str, int] = {}
-        for s in shards:
-            read_header(s)  # hostile headers are refused before safetensors parses them
-            f = safe_open(str(s), framework="pt")
-            for key in f.keys():
-                self.where[key] = len(self.files)
-            self.files.append(f)
-        self.folder = folder
+    def __init__(self, reads):
+        self.reads = reads
+        self.folder = reads.folder
 
     def __contains__(self, name: str) -> bool:
-        return name in self.where
+        return name in self.reads
+
+    def keys(self):
+        """Every stored tensor name."""
+        return self.reads.where.keys()
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self.where:
-            raise InputError(f"{self.folder}: tensor {name} is missing")
-        return self.files[self.where[name]].get_tensor(name)
+        """Tensor ``name`` with its stored dtype and shape (CPU, owns its memory).
+
+        Raises:
+            InputError: no shard stores ``name``.
+            ArtifactMismatch: its bytes differ from the manifest (checking reader).
+        """
+        e = self.reads.entry(name)
+        buf = torch.empty(e.end - e.start, dtype=torch.uint8)
+        self.reads.read_into(name, memoryview(buf.numpy()))
+        return buf.view(TORCH_DTYPES[e.dtype]).reshape(e.shape)
 
     def leaves(self, module: str, leaves: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """``{leaf: tensor}`` for the stored ``<module>.<leaf>`` among ``leaves``."""
         return {leaf: self.get(f"{module}.{leaf}") for leaf in leaves if f"{module}.{leaf}" in self}
 
 
@@ -97,7 +110,7 @@ def _float(t: torch.Tensor, device, dtype) -> torch.Tensor:
 class _Builder:
     """Reads one artifact's modules into runtime blocks (names relative to a decoder layer)."""
 
-    def __init__(self, tensors: _Tensors, arch: ArchSpec, cfg, spec: DecoderSpec, method, qc: dict,
+    def __init__(self, tensors: Tensors, arch: ArchSpec, cfg, spec: DecoderSpec, method, qc: dict,
                  backend: str, device: torch.device, dtype: torch.dtype, act_dtype):
         self.t, self.arch, self.cfg, self.spec = tensors, arch, cfg, spec
         self.method, self.qc, self.marker = method, qc, MARKER.get(method)
@@ -256,7 +269,8 @@ def _check_method(folder: Path, qc: dict) -> str | None:
 
 
 def load_decoder(folder: str | Path, device: str | torch.device = "cpu", backend: str = "auto",
-                 dtype: torch.dtype | None = None, act_dtype: torch.dtype | None = None) -> tuple[Decoder, LoadInfo]:
+                 dtype: torch.dtype | None = None, act_dtype: torch.dtype | None = None,
+                 reads=None) -> tuple[Decoder, LoadInfo]:
     """Build a :class:`~compressor.runtime.model.Decoder` from an artifact (or a plain float safetensors model folder).
 
     Args:
@@ -267,18 +281,34 @@ def load_decoder(folder: str | Path, device: str | torch.device = "cpu", backend
         dtype: compute dtype (default float32 on CPU; on CUDA the artifact's bfloat16 if
             so stored, else float16).
         act_dtype: activation dtype inside aten/Triton kernels (see :func:`~compressor.runtime.linear.make_linear`).
+        reads: the :class:`~compressor.load_integrity.ArtifactReader` to read ``folder``
+            through (``config.json`` from its checked snapshot, every tensor hashed as it
+            is read); default: an unchecking reader, closed on return.
 
     Raises:
         InputError: missing files, hostile headers, an unsupported architecture,
             quantization method or RoPE type, missing or inconsistent tensors, a backend
             that cannot run on ``device``.
+        ArtifactMismatch: with a checking reader, a file or tensor that differs from the manifest.
     """
+    from ..load_integrity import ArtifactReader
+
     folder = Path(folder)
     device = torch.device(device)
     check_backend(backend, device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda but torch sees no CUDA device")
-    raw, cfg = _read_config(folder)
+    if reads is not None:
+        return _load(folder, device, backend, dtype, act_dtype, reads)
+    config = _read_config(folder)  # a bad config is refused before any header is read
+    with ArtifactReader(folder) as own:
+        return _load(folder, device, backend, dtype, act_dtype, own, config)
+
+
+def _load(folder: Path, device: torch.device, backend: str, dtype, act_dtype, reads,
+          config=None) -> tuple[Decoder, LoadInfo]:
+    """:func:`load_decoder`'s body once the reader is open (``config``: already read)."""
+    raw, cfg = config or _read_config(reads.files_folder, folder)
     arch = get_arch(cfg.model_type)
     spec = DecoderSpec.from_config(cfg, arch.kv, arch.dense_exact_within)
     if dtype is None:
@@ -286,7 +316,7 @@ def load_decoder(folder: str | Path, device: str | torch.device = "cpu", backend
             torch.bfloat16 if str(raw.get("dtype", raw.get("torch_dtype"))) == "bfloat16" else torch.float16)
     qc = raw.get("quantization_config") or {}
     method = _check_method(folder, qc)
-    b = _Builder(_Tensors(folder), arch, cfg, spec, method, qc, backend, device, dtype, act_dtype)
+    b = _Builder(Tensors(reads), arch, cfg, spec, method, qc, backend, device, dtype, act_dtype)
     rotaries = b.rotaries()
     embed = _float(b.t.get(f"{arch.embed_tokens}.weight"), device, dtype)
     if embed.shape != (spec.vocab_size, spec.hidden_size):

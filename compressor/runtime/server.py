@@ -511,7 +511,9 @@ def check_host(host: str, allow_remote: bool) -> None:
 
 @dataclass
 class ServeOptions:
-    """Options of ``kvq serve`` (see its ``--help``); ``device`` is ``cpu`` or ``cuda[:i]``."""
+    """Options of ``kvq serve`` (see its ``--help``); ``device`` is ``cpu`` or ``cuda[:i]``;
+    ``keys`` (:class:`~compressor.signing.VerifyKeys`) check ``model.sig`` first;
+    ``no_manifest`` serves another tool's artifact unchecked."""
 
     artifact: Path
     host: str = "127.0.0.1"
@@ -522,33 +524,32 @@ class ServeOptions:
     max_batch: int = 8
     max_queue: int = MAX_QUEUE
     request_timeout: float = REQUEST_TIMEOUT_S
+    keys: Any = None
+    no_manifest: bool = False
 
 
 def run_server(opts: ServeOptions, announce: Callable[[str], None] = print) -> None:
-    """``kvq serve``: check the host and the artifact's digests, load the runtime, serve
-    until the server thread ends or Ctrl-C (KeyboardInterrupt propagates after the server
-    and engine stopped). ``announce`` receives the one line naming the URL.
+    """``kvq serve``: check the host, load the artifact through one checked read (the
+    signature first when ``opts.keys`` are given; every tensor hashed from the bytes
+    served and compared with the manifest, :func:`~compressor.runtime.generate.load_checked`), serve until the server
+    thread ends or Ctrl-C (KeyboardInterrupt propagates after the server and engine
+    stopped). ``announce`` receives the lines saying what was checked and the one
+    naming the URL.
 
     Raises:
         InputError: a non-loopback host without ``allow_remote``, no artifact folder, an
             address that cannot be bound, an artifact the runtime cannot serve.
-        CheckFailed: the artifact does not match its manifest.
+        CheckFailed: a signature or digest check failed (the tensor or file is named);
+            the port is never opened.
     """
     check_host(opts.host, opts.allow_remote)
-    from transformers import AutoTokenizer
     from uvicorn.config import LOGGING_CONFIG
 
-    from ..errors import CheckFailed
-    from ..integrity import check_hashes
-    from .generate import Runtime
+    from .generate import load_checked
 
     artifact = Path(opts.artifact)
-    if not artifact.is_dir():
-        raise InputError(f"artifact folder {artifact} not found")
-    if not check_hashes(artifact)["ok"]:
-        raise CheckFailed(f"{artifact} does not match its manifest; run `kvq verify {artifact} --hashes-only`")
-    rt = Runtime.from_artifact(artifact, device=opts.device, backend=opts.backend, kv="artifact")
-    eng = Engine(rt, AutoTokenizer.from_pretrained(str(artifact)), artifact.name, opts.max_batch, opts.max_queue)
+    rt, tok, _sig, _manifest = load_checked(artifact, opts, lambda line: announce(f"kvq: {line}"))
+    eng = Engine(rt, tok, artifact.name, opts.max_batch, opts.max_queue)
     try:
         srv = Server(eng, opts.host, opts.port, request_timeout=opts.request_timeout,
                      log_config=LOGGING_CONFIG).start()
