@@ -183,6 +183,18 @@ class Runtime:
                              f"which is exact only while a sequence holds at most index_topk = {limit} tokens; this one "
                              f"needs {tokens} (check longer contexts with kvq verify)")
 
+    def _check_request(self, prompts, max_new_tokens: int, greedy: bool, temperature: float) -> list[list[int]]:
+        """The prompts as int lists, after :meth:`generate`'s argument checks (InputError)."""
+        if not prompts:
+            raise InputError("no prompts given")
+        rows = [list(map(int, p)) for p in prompts]
+        self._check_ids(rows)
+        if max_new_tokens < 0:
+            raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not greedy and not temperature > 0:
+            raise InputError(f"temperature must be > 0 when sampling, got {temperature}")
+        return rows
+
     # -- API ----------------------------------------------------------------------------
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor | Sequence[Sequence[int]], chunk: int | None = None) -> torch.Tensor:
@@ -239,14 +251,7 @@ class Runtime:
                 negative ``max_new_tokens``, ``temperature <= 0`` when sampling, ``prefill_chunk < 1``,
                 a prompt plus ``max_new_tokens`` longer than :meth:`check_length` allows.
         """
-        if not prompts:
-            raise InputError("no prompts given")
-        rows = [list(map(int, p)) for p in prompts]
-        self._check_ids(rows)
-        if max_new_tokens < 0:
-            raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not greedy and not temperature > 0:
-            raise InputError(f"temperature must be > 0 when sampling, got {temperature}")
+        rows = self._check_request(prompts, max_new_tokens, greedy, temperature)
         eos = set() if eos_token_id is None else ({int(eos_token_id)} if isinstance(eos_token_id, int) else set(map(int, eos_token_id)))
         B = len(rows)
         lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
