@@ -33,6 +33,9 @@ from .safetensors_io import file_digest
 from .streaming import ARTIFACT_DIR, HIDDEN_PREFIX, RESUME_NAME, LazyCheckpoint, layer_names, load_into, to_meta
 
 
+#: bytes a quantized weight holds until its group is written: the float32 weight and its int8 codes
+HELD_BYTES_PER_WEIGHT = 5
+
 #: a routed expert's tensors in kvq's (unfused) names, relative to the decoder layer
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
@@ -365,7 +368,8 @@ class LayerWriter:
     spilled to ``spill_dir``), ``layers``, ``moe``, ``moe_fallback`` (results of the layers
     done before an interruption).
 
-    Layers larger than ``memory_budget_gib`` (float32 weight bytes): :meth:`load_groups`
+    Layers larger than ``memory_budget_gib`` (:data:`HELD_BYTES_PER_WEIGHT` per weight: the
+    float32 weight and its int8 codes): :meth:`load_groups`
     materializes a streamed layer in bounded groups of routed experts instead of
     :meth:`load`, for steps that quantize each linear on its own (RTN, float weights).
     """
@@ -410,13 +414,14 @@ class LayerWriter:
     def expert_groups(self, i: int) -> list[list[str]] | None:
         """Decoder layer ``i``'s tensor names in groups: the non-expert tensors first, then
         routed experts (whole experts, in index order) in groups of at most
-        ``memory_budget`` float32 bytes (at least one expert each). ``None`` when the layer
+        ``memory_budget`` bytes held (:data:`HELD_BYTES_PER_WEIGHT` per weight; at least one
+        expert each). ``None`` when the layer
         is not streamed or fits the budget whole (it is then loaded at once)."""
         if self.ckpt is None:
             return None
         names = layer_names(self.model, self.arch, i)
         params = dict(self.model.get_submodule(f"{self.arch.layers}.{i}").named_parameters(prefix=f"{self.arch.layers}.{i}"))
-        sizes = {n: params[n].numel() * 4 if n in params else 0 for n in names}
+        sizes = {n: params[n].numel() * HELD_BYTES_PER_WEIGHT if n in params else 0 for n in names}
         if sum(sizes.values()) <= self.memory_budget:
             return None
         prefix = f"{self.arch.layers}.{i}."

@@ -189,7 +189,7 @@ class ExecutionOptions(_Section):
     stream: bool = True  # read a safetensors source one decoder layer at a time (compressor.streaming)
     resume: bool = False  # continue an interrupted run from its staging folder
     activation_budget_gib: float = _finite(8.0, ge=0)  # activations above this go to memory-mapped files
-    #: float32 weight bytes of one decoder layer read at once by an uncalibrated streamed run (RTN, float
+    #: bytes of one decoder layer's weights held at once (float32 + int8 codes) by an uncalibrated streamed run (RTN, float
     #: weights): a larger layer's routed experts are read, quantized, written and released in groups
     memory_budget_gib: float = _finite(4.0, gt=0)
 
