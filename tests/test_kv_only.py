@@ -258,3 +258,8 @@ def test_kimi_k2_thinking_like_source(tmp_path, tokenizer, capsys):
     assert (out / "tokenizer.json").is_file() and "auto_map" not in json.loads((out / "tokenizer_config.json").read_text())
     code, _, err = run(["verify", out, "--seqlen", "64", "--max-windows", "1", "--max-new-tokens", "4"], capsys)
     assert code == 0, err
+
+
+def test_quantize_help_names_already_quantized_sources(capsys):
+    code, out, _ = run(["quantize", "--help"], capsys)
+    assert code == 0 and "already-quantized MODEL" in out and "weight recipe on it is refused" in " ".join(out.split())
