@@ -180,7 +180,7 @@ def write_artifact(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     else:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-tmp-", dir=out.resolve().parent))
+        tmp = new_temp_folder(out)
     last = (staging.path if staging is not None else tmp) / "part-final.safetensors"
     placed = False
     try:
@@ -197,34 +197,62 @@ def write_artifact(
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
         save_tokenizer(tokenizer, tmp)
-        manifest = build_manifest(tmp, manifest_fields, provenance, digest_algorithm)
-        (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
-        if finalize is not None:
-            finalize(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)
-        with interrupts.deferred():  # a signal here waits: OUT is never left half-replaced
-            old = None
-            if out.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-old-", dir=out.resolve().parent))
-                os.replace(out, old / "artifact")
-            os.replace(tmp, out)
-            placed = True
-            if on_committed is not None:
-                on_committed(out)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            if staging is not None:
-                shutil.rmtree(staging.path, ignore_errors=True)
+        manifest = seal_folder(tmp, manifest_fields, provenance, digest_algorithm, finalize)
+        place_folder(tmp, out, on_committed, after=(lambda: shutil.rmtree(staging.path, ignore_errors=True))
+                     if staging is not None else None)
+        placed = True
     except BaseException:
         if not placed:
             shutil.rmtree(tmp, ignore_errors=True)  # the staging folder's checkpoint is the caller's to keep or drop
             last.unlink(missing_ok=True)
         raise
     return manifest
+
+
+def new_temp_folder(out: Path) -> Path:
+    """A fresh temporary folder beside ``out`` (``.<name>.kvq-tmp-*``), where an artifact is
+    assembled before :func:`place_folder` renames it into place."""
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-tmp-", dir=out.resolve().parent))
+
+
+def seal_folder(tmp: Path, manifest_fields: dict, provenance: dict | None, digest_algorithm: str,
+                finalize=None) -> Manifest:
+    """Hash the assembled folder ``tmp`` into its manifest, write it, run ``finalize(tmp)``
+    (signing), and give the files the permissions the umask allows; returns the manifest.
+
+    Raises:
+        InputError: a bad safetensors header (from :func:`build_manifest`); whatever
+            ``finalize`` raises.
+    """
+    manifest = build_manifest(tmp, manifest_fields, provenance, digest_algorithm)
+    (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+    if finalize is not None:
+        finalize(tmp)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    for f in tmp.iterdir():
+        os.chmod(f, 0o666 & ~umask)
+    return manifest
+
+
+def place_folder(tmp: Path, out: Path, on_committed: Callable[[Path], None] | None = None,
+                 after: Callable[[], None] | None = None) -> None:
+    """Rename the sealed folder ``tmp`` to ``out`` with signals deferred (an earlier ``out``
+    is moved aside first and removed after), so ``out`` is never missing nor half-written;
+    then ``on_committed(out)`` and ``after()``, still deferred."""
+    with interrupts.deferred():  # a signal here waits: OUT is never left half-replaced
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-old-", dir=out.resolve().parent))
+            os.replace(out, old / "artifact")
+        os.replace(tmp, out)
+        if on_committed is not None:
+            on_committed(out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        if after is not None:
+            after()
 
 
 LOAD_OPTIONS = ("local_files_only", "is_local")  # how the tokenizer was loaded, not what it is
@@ -248,6 +276,20 @@ def tool_info() -> dict:
     return {"name": "kvq", "version": __version__, "libraries": library_versions()}
 
 
+def check_readable(folder: Path, qc: dict) -> None:
+    """Refuse a ``quantization_config`` :func:`load_artifact` cannot dequantize.
+
+    Raises:
+        InputError: a ``quant_method`` other than compressed-tensors, awq, gptq; a
+            compressed-tensors ``format`` other than ``pack-quantized`` / ``dense``.
+    """
+    method = qc.get("quant_method")
+    if qc and reader_for(method) is None:
+        raise InputError(f"{folder}: quant_method {method!r} is not one kvq reads (compressed-tensors, awq, gptq)")
+    if method == "compressed-tensors" and qc.get("format") not in ("pack-quantized", "dense"):
+        raise InputError(f"{folder}: only compressed-tensors pack-quantized artifacts can be loaded (format {qc.get('format')!r})")
+
+
 def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     """Load an artifact as a float model (dequantized) plus tokenizer, for evaluation.
 
@@ -261,8 +303,9 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
             tensors missing or unexpected for the model's architecture.
     """
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .models import load_tokenizer
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
@@ -278,10 +321,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
         raise InputError(f"{folder}/config.json: {e}") from None
     qc = raw_cfg.get("quantization_config") or {}
     method = qc.get("quant_method")
-    if qc and reader_for(method) is None:
-        raise InputError(f"{folder}: quant_method {method!r} is not one kvq reads (compressed-tensors, awq, gptq)")
-    if method == "compressed-tensors" and qc.get("format") not in ("pack-quantized", "dense"):
-        raise InputError(f"{folder}: only compressed-tensors pack-quantized artifacts can be loaded (format {qc.get('format')!r})")
+    check_readable(folder, qc)
     try:
         cfg = AutoConfig.from_pretrained(str(folder))
     except Exception as e:
@@ -320,8 +360,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return model, tokenizer
+    return model, load_tokenizer(folder)  # a tokenizer that needs repository code (Kimi's tiktoken) is converted
 
 
 @dataclass(frozen=True)

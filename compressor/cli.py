@@ -187,6 +187,12 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     Kimi K2, GLM -FP8) are dequantized tensor by tensor as they stream;
     multi-token-prediction layers are copied into the artifact in float.
 
+    An already-quantized MODEL (compressed-tensors, AWQ or GPTQ weights, kvq's or
+    another tool's) is not quantized again: with --recipe kv-fp8 or kv-int8 its KV
+    cache is calibrated on the weights as they are and the artifact carries every
+    source tensor byte for byte, plus the KV scales and a manifest recording the
+    source's digests; a weight recipe on it is refused (exit 2).
+
     The recipe (`kvq recipes`) says what to quantize and how: algorithm (awq, gptq,
     rtn, none), weight scheme, targets/ignore, per-module overrides (mixed precision),
     the KV-cache scheme and the verify gate. Several --recipe combine (later ones win);
@@ -201,6 +207,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
       kvq quantize smollm2-135m --recipe w4a16-gptq --set gptq.static_groups=false --format gptq -o out/g2
       kvq quantize smollm2-135m --recipe w4a16-awq --recipe kv-fp8 -o out/w4-fp8kv
       kvq quantize smollm2-135m --recipe kv-int4 -o out/kv-only
+      kvq quantize out/smollm2-w4 --recipe kv-fp8 -o out/w4-then-fp8kv   # packed source: KV only
       kvq quantize smollm2-135m --sign-key key.pem -o out/signed
       kvq quantize big-model/ --recipe w4a16-gptq --shard-size 2GB -o out/big   # then, if interrupted:
       kvq quantize big-model/ --recipe w4a16-gptq --shard-size 2GB -o out/big --resume

@@ -98,7 +98,8 @@ def quantize_done(console, summary: dict, layers: list[dict], moe_layers: list[d
     the artifact was written."""
     if console is None:
         return
-    layer_table(console, layers)
+    if layers:
+        layer_table(console, layers)
     for m in moe_layers:
         toks = m["expert_tokens"]
         console.print(f"MoE layer {m['layer']}: {m['experts']} experts, routed calibration tokens "

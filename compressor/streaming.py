@@ -80,6 +80,12 @@ class LazyCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
+    @property
+    def dequantizes(self) -> bool:
+        """True when :meth:`get` turns quantized stored tensors into float weights (the
+        model is then built without the source's ``quantization_config``)."""
+        return self.block_fp8 is not None
+
     def _read(self, name: str) -> torch.Tensor:
         """``name`` as stored (its own dtype), in a private buffer."""
         shard, e = self.where[name]
@@ -163,7 +169,8 @@ def _real_buffers(model) -> str | None:
     return None
 
 
-def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None):
+def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None,
+              ckpt: LazyCheckpoint | None = None):
     """Build ``(model, tokenizer, checkpoint)`` with decoder layers on ``meta`` and the rest loaded.
 
     MoE experts are unfused (:func:`compressor.moe.unfuse_experts`) so parameter names are
@@ -175,7 +182,8 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     (:data:`compressor.arch.PUBLISHED_AS`); the tokenizer comes from
     :func:`compressor.models.load_tokenizer` (``tokenizer_dir`` overrides the model's).
     Multi-token-prediction layers stored after the decoder layers have no module: see
-    :func:`kept_tensor_names`.
+    :func:`kept_tensor_names`. ``ckpt`` replaces the folder's default reader (e.g. one that
+    dequantizes packed linears: :class:`compressor.commands.kv_only.PackedCheckpoint`).
 
     Returns:
         ``(model, tokenizer, checkpoint)``, or ``(None, reason)`` when the folder cannot be
@@ -196,7 +204,7 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
         source = ModelSource(source.spec, "hf", cached)
     elif source.kind != "hf":
         return None, f"{source.kind} sources are loaded whole"
-    model, tokenizer, ckpt = _meta_model(source, dtype, tokenizer_dir)
+    model, tokenizer, ckpt = _meta_model(source, dtype, tokenizer_dir, ckpt)
     cfg = model.config
     arch = get_arch(cfg.model_type)
     unfuse_experts(model, arch)
@@ -217,7 +225,7 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     return model, tokenizer, ckpt
 
 
-def _meta_model(source, dtype: torch.dtype, tokenizer_dir):
+def _meta_model(source, dtype: torch.dtype, tokenizer_dir, ckpt: LazyCheckpoint | None = None):
     """``(model on meta, tokenizer, checkpoint)`` of a Hugging Face folder, eval mode, no gradients."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -226,12 +234,12 @@ def _meta_model(source, dtype: torch.dtype, tokenizer_dir):
 
     transformers.logging.set_verbosity_error()
     register_published_types()
-    ckpt = LazyCheckpoint(source.path)  # reads (and checks) the source's quantization_config
+    ckpt = ckpt if ckpt is not None else LazyCheckpoint(source.path)  # reads (and checks) the source's quantization_config
     try:
         cfg = AutoConfig.from_pretrained(str(source.path))
         tokenizer = load_tokenizer(source.path, source.spec, tokenizer_dir)
         check_buildable(cfg, source.spec)
-        if ckpt.block_fp8 is not None:  # the weights are dequantized as they are read
+        if ckpt.dequantizes and hasattr(cfg, "quantization_config"):  # the weights are dequantized as they are read
             del cfg.quantization_config
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)

@@ -15,6 +15,10 @@
 
 Nothing is written on an input error; an interruption after the first layer keeps the
 finished layers for ``--resume``.
+
+An already-quantized source (compressed-tensors / AWQ / GPTQ) takes :func:`_carry` after the
+plan: the KV cache is calibrated on its weights as they are and the weights are carried
+byte for byte (:mod:`compressor.commands.kv_only`); a weight recipe on it is refused.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from ..staging import (
     LayerWriter, keep_checkpoint, name_kept_checkpoint, open_staging, plan_activations, resume_key,
 )
 from ..streaming import open_lazy
+from . import kv_only
 from .common import peak_rss_mib
 from .options import QuantizeOptions
 
@@ -66,6 +71,7 @@ class _Plan:
     dtype_reason: str = "--dtype"
     calib_shape: Optional[tuple[int, int]] = None  # (samples, seqlen) of the calibration windows, None without
     activation_budget_gib: Optional[float] = None  # in effect (0: spill all); None until the activations are checked
+    packed: object = None  # compressor.commands.kv_only.PackedSource: weights already quantized, carried
 
 
 #: the largest finite float16 value: activations past it overflow in a float16 deployment
@@ -99,6 +105,8 @@ def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict
     t0 = time.perf_counter()
     plan = _plan(opts, console)
     rank, world_size, device = setup_distributed(opts.execution.device)
+    if plan.packed is not None:
+        return _carry(plan, opts, device, console, on_committed, t0)
     if rank != 0:
         console = None
     with name_kept_checkpoint(plan.out, opts.execution.resume):  # interrupted while loading: say where the layers are
@@ -147,11 +155,15 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
              "act_order": opts.scheme.act_order}
     warnings = algorithm.flag_warnings(flags, recipe, opts.write.format)
     fmt = opts.write.format
-    # before the source is read: --format awq/gptq with auto is float16 whatever the source
-    check_format(fmt, recipe, opts.write.dtype if opts.write.dtype != "auto" else
-                 ("float16" if fmt in ("awq", "gptq") else "bfloat16"))
+    packed = kv_only.find_packed(opts.model)  # already-quantized weights: never quantized again
+    if packed is not None:
+        kv_only.check_carry(packed, recipe, opts)
+    else:  # before the source is read: --format awq/gptq with auto is float16 whatever the source
+        check_format(fmt, recipe, opts.write.dtype if opts.write.dtype != "auto" else
+                     ("float16" if fmt in ("awq", "gptq") else "bfloat16"))
     source = resolve_source(opts.model)
-    dtype, dtype_reason = storage_dtype(source, opts.write.dtype, fmt)
+    dtype, dtype_reason = ((packed.declared_dtype(), "the source's float tensors, carried as they are") if packed
+                           else storage_dtype(source, opts.write.dtype, fmt))
     if peek_model_type(source) is not None:  # an unsupported architecture fails before the model is loaded
         get_arch(peek_model_type(source))
     _refuse_output_in_source(source.path, out, opts.model)
@@ -167,7 +179,9 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
         show.note(console, f"[yellow]calibration:[/] {text.note}")
     if opts.execution.resume and os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
         raise InputError("--resume is not available under torchrun (several ranks); resume with one process")
-    plan = _Plan(out, recipe, source, kv, token_file, text, warnings, dtype, dtype_reason, calib_shape)
+    if packed is not None:
+        kv_only.check_source_integrity(packed)
+    plan = _Plan(out, recipe, source, kv, token_file, text, warnings, dtype, dtype_reason, calib_shape, packed=packed)
     if source.kind == "hf":  # config.json was checked against the weights: its hidden size is the model's
         from ..config_check import hidden_size, read_config
 
@@ -284,7 +298,8 @@ def _quantize(plan: _Plan, src: _Source, writer: LayerWriter, opts: QuantizeOpti
     recipe, kv = plan.recipe, plan.kv
     n_layers = src.model.config.num_hidden_layers
     with show.progress(console, "layers") as bar:
-        label = "float weights" if not get_algorithm(recipe.algorithm).quantizes_weights else f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}"
+        label = ("carried weights" if plan.packed is not None else "float weights"
+                 if not get_algorithm(recipe.algorithm).quantizes_weights else f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}")
         task = bar.add_task(label + (f" + KV {kv.scheme}" if kv else ""), total=n_layers, completed=writer.start)
         return quantize_model(
             src.model, recipe, src.calib_ids, device=device, dtype=DTYPES[plan.dtype],
@@ -304,7 +319,8 @@ def _layer_done(plan: _Plan, opts: QuantizeOptions, console, bar, task, i: int, 
         where = f"decoder layer {i}: activations reach {peak:,.6g}, beyond float16's {FLOAT16_MAX:,.0f}"
         if not opts.write.allow_float16_overflow:
             raise InputError(f"{where}; a float16 artifact would overflow (dtype {plan.dtype}: {plan.dtype_reason}): "
-                             "use --dtype bfloat16 or float32, or --allow-float16-overflow to keep float16")
+                             + ("" if plan.packed else "use --dtype bfloat16 or float32, or ")
+                             + "--allow-float16-overflow to keep float16")
         if not any(w.startswith("float16 overflow accepted") for w in plan.warnings):
             plan.warnings.append(f"float16 overflow accepted (--allow-float16-overflow): {where}")
     show.layer_done(console, bar, task, i, n, fig)
@@ -313,6 +329,39 @@ def _layer_done(plan: _Plan, opts: QuantizeOptions, console, bar, task, i: int, 
 
 # ---------------------------------------------------------------------------------------
 # 4. write
+
+def _carry(plan: _Plan, opts: QuantizeOptions, device: str, console, on_committed, t0: float) -> dict:
+    """An already-quantized source (:mod:`compressor.commands.kv_only`): its weights
+    dequantized (streamed where it can be), the KV cache calibrated on them by the float
+    path's pass (:func:`_quantize`, algorithm ``none``), the artifact written with the
+    source's tensors byte for byte plus the KV scales; returns the summary."""
+    w, packed = opts.write, plan.packed
+    model, tokenizer, hooks, loading = kv_only.load_packed(packed, plan.source, opts.execution.stream,
+                                                           plan.out.resolve().parent, plan.activation_budget_gib)
+    show.note(console, f"source weights: {loading}", highlight=False)
+    calib_ids, calibration = _calibration(plan, opts, model, tokenizer, console)
+    src = _Source(model, tokenizer, None, loading, calib_ids, calibration)
+    # a dynamic scheme has no scale to calibrate: no decoder layer is read
+    result = _quantize(plan, src, hooks, opts, device, console) if plan.kv.static else kv_only.uncalibrated(model, plan.kv)
+    src.calib_ids = None
+    arch = get_arch(model.config.model_type)
+    scales: dict = {}
+    kv_record = _kv_record(plan.kv, result, arch, model, scales)
+    plan.warnings += result.warnings
+    quant = kv_only.quantization_record(packed, plan.dtype, plan.dtype_reason)
+    quality, timing = _quality(result, plan.recipe, plan.warnings), _timing(result)
+    fields = {"tool": tool_info(), "source": kv_only.source_record(packed), "recipe": plan.recipe.model_dump(mode="json"),
+              "calibration": calibration, "quantization": quant, "quality": quality, "kv_cache": kv_record,
+              "format": packed.format.name}
+    manifest = kv_only.write_carried(packed, plan.out, plan.kv, {f"{m}.{leaf}": t for m, ts in scales.items()
+                                                                  for leaf, t in ts.items()},
+                                     fields, w, tokenizer, {"timing": timing, "device": opts.execution.device}, on_committed)
+    show.warnings(console, plan.warnings)
+    written = _Written(manifest, quant, quality, timing, sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values()))
+    summary = _summary(plan, src, written, hooks, 1, opts, t0)
+    show.quantize_done(console, summary, [], result.moe)  # no per-layer weight table: no weight was quantized
+    return summary
+
 
 @dataclass
 class _Written:

@@ -140,6 +140,10 @@ def _plan(opts: VerifyOptions, folder: Path, manifest, report: dict, console) ->
         raise InputError("the manifest records no source model; pass --reference")
     ref_source = resolve_source(ref_spec)
     _check_reference_is_source(opts, manifest, ref_spec, ref_source, report)
+    if manifest.quantization.get("carried_from") and report["reference_matches_source"]:
+        report["warnings"].append("the artifact's weights were carried unchanged from the reference (an already-quantized "
+                                  "source): the comparison measures the KV cache's cost only; pass --reference with the "
+                                  "original float model to measure weights + KV")
     text = None
     if opts.mode == "full":
         text = load_text(opts.evaluation.text, part="eval")
@@ -232,7 +236,8 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
     model.to(opts.device)
     ref_model.to(opts.device)
     if plan.weights_quantized:
-        algorithm = plan.manifest.recipe.get("algorithm", "")
+        # weights carried from an already-quantized source: the algorithm that made them, if known
+        algorithm = plan.manifest.quantization.get("source_algorithm") or plan.manifest.recipe.get("algorithm", "")
         if opts.no_manifest:  # the producer's algorithm is unknown: AWQ shows as rescaled norm weights
             algorithm = "awq" if _norms_rescaled(ref_model, model) else "unknown"
             report["warnings"].append(f"foreign artifact: weight statistics assume {'AWQ-folded' if algorithm == 'awq' else 'unscaled'} "

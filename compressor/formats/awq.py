@@ -278,6 +278,11 @@ class AwqFormat(WeightFormat):
             raise InputError(f"scales shape {tuple(scale.shape)} does not match group_size {gs}")
         return QuantWeight(q, scale, symmetric_zero(zp), 4, gs)
 
+    def declared(self, qc: dict) -> list[dict]:
+        """``bits`` (AutoAWQ's older ``w_bit``), ``group_size`` (``q_group_size``), ``zero_point``."""
+        return [{"num_bits": qc.get("bits", qc.get("w_bit", 4)), "group_size": qc.get("group_size", qc.get("q_group_size", 128)),
+                 "symmetric": not qc.get("zero_point", True)}]
+
     def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict:
         """:func:`awq_quantization_config` of the (single) scheme's group size; ``ignored``
         becomes ``modules_to_not_convert`` (``null`` when empty)."""

@@ -170,3 +170,27 @@ class WeightFormat:
             versions: ``{"compressed-tensors": ..., "kvq": ...}``.
         """
         raise NotImplementedError
+
+    def declared(self, qc: dict) -> list[dict]:
+        """The weight schemes a source's ``quantization_config`` declares, as
+        ``[{"num_bits", "group_size" (-1: per channel), "symmetric"}, ...]`` (one per config
+        group; AWQ and GPTQ have one), for messages and the manifest of an artifact whose
+        packed weights are carried unchanged (:mod:`compressor.commands.kv_only`)."""
+        raise NotImplementedError
+
+    def with_kv(self, qc: dict, spec) -> dict:
+        """``qc`` with the KV-cache scheme ``spec`` declared the way this format declares it.
+
+        AWQ and GPTQ have no such field: a dynamic scheme (int8 per token, KIVI) lives in
+        the manifest only and ``qc`` is returned unchanged.
+
+        Raises:
+            InputError: a static scheme (``k_scale``/``v_scale`` tensors), which a loader of
+                this format would not read.
+        """
+        if spec.static:
+            raise InputError(f"the {self.name} format has no field for static KV-cache scales ({spec.describe()}): "
+                             "vLLM reads k_scale/v_scale only from compressed-tensors checkpoints (kv_cache_scheme); "
+                             "use a dynamic scheme (--recipe kv-int8: per-token scales, recorded in the manifest) "
+                             "or a compressed-tensors source")
+        return dict(qc)

@@ -316,3 +316,18 @@ class CompressedTensorsFormat(WeightFormat):
             return None  # nothing compressed-tensors can describe (KV scheme lives in the manifest)
         actorder = "weight" if recipe.algorithm == "gptq" and recipe.gptq.act_order else None
         return quantization_config(schemes, ["lm_head"] + ignored, versions["compressed-tensors"], actorder, kv_cfg)
+
+    def declared(self, qc: dict) -> list[dict]:
+        """One scheme per config group's ``weights`` (``strategy: channel`` -> group size -1)."""
+        out = []
+        for g in (qc.get("config_groups") or {}).values():
+            w = (g or {}).get("weights") or {}
+            if w:
+                gs = -1 if w.get("strategy") == "channel" else w.get("group_size")
+                out.append({"num_bits": w.get("num_bits"), "group_size": gs, "symmetric": w.get("symmetric")})
+        return out
+
+    def with_kv(self, qc: dict, spec) -> dict:
+        """``kv_cache_scheme`` set to :func:`kv_cache_scheme` of ``spec`` (``None`` for a
+        dynamic scheme, which the manifest records)."""
+        return {**qc, "kv_cache_scheme": kv_cache_scheme(spec)}

@@ -405,6 +405,11 @@ class GptqFormat(WeightFormat):
             raise InputError(f"scales has {n_groups} groups, expected {-(-k // gs)} for group_size {gs}")
         return QuantWeight(q, scale, symmetric_zero(zp), bits, gs, g_idx)
 
+    def declared(self, qc: dict) -> list[dict]:
+        """``bits``, ``group_size`` (``-1``/``0``: per channel), ``sym``."""
+        gs = qc.get("group_size", -1)
+        return [{"num_bits": qc.get("bits"), "group_size": -1 if gs in (-1, 0, None) else gs, "symmetric": qc.get("sym", True)}]
+
     def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict:
         """:func:`gptq_quantization_config` of the (single) scheme; ``ignored`` modules become
         GPTQModel ``dynamic`` negative overrides (``"-:^<name>$": {}``)."""
