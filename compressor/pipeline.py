@@ -89,7 +89,8 @@ class LayerHooks:
     ``activation_budget`` bytes move to memory-mapped files in ``spill_dir``. Optional:
     ``expert_groups(i)`` (``None`` or the layer's tensor names in bounded groups) and
     ``load_groups(i, result)`` (reads, yields and writes those groups), used instead of
-    ``load`` for uncalibrated steps that quantize each linear on its own (see
+    ``load`` for uncalibrated steps that quantize each linear on its own, and
+    ``release_outer()``, called once layer 0's inputs are captured (see
     :class:`compressor.staging.LayerWriter`).
     """
 
@@ -401,6 +402,8 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
                 if observer is not None:
                     observer.layers[i].k_absmax, observer.layers[i].v_absmax = k, v
         hidden = _spill(hidden, hooks, "in")  # layer 0's inputs too: above the budget one copy stays in memory
+    if hooks is not None and getattr(hooks, "release_outer", None) is not None:
+        hooks.release_outer()  # the embedding and head are not read again before the write
     for i, layer in enumerate(layers):
         if i < start:
             continue

@@ -170,7 +170,7 @@ def _real_buffers(model) -> str | None:
 
 
 def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None,
-              ckpt: LazyCheckpoint | None = None):
+              ckpt: LazyCheckpoint | None = None, defer_head: bool = False):
     """Build ``(model, tokenizer, checkpoint)`` with decoder layers on ``meta`` and the rest loaded.
 
     MoE experts are unfused (:func:`compressor.moe.unfuse_experts`) so parameter names are
@@ -184,6 +184,8 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     Multi-token-prediction layers stored after the decoder layers have no module: see
     :func:`kept_tensor_names`. ``ckpt`` replaces the folder's default reader (e.g. one that
     dequantizes packed linears: :class:`compressor.commands.kv_only.PackedCheckpoint`).
+    ``defer_head``: leave an untied ``lm_head`` on ``meta`` (nothing before the write needs
+    it; :func:`outer_names` / :func:`load_into` read it then).
 
     Returns:
         ``(model, tokenizer, checkpoint)``, or ``(None, reason)`` when the folder cannot be
@@ -218,11 +220,20 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
         return None, f"tensor {checkpoint_name(arch, missing[0])} is not stored under that name in the source shards"
     prefix = arch.layers + "."
     for n in names:
-        if not n.startswith(prefix):
+        if not n.startswith(prefix) and not (defer_head and n == f"{arch.lm_head}.weight"):
             _load_one(model, ckpt, arch, n, dtype)
     if tied:
         model.tie_weights()
     return model, tokenizer, ckpt
+
+
+def outer_names(model, arch) -> list[str]:
+    """In-memory names of the tensors outside the decoder layers (embedding, final norm, an
+    untied head, buffers such as a router's), as :func:`open_lazy` reads them."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    prefix = arch.layers + "."
+    return [n for n in model.state_dict() if not n.startswith(prefix) and not (tied and n == "lm_head.weight")
+            and not n.endswith(".counts")]
 
 
 def _meta_model(source, dtype: torch.dtype, tokenizer_dir, ckpt: LazyCheckpoint | None = None):

@@ -52,17 +52,33 @@ def test_at_most_one_decoder_layer_is_materialized(tmp_path, deep_dir, monkeypat
     """Whenever a layer is loaded, every other decoder layer holds no weights (meta)."""
     import compressor.staging as st  # the LayerWriter's loads
 
-    seen = []
+    seen, outer = [], []
     real = st.load_into
 
-    def spy(model, ckpt, arch, names):
+    def spy(model, ckpt, arch, names, *dtype):
         layers = model.get_submodule(arch.layers)
-        seen.append([i for i, layer in enumerate(layers) if any(not p.is_meta for p in layer.parameters())])
-        real(model, ckpt, arch, names)
+        if all(n.startswith(arch.layers + ".") for n in names):
+            seen.append([i for i, layer in enumerate(layers) if any(not p.is_meta for p in layer.parameters())])
+            # the embedding and head were released once layer 0's inputs were captured
+            outer.append([model.get_submodule(m).weight.is_meta for m in (arch.embed_tokens, arch.lm_head)])
+        real(model, ckpt, arch, names, *dtype)
 
     monkeypatch.setattr(st, "load_into", spy)
     run_quantize(QuantizeOptions(model=str(deep_dir), output=tmp_path / "o", algorithm="gptq", **FAST))
     assert seen == [[], [], [], []]  # 4 loads, each with nothing else resident
+    assert outer == [[True, True]] * 4
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_embedding_and_head_are_read_again_for_the_write(tmp_path, tokenizer, tie):
+    """Released during the layers, the embedding and head are read again in the storage dtype
+    at the write: the same tensors as the whole-model run (tied and untied heads)."""
+    src = make_model_dir(tmp_path / "m", tokenizer, num_hidden_layers=2, tie_word_embeddings=tie)
+    for name, stream in (("s", True), ("w", False)):
+        run_quantize(QuantizeOptions(model=str(src), output=tmp_path / name, algorithm="rtn", stream=stream, **FAST))
+    assert digests(tmp_path / "s") == digests(tmp_path / "w")
+    names = set(digests(tmp_path / "s"))
+    assert "model.embed_tokens.weight" in names and ("lm_head.weight" in names) == (not tie)
 
 
 def test_moe_source_is_streamed(tmp_path, tokenizer):

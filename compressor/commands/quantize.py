@@ -246,7 +246,7 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
                        + (f" (rank 0 of {world_size})" if world_size > 1 else ""))
     model, ckpt, loading = None, None, "whole model (--no-stream)"
     if opts.execution.stream:
-        lazy = open_lazy(source)
+        lazy = open_lazy(source, defer_head=True)
         if lazy[0] is not None:
             model, tokenizer, ckpt = lazy
             loading = "streamed: one decoder layer at a time"
@@ -404,6 +404,7 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
     timing = _timing(result)
     if opts.model not in ALIASES:  # record paths absolutely so verify finds the reference from anywhere
         source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
+    writer.load_outer()  # released after layer 0's inputs were captured (streamed sources)
     manifest = write_artifact(
         plan.out, model, src.tokenizer, packed, qcfg,
         {"tool": tool_info(), "source": source_fp, "recipe": recipe.model_dump(mode="json"),
