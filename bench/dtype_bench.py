@@ -2,7 +2,7 @@
 
 Steps, each its own process, one at a time (peak RSS from ``os.wait4`` of that child):
   1. ``kvq quantize smollm2-135m --recipe w4a16-awq --dtype D`` for D in float16, bfloat16,
-     float32 (calibration 32 x 512 of wikitext-2 valid, seed 0);
+     float32 (calibration SAMPLES x 512 of wikitext-2 valid, seed 0);
   2. ``kvq verify`` of each artifact on the first WINDOWS windows of wiki.test.raw, in the
      dtype the artifact declares, and the bfloat16 artifact once more with ``--eval-dtype
      float32`` (the difference is the cost of serving in bf16);
@@ -11,8 +11,8 @@ Steps, each its own process, one at a time (peak RSS from ``os.wait4`` of that c
      checkout's code (``PYTHONPATH``) beside today's, for verify's peak RSS and wall time.
 
 Writes bench/results/dtype_bench.json and prints the tables for BENCHMARKS.md. Existing
-step results are reused (delete the JSON to rerun). ``WINDOWS`` (default 8), ``SAMPLES``
-(default 32).
+step results are reused (delete the JSON to rerun). ``WINDOWS`` (default 4), ``SAMPLES``
+(default 8).
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 WORK = ROOT / "bench" / "work" / "dtype"
 RESULTS = ROOT / "bench" / "results" / "dtype_bench.json"
-WINDOWS = os.environ.get("WINDOWS", "8")
-SAMPLES = os.environ.get("SAMPLES", "32")
+WINDOWS = os.environ.get("WINDOWS", "4")
+SAMPLES = os.environ.get("SAMPLES", "8")
+#: verify's extras kept short: greedy drift over 8 new tokens, hidden-state error on one window
+VERIFY_EXTRA = ["--max-new-tokens", "8", "--hidden-batches", "1"]
 KVQ = [sys.executable, "-m", "compressor"]
 
 
@@ -73,7 +75,7 @@ def main() -> None:
             print(f"dtype_bench: {key} ...", flush=True)
             rep = WORK / f"{key}.json"
             t = run(KVQ + ["verify", str(out), "--eval", str(text), "--max-windows", WINDOWS, "--json-out", str(rep),
-                           *extra], WORK / f"{key}.log")
+                           *VERIFY_EXTRA, *extra], WORK / f"{key}.log")
             r = json.loads(rep.read_text())
             t.update(perplexity=r["perplexity"], distribution=r["distribution"], evaluated_in=r["evaluated_in"])
             res[key] = t
@@ -87,7 +89,7 @@ def main() -> None:
             print(f"dtype_bench: {key} ...", flush=True)
             rep = WORK / f"{key}.json"
             t = run(KVQ + ["verify", str(WORK / "awq-float32"), "--eval", str(text), "--max-windows", WINDOWS,
-                           "--json-out", str(rep)], WORK / f"{key}.log", env={"PYTHONPATH": path})
+                           "--json-out", str(rep), *VERIFY_EXTRA], WORK / f"{key}.log", env={"PYTHONPATH": path})
             t["perplexity"] = json.loads(rep.read_text())["perplexity"]
             res[key] = t
             RESULTS.write_text(json.dumps(res, indent=2) + "\n")
