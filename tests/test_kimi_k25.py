@@ -32,6 +32,8 @@ VISION = {"model_type": "kimi_k25_vision", "hidden_size": 32, "num_hidden_layers
           "intermediate_size": 64, "patch_size": 4, "pos_emb_height": 4, "pos_emb_width": 4, "pos_emb_time": 2,
           "merge_kernel_size": [2, 2]}
 CARRIED = ("vision_tower.", "mm_projector.")
+#: rows this file builds and serves (tests/test_runtime_rows.py counts them as served)
+ROWS = ("kimi_k25",)
 
 
 def vision_tensors(text_hidden: int, seed: int = 5) -> dict[str, torch.Tensor]:
@@ -223,6 +225,28 @@ def test_serve_smoke_serves_the_text_model(runs):
     rep = run_serve_smoke(SmokeOptions(artifact=runs[True][0], max_new_tokens=4))
     assert rep["passed"], rep.get("failed_gates")
     assert "not served" in rep["carried"]
+
+
+def test_runtime_logits_equal_verify_dequantized_model(k25, tmp_path):
+    """The runtime's text model (packed aten and dequantize kernels, fp8 MLA cache) gives
+    the logits of kvq verify's dequantized model through the same cache, in one pass and
+    token by token (the contract of tests/test_runtime_rows.py, here on the wrapper's names)."""
+    from compressor.artifact import load_artifact, read_kv_cache
+    from compressor.runtime import Runtime
+
+    from test_runtime_rows import IDS, PARITY_TOL, _err, _reference
+
+    art = tmp_path / "w4"
+    run_quantize(QuantizeOptions(model=str(k25), output=art, algorithm="rtn", group_size=32, kv_scheme="fp8",
+                                 dtype="float32", calib_samples=4, calib_seqlen=32))
+    model, _ = load_artifact(art)
+    spec, scales = read_kv_cache(art)
+    assert spec.scheme == "fp8" and sorted(scales) == [0, 1]
+    for backend in ("aten", "dequant"):
+        rt = Runtime.from_artifact(art, backend=backend, act_dtype=torch.float32)
+        for chunk in (None, 1):
+            assert _err(rt.logits(IDS, chunk=chunk), _reference(model, IDS, spec, scales, chunk)) < PARITY_TOL
+    assert _err(rt.logits(IDS), _reference(model, IDS, None, None)) > 10 * PARITY_TOL  # the KV scheme matters
 
 
 # ---------------------------------------------------------------------------------------
