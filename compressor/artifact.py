@@ -21,6 +21,7 @@ import torch
 
 from . import __version__, interrupts
 from .arch import get_arch, is_text_tensor, mtp_layer, state_from_checkpoint
+from .config_check import quantization_config
 from .errors import InputError
 from .formats import read_quant_weight, reader_for
 from .integrity import build_manifest, check_hashes  # noqa: F401  (re-exported)
@@ -340,7 +341,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
         raw_cfg = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise InputError(f"{folder}/config.json: {e}") from None
-    qc = raw_cfg.get("quantization_config") or {}
+    qc = quantization_config(raw_cfg) or {}  # a wrapper's may sit in its text_config
     method = qc.get("quant_method")
     check_readable(folder, qc)
     try:
@@ -419,7 +420,7 @@ def foreign_manifest(folder: str | Path) -> ForeignManifest:
         raise InputError(f"{folder} has no config.json") from None
     except (OSError, json.JSONDecodeError) as e:
         raise InputError(f"{folder}/config.json: {e}") from None
-    qc = cfg.get("quantization_config") or {}
+    qc = quantization_config(cfg) or {}
     algorithm = "unknown" if qc else "none"
     kv = qc.get("kv_cache_scheme")
     kv_rec = None

@@ -73,6 +73,12 @@ def text_config(cfg: dict) -> dict:
     return inner if isinstance(inner, dict) else cfg
 
 
+def quantization_config(cfg: dict):
+    """A config's ``quantization_config``: the top level's, else (a multimodal wrapper such as
+    Kimi K2.5 may keep it there) its ``text_config``'s; ``None`` when neither has one."""
+    return cfg.get("quantization_config") or text_config(cfg).get("quantization_config")
+
+
 def hidden_size(cfg: dict) -> int | None:
     """The language model's ``hidden_size`` (``text_config``'s in a multimodal wrapper), or ``None``."""
     v = text_config(cfg).get("hidden_size")
@@ -208,7 +214,7 @@ def source_quantization(cfg: dict, where: str = "config.json") -> tuple[int, int
         InputError: any other ``quant_method`` (named), FP8 without ``weight_block_size``
             (per-tensor FP8) or with another format than e4m3, a malformed block size.
     """
-    qc = cfg.get("quantization_config") or text_config(cfg).get("quantization_config")  # a wrapper's text model's
+    qc = quantization_config(cfg)
     if not qc:
         return None
     if not isinstance(qc, dict):

@@ -297,6 +297,36 @@ def test_block_fp8_k25_source(k25, tmp_path):
     assert cfg["quantization_config"]["quant_method"] == "compressed-tensors" and "quantization_config" not in cfg["text_config"]
 
 
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_int4_k25_release_gets_its_kv_cache_calibrated(where, k25, tmp_path):
+    """K2.5 as Moonshot ships it: weights already packed (compressed-tensors), no kvq
+    manifest, ``quantization_config`` at the top of config.json or in ``text_config``. A
+    KV recipe calibrates the KV cache on the weights as they are: every source tensor (the
+    vision tower's too) byte for byte, the scales under the text prefix, the wrapper kept,
+    one ``quantization_config`` at the top."""
+    release = tmp_path / "release"
+    run_quantize(QuantizeOptions(model=str(k25), output=release, algorithm="rtn", group_size=32))
+    (release / "kvq-manifest.json").unlink()
+    cfg = json.loads((release / "config.json").read_text())
+    if where == "text_config":
+        cfg["text_config"]["quantization_config"] = cfg.pop("quantization_config")
+    (release / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "kv"
+    summary = run_quantize(QuantizeOptions(model=str(release), output=out, recipe="kv-fp8", calib_samples=4,
+                                           calib_seqlen=48))
+    assert summary["source_loading"].startswith("streamed")
+    art, src = stored(out), stored(release)
+    assert all(art[n] == src[n] for n in src)
+    assert {n for n in art if n not in src} == {f"language_model.model.layers.{i}.self_attn.{s}" for i in (0, 1)
+                                                  for s in ("k_scale", "v_scale")}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "kimi_k25" and cfg["quantization_config"]["kv_cache_scheme"]["type"] == "float"
+    assert "quantization_config" not in cfg["text_config"]
+    rep = run_verify(VerifyOptions(artifact=out, reference=str(k25), seqlen=64, max_windows=2, max_new_tokens=4,
+                                   hidden_batches=1))
+    assert rep["passed"], rep["failed_gates"]
+
+
 # ---------------------------------------------------------------------------------------
 # refusals: one line, exit 2, before anything is built
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..arch import ArchSpec, checkpoint_name, get_arch
+from ..config_check import quantization_config
 from ..errors import InputError
 from .attention import Attention
 from .blocks import FusedGatedMLP, GatedMLP, RMSNorm, Rotary, rope_frequencies, row_traits
@@ -316,7 +317,7 @@ def _load(folder: Path, device: torch.device, backend: str, dtype, act_dtype, re
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else (
             torch.bfloat16 if str(raw.get("dtype", raw.get("torch_dtype"))) == "bfloat16" else torch.float16)
-    qc = raw.get("quantization_config") or {}
+    qc = quantization_config(raw) or {}  # a wrapper's may sit in its text_config
     method = _check_method(folder, qc)
     b = _Builder(Tensors(reads), arch, cfg, spec, method, qc, backend, device, dtype, act_dtype)
     rotaries = b.rotaries()
