@@ -82,6 +82,27 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class Wrapper:
+    """A multimodal checkpoint whose text decoder kvq quantizes alone (Kimi K2.5).
+
+    ``text_config``: the ``config.json`` key holding the text model's config, which is built
+    with the transformers classes of its own ``model_type`` (one of ``text_types``; the first
+    is the default when it names none). ``prefix``: the checkpoint prefix of the text model's
+    tensors (its in-memory names with ``prefix`` prepended: ``language_model.model.layers.0...``,
+    ``language_model.lm_head.weight``). ``carried``: checkpoint prefixes of the tensors kvq
+    never builds, quantizes or evaluates: copied into the artifact untouched (same names,
+    dtypes and bytes; block-FP8 ones dequantized), listed in the format's ignore list and
+    checked by digest only. ``what`` names them in messages.
+    """
+
+    text_config: str
+    prefix: str
+    carried: tuple[str, ...]
+    what: str
+    text_types: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """Where the parts of a decoder-only model live (dotted paths from the top module)."""
 
@@ -117,6 +138,8 @@ class ArchSpec:
     # decoder layers return ``(hidden, extra)`` instead of ``hidden`` (GLM-5: the top-k
     # indices handed to the next layer); stand-ins for a layer must return the same shape
     layer_returns_tuple: bool = False
+    # a multimodal wrapper around this text decoder (Kimi K2.5), None for a text-only checkpoint
+    wrapper: Wrapper | None = None
 
     def kv_layout(self, config):
         """The model's :class:`compressor.quant.kv.KVLayout` (what one token costs in the cache)."""
@@ -277,6 +300,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "glm4_moe_lite": _DEEPSEEK_V3,  # GLM-4.7-Flash: MLA + routed/shared experts, DeepSeek-V3 names
     "deepseek_v32": _DSA,
     "glm_moe_dsa": replace(_DSA, layer_returns_tuple=True),  # GLM-5: layers pass their top-k on
+    # Kimi K2.5: transformers' vision-language wrapper (Kimi_K25ForConditionalGeneration); its
+    # text_config is Kimi K2 (DeepSeek-V3), stored as the release does: language_model.model.*,
+    # language_model.lm_head.weight, vision_tower.*, mm_projector.* (transformers' kimi_k25
+    # checkpoint conversion reads exactly these names, vLLM's KimiK25ForConditionalGeneration too)
+    "kimi_k25": replace(_DEEPSEEK_V3, wrapper=Wrapper(
+        text_config="text_config", prefix="language_model.", carried=("vision_tower.", "mm_projector."),
+        what="vision tower and projector", text_types=("deepseek_v3", "kimi_k2"))),
 }
 
 #: published ``model_type`` that transformers has no class for -> the transformers
@@ -287,11 +317,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 PUBLISHED_AS: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 
 #: model_type -> why kvq refuses it (said in the one-line error)
-REFUSED: dict[str, str] = {
-    "kimi_k25": "Kimi K2.5 is a vision-language wrapper (a DeepSeek-V3 text model plus a vision tower and "
-                "projector); kvq's artifact writer and verifier handle text-only decoders and cannot yet carry "
-                "the vision tower through untouched",
-}
+REFUSED: dict[str, str] = {}
 
 
 def get_arch(model_type: str) -> ArchSpec:
@@ -450,18 +476,30 @@ def linear_weight(arch: ArchSpec, layer, rel: str) -> torch.Tensor:
 
 
 def mtp_layer(arch: ArchSpec, num_hidden_layers: int, name: str) -> int | None:
-    """The layer index of a multi-token-prediction tensor, else ``None``.
+    """The layer index of a multi-token-prediction tensor (``name`` as the checkpoint stores
+    it: a wrapper's under its text prefix), else ``None``.
 
     DeepSeek-V3, GLM-4.5/4.7/5 and DeepSeek-V3.2 checkpoints store their
     ``num_nextn_predict_layers`` MTP modules as decoder layers ``num_hidden_layers, ...``
     (``<layers>.<n>.enorm/hnorm/eh_proj/shared_head.*`` plus a full decoder layer);
     transformers builds no module for them (its loaders drop them as unexpected keys).
     """
-    prefix = arch.layers + "."
+    prefix = checkpoint_name(arch, arch.layers) + "."
     if not name.startswith(prefix):
         return None
     idx = name[len(prefix):].split(".", 1)[0]
     return int(idx) if idx.isdigit() and int(idx) >= num_hidden_layers else None
+
+
+def is_carried(arch: ArchSpec, name: str) -> bool:
+    """True for a checkpoint tensor outside a wrapper's text model that kvq copies untouched
+    (Kimi K2.5's ``vision_tower.*`` / ``mm_projector.*``, :class:`Wrapper`)."""
+    return arch.wrapper is not None and name.startswith(arch.wrapper.carried)
+
+
+def is_text_tensor(arch: ArchSpec, name: str) -> bool:
+    """True for a checkpoint tensor of the text model (all of them, unless the row is a wrapper)."""
+    return arch.wrapper is None or name.startswith(arch.wrapper.prefix)
 
 
 def routers(arch: ArchSpec, model) -> list[str]:
@@ -498,12 +536,15 @@ def _rename(arch: ArchSpec, name: str, reverse: bool) -> str:
 
 
 def checkpoint_name(arch: ArchSpec, name: str) -> str:
-    """The checkpoint name of an in-memory module/tensor name (identity for most rows)."""
-    return _rename(arch, name, reverse=False)
+    """The checkpoint name of an in-memory module/tensor name (identity for most rows; a
+    wrapper's text model is stored under its prefix: ``language_model.model.layers.0...``)."""
+    return (arch.wrapper.prefix if arch.wrapper is not None else "") + _rename(arch, name, reverse=False)
 
 
 def memory_name(arch: ArchSpec, name: str) -> str:
     """Inverse of :func:`checkpoint_name`."""
+    if arch.wrapper is not None and name.startswith(arch.wrapper.prefix):
+        name = name[len(arch.wrapper.prefix):]
     return _rename(arch, name, reverse=True)
 
 

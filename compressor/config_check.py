@@ -17,7 +17,10 @@ Checked (each only where the checkpoint holds the tensor that proves it):
 * ``num_key_value_heads`` divides ``num_attention_heads``; q/k/v projection rows are
   ``heads x head_dim`` (``head_dim`` from the config, else ``hidden_size / heads``);
 * ``intermediate_size`` is the rows of the first dense MLP's ``gate_proj``/``up_proj``
-  (or half of a fused ``gate_up_proj``).
+  (or half of a fused ``gate_up_proj``);
+* a multimodal wrapper (Kimi K2.5, :class:`compressor.arch.Wrapper`): its ``text_config``
+  (a text model type the row names) is what the checks above read, against the tensors
+  under the text prefix; every tensor is the text model's or one the row carries.
 """
 
 from __future__ import annotations
@@ -64,15 +67,21 @@ def read_config(path: str | Path) -> dict:
     return data
 
 
-def _text_config(cfg: dict) -> dict:
+def text_config(cfg: dict) -> dict:
     """The language model's config: ``text_config`` of a multimodal wrapper, else ``cfg``."""
     inner = cfg.get("text_config")
     return inner if isinstance(inner, dict) else cfg
 
 
+def quantization_config(cfg: dict):
+    """A config's ``quantization_config``: the top level's, else (a multimodal wrapper such as
+    Kimi K2.5 may keep it there) its ``text_config``'s; ``None`` when neither has one."""
+    return cfg.get("quantization_config") or text_config(cfg).get("quantization_config")
+
+
 def hidden_size(cfg: dict) -> int | None:
     """The language model's ``hidden_size`` (``text_config``'s in a multimodal wrapper), or ``None``."""
-    v = _text_config(cfg).get("hidden_size")
+    v = text_config(cfg).get("hidden_size")
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
@@ -109,7 +118,7 @@ def check_config(cfg: dict, shapes: dict[str, list[int]], where: str = "config.j
         InputError: the first field that contradicts the checkpoint or is out of range,
             named, with what the checkpoint holds.
     """
-    c = _text_config(cfg)
+    c = text_config(cfg)
     for f in _SIZE_FIELDS:
         _size(c, f, where)
     n_layers = _size(c, "num_hidden_layers", where, MAX_LAYERS, required=True)
@@ -205,7 +214,7 @@ def source_quantization(cfg: dict, where: str = "config.json") -> tuple[int, int
         InputError: any other ``quant_method`` (named), FP8 without ``weight_block_size``
             (per-tensor FP8) or with another format than e4m3, a malformed block size.
     """
-    qc = cfg.get("quantization_config")
+    qc = quantization_config(cfg)
     if not qc:
         return None
     if not isinstance(qc, dict):
@@ -245,13 +254,50 @@ def check_folder(folder: str | Path, model_type: str | None = None) -> dict:
     shapes: dict[str, list[int]] = {}
     for shard in sorted(folder.glob("*.safetensors")):
         shapes.update({n: list(e.shape) for n, e in read_header(shard).items()})
-    layers = "model.layers"
-    mt = model_type or _text_config(cfg).get("model_type")
-    if isinstance(mt, str):
-        from .arch import ARCHITECTURES
+    from .arch import ARCHITECTURES
 
+    where = f"{folder / 'config.json'}"
+    outer = ARCHITECTURES.get(cfg.get("model_type")) if isinstance(cfg.get("model_type"), str) else None
+    if outer is not None and outer.wrapper is not None:
+        model_type = model_type or wrapper_text(cfg, where)[1]
+        _check_wrapped_names(outer, shapes, where)
+    layers = "model.layers"
+    mt = model_type or text_config(cfg).get("model_type")
+    if isinstance(mt, str):
         if mt not in ARCHITECTURES:
             return cfg  # an unsupported model_type is refused by its own check, with the supported list
         layers = ARCHITECTURES[mt].layers
-    check_config(cfg, shapes, f"{folder / 'config.json'}", layers)
+    check_config(cfg, shapes, where, layers)
     return cfg
+
+
+def wrapper_text(cfg: dict, where: str = "config.json") -> tuple[dict, str]:
+    """``(text config, its model_type)`` of a multimodal wrapper's ``config.json`` (its row's
+    :class:`compressor.arch.Wrapper`: a text model type it names; the first when none is given).
+
+    Raises:
+        InputError: no text config object, or a text ``model_type`` the row does not name.
+    """
+    from .arch import get_arch
+
+    mt = cfg.get("model_type")
+    w = get_arch(mt).wrapper
+    text = cfg.get(w.text_config)
+    if not isinstance(text, dict):
+        raise InputError(f"{where}: model_type {mt!r} needs a {w.text_config} object (the text model's config)")
+    text_type = text.get("model_type") or w.text_types[0]
+    if text_type not in w.text_types:
+        raise InputError(f"{where}: {w.text_config}.model_type {text_type!r} is not a text model kvq builds for {mt} "
+                         f"({', '.join(w.text_types)})")
+    return text, text_type
+
+
+def _check_wrapped_names(arch, shapes: dict, where: str) -> None:
+    """Every tensor of a wrapper's checkpoint is its text model's or one kvq carries (no tensor is dropped)."""
+    w = arch.wrapper
+    stray = sorted(n for n in shapes if not n.startswith((w.prefix,) + w.carried))
+    if stray:
+        raise InputError(f"{where}: tensor {stray[0]} is neither the text model's ({w.prefix}*) nor the {w.what}'s "
+                         f"({', '.join(p + '*' for p in w.carried)}); kvq would not carry it into the artifact")
+    if not any(n.startswith(w.prefix) for n in shapes):
+        raise InputError(f"{where}: no tensor is stored under {w.prefix} (where this wrapper keeps its text model)")

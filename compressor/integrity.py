@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from .console import capped_list, capped_names
+from .console import warnings as show_warnings
 from .errors import InputError
 from .manifest import MANIFEST_NAME, SIGNATURE_NAME, FileRecord, Manifest, TensorRecord, load_manifest
 from .safetensors_io import FolderDigests, digest_files, file_digest
@@ -308,23 +309,40 @@ def check_artifact_folder(folder) -> Path:
     return folder.resolve() if folder.is_symlink() else folder
 
 
-def verify_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) -> dict:
-    """``kvq verify --hashes-only``: signature (when keys are given) and digests; the report dict.
+def verify_integrity(folder: Path, keys: Optional[VerifyKeys], console=None, print_warnings: bool = False) -> dict:
+    """``kvq verify --hashes-only``: signature (when keys are given) and digests; the report
+    dict (its warnings also on ``console`` with ``print_warnings``: full verify prints them
+    with its table).
 
     Raises:
         InputError: not an artifact folder, invalid manifest, bad key files.
     """
     t0 = time.perf_counter()
     folder = check_artifact_folder(folder)
-    load_manifest(folder)
+    manifest = load_manifest(folder)
     signature = check_signature(folder, keys, console)
     hashes = check_hashes(folder)
     if console:
         print_hashes(console, hashes)
     ok = hashes["ok"] and signature["ok"] is not False
-    return {"schema_version": "kvq.verify-report/1", "artifact": str(folder), "mode": "hashes-only",
-            "signature": signature, "hashes": hashes, "gates": [], "failed_gates": [], "warnings": [],
-            "passed": ok, "seconds": round(time.perf_counter() - t0, 2)}
+    report = {"schema_version": "kvq.verify-report/1", "artifact": str(folder), "mode": "hashes-only",
+              "signature": signature, "hashes": hashes, "gates": [], "failed_gates": [], "warnings": [],
+              "passed": ok, "seconds": round(time.perf_counter() - t0, 2)}
+    _carried(manifest, report)
+    if console and print_warnings:
+        show_warnings(console, report["warnings"])
+    return report
+
+
+def _carried(manifest, report: dict) -> None:
+    """A multimodal wrapper's tensors carried untouched (Kimi K2.5's vision tower and
+    projector, the manifest's ``quality.carried``): the digests are all kvq checks of them
+    (verify's statistics compare the text model); the report says so."""
+    rec = manifest.quality.get("carried")
+    if isinstance(rec, dict) and rec.get("tensors"):
+        report["carried"] = {**rec, "checked": "digest only"}
+        report["warnings"].append(f"{rec.get('what')} ({rec['tensors']} tensors carried untouched from the source): "
+                                  "checked by digest only; the statistics compare the text model")
 
 
 def foreign_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) -> dict:

@@ -192,7 +192,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, tokenize
     if cached is not None:
         model, tokenizer = load_model(ModelSource(source.spec, "hf", cached), dtype)
         return model, tokenizer
-    if source.kind == "hf" and _block_fp8(source.path) is not None:
+    if source.kind == "hf" and (_block_fp8(source.path) is not None or wrapper_of(source.path) is not None):
         from .streaming import load_whole
 
         return load_whole(source, dtype, tokenizer_dir)
@@ -287,6 +287,77 @@ def _block_fp8(folder: Path) -> tuple[int, int] | None:
     from .config_check import read_config, source_quantization
 
     return source_quantization(read_config(folder / "config.json"), str(folder / "config.json"))
+
+
+def wrapper_of(folder: str | Path):
+    """The :class:`compressor.arch.Wrapper` of a folder whose ``config.json`` is a multimodal
+    wrapper kvq reads (Kimi K2.5), else ``None`` (also for an unreadable config: its loader says why)."""
+    from .arch import ARCHITECTURES
+
+    try:
+        import json
+
+        mt = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    arch = ARCHITECTURES.get(mt) if isinstance(mt, str) else None
+    return arch.wrapper if arch is not None else None
+
+
+def load_config(folder: str | Path):
+    """The transformers config of the model kvq builds from ``folder/config.json``.
+
+    A multimodal wrapper (:class:`compressor.arch.Wrapper`, Kimi K2.5) gives its text model's
+    config (:func:`wrapped_text_config`), never the wrapper's own classes; anything else is
+    transformers' ``AutoConfig`` (published types registered first, :func:`register_published_types`).
+
+    Raises:
+        InputError: a wrapper whose text config kvq does not build (transformers' own errors
+            for other configs are the caller's to word).
+    """
+    from transformers import AutoConfig
+
+    from .config_check import read_config
+
+    register_published_types()
+    if wrapper_of(folder) is not None:
+        return wrapped_text_config(read_config(Path(folder) / "config.json"), str(Path(folder) / "config.json"))
+    return AutoConfig.from_pretrained(str(folder))
+
+
+_WRAPPED: dict[tuple[str, str], type] = {}
+
+
+def wrapped_text_config(raw: dict, where: str = "config.json"):
+    """The text model's config of a multimodal wrapper's ``config.json`` (``raw``), built with
+    the transformers config class of its ``model_type`` (``kimi_k2`` through
+    :data:`compressor.arch.PUBLISHED_AS`, i.e. DeepSeek-V3) under a subclass whose
+    ``model_type`` is the wrapper's (``kimi_k25``), so the wrapper's architecture row -- text
+    names under the checkpoint prefix, carried tensors -- is the one every step looks up.
+    ``AutoModelForCausalLM.from_config`` builds it as the text model's class (registered here;
+    the wrapper's own ``model_type`` stays transformers').
+
+    Raises:
+        InputError: no text config object, or one whose ``model_type`` the wrapper's row does not name.
+    """
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from .arch import PUBLISHED_AS
+    from .config_check import wrapper_text
+
+    mt = raw.get("model_type")
+    text, text_type = wrapper_text(raw, where)
+    base = PUBLISHED_AS.get(text_type, text_type)
+    if (mt, base) not in _WRAPPED:
+        stem = "".join(p.capitalize() for p in mt.split("_"))
+        base_cfg = CONFIG_MAPPING[base]
+        cfg_cls = type(f"{stem}TextConfig", (base_cfg,), {"model_type": mt, "__module__": __name__})
+        model_cls = type(f"{stem}TextForCausalLM", (MODEL_FOR_CAUSAL_LM_MAPPING[base_cfg],),
+                         {"config_class": cfg_cls, "__module__": __name__})
+        AutoModelForCausalLM.register(cfg_cls, model_cls)
+        _WRAPPED[(mt, base)] = cfg_cls
+    return _WRAPPED[(mt, base)].from_dict({k: v for k, v in text.items() if k != "model_type"})
 
 
 def register_published_types() -> None:

@@ -134,6 +134,9 @@ class VerifyReport(_M):
     hidden_state_error: Optional[Hidden] = None
     drift: Optional[Drift] = None
     kv_cache: Optional[dict[str, Any]] = None
+    #: a multimodal wrapper's tensors carried untouched (Kimi K2.5's vision tower and projector):
+    #: the manifest's quality.carried record plus "checked": "digest only"
+    carried: Optional[dict[str, Any]] = None
     seconds: float
 
 

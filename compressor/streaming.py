@@ -98,8 +98,10 @@ class LazyCheckpoint:
             raise InputError(f"{shard}: tensor {name} has dtype {e.dtype}, which kvq does not load")
         return torch.frombuffer(buf, dtype=_DTYPES[e.dtype]).view(e.shape) if buf else torch.empty(e.shape, dtype=_DTYPES[e.dtype])
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Read ``name`` into memory as ``dtype`` (a private copy; block-FP8 weights dequantized).
+    def get(self, name: str, dtype: torch.dtype, as_stored: bool = False) -> torch.Tensor:
+        """Read ``name`` into memory as ``dtype`` (a private copy; block-FP8 weights dequantized);
+        with ``as_stored``, float tensors keep their stored dtype and bytes (only block-FP8
+        weights become ``dtype``).
 
         The bytes are read with ``pread`` rather than through a memory map, so the source
         shards never count towards this process's resident memory (a map would keep every
@@ -112,6 +114,8 @@ class LazyCheckpoint:
         t = self._read(name)
         if t.dtype == torch.float8_e4m3fn:
             return self._dequantize(name, t).to(dtype)
+        if as_stored:
+            return t  # _read's private buffer: the stored bytes
         return t.to(dtype) if t.is_floating_point() else t.clone()
 
     def _dequantize(self, name: str, q: torch.Tensor) -> torch.Tensor:
@@ -239,15 +243,15 @@ def outer_names(model, arch) -> list[str]:
 def _meta_model(source, dtype: torch.dtype, tokenizer_dir, ckpt: LazyCheckpoint | None = None):
     """``(model on meta, tokenizer, checkpoint)`` of a Hugging Face folder, eval mode, no gradients."""
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from .models import check_buildable, load_tokenizer, register_published_types
+    from .models import check_buildable, load_config, load_tokenizer, register_published_types
 
     transformers.logging.set_verbosity_error()
     register_published_types()
     ckpt = ckpt if ckpt is not None else LazyCheckpoint(source.path)  # reads (and checks) the source's quantization_config
     try:
-        cfg = AutoConfig.from_pretrained(str(source.path))
+        cfg = load_config(source.path)  # a multimodal wrapper's text model (Kimi K2.5), else AutoConfig's
         tokenizer = load_tokenizer(source.path, source.spec, tokenizer_dir)
         check_buildable(cfg, source.spec)
         if ckpt.dequantizes and hasattr(cfg, "quantization_config"):  # the weights are dequantized as they are read
@@ -300,7 +304,7 @@ def load_whole(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | 
     Raises:
         InputError: a tensor of the model is not stored in the folder, or holds NaN/Inf.
     """
-    from .arch import checkpoint_name, get_arch, mtp_layer, state_from_checkpoint
+    from .arch import checkpoint_name, get_arch, is_text_tensor, mtp_layer, state_from_checkpoint
 
     model, tokenizer, ckpt = _meta_model(source, dtype, tokenizer_dir)
     cfg = model.config
@@ -308,7 +312,7 @@ def load_whole(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | 
     state = {}
     for name in ckpt.where:
         if (name.endswith("_scale_inv") and name[: -len("_scale_inv")] in ckpt.where) \
-                or mtp_layer(arch, cfg.num_hidden_layers, name) is not None:
+                or mtp_layer(arch, cfg.num_hidden_layers, name) is not None or not is_text_tensor(arch, name):
             continue
         t = ckpt.get(name, dtype)
         if t.is_floating_point() and not torch.isfinite(t).all():
@@ -343,6 +347,16 @@ def kept_tensor_names(ckpt: LazyCheckpoint, arch, num_hidden_layers: int) -> lis
                   and not (n.endswith("_scale_inv") and n[: -len("_scale_inv")] in ckpt.where))
 
 
+def carried_tensor_names(ckpt: LazyCheckpoint, arch) -> list[str]:
+    """Checkpoint names of the tensors a multimodal wrapper carries untouched (Kimi K2.5's
+    vision tower and projector, :class:`compressor.arch.Wrapper`), sorted; a block-FP8
+    weight's ``_scale_inv`` is consumed by its weight. Empty for a text-only row."""
+    from .arch import is_carried
+
+    return sorted(n for n in ckpt.where if is_carried(arch, n)
+                  and not (n.endswith("_scale_inv") and n[: -len("_scale_inv")] in ckpt.where))
+
+
 def kept_modules(ckpt: LazyCheckpoint, names: list[str]) -> list[str]:
     """The linears among kept tensors (owners of a 2-D ``.weight``; embeddings and output
     heads excepted, as ``lm_head`` is): the names a format's ignore list must carry so a
@@ -352,8 +366,9 @@ def kept_modules(ckpt: LazyCheckpoint, names: list[str]) -> list[str]:
 
 
 def copy_kept_tensors(ckpt: LazyCheckpoint, names: list[str], dtype: torch.dtype, save_part,
-                      part_bytes: int = 1 << 30, tag: str = "mtp") -> int:
-    """Copy ``names`` from ``ckpt`` (float in ``dtype``, block FP8 dequantized) through
+                      part_bytes: int = 1 << 30, tag: str = "mtp", as_stored: bool = False) -> int:
+    """Copy ``names`` from ``ckpt`` (float in ``dtype``, block FP8 dequantized; with
+    ``as_stored`` float tensors keep their stored dtype and bytes) through
     ``save_part(name, tensors)`` in parts of at most ``part_bytes`` (one tensor more if a
     single tensor is larger), so an MTP layer of a large MoE never sits in memory whole.
     Returns the number of parts written (``<tag>-00000``, ...).
@@ -363,7 +378,7 @@ def copy_kept_tensors(ckpt: LazyCheckpoint, names: list[str], dtype: torch.dtype
     """
     part, size, n = {}, 0, 0
     for name in names:
-        t = ckpt.get(name, dtype)
+        t = ckpt.get(name, dtype, as_stored)
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to copy it")
         part[name] = t

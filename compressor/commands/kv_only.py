@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..config_check import PACKED_SOURCES, read_config
+from ..config_check import PACKED_SOURCES, quantization_config, read_config
 from ..errors import CheckFailed, InputError
 from ..streaming import LazyCheckpoint
 
@@ -54,7 +54,7 @@ def packed_method(folder: Path) -> Optional[str]:
         cfg = read_config(Path(folder) / "config.json") if Path(folder).is_dir() else {}
     except InputError:
         return None  # resolve_source names the problem
-    qc = cfg.get("quantization_config")
+    qc = quantization_config(cfg)  # a multimodal wrapper's (Kimi K2.5) may sit in its text_config
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method not in PACKED_SOURCES:
         return None
@@ -76,8 +76,8 @@ class PackedSource:
 
     @property
     def qc(self) -> dict:
-        """The source's ``quantization_config``."""
-        return self.config["quantization_config"]
+        """The source's ``quantization_config`` (top level, else its ``text_config``'s)."""
+        return quantization_config(self.config)
 
     @property
     def format(self):
@@ -334,8 +334,13 @@ def quantization_record(packed: PackedSource, dtype: str, dtype_reason: str) -> 
 
 
 def _carried_config(packed: PackedSource, spec) -> dict:
-    """The source's ``config.json`` with the KV scheme declared by its format."""
-    return {**packed.config, "quantization_config": packed.format.with_kv(packed.qc, spec)}
+    """The source's ``config.json`` with the KV scheme declared by its format, at the top
+    (a wrapper's ``text_config`` keeps no second, stale copy)."""
+    cfg = {**packed.config, "quantization_config": packed.format.with_kv(packed.qc, spec)}
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and "quantization_config" in text:
+        cfg["text_config"] = {k: v for k, v in text.items() if k != "quantization_config"}
+    return cfg
 
 
 def _copy_files(packed: PackedSource, tmp: Path, tokenizer, warnings: list[str]) -> None:

@@ -34,9 +34,10 @@ import torch
 
 from .. import console as show
 from .. import interrupts
-from ..arch import checkpoint_name, get_arch, routers
+from ..arch import checkpoint_name, get_arch, mtp_layer, routers
 from ..artifact import DTYPES, check_output, tool_info, write_artifact
 from ..calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
+from ..config_check import read_config
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import check_format, check_shapes, format_config, pack_modules
@@ -183,7 +184,7 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
         kv_only.check_source_integrity(packed)
     plan = _Plan(out, recipe, source, kv, token_file, text, warnings, dtype, dtype_reason, calib_shape, packed=packed)
     if source.kind == "hf":  # config.json was checked against the weights: its hidden size is the model's
-        from ..config_check import hidden_size, read_config
+        from ..config_check import hidden_size
 
         _check_activations(plan, opts, hidden_size(read_config(source.path / "config.json")), console)
     return plan
@@ -389,18 +390,20 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
     schemes.update({n: r.scheme for n, r in result.modules.items()})
     quant = _quantization_summary(recipe, w.format, plan.dtype, result.group_size, schemes)
     quant["storage_dtype_reason"] = plan.dtype_reason
-    # names as the checkpoint (and vLLM) spells them; MoE routers stay float and are listed as ignored
+    # names as the checkpoint (and vLLM) spells them; MoE routers stay float and are listed as ignored;
+    # lm_head is the format's to add, and a wrapper's is listed under its checkpoint name too
     ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in schemes)
-    ignored += routers(arch, model)
-    ignored += _keep_mtp_layers(plan, src, staging, warnings, console)
-    qcfg = format_config(w.format, recipe, {rename(n): v for n, v in schemes.items()},
-                         [rename(n) for n in ignored if n != "lm_head"],
+    ignored = [rename(n) for n in ignored + routers(arch, model) if n != "lm_head" or rename(n) != n]
+    kept, carried = _keep_tensors(plan, src, staging, warnings, console)
+    qcfg = format_config(w.format, recipe, {rename(n): v for n, v in schemes.items()}, ignored + kept,
                          {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]})
     packed = {rename(n): t for n, t in pack_modules(result.modules, w.format, DTYPES[plan.dtype]).items()}
     result.modules.clear()
     kv_record = _kv_record(plan.kv, result, arch, model, packed)
     float_bytes = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
     quality = _quality(result, recipe, warnings)
+    if carried is not None:
+        quality["carried"] = carried
     timing = _timing(result)
     if opts.model not in ALIASES:  # record paths absolutely so verify finds the reference from anywhere
         source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
@@ -414,33 +417,49 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
         dtype_name=plan.dtype, overwrite=w.overwrite, digest_algorithm=w.digest_algorithm, rename=rename,
         finalize=(lambda tmp: sign_folder(tmp, w.sign)) if w.sign is not None else None,
         staging=staging, skip_prefix=arch.layers + ".", shard_bytes=w.shard_bytes, on_committed=on_committed,
+        published_config=read_config(plan.source.path / "config.json") if arch.wrapper is not None else None,
     )
     return _Written(manifest, quant, quality, timing, float_bytes)
 
 
-def _keep_mtp_layers(plan: _Plan, src: _Source, staging, warnings: list[str], console) -> list[str]:
-    """Multi-token-prediction layers a DeepSeek-V3/GLM checkpoint stores after the decoder
-    layers (``num_nextn_predict_layers``): transformers builds no module for them, so the
-    pipeline never sees them; they are copied into the artifact in float (the storage
-    dtype), never silently dropped, and listed in the format's ignore list.
+def _keep_tensors(plan: _Plan, src: _Source, staging, warnings: list[str], console) -> tuple[list[str], Optional[dict]]:
+    """The checkpoint's tensors the pipeline never sees, copied into the artifact, never
+    silently dropped: multi-token-prediction layers a DeepSeek-V3/GLM checkpoint stores after
+    the decoder layers (``num_nextn_predict_layers``; transformers builds no module for
+    them) in float (the storage dtype), and the tensors a multimodal wrapper carries (Kimi
+    K2.5's vision tower and projector) as stored, block-FP8 ones dequantized. Each is said in
+    a warning.
 
     Returns:
-        the names of the copied modules (for the ignore list).
+        ``(checkpoint names of the copied linears, for the ignore list; the manifest's
+        ``quality.carried`` record, ``None`` without carried tensors)``.
     """
-    from ..streaming import LazyCheckpoint, copy_kept_tensors, kept_modules, kept_tensor_names
+    from ..streaming import LazyCheckpoint, carried_tensor_names, copy_kept_tensors, kept_modules, kept_tensor_names
 
     ckpt = src.ckpt if src.ckpt is not None else (LazyCheckpoint(plan.source.path) if plan.source.kind == "hf" else None)
-    n_layers = src.model.config.num_hidden_layers
-    kept = kept_tensor_names(ckpt, get_arch(src.model.config.model_type), n_layers) if ckpt is not None else []
-    if not kept:
-        return []
-    copy_kept_tensors(ckpt, kept, DTYPES[plan.dtype], staging.save_part)
-    layers = sorted({int(k.split(".")[2]) for k in kept})
-    w = (f"{len(kept)} multi-token-prediction tensors (layer(s) {layers}) copied in float ({plan.dtype}), "
-         "not quantized")
-    warnings.append(w)
-    show.warnings(console, [w])
-    return kept_modules(ckpt, kept)
+    if ckpt is None:
+        return [], None
+    arch, dtype = get_arch(src.model.config.model_type), DTYPES[plan.dtype]
+    mtp = kept_tensor_names(ckpt, arch, src.model.config.num_hidden_layers)
+    carried = carried_tensor_names(ckpt, arch)
+    new = []
+    if mtp:
+        copy_kept_tensors(ckpt, mtp, dtype, staging.save_part)
+        layers = sorted({mtp_layer(arch, src.model.config.num_hidden_layers, k) for k in mtp})
+        new.append(f"{len(mtp)} multi-token-prediction tensors (layer(s) {layers}) copied in float ({plan.dtype}), "
+                   "not quantized")
+    record = None
+    if carried:
+        copy_kept_tensors(ckpt, carried, dtype, staging.save_part, tag="carried", as_stored=True)
+        fp8 = [k for k in carried if ckpt.where[k][1].dtype == "F8_E4M3"]
+        record = {"what": arch.wrapper.what, "prefixes": list(arch.wrapper.carried), "tensors": len(carried),
+                  "stored": "as in the source (names, dtypes, bytes)", "dequantized_fp8": fp8}
+        new.append(f"{len(carried)} {arch.wrapper.what} tensors ({', '.join(p + '*' for p in arch.wrapper.carried)}) "
+                   "carried from the source untouched: not quantized, not evaluated (kvq verify checks them by digest "
+                   "only)" + (f"; {len(fp8)} block-FP8 weight(s) dequantized to {plan.dtype}" if fp8 else ""))
+    warnings += new
+    show.warnings(console, new)
+    return kept_modules(ckpt, mtp + carried), record
 
 
 def _quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schemes: dict) -> dict:
@@ -473,10 +492,11 @@ def _kv_record(kv, result, arch, model, packed: dict) -> Optional[dict]:
         record.update({"group_size": kv.group_size, "residual_length": kv.residual_length,
                        "keys": "per channel, groups of group_size tokens", "values": "per token, groups of group_size channels"})
     if kv.static:
-        for name, t in kv_scale_tensors(result.kv_scales, arch.layers, arch.attention, kv.strategy).items():
+        layers = checkpoint_name(arch, arch.layers)  # the checkpoint's (a wrapper's text model: under its prefix)
+        for name, t in kv_scale_tensors(result.kv_scales, layers, arch.attention, kv.strategy).items():
             module, _, leaf = name.rpartition(".")
             packed.setdefault(module, {})[leaf] = t
-        record["scale_tensors"] = f"{arch.layers}.<i>.{arch.attention}.k_scale / v_scale, shape " + (
+        record["scale_tensors"] = f"{layers}.<i>.{arch.attention}.k_scale / v_scale, shape " + (
             "[1]" if kv.strategy == "tensor" else "[num_kv_heads, 1, 1]")
         record["absmax"] = {str(i): {"k": [round(float(x), 4) for x in k], "v": [round(float(x), 4) for x in v]}
                             for i, (k, v) in result.kv_absmax.items()}

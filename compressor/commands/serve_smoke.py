@@ -82,6 +82,10 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
         served = _serve(plan, opts, report, console)
     except (SignatureFailed, ArtifactMismatch) as e:
         return _refused(report, e, console, t0)
+    carried = plan.manifest.quality.get("carried") if plan.manifest else None
+    if isinstance(carried, dict) and carried.get("tensors"):  # Kimi K2.5: the text model is what ran
+        report["carried"] = f"{carried.get('what')} ({carried['tensors']} tensors): carried in the artifact, not served"
+        show.note(console, f"served the text model with text prompts; {report['carried']}", highlight=False)
     report["reference"] = ref_spec
     report["comparison"] = _compare(load_reference(ref_spec, ref_source), served, plan.prompts, opts)
     report["gates"] = _gates(report, plan.thresholds, opts)

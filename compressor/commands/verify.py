@@ -433,10 +433,10 @@ def _calibrate_kv(model, tokenizer, spec, opts: VerifyOptions, console) -> dict:
 
 def _kv_report(spec, source, ref_source, opts: VerifyOptions) -> dict:
     """Scheme plus memory accounting for the model's shape (bytes/token, what a budget holds)."""
-    from transformers import AutoConfig
+    from ..models import load_config
 
     kv = opts.kv
-    cfg = AutoConfig.from_pretrained(str(Path(opts.artifact)))
+    cfg = load_config(Path(opts.artifact))  # a multimodal wrapper's text model (Kimi K2.5)
     layout = get_arch(cfg.model_type).kv_layout(cfg)
     shape = (layout.n_layers, layout.components[0].heads, layout.components[0].width)
     max_pos = getattr(cfg, "max_position_embeddings", None) or 32768

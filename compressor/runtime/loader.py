@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..arch import ArchSpec, checkpoint_name, get_arch
+from ..config_check import quantization_config
 from ..errors import InputError
 from .attention import Attention
 from .blocks import FusedGatedMLP, GatedMLP, RMSNorm, Rotary, rope_frequencies, row_traits
@@ -42,7 +43,7 @@ GROUPED_KERNEL = "triton-moe-w4a16"
 
 def _read_config(folder: Path, shown: Path | None = None) -> tuple[dict, object]:
     """``(raw dict, transformers config)`` of ``folder/config.json``; errors name ``shown`` (the artifact)."""
-    from transformers import AutoConfig
+    from ..models import load_config
 
     shown = shown or folder
     if not (folder / "config.json").is_file():
@@ -55,7 +56,9 @@ def _read_config(folder: Path, shown: Path | None = None) -> tuple[dict, object]
         raise InputError(f"{shown}/config.json must be a JSON object")
     check_servable(str(raw.get("model_type")))
     try:
-        cfg = AutoConfig.from_pretrained(str(folder))
+        cfg = load_config(folder)  # a multimodal wrapper's text model (Kimi K2.5: DeepSeek-V3)
+    except InputError:
+        raise
     except Exception as e:  # transformers raises many types for a bad config
         raise InputError(f"{shown}/config.json: {str(e).splitlines()[0]}") from None
     return raw, cfg
@@ -314,21 +317,22 @@ def _load(folder: Path, device: torch.device, backend: str, dtype, act_dtype, re
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else (
             torch.bfloat16 if str(raw.get("dtype", raw.get("torch_dtype"))) == "bfloat16" else torch.float16)
-    qc = raw.get("quantization_config") or {}
+    qc = quantization_config(raw) or {}  # a wrapper's may sit in its text_config
     method = _check_method(folder, qc)
     b = _Builder(Tensors(reads), arch, cfg, spec, method, qc, backend, device, dtype, act_dtype)
     rotaries = b.rotaries()
-    embed = _float(b.t.get(f"{arch.embed_tokens}.weight"), device, dtype)
+    embed_name, head_name = checkpoint_name(arch, arch.embed_tokens), checkpoint_name(arch, arch.lm_head)
+    embed = _float(b.t.get(f"{embed_name}.weight"), device, dtype)
     if embed.shape != (spec.vocab_size, spec.hidden_size):
-        raise InputError(f"{folder}: {arch.embed_tokens}.weight has shape {tuple(embed.shape)}, "
+        raise InputError(f"{folder}: {embed_name}.weight has shape {tuple(embed.shape)}, "
                          f"expected {(spec.vocab_size, spec.hidden_size)}")
     layers = [b.layer(i, b.rope_key(i, rotaries)) for i in range(spec.n_layers)]
-    norm = b.norm(arch.final_norm)
-    if spec.tie_word_embeddings and not b.has_module(arch.lm_head):
+    norm = b.norm(checkpoint_name(arch, arch.final_norm))
+    if spec.tie_word_embeddings and not b.has_module(head_name):
         head = FloatLinear(embed)
-        b.kernels[arch.lm_head] = head.kernel
+        b.kernels[head_name] = head.kernel
     else:
-        head = b.linear(arch.lm_head)
+        head = b.linear(head_name)
     scale = spec.hidden_size ** 0.5 if b.traits.embed_scale else None
     dec = Decoder(spec, embed, layers, norm, head, rotaries, dtype, device, arch.layers, arch.lm_head, scale)
     return dec, LoadInfo(method, b.kernels, b.fallbacks, _weight_bytes(dec, embed) + b.extra_bytes, cfg)
