@@ -88,7 +88,7 @@ class LayerHooks:
     and ``kv_absmax`` the KV statistics already observed. Activations above
     ``activation_budget`` bytes move to memory-mapped files in ``spill_dir``. Optional:
     ``expert_groups(i)`` (``None`` or the layer's tensor names in bounded groups) and
-    ``load_groups(i, result)`` (reads, yields and writes those groups), used instead of
+    ``load_groups(i, result, groups)`` (reads, yields and writes those groups), used instead of
     ``load`` for uncalibrated steps that quantize each linear on its own, and
     ``release_outer()``, called once layer 0's inputs are captured (see
     :class:`compressor.staging.LayerWriter`).
@@ -408,10 +408,10 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
         if i < start:
             continue
         t1 = time.perf_counter()
-        grouped = (hidden is None and algorithm.per_linear and hooks is not None
-                   and getattr(hooks, "expert_groups", None) is not None and hooks.expert_groups(i) is not None)
-        if grouped:
-            fig = _quantize_layer_grouped(i, layer, ctx, algorithm, result, hooks)
+        groups = (hooks.expert_groups(i) if hidden is None and algorithm.per_linear and hooks is not None
+                  and getattr(hooks, "expert_groups", None) is not None else None)
+        if groups is not None:
+            fig = _quantize_layer_grouped(i, layer, ctx, algorithm, result, hooks, groups)
         elif hidden is None:
             if hooks is not None:
                 hooks.load(i, layer)
@@ -449,18 +449,17 @@ def _quantize_layer(i, layer, ctx: LayerContext, algorithm: Algorithm, result: Q
     return _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", outcome.errs, None, 0.0)
 
 
-def _quantize_layer_grouped(i, layer, ctx: LayerContext, algorithm: Algorithm, result: QuantizeResult, hooks) -> dict:
+def _quantize_layer_grouped(i, layer, ctx: LayerContext, algorithm: Algorithm, result: QuantizeResult, hooks,
+                            groups: list[list[str]]) -> dict:
     """Layer ``i`` without a calibration pass, read in bounded groups of routed experts
     (``hooks.load_groups``; each group is written and released before the next is read), for
     handlers whose linears are quantized independently (``per_linear``: RTN, ``none``)."""
     errs: list[float] = []
-    groups = 0
-    for modules in hooks.load_groups(i, result):
+    for modules in hooks.load_groups(i, result, groups):
         sub = dataclasses.replace(ctx, targets={n: ctx.targets[n] for n in modules if n in ctx.targets})
         errs += algorithm.quantize_layer(i, layer, None, None, sub).errs
-        groups += 1
     _record_moe(i, layer, ctx, algorithm, result, None)
-    return _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", errs, None, 0.0, weight_groups=groups)
+    return _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", errs, None, 0.0, weight_groups=len(groups))
 
 
 def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: Algorithm, result: QuantizeResult):

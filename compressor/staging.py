@@ -473,8 +473,8 @@ class LayerWriter:
             cur_bytes += b
         return groups + [cur]
 
-    def load_groups(self, i: int, result):
-        """Materialize streamed decoder layer ``i`` group by group (:meth:`expert_groups`),
+    def load_groups(self, i: int, result, groups: list[list[str]]):
+        """Materialize streamed decoder layer ``i`` group by group (``groups``, from :meth:`expert_groups`),
         yielding each group's module names after it is read; once the caller has quantized
         a group of experts (its records in ``result.modules``), that group is packed,
         written to the part ``layer-<i>-e<k>`` and returned to ``meta`` before the next is
@@ -483,8 +483,6 @@ class LayerWriter:
         Raises:
             InputError: a tensor holds NaN or Inf (named).
         """
-        groups = self.expert_groups(i)
-        assert groups is not None, "load_groups: the layer fits the budget; use load()"
         self._written = set()
         for k, names in enumerate(groups):
             load_into(self.model, self.ckpt, self.arch, names)

@@ -611,8 +611,8 @@ def test_expert_groups_bound_the_layer_and_write_the_same_tensors(model_type, al
     reads: list[tuple[int, int]] = []  # (layer, routed experts materialized at that moment)
     real = LayerWriter.load_groups
 
-    def spy(self, i, result):
-        for modules in real(self, i, result):
+    def spy(self, i, result, groups):
+        for modules in real(self, i, result, groups):
             layer = self.model.get_submodule(f"model.layers.{i}")
             reads.append((i, sum(1 for n, p in layer.named_parameters() if ".experts." in n and not p.is_meta
                                  and n.endswith("down_proj.weight"))))
