@@ -556,16 +556,11 @@ def main(argv=None) -> None:
         interrupts.restore(previous)
 
 
-def _interrupted() -> None:
+def _interrupted(argv) -> None:
     from . import interrupts
 
     sig = interrupts.received()
-    word = "terminated" if sig == signal.SIGTERM else "interrupted"
-    if interrupts.committed:
-        click.echo(f"kvq: {word} after the artifact was written to {interrupts.committed[-1]} (complete; "
-                   "the summary was not printed)", err=True)
-    else:
-        click.echo(f"kvq: {word}; no artifact was written", err=True)
+    click.echo(interrupts.message(sig, argv if argv is not None else sys.argv[1:]), err=True)
     sys.exit(143 if sig == signal.SIGTERM else 130)
 
 
@@ -573,7 +568,7 @@ def _dispatch(argv) -> None:
     try:
         cli.main(args=argv, prog_name="kvq", standalone_mode=False)
     except click.exceptions.Abort:  # click turns KeyboardInterrupt (Ctrl-C, SIGTERM) into Abort
-        _interrupted()
+        _interrupted(argv)
     except click.UsageError as e:  # one line, like every other kvq error (click's own form takes three)
         if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # bare `kvq`: the help
             e.show()
@@ -588,7 +583,7 @@ def _dispatch(argv) -> None:
         click.echo(f"kvq: error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        _interrupted()
+        _interrupted(argv)
     except MemoryError:
         click.echo("kvq: error: out of memory; try --calib-samples smaller or a machine with more memory", err=True)
         sys.exit(1)

@@ -18,6 +18,9 @@ Checked (each only where the checkpoint holds the tensor that proves it):
   ``heads x head_dim`` (``head_dim`` from the config, else ``hidden_size / heads``);
 * ``intermediate_size`` is the rows of the first dense MLP's ``gate_proj``/``up_proj``
   (or half of a fused ``gate_up_proj``);
+* ``max_position_embeddings`` is a positive integer below :data:`MAX_POSITIONS`; norm
+  epsilons are finite and in (0, 1); ``rope_theta`` is finite and positive; ``hidden_act``
+  and the RoPE scaling type are ones transformers knows;
 * a multimodal wrapper (Kimi K2.5, :class:`compressor.arch.Wrapper`): its ``text_config``
   (a text model type the row names) is what the checks above read, against the tensors
   under the text prefix; every tensor is the text model's or one the row carries.
@@ -98,6 +101,61 @@ def _size(cfg: dict, name: str, where: str, limit: int = MAX_DIM, required: bool
     return v
 
 
+#: the longest context kvq accepts in ``max_position_embeddings`` (published models reach ~10^7)
+MAX_POSITIONS = 1 << 26
+_EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+
+
+def _real(cfg: dict, name: str, where: str, low: float, high: float) -> None:
+    """``cfg[name]``, where present, is a finite number with ``low < value < high``."""
+    import math
+
+    v = cfg.get(name)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise InputError(f"{where}: {name} must be a finite number, got {v!r}")
+    if not low < v < high:
+        raise InputError(f"{where}: {name} = {v!r} is out of range ({low:g} < {name} < {high:g})")
+
+
+def _check_numbers(c: dict, where: str) -> None:
+    """Fields that are not sizes but that a model is built from: norm epsilons, the RoPE
+    base and scaling type, the context length and the activation, each named when wrong."""
+    _size(c, "max_position_embeddings", where, MAX_POSITIONS)
+    for f in _EPS_FIELDS:
+        _real(c, f, where, 0.0, 1.0)
+    _real(c, "rope_theta", where, 0.0, float("inf"))
+    for f in ("hidden_act", "hidden_activation"):
+        v = c.get(f)
+        if v is None:
+            continue
+        from transformers.activations import ACT2FN
+
+        if not isinstance(v, str) or v not in ACT2FN:
+            raise InputError(f"{where}: {f} {v!r} is not an activation transformers knows ({', '.join(sorted(ACT2FN))})")
+    for f in ("rope_scaling", "rope_parameters"):
+        v = c.get(f)
+        if v is None:
+            continue
+        if not isinstance(v, dict):
+            raise InputError(f"{where}: {f} must be an object, got {v!r}")
+        blocks = v.values() if v and all(isinstance(b, dict) for b in v.values()) else [v]  # Gemma 3: one per layer type
+        for b in blocks:
+            _check_rope(b, f, where)
+
+
+def _check_rope(b: dict, field: str, where: str) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kind = b.get("rope_type", b.get("type", "default"))
+    if kind != "default" and (not isinstance(kind, str) or kind not in ROPE_INIT_FUNCTIONS):
+        raise InputError(f"{where}: {field}.rope_type {kind!r} is not a RoPE type transformers knows "
+                         f"(default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+    _real(b, "rope_theta", f"{where}: {field}", 0.0, float("inf"))
+    _real(b, "factor", f"{where}: {field}", 0.0, float("inf"))
+
+
 def _shape(shapes: dict[str, list[int]], *names: str) -> list[int] | None:
     for n in names:
         if n in shapes:
@@ -121,6 +179,7 @@ def check_config(cfg: dict, shapes: dict[str, list[int]], where: str = "config.j
     c = text_config(cfg)
     for f in _SIZE_FIELDS:
         _size(c, f, where)
+    _check_numbers(c, where)
     n_layers = _size(c, "num_hidden_layers", where, MAX_LAYERS, required=True)
     hidden = _size(c, "hidden_size", where, required=True)
     prefix = layers_path + "."

@@ -259,12 +259,16 @@ def hashes_summary(hashes: dict) -> str:
 
 def print_hashes(console, hashes: dict) -> None:
     """Print :func:`check_hashes`' result: one summary line, or one line per difference (at
-    most :data:`compressor.console.LIST_LIMIT` of each kind, then how many more)."""
+    most :data:`compressor.console.LIST_LIMIT` of each kind, then how many more) and a
+    verdict line counting them."""
     if hashes["ok"]:
         console.print(f"[green]hashes ok[/]: {hashes_summary(hashes)}", highlight=False)
         return
     for key in HASH_KEYS:  # at most LIST_LIMIT lines of each kind, then a count
         capped_list(console, key.replace("_", " ")[:-1], hashes[key])
+    counts = ", ".join(f"{len(hashes[k])} {k.replace('_', ' ')[:-1] if len(hashes[k]) == 1 else k.replace('_', ' ')}"
+                       for k in HASH_KEYS if hashes[k])
+    console.print(f"[red]hashes FAILED[/]: the artifact does not match its manifest ({counts})", highlight=False)
 
 
 def check_signature(folder: Path, keys: Optional[VerifyKeys], console=None) -> dict:

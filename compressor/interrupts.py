@@ -80,3 +80,23 @@ def check() -> None:
     each layer, before the artifact is written. Outside :func:`install` nothing is pending."""
     if _state["pending"] is not None and not _state["defer"]:
         raise Interrupted
+
+
+#: the commands that write an artifact (the others only read one)
+WRITING = ("quantize", "sign")
+
+
+def message(sig: int | None, argv) -> str:
+    """The one line printed when ``kvq`` is stopped by Ctrl-C (``sig`` SIGINT or ``None``)
+    or SIGTERM while running the command line ``argv``: whether an artifact was written,
+    for the commands that write one; that the server stopped, for ``kvq serve``."""
+    import signal
+
+    word = "terminated" if sig == signal.SIGTERM else "interrupted"
+    command = next((str(a) for a in argv if not str(a).startswith("-")), "")
+    if command not in WRITING:
+        return f"kvq: {word}; the server stopped" if command == "serve" else f"kvq: {word}"
+    if committed:
+        return (f"kvq: {word} after the artifact was written to {committed[-1]} (complete; "
+                "the summary was not printed)")
+    return f"kvq: {word}; no artifact was written"

@@ -318,15 +318,15 @@ class ArtifactReader:
             self._files[name] = (size, digest_bytes(span, self.manifest.digest_algorithm), "header")
             self._count(len(span), t0)
         self._hook(name, None)
-        if self.manifest is not None:
-            rec = self.manifest.files[name]
-            if rec.covers == "header" and (rec.size, rec.digest) != self._files[name][:2]:
-                self._fail()  # (a version-1 record covers the whole file: compared at finish)
         for tname in entries:
             if tname in self.where:
                 raise InputError(f"{self.folder}: tensor {tname} is stored in both {self.where[tname]} and {name}")
             self.where[tname] = name
-        self.entries[name] = entries
+        self.entries[name] = entries  # recorded first: a refusal below hashes these tensors too, naming the changed ones
+        if self.manifest is not None:
+            rec = self.manifest.files[name]
+            if rec.covers == "header" and (rec.size, rec.digest) != self._files[name][:2]:
+                self._fail()  # (a version-1 record covers the whole file: compared at finish)
 
     def _copy_checked(self, name: str) -> None:
         """Read, hash and compare a file that is not safetensors, writing the same bytes into the snapshot."""

@@ -45,7 +45,7 @@ from .recipe import Recipe, resolve_group_size
 
 __all__ = [
     "LayerHooks", "QuantizeResult", "QuantizedLinear", "capture_layer_inputs", "check_finite", "check_patterns",
-    "quantize_model", "resolve_schemes", "target_modules",
+    "quantize_model", "resolve_schemes", "target_modules", "check_group_sizes",
 ]
 
 
@@ -148,15 +148,7 @@ def target_modules(model, recipe: Recipe, arch: ArchSpec) -> dict[str, torch.nn.
     return out
 
 
-def resolve_schemes(recipe: Recipe, targets: dict[str, torch.nn.Linear], arch: ArchSpec, model=None) -> dict[str, tuple[int, int, bool]]:
-    """Module name -> ``(num_bits, group_size, symmetric)`` with ``auto`` group sizes resolved.
-
-    Modules that share a recipe scheme share one resolved group size.
-
-    Raises:
-        InputError: a group size does not fit; linears vLLM fuses (q/k/v, gate/up) were
-            given different schemes or were only partly ignored.
-    """
+def _group_sizes(recipe: Recipe, targets: dict[str, torch.nn.Linear]) -> dict[str, tuple[int, int, bool]]:
     by_scheme: dict[tuple, dict[str, int]] = {}
     for name, mod in targets.items():
         ws = recipe.scheme_for(name)
@@ -167,6 +159,36 @@ def resolve_schemes(recipe: Recipe, targets: dict[str, torch.nn.Linear], arch: A
         resolved = resolve_group_size(recipe.model_copy(update={"weights": scheme}), in_features)
         for name in in_features:
             out[name] = (bits, resolved, sym)
+    return out
+
+
+def check_group_sizes(model, recipe: Recipe) -> None:
+    """The group-size refusal of :func:`resolve_schemes`, run before calibration (the shapes
+    are known once the model is built, on the meta device too). Layers whose experts are
+    still fused (not Linear yet) are left to :func:`resolve_schemes`.
+
+    Raises:
+        InputError: a group size does not divide some targeted module's in_features.
+    """
+    if not get_algorithm(recipe.algorithm).quantizes_weights:
+        return
+    try:
+        targets = target_modules(model, recipe, get_arch(model.config.model_type))
+    except InputError:
+        return  # fused experts: checked after they are unfused
+    _group_sizes(recipe, targets)
+
+
+def resolve_schemes(recipe: Recipe, targets: dict[str, torch.nn.Linear], arch: ArchSpec, model=None) -> dict[str, tuple[int, int, bool]]:
+    """Module name -> ``(num_bits, group_size, symmetric)`` with ``auto`` group sizes resolved.
+
+    Modules that share a recipe scheme share one resolved group size.
+
+    Raises:
+        InputError: a group size does not fit; linears vLLM fuses (q/k/v, gate/up) were
+            given different schemes or were only partly ignored.
+    """
+    out = _group_sizes(recipe, targets)
     layers = get_module(model, arch.layers) if model is not None else None
     for i in _layer_indices(targets, arch):
         fused_sets = layer_fused_sets(arch, layers[i]) if layers is not None else arch.fused

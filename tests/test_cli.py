@@ -107,6 +107,11 @@ def test_group_size_that_does_not_divide(tmp_path, tiny_model_dir, capsys):
     code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--group-size", "48", "--algorithm", "rtn"], capsys)
     assert_clean_error(code, err, 2, "group_size 48 does not divide", tmp_path)
     assert "use --group-size" in err
+    # a calibrated algorithm is refused before its calibration text is read (the README's promise)
+    code, out, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--group-size", "48", "--algorithm", "awq",
+                          "--calib-samples", "4", "--calib-seqlen", "32"], capsys)
+    assert_clean_error(code, err, 2, "group_size 48 does not divide", tmp_path)
+    assert "tokens from" not in out + err, out + err
     code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--group-size", "big"], capsys)
     assert code == 2 and "Traceback" not in err
 
@@ -198,6 +203,9 @@ def test_output_checks_before_work(tmp_path, tiny_model_dir, capsys):
     code, _, err = run(["quantize", tiny_model_dir, "-o", tiny_model_dir, "--overwrite", "--algorithm", "rtn"], capsys)
     assert_clean_error(code, err, 2, "is (or contains) the source model")
     assert (tiny_model_dir / "config.json").exists()
+    code, _, err = run(["quantize", tiny_model_dir, "-o", tiny_model_dir / "w4", "--algorithm", "rtn"], capsys)
+    assert_clean_error(code, err, 2, "is inside the source model folder")
+    assert not (tiny_model_dir / "w4").exists() and not list(tiny_model_dir.glob(".w4*"))
 
 
 def test_pattern_matching_nothing_is_refused(tmp_path, tiny_model_dir, capsys):

@@ -47,6 +47,18 @@ def _lie(src, tmp_path, **changes):
     (dict(num_hidden_layers=3), "num_hidden_layers"),
     (dict(num_hidden_layers=None), "num_hidden_layers"),
     (dict(hidden_size=True), "hidden_size"),
+    # fields that are not sizes (found by a fresh-user try: accepted, or "cannot load model: 'bogus'")
+    (dict(max_position_embeddings=0), "max_position_embeddings"),
+    (dict(max_position_embeddings=-5), "max_position_embeddings"),
+    (dict(max_position_embeddings=10**9), "max_position_embeddings"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps"),
+    (dict(rms_norm_eps=-1e-5), "rms_norm_eps"),
+    (dict(rope_theta=0), "rope_theta"),
+    (dict(rope_theta=float("inf")), "rope_theta"),
+    (dict(hidden_act="bogus"), "hidden_act 'bogus' is not an activation"),
+    (dict(rope_scaling={"rope_type": "bogus", "factor": 2.0}), "rope_scaling.rope_type 'bogus'"),
+    (dict(rope_scaling={"type": "linear", "factor": -2.0}), "factor"),
+    (dict(rope_scaling="yarn"), "rope_scaling must be an object"),
 ])
 def test_a_lying_config_is_refused_naming_the_field(src, tmp_path, changes, field):
     d = _lie(src, tmp_path, **changes)
@@ -101,3 +113,20 @@ def test_fuzz_config_against_checkpoint(src, tmp_path_factory, changes):
         return
     if cfg.get("model_type") == "llama" and not isinstance(cfg.get("text_config"), dict):
         assert cfg["hidden_size"] == 64 and cfg["num_hidden_layers"] == 2
+
+
+def test_published_rope_and_activation_fields_pass(src, tmp_path):
+    """The forms today's releases use: DeepSeek-V3/Kimi's yarn ``type``, Gemma 3's per-layer-type
+    ``rope_parameters``, Llama 3's ``rope_type``, gelu_pytorch_tanh."""
+    check_folder(_lie(src, tmp_path / "a", rope_scaling={"type": "yarn", "factor": 32.0, "beta_fast": 1,
+                                                           "original_max_position_embeddings": 4096}))
+    check_folder(_lie(src, tmp_path / "b", rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}, hidden_activation="gelu_pytorch_tanh"))
+    check_folder(_lie(src, tmp_path / "c", rope_scaling={"rope_type": "llama3", "factor": 8.0}, max_position_embeddings=131072))
+
+
+def test_a_bogus_activation_is_refused_by_the_cli(src, tmp_path, capsys):
+    d = _lie(src, tmp_path, hidden_act="bogus")
+    code, _, err = run(["quantize", d, "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, "hidden_act 'bogus' is not an activation", tmp_path)

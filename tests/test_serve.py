@@ -108,7 +108,9 @@ def test_http_api_contract_and_batching(art):
                 many = await c.post("/v1/completions", json={"prompt": ["a b", "c d e"], "max_tokens": 3,
                                                              "stop": ["zzz"]})
                 chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                                  "max_tokens": 3})
+                                                                  "max_tokens": 3, "temperature": 0})
+                parts = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}], "max_tokens": 3, "temperature": 0})
                 conc = await asyncio.gather(*(c.post("/v1/completions", json={"prompt": f"x {i}", "max_tokens": 5})
                                               for i in range(6)))
                 bads = [await c.post("/v1/completions", content=b"{nope"),
@@ -116,11 +118,13 @@ def test_http_api_contract_and_batching(art):
                         await c.post("/v1/completions", json={"prompt": "x", "temperature": -1}),
                         await c.post("/v1/completions", json={"prompt": "x", "model": "other"}),
                         await c.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}),
-                        await c.post("/v1/completions", json=[1, 2])]
+                        await c.post("/v1/completions", json=[1, 2]),
+                        await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+                            {"type": "image_url", "image_url": {"url": "x"}}]}]})]
                 missing = await c.get("/v1/models/none")
-                return h, one, many, chat, conc, bads, missing
+                return h, one, many, chat, parts, conc, bads, missing
 
-        h, one, many, chat, conc, bads, missing = asyncio.run(go())
+        h, one, many, chat, parts, conc, bads, missing = asyncio.run(go())
     finally:
         srv.stop()
         eng.close()
@@ -131,6 +135,7 @@ def test_http_api_contract_and_batching(art):
     assert [ch["index"] for ch in many.json()["choices"]] == [0, 1]
     cb = chat.json()
     assert chat.status_code == 200 and cb["object"] == "chat.completion" and cb["choices"][0]["message"]["role"] == "assistant"
+    assert parts.status_code == 200 and parts.json()["choices"][0]["message"] == cb["choices"][0]["message"]  # text parts joined
     assert all(r.status_code == 200 for r in conc)
     assert max(eng.batches) > 1, eng.batches  # concurrent requests were batched together
     for r in bads:
@@ -189,7 +194,8 @@ def test_http_limits_sampling_and_openai_fields(art):
     finally:
         srv.stop()
         eng.close()
-    for r in (big, long, stream, n3):
+    assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error", big.text
+    for r in (long, stream, n3):
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     assert "context length" in long.json()["error"]["message"]
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()

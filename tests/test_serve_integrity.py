@@ -123,6 +123,17 @@ def _change(kind, folder):
         name = "model.layers.1.self_attn.o_proj.weight_packed"
         _flip_tensor(folder, name)
         return f"modified tensor {name}"
+    if kind == "header":  # the safetensors header edited: one tensor's dtype relabelled, its bytes untouched
+        name = "model.norm.weight"
+        path = folder / "model.safetensors"
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        hdr = json.loads(raw[8:8 + n])
+        hdr[name]["dtype"] = {"F32": "I32", "F16": "BF16", "BF16": "F16"}[hdr[name]["dtype"]]
+        new = json.dumps(hdr).encode()
+        new += b" " * (-len(new) % 8)
+        path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+        return f"modified tensor {name}"
     if kind == "config":
         cfg = json.loads((folder / "config.json").read_text())
         cfg["rms_norm_eps"] = 1e-3
@@ -141,7 +152,7 @@ def _serve_cmd(command, folder, *extra, http=True):
 # --- refusals, naming what changed, before any port opens ----------------------------------
 
 @pytest.mark.parametrize("command", ["serve", "serve-smoke"])
-@pytest.mark.parametrize("kind", ["tensor", "config", "extra"])
+@pytest.mark.parametrize("kind", ["tensor", "header", "config", "extra"])
 def test_a_change_is_refused_by_name_before_the_port_opens(art, tmp_path, command, kind, fake_server, capsys):
     bad = _copy(art, tmp_path / "a")
     named = _change(kind, bad)
@@ -341,3 +352,37 @@ def test_no_manifest_says_nothing_was_checked(art, tmp_path, fake_server, capsys
     code, _out, err = run(["serve-smoke", nm, *FAST, "--no-manifest"], capsys)
     assert_clean_error(code, err, 2, "--no-manifest needs --reference")
     assert len(fake_server.started) == 1
+
+
+# --- stopping the server -----------------------------------------------------------------------
+
+def test_sigterm_stops_serve_with_its_own_message(art, monkeypatch, capsys):
+    """SIGTERM while ``kvq serve`` serves: exit 143, "the server stopped", not quantize's
+    "no artifact was written" (a fresh-user try found that line on every stopped server)."""
+    import signal
+
+    import compressor.runtime.server as server
+
+    class Stopped(FakeServer):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.finished = self
+
+        def wait(self, timeout=None):
+            signal.raise_signal(signal.SIGTERM)  # the handler kvq installs turns it into KeyboardInterrupt
+            return True
+
+    monkeypatch.setattr(server, "Server", Stopped)
+    code, out, err = run(["serve", art, "--port", "0"], capsys)
+    assert code == 143 and "kvq: terminated; the server stopped" in err and "artifact" not in err, err
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["serve", "a"], "kvq: interrupted; the server stopped"),
+    (["verify", "a", "--hashes-only"], "kvq: interrupted"),
+    (["--verbose", "quantize", "m", "-o", "x"], "kvq: interrupted; no artifact was written"),
+])
+def test_the_interruption_line_follows_the_command(argv, line):
+    from compressor.interrupts import message
+
+    assert message(None, argv) == line

@@ -155,10 +155,10 @@ def test_resume_after_a_simulated_crash(tmp_path, deep_dir, whole, monkeypatch, 
     monkeypatch.setattr(pl, "gptq_layer", real)
     loaded = []
     real_load = st.load_into
-    monkeypatch.setattr(st, "load_into", lambda model, ckpt, arch, names: (loaded.append(names[0]), real_load(model, ckpt, arch, names)))
+    monkeypatch.setattr(st, "load_into", lambda model, ckpt, arch, names, *rest: (loaded.append(names[0]), real_load(model, ckpt, arch, names, *rest)))
     s = run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="gptq", resume=True, **FAST))
     assert s["resumed_from_layer"] == 2
-    assert [n.split(".")[2] for n in loaded] == ["2", "3"]  # finished layers are not loaded again
+    assert [n.split(".")[2] for n in loaded if ".layers." in n] == ["2", "3"]  # finished layers are not loaded again
     assert digests(out) == digests(whole["gptq"])
     m = load_manifest(out)
     assert [f["layer"] for f in m.quality["layers"]] == [0, 1, 2, 3]

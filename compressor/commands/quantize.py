@@ -43,7 +43,7 @@ from ..errors import InputError
 from ..formats import check_format, check_shapes, format_config, pack_modules
 from ..formats.compressed_tensors import kv_scale_tensors
 from ..models import ALIASES, load_model, peek_model_type, resolve_source, storage_dtype
-from ..pipeline import quantize_model
+from ..pipeline import check_group_sizes, quantize_model
 from ..quant.algorithms import get_algorithm
 from ..quant.kv import layout_bytes_per_token
 from ..recipe import KVCacheOptions, Recipe, load_recipes, with_overrides
@@ -214,6 +214,8 @@ def _refuse_output_in_source(source: Path, out: Path, spec: str) -> None:
     src = source.resolve()
     if src == out.resolve() or out.resolve() in src.parents:
         raise InputError(f"output folder {out} is (or contains) the source model {spec}; choose another -o")
+    if src.is_dir() and src in out.resolve().parents:  # its shards would join the source's (and change its digest)
+        raise InputError(f"output folder {out} is inside the source model folder {spec}; choose another -o")
 
 
 def _effective_recipe(opts: QuantizeOptions) -> Recipe:
@@ -260,6 +262,7 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
         _check_activations(plan, opts, getattr(model.config, "hidden_size", None), console)
     check_shapes(opts.write.format, {n: m.out_features for n, m in model.named_modules()
                                      if isinstance(m, torch.nn.Linear) and not plan.recipe.is_ignored(n) and n != "lm_head"})
+    check_group_sizes(model, plan.recipe)  # before the calibration text is tokenized
     calib_ids, calibration = _calibration(plan, opts, model, tokenizer, console)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if calib_ids is not None and max_pos and calib_ids.shape[1] > max_pos:
@@ -340,6 +343,7 @@ def _carry(plan: _Plan, opts: QuantizeOptions, device: str, console, on_committe
     model, tokenizer, hooks, loading = kv_only.load_packed(packed, plan.source, opts.execution.stream,
                                                            plan.out.resolve().parent, plan.activation_budget_gib)
     show.note(console, f"source weights: {loading}", highlight=False)
+    check_group_sizes(model, plan.recipe)  # before the calibration text is tokenized
     calib_ids, calibration = _calibration(plan, opts, model, tokenizer, console)
     src = _Source(model, tokenizer, None, loading, calib_ids, calibration)
     # a dynamic scheme has no scale to calibrate: no decoder layer is read

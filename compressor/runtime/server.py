@@ -130,6 +130,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: Text
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v):
+        """OpenAI's list-of-parts form: ``[{"type": "text", "text": ...}, ...]``, joined (text parts only)."""
+        if isinstance(v, list) and v and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in v):
+            return "".join(p["text"] for p in v)
+        return v
+
 
 class ChatCompletionRequest(_Sampling):
     """Body of ``POST /v1/chat/completions``: a non-empty list of ``messages`` plus sampling."""
@@ -140,7 +149,8 @@ class ChatCompletionRequest(_Sampling):
 _MESSAGES = {  # field -> the error text a client sees (one per field, whatever pydantic found)
     "model": "'model' must be a string naming the served model",
     "prompt": f"'prompt' must be a string or a list of 1 to {MAX_PROMPTS} strings",
-    "messages": "'messages' must be a non-empty list of {role: system|user|assistant, content: string}",
+    "messages": "'messages' must be a non-empty list of {role: system|user|assistant, content: string or list of "
+                "text parts}",
     "max_tokens": f"'max_tokens' must be an integer in [1, {MAX_TOKENS_LIMIT}]",
     "temperature": "'temperature' must be a number in [0, 10] (0 = greedy)",
     "seed": f"'seed' must be an integer in [0, {2**31 - 1}]",
@@ -212,13 +222,13 @@ async def _read_json(request) -> Any:
 
     size = request.headers.get("content-length")
     if size is not None and size.isascii() and size.isdigit() and int(size) > MAX_BODY_BYTES:
-        raise _BadRequest(f"request body of {int(size)} bytes exceeds the limit of {MAX_BODY_BYTES}")
+        raise _BadRequest(f"request body of {int(size)} bytes exceeds the limit of {MAX_BODY_BYTES}", status=413)
     raw = bytearray()
     try:
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > MAX_BODY_BYTES:
-                raise _BadRequest(f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
+                raise _BadRequest(f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", status=413)
     except ClientDisconnect:
         raise _ClientGone() from None
     try:
