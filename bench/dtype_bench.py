@@ -35,11 +35,12 @@ VERIFY_EXTRA = ["--max-new-tokens", "8", "--hidden-batches", "1"]
 KVQ = [sys.executable, "-m", "compressor"]
 
 
-def run(cmd: list[str], log: Path, env: dict | None = None) -> dict:
-    """Run ``cmd`` as a child; wall seconds and that child's own peak RSS (MiB)."""
+def run(cmd: list[str], log: Path, env: dict | None = None, cwd: Path = ROOT) -> dict:
+    """Run ``cmd`` as a child in ``cwd``; wall seconds and that child's own peak RSS (MiB).
+    (``python -m`` puts ``cwd`` first on ``sys.path``: the checkout whose code runs.)"""
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd,
                              env={**os.environ, "TQDM_DISABLE": "1", **(env or {})})
         _, status, usage = os.wait4(p.pid, 0)
     code = os.waitstatus_to_exitcode(status)
@@ -89,7 +90,8 @@ def main() -> None:
             print(f"dtype_bench: {key} ...", flush=True)
             rep = WORK / f"{key}.json"
             t = run(KVQ + ["verify", str(WORK / "awq-float32"), "--eval", str(text), "--max-windows", WINDOWS,
-                           "--json-out", str(rep), *VERIFY_EXTRA], WORK / f"{key}.log", env={"PYTHONPATH": path})
+                           "--json-out", str(rep), *VERIFY_EXTRA], WORK / f"{key}.log", env={"PYTHONPATH": path},
+                    cwd=Path(path))
             t["perplexity"] = json.loads(rep.read_text())["perplexity"]
             res[key] = t
             RESULTS.write_text(json.dumps(res, indent=2) + "\n")

@@ -172,10 +172,17 @@ def check_group_sizes(model, recipe: Recipe) -> None:
     """
     if not get_algorithm(recipe.algorithm).quantizes_weights:
         return
-    try:
-        targets = target_modules(model, recipe, get_arch(model.config.model_type))
-    except InputError:
-        return  # fused experts: checked after they are unfused
+    arch = get_arch(model.config.model_type)
+    targets = {}
+    for i, layer in enumerate(get_module(model, arch.layers)):
+        for rel in layer_linears(arch, layer):
+            try:
+                mod = get_module(layer, rel)
+            except AttributeError:
+                continue  # routed experts still fused into 3-D parameters: checked once unfused
+            name = f"{arch.layers}.{i}.{rel}"
+            if isinstance(mod, torch.nn.Linear) and not recipe.is_ignored(name):
+                targets[name] = mod
     _group_sizes(recipe, targets)
 
 
@@ -386,7 +393,8 @@ def quantize_model(
     layers = get_module(model, plan.arch.layers)
     observer = kv_observer(len(layers)) if plan.observe_kv else None
     ctx = LayerContext(plan.arch, recipe, LinearQuantizer(plan.schemes, dtype), plan.targets, result.modules, observer,
-                       min(recipe.awq.loss_samples, len(calib_ids) if calib_ids is not None else 1))
+                       min(recipe.awq.loss_samples, len(calib_ids) if calib_ids is not None else 1),
+                       getattr(hooks, "memory_budget", None))
     _layer_loop(model, layers, ctx, plan.algorithm, result, calib_ids, batch_size, device, on_layer, hooks)
     result.warnings += plan.algorithm.run_warnings(result.layers)
     if result.moe_fallback:

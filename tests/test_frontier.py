@@ -637,3 +637,37 @@ def test_expert_groups_bound_the_layer_and_write_the_same_tensors(model_type, al
     assert "weight_groups" not in {k for f in load_manifest(tmp_path / "s").quality["layers"] for k in f}
     rep = run_verify(VerifyOptions(artifact=tmp_path / "g", seqlen=64, max_windows=1, max_new_tokens=4, hidden_batches=1))
     assert rep["passed"], rep["failed_gates"]
+
+
+# ---------------------------------------------------------------------------------------
+# calibrated: routed experts' Hessians accumulated and solved in bounded chunks
+
+
+def test_gptq_expert_hessians_in_chunks_give_the_same_artifact(sources, tmp_path, monkeypatch):
+    """GPTQ on a MoE layer with a budget below its experts' Hessians: each chunk is accumulated
+    in a pass of its own and solved before the next (never more than the budget held); the
+    tensors equal the unbounded run's (the experts' Hessians do not depend on each other)."""
+    import compressor.quant.gptq_layer as gl
+
+    held: list[int] = []  # Hessian bytes of each conditional (expert) pass
+    real = gl.accumulate_hessians
+
+    def spy(layer, hidden, kw, sets, conditional, first_pass, n_ref):
+        if conditional:
+            held.append(sum(gl.HESSIAN_BYTES * get_module(layer, st[0]).in_features ** 2 for st in sets))
+        return real(layer, hidden, kw, sets, conditional, first_pass, n_ref)
+
+    monkeypatch.setattr(gl, "accumulate_hessians", spy)
+    one_set = gl.HESSIAN_BYTES * 64 ** 2  # an expert's gate/up pair reads the 64-wide hidden state
+    budget = int(1.5 * one_set)
+    b = run_quantize(QuantizeOptions(model=str(sources["deepseek_v3"]), output=tmp_path / "b", algorithm="gptq",
+                                     memory_budget_gib=budget / 2**30, **FAST))
+    bounded = list(held)
+    held.clear()
+    u = run_quantize(QuantizeOptions(model=str(sources["deepseek_v3"]), output=tmp_path / "u", algorithm="gptq", **FAST))
+    assert digests(tmp_path / "b") == digests(tmp_path / "u")
+    assert max(bounded) <= budget < max(held), (bounded, held)
+    layers = {f["layer"]: f for f in load_manifest(tmp_path / "b").quality["layers"]}
+    assert layers[1]["gptq"]["extra_hessian_passes"] > 0
+    assert "extra_hessian_passes" not in load_manifest(tmp_path / "u").quality["layers"][1]["gptq"]
+    assert b["output"] and u["output"]

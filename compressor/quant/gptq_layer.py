@@ -5,7 +5,8 @@ module owns the hooks: one Hessian per set of linears reading the same input (fu
 sets), stage by stage (``true_sequential``: later stages see the earlier stages'
 quantized outputs) or all at once. The solves of a pass are dealt to the ranks
 (:func:`compressor.distributed.deal`). Cold MoE experts (too few routed tokens) and sets
-that saw no token fall back to RTN.
+that saw no token fall back to RTN. A pass over routed experts whose Hessians exceed the
+memory budget is taken in chunks (:func:`hessian_chunks`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,40 @@ def _passes(i, layer, ctx: LayerContext) -> list[list[str]]:
               for st in arch.sequential]
     stages = [st for st in stages if st]
     return stages if ctx.recipe.gptq.true_sequential else [[r for st in stages for r in st]]
+
+
+#: bytes held per input feature squared for one reader set between its accumulation and its
+#: solve: the float64 running sum (8) and the float32 Hessian built from it (4)
+HESSIAN_BYTES = 12
+
+
+def hessian_chunks(layer, sets: list[tuple[str, ...]], budget: int | None) -> list[list[tuple[str, ...]]]:
+    """Split a pass's reader sets into chunks whose Hessians (:data:`HESSIAN_BYTES` x
+    ``in_features``\ :sup:`2` each) fit in ``budget`` bytes (at least one set a chunk; one
+    chunk when ``budget`` is ``None`` or everything fits).
+
+    Each chunk is accumulated in a calibration pass of its own and solved before the next is
+    accumulated. Used for routed experts, whose Hessians are independent of each other: an
+    expert's gate/up read the MoE block's input (which no expert's weights change) and its
+    down_proj reads its own gate/up's output, so the chunks give the same Hessians, and the
+    same artifact, as one pass over all the sets (``tests/test_moe_gptq_chunks``); only the
+    layer's forward runs once more per chunk. At Kimi K2's hidden size (7168) one gate/up set
+    holds 0.6 GB, so 384 experts in one pass would hold 237 GB.
+    """
+    if budget is None:
+        return [sets]
+    sizes = [HESSIAN_BYTES * get_module(layer, st[0]).in_features ** 2 for st in sets]
+    if sum(sizes) <= budget:
+        return [sets]
+    chunks: list[list[tuple[str, ...]]] = [[]]
+    held = 0
+    for st, b in zip(sets, sizes):
+        if chunks[-1] and held + b > budget:
+            chunks.append([])
+            held = 0
+        chunks[-1].append(st)
+        held += b
+    return chunks
 
 
 def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, first_pass: bool, n_ref: int):
@@ -95,7 +130,7 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext):
                 ctx.modules[name], err = quantizer.quantize_linear(name, get_module(layer, rel))
                 errs.append(err)
             continue
-        H = accs[st[0]].hessian()
+        H = accs.pop(st[0]).hessian()  # the float64 sum is dropped as soon as its Hessian exists
         tasks += [(rel, H) for rel in st]
 
     def solve(task):
@@ -131,29 +166,36 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> Laye
     counts: list[int] | None = None
     errs, damps, retries, dead = [], [], 0, 0
     hess_t = quant_t = 0.0
+    n_chunks = 0
     for p_i, group in enumerate(_passes(i, layer, ctx)):
         sets = reader_sets(group, fused_sets)
         conditional = any(is_expert(arch, r) for r in group)  # experts fire only for routed tokens: no early stop
-        t_h = time.perf_counter()
-        if experts is not None:
-            experts.counts.zero_()
-        accs, out = accumulate_hessians(layer, hidden, kw, sets, conditional, p_i == 0, n_ref)
-        if out is not None:
-            float_out = out
-        if conditional and counts is None and experts is not None:
-            counts = experts.counts.tolist()
-        cold = ctx.cold(counts)
-        hess_t += time.perf_counter() - t_h
-        t_q = time.perf_counter()
-        p_errs, p_damps, p_retries, p_dead = solve_pass(i, layer, sets, accs, cold, ctx)
-        errs += p_errs
-        damps += p_damps
-        retries += p_retries
-        dead += p_dead
-        quant_t += time.perf_counter() - t_q
+        chunks = hessian_chunks(layer, sets, ctx.hessian_budget) if conditional else [sets]
+        n_chunks += len(chunks) - 1
+        for c_i, chunk in enumerate(chunks):
+            t_h = time.perf_counter()
+            if experts is not None:
+                experts.counts.zero_()
+            accs, out = accumulate_hessians(layer, hidden, kw, chunk, conditional, p_i == 0 and c_i == 0, n_ref)
+            if out is not None:
+                float_out = out
+            if conditional and counts is None and experts is not None:
+                counts = experts.counts.tolist()  # routing is upstream of the experts: the same in every chunk
+            cold = ctx.cold(counts)
+            hess_t += time.perf_counter() - t_h
+            t_q = time.perf_counter()
+            p_errs, p_damps, p_retries, p_dead = solve_pass(i, layer, chunk, accs, cold, ctx)
+            del accs  # before the next chunk's pass builds its own
+            errs += p_errs
+            damps += p_damps
+            retries += p_retries
+            dead += p_dead
+            quant_t += time.perf_counter() - t_q
     if float_out is None:  # no pass ran (nothing targeted in this layer)
         float_out = layer_forward(layer, hidden[0][:n_ref], kw)
     figures = {"gptq": {"max_damp": max(damps) if damps else None, "damp_retries": retries, "dead_channels": dead}}
+    if n_chunks:
+        figures["gptq"]["extra_hessian_passes"] = n_chunks  # routed experts' Hessians taken in bounded chunks
     return LayerOutcome(errs, float_out, counts, figures, {"hessian": hess_t, "gptq": quant_t})
 
 

@@ -100,7 +100,7 @@ class LayerContext:
     ``targets``: full module name -> Linear the recipe quantizes; ``modules``: where steps
     store full module name -> :class:`QuantizedLinear`; ``observer``: the KV observers
     (``None`` without static KV scales); ``loss_n``: how many calibration sequences the
-    output-error figures (and AWQ's losses) use.
+    output-error figures (and AWQ's losses) use; ``hessian_budget``: see the field.
     """
 
     arch: ArchSpec
@@ -110,6 +110,9 @@ class LayerContext:
     modules: dict
     observer: object
     loss_n: int
+    #: bytes of calibration statistics (GPTQ's Hessians) a step may hold at once for a layer's
+    #: routed experts; ``None``: unbounded (see :func:`compressor.quant.gptq_layer.hessian_chunks`)
+    hessian_budget: int | None = None
 
     def experts(self, layer) -> UnfusedExperts | None:
         """The layer's unfused routed experts (``None`` for a dense layer)."""
