@@ -12,7 +12,8 @@ Engines:
 * transformers `generate` on the float32 reference model (the manifest's source).
 
 Also: KV bytes per token of the runtime's cache for each scheme. Results:
-bench/results/serve_bench.json. Usage: python bench/serve_bench.py (env ARTIFACT, MAX_NEW).
+bench/results/serve_bench.json (env RESULT: another name). Usage: python bench/serve_bench.py
+(env ARTIFACT, MAX_NEW, RESULT).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 ART = Path(os.environ.get("ARTIFACT", ROOT / ".kvq-demo" / "smollm2-w4a16-awq"))
 MAX_NEW = int(os.environ.get("MAX_NEW", "64"))
+RESULT = os.environ.get("RESULT", "serve_bench.json")  # file name under bench/results
 
 
 def _rss() -> float:
@@ -118,7 +120,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     res = {"artifact": str(ART), "max_new_tokens": MAX_NEW, "rows": rows, "kv_bytes": kv_bytes()}
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
-    (ROOT / "bench" / "results" / "serve_bench.json").write_text(json.dumps(res, indent=2) + "\n")
+    (ROOT / "bench" / "results" / RESULT).write_text(json.dumps(res, indent=2) + "\n")
     print("| engine | batch | prefill tokens/s | decode tokens/s | peak RSS (MiB) |")
     print("|---|---|---|---|---|")
     for r in rows:

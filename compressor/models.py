@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,7 @@ def resolve_source(spec: str) -> ModelSource:
     from .config_check import check_folder
 
     check_folder(path)  # config.json against the weights' shapes, before anything is built
-    register_published_types()  # e.g. kimi_k2: built with DeepSeek-V3's classes, not the repository's code
+    register_for(path)  # e.g. kimi_k2: built with DeepSeek-V3's classes, not the repository's code
     return ModelSource(spec, "hf", path)
 
 
@@ -187,7 +188,8 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, tokenize
     """
     from transformers import AutoModelForCausalLM
 
-    register_published_types()
+    if source.kind == "hf":
+        register_for(source.path)
     cached = cached_gguf_folder(source)
     if cached is not None:
         model, tokenizer = load_model(ModelSource(source.spec, "hf", cached), dtype)
@@ -319,7 +321,7 @@ def load_config(folder: str | Path):
 
     from .config_check import read_config
 
-    register_published_types()
+    register_for(folder)
     if wrapper_of(folder) is not None:
         return wrapped_text_config(read_config(Path(folder) / "config.json"), str(Path(folder) / "config.json"))
     return AutoConfig.from_pretrained(str(folder))
@@ -360,7 +362,23 @@ def wrapped_text_config(raw: dict, where: str = "config.json"):
     return _WRAPPED[(mt, base)].from_dict({k: v for k, v in text.items() if k != "model_type"})
 
 
-def register_published_types() -> None:
+def register_for(folder: str | Path) -> None:
+    """:func:`register_published_types` for the model types ``folder/config.json`` names
+    (its own and a wrapper's ``text_config``'s): nothing is imported for the types
+    transformers knows (registering every published type imports their modeling code,
+    about 1.5 s of a start-up)."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return  # unreadable: refused by whoever reads it next, in its own words
+    if not isinstance(raw, dict):
+        return
+    text = raw.get("text_config")
+    types = {raw.get("model_type"), text.get("model_type") if isinstance(text, dict) else None}
+    register_published_types({t for t in types if isinstance(t, str)})
+
+
+def register_published_types(only: set[str] | None = None) -> None:
     """Teach transformers' ``AutoConfig`` / ``AutoModelForCausalLM`` the published model
     types it has no class for (:data:`compressor.arch.PUBLISHED_AS`, e.g. ``kimi_k2`` ->
     DeepSeek-V3), so that kvq never needs the repository's own code (``auto_map``,
@@ -372,7 +390,8 @@ def register_published_types() -> None:
     a model subclass that only binds it, and the architecture's checkpoint conversions
     (per-expert tensors -> fused experts). Idempotent; a model type transformers
     already knows is never replaced. transformers' registry is process-wide: this adds
-    names to it and changes nothing else.
+    names to it and changes nothing else. ``only``: register just these model types (the
+    others are not imported).
     """
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
     from transformers.conversion_mapping import (
@@ -384,7 +403,7 @@ def register_published_types() -> None:
     from .arch import PUBLISHED_AS
 
     for published, base in PUBLISHED_AS.items():
-        if published in CONFIG_MAPPING:
+        if (only is not None and published not in only) or published in CONFIG_MAPPING:
             continue
         # the checkpoint -> module conversions (per-expert tensors -> fused experts): without
         # them transformers' whole-model loader would leave the experts at their random init

@@ -245,10 +245,10 @@ def _meta_model(source, dtype: torch.dtype, tokenizer_dir, ckpt: LazyCheckpoint 
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from .models import check_buildable, load_config, load_tokenizer, register_published_types
+    from .models import check_buildable, load_config, load_tokenizer, register_for
 
     transformers.logging.set_verbosity_error()
-    register_published_types()
+    register_for(source.path)
     ckpt = ckpt if ckpt is not None else LazyCheckpoint(source.path)  # reads (and checks) the source's quantization_config
     try:
         cfg = load_config(source.path)  # a multimodal wrapper's text model (Kimi K2.5), else AutoConfig's
