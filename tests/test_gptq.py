@@ -177,3 +177,34 @@ def test_mixed_precision_schemes_and_fused_check():
     partial = with_overrides(load_recipe("w4a16-rtn-g64"), ignore=["re:.*gate_proj"], **{"weights.group_size": 32})
     with pytest.raises(InputError, match="quantize all of them or none"):
         quantize_model(_model(), partial, None)
+
+
+def test_wide_inputs_accumulate_in_row_blocks():
+    """Inputs at least ROW_BLOCK_FROM wide are summed in blocks of rows (no full float32 or
+    float64 temporary): the same Hessian as one product, to float32 rounding."""
+    from compressor.quant import gptq as g
+
+    x = torch.randn(2, 8, g.ROW_BLOCK_FROM + 70, generator=torch.Generator().manual_seed(0))
+    acc = HessianAccumulator(x.shape[-1])
+    acc.add(x[0])
+    acc.add(x[1])
+    flat = x.reshape(-1, x.shape[-1]).double()
+    ref = (2.0 * flat.t() @ flat / flat.shape[0]).float()
+    assert torch.allclose(acc.hessian(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(acc.hessian(), acc.hessian(consume=True))  # in place: the same values
+    assert acc.sum is None
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_consuming_the_hessian_gives_the_same_result(act_order):
+    """``consume_hessian`` works in the Hessian's storage (no copy): bit-identical output."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 64, generator=g)
+    H = _hessian(_correlated_inputs(d=64))
+    keep = H.clone()
+    a = gptq_quantize(w, H, 4, 32, False, act_order=act_order, static_groups=act_order)
+    assert torch.equal(H, keep)  # not modified without consume_hessian
+    b = gptq_quantize(w, H, 4, 32, False, act_order=act_order, static_groups=act_order, consume_hessian=True)
+    for f in ("q", "scale", "zero_point"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert a.loss == b.loss and a.damp == b.damp

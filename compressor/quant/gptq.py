@@ -36,6 +36,11 @@ from ..errors import QuantizationError
 from .primitives import compute_qparams, qrange
 
 
+#: inputs at least this wide accumulate ``x^T x`` in blocks of :data:`ROW_BLOCK` rows
+ROW_BLOCK_FROM = 4096
+ROW_BLOCK = 1024
+
+
 class HessianAccumulator:
     """Running ``H = 2/n · Σ x xᵀ`` of one linear's inputs.
 
@@ -50,13 +55,25 @@ class HessianAccumulator:
     @torch.no_grad()
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
-        self.sum += (x.t() @ x).double()
+        d = x.shape[1]
+        if d < ROW_BLOCK_FROM:
+            self.sum += (x.t() @ x).double()
+        else:  # wide inputs (18,432 in a Kimi/DeepSeek dense MLP): no full float32 or float64 temporary
+            for r0 in range(0, d, ROW_BLOCK):
+                self.sum[r0:r0 + ROW_BLOCK] += (x[:, r0:r0 + ROW_BLOCK].t() @ x).double()
         self.n += x.shape[0]
 
-    def hessian(self) -> torch.Tensor:
-        """``[in, in]`` float32; raises :class:`QuantizationError` if no token was seen."""
+    def hessian(self, consume: bool = False) -> torch.Tensor:
+        """``[in, in]`` float32; raises :class:`QuantizationError` if no token was seen.
+
+        ``consume``: scale the running sum in place (same values) and leave the accumulator
+        unusable: the only float64 matrix alive is the sum itself."""
         if self.n == 0:
             raise QuantizationError("GPTQ Hessian has no calibration tokens")
+        if consume:
+            out = self.sum.mul_(2.0).div_(self.n).float()
+            self.sum = None
+            return out
         return (2.0 * self.sum / self.n).float()
 
 
@@ -82,18 +99,27 @@ class GPTQResult:
 
 
 def _inverse_cholesky(H: torch.Tensor, damp: float, damp_increment: float, max_damp: float, name: str):
-    """Upper Cholesky factor of ``(H + λI)⁻¹`` with ``λ = damp · mean(diag H)``, retrying with more damping."""
-    mean_diag = float(torch.diag(H).mean())
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    """Upper Cholesky factor of ``(H + λI)⁻¹`` with ``λ = damp · mean(diag H)``, retrying with more damping.
+
+    Works in ``H``'s storage (the caller's own copy, overwritten): the damped diagonal is
+    written in place (a retry rewrites it from the saved diagonal: the same values as
+    ``H + λI``), ``(H + λI)⁻¹`` goes into ``H`` and its factor into the first factor's buffer,
+    so two ``[in, in]`` matrices are alive at once (at in = 18,432: 2.7 GB, not 8). In the
+    rare case where ``H + λI`` factors but its inverse does not, ``H`` is rebuilt by inverting
+    the inverse (its diagonal restored exactly) before the retry."""
+    diag0 = torch.diagonal(H).clone()
+    mean_diag = float(diag0.mean())
     retries = 0
     while True:
-        Hd = H + (damp * mean_diag) * eye
-        L, info = torch.linalg.cholesky_ex(Hd)
+        torch.diagonal(H).copy_(diag0 + damp * mean_diag)
+        L, info = torch.linalg.cholesky_ex(H)
         if int(info) == 0:
-            Hinv = torch.cholesky_inverse(L)
-            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            torch.cholesky_inverse(L, out=H)
+            U, info = torch.linalg.cholesky_ex(H, upper=True, out=(L, info))
             if int(info) == 0 and torch.isfinite(U).all():
                 return U, damp, retries
+            H.copy_(torch.linalg.inv(H))  # H held the inverse: back to H + λI (the diagonal is rewritten below)
+        del L
         retries += 1
         damp = damp + max(damp_increment, damp)  # at least doubles: bounded number of retries
         if damp > max_damp:
@@ -119,8 +145,9 @@ class _Grid:
     qmax: int
 
 
-def _prepare_inputs(w: torch.Tensor, H: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _prepare_inputs(w: torch.Tensor, H: torch.Tensor, name: str, consume: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     """float32 copies ``W [out, in]`` and ``H [in, in]`` (on ``w``'s device) with dead channels fixed.
+    With ``consume`` a float32 ``H`` already on that device is used (and overwritten) as it is.
 
     A dead input channel (``H[i, i] == 0``) gets ``H[i, i] = 1`` and its weight column zeroed,
     as in the reference implementation. Returns ``(W, H, n_dead)``.
@@ -129,7 +156,8 @@ def _prepare_inputs(w: torch.Tensor, H: torch.Tensor, name: str) -> tuple[torch.
         QuantizationError: ``w`` or ``H`` holds NaN or Inf.
     """
     W = w.detach().float().clone()
-    H = H.detach().float().clone().to(W.device)
+    H2 = H.detach().float().to(W.device)
+    H = H2.clone() if not consume and H2.data_ptr() == H.data_ptr() else H2
     if not (torch.isfinite(W).all() and torch.isfinite(H).all()):
         raise QuantizationError(f"GPTQ input for {name} contains NaN or Inf")
     dead = torch.diag(H) == 0
@@ -150,9 +178,12 @@ def _static_group_qparams(W: torch.Tensor, grid: _Grid) -> tuple[torch.Tensor, t
 
 
 def _act_order_permutation(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``act_order``: columns by descending ``diag(H)``; returns ``(W[:, perm], H[perm][:, perm], perm)``."""
+    """``act_order``: columns by descending ``diag(H)``; returns ``(W[:, perm], H[perm][:, perm], perm)``,
+    the permuted ``H`` written into ``H``'s own storage (one temporary)."""
     perm = torch.argsort(torch.diag(H), descending=True)
-    return W[:, perm], H[perm][:, perm], perm
+    rows = H.index_select(0, perm)
+    torch.index_select(rows, 1, perm, out=H)
+    return W[:, perm], H, perm
 
 
 def _quantize_block(W1: torch.Tensor, U1: torch.Tensor, i1: int, col_group_list: list[int], scale: torch.Tensor,
@@ -263,6 +294,7 @@ def gptq_quantize(
     static_groups: bool = False,
     scale_dtype: torch.dtype = torch.float32,
     name: str = "",
+    consume_hessian: bool = False,
 ) -> GPTQResult:
     """Quantize one weight matrix with GPTQ (Frantar et al., 2022, algorithm 1, as the reference implementation).
 
@@ -274,7 +306,9 @@ def gptq_quantize(
 
     Args:
         w: ``[out, in]`` float weight (not modified).
-        H: ``[in, in]`` float Hessian ``2 X Xᵀ / n`` of the layer inputs (not modified).
+        H: ``[in, in]`` float Hessian ``2 X Xᵀ / n`` of the layer inputs (not modified, unless
+            ``consume_hessian``: then a float32 ``H`` on ``w``'s device is worked on in place and
+            left holding intermediate values, so no copy of it is made).
         num_bits: 2..8. group_size: divides ``in``; ``-1`` per output channel.
         symmetric: signed symmetric grid (zero point 0) or asymmetric.
         block_size: columns per lazy-update block.
@@ -297,7 +331,7 @@ def gptq_quantize(
     gs = in_f if group_size in (-1, 0, None) else int(group_size)
     qmin, qmax = qrange(num_bits)
     grid = _Grid(num_bits, symmetric, gs, scale_dtype, qmin, qmax)
-    W, H, n_dead = _prepare_inputs(w, H, name)
+    W, H, n_dead = _prepare_inputs(w, H, name, consume_hessian)
     static_qparams = None
     if static_groups or gs == in_f:
         # groups fixed from the original weights, original column order

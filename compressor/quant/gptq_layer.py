@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from ..arch import expand, expert_index, get_module, is_expert, layer_fused_sets, layer_linears, num_experts
-from ..distributed import deal
+from ..distributed import deal, world
 from .algorithms import Algorithm, odd_bits_warnings, register_algorithm
 from .gptq import HessianAccumulator, gptq_quantize
 from .layer import LayerContext, LayerOutcome, StopForward, layer_forward
@@ -121,7 +121,7 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext):
     arch, quantizer, opts = ctx.arch, ctx.quantizer, ctx.recipe.gptq
     prefix = f"{arch.layers}.{i}."
     errs, damps, retries, dead = [], [], 0, 0
-    tasks = []  # (linear, Hessian): the solves of this pass, dealt to the ranks (compressor.distributed)
+    tasks = []  # (linear, its set's key): the solves of this pass, dealt to the ranks (compressor.distributed)
     for st in sets:
         e = expert_index(arch, st[0])
         if (e is not None and e in cold) or accs[st[0]].n == 0:
@@ -130,21 +130,34 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext):
                 ctx.modules[name], err = quantizer.quantize_linear(name, get_module(layer, rel))
                 errs.append(err)
             continue
-        H = accs.pop(st[0]).hessian()  # the float64 sum is dropped as soon as its Hessian exists
-        tasks += [(rel, H) for rel in st]
+        tasks += [(rel, st[0]) for rel in st]
+    # each set's Hessian is built when its first linear is solved and handed, to be worked on
+    # in place, to its last: one Hessian alive at a time besides the float64 sums not reached yet
+    rank, size = world()
+    left: dict[str, int] = {}
+    for j, (_rel, key) in enumerate(tasks):
+        if j % size == rank:
+            left[key] = left.get(key, 0) + 1
+    built: dict = {}
 
     def solve(task):
-        rel, H = task
+        rel, key = task
         name = prefix + rel
         bits, gs, sym = quantizer.schemes[name]
+        if key not in built:
+            built[key] = accs.pop(key).hessian(consume=True)
+        left[key] -= 1
+        last = left[key] == 0
+        H = built.pop(key) if last else built[key]
         r = gptq_quantize(
             get_module(layer, rel).weight.detach(), H, bits, gs, sym, block_size=opts.block_size, damp=opts.damp,
             damp_increment=opts.damp_increment, act_order=opts.act_order,
-            static_groups=opts.static_groups, scale_dtype=quantizer.dtype, name=name,
+            static_groups=opts.static_groups, scale_dtype=quantizer.dtype, name=name, consume_hessian=last,
         )
+        del H
         return r.q, r.scale, r.zero_point, r.g_idx, r.damp, r.retries, r.dead_channels
 
-    for (rel, _H), (q, scale, zp, g_idx, damp, r_retries, r_dead) in zip(tasks, deal(tasks, solve)):
+    for (rel, _key), (q, scale, zp, g_idx, damp, r_retries, r_dead) in zip(tasks, deal(tasks, solve)):
         name = prefix + rel
         ctx.modules[name], err = quantizer.finish(name, get_module(layer, rel), q, scale, zp, g_idx)
         errs.append(err)
