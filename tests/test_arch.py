@@ -151,15 +151,23 @@ def test_awq_groups_fold_exactly(model_type):
     ref = m(IDS[:2]).logits.double()
     unfuse_experts(m, arch)
     torch.testing.assert_close(m(IDS[:2]).logits.double(), ref, atol=1e-5, rtol=0)  # unfused experts: same function
+    from compressor.quant.awq import tie_kv_heads
+    from compressor.quant.awq_layer import kv_repeat
+
     g = torch.Generator().manual_seed(0)
     folded = 0
     for layer in get_module(m, arch.layers):
         for grp in layer_groups(arch, layer):
             prev, lins = get_module(layer, grp.prev_op), [get_module(layer, r) for r in grp.linears]
-            if grp.requires_square and lins[0].weight.shape != prev.weight.shape:
+            kv = kv_repeat(layer, grp) if grp.requires_square else None
+            if grp.requires_square and kv is None and lins[0].weight.shape != prev.weight.shape:
                 continue
             s = torch.rand(lins[0].in_features, generator=g) * 2 + 0.25
-            _fold(prev, s, grp.prev_rows, arch.norm_offset)
+            prev_s = s
+            if kv is not None:  # GQA v -> o: one scale per KV-head channel, repeated for its query heads
+                s = tie_kv_heads(s, *kv)
+                prev_s = s.view(*kv)[:, 0].reshape(-1)
+            _fold(prev, prev_s, grp.prev_rows, arch.norm_offset)
             for lin in lins:
                 lin.weight.data.mul_(s)
             for a in grp.also_scale:
@@ -460,3 +468,28 @@ def test_unsupported_architecture_is_one_line_exit_2(model_type, tmp_path, token
     assert_clean_error(code, err, 2, f"unsupported architecture '{model_type}'; supported: ", tmp_path)
     assert ", ".join(sorted(ARCHITECTURES)) in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_gqa_v_to_o_scaling_is_exact_only_when_tied():
+    """Issue #18: under GQA the v_proj -> o_proj group folds exactly when each KV head's
+    scale is repeated across the query heads reading it (kvq's tie); untied scales change
+    the function (the control)."""
+    from compressor.quant.awq import tie_kv_heads
+    from compressor.quant.awq_layer import kv_repeat
+
+    out = {}
+    for tied in (True, False):
+        m = tiny("llama")
+        ref = m(IDS[:2]).logits.double()
+        arch = get_arch("llama")
+        layer = get_module(m, arch.layers)[0]
+        grp = next(g for g in layer_groups(arch, layer) if g.prev_op == "self_attn.v_proj")
+        kv = kv_repeat(layer, grp)
+        assert kv is not None and kv[1] > 1, kv  # the tiny llama is GQA
+        s = torch.rand(layer.self_attn.o_proj.in_features, generator=torch.Generator().manual_seed(2)) * 2 + 0.25
+        if tied:
+            s = tie_kv_heads(s, *kv)
+        _fold(layer.self_attn.v_proj, s.view(*kv)[:, 0].reshape(-1), None, 0.0)
+        layer.self_attn.o_proj.weight.data.mul_(s)
+        out[tied] = float((m(IDS[:2]).logits.double() - ref).abs().max() / ref.abs().max())
+    assert out[True] < 1e-5 and out[False] > 1e-3, out

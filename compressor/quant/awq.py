@@ -67,6 +67,17 @@ def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: f
     return s
 
 
+def tie_kv_heads(s: torch.Tensor, kv_heads: int, groups: int, head_dim: int) -> torch.Tensor:
+    """``s [heads * head_dim]`` (o_proj's input channels, query head ``h`` at rows
+    ``h * head_dim ...``) with the ``groups`` query heads that read one KV head given the
+    same scale per channel (their geometric mean): grouped-query attention repeats KV head
+    ``k`` for query heads ``k * groups ... k * groups + groups - 1`` (transformers'
+    ``repeat_kv``), so dividing v_proj's rows by ``s_v`` and multiplying o_proj's columns by
+    ``s_v`` repeated is exact only when the repeated copies agree."""
+    g = s.view(kv_heads, groups, head_dim).log().mean(1, keepdim=True).exp()
+    return g.expand(kv_heads, groups, head_dim).reshape(-1).contiguous()
+
+
 @torch.no_grad()
 def search_scales(
     x_mean: torch.Tensor,
@@ -78,6 +89,7 @@ def search_scales(
     n_grid: int = 20,
     duo_scaling: bool = True,
     name: str = "",
+    tie: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, float, list[float]]:
     """Grid-search the AWQ scales of one scaling group.
 
@@ -88,6 +100,8 @@ def search_scales(
             returns the output MSE of the inspected module against its float output.
         num_bits, group_size, symmetric: the weight scheme, or one per weight (mixed precision).
         name: used in error messages.
+        tie: applied to every candidate ``s`` before it is tried (channels that must share
+            one scale: a GQA ``v_proj -> o_proj`` group, :func:`tie_kv_heads`).
 
     Returns:
         ``(scales [in] float32, best ratio, losses per grid point)``.
@@ -105,6 +119,8 @@ def search_scales(
     for i in range(n_grid):
         ratio = i / n_grid
         s = candidate_scales(x_mean, w_mean, ratio)
+        if tie is not None:
+            s = tie(s)
         cand = [fake_quantize(w.float() * s, b, g, y) / s for w, b, g, y in zip(weights, bits, sizes, syms)]
         loss = float(loss_fn(cand))
         losses.append(loss)

@@ -24,7 +24,7 @@ import torch
 
 from ..arch import expert_index, get_module, layer_groups, layer_linears
 from .algorithms import Algorithm, register_algorithm
-from .awq import search_clip, search_scales
+from .awq import search_clip, search_scales, tie_kv_heads
 from .layer import LayerContext, LayerOutcome, inspect_forward, layer_forward
 
 
@@ -123,9 +123,13 @@ def search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw,
     quantized = [prefix + r in targets for r in group.linears]
     if not any(quantized):
         return None
+    tie = None
     if group.requires_square:
-        prev_out = prev.weight.shape[0]
-        if any(m.in_features != prev_out for m in lins) or lins[0].weight.shape != prev.weight.shape:
+        kv = kv_repeat(layer, group)
+        if kv is not None:  # GQA/MQA: one scale per KV-head channel, repeated for the query heads reading it
+            tie = lambda c, kv=kv: tie_kv_heads(c, *kv)  # noqa: E731
+        elif (any(m.in_features != prev.weight.shape[0] for m in lins)
+              or lins[0].weight.shape != prev.weight.shape):
             return None
     if expert_index(arch, group.prev_op) in cold:
         return None  # a cold expert's own group (up -> down): RTN fallback, no scaling
@@ -152,16 +156,37 @@ def search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw,
     specs = [quantizer.schemes.get(prefix + r, quantizer.schemes[next(iter(quantizer.schemes))]) for r in group.linears]
     s, ratio, _ = search_scales(
         x_mean[key], weights, loss_fn, [b for b, _, _ in specs], [g for _, g, _ in specs],
-        [y for _, _, y in specs], n_grid=opts.n_grid, duo_scaling=opts.duo_scaling, name=name,
+        [y for _, _, y in specs], n_grid=opts.n_grid, duo_scaling=opts.duo_scaling, name=name, tie=tie,
     )
     return s, ratio, key
+
+
+def kv_repeat(layer, group) -> tuple[int, int, int] | None:
+    """``(kv_heads, groups, head_dim)`` of a ``v_proj -> o_proj`` group under grouped-query
+    attention (o_proj reads ``groups`` > 1 query heads per v_proj KV head), else ``None``
+    (MHA, or a layout kvq cannot prove: the group is then applied only when square)."""
+    prev = get_module(layer, group.prev_op)
+    lins = [get_module(layer, r) for r in group.linears]
+    attn = get_module(layer, group.prev_op.rsplit(".", 1)[0]) if "." in group.prev_op else None
+    head_dim = getattr(attn, "head_dim", None)
+    rows, cols = prev.weight.shape[0], lins[0].in_features
+    if (not isinstance(prev, torch.nn.Linear) or not isinstance(head_dim, int) or head_dim <= 0 or rows % head_dim
+            or any(m.in_features != cols for m in lins) or cols % rows or cols == rows):
+        return None
+    groups = cols // rows
+    if getattr(attn, "num_key_value_groups", groups) != groups:
+        return None
+    return rows // head_dim, groups, head_dim
 
 
 def fold_group(layer, group, s, key, linears, x_loss, col_scale, row_scale, norm_offset: float,
                storage: torch.dtype | None = None) -> None:
     """Fold ``s``: the group's preceding op output ``/= s``, its linears' (and routers')
-    input channels ``*= s`` (float function unchanged); the loss inputs follow."""
-    rows = fold_scales(get_module(layer, group.prev_op), s, group.prev_rows, norm_offset, storage)
+    input channels ``*= s`` (float function unchanged); the loss inputs follow. Under GQA
+    (:func:`kv_repeat`) the preceding v_proj's rows take one query head's copy of ``s``."""
+    kv = kv_repeat(layer, group) if group.requires_square else None
+    prev_s = s.view(kv[0], kv[1], kv[2])[:, 0].reshape(-1) if kv is not None else s
+    rows = fold_scales(get_module(layer, group.prev_op), prev_s, group.prev_rows, norm_offset, storage)
     if group.prev_op in linears:
         row_scale[group.prev_op] = rows
     for r in group.linears:
