@@ -214,9 +214,14 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, tokenize
             if dtype == torch.float32:
                 _write_gguf_cache(source, model, tokenizer)
         else:
+            from .streaming import check_source_layout
+
+            check_source_layout(source, tokenizer_dir)  # a config describing other tensors: refused before any read
             tokenizer = load_tokenizer(source.path, source.spec, tokenizer_dir)
-            model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, use_safetensors=True)
+            model, info = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, use_safetensors=True,
+                                                               output_loading_info=True)
             check_buildable(model.config, source.spec)
+            _refuse_missing(model, info, source.spec)
     except InputError:
         raise
     except Exception as e:  # transformers raises many types for unreadable files
@@ -225,6 +230,19 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, tokenize
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def _refuse_missing(model, info: dict, spec: str) -> None:
+    """Tensors transformers' loader did not find (it leaves them at their random init) or
+    found with another shape: refused, named (a tied head is not missing)."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    missing = [k for k in info.get("missing_keys") or [] if not (tied and k == "lm_head.weight")]
+    if missing:
+        raise InputError(f"{spec}: the checkpoint does not store {missing[0]} ({len(missing)} tensor(s) the model "
+                         "its config.json describes needs); check config.json against the shards")
+    if info.get("mismatched_keys"):
+        raise InputError(f"{spec}: tensor {info['mismatched_keys'][0][0]} has another shape in the checkpoint than "
+                         "config.json describes")
 
 
 #: safetensors dtype names of floating weights -> torch dtype names

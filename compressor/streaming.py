@@ -199,6 +199,7 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
         InputError: unreadable config/tokenizer, bad shard headers.
     """
     from .arch import checkpoint_name, get_arch
+    from .layout_check import check_layout
     from .moe import unfuse_experts
 
     if source.kind == "gguf":  # a GGUF converted once before streams from kvq's cache
@@ -219,7 +220,7 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
         return None, f"module {bad} keeps buffers kvq cannot rebuild"
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     names = [n for n in model.state_dict() if not (tied and n == "lm_head.weight") and not n.endswith(".counts")]
-    missing = [n for n in names if checkpoint_name(arch, n) not in ckpt]
+    missing = check_layout(model, arch, ckpt, names, source.spec)  # a config that describes another layout: refused
     if missing:
         return None, f"tensor {checkpoint_name(arch, missing[0])} is not stored under that name in the source shards"
     prefix = arch.layers + "."
@@ -229,6 +230,27 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     if tied:
         model.tie_weights()
     return model, tokenizer, ckpt
+
+
+def check_source_layout(source, tokenizer_dir=None) -> None:
+    """:func:`compressor.layout_check.check_layout` for a Hugging Face folder loaded whole
+    (``--no-stream``, or a folder that does not stream): the model its config describes is
+    built on the meta device and compared with the shards' headers before transformers reads
+    any weight (transformers would keep a tensor the shards lack at its random init).
+
+    Raises:
+        InputError: see :func:`~compressor.layout_check.check_layout`.
+    """
+    from .arch import get_arch
+    from .layout_check import check_layout
+    from .moe import unfuse_experts
+
+    model, _tok, ckpt = _meta_model(source, torch.float32, tokenizer_dir)
+    arch = get_arch(model.config.model_type)
+    unfuse_experts(model, arch)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    names = [n for n in model.state_dict() if not (tied and n == "lm_head.weight") and not n.endswith(".counts")]
+    check_layout(model, arch, ckpt, names, source.spec)
 
 
 def outer_names(model, arch) -> list[str]:

@@ -5,6 +5,7 @@ real tiny checkpoint never gives a traceback."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -130,3 +131,49 @@ def test_a_bogus_activation_is_refused_by_the_cli(src, tmp_path, capsys):
     d = _lie(src, tmp_path, hidden_act="bogus")
     code, _, err = run(["quantize", d, "-o", tmp_path / "out"], capsys)
     assert_clean_error(code, err, 2, "hidden_act 'bogus' is not an activation", tmp_path)
+
+
+# --- configs that describe another layout than the tensors stored (a fresh-user try) ----------
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory, tokenizer):
+    from test_arch import make_dir
+
+    root = tmp_path_factory.mktemp("layouts")
+    return {mt: make_dir(root / mt, tokenizer, mt) for mt in ("qwen3_moe", "deepseek_v3", "llama")}
+
+
+@pytest.mark.parametrize("model_type,changes,pattern", [
+    # fewer experts than stored: the router's rows disagree (experts 2, 3 would be dropped)
+    ("qwen3_moe", dict(num_local_experts=2), r"mlp.gate.weight as \[2, 64\] but the checkpoint stores \[4, 64\]"),
+    # which layers are dense: a dense MLP the checkpoint never stored would keep its random init
+    ("qwen3_moe", dict(mlp_only_layers=[0, 1]), "does not describe the checkpoint's layers"),
+    ("deepseek_v3", dict(first_k_dense_replace=2), "does not describe the checkpoint's layers"),
+    ("deepseek_v3", dict(first_k_dense_replace=0), "does not describe the checkpoint's layers"),
+    ("deepseek_v3", dict(q_lora_rank=None), "does not describe the checkpoint's layers"),
+    # MLA head sizes against q_b_proj / kv_b_proj rows
+    ("deepseek_v3", dict(qk_rope_head_dim=4), "q_b_proj.weight as"),
+    ("deepseek_v3", dict(v_head_dim=8), "kv_b_proj.weight as"),
+    # a separate head under tie_word_embeddings would be dropped
+    ("llama", dict(tie_word_embeddings=True), "sets tie_word_embeddings but the checkpoint stores its own lm_head.weight"),
+])
+def test_a_config_of_another_layout_is_refused_before_any_weight(layouts, tmp_path, capsys, model_type, changes, pattern):
+    d = _lie(layouts[model_type], tmp_path, **changes)
+    for extra in ([], ["--no-stream"]):
+        code, _, err = run(["quantize", d, "-o", tmp_path / "out", "--algorithm", "rtn", "--group-size", "32", *extra], capsys)
+        assert code == 2 and "Traceback" not in err and not (tmp_path / "out").exists(), err
+        if not extra:
+            assert re.search(pattern, err), err
+
+
+def test_a_tied_head_stored_as_a_copy_is_accepted(src, tmp_path):
+    """Some releases store lm_head.weight although it is tied: the embedding's own bytes pass."""
+    from safetensors.torch import load_file, save_file
+
+    d = _lie(src, tmp_path, tie_word_embeddings=True)
+    f = d / "model.safetensors"
+    state = load_file(f)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, f)
+    check_folder(d)
+    resolve_source(str(d))

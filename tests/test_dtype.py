@@ -112,3 +112,22 @@ def test_transformers_loads_each_artifact_with_its_defaults(tmp_path, tokenizer)
 def test_library_refuses_an_unknown_dtype(tmp_path):
     with pytest.raises(InputError):
         QuantizeOptions(model="x", output=tmp_path / "o", dtype="float8")
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq", "awq"])
+def test_float16_scales_that_overflow_are_an_input_error(tmp_path, tokenizer, capsys, algorithm):
+    """Weights near 1e7 give scales past float16's 65,504: refused (exit 2) naming the
+    linear and the dtypes that hold them, not "produced NaN or Inf" (a fresh-user try)."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import kvq_run, make_model_dir
+
+    src = make_model_dir(tmp_path / "big", tokenizer)
+    f = src / "model.safetensors"
+    state = load_file(f)
+    state["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"] * 1e7
+    save_file(state, f, metadata={"format": "pt"})
+    code, _, err = kvq_run(["quantize", src, "-o", tmp_path / "o", "--algorithm", algorithm, "--group-size", "32",
+                            "--calib-samples", "4", "--calib-seqlen", "32", "--dtype", "float16"], capsys)
+    assert code == 2 and "model.layers.0.mlp.down_proj" in err and "bfloat16" in err and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()

@@ -192,7 +192,7 @@ def test_wide_inputs_accumulate_in_row_blocks():
     ref = (2.0 * flat.t() @ flat / flat.shape[0]).float()
     assert torch.allclose(acc.hessian(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(acc.hessian(), acc.hessian(consume=True))  # in place: the same values
-    assert acc.sum is None
+    assert acc.blocks is None
 
 
 @pytest.mark.parametrize("act_order", [False, True])

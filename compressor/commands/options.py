@@ -54,6 +54,10 @@ def _text(value):
 Text = Annotated[str, BeforeValidator(_text)]
 
 
+#: the largest memory budget an option accepts, in GiB (1 PiB: larger numbers are typos)
+MAX_GIB = float(1 << 20)
+
+
 def _finite(default, **bounds):
     """A float option that must be a finite number (NaN/Inf would poison gates and arithmetic)."""
     return Field(default, allow_inf_nan=False, **bounds)
@@ -156,7 +160,7 @@ class CalibrationOptions(_Section):
     field: str = "text"  # text column of a .jsonl/.parquet file
     samples: int = Field(128, ge=1, le=1_000_000)
     seqlen: int = Field(512, ge=2, le=1_048_576)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**63 - 1)  # torch's generators take a 64-bit seed
 
 
 class WriteOptions(_Section):
@@ -188,10 +192,10 @@ class ExecutionOptions(_Section):
     device: str = "cpu"
     stream: bool = True  # read a safetensors source one decoder layer at a time (compressor.streaming)
     resume: bool = False  # continue an interrupted run from its staging folder
-    activation_budget_gib: float = _finite(8.0, ge=0)  # activations above this go to memory-mapped files
+    activation_budget_gib: float = _finite(8.0, ge=0, le=MAX_GIB)  # activations above this go to memory-mapped files
     #: bytes of one decoder layer's weights held at once (float32 + int8 codes) by an uncalibrated streamed run (RTN, float
     #: weights): a larger layer's routed experts are read, quantized, written and released in groups
-    memory_budget_gib: float = _finite(4.0, gt=0)
+    memory_budget_gib: float = _finite(4.0, gt=0, le=MAX_GIB)
 
 
 class QuantizeOptions(_Options):
@@ -246,7 +250,7 @@ class KVEvalOptions(_Section):
     """The KV cache verify evaluates with (``scheme``: instead of the artifact's) and its accounting."""
 
     scheme: Optional[str] = None
-    budget_gib: float = _finite(16.0, gt=0)
+    budget_gib: float = _finite(16.0, gt=0, le=MAX_GIB)
     chunk: int = Field(128, ge=1)
     calib: Text = "embedded"
     calib_samples: int = Field(16, ge=1)

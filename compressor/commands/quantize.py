@@ -171,6 +171,9 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
     needs_calib = algorithm.needs_calibration or (kv is not None and kv.static)
     calib = opts.calibration
+    if not needs_calib and calib.source != "embedded":
+        show.note(console, f"[yellow]note:[/] --calib {calib.source} is not read: {recipe.algorithm} without static KV "
+                           "scales needs no calibration", highlight=False)
     token_file = needs_calib and is_token_file(calib.source)
     calib_shape = (calib.samples, calib.seqlen) if needs_calib else None
     if token_file:  # structure checked before the model loads; the id range after (it needs the vocabulary)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import QuantizationError
+from ..errors import InputError, QuantizationError
 from .primitives import compute_qparams, qrange
 
 
@@ -46,35 +46,51 @@ class HessianAccumulator:
 
     ``add(x)`` takes any ``[..., in]`` float tensor; partial products are computed in
     float32 (BLAS) and summed in float64, so long calibration runs do not lose precision.
+    Inputs at least :data:`ROW_BLOCK_FROM` wide keep the float64 sum as blocks of
+    :data:`ROW_BLOCK` rows (``blocks``), each updated from its own product and, in
+    :meth:`hessian` with ``consume``, turned into float32 and released one at a time: at
+    in = 18,432 (a DeepSeek-V3/Kimi dense down_proj) no 4 GB float32/float64 temporary of
+    the whole matrix is ever made, and the float64 sum and the float32 Hessian are never
+    both whole.
     """
 
     def __init__(self, in_features: int, device="cpu"):
-        self.sum = torch.zeros(in_features, in_features, dtype=torch.float64, device=device)
+        step = ROW_BLOCK if in_features >= ROW_BLOCK_FROM else in_features
+        self.in_features = in_features
+        self.blocks: list[torch.Tensor] | None = [
+            torch.zeros(min(step, in_features - r0), in_features, dtype=torch.float64, device=device)
+            for r0 in range(0, in_features, step)]
         self.n = 0
 
     @torch.no_grad()
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
-        d = x.shape[1]
-        if d < ROW_BLOCK_FROM:
-            self.sum += (x.t() @ x).double()
-        else:  # wide inputs (18,432 in a Kimi/DeepSeek dense MLP): no full float32 or float64 temporary
-            for r0 in range(0, d, ROW_BLOCK):
-                self.sum[r0:r0 + ROW_BLOCK] += (x[:, r0:r0 + ROW_BLOCK].t() @ x).double()
+        if len(self.blocks) == 1:
+            self.blocks[0] += (x.t() @ x).double()
+        else:
+            r0 = 0
+            for b in self.blocks:
+                b += (x[:, r0:r0 + b.shape[0]].t() @ x).double()
+                r0 += b.shape[0]
         self.n += x.shape[0]
 
     def hessian(self, consume: bool = False) -> torch.Tensor:
         """``[in, in]`` float32; raises :class:`QuantizationError` if no token was seen.
 
-        ``consume``: scale the running sum in place (same values) and leave the accumulator
-        unusable: the only float64 matrix alive is the sum itself."""
+        ``consume``: scale each float64 block in place (the same values), convert it and
+        release it before the next, leaving the accumulator unusable (``blocks`` is ``None``)."""
         if self.n == 0:
             raise QuantizationError("GPTQ Hessian has no calibration tokens")
-        if consume:
-            out = self.sum.mul_(2.0).div_(self.n).float()
-            self.sum = None
-            return out
-        return (2.0 * self.sum / self.n).float()
+        if not consume:
+            return torch.cat([(2.0 * b / self.n).float() for b in self.blocks])
+        out = torch.empty(self.in_features, self.in_features, dtype=torch.float32, device=self.blocks[0].device)
+        blocks, self.blocks, r0 = self.blocks, None, 0
+        while blocks:
+            b = blocks.pop(0)
+            out[r0:r0 + b.shape[0]] = b.mul_(2.0).div_(self.n)
+            r0 += b.shape[0]
+            del b
+        return out
 
 
 @dataclass
@@ -344,6 +360,10 @@ def gptq_quantize(
 
     Q, scale, zero, col_group, losses = _quantize_columns(W, U, grid, block_size, perm, static_qparams)
     Q, g_idx = _restore_column_order(Q, perm, col_group, static_qparams is not None)
+    if torch.isinf(scale).any() and scale_dtype.itemsize < 4 and not torch.isnan(scale).any():
+        raise InputError(f"the weight scales of {name} overflow {str(scale_dtype).removeprefix('torch.')} "
+                         f"(largest it stores: {torch.finfo(scale_dtype).max:g}); store the artifact in bfloat16 "
+                         "(--dtype bfloat16) or float32")
     if not (torch.isfinite(scale).all() and torch.isfinite(losses).all()):
         raise QuantizationError(f"GPTQ produced NaN or Inf for {name}")
     return GPTQResult(

@@ -21,7 +21,7 @@ from ..errors import QuantizationError
 from ..moe import UnfusedExperts, cold_experts, routed_experts
 from ..recipe import Recipe
 from .kv import cache_kwarg
-from .primitives import dequantize
+from .primitives import check_scale_range, dequantize
 from .rtn import rtn_quantize
 
 
@@ -68,6 +68,7 @@ class LinearQuantizer:
             QuantizationError: a non-finite scale or dequantized weight (names the module).
         """
         bits, gs, sym = self.schemes[name]
+        check_scale_range(scale.float(), self.dtype, name)
         scale = scale.to(self.dtype)  # what the artifact stores and loaders dequantize with
         deq = dequantize(q, scale, None if sym else zp, gs, dtype=torch.float32, g_idx=g_idx)
         if not (torch.isfinite(scale.float()).all() and torch.isfinite(deq).all()):

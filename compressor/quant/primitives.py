@@ -173,3 +173,21 @@ def fake_quantize_grouped(
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     zp = torch.round(qmin - wmin / scale).clamp_(qmin, qmax)
     return (torch.round(wg / scale).add_(zp).clamp_(qmin, qmax) - zp) * scale
+
+
+def check_scale_range(scale: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    """Refuse scales (float32, before they are rounded to the storage ``dtype``) that the
+    storage dtype cannot hold: float16 tops out at 65,504, so a linear with weights near
+    65,504 x 2^(bits-1) would store infinite scales.
+
+    Raises:
+        InputError: the largest |scale| exceeds ``dtype``'s range (named, with the dtypes
+            that hold it); nothing is written.
+    """
+    if not dtype.is_floating_point or dtype.itemsize >= 4 or not torch.isfinite(scale).all():
+        return
+    top = float(scale.abs().max()) if scale.numel() else 0.0
+    limit = torch.finfo(dtype).max
+    if top > limit:
+        raise InputError(f"the weight scales of {name} reach {top:.4g}, beyond what {str(dtype).removeprefix('torch.')} "
+                         f"stores ({limit:g}); store the artifact in bfloat16 (--dtype bfloat16) or float32")
