@@ -11,6 +11,7 @@ import torch
 
 from .arch import checkpoint_name, find_module, get_arch, layer_groups, layer_linears, linear_weight
 from .quant.algorithms import find_algorithm
+from .quant.awq_layer import kv_repeat
 from .stats import first_divergence, summarize, weight_error, weight_stats
 
 
@@ -39,7 +40,7 @@ def _awq_equivalent_scales(reference, artifact, arch) -> dict[str, tuple[torch.T
         for group in layer_groups(arch, lr):
             prev_r = find_module(lr, group.prev_op)
             is_norm = prev_r is not None and not isinstance(prev_r, torch.nn.Linear)
-            rows = None
+            rows = kv = None
             if is_norm:
                 off = arch.norm_offset
                 num = prev_r.weight.detach().double() + off
@@ -54,7 +55,8 @@ def _awq_equivalent_scales(reference, artifact, arch) -> dict[str, tuple[torch.T
                     step = p.shape[0] // n
                     rows = slice(k * step, (k + 1) * step)
                     p, p_hat = p[rows], p_hat[rows]
-                if linear_weight(arch, lr, group.linears[0]).shape[1] != p.shape[0]:
+                kv = kv_repeat(lr, group) if group.requires_square else None  # GQA v -> o: s repeated per query head
+                if linear_weight(arch, lr, group.linears[0]).shape[1] != p.shape[0] and kv is None:
                     continue  # the group was skipped at quantization (shapes do not chain)
                 # fit from the producer, whose output rows were divided by s: P_hat_j ~ P_j diag(c) / s_j
                 c = out.get(f"{arch.layers}.{i}.{group.prev_op}", [None, None])[1]
@@ -64,8 +66,11 @@ def _awq_equivalent_scales(reference, artifact, arch) -> dict[str, tuple[torch.T
                 s = p.pow(2).sum(1) / dot.where(dot.abs() > 1e-30, torch.full_like(dot, 1e-30))
             if ones(s):
                 continue
+            s_cols = s
+            if not is_norm and kv is not None:
+                s_cols = s.view(kv[0], 1, kv[2]).expand(*kv).reshape(-1)
             for rel in group.linears:
-                out.setdefault(f"{arch.layers}.{i}.{rel}", [None, None])[1] = s
+                out.setdefault(f"{arch.layers}.{i}.{rel}", [None, None])[1] = s_cols
             if not is_norm:
                 full = s
                 if rows is not None:
