@@ -41,6 +41,8 @@ MAX_LAYERS = 10_000
 #: the largest config.json kvq parses (published ones are a few KiB)
 MAX_CONFIG_BYTES = 4 << 20
 
+#: tensors only a DeepSeek-V3/GLM multi-token-prediction module holds (its layer-relative names)
+MTP_TENSORS = ("eh_proj.", "enorm.", "hnorm.")
 _SIZE_FIELDS = ("hidden_size", "vocab_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
                 "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "num_experts", "num_local_experts")
@@ -217,6 +219,11 @@ def _check_depth(c: dict, shapes: dict, prefix: str, pre: str, n_layers: int, wh
     if not n_layers <= top <= n_layers + mtp:
         extra = f" (+ {mtp} multi-token-prediction layer(s))" if mtp else ""
         raise InputError(f"{where}: num_hidden_layers = {n_layers:,}{extra} but the checkpoint stores {top} decoder layers")
+    for i in range(n_layers, top):  # a multi-token-prediction module has its own projection and norms
+        if not any(k.startswith(MTP_TENSORS) for k in stored.get(i, {})):
+            raise InputError(f"{where}: num_hidden_layers = {n_layers:,} but the checkpoint's layer {i} is an ordinary "
+                             f"decoder layer, not a multi-token-prediction module (no {', '.join(MTP_TENSORS)} "
+                             f"tensors); num_hidden_layers is {top} there")
 
 
 def _check_attention(c: dict, shapes: dict, prefix: str, pre: str, hidden: int, where: str) -> None:

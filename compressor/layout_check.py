@@ -26,9 +26,9 @@ from .errors import InputError
 
 #: config fields that decide which tensors a decoder layer holds, named in the refusal
 LAYOUT_FIELDS = ("num_hidden_layers", "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step",
-                 "moe_layer_freq", "n_routed_experts", "num_experts", "num_local_experts", "q_lora_rank",
-                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "head_dim",
-                 "tie_word_embeddings")
+                 "moe_layer_freq", "n_routed_experts", "num_experts", "num_local_experts", "n_shared_experts",
+                 "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "head_dim",
+                 "moe_intermediate_size", "intermediate_size", "tie_word_embeddings")
 
 
 #: tensor names of already-quantized linears (compressed-tensors pack-quantized, AutoAWQ / GPTQ)
@@ -36,11 +36,11 @@ PACKED_SUFFIXES = (".weight_packed", ".qweight")
 
 
 #: the fields that decide which tensors a layer holds (not their shapes)
-LAYER_FIELDS = LAYOUT_FIELDS[:10]
+LAYER_FIELDS = LAYOUT_FIELDS[:10]  # (q_lora_rank included: it decides q_proj vs q_a/q_b_proj)
 
 
 def _fields(cfg, fields=LAYOUT_FIELDS) -> str:
-    present = [f for f in fields if getattr(cfg, f, None) is not None]
+    present = [f for f in fields if f in cfg.to_dict()]  # a field set to null counts (q_lora_rank: null)
     return ", ".join(present)
 
 

@@ -9,6 +9,7 @@ import re
 import shutil
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -88,7 +89,17 @@ def test_mtp_layers_are_allowed(src, tmp_path):
     with pytest.raises(InputError, match="stores 2 decoder layers"):
         check_folder(d)
     d2 = _lie(src, tmp_path / "b", num_hidden_layers=1, num_nextn_predict_layers=1)
-    check_folder(d2)
+    with pytest.raises(InputError, match="layer 1 is an ordinary decoder layer"):  # no MTP tensors: a wrong count
+        check_folder(d2)
+    from safetensors.torch import load_file, save_file
+
+    f = d2 / "model.safetensors"
+    state = load_file(f)
+    h = state["model.embed_tokens.weight"].shape[1]
+    state.update({"model.layers.1.enorm.weight": torch.ones(h), "model.layers.1.hnorm.weight": torch.ones(h),
+                  "model.layers.1.eh_proj.weight": torch.zeros(h, 2 * h)})
+    save_file(state, f, metadata={"format": "pt"})
+    check_folder(d2)  # an MTP module (its own projection and norms) after the decoder layers
 
 
 def test_the_honest_config_passes(src):
