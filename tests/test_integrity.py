@@ -481,7 +481,8 @@ def test_nan_in_source_model_is_refused_naming_the_tensor(tmp_path, tokenizer, c
 
 
 def test_overflow_produced_by_quantization_is_refused(tmp_path, tokenizer, capsys):
-    """A finite fp32 weight whose fp16 scale overflows: the module is named, nothing is written."""
+    """A finite fp32 weight whose fp16 scale overflows: an input error (exit 2) naming the module and
+    the dtypes that hold it, nothing is written."""
     from conftest import make_model_dir
     from safetensors.torch import load_file, save_file
 
@@ -492,7 +493,8 @@ def test_overflow_produced_by_quantization_is_refused(tmp_path, tokenizer, capsy
     save_file(t, str(f), metadata={"format": "pt"})
     code, _, err = run(["quantize", src, "-o", tmp_path / "o", "--algorithm", "rtn", "--group-size", "32",
                         "--dtype", "float16"], capsys)
-    one_line_error(code, err, 1, "model.layers.0.self_attn.o_proj")
+    one_line_error(code, err, 2, "model.layers.0.self_attn.o_proj")
+    assert "bfloat16" in err
     assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if "kvq-tmp" in p.name]
 
 

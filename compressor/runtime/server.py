@@ -299,7 +299,7 @@ class _Api:
             gone.cancel()
             if not work.done():  # the client left (or this handler was cancelled): drop its sequences
                 work.cancel()
-                for f in futs:
+                for f in reversed(futs):  # the queued ones first: the engine must not start them once the running batch stops
                     f.cancel()
         if work.cancelled() or not work.done():
             raise _ClientGone()
