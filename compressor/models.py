@@ -216,8 +216,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, tokenize
         else:
             from .streaming import check_source_layout
 
-            check_source_layout(source, tokenizer_dir)  # a config describing other tensors: refused before any read
-            tokenizer = load_tokenizer(source.path, source.spec, tokenizer_dir)
+            tokenizer = check_source_layout(source, tokenizer_dir)  # a config describing other tensors: refused first
             model, info = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, use_safetensors=True,
                                                                output_loading_info=True)
             check_buildable(model.config, source.spec)
@@ -385,12 +384,12 @@ def register_for(folder: str | Path) -> None:
     (its own and a wrapper's ``text_config``'s): nothing is imported for the types
     transformers knows (registering every published type imports their modeling code,
     about 1.5 s of a start-up)."""
+    from .config_check import read_config
+
     try:
-        raw = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError, RecursionError):
+        raw = read_config(Path(folder) / "config.json")
+    except InputError:
         return  # unreadable: refused by whoever reads it next, in its own words
-    if not isinstance(raw, dict):
-        return
     text = raw.get("text_config")
     types = {raw.get("model_type"), text.get("model_type") if isinstance(text, dict) else None}
     register_published_types({t for t in types if isinstance(t, str)})

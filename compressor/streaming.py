@@ -232,11 +232,12 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     return model, tokenizer, ckpt
 
 
-def check_source_layout(source, tokenizer_dir=None) -> None:
+def check_source_layout(source, tokenizer_dir=None):
     """:func:`compressor.layout_check.check_layout` for a Hugging Face folder loaded whole
     (``--no-stream``, or a folder that does not stream): the model its config describes is
     built on the meta device and compared with the shards' headers before transformers reads
     any weight (transformers would keep a tensor the shards lack at its random init).
+    Returns the tokenizer loaded with it (:func:`compressor.models.load_tokenizer`).
 
     Raises:
         InputError: see :func:`~compressor.layout_check.check_layout`.
@@ -245,12 +246,13 @@ def check_source_layout(source, tokenizer_dir=None) -> None:
     from .layout_check import check_layout
     from .moe import unfuse_experts
 
-    model, _tok, ckpt = _meta_model(source, torch.float32, tokenizer_dir)
+    model, tokenizer, ckpt = _meta_model(source, torch.float32, tokenizer_dir)
     arch = get_arch(model.config.model_type)
     unfuse_experts(model, arch)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     names = [n for n in model.state_dict() if not (tied and n == "lm_head.weight") and not n.endswith(".counts")]
     check_layout(model, arch, ckpt, names, source.spec)
+    return tokenizer
 
 
 def outer_names(model, arch) -> list[str]:

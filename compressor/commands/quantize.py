@@ -346,7 +346,6 @@ def _carry(plan: _Plan, opts: QuantizeOptions, device: str, console, on_committe
     model, tokenizer, hooks, loading = kv_only.load_packed(packed, plan.source, opts.execution.stream,
                                                            plan.out.resolve().parent, plan.activation_budget_gib)
     show.note(console, f"source weights: {loading}", highlight=False)
-    check_group_sizes(model, plan.recipe)  # before the calibration text is tokenized
     calib_ids, calibration = _calibration(plan, opts, model, tokenizer, console)
     src = _Source(model, tokenizer, None, loading, calib_ids, calibration)
     # a dynamic scheme has no scale to calibrate: no decoder layer is read
