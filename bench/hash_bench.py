@@ -193,7 +193,7 @@ def signed_copy_b3(src: Path, dst: Path) -> None:
 
 
 def main() -> None:
-    from compressor.integrity import run_sign
+    from compressor.commands.sign import run_sign
     from compressor.signing import SignOptions
 
     art = Path(os.environ.get("ARTIFACT", ROOT / ".kvq-demo" / "smollm2-w4a16-awq"))

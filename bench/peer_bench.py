@@ -190,7 +190,7 @@ def verify_weights(art: Path, name: str, foreign: bool) -> dict:
 def hashing(art: Path) -> dict:
     """kvq verify --hashes-only vs sha256sum vs model_signing verify on one signed copy of ``art``."""
     import bench.hash_bench as hb
-    from compressor.integrity import run_sign
+    from compressor.commands.sign import run_sign
     from compressor.signing import SignOptions
 
     work = WORK / "hashing"

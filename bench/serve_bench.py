@@ -7,13 +7,15 @@ first one (the first comes out of prefill), summed over the batch.
 
 Engines:
 * kvq runtime on ARTIFACT (default the `make demo` artifact: AWQ W4 g64 + fp8 KV), backend auto
-  (CPU: aten int4 op for 4-bit layers), KV cache in the artifact's scheme;
+  (CPU: aten int4 op for 4-bit layers), compute dtype auto (what `kvq serve` uses: bfloat16 for
+  a bfloat16 artifact), KV cache in the artifact's scheme;
+* the same in float32 compute (``kvq serve --dtype float32``);
 * kvq runtime, backend dequant (dequantize-then-matmul fallback), same artifact;
 * transformers `generate` on the float32 reference model (the manifest's source).
 
 Also: KV bytes per token of the runtime's cache for each scheme. Results:
 bench/results/serve_bench.json (env RESULT: another name). Usage: python bench/serve_bench.py
-(env ARTIFACT, MAX_NEW, RESULT).
+(env ARTIFACT, MAX_NEW, RESULT, ENGINES: a comma-separated subset).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 ART = Path(os.environ.get("ARTIFACT", ROOT / ".kvq-demo" / "smollm2-w4a16-awq"))
 MAX_NEW = int(os.environ.get("MAX_NEW", "64"))
 RESULT = os.environ.get("RESULT", "serve_bench.json")  # file name under bench/results
+ENGINES = os.environ.get("ENGINES", "kvq-auto,kvq-float32,kvq-dequant,transformers-fp32").split(",")
 
 
 def _rss() -> float:
@@ -49,7 +52,8 @@ def one(engine: str, batch: int) -> dict:
         from compressor.runtime import Runtime
 
         backend = "dequant" if engine == "kvq-dequant" else "auto"
-        rt = Runtime.from_artifact(ART, backend=backend, kv="artifact")
+        dtype = torch.float32 if engine == "kvq-float32" else None  # None: the commands' default (auto)
+        rt = Runtime.from_artifact(ART, backend=backend, kv="artifact", dtype=dtype)
         tok = AutoTokenizer.from_pretrained(str(ART))
         ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
         rt.generate(ids, max_new_tokens=4)  # warm-up
@@ -58,7 +62,7 @@ def one(engine: str, batch: int) -> dict:
         return {"engine": engine, "batch": batch, "prefill_tokens_per_s": res.prefill_tokens_per_s,
                 "decode_tokens_per_s": res.decode_tokens_per_s, "peak_rss_mib": _rss(),
                 "kernels": d["kernels"], "kv_scheme": d["kv_scheme"], "kv_bytes_per_token": d["kv_bytes_per_token"],
-                "weight_bytes": d["weight_bytes"], "threads": torch.get_num_threads()}
+                "weight_bytes": d["weight_bytes"], "threads": torch.get_num_threads(), "dtype": d["dtype"]}
     from transformers import AutoTokenizer
 
     from compressor.manifest import load_manifest
@@ -110,7 +114,7 @@ def main() -> None:
     if not (ART / "kvq-manifest.json").exists():
         raise SystemExit(f"{ART} is not a kvq artifact: run `make demo` first or set ARTIFACT")
     rows = []
-    for engine in ("kvq-auto", "kvq-dequant", "transformers-fp32"):
+    for engine in ENGINES:
         for batch in (1, 8):
             p = subprocess.run([sys.executable, __file__, "--one", engine, str(batch)], capture_output=True, text=True,
                                env={**os.environ, "TQDM_DISABLE": "1"})

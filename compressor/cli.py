@@ -408,12 +408,18 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
         click.echo(json.dumps(result, indent=2, sort_keys=True))
 
 
+_COMPUTE_HELP = ("Compute dtype of the runtime. auto: bfloat16 when the artifact declares bfloat16 (kvq's default storage; "
+                 "what transformers, vLLM and kvq verify's --eval-dtype auto use), else float32 on CPU and float16 on CUDA. "
+                 "float32: full-precision activations (slower; closest to a float32 reference).")
+
+
 @cli.command("serve-smoke")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Prompts: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: 8 built-in prompts.")
 @click.option("--max-new-tokens", type=_range(SmokeOptions, "max_new_tokens"), default=32, show_default=True, help="Tokens generated per prompt (greedy).")
 @click.option("--reference", default=None, help="Original model to compare with (default: the source recorded in the manifest).")
 @click.option("--backend", type=click.Choice(["auto", "aten", "dequant", "triton"]), default="auto", show_default=True, help="Weight kernels: auto (CPU: PyTorch int4/int8 weight-only ops, else dequantize; CUDA: Triton W4A16), or one of them.")
+@click.option("--dtype", "compute", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True, help=_COMPUTE_HELP)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the runtime and the reference run.")
 @click.option("--http", is_flag=True, help="Also start the OpenAI-compatible server on a free 127.0.0.1 port, send --http-requests concurrent requests (completions and chat), check the answers, stop it.")
 @click.option("--http-requests", type=_range(SmokeOptions, "http_requests"), default=8, show_default=True, help="Concurrent requests for --http.")
@@ -423,7 +429,7 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
 @_signature_options
 @click.option("--no-manifest", is_flag=True, help=_NO_MANIFEST_SERVE + " --reference is then required.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, device, http, http_requests, min_top1, max_kl,
+def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, compute, device, http, http_requests, min_top1, max_kl,
                 min_first_divergence, public_key, certificate_chain, identity, issuer, no_manifest, as_json):
     """Serve ARTIFACT with the bundled runtime and check it answers like the original.
 
@@ -463,7 +469,7 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, devi
 
     opts = _options(SmokeOptions, artifact=artifact, prompts=str(prompts_file) if prompts_file else None,
                     max_new_tokens=max_new_tokens, reference=reference, device=_device(device), backend=backend,
-                    http=http, http_requests=http_requests, min_top1=min_top1, max_kl=max_kl,
+                    dtype=compute, http=http, http_requests=http_requests, min_top1=min_top1, max_kl=max_kl,
                     min_first_divergence=min_first_divergence, no_manifest=no_manifest,
                     keys=_verify_keys(public_key, certificate_chain, identity, issuer))
     report = run_serve_smoke(opts, console=None if as_json else _console())
@@ -479,12 +485,13 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, devi
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port (0: any free port).")
 @click.option("--allow-remote", is_flag=True, help="Allow a non-loopback --host (the server has no authentication).")
 @click.option("--backend", type=click.Choice(["auto", "aten", "dequant", "triton"]), default="auto", show_default=True, help="Weight kernels (see serve-smoke).")
+@click.option("--dtype", "compute", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True, help="Compute dtype (see serve-smoke).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the runtime runs.")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help="Concurrent requests batched into one generation.")
 @click.option("--max-queue", type=click.IntRange(1, 65536), default=64, show_default=True, help="Sequences (prompts) allowed to wait; a request that does not fit gets 429.")
 @_signature_options
 @click.option("--no-manifest", is_flag=True, help=_NO_MANIFEST_SERVE)
-def serve(artifact, host, port, allow_remote, backend, device, max_batch, max_queue, public_key, certificate_chain,
+def serve(artifact, host, port, allow_remote, backend, compute, device, max_batch, max_queue, public_key, certificate_chain,
           identity, issuer, no_manifest):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API until Ctrl-C.
 
@@ -512,7 +519,7 @@ def serve(artifact, host, port, allow_remote, backend, device, max_batch, max_qu
         raise click.UsageError(keys.conflict())
     _quiet_libraries()
     run_server(ServeOptions(artifact, host, port, allow_remote, backend, _device(device), max_batch, max_queue,
-                            keys=keys, no_manifest=no_manifest),
+                            keys=keys, no_manifest=no_manifest, dtype=compute),
                announce=lambda line: click.echo(line, err=True))
 
 

@@ -367,11 +367,3 @@ def foreign_integrity(folder: Path, keys: Optional[VerifyKeys], console=None) ->
             "signature": signature, "hashes": hashes, "gates": [], "failed_gates": [], "warnings": [],
             "passed": signature["ok"] is not False, "seconds": round(time.perf_counter() - t0, 2)}
 
-
-def __getattr__(name: str):
-    """``run_sign`` moved to :mod:`compressor.commands.sign`; still importable from here."""
-    if name == "run_sign":
-        from .commands.sign import run_sign
-
-        return run_sign
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

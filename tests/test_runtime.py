@@ -141,10 +141,11 @@ def test_quantized_weights_match_dequantized_reference(artifacts, name, aten_ker
     import compressor.artifact
 
     monkeypatch.setattr(compressor.artifact, "load_artifact", lambda *a, **k: pytest.fail("runtime dequantized the model"))
-    deq = Runtime.from_artifact(artifacts[name], backend="dequant", kv=None)
+    # float32 compute against load_artifact's float32 model (the default follows the artifact's bfloat16)
+    deq = Runtime.from_artifact(artifacts[name], backend="dequant", kv=None, dtype=torch.float32)
     assert set(deq.info.kernels.values()) == {"dequant", "float"}  # lm_head stays float
     assert _max_err(deq.logits(IDS), ref) < 1e-5
-    exact = Runtime.from_artifact(artifacts[name], backend="aten", kv=None, act_dtype=torch.float32)
+    exact = Runtime.from_artifact(artifacts[name], backend="aten", kv=None, act_dtype=torch.float32, dtype=torch.float32)
     assert exact.describe()["kernels"][aten_kernel] == 14
     # chunks of 8 tokens x 2 rows run the aten ops (below DEQUANT_MIN_M rows); one pass dequantizes
     assert _max_err(exact.logits(IDS, chunk=8), ref) < 1e-4  # layout, zero-point offset and permutation exact
@@ -226,7 +227,7 @@ def test_kv_schemes_match_quantized_cache(tiny_model_dir, float_model, scheme, s
 def test_artifact_kv_scheme_and_decode_match_transformers_generate(artifacts):
     folder = artifacts["w4-asym-ct-fp8kv"]
     model, _ = load_artifact(folder)
-    rt = Runtime.from_artifact(folder, backend="dequant")  # kv="artifact": fp8 with the stored scales
+    rt = Runtime.from_artifact(folder, backend="dequant", dtype=torch.float32)  # kv="artifact": fp8 with the stored scales
     assert rt.kv_spec.scheme == "fp8" and rt.kv_scales is not None
     from compressor.artifact import read_kv_cache
 

@@ -33,6 +33,33 @@ def test_serve_smoke_json_report_and_gates(art, capsys):
     assert c["generated_positions"] == 8 * 6 and c["top1_agreement_pct"] >= 80
     assert c["prompt_kl"]["mean"] < 0.05
     assert {g["name"] for g in rep["gates"]} == {"serve_min_top1_pct", "serve_max_prompt_kl"}
+    assert json.loads((art / "config.json").read_text())["dtype"] == "bfloat16"
+    assert rt["dtype"] == "bfloat16"  # --dtype auto: the artifact's declared dtype
+
+
+def test_serve_smoke_float32_compute(art, capsys):
+    code, out, err = run(["serve-smoke", art, *FAST, "--dtype", "float32", "--json"], capsys)
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["runtime"]["dtype"] == "float32" and rep["comparison"]["prompt_kl"]["mean"] < 0.05
+    code, _out, err = run(["serve-smoke", art, *FAST, "--dtype", "float8"], capsys)
+    assert code == 2 and "float8" in err and "Traceback" not in err
+
+
+def test_compute_dtype_rule():
+    import torch
+
+    from compressor.runtime.loader import compute_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compute_dtype({"dtype": "bfloat16"}, cpu) == torch.bfloat16
+    assert compute_dtype({"torch_dtype": "bfloat16"}, cuda) == torch.bfloat16
+    assert compute_dtype({"dtype": "float16"}, cpu) == torch.float32  # CPU half matmuls are slow
+    assert compute_dtype({"dtype": "float16"}, cuda) == torch.float16
+    assert compute_dtype({}, cpu) == torch.float32
+    assert compute_dtype({"dtype": "bfloat16"}, cpu, "float32") == torch.float32
+    with pytest.raises(InputError, match="unknown compute dtype"):
+        compute_dtype({}, cpu, "int4")
 
 
 def test_serve_smoke_disagreement_exits_1(art, tmp_path, tokenizer, capsys):

@@ -353,6 +353,8 @@ class SmokeOptions(_Options):
     reference: Optional[Text] = None
     device: str = "cpu"
     backend: str = "auto"
+    #: compute dtype; ``auto``: the artifact's declared bfloat16, else float32 on CPU (compressor.runtime.loader.compute_dtype)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     http: bool = False
     http_requests: int = Field(8, ge=1, le=256)
     keys: Optional[InstanceOf[VerifyKeys]] = None  # check model.sig with these first

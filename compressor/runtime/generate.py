@@ -95,7 +95,8 @@ class Runtime:
                 has none or is a plain model folder), ``None``/``"none"`` (float cache),
                 a scheme name (``fp8``, ``int8``, ``int4``, ``int2`` with default
                 strategy) or a :class:`~compressor.quant.kv_schemes.KVSpec`.
-            dtype: compute dtype (default float32 on CPU, float16/bfloat16 on CUDA).
+            dtype: compute dtype (default: :func:`~compressor.runtime.loader.compute_dtype`'s
+                ``auto``: bfloat16 for a bfloat16 artifact, else float32 on CPU, float16 on CUDA).
             kv_scales: ``layer -> (k_scale, v_scale)`` for a static scheme the artifact
                 has no scales for (default: the artifact's).
             act_dtype: activation dtype inside the aten/Triton kernels.
@@ -370,8 +371,8 @@ class Loaded(NamedTuple):
 def load_checked(artifact: Path, opts, note: Callable[[str], None]) -> Loaded:
     """Load ``artifact`` for serving through one checked read (:func:`compressor.load_integrity.
     open_for_serving`: the signature first, then every file and tensor hashed from the
-    bytes the runtime loads); the tokenizer comes from the checked copies of its files. ``opts`` has ``keys``, ``no_manifest``, ``device`` and
-    ``backend``. ``note`` receives the one-line outcome of each check.
+    bytes the runtime loads); the tokenizer comes from the checked copies of its files. ``opts`` has ``keys``, ``no_manifest``, ``device``,
+    ``backend`` and ``dtype`` (``auto``, ``float32`` or ``bfloat16``). ``note`` receives the one-line outcome of each check.
 
     Raises:
         InputError: see :func:`~compressor.load_integrity.open_for_serving` and
@@ -385,7 +386,9 @@ def load_checked(artifact: Path, opts, note: Callable[[str], None]) -> Loaded:
 
     reads, sig = open_for_serving(artifact, opts.keys, opts.no_manifest, note)
     with reads:
-        rt = Runtime.from_artifact(artifact, device=opts.device, backend=opts.backend, kv="artifact", reads=reads)
+        dtype = None if opts.dtype == "auto" else getattr(torch, opts.dtype)
+        rt = Runtime.from_artifact(artifact, device=opts.device, backend=opts.backend, kv="artifact", reads=reads,
+                                   dtype=dtype)
         tok = AutoTokenizer.from_pretrained(str(reads.files_folder))
     if rt.integrity is not None:
         note(f"hashes ok, checked as loaded: {hashes_summary(rt.integrity)}")

@@ -38,7 +38,8 @@ rows, where weight streaming dominates (one core, batch 1, 576x1536 and 1536x576
 weights streamed from memory: int4 op 0.14-0.15 ms, int8 op 0.20-0.22 ms, float32
 ``F.linear`` 0.27-0.32 ms) and lose from about 32 rows on, where the work is compute-bound
 (64 rows: op 2.8-3.3 ms, dequantize + ``F.linear`` 2.5-3.1 ms); from ``DEQUANT_MIN_M`` rows
-on these layers dequantize their codes and call ``F.linear``, with the ``dequant`` numerics.
+on these layers dequantize their codes and call ``F.linear``, with the ``dequant`` numerics
+(bfloat16 inputs multiplied in float32 and rounded back: CPU bfloat16 GEMMs are slow).
 
 Kernel choice (:func:`make_linear`) walks the candidates of the requested backend in
 order and takes the first that serves the layer; each skipped kernel's reason is kept
@@ -181,6 +182,15 @@ def _op_group(group_size: int) -> int | None:
     return next((g for g in sorted(AT_INT4_GROUPS, reverse=True) if group_size % g == 0), None)
 
 
+def _wide_linear(x2: torch.Tensor, dequantized) -> torch.Tensor:
+    """Prefill-sized ``x2 [M, K] @ W.T`` on CPU by dequantize + ``F.linear``; bfloat16 inputs
+    are multiplied in float32 and the result rounded back (CPUs without native bfloat16
+    matmuls run the float32 GEMM several times faster; the product is at least as exact)."""
+    if x2.dtype == torch.bfloat16:
+        return F.linear(x2.float(), dequantized(torch.float32)).to(torch.bfloat16)
+    return F.linear(x2, dequantized(x2.dtype))
+
+
 def _aten_op(name: str):
     return getattr(torch.ops.aten, name, None)
 
@@ -239,7 +249,7 @@ class AtenInt4Linear(QuantLinear):
 
     def _mm(self, x2):
         if x2.shape[0] >= DEQUANT_MIN_M:
-            return F.linear(x2, self.dequantized(x2.dtype))
+            return _wide_linear(x2, self.dequantized)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.to(self.act_dtype).contiguous(), self.packed, self.op_group, self.scale_zeros)
         return y.to(x2.dtype)
@@ -284,7 +294,7 @@ class AtenInt8Linear(QuantLinear):
 
     def _mm(self, x2):
         if x2.shape[0] >= DEQUANT_MIN_M:
-            return F.linear(x2, self.dequantized(x2.dtype))
+            return _wide_linear(x2, self.dequantized)
         y = torch.ops.aten._weight_int8pack_mm(x2.to(self.act_dtype).contiguous(), self.q, self.scale).to(x2.dtype)
         if self.offset is not None:
             y = y - (x2.float().sum(-1, keepdim=True) * self.offset).to(x2.dtype)

@@ -281,8 +281,8 @@ def load_decoder(folder: str | Path, device: str | torch.device = "cpu", backend
             ``pack-quantized``, AutoAWQ GEMM, GPTQ v1/v2, or float).
         device: ``cpu`` or ``cuda[:i]``.
         backend: ``auto`` | ``aten`` | ``dequant`` | ``triton`` (see :mod:`compressor.runtime.linear`).
-        dtype: compute dtype (default float32 on CPU; on CUDA the artifact's bfloat16 if
-            so stored, else float16).
+        dtype: compute dtype (default: :func:`compute_dtype` ``auto``, bfloat16 for a
+            bfloat16 artifact, else float32 on CPU and float16 on CUDA).
         act_dtype: activation dtype inside aten/Triton kernels (see :func:`~compressor.runtime.linear.make_linear`).
         reads: the :class:`~compressor.load_integrity.ArtifactReader` to read ``folder``
             through (``config.json`` from its checked snapshot, every tensor hashed as it
@@ -308,15 +308,40 @@ def load_decoder(folder: str | Path, device: str | torch.device = "cpu", backend
         return _load(folder, device, backend, dtype, act_dtype, own, config)
 
 
+#: ``--dtype`` choices of the serving commands
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def compute_dtype(raw_config: dict, device: torch.device, choice: str = "auto") -> torch.dtype:
+    """The runtime's compute dtype for an artifact whose ``config.json`` is ``raw_config``.
+
+    ``auto``: an artifact that declares ``bfloat16`` (``config.json``'s ``dtype`` /
+    ``torch_dtype``; kvq's default storage) is computed in bfloat16 on CPU and CUDA, the
+    dtype transformers and vLLM load it in and ``kvq verify --eval-dtype auto`` measures
+    (on CPU the aten int4/int8 ops take bfloat16 activations, so no casts around them);
+    any other is computed in float32 on CPU (CPU half-precision matmuls are slow) and in
+    float16 on CUDA (the Triton kernels' half-precision activations).
+    ``float32`` / ``bfloat16``: that dtype.
+
+    Raises:
+        InputError: an unknown choice.
+    """
+    if choice not in COMPUTE_DTYPES:
+        raise InputError(f"unknown compute dtype '{choice}'; choose one of {', '.join(COMPUTE_DTYPES)}")
+    if choice != "auto":
+        return getattr(torch, choice)
+    if str(raw_config.get("dtype", raw_config.get("torch_dtype"))) == "bfloat16":
+        return torch.bfloat16
+    return torch.float32 if device.type == "cpu" else torch.float16
+
+
 def _load(folder: Path, device: torch.device, backend: str, dtype, act_dtype, reads,
           config=None) -> tuple[Decoder, LoadInfo]:
     """:func:`load_decoder`'s body once the reader is open (``config``: already read)."""
     raw, cfg = config or _read_config(reads.files_folder, folder)
     arch = get_arch(cfg.model_type)
     spec = DecoderSpec.from_config(cfg, arch.kv, arch.dense_exact_within)
-    if dtype is None:
-        dtype = torch.float32 if device.type == "cpu" else (
-            torch.bfloat16 if str(raw.get("dtype", raw.get("torch_dtype"))) == "bfloat16" else torch.float16)
+    dtype = compute_dtype(raw, device, "auto") if dtype is None else dtype
     qc = quantization_config(raw) or {}  # a wrapper's may sit in its text_config
     method = _check_method(folder, qc)
     b = _Builder(Tensors(reads), arch, cfg, spec, method, qc, backend, device, dtype, act_dtype)

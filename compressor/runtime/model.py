@@ -159,7 +159,9 @@ class Decoder:
         s = self.spec
         if s.kv == "mla":
             return make_mla_cache(spec, scales, s.n_layers, batch, max_len, *s.kv_widths, self.dtype, self.device)
-        return make_cache(spec, scales, s.n_layers, batch, s.n_kv_heads, max_len, s.head_dim, self.dtype, self.device)
+        # a quantized cache decodes straight into the dtype attention runs in (float32 on CPU)
+        dt = torch.float32 if spec is not None and self.device.type == "cpu" else self.dtype
+        return make_cache(spec, scales, s.n_layers, batch, s.n_kv_heads, max_len, s.head_dim, dt, self.device)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, n_new: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:

@@ -536,6 +536,7 @@ class ServeOptions:
     request_timeout: float = REQUEST_TIMEOUT_S
     keys: Any = None
     no_manifest: bool = False
+    dtype: str = "auto"  # compute dtype (compressor.runtime.loader.compute_dtype)
 
 
 def run_server(opts: ServeOptions, announce: Callable[[str], None] = print) -> None:
