@@ -408,18 +408,13 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
         click.echo(json.dumps(result, indent=2, sort_keys=True))
 
 
-_COMPUTE_HELP = ("Compute dtype of the runtime. auto: bfloat16 when the artifact declares bfloat16 (kvq's default storage; "
-                 "what transformers, vLLM and kvq verify's --eval-dtype auto use), else float32 on CPU and float16 on CUDA. "
-                 "float32: full-precision activations (slower; closest to a float32 reference).")
-
-
 @cli.command("serve-smoke")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Prompts: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: 8 built-in prompts.")
 @click.option("--max-new-tokens", type=_range(SmokeOptions, "max_new_tokens"), default=32, show_default=True, help="Tokens generated per prompt (greedy).")
 @click.option("--reference", default=None, help="Original model to compare with (default: the source recorded in the manifest).")
 @click.option("--backend", type=click.Choice(["auto", "aten", "dequant", "triton"]), default="auto", show_default=True, help="Weight kernels: auto (CPU: PyTorch int4/int8 weight-only ops, else dequantize; CUDA: Triton W4A16), or one of them.")
-@click.option("--dtype", "compute", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True, help=_COMPUTE_HELP)
+@click.option("--dtype", "compute", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True, help="Compute dtype. auto: bfloat16 for an artifact that declares it (kvq's default; what transformers, vLLM and verify --eval-dtype auto use), else float32 on CPU, float16 on CUDA. float32: full-precision activations (slower).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the runtime and the reference run.")
 @click.option("--http", is_flag=True, help="Also start the OpenAI-compatible server on a free 127.0.0.1 port, send --http-requests concurrent requests (completions and chat), check the answers, stop it.")
 @click.option("--http-requests", type=_range(SmokeOptions, "http_requests"), default=8, show_default=True, help="Concurrent requests for --http.")
