@@ -410,14 +410,16 @@ def register_published_types(only: set[str] | None = None) -> None:
     names to it and changes nothing else. ``only``: register just these model types (the
     others are not imported).
     """
+    from .arch import PUBLISHED_AS
+
+    if only is not None and not set(only) & set(PUBLISHED_AS):
+        return  # a type transformers knows: nothing to import (transformers.conversion_mapping costs ~2 s)
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
     from transformers.conversion_mapping import (
         get_checkpoint_conversion_mapping,
         register_checkpoint_conversion_mapping,
     )
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from .arch import PUBLISHED_AS
 
     for published, base in PUBLISHED_AS.items():
         if (only is not None and published not in only) or published in CONFIG_MAPPING:
