@@ -301,6 +301,7 @@ def test_kvq_serve_host_ipv6(art):
             m = re.search(r"on (http://\[::1\]:\d+)", line)
             url = m and m.group(1)
         assert url, "".join(lines)
+        assert "bfloat16 compute" in lines[-1], lines[-1]  # --dtype auto on a bfloat16 artifact, said at start-up
         with httpx.Client(base_url=url, timeout=120) as c:
             assert c.get("/health").json()["status"] == "ok"
         proc.send_signal(signal.SIGTERM)

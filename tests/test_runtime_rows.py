@@ -346,3 +346,31 @@ def test_grouped_moe_kernel_under_interpreter(row_artifacts):
     for folder, m in rep["models"].items():
         assert m["kernels"]["triton-moe-w4a16"] == 3 * 4 * (2 if "mixtral" in folder else 1), m
         assert m["err"] < 0.02 * m["max"] and m["tokens"] == 3
+
+
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v3"])
+def test_cpu_attention_runs_in_float32_whatever_the_compute_dtype(model_type, row_artifacts, monkeypatch):
+    """GQA and MLA alike: bfloat16 compute keeps attention (and the quantized cache's decode) in float32 on CPU."""
+    import compressor.runtime.attention as gqa
+    import compressor.runtime.mla as mla
+
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def probe(q, k, v, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return sdpa(q, k, v, **kw)
+
+    absorbed = mla.MLAttention._absorbed
+
+    def probe_absorbed(self, q_nope, q_rot, lat, rot, mask):
+        seen.append((q_nope.dtype, lat.dtype, rot.dtype))
+        return absorbed(self, q_nope, q_rot, lat, rot, mask)
+
+    monkeypatch.setattr(gqa.F, "scaled_dot_product_attention", probe)
+    monkeypatch.setattr(mla.MLAttention, "_absorbed", probe_absorbed)
+    rt = Runtime.from_artifact(row_artifacts[model_type]["fp8"], dtype=torch.bfloat16)
+    assert rt.describe()["dtype"] == "bfloat16"
+    out = rt.generate([[5, 6, 7, 8]], max_new_tokens=3)
+    assert len(out.tokens[0]) == 3 and seen
+    assert all(d == (torch.float32,) * 3 for d in seen), seen

@@ -316,7 +316,7 @@ def compute_dtype(raw_config: dict, device: torch.device, choice: str = "auto") 
     """The runtime's compute dtype for an artifact whose ``config.json`` is ``raw_config``.
 
     ``auto``: an artifact that declares ``bfloat16`` (``config.json``'s ``dtype`` /
-    ``torch_dtype``; kvq's default storage) is computed in bfloat16 on CPU and CUDA, the
+    ``torch_dtype``, or its ``text_config``'s; kvq's default storage) is computed in bfloat16 on CPU and CUDA, the
     dtype transformers and vLLM load it in and ``kvq verify --eval-dtype auto`` measures
     (on CPU the aten int4/int8 ops take bfloat16 activations, so no casts around them);
     any other is computed in float32 on CPU (CPU half-precision matmuls are slow) and in
@@ -330,7 +330,9 @@ def compute_dtype(raw_config: dict, device: torch.device, choice: str = "auto") 
         raise InputError(f"unknown compute dtype '{choice}'; choose one of {', '.join(COMPUTE_DTYPES)}")
     if choice != "auto":
         return getattr(torch, choice)
-    if str(raw_config.get("dtype", raw_config.get("torch_dtype"))) == "bfloat16":
+    text = raw_config.get("text_config")  # a multimodal wrapper (Kimi K2.5) may declare it there only
+    declared = {str(c.get("dtype", c.get("torch_dtype"))) for c in (raw_config, text) if isinstance(c, dict)}
+    if "bfloat16" in declared:
         return torch.bfloat16
     return torch.float32 if device.type == "cpu" else torch.float16
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from ..errors import InputError
 from ..quant.kv import check_layout, mla_layout
 from ..quant.kv_schemes import KIVIScheme, KVSpec
+from .attention import attention_dtype
 from .blocks import RMSNorm, apply_rope
 from .kv_cache import CACHE_CLASSES, KIVICache, KVCache, QuantKVCache, _pack_codes, _unpack_codes
 
@@ -211,13 +212,14 @@ class MLAttention:
         c, sn = cos.unsqueeze(1), sin.unsqueeze(1)
         q_rot, k_rot = apply_rope(q_rot, c, sn, self.rope_layout), apply_rope(k_rot, c, sn, self.rope_layout)
         lat_all, rot_all = cache.update(self.index, lat, k_rot, start, n_new)  # (B, 1, L, r), (B, 1, L, dr)
-        lat_all, rot_all = lat_all.to(q.dtype), rot_all.to(q.dtype)
+        ad = attention_dtype(q)  # float32 on CPU, as GQA attention
+        q_nope, q_rot, lat_all, rot_all = (t.to(ad) for t in (q_nope, q_rot, lat_all, rot_all))
         mask = masks[None]
         if T == 1:
             o = self._absorbed(q_nope, q_rot, lat_all, rot_all, mask)
         else:
             o = self._expanded(q_nope, q_rot, lat_all, rot_all, mask)
-        return self.lin["o_proj"](o.transpose(1, 2).reshape(B, T, H * self.d_v))  # o: (B, H, T, dv)
+        return self.lin["o_proj"](o.to(h.dtype).transpose(1, 2).reshape(B, T, H * self.d_v))  # o: (B, H, T, dv)
 
     def _expanded(self, q_nope, q_rot, lat, rot, mask):
         B, _, L, _ = lat.shape

@@ -157,10 +157,10 @@ class Decoder:
         from .mla import make_mla_cache
 
         s = self.spec
-        if s.kv == "mla":
-            return make_mla_cache(spec, scales, s.n_layers, batch, max_len, *s.kv_widths, self.dtype, self.device)
         # a quantized cache decodes straight into the dtype attention runs in (float32 on CPU)
         dt = torch.float32 if spec is not None and self.device.type == "cpu" else self.dtype
+        if s.kv == "mla":
+            return make_mla_cache(spec, scales, s.n_layers, batch, max_len, *s.kv_widths, dt, self.device)
         return make_cache(spec, scales, s.n_layers, batch, s.n_kv_heads, max_len, s.head_dim, dt, self.device)
 
     @torch.inference_mode()

@@ -567,7 +567,8 @@ def run_server(opts: ServeOptions, announce: Callable[[str], None] = print) -> N
     except BaseException:
         eng.close()
         raise
-    announce(f"kvq: serving {artifact.name} on {srv.url} (Ctrl-C to stop)")
+    d = rt.describe()
+    announce(f"kvq: serving {artifact.name} on {srv.url} ({d['dtype']} compute, KV {d['kv_scheme']}; Ctrl-C to stop)")
     try:  # not Thread.join: a KeyboardInterrupt inside it can mark the thread stopped while it runs (CPython 3.11)
         while not srv.finished.wait(0.5):
             pass
