@@ -353,7 +353,10 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     arch = get_arch(cfg.model_type)
-    from transformers.initialization import no_init_weights
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x (pyproject allows >= 4.56) keeps it in modeling_utils
+        from transformers.modeling_utils import no_init_weights
 
     with no_init_weights():  # every parameter is loaded below (a missing one is refused): random init is wasted work
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
