@@ -172,7 +172,7 @@ class Recipe(_Strict):
 
     name: str = "custom"
     description: str = ""
-    algorithm: Literal["rtn", "awq", "gptq", "none"] = "awq"
+    algorithm: Literal["rtn", "awq", "gptq", "awq-gptq", "none"] = "awq"
     weights: WeightScheme = WeightScheme()
     targets: list[str] = Field(default_factory=lambda: ["re:.*"], description="decoder linears to quantize: names or 're:' regexes")
     ignore: list[str] = Field(default_factory=list, description="module names or 're:' regexes left in float")

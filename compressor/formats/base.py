@@ -106,7 +106,7 @@ def recipe_schemes(recipe) -> list:
 def dynamic_act_order(recipe) -> bool:
     """True when the recipe's GPTQ act-order needs a stored ``g_idx`` (no static groups)."""
     grouped = any(s.group_size != -1 for s in recipe_schemes(recipe))  # per channel: one group, no g_idx
-    return recipe.algorithm == "gptq" and recipe.gptq.act_order and not recipe.gptq.static_groups and grouped
+    return recipe.algorithm in ("gptq", "awq-gptq") and recipe.gptq.act_order and not recipe.gptq.static_groups and grouped
 
 
 def check_float16_weight_format(name: str, recipe, dtype_name: str) -> None:

@@ -314,7 +314,7 @@ class CompressedTensorsFormat(WeightFormat):
         kv_cfg = kv_cache_scheme(kv) if kv is not None else None
         if not schemes and kv_cfg is None:
             return None  # nothing compressed-tensors can describe (KV scheme lives in the manifest)
-        actorder = "weight" if recipe.algorithm == "gptq" and recipe.gptq.act_order else None
+        actorder = "weight" if recipe.algorithm in ("gptq", "awq-gptq") and recipe.gptq.act_order else None
         return quantization_config(schemes, ["lm_head"] + ignored, versions["compressed-tensors"], actorder, kv_cfg)
 
     def declared(self, qc: dict) -> list[dict]:

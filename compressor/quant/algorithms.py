@@ -19,7 +19,8 @@ algorithm:
 ========================  ==================================================================
 
 Handlers: ``rtn`` and ``none`` here, ``awq`` in :mod:`compressor.quant.awq_layer`, ``gptq``
-in :mod:`compressor.quant.gptq_layer` (each beside its math module).
+in :mod:`compressor.quant.gptq_layer` (each beside its math module), ``awq-gptq`` (AWQ's
+scaling, then GPTQ) in :mod:`compressor.quant.awq_gptq_layer`.
 """
 
 from __future__ import annotations
@@ -182,4 +183,4 @@ class NoWeights(Algorithm):
 
 
 # the handlers living beside their math modules register themselves on import
-from . import awq_layer, gptq_layer  # noqa: E402,F401
+from . import awq_gptq_layer, awq_layer, gptq_layer  # noqa: E402,F401

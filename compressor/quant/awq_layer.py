@@ -19,6 +19,7 @@ clipping: RTN, still sharing the layer's input scaling.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -229,8 +230,32 @@ def clip_and_quantize(i, linears, x_loss, cold, col_scale, row_scale, originals,
     return errs
 
 
-def awq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> LayerOutcome:
-    """AWQ for decoder layer ``i``: observe, search and fold each scaling group's scales, clip and quantize."""
+@dataclass
+class ScaledLayer:
+    """A decoder layer after AWQ's scale search and folding (steps 1-3), before any weight is quantized.
+
+    ``linears``: relative name -> Linear (weights folded); ``x_loss``: the loss inputs per
+    watched key (in the folded space); ``cold``: cold expert indices; ``col_scale`` /
+    ``row_scale``: the scales folded into each linear's input columns / output rows;
+    ``originals``: each linear's weight before folding; ``ratios``: the chosen grid ratio per
+    scaling group; ``float_out``: the float layer's output on the loss sequences; ``counts``:
+    routed tokens per expert; ``phases``: seconds per step."""
+
+    linears: dict
+    x_loss: dict
+    cold: set
+    col_scale: dict
+    row_scale: dict
+    originals: dict
+    ratios: dict
+    float_out: torch.Tensor
+    counts: list | None
+    phases: dict
+
+
+def awq_scale_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> ScaledLayer:
+    """AWQ's steps 1-3 for decoder layer ``i``: observe, then search and fold each scaling group's scales
+    (the layer's float function is unchanged; no weight is quantized yet)."""
     arch, loss_n = ctx.arch, ctx.loss_n
     prefix = f"{arch.layers}.{i}."
     linears = {rel: get_module(layer, rel) for rel in layer_linears(arch, layer)}
@@ -262,11 +287,17 @@ def awq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> Layer
             continue
         s, ratios[group.prev_op], key = found
         fold_group(layer, group, s, key, linears, x_loss, col_scale, row_scale, arch.norm_offset, ctx.quantizer.dtype)
+    phases["scale_search"] = time.perf_counter() - tp
+    return ScaledLayer(linears, x_loss, cold, col_scale, row_scale, originals, ratios, torch.cat(float_out), counts, phases)
 
-    phases["scale_search"], tp = time.perf_counter() - tp, time.perf_counter()
-    errs = clip_and_quantize(i, linears, x_loss, cold, col_scale, row_scale, originals, ctx)
-    phases["clip_and_quantize"] = time.perf_counter() - tp
-    return LayerOutcome(errs, torch.cat(float_out), counts, {"awq_ratios": ratios}, phases)
+
+def awq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> LayerOutcome:
+    """AWQ for decoder layer ``i``: observe, search and fold each scaling group's scales, clip and quantize."""
+    sl = awq_scale_layer(i, layer, hidden, kw, ctx)
+    tp = time.perf_counter()
+    errs = clip_and_quantize(i, sl.linears, sl.x_loss, sl.cold, sl.col_scale, sl.row_scale, sl.originals, ctx)
+    sl.phases["clip_and_quantize"] = time.perf_counter() - tp
+    return LayerOutcome(errs, sl.float_out, sl.counts, {"awq_ratios": sl.ratios}, sl.phases)
 
 
 @register_algorithm

@@ -115,9 +115,12 @@ def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, first_pass: 
     return accs, float_out
 
 
-def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext):
+def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
     """Quantize one pass's reader sets: RTN for cold experts and sets without tokens, GPTQ
-    (dealt to the ranks) for the rest. Returns ``(errs, damps, retries, dead_channels)``."""
+    (dealt to the ranks) for the rest. ``folds``: ``(col_scale, row_scale, originals)`` of an
+    AWQ-scaled layer (``awq-gptq``), so each weight error is measured against the weight
+    before folding. Returns ``(errs, damps, retries, dead_channels)``."""
+    col_scale, row_scale, originals = folds or ({}, {}, {})
     arch, quantizer, opts = ctx.arch, ctx.quantizer, ctx.recipe.gptq
     prefix = f"{arch.layers}.{i}."
     errs, damps, retries, dead = [], [], 0, 0
@@ -127,7 +130,8 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext):
         if (e is not None and e in cold) or accs[st[0]].n == 0:
             for rel in st:  # RTN fallback: too few routed tokens for a Hessian
                 name = prefix + rel
-                ctx.modules[name], err = quantizer.quantize_linear(name, get_module(layer, rel))
+                ctx.modules[name], err = quantizer.quantize_linear(name, get_module(layer, rel), None, col_scale.get(rel),
+                                                                   originals.get(rel), row_scale.get(rel))
                 errs.append(err)
             continue
         tasks += [(rel, st[0]) for rel in st]
@@ -159,7 +163,8 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext):
 
     for (rel, _key), (q, scale, zp, g_idx, damp, r_retries, r_dead) in zip(tasks, deal(tasks, solve)):
         name = prefix + rel
-        ctx.modules[name], err = quantizer.finish(name, get_module(layer, rel), q, scale, zp, g_idx)
+        ctx.modules[name], err = quantizer.finish(name, get_module(layer, rel), q, scale, zp, g_idx, col_scale.get(rel),
+                                                  originals.get(rel), row_scale.get(rel))
         errs.append(err)
         damps.append(damp)
         retries += r_retries
@@ -168,8 +173,8 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext):
     return errs, damps, retries, dead
 
 
-def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> LayerOutcome:
-    """GPTQ for decoder layer ``i``: per pass, accumulate the Hessians, then solve."""
+def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=None) -> LayerOutcome:
+    """GPTQ for decoder layer ``i``: per pass, accumulate the Hessians, then solve (``folds``: see :func:`solve_pass`)."""
     arch = ctx.arch
     n_ref = min(ctx.loss_n, hidden[0].shape[0])
     float_out = None  # the float layer's output on hidden[0][:n_ref], for the output error: taken
@@ -197,7 +202,7 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> Laye
             cold = ctx.cold(counts)
             hess_t += time.perf_counter() - t_h
             t_q = time.perf_counter()
-            p_errs, p_damps, p_retries, p_dead = solve_pass(i, layer, chunk, accs, cold, ctx)
+            p_errs, p_damps, p_retries, p_dead = solve_pass(i, layer, chunk, accs, cold, ctx, folds)
             del accs  # before the next chunk's pass builds its own
             errs += p_errs
             damps += p_damps

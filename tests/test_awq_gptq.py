@@ -1,0 +1,68 @@
+"""``algorithm: awq-gptq``: AWQ's folded scales, then GPTQ (compressor/quant/awq_gptq_layer.py)."""
+
+import json
+
+import torch
+
+from compressor.pipeline import quantize_model
+from compressor.quant.primitives import dequantize
+from test_gptq import _gptq_recipe
+from test_pipeline import _model
+
+IDS = torch.randint(0, 320, (8, 48), generator=torch.Generator().manual_seed(1))
+
+
+def _kl(m, ref):
+    with torch.no_grad():
+        out = torch.log_softmax(m(IDS).logits, -1)
+    return float(torch.nn.functional.kl_div(out, ref, log_target=True, reduction="batchmean"))
+
+
+def test_unit_scales_give_exactly_gptq():
+    """With one grid point and no duo scaling AWQ's scales are all 1: the folds change nothing
+    and the result is GPTQ's, integer for integer (float32 storage: a folded norm is not rounded)."""
+    plain = quantize_model(_model(), _gptq_recipe(), IDS, batch_size=4, dtype=torch.float32)
+    both = quantize_model(_model(), _gptq_recipe(algorithm="awq-gptq", **{"awq.n_grid": 1, "awq.duo_scaling": False}),
+                          IDS, batch_size=4, dtype=torch.float32)
+    assert plain.modules.keys() == both.modules.keys()
+    for name, r in plain.modules.items():
+        o = both.modules[name]
+        assert torch.equal(r.q, o.q) and torch.equal(r.scale, o.scale), name
+
+
+def test_scales_are_folded_then_gptq_rounds():
+    ref_model = _model()
+    with torch.no_grad():
+        ref = torch.log_softmax(ref_model(IDS).logits, -1)
+    rtn = _model()
+    quantize_model(rtn, _gptq_recipe(algorithm="rtn"), None)
+    m = _model()
+    res = quantize_model(m, _gptq_recipe(algorithm="awq-gptq"), IDS, batch_size=4)
+    assert len(res.modules) == 14
+    layer = res.layers[0]
+    assert layer["awq_ratios"] and layer["gptq"]["damp_retries"] == 0
+    assert {"observe", "scale_search", "hessian", "gptq"} <= set(layer["phase_seconds"])
+    # AWQ folded its scales into the norms (the float function is the same, the weights are not)
+    assert not torch.equal(m.model.layers[0].input_layernorm.weight, ref_model.model.layers[0].input_layernorm.weight)
+    # the live model holds what the records dequantize to (GPTQ's integers of the folded weights)
+    r = res.modules["model.layers.1.mlp.down_proj"]
+    torch.testing.assert_close(m.model.layers[1].mlp.down_proj.weight,
+                               dequantize(r.q, r.scale, r.zero_point, r.group_size, g_idx=r.g_idx))
+    assert _kl(m, ref) < _kl(rtn, ref)
+
+
+def test_artifact_records_gptq_actorder_and_loads(tmp_path, tiny_model_dir):
+    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.artifact import load_artifact
+
+    out = tmp_path / "art"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, recipe="w4a16-gptq", algorithm="awq-gptq",
+                                 group_size=32, calib_samples=4, calib_seqlen=32))
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+    manifest = json.loads((out / "kvq-manifest.json").read_text())
+    assert manifest["quantization"]["algorithm"] == "awq-gptq"
+    assert manifest["quantization"]["act_order"] is True
+    model, _ = load_artifact(out)
+    with torch.no_grad():
+        assert torch.isfinite(model(IDS[:, :16]).logits).all()
