@@ -14,7 +14,11 @@ Perplexity = exp(mean over all predicted tokens of -log p(token)), each window s
 its own (no overlap, no context carried over), logits in float32, log-softmax in float64
 (the protocol of ``compressor.evaluate.perplexity``, issue #2's cross-check).
 
+With ``--reference FLOAT_DIR`` the same pass also gives the mean KL divergence to the float
+model (nats per predicted token) and the top-1 agreement (issue #18's table).
+
 Usage: python bench/eval_ids.py MODEL --ids FILE [--loader kvq|transformers] [--max-windows N] [--out JSON]
+          [--reference FLOAT_DIR]
 """
 
 from __future__ import annotations
@@ -29,19 +33,34 @@ import torch
 
 
 @torch.inference_mode()
-def perplexity_ids(model, ids: torch.Tensor) -> dict:
-    """Perplexity of ``model`` on ``ids`` int64 ``[n_windows, seqlen]``; per-window figures too."""
+def perplexity_ids(model, ids: torch.Tensor, reference=None) -> dict:
+    """Perplexity of ``model`` on ``ids`` int64 ``[n_windows, seqlen]``; per-window figures too.
+
+    With ``reference`` (the float model): also the mean KL divergence ``KL(p_ref || p)`` in
+    nats per predicted token and the top-1 agreement (share of positions where both models'
+    most likely next token is the same), log-softmax in float64, 256 positions at a time."""
     total_nll, total_n, per_window = 0.0, 0, []
+    kl_sum, agree = 0.0, 0
     for row in ids:
         logits = model(row[None]).logits[0, :-1].float()
-        logp = torch.log_softmax(logits.double(), dim=-1)
-        nll = -logp.gather(1, row[1:, None]).sum().item()
+        ref = reference(row[None]).logits[0, :-1].float() if reference is not None else None
+        nll = 0.0
+        for a in range(0, logits.shape[0], 256):
+            logp = torch.log_softmax(logits[a:a + 256].double(), dim=-1)
+            nll -= logp.gather(1, row[1 + a:1 + a + 256, None]).sum().item()
+            if ref is not None:
+                logq = torch.log_softmax(ref[a:a + 256].double(), dim=-1)
+                kl_sum += (logq.exp() * (logq - logp)).sum().item()
+                agree += int((logq.argmax(-1) == logp.argmax(-1)).sum())
         n = row.numel() - 1
         total_nll += nll
         total_n += n
         per_window.append(math.exp(nll / n))
-    return {"ppl": math.exp(total_nll / total_n), "windows": len(per_window), "tokens": total_n,
-            "per_window_ppl": per_window}
+    out = {"ppl": math.exp(total_nll / total_n), "windows": len(per_window), "tokens": total_n,
+           "per_window_ppl": per_window}
+    if reference is not None:
+        out.update(mean_kl=kl_sum / total_n, top1_agreement=agree / total_n)
+    return out
 
 
 def load(model: str, loader: str):
@@ -71,6 +90,7 @@ def main() -> None:
     ap.add_argument("--loader", choices=("kvq", "transformers"), default="kvq")
     ap.add_argument("--max-windows", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--reference", default=None, help="float model folder: also mean KL and top-1 agreement against it")
     a = ap.parse_args()
     from safetensors.torch import load_file
 
@@ -78,7 +98,8 @@ def main() -> None:
     t0 = time.perf_counter()
     model = load(a.model, a.loader)
     t_load = time.perf_counter() - t0
-    res = perplexity_ids(model, ids)
+    reference = load(a.reference, a.loader) if a.reference else None
+    res = perplexity_ids(model, ids, reference)
     res.update(model=a.model, loader=a.loader, load_seconds=round(t_load, 1),
                eval_seconds=round(time.perf_counter() - t0 - t_load, 1), threads=torch.get_num_threads())
     print(json.dumps({k: v for k, v in res.items() if k != "per_window_ppl"}))

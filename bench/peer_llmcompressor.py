@@ -1,6 +1,6 @@
 """llm-compressor side of the peer benchmark; runs in its own venv (bench/.peers/llmcompressor).
 
-  quantize --algo gptq|awq|rtn --model FLOAT_DIR --calib IDS.safetensors --out DIR --json OUT
+  quantize --algo gptq|awq|rtn --model FLOAT_DIR --calib IDS.safetensors --out DIR --json OUT [--bits 4]
       llm-compressor ``oneshot`` with the settings kvq's recipes use (W4A16, group 64,
       asymmetric; GPTQ: actorder "weight" (= kvq act_order + static groups), damp 0.01,
       block 128; AWQ: duo scaling, 20 grid points; RTN: QuantizationModifier alone), fed the
@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 
-def recipe(algo: str):
+def recipe(algo: str, bits: int = 4):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     act = "weight" if algo == "gptq" else None
-    weights = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=64, actorder=act)
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=64, actorder=act)
     groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
     if algo == "gptq":
         from llmcompressor.modifiers.quantization import GPTQModifier
@@ -60,14 +60,14 @@ def quantize(a) -> None:
     tok = AutoTokenizer.from_pretrained(a.model)
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     t1 = time.perf_counter()
-    oneshot(model=model, dataset=ds, recipe=recipe(a.algo), num_calibration_samples=ids.shape[0],
+    oneshot(model=model, dataset=ds, recipe=recipe(a.algo, a.bits), num_calibration_samples=ids.shape[0],
             max_seq_length=ids.shape[1], shuffle_calibration_samples=False, pipeline="sequential" if a.algo != "rtn" else "datafree")
     t2 = time.perf_counter()
     model.save_pretrained(a.out, save_compressed=True)
     tok.save_pretrained(a.out)
     t3 = time.perf_counter()
     size = sum(f.stat().st_size for f in Path(a.out).glob("*.safetensors"))
-    res = {"tool": "llm-compressor", "algo": a.algo, "calib_samples": int(ids.shape[0]), "calib_seqlen": int(ids.shape[1]),
+    res = {"tool": "llm-compressor", "algo": a.algo, "bits": a.bits, "calib_samples": int(ids.shape[0]), "calib_seqlen": int(ids.shape[1]),
            "load_seconds": round(t1 - t0, 2), "quantize_seconds": round(t2 - t1, 2), "save_seconds": round(t3 - t2, 2),
            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "artifact_bytes": size,
            "versions": versions()}
@@ -90,6 +90,7 @@ def main() -> None:
     q.add_argument("--calib", required=True)
     q.add_argument("--out", required=True)
     q.add_argument("--json", required=True)
+    q.add_argument("--bits", type=int, default=4, help="weight bits (issue #18's table: 4 and 3)")
     a = ap.parse_args()
     quantize(a)
 

@@ -28,6 +28,8 @@ replaced.
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -428,10 +430,22 @@ def to_meta(module: torch.nn.Module) -> None:
     _trim_heap()
 
 
+@contextmanager
+def frozen_gc():
+    """Within the block, the objects alive on entry are left out of garbage collection
+    (:func:`gc.freeze`; unfrozen on exit): the collection :func:`to_meta` runs before each
+    heap trim then only looks at what the layer loop made (on SmolLM2 0.29 s a call otherwise,
+    8.5 of an RTN run's 9.4 s of quantization)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _trim_heap() -> None:
     import ctypes
     import ctypes.util
-    import gc
 
     gc.collect()
     try:

@@ -5,6 +5,7 @@ import json
 import torch
 
 from compressor.pipeline import quantize_model
+from conftest import kvq_run
 from compressor.quant.primitives import dequantize
 from test_gptq import _gptq_recipe
 from test_pipeline import _model
@@ -51,7 +52,7 @@ def test_scales_are_folded_then_gptq_rounds():
     assert _kl(m, ref) < _kl(rtn, ref)
 
 
-def test_artifact_records_gptq_actorder_and_loads(tmp_path, tiny_model_dir):
+def test_artifact_records_gptq_actorder_and_loads(tmp_path, tiny_model_dir, capsys):
     from compressor.api import QuantizeOptions, run_quantize
     from compressor.artifact import load_artifact
 
@@ -66,3 +67,7 @@ def test_artifact_records_gptq_actorder_and_loads(tmp_path, tiny_model_dir):
     model, _ = load_artifact(out)
     with torch.no_grad():
         assert torch.isfinite(model(IDS[:, :16]).logits).all()
+    # verify undoes the folded scales, as for AWQ: the weight SQNR is that of 4-bit rounding
+    code, text, _ = kvq_run(["verify", out, "--reference", tiny_model_dir, "--weights-only", "--json"], capsys)
+    weights = json.loads(text)["weights"]
+    assert code == 0 and weights["awq_scales_undone"] and weights["min_sqnr_db"] > 10

@@ -99,11 +99,12 @@ def test_bit_widths_and_groups(bits, gs, sym):
 def test_algorithm_registry_and_unknown_name():
     from compressor.quant.algorithms import algorithm_names, find_algorithm, get_algorithm
 
-    assert algorithm_names() == ["awq", "gptq", "none", "rtn"]
-    assert [get_algorithm(n).needs_calibration for n in ("rtn", "awq", "gptq", "none")] == [False, True, True, False]
-    assert [get_algorithm(n).folds_input_scales for n in ("rtn", "awq", "gptq", "none")] == [False, True, False, False]
+    assert algorithm_names() == ["awq", "awq-gptq", "gptq", "none", "rtn"]
+    names = ("rtn", "awq", "gptq", "awq-gptq", "none")
+    assert [get_algorithm(n).needs_calibration for n in names] == [False, True, True, True, False]
+    assert [get_algorithm(n).folds_input_scales for n in names] == [False, True, False, True, False]
     assert not get_algorithm("none").quantizes_weights and find_algorithm("unknown") is None
-    with pytest.raises(InputError, match=r"unknown algorithm 'smoothquant' \(choose from awq, gptq, none, rtn\)"):
+    with pytest.raises(InputError, match=r"unknown algorithm 'smoothquant' \(choose from awq, awq-gptq, gptq, none, rtn\)"):
         get_algorithm("smoothquant")
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,30 @@ class _Source:
     calibration: Optional[dict]  # provenance record for the manifest
 
 
+def _in_background(fn):
+    """Start ``fn()`` on a daemon thread; returns a function that waits for its result (re-raising its
+    error). hashlib and file reads release the GIL, so hashing the source runs on another core
+    while the main thread imports and builds the model; a daemon thread never holds up an exit."""
+    box: dict = {}
+
+    def work():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised by the caller's wait
+            box["error"] = e
+
+    t = threading.Thread(target=work, name="kvq-source-digest", daemon=True)
+    t.start()
+
+    def wait():
+        t.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    return wait
+
+
 def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict:
     """Quantize ``opts.model`` and write the artifact; returns the JSON summary.
 
@@ -110,11 +135,12 @@ def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict
         return _carry(plan, opts, device, console, on_committed, t0)
     if rank != 0:
         console = None
+    fingerprint = _in_background(plan.source.fingerprint)  # the source's SHA-256s, read while the model loads
     with name_kept_checkpoint(plan.out, opts.execution.resume):  # interrupted while loading: say where the layers are
         src = _load(plan, opts, console, world_size)
         n_layers = src.model.config.num_hidden_layers
         arch = get_arch(src.model.config.model_type)
-        source_fp = plan.source.fingerprint()
+        source_fp = fingerprint()
         key = resume_key({"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
                           "calibration": src.calibration, "format": opts.write.format, "dtype": plan.dtype,
                           "kvq": tool_info()["version"]})

@@ -1,0 +1,134 @@
+"""Issue #18's quality table: kvq's algorithms and the peers at W4 g64 and W3 g64 on SmolLM2-135M.
+
+Every method gets the same float32 folder, the same calibration token ids and the same
+evaluation windows as ``bench/peer_bench.py`` (its ``prepare`` step writes them), and every
+artifact is scored by one script, ``bench/eval_ids.py --reference FLOAT`` (kvq's loader):
+perplexity, mean KL divergence to the float model (nats per predicted token) and top-1
+agreement. Rows (``METHODS``, comma separated, default all):
+
+* ``rtn``, ``awq``, ``gptq``, ``awq-gptq`` -- kvq (``kvq quantize`` with the bundled
+  recipes ``w4a16-rtn-g64`` / ``w4a16-awq`` / ``w4a16-gptq`` and ``--bits``; ``awq-gptq`` is
+  ``w4a16-gptq`` with ``--algorithm awq-gptq``);
+* ``llmc-gptq``, ``llmc-awq`` -- llm-compressor in ``bench/.peers/llmcompressor``
+  (``bench/peer_llmcompressor.py --bits``);
+* ``autoround`` -- AutoRound in ``bench/.peers/autoround`` (``bench/peer_autoround.py``;
+  ``AR_ITERS``, default 200, AutoRound's default).
+
+Each step is cached under ``bench/work/quality/<tag>/`` (delete it to rerun). Writes
+``bench/results/quality_peers-<tag>.json`` and prints the Markdown table. Env: ``BITS``
+(default ``4,3``), ``SAMPLES`` (calibration sequences of 512, default 16), ``WINDOWS``
+(evaluation windows of 2048, default 8), ``METHODS``, ``AR_ITERS``.
+
+Usage: python bench/quality_peers.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+os.environ.setdefault("SAMPLES", "16")
+import peer_bench as pb  # noqa: E402  (same inputs: float folder, calibration and evaluation ids)
+
+BITS = [int(b) for b in os.environ.get("BITS", "4,3").split(",")]
+WINDOWS = int(os.environ.get("WINDOWS", "8"))
+AR_ITERS = int(os.environ.get("AR_ITERS", "200"))
+ALL = ("rtn", "awq", "gptq", "awq-gptq", "llmc-gptq", "llmc-awq", "autoround")
+METHODS = [m for m in os.environ.get("METHODS", ",".join(ALL)).split(",") if m]
+TAG = f"{pb.SAMPLES}x{pb.SEQLEN}-w{WINDOWS}"
+WORK = ROOT / "bench" / "work" / "quality" / TAG
+KVQ_RECIPE = {"rtn": "w4a16-rtn-g64", "awq": "w4a16-awq", "gptq": "w4a16-gptq", "awq-gptq": "w4a16-gptq"}
+AR_PY = ROOT / "bench" / ".peers" / "autoround" / "bin" / "python"
+
+
+def quantize(method: str, bits: int) -> dict:
+    out = WORK / f"{method}-w{bits}"
+    log = WORK / "logs" / f"{out.name}.log"
+    js = WORK / "logs" / f"{out.name}.json"
+    if out.exists():
+        shutil.rmtree(out)
+    if method in KVQ_RECIPE:
+        cmd = [pb.KVQ, "quantize", pb.FLOAT, "--recipe", KVQ_RECIPE[method], "--bits", bits, "--calib", pb.CALIB,
+               "-o", out, "--json", *(["--algorithm", "awq-gptq"] if method == "awq-gptq" else [])]
+        wall = pb.run(cmd, log)
+        text = log.read_text()
+        s = json.loads(text[text.index("{\n"):])
+        inner, rss = s["quantize_seconds"], s["peak_rss_mib"]
+        art = out
+    else:
+        if method.startswith("llmc-"):
+            cmd = [pb.PEER_PY, ROOT / "bench" / "peer_llmcompressor.py", "quantize", "--algo", method[5:], "--bits", bits,
+                   "--model", pb.FLOAT, "--calib", pb.CALIB, "--out", out, "--json", js]
+        else:
+            cmd = [AR_PY, ROOT / "bench" / "peer_autoround.py", "quantize", "--bits", bits, "--group-size", 64,
+                   "--iters", AR_ITERS, "--model", pb.FLOAT, "--calib", pb.CALIB, "--out", out, "--json", js]
+        wall = pb.run(cmd, log)
+        s = json.loads(js.read_text())
+        inner, rss = s["quantize_seconds"], s["peak_rss_mib"]
+        # AutoRound writes its checkpoint into a subfolder of --out
+        art = next((p.parent for p in sorted(out.rglob("config.json"))), out)
+    return {"method": method, "bits": bits, "command": " ".join(map(str, cmd)), "wall_seconds": round(wall, 1),
+            "quantize_seconds": inner, "peak_rss_mib": rss, "artifact": str(art)}
+
+
+def evaluate(model: Path, name: str) -> dict:
+    js = WORK / "logs" / f"eval-{name}.json"
+    pb.run([pb.KVQ_PY, ROOT / "bench" / "eval_ids.py", model, "--ids", pb.EVAL, "--max-windows", WINDOWS,
+            "--reference", pb.FLOAT, "--out", js], WORK / "logs" / f"eval-{name}.log")
+    return json.loads(js.read_text())
+
+
+def step(name: str, fn) -> dict:
+    out = WORK / "steps" / f"{name}.json"
+    if out.exists():
+        return json.loads(out.read_text())
+    print(f"quality-peers: {name} ...", flush=True)
+    res = fn()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
+def main() -> None:
+    pb.prepare()
+    if any(m.startswith("llmc-") for m in METHODS):
+        pb.peer_venv()
+    if "autoround" in METHODS and not AR_PY.exists():
+        sys.exit(f"quality-peers: {AR_PY} missing: python -m venv bench/.peers/autoround, then pip install "
+                 "torch==2.13.0, then auto-round==0.16.1 and compressed-tensors with torch held (-c)")
+    fl = step("eval-float", lambda: evaluate(pb.FLOAT, "float"))
+    rows = []
+    for bits in BITS:
+        for m in METHODS:
+            q = step(f"quantize-{m}-w{bits}", lambda m=m, b=bits: quantize(m, b))
+            e = step(f"eval-{m}-w{bits}", lambda q=q, m=m, b=bits: evaluate(Path(q["artifact"]), f"{m}-w{b}"))
+            rows.append({**q, "ppl": e["ppl"], "mean_kl": e["mean_kl"], "top1_agreement": e["top1_agreement"]})
+    res = {"date": time.strftime("%Y-%m-%d"), "machine": pb.machine(), "calibration": f"{pb.SAMPLES} x {pb.SEQLEN}",
+           "eval_windows": WINDOWS, "eval_tokens": fl["tokens"], "float_ppl": fl["ppl"], "autoround_iters": AR_ITERS,
+           "rows": rows, "driver_max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    out = ROOT / "bench" / "results" / f"quality_peers-{TAG}.json"
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(table(res))
+
+
+def table(r: dict) -> str:
+    lines = [f"calibration {r['calibration']} token ids (every method), eval {r['eval_windows']} x 2048 windows of "
+             f"wiki.test.raw ({r['eval_tokens']} predicted tokens), float32 perplexity {r['float_ppl']:.3f}", "",
+             "| bits | method | perplexity | vs float | mean KL (nats) | top-1 agreement | quantize wall (s) | peak RSS (MiB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for x in r["rows"]:
+        lines.append(f"| W{x['bits']} g64 | {x['method']} | {x['ppl']:.3f} | {(x['ppl'] / r['float_ppl'] - 1) * 100:+.2f} % "
+                     f"| {x['mean_kl']:.4f} | {x['top1_agreement'] * 100:.2f} % | {x['wall_seconds']:.0f} "
+                     f"| {x['peak_rss_mib']:,.0f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
