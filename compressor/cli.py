@@ -194,7 +194,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     source's digests; a weight recipe on it is refused (exit 2).
 
     The recipe (`kvq recipes`) says what to quantize and how: algorithm (awq, gptq,
-    rtn, none), weight scheme, targets/ignore, per-module overrides (mixed precision),
+    awq-gptq: AWQ's scales then GPTQ, rtn, none), weight scheme, targets/ignore, per-module overrides (mixed precision),
     the KV-cache scheme and the verify gate. Several --recipe combine (later ones win);
     flags override recipe fields; the effective recipe is stored in the artifact's
     kvq-manifest.json.
