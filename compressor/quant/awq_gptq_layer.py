@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 
-from .algorithms import odd_bits_warnings, register_algorithm
+from .algorithms import register_algorithm
 from .awq_layer import AWQ, awq_scale_layer
 from .gptq_layer import GPTQ, gptq_layer
 from .layer import LayerContext, LayerOutcome
@@ -43,14 +43,11 @@ def awq_gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> 
 
 @register_algorithm
 class AWQGPTQ(GPTQ):
-    """AWQ's folded input scales, then GPTQ; needs calibration (both recipes' sections apply)."""
+    """AWQ's folded input scales, then GPTQ (calibration, summary fields and warnings as GPTQ's;
+    both recipes' sections apply)."""
 
     name = "awq-gptq"
-    needs_calibration = True
     folds_input_scales = AWQ.folds_input_scales
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return awq_gptq_layer(i, layer, hidden, kw, ctx)
-
-    def flag_warnings(self, flags, recipe, fmt):
-        return odd_bits_warnings(recipe, fmt)
