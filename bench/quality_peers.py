@@ -12,12 +12,13 @@ agreement. Rows (``METHODS``, comma separated, default all):
 * ``llmc-gptq``, ``llmc-awq`` -- llm-compressor in ``bench/.peers/llmcompressor``
   (``bench/peer_llmcompressor.py --bits``);
 * ``autoround`` -- AutoRound in ``bench/.peers/autoround`` (``bench/peer_autoround.py``;
-  ``AR_ITERS``, default 200, AutoRound's default).
+  ``AR_ITERS``, default 200, AutoRound's default; ``AR_LR``, default AutoRound's own:
+  its "light" recipe is ``AR_ITERS=50 AR_LR=5e-3``).
 
 Each step is cached under ``bench/work/quality/<tag>/`` (delete it to rerun). Writes
 ``bench/results/quality_peers-<tag>.json`` and prints the Markdown table. Env: ``BITS``
 (default ``4,3``), ``SAMPLES`` (calibration sequences of 512, default 16), ``WINDOWS``
-(evaluation windows of 2048, default 8), ``METHODS``, ``AR_ITERS``.
+(evaluation windows of 2048, default 8), ``METHODS``, ``AR_ITERS``, ``AR_LR``.
 
 Usage: python bench/quality_peers.py
 """
@@ -40,6 +41,8 @@ import peer_bench as pb  # noqa: E402  (same inputs: float folder, calibration a
 BITS = [int(b) for b in os.environ.get("BITS", "4,3").split(",")]
 WINDOWS = int(os.environ.get("WINDOWS", "8"))
 AR_ITERS = int(os.environ.get("AR_ITERS", "200"))
+#: AutoRound's learning rate; its "light" recipe is iters 50 with lr 5e-3 (auto-round CLI --recipe light)
+AR_LR = os.environ.get("AR_LR")
 ALL = ("rtn", "awq", "gptq", "awq-gptq", "llmc-gptq", "llmc-awq", "autoround")
 METHODS = [m for m in os.environ.get("METHODS", ",".join(ALL)).split(",") if m]
 TAG = f"{pb.SAMPLES}x{pb.SEQLEN}-w{WINDOWS}"
@@ -68,7 +71,7 @@ def quantize(method: str, bits: int) -> dict:
                    "--model", pb.FLOAT, "--calib", pb.CALIB, "--out", out, "--json", js]
         else:
             cmd = [AR_PY, ROOT / "bench" / "peer_autoround.py", "quantize", "--bits", bits, "--group-size", 64,
-                   "--iters", AR_ITERS, "--model", pb.FLOAT, "--calib", pb.CALIB, "--out", out, "--json", js]
+                   "--iters", AR_ITERS, *(["--lr", AR_LR] if AR_LR else []), "--model", pb.FLOAT, "--calib", pb.CALIB, "--out", out, "--json", js]
         wall = pb.run(cmd, log)
         s = json.loads(js.read_text())
         inner, rss = s["quantize_seconds"], s["peak_rss_mib"]
@@ -111,7 +114,7 @@ def main() -> None:
             e = step(f"eval-{m}-w{bits}", lambda q=q, m=m, b=bits: evaluate(Path(q["artifact"]), f"{m}-w{b}"))
             rows.append({**q, "ppl": e["ppl"], "mean_kl": e["mean_kl"], "top1_agreement": e["top1_agreement"]})
     res = {"date": time.strftime("%Y-%m-%d"), "machine": pb.machine(), "calibration": f"{pb.SAMPLES} x {pb.SEQLEN}",
-           "eval_windows": WINDOWS, "eval_tokens": fl["tokens"], "float_ppl": fl["ppl"], "autoround_iters": AR_ITERS,
+           "eval_windows": WINDOWS, "eval_tokens": fl["tokens"], "float_ppl": fl["ppl"], "autoround_iters": AR_ITERS, "autoround_lr": AR_LR,
            "rows": rows, "driver_max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     out = ROOT / "bench" / "results" / f"quality_peers-{TAG}.json"
     out.write_text(json.dumps(res, indent=2) + "\n")

@@ -434,3 +434,30 @@ def test_a_signal_during_the_torch_import_is_held_until_it_is_done(tmp_path):
         "    sys.exit(0)\n"
         "sys.exit(1)\n"))
     assert r.returncode == 0 and r.stdout.strip() == "raised after import True", (r.returncode, r.stdout, r.stderr)
+
+
+def test_a_signal_while_the_cli_is_imported_ends_in_one_line(tmp_path):
+    """Ctrl-C (or SIGTERM) while ``compressor.cli`` is still importing click/rich/pydantic,
+    before the command runs: kvq's handler is already installed by the entry point, so the
+    process prints one line and exits 130 (143), no traceback."""
+    for sig, code, word in (("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")):
+        r = _python(tmp_path, (
+            "import signal, sys\n"
+            "class Hook:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'click':\n"
+            f"            signal.raise_signal(signal.{sig})\n"
+            "        return None\n"
+            "sys.meta_path.insert(0, Hook())\n"
+            "sys.argv = ['kvq', 'quantize', 'x', '-o', 'y']\n"
+            "from compressor.entry import main\n"
+            "main()\n"))
+        assert r.returncode == code, (sig, r.returncode, r.stderr)
+        assert r.stderr.strip() == f"kvq: {word}; no artifact was written", (sig, r.stderr)
+        assert "compressor.cli" not in r.stdout
+
+
+def test_the_entry_point_runs_the_cli(tmp_path):
+    """``compressor.entry:main`` (the console script) hands over to the CLI: usage errors keep exit 2."""
+    r = _python(tmp_path, "import sys\nsys.argv = ['kvq', 'nosuch']\nfrom compressor.entry import main\nmain()\n")
+    assert r.returncode == 2 and r.stderr.startswith("kvq: error:"), (r.returncode, r.stderr)
