@@ -7,8 +7,9 @@ perplexity, mean KL divergence to the float model (nats per predicted token) and
 agreement. Rows (``METHODS``, comma separated, default all):
 
 * ``rtn``, ``awq``, ``gptq``, ``awq-gptq`` -- kvq (``kvq quantize`` with the bundled
-  recipes ``w4a16-rtn-g64`` / ``w4a16-awq`` / ``w4a16-gptq`` and ``--bits``; ``awq-gptq`` is
-  ``w4a16-gptq`` with ``--algorithm awq-gptq``);
+  recipes ``w4a16-rtn-g64`` / ``w4a16-awq`` / ``w4a16-gptq`` / ``w4a16-awq-gptq`` and
+  ``--bits``); ``awq-gptq-g20`` is ``w4a16-gptq`` with ``--algorithm awq-gptq`` (AWQ's
+  default 20-point scale grid);
 * ``llmc-gptq``, ``llmc-awq`` -- llm-compressor in ``bench/.peers/llmcompressor``
   (``bench/peer_llmcompressor.py --bits``);
 * ``autoround`` -- AutoRound in ``bench/.peers/autoround`` (``bench/peer_autoround.py``;
@@ -43,11 +44,12 @@ WINDOWS = int(os.environ.get("WINDOWS", "8"))
 AR_ITERS = int(os.environ.get("AR_ITERS", "200"))
 #: AutoRound's learning rate; its "light" recipe is iters 50 with lr 5e-3 (auto-round CLI --recipe light)
 AR_LR = os.environ.get("AR_LR")
-ALL = ("rtn", "awq", "gptq", "awq-gptq", "llmc-gptq", "llmc-awq", "autoround")
+ALL = ("rtn", "awq", "gptq", "awq-gptq", "awq-gptq-g20", "llmc-gptq", "llmc-awq", "autoround")
 METHODS = [m for m in os.environ.get("METHODS", ",".join(ALL)).split(",") if m]
 TAG = f"{pb.SAMPLES}x{pb.SEQLEN}-w{WINDOWS}"
 WORK = ROOT / "bench" / "work" / "quality" / TAG
-KVQ_RECIPE = {"rtn": "w4a16-rtn-g64", "awq": "w4a16-awq", "gptq": "w4a16-gptq", "awq-gptq": "w4a16-gptq"}
+KVQ_RECIPE = {"rtn": "w4a16-rtn-g64", "awq": "w4a16-awq", "gptq": "w4a16-gptq", "awq-gptq": "w4a16-awq-gptq",
+              "awq-gptq-g20": "w4a16-gptq"}
 AR_PY = ROOT / "bench" / ".peers" / "autoround" / "bin" / "python"
 
 
@@ -59,7 +61,7 @@ def quantize(method: str, bits: int) -> dict:
         shutil.rmtree(out)
     if method in KVQ_RECIPE:
         cmd = [pb.KVQ, "quantize", pb.FLOAT, "--recipe", KVQ_RECIPE[method], "--bits", bits, "--calib", pb.CALIB,
-               "-o", out, "--json", *(["--algorithm", "awq-gptq"] if method == "awq-gptq" else [])]
+               "-o", out, "--json", *(["--algorithm", "awq-gptq"] if method == "awq-gptq-g20" else [])]
         wall = pb.run(cmd, log)
         text = log.read_text()
         s = json.loads(text[text.index("{\n"):])

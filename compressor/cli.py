@@ -526,10 +526,11 @@ def recipes():
     """
     from .recipe import bundled_recipes, load_recipes
 
-    for name in bundled_recipes():
-        r = load_recipes([name])
-        kind = "kv" if r.algorithm == "none" else r.algorithm
-        click.echo(f"{name:18s} {kind:4s}  {r.description}")
+    rows = [(name, load_recipes([name])) for name in bundled_recipes()]
+    kinds = ["kv" if r.algorithm == "none" else r.algorithm for _, r in rows]
+    wide = max(map(len, kinds))
+    for (name, r), kind in zip(rows, kinds):
+        click.echo(f"{name:18s} {kind:{wide}s}  {r.description}")
 
 
 def _record_committed(out) -> None:

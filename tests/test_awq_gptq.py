@@ -71,3 +71,42 @@ def test_artifact_records_gptq_actorder_and_loads(tmp_path, tiny_model_dir, caps
     code, text, _ = kvq_run(["verify", out, "--reference", tiny_model_dir, "--weights-only", "--json"], capsys)
     weights = json.loads(text)["weights"]
     assert code == 0 and weights["awq_scales_undone"] and weights["min_sqnr_db"] > 10
+
+
+def test_bundled_recipe_runs_awq_gptq_with_its_grid(tmp_path, tiny_model_dir):
+    """``--recipe w4a16-awq-gptq``: the algorithm and the 10-point scale grid come from the
+    recipe, and the float reference is AWQ's (GPTQ's passes do not run a batch to the end for it)."""
+    from compressor.api import QuantizeOptions, run_quantize
+
+    out = tmp_path / "art"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, recipe="w4a16-awq-gptq",
+                                 group_size=32, calib_samples=4, calib_seqlen=32))
+    manifest = json.loads((out / "kvq-manifest.json").read_text())
+    assert manifest["quantization"]["algorithm"] == "awq-gptq"
+    assert manifest["recipe"]["awq"]["n_grid"] == 10
+    layers = manifest["quality"]["layers"]
+    assert layers and all(len(x["awq_ratios"]) >= 2 for x in layers)
+    assert all(0 <= r < 1 and round(r * 10, 6) == round(r * 10) for x in layers for r in x["awq_ratios"].values())
+    assert all(x["output_rel_error"] > 0 for x in layers)
+
+
+def test_gptq_takes_the_float_reference_it_is_given():
+    """``gptq_layer(float_out=...)`` keeps the caller's float output and runs no pass to the layer's end for it."""
+    from compressor.quant import gptq_layer as gl
+
+    m = _model()
+    calls = []
+    real = gl.accumulate_hessians
+    gl.accumulate_hessians = lambda *a, **k: (calls.append(a[5]), real(*a, **k))[1]
+    try:
+        quantize_model(m, _gptq_recipe(algorithm="awq-gptq"), IDS, batch_size=4)
+    finally:
+        gl.accumulate_hessians = real
+    assert calls and not any(calls)  # first_pass never set: AWQ's observe pass gave the reference
+    calls.clear()
+    gl.accumulate_hessians = lambda *a, **k: (calls.append(a[5]), real(*a, **k))[1]
+    try:
+        quantize_model(_model(), _gptq_recipe(), IDS, batch_size=4)
+    finally:
+        gl.accumulate_hessians = real
+    assert sum(calls) == len(_model().model.layers)  # plain GPTQ: one reference pass a layer

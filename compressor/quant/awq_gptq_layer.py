@@ -34,10 +34,10 @@ def awq_gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> 
     sl = awq_scale_layer(i, layer, hidden, kw, ctx)
     sl.x_loss = None  # AWQ's loss inputs: only its clip search would read them
     tp = time.perf_counter()
-    out = gptq_layer(i, layer, hidden, kw, ctx, folds=(sl.col_scale, sl.row_scale, sl.originals))
+    # the float layer's output before any fold, from AWQ's observe pass (GPTQ's passes need not compute it again)
+    out = gptq_layer(i, layer, hidden, kw, ctx, folds=(sl.col_scale, sl.row_scale, sl.originals), float_out=sl.float_out)
     out.phases = {**sl.phases, **out.phases, "gptq_total": time.perf_counter() - tp}
     out.figures = {**out.figures, "awq_ratios": sl.ratios}
-    out.float_out = sl.float_out  # the float layer before any fold
     return out
 
 

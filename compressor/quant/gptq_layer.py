@@ -173,12 +173,15 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
     return errs, damps, retries, dead
 
 
-def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=None) -> LayerOutcome:
-    """GPTQ for decoder layer ``i``: per pass, accumulate the Hessians, then solve (``folds``: see :func:`solve_pass`)."""
+def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=None, float_out=None) -> LayerOutcome:
+    """GPTQ for decoder layer ``i``: per pass, accumulate the Hessians, then solve (``folds``: see
+    :func:`solve_pass`; ``float_out``: the float layer's output on the loss sequences when the
+    caller has it already, as ``awq-gptq`` does from AWQ's observe pass: no pass then runs a
+    batch to the layer's output for it)."""
     arch = ctx.arch
     n_ref = min(ctx.loss_n, hidden[0].shape[0])
-    float_out = None  # the float layer's output on hidden[0][:n_ref], for the output error: taken
-    # from the first Hessian pass (nothing in the layer is quantized yet), which runs batch 0 to the end
+    need_ref = float_out is None  # else the float layer's output on hidden[0][:n_ref], for the output
+    # error, is taken from the first Hessian pass (nothing is quantized yet), which runs batch 0 to the end
     fused_sets = layer_fused_sets(arch, layer)
     experts = ctx.experts(layer)
     counts: list[int] | None = None
@@ -194,7 +197,8 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
             t_h = time.perf_counter()
             if experts is not None:
                 experts.counts.zero_()
-            accs, out = accumulate_hessians(layer, hidden, kw, chunk, conditional, p_i == 0 and c_i == 0, n_ref)
+            accs, out = accumulate_hessians(layer, hidden, kw, chunk, conditional,
+                                             need_ref and p_i == 0 and c_i == 0, n_ref)
             if out is not None:
                 float_out = out
             if conditional and counts is None and experts is not None:
