@@ -237,7 +237,7 @@ def bundled_recipes() -> dict[str, Traversable]:
     if not RECIPE_DIR.is_dir():
         return {}
     found = [p for p in RECIPE_DIR.iterdir() if p.name.endswith(".yaml") and p.is_file()]
-    return {p.name[: -len(".yaml")]: p for p in sorted(found, key=lambda p: p.name)}
+    return dict(sorted((p.name[: -len(".yaml")], p) for p in found))  # sorted by name, as documented
 
 
 def _format_validation(err: ValidationError, where: str) -> str:
