@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -562,9 +561,7 @@ def main(argv=None) -> None:
 def _interrupted(argv) -> None:
     from . import interrupts
 
-    sig = interrupts.received()
-    click.echo(interrupts.message(sig, argv if argv is not None else sys.argv[1:]), err=True)
-    sys.exit(143 if sig == signal.SIGTERM else 130)
+    interrupts.exit_interrupted(argv if argv is not None else sys.argv[1:])
 
 
 def _dispatch(argv) -> None:

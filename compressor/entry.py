@@ -9,7 +9,6 @@ SIGTERM) as one during the command.
 
 from __future__ import annotations
 
-import signal
 import sys
 
 
@@ -25,9 +24,7 @@ def main(argv=None) -> None:
         try:
             from .cli import main as cli_main
         except KeyboardInterrupt:
-            sig = interrupts.received()
-            sys.stderr.write(interrupts.message(sig, argv if argv is not None else sys.argv[1:]) + "\n")
-            sys.exit(143 if sig == signal.SIGTERM else 130)
+            interrupts.exit_interrupted(argv if argv is not None else sys.argv[1:])
         cli_main(argv)
     finally:
         interrupts.restore(previous)

@@ -100,3 +100,14 @@ def message(sig: int | None, argv) -> str:
         return (f"kvq: {word} after the artifact was written to {committed[-1]} (complete; "
                 "the summary was not printed)")
     return f"kvq: {word}; no artifact was written"
+
+
+def exit_interrupted(argv) -> None:
+    """Print :func:`message` for the signal received while running ``argv`` to stderr and exit
+    143 (SIGTERM) or 130 (SIGINT, or none recorded)."""
+    import signal
+    import sys
+
+    sig = received()
+    sys.stderr.write(message(sig, argv) + "\n")
+    sys.exit(143 if sig == signal.SIGTERM else 130)

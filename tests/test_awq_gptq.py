@@ -90,23 +90,15 @@ def test_bundled_recipe_runs_awq_gptq_with_its_grid(tmp_path, tiny_model_dir):
     assert all(x["output_rel_error"] > 0 for x in layers)
 
 
-def test_gptq_takes_the_float_reference_it_is_given():
+def test_gptq_takes_the_float_reference_it_is_given(monkeypatch):
     """``gptq_layer(float_out=...)`` keeps the caller's float output and runs no pass to the layer's end for it."""
     from compressor.quant import gptq_layer as gl
 
-    m = _model()
-    calls = []
+    first_pass = []  # accumulate_hessians' first_pass argument, call by call
     real = gl.accumulate_hessians
-    gl.accumulate_hessians = lambda *a, **k: (calls.append(a[5]), real(*a, **k))[1]
-    try:
-        quantize_model(m, _gptq_recipe(algorithm="awq-gptq"), IDS, batch_size=4)
-    finally:
-        gl.accumulate_hessians = real
-    assert calls and not any(calls)  # first_pass never set: AWQ's observe pass gave the reference
-    calls.clear()
-    gl.accumulate_hessians = lambda *a, **k: (calls.append(a[5]), real(*a, **k))[1]
-    try:
-        quantize_model(_model(), _gptq_recipe(), IDS, batch_size=4)
-    finally:
-        gl.accumulate_hessians = real
-    assert sum(calls) == len(_model().model.layers)  # plain GPTQ: one reference pass a layer
+    monkeypatch.setattr(gl, "accumulate_hessians", lambda *a, **k: (first_pass.append(a[5]), real(*a, **k))[1])
+    quantize_model(_model(), _gptq_recipe(algorithm="awq-gptq"), IDS, batch_size=4)
+    assert first_pass and not any(first_pass)  # AWQ's observe pass gave the reference
+    first_pass.clear()
+    quantize_model(_model(), _gptq_recipe(), IDS, batch_size=4)
+    assert sum(first_pass) == len(_model().model.layers)  # plain GPTQ: one reference pass a layer
