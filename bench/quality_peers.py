@@ -19,13 +19,15 @@ agreement. Rows (``METHODS``, comma separated, default all):
 Each step is cached under ``bench/work/quality/<tag>/`` (delete it to rerun). Writes
 ``bench/results/quality_peers-<tag>.json`` and prints the Markdown table. Env: ``BITS``
 (default ``4,3``), ``SAMPLES`` (calibration sequences of 512, default 16), ``WINDOWS``
-(evaluation windows of 2048, default 8), ``METHODS``, ``AR_ITERS``, ``AR_LR``.
+(evaluation windows of 2048, default 8), ``METHODS``, ``AR_ITERS``, ``AR_LR``; ``SEED`` (an
+earlier results file measured on the same input files: its rows are kept, not rerun).
 
 Usage: python bench/quality_peers.py
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
@@ -101,8 +103,28 @@ def step(name: str, fn) -> dict:
     return res
 
 
+def seed(results: Path) -> None:
+    """Cache the rows of an earlier results file as finished steps (``SEED=file``), so a run
+    adds rows to it instead of recomputing them: only when its inputs are these inputs
+    (same calibration and evaluation id files, by SHA-256), else exit."""
+    old = json.loads(results.read_text())
+    now = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (pb.CALIB, pb.EVAL)}
+    if old.get("inputs_sha256") != now:
+        sys.exit(f"quality-peers: {results} was measured on other inputs ({old.get('inputs_sha256')} vs {now})")
+    for r in old["rows"]:
+        tag = f"{r['method']}-w{r['bits']}"
+        for name, body in ((f"quantize-{tag}", {k: r[k] for k in r if k not in ("ppl", "mean_kl", "top1_agreement")}),
+                           (f"eval-{tag}", {"ppl": r["ppl"], "mean_kl": r["mean_kl"], "top1_agreement": r["top1_agreement"]})):
+            out = WORK / "steps" / f"{name}.json"
+            if not out.exists():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(body, indent=2) + "\n")
+
+
 def main() -> None:
     pb.prepare()
+    if os.environ.get("SEED"):
+        seed(Path(os.environ["SEED"]))
     if any(m.startswith("llmc-") for m in METHODS):
         pb.peer_venv()
     if "autoround" in METHODS and not AR_PY.exists():
@@ -116,6 +138,7 @@ def main() -> None:
             e = step(f"eval-{m}-w{bits}", lambda q=q, m=m, b=bits: evaluate(Path(q["artifact"]), f"{m}-w{b}"))
             rows.append({**q, "ppl": e["ppl"], "mean_kl": e["mean_kl"], "top1_agreement": e["top1_agreement"]})
     res = {"date": time.strftime("%Y-%m-%d"), "machine": pb.machine(), "calibration": f"{pb.SAMPLES} x {pb.SEQLEN}",
+           "inputs_sha256": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (pb.CALIB, pb.EVAL)},
            "eval_windows": WINDOWS, "eval_tokens": fl["tokens"], "float_ppl": fl["ppl"], "autoround_iters": AR_ITERS, "autoround_lr": AR_LR,
            "rows": rows, "driver_max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     out = ROOT / "bench" / "results" / f"quality_peers-{TAG}.json"

@@ -108,6 +108,11 @@ def quantize_done(console, summary: dict, layers: list[dict], moe_layers: list[d
                          + (f", {len(m['below_min_tokens'])} below {summary['moe']['min_tokens']}"
                             if m["below_min_tokens"] else "")),
                       highlight=False)
+    if summary.get("head"):
+        h = summary["head"]
+        console.print(f"lm_head: {h['num_bits']} bit, " + ("per channel" if h["group_size"] == -1 else f"group {h['group_size']}")
+                      + f", {'symmetric' if h['symmetric'] else 'asymmetric'}, rel. weight error {h['relative_error']:.4f}"
+                      + ("; untied from the embedding (kept float)" if h["untied"] else ""), highlight=False)
     size, float_bytes = summary["artifact_bytes"], summary["float32_bytes"]
     console.print(
         f"[green]wrote[/] {summary['output']} ({size / 2**20:.1f} MiB; float32 model {float_bytes / 2**20:.1f} MiB) "

@@ -81,7 +81,7 @@ def _awq_equivalent_scales(reference, artifact, arch) -> dict[str, tuple[torch.T
 
 
 @torch.no_grad()
-def weight_report(reference, artifact, algorithm: str) -> dict:
+def weight_report(reference, artifact, algorithm: str, quantized_head: bool = False) -> dict:
     """Per quantized linear: relative Frobenius error, SQNR (dB) and original-vs-artifact
     statistics; plus a per-decoder-layer summary.
 
@@ -95,7 +95,8 @@ def weight_report(reference, artifact, algorithm: str) -> dict:
 
     Every linear of the architecture row is compared, routed experts one by one (named
     ``<layers>.<i>.mlp.experts.<e>.gate_proj.weight`` etc., sliced from transformers'
-    fused expert tensors).
+    fused expert tensors); with ``quantized_head`` (the artifact stores its LM head packed:
+    recipe ``head:``) the head is listed too, as layer ``num_hidden_layers``.
 
     Returns:
         ``{"tensors": [{"name", "layer", "rel_fro", "sqnr_db", "original": stats,
@@ -129,6 +130,11 @@ def weight_report(reference, artifact, algorithm: str) -> dict:
                 err = {"rel_fro": math.inf, "sqnr_db": -math.inf}
             tensors.append({"name": f"{checkpoint_name(arch, name)}.weight", "layer": i, **err,
                             "original": weight_stats(w), "artifact": weight_stats(w_back)})
+    if quantized_head:  # recipe ``head:`` (a float head differs from the reference by storage rounding only)
+        head_ref, head_art = reference.get_submodule(arch.lm_head), artifact.get_submodule(arch.lm_head)
+        err = weight_error(head_ref.weight.detach(), head_art.weight.detach())
+        tensors.append({"name": f"{checkpoint_name(arch, arch.lm_head)}.weight", "layer": len(layers_ref), **err,
+                        "original": weight_stats(head_ref.weight.detach()), "artifact": weight_stats(head_art.weight.detach())})
     layers = []
     for i in sorted({t["layer"] for t in tensors}):
         ts = [t for t in tensors if t["layer"] == i]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from .errors import InputError
 
@@ -103,6 +103,26 @@ class WeightOverride(_Strict):
         return WeightScheme._gs(v) if v is not None else v
 
 
+class HeadScheme(_Strict):
+    """Integer weight-only scheme of the LM head (``lm_head``), quantized with round-to-nearest
+    (min-max) after the decoder layers. ``group_size``: ``-1`` per output channel (one scale
+    per vocabulary row, the default: 8-bit per channel costs almost nothing) or a divisor of
+    the hidden size (4-bit grouped). Stored in compressed-tensors only (its own config group;
+    vLLM and transformers load it); a tied head (``tie_word_embeddings``) is untied: the
+    embedding stays in the storage dtype and the artifact's config says the head is separate."""
+
+    num_bits: int = Field(8, ge=2, le=8)
+    group_size: int = -1
+    symmetric: bool = True
+
+    @field_validator("group_size")
+    @classmethod
+    def _gs(cls, v):
+        if v != -1 and v <= 0:
+            raise ValueError("group_size must be a positive integer or -1 (per channel)")
+        return v
+
+
 class Override(_Strict):
     """Per-module override of the weight scheme; when several match a module, later ones win."""
 
@@ -181,7 +201,17 @@ class Recipe(_Strict):
     gptq: GPTQOptions = GPTQOptions()
     moe: MoEOptions = MoEOptions()
     kv_cache: Optional[KVCacheOptions] = Field(None, description="KV-cache scheme; null keeps the cache in float")
+    head: Optional[HeadScheme] = Field(None, description="LM-head scheme; null keeps lm_head in float")
     gates: Gates = Gates()
+
+    @model_serializer(mode="wrap")
+    def _omit_float_head(self, handler):
+        """``head: null`` is left out of dumps: a recipe without a head scheme serializes (and
+        digests) as it did before the field existed, so earlier manifests keep their bytes."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("head", 0) is None:
+            del data["head"]
+        return data
 
     @field_validator("targets", "ignore")
     @classmethod
@@ -338,12 +368,15 @@ def with_overrides(recipe: Recipe, **overrides) -> Recipe:
         InputError: a key that is not a recipe field, or a value the field rejects.
     """
     data = recipe.model_dump()
+    data.setdefault("head", None)  # left out of dumps when null; still a key --set can fill
     for key, value in overrides.items():
         if value is None:
             continue
         node = data
         parts = key.split(".")
         for p in parts[:-1]:
+            if p == "head" and node is data and node[p] is None:
+                node[p] = HeadScheme().model_dump()  # head.* on a float head: HeadScheme's defaults (8 bit per channel), then the key
             if p in node and node[p] is None:
                 raise InputError(f"command-line options: {key}: the recipe has no {p} section (null); set it first (e.g. --kv-scheme)")
             if not isinstance(node.get(p), dict):

@@ -46,6 +46,7 @@ from ..formats.compressed_tensors import kv_scale_tensors
 from ..models import ALIASES, load_model, peek_model_type, resolve_source, storage_dtype
 from ..pipeline import check_group_sizes, quantize_model
 from ..quant.algorithms import get_algorithm
+from ..quant.head import add_head, check_head, head_schemes
 from ..quant.kv import layout_bytes_per_token
 from ..recipe import KVCacheOptions, Recipe, load_recipes, with_overrides
 from ..signing import check_sign_options, sign_folder
@@ -292,6 +293,7 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
     check_shapes(opts.write.format, {n: m.out_features for n, m in model.named_modules()
                                      if isinstance(m, torch.nn.Linear) and not plan.recipe.is_ignored(n) and n != "lm_head"})
     check_group_sizes(model, plan.recipe)  # before the calibration text is tokenized
+    check_head(plan.recipe, opts.write.format, model, get_arch(model.config.model_type))
     calib_ids, calibration = _calibration(plan, opts, model, tokenizer, console)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if calib_ids is not None and max_pos and calib_ids.shape[1] > max_pos:
@@ -419,7 +421,7 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
                         "was not checked")
     show.warnings(console, warnings)
     schemes, rename, arch = writer.schemes, writer.rename, writer.arch
-    schemes.update({n: r.scheme for n, r in result.modules.items()})
+    schemes.update({n: r.scheme for n, r in result.modules.items()} | head_schemes(recipe, arch))
     quant = _quantization_summary(recipe, w.format, plan.dtype, result.group_size, schemes)
     quant["storage_dtype_reason"] = plan.dtype_reason
     # names as the checkpoint (and vLLM) spells them; MoE routers stay float and are listed as ignored;
@@ -440,6 +442,9 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
     if opts.model not in ALIASES:  # record paths absolutely so verify finds the reference from anywhere
         source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
     writer.load_outer()  # released after layer 0's inputs were captured (streamed sources)
+    if (head := add_head(recipe, arch, model, packed, lambda m: pack_modules(m, w.format, DTYPES[plan.dtype]), rename,
+                         DTYPES[plan.dtype])) is not None:
+        quality["head"] = head
     manifest = write_artifact(
         plan.out, model, src.tokenizer, packed, qcfg,
         {"tool": tool_info(), "source": source_fp, "recipe": recipe.model_dump(mode="json"),
@@ -585,7 +590,7 @@ def _summary(plan: _Plan, src: _Source, written: _Written, writer: LayerWriter, 
         "resumed_from_layer": writer.start or None,
         "world_size": world_size,
         "mean_rel_error": quality["mean_rel_error"],
-        "moe": quality.get("moe"),
+        "moe": quality.get("moe"), "head": quality.get("head"),
         "warnings": plan.warnings,
         "content_digest": manifest.content_digest(),
         "digest_algorithm": opts.write.digest_algorithm,

@@ -242,8 +242,20 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
             algorithm = "awq" if _norms_rescaled(ref_model, model) else "unknown"
             report["warnings"].append(f"foreign artifact: weight statistics assume {'AWQ-folded' if algorithm == 'awq' else 'unscaled'} "
                                       "weights (inferred from the norm weights)")
-        report["weights"] = weight_report(ref_model, model, algorithm)
+        report["weights"] = weight_report(ref_model, model, algorithm, quantized_head=_head_is_packed(plan.folder, model))
     return _Models(model, tokenizer, ref_model)
+
+
+def _head_is_packed(folder: Path, model) -> bool:
+    """True when the artifact stores its LM head quantized (``<head>.weight_packed`` or
+    ``<head>.qweight``, a compressed-tensors or GPTQ-style head), from the safetensors headers."""
+    from ..arch import checkpoint_name
+    from ..safetensors_io import read_header
+
+    arch = get_arch(model.config.model_type)
+    head = checkpoint_name(arch, arch.lm_head)
+    return any(f"{head}.{leaf}" in read_header(s) for s in sorted(folder.glob("*.safetensors"))
+               for leaf in ("weight_packed", "qweight"))
 
 
 def _eval_dtype(folder: Path, requested: str) -> tuple[torch.dtype, dict]:
@@ -275,8 +287,10 @@ def _check_same_architecture(artifact, reference, ref_spec: str) -> None:
     if a.model_type != r.model_type:
         raise InputError(f"reference {ref_spec} is a {r.model_type} model, the artifact a {a.model_type} model: "
                          "nothing comparable")
-    pa = {n: tuple(p.shape) for n, p in artifact.named_parameters()}
-    pr = {n: tuple(p.shape) for n, p in reference.named_parameters()}
+    # tied parameters listed under every name: an artifact whose quantized head was untied
+    # (recipe ``head:``) still matches its tied reference
+    pa = {n: tuple(p.shape) for n, p in artifact.named_parameters(remove_duplicate=False)}
+    pr = {n: tuple(p.shape) for n, p in reference.named_parameters(remove_duplicate=False)}
     if pa != pr:
         only_a, only_r = sorted(set(pa) - set(pr)), sorted(set(pr) - set(pa))
         shape = next((n for n in sorted(pa) if n in pr and pa[n] != pr[n]), None)

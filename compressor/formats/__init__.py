@@ -97,9 +97,13 @@ def check_format(fmt: str, recipe, dtype_name: str) -> None:
             release removed ``actorder: group``); AWQ with bits other than 4, per-channel
             groups, a ``g_idx`` or mixed precision; GPTQ with bits outside 2/3/4/8 or mixed
             precision; AWQ/GPTQ with a KV-only recipe, a static KV scheme, or a storage
-            dtype other than float16 (their kernels read fp16 scales).
+            dtype other than float16 (their kernels read fp16 scales); a recipe ``head:``
+            outside compressed-tensors.
     """
     get_format(fmt).check(recipe, dtype_name)
+    from ..quant.head import check_head
+
+    check_head(recipe, fmt)
 
 
 def check_shapes(fmt: str, out_features: dict[str, int]) -> None:

@@ -307,7 +307,8 @@ class CompressedTensorsFormat(WeightFormat):
         return QuantWeight(q, scale, symmetric_zero(zp), bits, gs, None if g_idx is None else g_idx.to(torch.int32))
 
     def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict | None:
-        """:func:`quantization_config` with ``lm_head`` ignored, ``actorder: weight`` for GPTQ
+        """:func:`quantization_config` with ``lm_head`` ignored (unless the recipe quantizes
+        it: then it is one of ``schemes``), ``actorder: weight`` for GPTQ
         act-order and the recipe's static ``kv_cache_scheme``; ``None`` when there is
         nothing to describe (no quantized module and no static KV scheme)."""
         kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
@@ -315,7 +316,8 @@ class CompressedTensorsFormat(WeightFormat):
         if not schemes and kv_cfg is None:
             return None  # nothing compressed-tensors can describe (KV scheme lives in the manifest)
         actorder = "weight" if recipe.algorithm in ("gptq", "awq-gptq") and recipe.gptq.act_order else None
-        return quantization_config(schemes, ["lm_head"] + ignored, versions["compressed-tensors"], actorder, kv_cfg)
+        head = [] if any(n.rsplit(".", 1)[-1] == "lm_head" for n in schemes) else ["lm_head"]  # recipe head: quantized
+        return quantization_config(schemes, head + ignored, versions["compressed-tensors"], actorder, kv_cfg)
 
     def declared(self, qc: dict) -> list[dict]:
         """One scheme per config group's ``weights`` (``strategy: channel`` -> group size -1)."""

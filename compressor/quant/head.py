@@ -1,0 +1,135 @@
+"""LM-head quantization (recipe ``head:``): round-to-nearest, per output channel or grouped.
+
+The head is a ``[vocab, hidden]`` Linear after the final norm; for large vocabularies it is
+a large share of a low-bit artifact (Kimi K2's ``163840 x 7168`` head is 1.17 B parameters,
+2.3 GB in bfloat16; it stays that size when only the decoder layers are quantized). It is
+quantized after the decoder layers with min-max RTN (:func:`compressor.quant.rtn.rtn_quantize`)
+in blocks of rows (every scheme here is per row, so a block's result is the whole matrix's),
+which bounds the transient float copy whatever the vocabulary.
+
+Layout: compressed-tensors ``pack-quantized``, the head in a config group of its own
+(``targets: [lm_head]``) and out of the ignore list, as llm-compressor writes a quantized
+head; vLLM's compressed-tensors path loads it (a ``ParallelLMHead`` with a weight scheme) and
+transformers decompresses it. A tied head (``tie_word_embeddings``) is untied: the artifact
+keeps the embedding in the storage dtype, adds the packed head and sets
+``tie_word_embeddings: false``, so a loader never ties a quantized head to a float table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError, QuantizationError
+from .layer import QuantizedLinear
+from .primitives import dequantize
+from .rtn import rtn_quantize
+
+#: rows quantized at once: a ``[ROWS, hidden]`` float32 block (128 MiB at hidden 7168)
+ROWS = 4096
+
+
+def check_head(recipe, fmt: str, model=None, arch=None) -> None:
+    """Refuse a head scheme the artifact cannot hold, before any work (``model``: once loaded).
+
+    Raises:
+        InputError: a format other than compressed-tensors (AutoAWQ's and GPTQ's loaders
+            keep ``lm_head`` in float), a group size that does not divide the hidden size, a
+            model without a Linear ``lm_head``, or a tied head inside a multimodal wrapper.
+    """
+    head = getattr(recipe, "head", None)
+    if head is None:
+        return
+    if fmt != "compressed-tensors":
+        raise InputError(f"recipe head: {fmt} artifacts keep lm_head in float; quantize the head with "
+                         "--format compressed-tensors")
+    if model is None:
+        return
+    lin = _head(model, arch)
+    if head.group_size != -1 and lin.in_features % head.group_size:
+        raise InputError(f"recipe head.group_size {head.group_size} does not divide the hidden size {lin.in_features}")
+    if arch is not None and arch.wrapper is not None and getattr(model.config, "tie_word_embeddings", False):
+        raise InputError("recipe head: the model ties lm_head to its embedding inside a multimodal wrapper; "
+                         "kvq unties heads only in text models")
+
+
+def _head(model, arch) -> torch.nn.Linear:
+    from ..arch import get_module
+
+    name = arch.lm_head if arch is not None else "lm_head"
+    try:
+        lin = get_module(model, name)
+    except AttributeError:
+        lin = None
+    if not isinstance(lin, torch.nn.Linear):
+        raise InputError(f"recipe head: the model has no Linear {name}")
+    return lin
+
+
+@torch.no_grad()
+def quantize_head(model, arch, scheme, dtype: torch.dtype) -> tuple[QuantizedLinear, float]:
+    """RTN-quantize ``model``'s LM head without touching the model (a tied head shares the
+    embedding's storage, which stays float).
+
+    Args:
+        model: the float model (its head on CPU; ``meta`` is refused).
+        arch: its architecture row (``arch.lm_head``: the module path).
+        scheme: :class:`compressor.recipe.HeadScheme` (``num_bits``, ``group_size``, ``symmetric``).
+        dtype: storage dtype of the scales.
+
+    Returns:
+        ``(record, relative Frobenius error of the dequantized head)``: ``record.q`` int8
+        ``[vocab, hidden]``, ``record.scale`` ``[vocab, G]`` in ``dtype``.
+
+    Raises:
+        QuantizationError: a non-finite scale or dequantized row (the head is named).
+    """
+    w = _head(model, arch).weight
+    if w.is_meta:
+        raise QuantizationError("lm_head was not loaded before the head was quantized")
+    gs = scheme.group_size
+    qs, scales, zps = [], [], []
+    err2 = ref2 = 0.0
+    for r0 in range(0, w.shape[0], ROWS):
+        block = w[r0:r0 + ROWS].float()
+        q, scale, zp = rtn_quantize(block, scheme.num_bits, gs, scheme.symmetric)
+        scale = scale.to(dtype)
+        deq = dequantize(q, scale, None if scheme.symmetric else zp, gs, dtype=torch.float32)
+        if not (torch.isfinite(scale.float()).all() and torch.isfinite(deq).all()):
+            raise QuantizationError("quantizing lm_head produced NaN or Inf; nothing was written")
+        err2 += float((deq - block).pow(2).sum())
+        ref2 += float(block.pow(2).sum())
+        qs.append(q)
+        scales.append(scale)
+        zps.append(zp)
+    record = QuantizedLinear(q=torch.cat(qs), scale=torch.cat(scales).contiguous(),
+                             zero_point=None if scheme.symmetric else torch.cat(zps), g_idx=None,
+                             num_bits=scheme.num_bits, group_size=gs, symmetric=scheme.symmetric)
+    return record, (err2 / max(ref2, 1e-30)) ** 0.5
+
+
+def head_schemes(recipe, arch) -> dict[str, tuple[int, int, bool]]:
+    """``{in-memory head name: (num_bits, group_size, symmetric)}``, empty without ``head:``."""
+    h = getattr(recipe, "head", None)
+    return {} if h is None else {arch.lm_head: (h.num_bits, h.group_size, h.symmetric)}
+
+
+def add_head(recipe, arch, model, packed: dict, pack, rename, dtype: torch.dtype) -> dict | None:
+    """Quantize the head (recipe ``head:``) into ``packed`` (checkpoint name -> stored tensors,
+    ``pack``: record dict -> packed dict, the format's packer) and untie a tied model's config;
+    the manifest's ``quality.head`` record, ``None`` without ``head:``."""
+    h = getattr(recipe, "head", None)
+    if h is None:
+        return None
+    record, rel = quantize_head(model, arch, h, dtype)
+    packed.update({rename(n): t for n, t in pack({arch.lm_head: record}).items()})
+    return {"num_bits": h.num_bits, "group_size": h.group_size, "symmetric": h.symmetric,
+            "relative_error": round(rel, 6), "untied": untie(model)}
+
+
+def untie(model) -> bool:
+    """Mark a tied model's config as untied (the artifact then stores the head on its own);
+    returns whether it was tied. The in-memory tensors stay shared."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if tied:
+        model.config.tie_word_embeddings = False
+    return tied

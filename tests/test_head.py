@@ -1,0 +1,112 @@
+"""LM-head quantization (recipe ``head:``, issue #18): layout, untying, loaders, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import assert_clean_error, make_model_dir
+from conftest import kvq_run as run
+from safetensors import safe_open
+
+from compressor.api import QuantizeOptions, run_quantize
+from compressor.artifact import load_artifact
+from compressor.manifest import load_manifest
+
+QUICK = dict(algorithm="rtn", group_size=32, calib_samples=4, calib_seqlen=32)
+
+
+def _recipe(tmp_path, head: str, symmetric: bool = False):
+    # transformers 5.24 with compressed-tensors 0.20 loads symmetric pack-quantized weights only (README)
+    p = tmp_path / "head.yaml"
+    p.write_text(f"algorithm: rtn\nweights: {{num_bits: 4, group_size: 32, symmetric: {str(symmetric).lower()}}}\nhead: {head}\n")
+    return str(p)
+
+
+def _tensor(folder, name):
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return f.get_tensor(name) if name in f.keys() else None
+
+
+def _rel(a, b):
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_head_8bit_per_channel_layout_and_loaders(tmp_path, tokenizer, tied):
+    from transformers import AutoModelForCausalLM
+
+    src = make_model_dir(tmp_path / "src", tokenizer, tie_word_embeddings=tied)
+    ref = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    out = tmp_path / "out"
+    run_quantize(QuantizeOptions(model=str(src), output=out, recipe=_recipe(tmp_path, "{num_bits: 8}", True), **{
+        k: v for k, v in QUICK.items() if k.startswith("calib")}))
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert "lm_head" not in qc["ignore"]
+    head_groups = [g for g in qc["config_groups"].values() if g["targets"] == ["lm_head"]]
+    assert len(head_groups) == 1 and head_groups[0]["weights"]["num_bits"] == 8
+    assert head_groups[0]["weights"]["strategy"] == "channel" and head_groups[0]["weights"]["symmetric"] is True
+    assert cfg["tie_word_embeddings"] is False  # a tied source is untied: the quantized head is its own tensor
+    assert _tensor(out, "lm_head.weight") is None and _tensor(out, "lm_head.weight_packed") is not None
+    # the embedding stays float (bfloat16 storage), bit for bit the source's in that dtype
+    torch.testing.assert_close(_tensor(out, "model.embed_tokens.weight"),
+                               ref.model.embed_tokens.weight.detach().to(torch.bfloat16), rtol=0, atol=0)
+    man = load_manifest(out)
+    assert man.quality["head"]["num_bits"] == 8 and man.quality["head"]["untied"] is tied
+    assert 0 < man.quality["head"]["relative_error"] < 0.01  # 8-bit per row: well under 1 %
+    ours, _ = load_artifact(out)
+    assert _rel(ours.lm_head.weight, ref.lm_head.weight) < 0.01
+    assert ours.lm_head.weight.data_ptr() != ours.model.embed_tokens.weight.data_ptr()
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)  # compressed-tensors' own path
+    assert hf.lm_head.quantization_scheme.weights.num_bits == 8
+    ids = torch.randint(0, 300, (1, 16))
+    torch.testing.assert_close(hf(ids).logits, ours(ids).logits, atol=2e-3, rtol=2e-3)
+
+
+def test_head_4bit_grouped_runtime_and_verify(tmp_path, tokenizer, capsys):
+    from compressor.runtime.loader import load_decoder
+
+    src = make_model_dir(tmp_path / "src", tokenizer, tie_word_embeddings=True)
+    out = tmp_path / "out"
+    recipe = _recipe(tmp_path, "{num_bits: 4, group_size: 32, symmetric: false}")
+    code, _, err = run(["quantize", src, "--recipe", recipe, "-o", out, "--calib-samples", 4, "--calib-seqlen", 32], capsys)
+    assert code == 0, err
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert list(groups.values())[0]["targets"] == ["Linear"]  # same scheme as the body: the class target covers it
+    h = load_manifest(out).quality["head"]
+    assert h["group_size"] == 32 and 0.02 < h["relative_error"] < 0.3
+    dec, info = load_decoder(out, torch.device("cpu"))
+    assert "lm_head" in info.kernels and info.kernels["lm_head"] != "float"
+    ours, _ = load_artifact(out)
+    # the runtime serves the packed head with its int4 kernel; its weights are the loader's
+    torch.testing.assert_close(dec.lm_head.dequantized(torch.float32), ours.lm_head.weight, atol=1e-3, rtol=1e-3)
+    code, _, err = run(["verify", out, "--weights-only"], capsys)
+    assert code == 0, err
+    from compressor.api import VerifyOptions, run_verify
+
+    w = run_verify(VerifyOptions(artifact=out, weights_only=True))["weights"]
+    head = [t for t in w["tensors"] if t["name"] == "lm_head.weight"]
+    assert len(head) == 1 and head[0]["layer"] == 2  # after the two decoder layers
+    assert head[0]["rel_fro"] == pytest.approx(h["relative_error"], rel=0.02)  # verify agrees with the quantizer
+
+
+@pytest.mark.parametrize("argv,head,pattern", [
+    (["--format", "awq"], "{num_bits: 8}", "keep lm_head in float"),
+    (["--format", "gptq"], "{num_bits: 8}", "keep lm_head in float"),
+    ([], "{num_bits: 9}", "head.num_bits"),
+    ([], "{num_bits: 4, group_size: 0}", "head.group_size"),
+    ([], "{bits: 8}", "head.bits: unknown key"),
+])
+def test_head_refused_before_any_work(tmp_path, capsys, argv, head, pattern):
+    code, _, err = run(["quantize", tmp_path / "missing-model", "--recipe", _recipe(tmp_path, head), "-o",
+                        tmp_path / "out", *argv], capsys)
+    assert_clean_error(code, err, 2, pattern, tmp_path)
+
+
+def test_head_group_size_must_divide_hidden(tmp_path, capsys, tiny_model_dir):
+    code, _, err = run(["quantize", tiny_model_dir, "--recipe", _recipe(tmp_path, "{num_bits: 4, group_size: 48}"),
+                        "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, "does not divide the hidden size 64", tmp_path)
+    assert not (tmp_path / "out").exists()
