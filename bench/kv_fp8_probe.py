@@ -8,7 +8,8 @@ with the per-tensor static scale ``m * absmax / 448`` (absmax of the post-RoPE K
 ``kvq quantize --recipe kv-fp8`` does). Same rounding as ``kvq verify``'s fp8 cache
 (compressor.quant.kv.fake_quantize_kv).
 
-Usage: python bench/kv_fp8_probe.py [N_WINDOWS]
+Usage: python bench/kv_fp8_probe.py [N_WINDOWS]; ``MULTS=0.9,1.25,2`` runs K+V at each scale
+multiplier ``m`` instead of the default rows.
 """
 import sys
 import time
@@ -48,8 +49,12 @@ class FQ(DynamicCache):
 ones = [1.0] * L
 base = perplexity(model, wins)["ppl"]
 print("float", base, flush=True)
-for name, mk, mv, kinds in [("kv m1", ones, ones, "kv"), ("k only", ones, ones, "k"), ("v only", ones, ones, "v"),
-                            ("kv m0.75", [0.75]*L, [0.75]*L, "kv"), ("kv m0.5", [0.5]*L, [0.5]*L, "kv")]:
+import os
+MULTS = [float(m) for m in os.environ["MULTS"].split(",")] if os.environ.get("MULTS") else None
+RUNS = ([(f"kv m{m:g}", [m] * L, [m] * L, "kv") for m in MULTS] if MULTS else  # MULTS=0.9,1.5: a scale sweep
+        [("kv m1", ones, ones, "kv"), ("k only", ones, ones, "k"), ("v only", ones, ones, "v"),
+         ("kv m0.75", [0.75]*L, [0.75]*L, "kv"), ("kv m0.5", [0.5]*L, [0.5]*L, "kv")])
+for name, mk, mv, kinds in RUNS:
     t = time.time()
     p = perplexity(model, wins, make_cache=lambda: FQ(mk, mv, kinds), kv_chunk=128)["ppl"]
     print(name, round(p, 4), f"{(p/base-1)*100:+.3f} %", round(time.time()-t), "s", flush=True)

@@ -84,7 +84,7 @@ def cli():
     """kvq: compress an LLM's weights, prove the result is still the same model.
 
     \b
-    kvq quantize MODEL -o OUT     calibrate and quantize weights (AWQ / GPTQ / RTN) and KV cache, write the artifact
+    kvq quantize MODEL -o OUT     calibrate and quantize weights (AWQ / GPTQ / AWQ+GPTQ / RTN), KV cache, LM head; write the artifact
     kvq verify OUT                check the signature and every tensor digest, compare with the original, gate
     kvq sign OUT                  sign the artifact (OpenSSF model_signing; model.sig)
     kvq serve-smoke OUT           run the artifact in the bundled runtime, compare with the original, gate
@@ -194,7 +194,8 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 
     The recipe (`kvq recipes`) says what to quantize and how: algorithm (awq, gptq,
     awq-gptq: AWQ's scales then GPTQ, rtn, none), weight scheme, targets/ignore, per-module overrides (mixed precision),
-    the KV-cache scheme and the verify gate. Several --recipe combine (later ones win);
+    the KV-cache scheme, the LM head (head:, e.g. --set head.num_bits=8; float by default)
+    and the verify gate. Several --recipe combine (later ones win);
     flags override recipe fields; the effective recipe is stored in the artifact's
     kvq-manifest.json.
 
@@ -205,6 +206,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
       kvq quantize smollm2-135m --recipe w4a16-gptq --no-act-order --set gptq.damp=0.05 -o out/g
       kvq quantize smollm2-135m --recipe w4a16-gptq --set gptq.static_groups=false --format gptq -o out/g2
       kvq quantize smollm2-135m --recipe w4a16-awq --recipe kv-fp8 -o out/w4-fp8kv
+      kvq quantize smollm2-135m --recipe w4a16-awq-gptq --set head.num_bits=8 -o out/best   # 8-bit lm_head
       kvq quantize smollm2-135m --recipe kv-int4 -o out/kv-only
       kvq quantize out/smollm2-w4 --recipe kv-fp8 -o out/w4-then-fp8kv   # packed source: KV only
       kvq quantize smollm2-135m --sign-key key.pem -o out/signed

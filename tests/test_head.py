@@ -110,3 +110,14 @@ def test_head_group_size_must_divide_hidden(tmp_path, capsys, tiny_model_dir):
                         "-o", tmp_path / "out"], capsys)
     assert_clean_error(code, err, 2, "does not divide the hidden size 64", tmp_path)
     assert not (tmp_path / "out").exists()
+
+
+def test_head_set_fills_defaults_and_float_head_is_not_dumped():
+    from compressor.recipe import load_recipe, with_overrides
+
+    base = load_recipe("w4a16-awq-gptq")
+    assert base.head is None and "head" not in base.model_dump(mode="json")  # digests of head-less recipes unchanged
+    r = with_overrides(base, **{"head.num_bits": 4, "head.group_size": 64})
+    assert (r.head.num_bits, r.head.group_size, r.head.symmetric) == (4, 64, True)  # symmetric: HeadScheme's default
+    assert r.model_dump(mode="json")["head"] == {"num_bits": 4, "group_size": 64, "symmetric": True}
+    assert with_overrides(base, head={"num_bits": 8}).head.group_size == -1
