@@ -136,7 +136,7 @@ def check_carry(packed: PackedSource, recipe, opts) -> None:
     Raises:
         InputError: the recipe quantizes weights (named, with the format and bits of the
             source and the KV recipes to use instead); it has no KV-cache scheme (nothing
-            to do); ``--format``/``--dtype`` other than the source's (its tensors are
+            to do); a ``head:`` section; ``--format``/``--dtype`` other than the source's (its tensors are
             carried as they are); a static KV scheme on an AWQ/GPTQ source; a layout kvq
             cannot dequantize; ``--resume`` or several torchrun ranks.
     """
@@ -148,6 +148,9 @@ def check_carry(packed: PackedSource, recipe, opts) -> None:
     if get_algorithm(recipe.algorithm).quantizes_weights:
         raise InputError(f"{what}; kvq does not quantize quantized weights again (recipe {recipe.name} asks for "
                          f"{recipe.algorithm.upper()}): to calibrate the KV cache on the weights as they are, {hint}")
+    if getattr(recipe, "head", None) is not None:
+        raise InputError(f"{what}; its tensors are carried as they are, so the recipe's head: section cannot be "
+                         "applied (quantize the head from the float model)")
     if recipe.kv_cache is None:
         raise InputError(f"{what} and the recipe has no KV-cache scheme: nothing to do; {hint}")
     w = opts.write
