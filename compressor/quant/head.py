@@ -21,7 +21,7 @@ import torch
 
 from ..errors import InputError, QuantizationError
 from .layer import QuantizedLinear
-from .primitives import dequantize
+from .primitives import check_scale_range, dequantize
 from .rtn import rtn_quantize
 
 #: rows quantized at once: a ``[ROWS, hidden]`` float32 block (128 MiB at hidden 7168)
@@ -82,6 +82,7 @@ def quantize_head(model, arch, scheme, dtype: torch.dtype) -> tuple[QuantizedLin
 
     Raises:
         QuantizationError: a non-finite scale or dequantized row (the head is named).
+        InputError: a scale the storage dtype cannot hold (float16 above 65,504).
     """
     w = _head(model, arch).weight
     if w.is_meta:
@@ -92,6 +93,7 @@ def quantize_head(model, arch, scheme, dtype: torch.dtype) -> tuple[QuantizedLin
     for r0 in range(0, w.shape[0], ROWS):
         block = w[r0:r0 + ROWS].float()
         q, scale, zp = rtn_quantize(block, scheme.num_bits, gs, scheme.symmetric)
+        check_scale_range(scale, dtype, "lm_head")  # float16 storage: a scale above 65,504 is refused
         scale = scale.to(dtype)
         deq = dequantize(q, scale, None if scheme.symmetric else zp, gs, dtype=torch.float32)
         if not (torch.isfinite(scale.float()).all() and torch.isfinite(deq).all()):
