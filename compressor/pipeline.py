@@ -33,21 +33,19 @@ from typing import Callable
 
 import torch
 
-from .arch import (
-    ArchSpec, checkpoint_name, expert_index, get_arch, get_module, layer_fused_sets, layer_linears, num_experts,
-)
+from .arch import (ArchSpec, checkpoint_name, expert_index, get_arch, get_module, layer_fused_sets, layer_linears,
+                   num_experts)
 from .errors import InputError, QuantizationError
 from .moe import unfuse_experts
 from .quant.algorithms import Algorithm, get_algorithm
+from .quant.head import head_hessian
 from .quant.kv import check_layout, kv_observer, layer_scales, observed_absmax
 from .quant.layer import LayerContext, LinearQuantizer, QuantizedLinear, StopForward, layer_forward
 from .recipe import Recipe, resolve_group_size
 from .streaming import frozen_gc
 
-__all__ = [
-    "LayerHooks", "QuantizeResult", "QuantizedLinear", "capture_layer_inputs", "check_finite", "check_patterns",
-    "quantize_model", "resolve_schemes", "target_modules", "check_group_sizes",
-]
+__all__ = ["LayerHooks", "QuantizeResult", "QuantizedLinear", "capture_layer_inputs", "check_finite", "check_patterns",
+           "quantize_model", "resolve_schemes", "target_modules", "check_group_sizes"]
 
 
 @dataclass
@@ -75,6 +73,7 @@ class QuantizeResult:
     moe: list[dict] = field(default_factory=list)
     #: experts quantized with the RTN fallback: {"layer", "expert", "tokens", "modules", "method", "reason"}
     moe_fallback: list[dict] = field(default_factory=list)
+    head_hessian: torch.Tensor | None = None  #: the head inputs' GPTQ Hessian (recipe head:, with a calibration pass)
 
 
 @dataclass
@@ -465,6 +464,8 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
                 hooks.done(i, layer, result, hidden)
             if on_layer:
                 on_layer(i, n_layers, fig)
+    if hidden is not None and ctx.recipe.head is not None:  # the last layer's outputs feed the head (quant.head)
+        result.head_hessian = head_hessian(model, arch, hidden)
 
 
 def _spill(hidden, hooks: LayerHooks | None, tag: str):

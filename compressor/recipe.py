@@ -104,8 +104,8 @@ class WeightOverride(_Strict):
 
 
 class HeadScheme(_Strict):
-    """Integer weight-only scheme of the LM head (``lm_head``), quantized with round-to-nearest
-    (min-max) after the decoder layers. ``group_size``: ``-1`` per output channel (one scale
+    """Integer weight-only scheme of the LM head (``lm_head``), quantized after the decoder
+    layers: GPTQ on the final norm's outputs when the run has a calibration pass, else RTN. ``group_size``: ``-1`` per output channel (one scale
     per vocabulary row, the default: 8-bit per channel costs almost nothing) or a divisor of
     the hidden size (4-bit grouped). Stored in compressed-tensors only (its own config group;
     vLLM and transformers load it); a tied head (``tie_word_embeddings``) is untied: the

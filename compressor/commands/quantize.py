@@ -443,7 +443,7 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
         source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
     writer.load_outer()  # released after layer 0's inputs were captured (streamed sources)
     if (head := add_head(recipe, arch, model, packed, lambda m: pack_modules(m, w.format, DTYPES[plan.dtype]), rename,
-                         DTYPES[plan.dtype])) is not None:
+                         DTYPES[plan.dtype], getattr(result, "head_hessian", None))) is not None:
         quality["head"] = head
     manifest = write_artifact(
         plan.out, model, src.tokenizer, packed, qcfg,

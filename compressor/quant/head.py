@@ -1,11 +1,13 @@
-"""LM-head quantization (recipe ``head:``): round-to-nearest, per output channel or grouped.
+"""LM-head quantization (recipe ``head:``): GPTQ or round-to-nearest, per output channel or grouped.
 
 The head is a ``[vocab, hidden]`` Linear after the final norm; for large vocabularies it is
 a large share of a low-bit artifact (Kimi K2's ``163840 x 7168`` head is 1.17 B parameters,
 2.3 GB in bfloat16; it stays that size when only the decoder layers are quantized). It is
-quantized after the decoder layers with min-max RTN (:func:`compressor.quant.rtn.rtn_quantize`)
-in blocks of rows (every scheme here is per row, so a block's result is the whole matrix's),
-which bounds the transient float copy whatever the vocabulary.
+quantized after the decoder layers, in blocks of rows (every scheme here is per row, and GPTQ's
+error feedback runs along a row's columns, so a block's result is the whole matrix's), which
+bounds the transient float copy whatever the vocabulary: with GPTQ when the run had a
+calibration pass (AWQ, GPTQ, AWQ+GPTQ: the Hessian of the final norm's outputs on the
+quantized model, :func:`head_hessian`), else with min-max RTN.
 
 Layout: compressed-tensors ``pack-quantized``, the head in a config group of its own
 (``targets: [lm_head]``) and out of the ignore list, as llm-compressor writes a quantized
@@ -66,15 +68,49 @@ def _head(model, arch) -> torch.nn.Linear:
 
 
 @torch.no_grad()
-def quantize_head(model, arch, scheme, dtype: torch.dtype) -> tuple[QuantizedLinear, float]:
-    """RTN-quantize ``model``'s LM head without touching the model (a tied head shares the
-    embedding's storage, which stays float).
+def head_hessian(model, arch, hidden) -> torch.Tensor:
+    """GPTQ's ``H = 2 X Xᵀ / n`` of the head's inputs: the final norm applied to the last
+    decoder layer's outputs on the calibration batches (after every layer was quantized, so
+    the head is fitted to the activations it will see).
+
+    Args:
+        model: the model (its final norm loaded; streamed sources keep it).
+        arch: its architecture row (``arch.final_norm``).
+        hidden: the last layer's outputs, ``[batch, T, hidden]`` tensors (any device).
+
+    Returns:
+        ``[hidden, hidden]`` float32 on the CPU.
+    """
+    from ..arch import get_module
+    from .gptq import HessianAccumulator
+
+    norm = get_module(model, arch.final_norm)
+    acc = None
+    for h in hidden:
+        norm.to(h.device)
+        x = norm(h)
+        acc = acc or HessianAccumulator(x.shape[-1], x.device)
+        acc.add(x)
+    norm.to("cpu")
+    if acc is None:
+        raise QuantizationError("the head's GPTQ Hessian has no calibration tokens")
+    return acc.hessian(consume=True).cpu()
+
+
+@torch.no_grad()
+def quantize_head(model, arch, scheme, dtype: torch.dtype, hessian: torch.Tensor | None = None,
+                  damp: float = 0.01) -> tuple[QuantizedLinear, float]:
+    """Quantize ``model``'s LM head without touching the model (a tied head shares the
+    embedding's storage, which stays float): GPTQ (Frantar et al., 2022; no act-order, the
+    rows in blocks, each with the same ``H``) with ``hessian``, else RTN.
 
     Args:
         model: the float model (its head on CPU; ``meta`` is refused).
         arch: its architecture row (``arch.lm_head``: the module path).
         scheme: :class:`compressor.recipe.HeadScheme` (``num_bits``, ``group_size``, ``symmetric``).
         dtype: storage dtype of the scales.
+        hessian: ``[hidden, hidden]`` float32 from :func:`head_hessian`, or ``None`` (RTN).
+        damp: GPTQ's relative dampening (the recipe's ``gptq.damp``).
 
     Returns:
         ``(record, relative Frobenius error of the dequantized head)``: ``record.q`` int8
@@ -92,7 +128,14 @@ def quantize_head(model, arch, scheme, dtype: torch.dtype) -> tuple[QuantizedLin
     err2 = ref2 = 0.0
     for r0 in range(0, w.shape[0], ROWS):
         block = w[r0:r0 + ROWS].float()
-        q, scale, zp = rtn_quantize(block, scheme.num_bits, gs, scheme.symmetric)
+        if hessian is None:
+            q, scale, zp = rtn_quantize(block, scheme.num_bits, gs, scheme.symmetric)
+        else:
+            from .gptq import gptq_quantize
+
+            r = gptq_quantize(block, hessian, scheme.num_bits, gs, scheme.symmetric, damp=damp, scale_dtype=dtype,
+                              name="lm_head")
+            q, scale, zp = r.q, r.scale, r.zero_point
         check_scale_range(scale, dtype, "lm_head")  # float16 storage: a scale above 65,504 is refused
         scale = scale.to(dtype)
         deq = dequantize(q, scale, None if scheme.symmetric else zp, gs, dtype=torch.float32)
@@ -115,17 +158,19 @@ def head_schemes(recipe, arch) -> dict[str, tuple[int, int, bool]]:
     return {} if h is None else {arch.lm_head: (h.num_bits, h.group_size, h.symmetric)}
 
 
-def add_head(recipe, arch, model, packed: dict, pack, rename, dtype: torch.dtype) -> dict | None:
+def add_head(recipe, arch, model, packed: dict, pack, rename, dtype: torch.dtype,
+             hessian: torch.Tensor | None = None) -> dict | None:
     """Quantize the head (recipe ``head:``) into ``packed`` (checkpoint name -> stored tensors,
     ``pack``: record dict -> packed dict, the format's packer) and untie a tied model's config;
-    the manifest's ``quality.head`` record, ``None`` without ``head:``."""
+    ``hessian``: the head inputs' (the pipeline's, when it ran a calibration pass) for GPTQ.
+    Returns the manifest's ``quality.head`` record, ``None`` without ``head:``."""
     h = getattr(recipe, "head", None)
     if h is None:
         return None
-    record, rel = quantize_head(model, arch, h, dtype)
+    record, rel = quantize_head(model, arch, h, dtype, hessian, recipe.gptq.damp)
     packed.update({rename(n): t for n, t in pack({arch.lm_head: record}).items()})
     return {"num_bits": h.num_bits, "group_size": h.group_size, "symmetric": h.symmetric,
-            "relative_error": round(rel, 6), "untied": untie(model)}
+            "method": "rtn" if hessian is None else "gptq", "relative_error": round(rel, 6), "untied": untie(model)}
 
 
 def untie(model) -> bool:
