@@ -148,7 +148,7 @@ def check_carry(packed: PackedSource, recipe, opts) -> None:
     if get_algorithm(recipe.algorithm).quantizes_weights:
         raise InputError(f"{what}; kvq does not quantize quantized weights again (recipe {recipe.name} asks for "
                          f"{recipe.algorithm.upper()}): to calibrate the KV cache on the weights as they are, {hint}")
-    if getattr(recipe, "head", None) is not None:
+    if recipe.head is not None:
         raise InputError(f"{what}; its tensors are carried as they are, so the recipe's head: section cannot be "
                          "applied (quantize the head from the float model)")
     if recipe.kv_cache is None:

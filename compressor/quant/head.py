@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError, QuantizationError
-from .layer import QuantizedLinear
-from .primitives import check_scale_range, dequantize
+from .layer import QuantizedLinear, stored_dequantize
 from .rtn import rtn_quantize
 
 #: rows quantized at once: a ``[ROWS, hidden]`` float32 block (128 MiB at hidden 7168)
@@ -35,15 +34,20 @@ def check_head(recipe, fmt: str, model=None, arch=None) -> None:
 
     Raises:
         InputError: a format other than compressed-tensors (AutoAWQ's and GPTQ's loaders
-            keep ``lm_head`` in float), a group size that does not divide the hidden size, a
+            keep ``lm_head`` in float), ``lm_head`` also in the recipe's ``ignore``, a group size that does not divide the hidden size, a
             model without a Linear ``lm_head``, or a tied head inside a multimodal wrapper.
     """
-    head = getattr(recipe, "head", None)
+    head = recipe.head
     if head is None:
         return
     if fmt != "compressed-tensors":
         raise InputError(f"recipe head: {fmt} artifacts keep lm_head in float; quantize the head with "
                          "--format compressed-tensors")
+    from ..recipe import matches
+
+    if matches(recipe.ignore, "lm_head"):
+        raise InputError("the recipe both quantizes the head (head:) and ignores lm_head (ignore:); "
+                         "drop one (--set head=null keeps the head in float)")
     if model is None:
         return
     lin = _head(model, arch)
@@ -55,13 +59,10 @@ def check_head(recipe, fmt: str, model=None, arch=None) -> None:
 
 
 def _head(model, arch) -> torch.nn.Linear:
-    from ..arch import get_module
+    from ..arch import find_module
 
     name = arch.lm_head if arch is not None else "lm_head"
-    try:
-        lin = get_module(model, name)
-    except AttributeError:
-        lin = None
+    lin = find_module(model, name)
     if not isinstance(lin, torch.nn.Linear):
         raise InputError(f"recipe head: the model has no Linear {name}")
     return lin
@@ -136,11 +137,7 @@ def quantize_head(model, arch, scheme, dtype: torch.dtype, hessian: torch.Tensor
             r = gptq_quantize(block, hessian, scheme.num_bits, gs, scheme.symmetric, damp=damp, scale_dtype=dtype,
                               name="lm_head")
             q, scale, zp = r.q, r.scale, r.zero_point
-        check_scale_range(scale, dtype, "lm_head")  # float16 storage: a scale above 65,504 is refused
-        scale = scale.to(dtype)
-        deq = dequantize(q, scale, None if scheme.symmetric else zp, gs, dtype=torch.float32)
-        if not (torch.isfinite(scale.float()).all() and torch.isfinite(deq).all()):
-            raise QuantizationError("quantizing lm_head produced NaN or Inf; nothing was written")
+        scale, deq = stored_dequantize(q, scale, None if scheme.symmetric else zp, gs, dtype, "lm_head")
         err2 += float((deq - block).pow(2).sum())
         ref2 += float(block.pow(2).sum())
         qs.append(q)
@@ -154,7 +151,7 @@ def quantize_head(model, arch, scheme, dtype: torch.dtype, hessian: torch.Tensor
 
 def head_schemes(recipe, arch) -> dict[str, tuple[int, int, bool]]:
     """``{in-memory head name: (num_bits, group_size, symmetric)}``, empty without ``head:``."""
-    h = getattr(recipe, "head", None)
+    h = recipe.head
     return {} if h is None else {arch.lm_head: (h.num_bits, h.group_size, h.symmetric)}
 
 
@@ -164,7 +161,7 @@ def add_head(recipe, arch, model, packed: dict, pack, rename, dtype: torch.dtype
     ``pack``: record dict -> packed dict, the format's packer) and untie a tied model's config;
     ``hessian``: the head inputs' (the pipeline's, when it ran a calibration pass) for GPTQ.
     Returns the manifest's ``quality.head`` record, ``None`` without ``head:``."""
-    h = getattr(recipe, "head", None)
+    h = recipe.head
     if h is None:
         return None
     record, rel = quantize_head(model, arch, h, dtype, hessian, recipe.gptq.damp)

@@ -47,6 +47,26 @@ class QuantizedLinear:
         return (self.num_bits, self.group_size, self.symmetric)
 
 
+def stored_dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group_size: int,
+                      dtype: torch.dtype, name: str, g_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales as the artifact stores them and the weight loaders dequantize from them.
+
+    ``scale [out, G]`` is checked against ``dtype``'s range and rounded to it; ``q [out, in]``
+    is dequantized with the rounded scales (``zero_point`` ``None`` when symmetric).
+    Returns ``(scale in dtype, float32 [out, in])``.
+
+    Raises:
+        InputError: a scale ``dtype`` cannot hold (float16 above 65,504; names the module).
+        QuantizationError: a non-finite scale or dequantized weight (names the module).
+    """
+    check_scale_range(scale.float(), dtype, name)
+    scale = scale.to(dtype)
+    deq = dequantize(q, scale, zero_point, group_size, dtype=torch.float32, g_idx=g_idx)
+    if not (torch.isfinite(scale.float()).all() and torch.isfinite(deq).all()):
+        raise QuantizationError(f"quantizing {name} produced NaN or Inf; nothing was written")
+    return scale, deq
+
+
 class LinearQuantizer:
     """Per-module schemes plus the storage dtype; turns a Linear into a :class:`QuantizedLinear`.
 
@@ -68,11 +88,7 @@ class LinearQuantizer:
             QuantizationError: a non-finite scale or dequantized weight (names the module).
         """
         bits, gs, sym = self.schemes[name]
-        check_scale_range(scale.float(), self.dtype, name)
-        scale = scale.to(self.dtype)  # what the artifact stores and loaders dequantize with
-        deq = dequantize(q, scale, None if sym else zp, gs, dtype=torch.float32, g_idx=g_idx)
-        if not (torch.isfinite(scale.float()).all() and torch.isfinite(deq).all()):
-            raise QuantizationError(f"quantizing {name} produced NaN or Inf; nothing was written")
+        scale, deq = stored_dequantize(q, scale, None if sym else zp, gs, self.dtype, name, g_idx)
         ref = (original if original is not None else lin.weight.detach()).float()
         # error in the original's space: AWQ's folded input scales (col) and, when this linear
         # feeds another scaling group, its divided output rows (row) undone
