@@ -9,7 +9,8 @@ agreement. Rows (``METHODS``, comma separated, default all):
 * ``rtn``, ``awq``, ``gptq``, ``awq-gptq`` -- kvq (``kvq quantize`` with the bundled
   recipes ``w4a16-rtn-g64`` / ``w4a16-awq`` / ``w4a16-gptq`` / ``w4a16-awq-gptq`` and
   ``--bits``); ``awq-gptq-g20`` is ``w4a16-gptq`` with ``--algorithm awq-gptq`` (AWQ's
-  default 20-point scale grid);
+  default 20-point scale grid); ``gptq-clip`` is ``w4a16-gptq`` with GPTQ's range search
+  (``--set gptq.clip=true``);
 * ``llmc-gptq``, ``llmc-awq`` -- llm-compressor in ``bench/.peers/llmcompressor``
   (``bench/peer_llmcompressor.py --bits``);
 * ``autoround`` -- AutoRound in ``bench/.peers/autoround`` (``bench/peer_autoround.py``;
@@ -46,12 +47,14 @@ WINDOWS = int(os.environ.get("WINDOWS", "8"))
 AR_ITERS = int(os.environ.get("AR_ITERS", "200"))
 #: AutoRound's learning rate; its "light" recipe is iters 50 with lr 5e-3 (auto-round CLI --recipe light)
 AR_LR = os.environ.get("AR_LR")
-ALL = ("rtn", "awq", "gptq", "awq-gptq", "awq-gptq-g20", "llmc-gptq", "llmc-awq", "autoround")
+ALL = ("rtn", "awq", "gptq", "gptq-clip", "awq-gptq", "awq-gptq-g20", "llmc-gptq", "llmc-awq", "autoround")
 METHODS = [m for m in os.environ.get("METHODS", ",".join(ALL)).split(",") if m]
 TAG = f"{pb.SAMPLES}x{pb.SEQLEN}-w{WINDOWS}"
 WORK = ROOT / "bench" / "work" / "quality" / TAG
-KVQ_RECIPE = {"rtn": "w4a16-rtn-g64", "awq": "w4a16-awq", "gptq": "w4a16-gptq", "awq-gptq": "w4a16-awq-gptq",
-              "awq-gptq-g20": "w4a16-gptq"}
+KVQ_RECIPE = {"rtn": "w4a16-rtn-g64", "awq": "w4a16-awq", "gptq": "w4a16-gptq", "gptq-clip": "w4a16-gptq",
+              "awq-gptq": "w4a16-awq-gptq", "awq-gptq-g20": "w4a16-gptq"}
+#: extra kvq flags of a row
+KVQ_FLAGS = {"awq-gptq-g20": ["--algorithm", "awq-gptq"], "gptq-clip": ["--set", "gptq.clip=true"]}
 AR_PY = ROOT / "bench" / ".peers" / "autoround" / "bin" / "python"
 
 
@@ -63,7 +66,7 @@ def quantize(method: str, bits: int) -> dict:
         shutil.rmtree(out)
     if method in KVQ_RECIPE:
         cmd = [pb.KVQ, "quantize", pb.FLOAT, "--recipe", KVQ_RECIPE[method], "--bits", bits, "--calib", pb.CALIB,
-               "-o", out, "--json", *(["--algorithm", "awq-gptq"] if method == "awq-gptq-g20" else [])]
+               "-o", out, "--json", *KVQ_FLAGS.get(method, [])]
         wall = pb.run(cmd, log)
         text = log.read_text()
         s = json.loads(text[text.index("{\n"):])
@@ -125,9 +128,12 @@ def main() -> None:
     pb.prepare()
     if os.environ.get("SEED"):
         seed(Path(os.environ["SEED"]))
-    if any(m.startswith("llmc-") for m in METHODS):
+    def to_run(m):  # a peer's venv is needed only for rows not cached (or seeded) yet
+        return any(not (WORK / "steps" / f"quantize-{m}-w{b}.json").exists() for b in BITS)
+
+    if any(m.startswith("llmc-") and to_run(m) for m in METHODS):
         pb.peer_venv()
-    if "autoround" in METHODS and not AR_PY.exists():
+    if "autoround" in METHODS and to_run("autoround") and not AR_PY.exists():
         sys.exit(f"quality-peers: {AR_PY} missing: python -m venv bench/.peers/autoround, then pip install "
                  "torch==2.13.0, then auto-round==0.16.1 and compressed-tensors with torch held (-c)")
     fl = step("eval-float", lambda: evaluate(pb.FLOAT, "float"))

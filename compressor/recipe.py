@@ -35,6 +35,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+#: ``model_dump(context=FULL_DUMP)``: every field, including those a serializer leaves out of
+#: digest-stable dumps while they hold their defaults (``head: null``, GPTQ's range search off)
+FULL_DUMP = {"full": True}
+
+
+def _full(info) -> bool:
+    return bool(info.context and info.context.get("full"))
+
+
 class WeightScheme(_Strict):
     """Integer weight-only scheme. ``group_size``: 32/64/128/..., ``-1`` per channel, or ``auto``."""
 
@@ -70,7 +79,9 @@ class GPTQOptions(_Strict):
     ``act_order``: visit columns by descending diag(H); ``static_groups``: fix group
     qparams before reordering (no g_idx; the only act-order compressed-tensors 0.20 stores);
     ``true_sequential``: q/k/v, then o, then gate/up, then down, each Hessian taken from
-    inputs produced by the already-quantized sub-layers."""
+    inputs produced by the already-quantized sub-layers; ``clip``: each group's range from a
+    grid search (shrinks ``1 - k/clip_grid`` below ``clip_max_shrink``) scored by the group's
+    output error under the Hessian, instead of min-max (:func:`compressor.quant.primitives.search_qparams`)."""
 
     block_size: int = Field(128, ge=1)
     damp: float = Field(0.01, gt=0.0, lt=1.0)
@@ -78,6 +89,22 @@ class GPTQOptions(_Strict):
     act_order: bool = False
     static_groups: bool = False
     true_sequential: bool = True
+    clip: bool = False
+    clip_grid: int = Field(100, ge=2, le=1000)
+    clip_max_shrink: float = Field(0.25, gt=0.0, lt=1.0)
+
+    @model_serializer(mode="wrap")
+    def _omit_new_defaults(self, handler, info):
+        """The range search's knobs (``clip*``) are left out of dumps while they hold their
+        defaults (search off): a recipe without the search serializes (and digests) as it did
+        before the fields existed, so earlier manifests keep their bytes (:data:`FULL_DUMP`
+        keeps them)."""
+        data = handler(self)
+        if isinstance(data, dict) and not _full(info) and \
+                (data.get("clip"), data.get("clip_grid"), data.get("clip_max_shrink")) == (False, 100, 0.25):
+            for k in ("clip", "clip_grid", "clip_max_shrink"):
+                del data[k]
+        return data
 
 
 class MoEOptions(_Strict):
@@ -205,11 +232,12 @@ class Recipe(_Strict):
     gates: Gates = Gates()
 
     @model_serializer(mode="wrap")
-    def _omit_float_head(self, handler):
+    def _omit_float_head(self, handler, info):
         """``head: null`` is left out of dumps: a recipe without a head scheme serializes (and
-        digests) as it did before the field existed, so earlier manifests keep their bytes."""
+        digests) as it did before the field existed, so earlier manifests keep their bytes
+        (:data:`FULL_DUMP` keeps it)."""
         data = handler(self)
-        if isinstance(data, dict) and data.get("head", 0) is None:
+        if isinstance(data, dict) and not _full(info) and data.get("head", 0) is None:
             del data["head"]
         return data
 
@@ -362,16 +390,25 @@ def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
 
 
 def with_overrides(recipe: Recipe, **overrides) -> Recipe:
-    """Return a copy of ``recipe`` with dotted-key overrides (``weights.num_bits=3``); ``None`` values are skipped.
+    """Return a copy of ``recipe`` with dotted-key overrides (``weights.num_bits=3``); ``None``
+    values are skipped (a flag not given). See :func:`apply_settings` (``None`` is a value there).
 
     Raises:
         InputError: a key that is not a recipe field, or a value the field rejects.
     """
-    data = recipe.model_dump()
-    data.setdefault("head", None)  # left out of dumps when null; still a key --set can fill
-    for key, value in overrides.items():
-        if value is None:
-            continue
+    return apply_settings(recipe, {k: v for k, v in overrides.items() if v is not None})
+
+
+def apply_settings(recipe: Recipe, settings: dict) -> Recipe:
+    """Return a copy of ``recipe`` with dotted-key settings (``--set``: ``weights.num_bits=3``,
+    ``head=null``); a ``None`` value sets the field to null, which only optional sections
+    (``kv_cache``, ``head``) accept.
+
+    Raises:
+        InputError: a key that is not a recipe field, or a value the field rejects.
+    """
+    data = recipe.model_dump(context=FULL_DUMP)
+    for key, value in settings.items():
         node = data
         parts = key.split(".")
         for p in parts[:-1]:

@@ -208,3 +208,102 @@ def test_consuming_the_hessian_gives_the_same_result(act_order):
     for f in ("q", "scale", "zero_point"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
     assert a.loss == b.loss and a.damp == b.damp
+
+
+# --- the range search (gptq.clip): each group's range scored by its block of H -------------
+
+def _full_rank_inputs(n=4096, d=128, seed=0):
+    """Correlated inputs of full rank with outlier channels (as a transformer's linear sees).
+    On the low-rank inputs above GPTQ's error feedback cancels most of any group's error, and
+    a range chosen for the group's error alone is no better than min-max."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) @ (0.1 * torch.randn(d, d, generator=g) + torch.eye(d))
+    x[:, :4] *= 10
+    return x
+
+
+def _group_errors(w, w_hat, H, gs):
+    d = (w_hat - w).reshape(w.shape[0], -1, gs)
+    blocks = torch.stack([H[g:g + gs, g:g + gs] for g in range(0, w.shape[1], gs)])
+    return torch.einsum("ogi,gij,ogj->og", d, blocks, d)
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_search_qparams_never_worse_than_min_max_per_group(sym):
+    from compressor.quant.primitives import compute_qparams, quantize, search_qparams
+
+    torch.manual_seed(7)
+    w = torch.randn(48, 128) * 0.05
+    w[torch.rand_like(w) < 0.02] *= 6  # outliers: where clipping pays
+    H = _hessian(_full_rank_inputs())
+    blocks = torch.stack([H[g:g + 32, g:g + 32] for g in range(0, 128, 32)])
+    s0, z0 = compute_qparams(w, 3, 32, sym)
+    s1, z1 = search_qparams(w, 3, 32, sym, blocks, grid=50, max_shrink=0.3)
+    assert s1.shape == s0.shape == (48, 4) and z1.dtype == torch.int8
+    if sym:
+        assert not z1.any()
+    deq0 = dequantize(quantize(w, s0, z0, 3, 32), s0, None if sym else z0, 32)
+    deq1 = dequantize(quantize(w, s1, z1, 3, 32), s1, None if sym else z1, 32)
+    e0, e1 = _group_errors(w, deq0, H, 32), _group_errors(w, deq1, H, 32)
+    assert (e1 <= e0 * (1 + 1e-5) + 1e-9).all()  # p = 1 (min-max) is a candidate
+    assert float(e1.sum()) < 0.8 * float(e0.sum())  # and shrinking pays on outlier groups
+    assert (s1 <= s0 * (1 + 1e-6)).all()  # it only ever shrinks the range
+    # one candidate (max_shrink below one step) is min-max itself
+    s2, z2 = search_qparams(w, 3, 32, sym, blocks, grid=50, max_shrink=0.01)
+    torch.testing.assert_close(s2, s0)
+    assert torch.equal(z2, z0)
+
+
+def test_search_qparams_without_hessian_is_plain_weight_error_and_rounds_scales():
+    from compressor.quant.primitives import search_qparams
+
+    torch.manual_seed(3)
+    w = torch.randn(16, 64)
+    w[:, 0] = 40.0  # one huge column: unweighted, clipping it trades much error elsewhere
+    s, z = search_qparams(w, 4, 64, False, None, grid=20, max_shrink=0.5, scale_dtype=torch.bfloat16)
+    assert torch.equal(s, s.bfloat16().float())
+    # weighted by a diagonal that ignores column 0, the search clips it hard
+    hd = torch.ones(1, 64)
+    hd[0, 0] = 0.0
+    s_w, _ = search_qparams(w, 4, 64, False, hd, grid=20, max_shrink=0.5)
+    assert (s_w < s).all()
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("act_order,static", [(True, True), (True, False), (False, False)])
+def test_gptq_range_search_lowers_output_error(bits, act_order, static):
+    torch.manual_seed(11)
+    w = torch.randn(96, 128) * 0.05
+    w[torch.rand_like(w) < 0.01] *= 8
+    x = _full_rank_inputs()
+    H = _hessian(x)
+    errs = {}
+    for clip in (None, 100):
+        r = gptq_quantize(w, H, bits, 32, False, act_order=act_order, static_groups=static, clip_grid=clip)
+        assert (r.g_idx is not None) == (act_order and not static)
+        errs[clip] = _out_err(x, w, dequantize(r.q, r.scale, r.zero_point, 32, g_idx=r.g_idx))
+    assert errs[100] < 0.97 * errs[None]
+
+
+def test_per_channel_range_search_uses_the_diagonal():
+    torch.manual_seed(2)
+    w = torch.randn(64, 256) * 0.05
+    w[torch.rand_like(w) < 0.01] *= 10
+    x = _full_rank_inputs(d=256)
+    H = _hessian(x)
+    base = gptq_quantize(w, H, 4, -1, True)
+    r = gptq_quantize(w, H, 4, -1, True, clip_grid=100)
+    assert r.scale.shape == (64, 1) and (r.scale <= base.scale * (1 + 1e-6)).all()
+    assert _out_err(x, w, dequantize(r.q, r.scale, None, -1)) < _out_err(x, w, dequantize(base.q, base.scale, None, -1))
+
+
+def test_recipe_clip_is_left_out_of_dumps_while_off():
+    from compressor.recipe import FULL_DUMP, apply_settings
+
+    r = load_recipe("w4a16-gptq")
+    assert "clip" not in r.model_dump()["gptq"]  # digests of recipes without the search unchanged
+    assert r.model_dump(context=FULL_DUMP)["gptq"]["clip"] is False
+    on = apply_settings(r, {"gptq.clip": True})
+    assert on.model_dump()["gptq"]["clip"] is True and on.model_dump()["gptq"]["clip_grid"] == 100
+    # a knob set away from its default is kept even with the search off (it says what was asked)
+    assert apply_settings(r, {"gptq.clip_max_shrink": 0.4}).model_dump()["gptq"]["clip_max_shrink"] == 0.4

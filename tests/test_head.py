@@ -105,6 +105,26 @@ def test_head_refused_before_any_work(tmp_path, capsys, argv, head, pattern):
     assert_clean_error(code, err, 2, pattern, tmp_path)
 
 
+def test_head_and_ignored_lm_head_refused(tmp_path, capsys):
+    p = tmp_path / "both.yaml"
+    p.write_text("algorithm: rtn\nweights: {num_bits: 4, group_size: 32}\nignore: [lm_head]\nhead: {num_bits: 8}\n")
+    code, _, err = run(["quantize", tmp_path / "missing-model", "--recipe", str(p), "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, "both quantizes the head", tmp_path)
+
+
+def test_set_null_is_a_value_not_a_skipped_flag():
+    from compressor.errors import InputError
+    from compressor.recipe import apply_settings, load_recipe, with_overrides
+
+    r = with_overrides(load_recipe("w4a16-awq-gptq"), head={"num_bits": 8})
+    assert apply_settings(r, {"head": None}).head is None  # --set head=null keeps the head in float
+    kv = with_overrides(load_recipe("kv-fp8"), algorithm="rtn")
+    assert kv.kv_cache is not None and apply_settings(kv, {"kv_cache": None}).kv_cache is None
+    with pytest.raises(InputError, match="weights.num_bits"):
+        apply_settings(r, {"weights.num_bits": None})
+    assert with_overrides(r, head=None).head is not None  # a flag not given (None) changes nothing
+
+
 def test_head_group_size_must_divide_hidden(tmp_path, capsys, tiny_model_dir):
     code, _, err = run(["quantize", tiny_model_dir, "--recipe", _recipe(tmp_path, "{num_bits: 4, group_size: 48}"),
                         "-o", tmp_path / "out"], capsys)

@@ -242,18 +242,19 @@ def _rank_main(rank, world, port, src, out, result_file):
 
     def spy(tasks, solve):
         calls.append(len(tasks))
-        return real(tasks, lambda t: (calls.append(("solved", t[0])), solve(t))[1])
+        return real(tasks, lambda t: (calls.append(("solved", list(t[0]))), solve(t))[1])  # t[0]: the linears solved together
 
     pl.deal = spy
     s = run_quantize(QuantizeOptions(model=str(src), output=out, algorithm="gptq", **FAST))
     json.dump({"summary": {k: v for k, v in s.items() if k in ("rank", "world_size", "output")},
-               "solved": [c[1] for c in calls if isinstance(c, tuple)]}, open(f"{result_file}.{rank}", "w"))
+               "solved": [rel for c in calls if isinstance(c, tuple) for rel in c[1]]}, open(f"{result_file}.{rank}", "w"))
 
 
 @pytest.mark.slow  # spawns two quantizing processes (make test-fast leaves it out)
 def test_gloo_two_processes_split_the_gptq_solves(tmp_path, deep_dir, whole):
-    """2 processes (gloo, CPU) quantize together: each solves half of the linears, rank 0
-    writes, and the artifact is bit-identical to the single-process one."""
+    """2 processes (gloo, CPU) quantize together: each solves half of the linears (one task
+    each under several ranks; a single process stacks a reader set's linears into one solve),
+    rank 0 writes, and the artifact is bit-identical to the single-process one."""
     import socket
 
     import torch.multiprocessing as mp

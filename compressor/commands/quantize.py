@@ -48,7 +48,7 @@ from ..pipeline import check_group_sizes, quantize_model
 from ..quant.algorithms import get_algorithm
 from ..quant.head import add_head, check_head, head_schemes
 from ..quant.kv import layout_bytes_per_token
-from ..recipe import KVCacheOptions, Recipe, load_recipes, with_overrides
+from ..recipe import KVCacheOptions, Recipe, apply_settings, load_recipes, with_overrides
 from ..signing import check_sign_options, sign_folder
 from ..staging import (
     LayerWriter, keep_checkpoint, name_kept_checkpoint, open_staging, plan_activations, resume_key,
@@ -257,7 +257,7 @@ def _effective_recipe(opts: QuantizeOptions) -> Recipe:
     if s.kv_scheme is not None:
         recipe = with_overrides(recipe, kv_cache=KVCacheOptions(scheme=s.kv_scheme).model_dump())
     if s.settings:
-        recipe = with_overrides(recipe, **dict(s.settings))
+        recipe = apply_settings(recipe, dict(s.settings))
     return with_overrides(recipe, **{
         "algorithm": s.algorithm, "weights.num_bits": s.bits, "weights.group_size": s.group_size,
         "weights.symmetric": s.symmetric, "gptq.act_order": s.act_order,

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import InputError, QuantizationError
 from .inplace_linalg import all_finite, permute_symmetric_, upper_cholesky_of_inverse_
-from .primitives import compute_qparams, qrange
+from .primitives import compute_qparams, qrange, search_qparams
 
 
 #: inputs at least this wide accumulate ``x^T x`` in blocks of :data:`ROW_BLOCK` rows
@@ -182,6 +182,19 @@ class _Grid:
     scale_dtype: torch.dtype
     qmin: int
     qmax: int
+    #: range search (:func:`~compressor.quant.primitives.search_qparams`): candidates
+    #: ``1 - k/clip_grid`` below ``clip_max_shrink``; ``None``: min-max qparams
+    clip_grid: int | None = None
+    clip_max_shrink: float = 0.0
+
+    def qparams(self, W: torch.Tensor, h_blocks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qparams of ``W [out, k·gs]`` (scale already rounded to ``scale_dtype``, float32; zero int8):
+        min-max, or the range search scored by ``h_blocks`` (``[k, gs, gs]`` or ``[k, gs]``)."""
+        if self.clip_grid is None:
+            s, z = compute_qparams(W, self.num_bits, self.group_size, self.symmetric)
+            return s.to(self.scale_dtype).float(), z
+        return search_qparams(W, self.num_bits, self.group_size, self.symmetric, h_blocks, self.clip_grid,
+                              self.clip_max_shrink, self.scale_dtype)
 
 
 def _prepare_inputs(w: torch.Tensor, H: torch.Tensor, name: str, consume: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -206,14 +219,23 @@ def _prepare_inputs(w: torch.Tensor, H: torch.Tensor, name: str, consume: bool =
     return W, H, n_dead
 
 
-def _static_group_qparams(W: torch.Tensor, grid: _Grid) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qparams of every group from the original weights in the original column order.
+def _hessian_blocks(H: torch.Tensor, gs: int) -> torch.Tensor:
+    """The groups' diagonal blocks of ``H [in, in]`` as ``[G, gs, gs]`` (a copy), or its diagonal
+    as ``[1, in]`` when one group spans the row (per-channel: the block would be all of ``H``)."""
+    in_f = H.shape[0]
+    if gs == in_f:
+        return torch.diagonal(H).clone().unsqueeze(0)
+    return torch.stack([H[g:g + gs, g:g + gs] for g in range(0, in_f, gs)])
+
+
+def _static_group_qparams(W: torch.Tensor, grid: _Grid, h_blocks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qparams of every group from the original weights in the original column order
+    (``h_blocks``: the Hessian's diagonal blocks in that order, for the range search).
 
     Returns scale float32 ``[out, G]`` (already rounded to ``grid.scale_dtype``) and zero
     point int8 ``[out, G]``, fixed for the whole column loop.
     """
-    s0, z0 = compute_qparams(W, grid.num_bits, grid.group_size, grid.symmetric)
-    return s0.to(grid.scale_dtype).float(), z0
+    return grid.qparams(W, h_blocks)
 
 
 def _act_order_permutation(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -231,13 +253,14 @@ def _act_order_permutation(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tens
 
 def _quantize_block(W1: torch.Tensor, U1: torch.Tensor, i1: int, col_group_list: list[int], scale: torch.Tensor,
                     zero: torch.Tensor, losses: torch.Tensor, grid: _Grid,
-                    static: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    static: bool, h_blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the columns of one lazy block, propagating each column's error inside the block.
 
     ``W1`` ``[out, b]`` (updated in place) holds columns ``i1 .. i1 + b`` in visiting order,
     ``U1`` ``[b, b]`` the matching block of the upper Cholesky factor of ``H⁻¹``. Unless
     ``static``, the qparams of a group are computed when its first column is reached and
-    stored into ``scale``/``zero`` ``[out, G]``; ``losses`` (float64 ``[out]``) accumulates
+    stored into ``scale``/``zero`` ``[out, G]`` (range search: scored by ``h_blocks[g]``, the
+    Hessian's block of the group's visited columns); ``losses`` (float64 ``[out]``) accumulates
     ``(w - ŵ)² / [H⁻¹]_cc / 2``. Returns ``Q1`` (float32 integer values ``[out, b]``) and
     ``Err1`` (the scaled errors ``[out, b]`` for the update of the remaining columns).
     """
@@ -248,8 +271,8 @@ def _quantize_block(W1: torch.Tensor, U1: torch.Tensor, i1: int, col_group_list:
         j = i1 + i
         g = col_group_list[j]
         if not static and j % gs == 0:
-            s, z = compute_qparams(W1[:, i : i + gs], grid.num_bits, gs, grid.symmetric)
-            scale[:, g] = s[:, 0].to(grid.scale_dtype).float()
+            s, z = grid.qparams(W1[:, i : i + gs], None if h_blocks is None else h_blocks[g : g + 1])
+            scale[:, g] = s[:, 0]
             zero[:, g] = z[:, 0]
         s_col = scale[:, g]
         z_col = zero[:, g].float()
@@ -266,13 +289,14 @@ def _quantize_block(W1: torch.Tensor, U1: torch.Tensor, i1: int, col_group_list:
 
 
 def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid, block_size: int, perm: torch.Tensor | None,
-                      static_qparams: tuple[torch.Tensor, torch.Tensor] | None):
+                      static_qparams: tuple[torch.Tensor, torch.Tensor] | None, h_blocks: torch.Tensor | None = None):
     """The blocked column loop of GPTQ (algorithm 1) over ``W`` ``[out, in]`` in visiting order.
 
     Blocks are widened to a multiple of the group size so a group never straddles a block;
     after each block its error is applied to the remaining columns in one matmul (``W`` is
     updated in place). With ``static_qparams`` column ``j`` belongs to group
-    ``perm[j] // group_size``, otherwise to ``j // group_size``.
+    ``perm[j] // group_size``, otherwise to ``j // group_size`` (``h_blocks``: the Hessian's
+    blocks of those visited groups, for the range search).
 
     Returns ``(Q, scale, zero, col_group, losses)``: int8 ``[out, in]`` in visiting order,
     float32 and int8 ``[out, G]``, the int64 group of each visited column ``[in]``, and the
@@ -299,7 +323,7 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid, block_size:
         i2 = min(i1 + block_size, in_f)
         W1 = W[:, i1:i2].clone()
         Q1, Err1 = _quantize_block(W1, U[i1:i2, i1:i2], i1, col_group_list, scale, zero, losses, grid,
-                                   static_qparams is not None)
+                                   static_qparams is not None, h_blocks)
         Q[:, i1:i2] = Q1.to(torch.int8)
         if i2 < in_f:
             W[:, i2:] -= Err1 @ U[i1:i2, i2:]
@@ -338,6 +362,8 @@ def gptq_quantize(
     scale_dtype: torch.dtype = torch.float32,
     name: str = "",
     consume_hessian: bool = False,
+    clip_grid: int | None = None,
+    clip_max_shrink: float = 0.25,
 ) -> GPTQResult:
     """Quantize one weight matrix with GPTQ (Frantar et al., 2022, algorithm 1, as the reference implementation).
 
@@ -362,6 +388,11 @@ def gptq_quantize(
         scale_dtype: storage dtype of the scales; every scale is rounded to it as soon as it
             is computed, so the error GPTQ propagates is the error of the stored weights.
         name: module name for error messages.
+        clip_grid, clip_max_shrink: each group's range from a grid search
+            (:func:`~compressor.quant.primitives.search_qparams`: shrinks ``1 - k/clip_grid``
+            below ``clip_max_shrink``, scored by ``Δ_gᵀ H_gg Δ_g`` on the group's block of ``H``),
+            made where min-max qparams are (up front for static groups, else when the loop
+            reaches the group); ``clip_grid=None``: min-max, as the paper.
 
     Returns:
         :class:`GPTQResult`.
@@ -373,19 +404,22 @@ def gptq_quantize(
     _out_f, in_f = w.shape
     gs = in_f if group_size in (-1, 0, None) else int(group_size)
     qmin, qmax = qrange(num_bits)
-    grid = _Grid(num_bits, symmetric, gs, scale_dtype, qmin, qmax)
+    grid = _Grid(num_bits, symmetric, gs, scale_dtype, qmin, qmax, clip_grid, clip_max_shrink if clip_grid else 0.0)
     W, H, n_dead = _prepare_inputs(w, H, name, consume_hessian)
     static_qparams = None
-    if static_groups or gs == in_f:
+    static = static_groups or gs == in_f
+    if static:
         # groups fixed from the original weights, original column order
-        static_qparams = _static_group_qparams(W, grid)
+        static_qparams = _static_group_qparams(W, grid, _hessian_blocks(H, gs) if clip_grid else None)
     perm = None
     if act_order:
         W, H, perm = _act_order_permutation(W, H)
+    # dynamic groups follow the visiting order: their blocks of the (permuted) Hessian
+    h_blocks = _hessian_blocks(H, gs) if clip_grid and not static else None
     U, damp_used, retries = _inverse_cholesky(H, damp, damp_increment, max_damp, name)
     del H
 
-    Q, scale, zero, col_group, losses = _quantize_columns(W, U, grid, block_size, perm, static_qparams)
+    Q, scale, zero, col_group, losses = _quantize_columns(W, U, grid, block_size, perm, static_qparams, h_blocks)
     Q, g_idx = _restore_column_order(Q, perm, col_group, static_qparams is not None)
     if torch.isinf(scale).any() and scale_dtype.itemsize < 4 and not torch.isnan(scale).any():
         raise InputError(f"the weight scales of {name} overflow {str(scale_dtype).removeprefix('torch.')} "

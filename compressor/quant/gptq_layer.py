@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from ..arch import expand, expert_index, get_module, is_expert, layer_fused_sets, layer_linears, num_experts
 from ..distributed import deal, world
 from .algorithms import Algorithm, odd_bits_warnings, register_algorithm
@@ -115,16 +117,44 @@ def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, first_pass: 
     return accs, float_out
 
 
+#: the linears of one reader set that share a scheme are solved as one matrix (their rows
+#: stacked: GPTQ treats every row alone given ``H``, so the integers and scales are the same)
+#: while the stacked float32 rows stay under this many bytes; larger ones (a Kimi K2 routed
+#: expert's gate/up: 2 x 2048 x 7168) are solved one by one, holding one copy at a time
+BATCH_BYTES = 64 << 20
+
+
+def _batches(layer, st: tuple[str, ...], schemes: dict, prefix: str) -> list[tuple[str, ...]]:
+    """Split reader set ``st`` into runs of linears solved together (same scheme, stacked rows
+    under :data:`BATCH_BYTES`), in the set's order. Under several ranks every linear is a task
+    of its own: dealing them to the ranks is the faster way there."""
+    if world()[1] > 1:
+        return [(rel,) for rel in st]
+    out: list[list[str]] = []
+    held = 0
+    for rel in st:
+        lin = get_module(layer, rel)
+        size = 4 * lin.out_features * lin.in_features
+        if out and schemes[prefix + rel] == schemes[prefix + out[-1][0]] and held + size <= BATCH_BYTES:
+            out[-1].append(rel)
+            held += size
+        else:
+            out.append([rel])
+            held = size
+    return [tuple(b) for b in out]
+
+
 def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
     """Quantize one pass's reader sets: RTN for cold experts and sets without tokens, GPTQ
-    (dealt to the ranks) for the rest. ``folds``: ``(col_scale, row_scale, originals)`` of an
+    (dealt to the ranks) for the rest, the linears of a set that share a scheme solved as one
+    stacked matrix (:func:`_batches`). ``folds``: ``(col_scale, row_scale, originals)`` of an
     AWQ-scaled layer (``awq-gptq``), so each weight error is measured against the weight
     before folding. Returns ``(errs, damps, retries, dead_channels)``."""
     col_scale, row_scale, originals = folds or ({}, {}, {})
     arch, quantizer, opts = ctx.arch, ctx.quantizer, ctx.recipe.gptq
     prefix = f"{arch.layers}.{i}."
     errs, damps, retries, dead = [], [], 0, 0
-    tasks = []  # (linear, its set's key): the solves of this pass, dealt to the ranks (compressor.distributed)
+    tasks = []  # (linears solved together, their set's key): the solves of this pass, dealt to the ranks
     for st in sets:
         e = expert_index(arch, st[0])
         if (e is not None and e in cold) or accs[st[0]].n == 0:
@@ -134,41 +164,51 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
                                                                    originals.get(rel), row_scale.get(rel))
                 errs.append(err)
             continue
-        tasks += [(rel, st[0]) for rel in st]
-    # each set's Hessian is built when its first linear is solved and handed, to be worked on
+        tasks += [(b, st[0]) for b in _batches(layer, st, quantizer.schemes, prefix)]
+    # each set's Hessian is built when its first batch is solved and handed, to be worked on
     # in place, to its last: one Hessian alive at a time besides the float64 sums not reached yet
     rank, size = world()
     left: dict[str, int] = {}
-    for j, (_rel, key) in enumerate(tasks):
+    for j, (_rels, key) in enumerate(tasks):
         if j % size == rank:
             left[key] = left.get(key, 0) + 1
     built: dict = {}
 
     def solve(task):
-        rel, key = task
-        name = prefix + rel
-        bits, gs, sym = quantizer.schemes[name]
+        rels, key = task
+        bits, gs, sym = quantizer.schemes[prefix + rels[0]]
         if key not in built:
             built[key] = accs.pop(key).hessian(consume=True)
         left[key] -= 1
         last = left[key] == 0
         H = built.pop(key) if last else built[key]
+        weights = [get_module(layer, rel).weight.detach() for rel in rels]
+        w = weights[0] if len(weights) == 1 else torch.cat(weights)
+        del weights
         r = gptq_quantize(
-            get_module(layer, rel).weight.detach(), H, bits, gs, sym, block_size=opts.block_size, damp=opts.damp,
+            w, H, bits, gs, sym, block_size=opts.block_size, damp=opts.damp,
             damp_increment=opts.damp_increment, act_order=opts.act_order,
-            static_groups=opts.static_groups, scale_dtype=quantizer.dtype, name=name, consume_hessian=last,
+            static_groups=opts.static_groups, scale_dtype=quantizer.dtype, name=" + ".join(prefix + x for x in rels),
+            consume_hessian=last, clip_grid=opts.clip_grid if opts.clip else None, clip_max_shrink=opts.clip_max_shrink,
         )
-        del H
-        return r.q, r.scale, r.zero_point, r.g_idx, r.damp, r.retries, r.dead_channels
+        del H, w
+        out, r0 = [], 0
+        for rel in rels:  # each linear's rows of the stacked result
+            r1 = r0 + get_module(layer, rel).out_features
+            part = (r.q[r0:r1], r.scale[r0:r1], r.zero_point[r0:r1])
+            out.append((*(t.clone() if len(rels) > 1 else t for t in part), r.g_idx))  # no storage shared between records
+            r0 = r1
+        return out, r.damp, r.retries, r.dead_channels
 
-    for (rel, _key), (q, scale, zp, g_idx, damp, r_retries, r_dead) in zip(tasks, deal(tasks, solve)):
-        name = prefix + rel
-        ctx.modules[name], err = quantizer.finish(name, get_module(layer, rel), q, scale, zp, g_idx, col_scale.get(rel),
-                                                  originals.get(rel), row_scale.get(rel))
-        errs.append(err)
-        damps.append(damp)
-        retries += r_retries
-        dead += r_dead
+    for (rels, _key), (parts, damp, r_retries, r_dead) in zip(tasks, deal(tasks, solve)):
+        for rel, (q, scale, zp, g_idx) in zip(rels, parts):
+            name = prefix + rel
+            ctx.modules[name], err = quantizer.finish(name, get_module(layer, rel), q, scale, zp, g_idx,
+                                                      col_scale.get(rel), originals.get(rel), row_scale.get(rel))
+            errs.append(err)
+            damps.append(damp)
+            retries += r_retries
+            dead += r_dead
     del tasks
     return errs, damps, retries, dead
 
