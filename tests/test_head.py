@@ -181,3 +181,28 @@ def test_head_with_a_calibration_pass_is_solved_with_gptq(tmp_path, tokenizer):
     assert h["method"] == "gptq" and h["num_bits"] == 4 and h["untied"] is False
     ours, _ = load_artifact(out)
     assert torch.isfinite(ours(torch.randint(0, 300, (1, 8))).logits).all()
+
+
+def test_head_gptq_takes_the_recipes_range_search(tmp_path, tokenizer, monkeypatch):
+    """``gptq.clip`` applies wherever GPTQ runs: the head's solve gets the recipe's grid (and
+    none without it)."""
+    import compressor.quant.gptq as gq
+
+    seen = []
+    real = gq.gptq_quantize
+
+    def spy(*a, **kw):
+        if kw.get("name") == "lm_head":
+            seen.append((kw.get("clip_grid"), kw.get("clip_max_shrink")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gq, "gptq_quantize", spy)
+    src = make_model_dir(tmp_path / "src", tokenizer, tie_word_embeddings=False)
+    for clip, want in (("true", (50, 0.2)), ("false", (None, 0.2))):
+        recipe = tmp_path / f"g-{clip}.yaml"
+        recipe.write_text("algorithm: gptq\nweights: {num_bits: 4, group_size: 32, symmetric: true}\n"
+                          f"gptq: {{clip: {clip}, clip_grid: 50, clip_max_shrink: 0.2}}\nhead: {{num_bits: 4, group_size: 32}}\n")
+        seen.clear()
+        run_quantize(QuantizeOptions(model=str(src), output=tmp_path / f"out-{clip}", recipe=str(recipe),
+                                     calib_samples=4, calib_seqlen=32))
+        assert seen and all(s == want for s in seen), seen

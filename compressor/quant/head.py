@@ -7,7 +7,8 @@ quantized after the decoder layers, in blocks of rows (every scheme here is per 
 error feedback runs along a row's columns, so a block's result is the whole matrix's), which
 bounds the transient float copy whatever the vocabulary: with GPTQ when the run had a
 calibration pass (AWQ, GPTQ, AWQ+GPTQ: the Hessian of the final norm's outputs on the
-quantized model, :func:`head_hessian`), else with min-max RTN.
+quantized model, :func:`head_hessian`; with the recipe's ``gptq.damp`` and range search),
+else with min-max RTN.
 
 Layout: compressed-tensors ``pack-quantized``, the head in a config group of its own
 (``targets: [lm_head]``) and out of the ignore list, as llm-compressor writes a quantized
@@ -100,7 +101,8 @@ def head_hessian(model, arch, hidden) -> torch.Tensor:
 
 @torch.no_grad()
 def quantize_head(model, arch, scheme, dtype: torch.dtype, hessian: torch.Tensor | None = None,
-                  damp: float = 0.01) -> tuple[QuantizedLinear, float]:
+                  damp: float = 0.01, clip_grid: int | None = None,
+                  clip_max_shrink: float = 0.25) -> tuple[QuantizedLinear, float]:
     """Quantize ``model``'s LM head without touching the model (a tied head shares the
     embedding's storage, which stays float): GPTQ (Frantar et al., 2022; no act-order, the
     rows in blocks, each with the same ``H``) with ``hessian``, else RTN.
@@ -112,6 +114,8 @@ def quantize_head(model, arch, scheme, dtype: torch.dtype, hessian: torch.Tensor
         dtype: storage dtype of the scales.
         hessian: ``[hidden, hidden]`` float32 from :func:`head_hessian`, or ``None`` (RTN).
         damp: GPTQ's relative dampening (the recipe's ``gptq.damp``).
+        clip_grid, clip_max_shrink: GPTQ's range search (the recipe's ``gptq.clip*``; ``None``:
+            min-max), as :func:`compressor.quant.gptq.gptq_quantize`; RTN ignores them.
 
     Returns:
         ``(record, relative Frobenius error of the dequantized head)``: ``record.q`` int8
@@ -135,7 +139,7 @@ def quantize_head(model, arch, scheme, dtype: torch.dtype, hessian: torch.Tensor
             from .gptq import gptq_quantize
 
             r = gptq_quantize(block, hessian, scheme.num_bits, gs, scheme.symmetric, damp=damp, scale_dtype=dtype,
-                              name="lm_head")
+                              name="lm_head", clip_grid=clip_grid, clip_max_shrink=clip_max_shrink)
             q, scale, zp = r.q, r.scale, r.zero_point
         scale, deq = stored_dequantize(q, scale, None if scheme.symmetric else zp, gs, dtype, "lm_head")
         err2 += float((deq - block).pow(2).sum())
@@ -164,7 +168,8 @@ def add_head(recipe, arch, model, packed: dict, pack, rename, dtype: torch.dtype
     h = recipe.head
     if h is None:
         return None
-    record, rel = quantize_head(model, arch, h, dtype, hessian, recipe.gptq.damp)
+    g = recipe.gptq
+    record, rel = quantize_head(model, arch, h, dtype, hessian, g.damp, g.clip_grid if g.clip else None, g.clip_max_shrink)
     packed.update({rename(n): t for n, t in pack({arch.lm_head: record}).items()})
     return {"num_bits": h.num_bits, "group_size": h.group_size, "symmetric": h.symmetric,
             "method": "rtn" if hessian is None else "gptq", "relative_error": round(rel, 6), "untied": untie(model)}
