@@ -90,8 +90,8 @@ class GPTQOptions(_Strict):
     static_groups: bool = False
     true_sequential: bool = True
     clip: bool = False
-    clip_grid: int = Field(100, ge=2, le=1000)
-    clip_max_shrink: float = Field(0.25, gt=0.0, lt=1.0)
+    clip_grid: int = Field(100, ge=2, le=1000, strict=True)
+    clip_max_shrink: float = Field(0.25, gt=0.0, lt=1.0, allow_inf_nan=False)
 
     @model_serializer(mode="wrap")
     def _omit_new_defaults(self, handler, info):
@@ -399,16 +399,17 @@ def with_overrides(recipe: Recipe, **overrides) -> Recipe:
     return apply_settings(recipe, {k: v for k, v in overrides.items() if v is not None})
 
 
-def apply_settings(recipe: Recipe, settings: dict) -> Recipe:
+def apply_settings(recipe: Recipe, settings) -> Recipe:
     """Return a copy of ``recipe`` with dotted-key settings (``--set``: ``weights.num_bits=3``,
-    ``head=null``); a ``None`` value sets the field to null, which only optional sections
-    (``kv_cache``, ``head``) accept.
+    ``head=null``), a dict or ``(key, value)`` pairs applied in their order (a key given twice:
+    the last wins, where it stands); a ``None`` value sets the field to null, which only
+    optional sections (``kv_cache``, ``head``) accept.
 
     Raises:
         InputError: a key that is not a recipe field, or a value the field rejects.
     """
     data = recipe.model_dump(context=FULL_DUMP)
-    for key, value in settings.items():
+    for key, value in (settings.items() if isinstance(settings, dict) else settings):
         node = data
         parts = key.split(".")
         for p in parts[:-1]:

@@ -248,10 +248,24 @@ def test_search_qparams_never_worse_than_min_max_per_group(sym):
     assert (e1 <= e0 * (1 + 1e-5) + 1e-9).all()  # p = 1 (min-max) is a candidate
     assert float(e1.sum()) < 0.8 * float(e0.sum())  # and shrinking pays on outlier groups
     assert (s1 <= s0 * (1 + 1e-6)).all()  # it only ever shrinks the range
-    # one candidate (max_shrink below one step) is min-max itself
+    # one candidate (max_shrink below one step) is min-max itself, in the storage dtype too
     s2, z2 = search_qparams(w, 3, 32, sym, blocks, grid=50, max_shrink=0.01)
     torch.testing.assert_close(s2, s0)
     assert torch.equal(z2, z0)
+    s3, z3 = search_qparams(w, 3, 32, sym, blocks, grid=50, max_shrink=0.01, scale_dtype=torch.bfloat16)
+    assert torch.equal(s3, s0.bfloat16().float()) and torch.equal(z3, z0)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_gptq_with_a_single_candidate_search_is_gptq(static):
+    """clip with only p = 1 searched gives GPTQ's own artifact (bfloat16 scales, asymmetric)."""
+    torch.manual_seed(9)
+    w = torch.randn(64, 128) * 0.05
+    H = _hessian(_full_rank_inputs())
+    kw = dict(act_order=True, static_groups=static, scale_dtype=torch.bfloat16)
+    a = gptq_quantize(w, H, 3, 32, False, **kw)
+    b = gptq_quantize(w, H, 3, 32, False, clip_grid=100, clip_max_shrink=0.001, **kw)
+    assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
 
 
 def test_search_qparams_without_hessian_is_plain_weight_error_and_rounds_scales():
@@ -307,3 +321,10 @@ def test_recipe_clip_is_left_out_of_dumps_while_off():
     assert on.model_dump()["gptq"]["clip"] is True and on.model_dump()["gptq"]["clip_grid"] == 100
     # a knob set away from its default is kept even with the search off (it says what was asked)
     assert apply_settings(r, {"gptq.clip_max_shrink": 0.4}).model_dump()["gptq"]["clip_max_shrink"] == 0.4
+    from compressor.errors import InputError
+
+    for key, bad in (("gptq.clip_grid", True), ("gptq.clip_max_shrink", float("nan")), ("gptq.clip_max_shrink", 1.5)):
+        with pytest.raises(InputError, match=key):
+            apply_settings(r, {key: bad})
+    # pairs apply in order: a key given twice, the last wins
+    assert apply_settings(r, [("gptq.damp", 0.05), ("gptq.clip", True), ("gptq.damp", 0.02)]).gptq.damp == 0.02

@@ -123,6 +123,14 @@ def test_set_null_is_a_value_not_a_skipped_flag():
     with pytest.raises(InputError, match="weights.num_bits"):
         apply_settings(r, {"weights.num_bits": None})
     assert with_overrides(r, head=None).head is not None  # a flag not given (None) changes nothing
+    # in order: the last of a repeated key wins
+    assert apply_settings(r, [("head", None), ("head.num_bits", 4), ("head", None)]).head is None
+
+
+def test_kv_scheme_flag_and_set_kv_cache_null_refused(tmp_path, capsys):
+    code, _, err = run(["quantize", tmp_path / "missing-model", "--kv-scheme", "int8", "--set", "kv_cache=null",
+                        "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, "contradict", tmp_path)
 
 
 def test_head_group_size_must_divide_hidden(tmp_path, capsys, tiny_model_dir):

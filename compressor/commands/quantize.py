@@ -257,7 +257,9 @@ def _effective_recipe(opts: QuantizeOptions) -> Recipe:
     if s.kv_scheme is not None:
         recipe = with_overrides(recipe, kv_cache=KVCacheOptions(scheme=s.kv_scheme).model_dump())
     if s.settings:
-        recipe = apply_settings(recipe, dict(s.settings))
+        if s.kv_scheme is not None and any(k == "kv_cache" and v is None for k, v in s.settings):
+            raise InputError(f"--kv-scheme {s.kv_scheme} and --set kv_cache=null contradict each other; drop one")
+        recipe = apply_settings(recipe, s.settings)
     return with_overrides(recipe, **{
         "algorithm": s.algorithm, "weights.num_bits": s.bits, "weights.group_size": s.group_size,
         "weights.symmetric": s.symmetric, "gptq.act_order": s.act_order,

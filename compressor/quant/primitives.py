@@ -234,9 +234,11 @@ def search_qparams(
         else:
             scale = (hi - lo) * p / (qmax - qmin)
         scale = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
-        scale = scale.to(scale_dtype).float()
+        # the zero point from the unrounded scale, then the scale rounded to the storage dtype:
+        # as compute_qparams and GPTQ's min-max path, so p = 1 is exactly their qparams
         zero = (torch.zeros_like(scale) if symmetric else
                 torch.round(qmin - lo * p / scale).clamp_(qmin, qmax))
+        scale = scale.to(scale_dtype).float()
         s3, z3 = scale.unsqueeze(-1), zero.unsqueeze(-1)
         delta = wg - (torch.round(wg / s3).add_(z3).clamp_(qmin, qmax) - z3) * s3  # [out, G, gs]
         if hb is None:
