@@ -10,9 +10,9 @@ calibration pass (AWQ, GPTQ, AWQ+GPTQ: the Hessian of the final norm's outputs o
 quantized model, :func:`head_hessian`; with the recipe's ``gptq.damp`` and range search),
 else with min-max RTN.
 
-Layout: compressed-tensors ``pack-quantized``, the head in a config group of its own
-(``targets: [lm_head]``) and out of the ignore list, as llm-compressor writes a quantized
-head; vLLM's compressed-tensors path loads it (a ``ParallelLMHead`` with a weight scheme) and
+Layout: compressed-tensors ``pack-quantized``, the head out of the ignore list and in a config
+group of its own (``targets: [lm_head]``) when its scheme differs from the body's (else in the
+body's ``Linear`` class group), as llm-compressor writes a quantized head; vLLM's compressed-tensors path loads it (a ``ParallelLMHead`` with a weight scheme) and
 transformers decompresses it. A tied head (``tie_word_embeddings``) is untied: the artifact
 keeps the embedding in the storage dtype, adds the packed head and sets
 ``tie_word_embeddings: false``, so a loader never ties a quantized head to a float table.
