@@ -198,8 +198,9 @@ def search_qparams(
     the bulk of its weights a finer grid: the same idea as AWQ's clipping search (Lin et al.,
     2023) and GPTQModel's ``mse`` range search, scored here by the Hessian instead of sampled
     outputs (exact for the group's own error, and cheap: ``out · in · group_size`` per step).
-    ``p = 1`` (min-max, :func:`compute_qparams`) is always a candidate, so no group gets a
-    larger error than min-max gives.
+    ``p = 1`` (min-max, :func:`compute_qparams`) is always a candidate and wins ties, so no
+    group gets a larger error than min-max gives. Asymmetric candidates come twice: with the
+    zero point taken from the unrounded scale (as min-max) and from the stored one.
 
     Args:
         w: ``[out, in]`` float weight.
@@ -226,19 +227,23 @@ def search_qparams(
         lo = wg.amin(dim=-1).clamp(max=0)
         hi = wg.amax(dim=-1).clamp(min=0)
     hb = None if h_blocks is None else h_blocks.float().to(wg.device)
+    def candidates():
+        for k in range(max(1, math.ceil(max_shrink * grid))):
+            p = 1.0 - k / grid
+            raw = hi * p / ((qmax - qmin) / 2) if symmetric else (hi - lo) * p / (qmax - qmin)
+            raw = torch.where((raw > 0) & torch.isfinite(raw), raw, torch.ones_like(raw))
+            scale = raw.to(scale_dtype).float()
+            if symmetric:
+                yield scale, torch.zeros_like(scale)
+                continue
+            if k == 0:  # min-max exactly as compute_qparams (zero point from the unrounded scale)
+                yield scale, torch.round(qmin - lo / raw).clamp_(qmin, qmax)
+            # the zero point fitted to the stored scale: where the scale's rounding moved the
+            # grid, this one puts the group's minimum back on it
+            yield scale, torch.round(qmin - lo * p / scale).clamp_(qmin, qmax)
+
     best_err = best_scale = best_zero = None
-    for k in range(max(1, math.ceil(max_shrink * grid))):
-        p = 1.0 - k / grid
-        if symmetric:
-            scale = hi * p / ((qmax - qmin) / 2)
-        else:
-            scale = (hi - lo) * p / (qmax - qmin)
-        scale = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
-        # the zero point from the unrounded scale, then the scale rounded to the storage dtype:
-        # as compute_qparams and GPTQ's min-max path, so p = 1 is exactly their qparams
-        zero = (torch.zeros_like(scale) if symmetric else
-                torch.round(qmin - lo * p / scale).clamp_(qmin, qmax))
-        scale = scale.to(scale_dtype).float()
+    for scale, zero in candidates():
         s3, z3 = scale.unsqueeze(-1), zero.unsqueeze(-1)
         delta = wg - (torch.round(wg / s3).add_(z3).clamp_(qmin, qmax) - z3) * s3  # [out, G, gs]
         if hb is None:
