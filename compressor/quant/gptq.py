@@ -228,16 +228,6 @@ def _hessian_blocks(H: torch.Tensor, gs: int) -> torch.Tensor:
     return torch.stack([H[g:g + gs, g:g + gs] for g in range(0, in_f, gs)])
 
 
-def _static_group_qparams(W: torch.Tensor, grid: _Grid, h_blocks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qparams of every group from the original weights in the original column order
-    (``h_blocks``: the Hessian's diagonal blocks in that order, for the range search).
-
-    Returns scale float32 ``[out, G]`` (already rounded to ``grid.scale_dtype``) and zero
-    point int8 ``[out, G]``, fixed for the whole column loop.
-    """
-    return grid.qparams(W, h_blocks)
-
-
 def _act_order_permutation(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``act_order``: columns by descending ``diag(H)``; returns ``(W[:, perm], H[perm][:, perm], perm)``,
     the permuted ``H`` written into ``H``'s own storage (one ``[in, in]`` temporary below
@@ -409,8 +399,9 @@ def gptq_quantize(
     static_qparams = None
     static = static_groups or gs == in_f
     if static:
-        # groups fixed from the original weights, original column order
-        static_qparams = _static_group_qparams(W, grid, _hessian_blocks(H, gs) if clip_grid else None)
+        # every group's qparams from the original weights in the original column order, fixed
+        # for the whole column loop (the range search scored on H's blocks in that order)
+        static_qparams = grid.qparams(W, _hessian_blocks(H, gs) if clip_grid else None)
     perm = None
     if act_order:
         W, H, perm = _act_order_permutation(W, H)
