@@ -227,6 +227,7 @@ def search_qparams(
         lo = wg.amin(dim=-1).clamp(max=0)
         hi = wg.amax(dim=-1).clamp(min=0)
     hb = None if h_blocks is None else h_blocks.float().to(wg.device)
+
     def candidates():
         for k in range(max(1, math.ceil(max_shrink * grid))):
             p = 1.0 - k / grid
