@@ -241,41 +241,44 @@ def _act_order_permutation(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tens
     return W[:, perm], H, perm
 
 
-def _quantize_block(W1: torch.Tensor, U1: torch.Tensor, i1: int, col_group_list: list[int], scale: torch.Tensor,
-                    zero: torch.Tensor, losses: torch.Tensor, grid: _Grid,
-                    static: bool, h_blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_block(W1t: torch.Tensor, U1: torch.Tensor, i1: int, col_group_list: list[int], scale_t: torch.Tensor,
+                    zero_t: torch.Tensor, zero_f: torch.Tensor, grid: _Grid, static: bool,
+                    h_blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the columns of one lazy block, propagating each column's error inside the block.
 
-    ``W1`` ``[out, b]`` (updated in place) holds columns ``i1 .. i1 + b`` in visiting order,
-    ``U1`` ``[b, b]`` the matching block of the upper Cholesky factor of ``H⁻¹``. Unless
-    ``static``, the qparams of a group are computed when its first column is reached and
-    stored into ``scale``/``zero`` ``[out, G]`` (range search: scored by ``h_blocks[g]``, the
-    Hessian's block of the group's visited columns); ``losses`` (float64 ``[out]``) accumulates
-    ``(w - ŵ)² / [H⁻¹]_cc / 2``. Returns ``Q1`` (float32 integer values ``[out, b]``) and
-    ``Err1`` (the scaled errors ``[out, b]`` for the update of the remaining columns).
+    Works on the block transposed, so every column is a contiguous row and each step writes
+    into buffers made once per block (the loop is bound by per-operation overhead, not by
+    arithmetic). ``W1t`` ``[b, out]`` (updated in place) holds columns ``i1 .. i1 + b`` in
+    visiting order, ``U1`` ``[b, b]`` the matching block of the upper Cholesky factor of
+    ``H⁻¹``. ``scale_t`` float32, ``zero_t`` int8 and ``zero_f`` (its float32 copy) are the
+    qparams transposed, ``[G, out]``; unless ``static``, a group's qparams are computed when
+    its first column is reached and written there (range search: scored by ``h_blocks[g]``,
+    the Hessian's block of the group's visited columns). Returns ``Q1t`` (float32 integer
+    values ``[b, out]``) and ``Err1t`` (the scaled errors ``[b, out]``, for the update of the
+    remaining columns and the loss).
     """
     gs = grid.group_size
-    Err1 = torch.empty_like(W1)
-    Q1 = torch.empty(W1.shape[0], W1.shape[1], dtype=torch.float32, device=W1.device)
-    for i in range(W1.shape[1]):
+    b = W1t.shape[0]
+    Err1t = torch.empty_like(W1t)
+    Q1t = torch.empty_like(W1t)
+    deq = torch.empty_like(W1t[0])
+    diag = torch.diagonal(U1).tolist()
+    for i in range(b):
         j = i1 + i
         g = col_group_list[j]
         if not static and j % gs == 0:
-            s, z = grid.qparams(W1[:, i : i + gs], None if h_blocks is None else h_blocks[g : g + 1])
-            scale[:, g] = s[:, 0]
-            zero[:, g] = z[:, 0]
-        s_col = scale[:, g]
-        z_col = zero[:, g].float()
-        col = W1[:, i]
-        q = torch.clamp(torch.round(col / s_col) + z_col, grid.qmin, grid.qmax)
-        Q1[:, i] = q
-        deq = (q - z_col) * s_col
-        d = U1[i, i]
-        err = (col - deq) / d
-        losses += ((col - deq) ** 2 / d**2).double() / 2
-        W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-        Err1[:, i] = err
-    return Q1, Err1
+            s, z = grid.qparams(W1t[i : i + gs].t().contiguous(), None if h_blocks is None else h_blocks[g : g + 1])
+            scale_t[g] = s[:, 0]
+            zero_t[g] = z[:, 0]
+            zero_f[g] = z[:, 0]
+        s_col, z_col, col, q, err = scale_t[g], zero_f[g], W1t[i], Q1t[i], Err1t[i]
+        torch.div(col, s_col, out=q)
+        q.round_().add_(z_col).clamp_(grid.qmin, grid.qmax)
+        torch.sub(q, z_col, out=deq).mul_(s_col)
+        torch.sub(col, deq, out=err).div_(diag[i])
+        if i + 1 < b:
+            W1t[i + 1:].sub_(torch.outer(U1[i, i + 1:], err))
+    return Q1t, Err1t
 
 
 def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid, block_size: int, perm: torch.Tensor | None,
@@ -290,7 +293,7 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid, block_size:
 
     Returns ``(Q, scale, zero, col_group, losses)``: int8 ``[out, in]`` in visiting order,
     float32 and int8 ``[out, G]``, the int64 group of each visited column ``[in]``, and the
-    float64 per-row loss ``[out]``.
+    float64 per-row loss ``[out]`` (``Σ_c err_c² / 2`` of the scaled errors).
     """
     out_f, in_f = W.shape
     gs = grid.group_size
@@ -298,11 +301,13 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid, block_size:
         block_size = max(gs, (block_size // gs) * gs)  # a group never straddles a block
     n_groups = in_f // gs
     Q = torch.empty(out_f, in_f, dtype=torch.int8, device=W.device)
-    scale = torch.empty(out_f, n_groups, dtype=torch.float32, device=W.device)
-    zero = torch.empty(out_f, n_groups, dtype=torch.int8, device=W.device)
+    scale_t = torch.empty(n_groups, out_f, dtype=torch.float32, device=W.device)
+    zero_t = torch.empty(n_groups, out_f, dtype=torch.int8, device=W.device)
+    zero_f = torch.empty(n_groups, out_f, dtype=torch.float32, device=W.device)
     if static_qparams is not None:
-        scale.copy_(static_qparams[0])
-        zero.copy_(static_qparams[1])
+        scale_t.copy_(static_qparams[0].t())
+        zero_t.copy_(static_qparams[1].t())
+        zero_f.copy_(static_qparams[1].t())
     # group of the column visited at position j (original index perm[j])
     orig = perm if perm is not None else torch.arange(in_f, device=W.device)
     col_group = (orig // gs) if static_qparams is not None else (torch.arange(in_f, device=W.device) // gs)
@@ -311,13 +316,15 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid, block_size:
 
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
-        W1 = W[:, i1:i2].clone()
-        Q1, Err1 = _quantize_block(W1, U[i1:i2, i1:i2], i1, col_group_list, scale, zero, losses, grid,
-                                   static_qparams is not None, h_blocks)
-        Q[:, i1:i2] = Q1.to(torch.int8)
+        W1t = W[:, i1:i2].t().contiguous()
+        Q1t, Err1t = _quantize_block(W1t, U[i1:i2, i1:i2], i1, col_group_list, scale_t, zero_t, zero_f, grid,
+                                     static_qparams is not None, h_blocks)
+        del W1t
+        Q[:, i1:i2] = Q1t.t()
+        losses += Err1t.double().square_().sum(0).div_(2)
         if i2 < in_f:
-            W[:, i2:] -= Err1 @ U[i1:i2, i2:]
-    return Q, scale, zero, col_group, losses
+            W[:, i2:] -= Err1t.t().contiguous() @ U[i1:i2, i2:]
+    return Q, scale_t.t().contiguous(), zero_t.t().contiguous(), col_group, losses
 
 
 def _restore_column_order(Q: torch.Tensor, perm: torch.Tensor | None, col_group: torch.Tensor,
