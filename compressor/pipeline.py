@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -394,7 +395,7 @@ def quantize_model(
     observer = kv_observer(len(layers)) if plan.observe_kv else None
     ctx = LayerContext(plan.arch, recipe, LinearQuantizer(plan.schemes, dtype), plan.targets, result.modules, observer,
                        min(recipe.awq.loss_samples, len(calib_ids) if calib_ids is not None else 1),
-                       getattr(hooks, "memory_budget", None))
+                       getattr(hooks, "memory_budget", None), getattr(hooks, "activation_budget", None))
     _layer_loop(model, layers, ctx, plan.algorithm, result, calib_ids, batch_size, device, on_layer, hooks)
     result.warnings += plan.algorithm.run_warnings(result.layers)
     if result.moe_fallback:
@@ -509,7 +510,9 @@ def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: 
         experts.counts.zero_()
     tp = time.perf_counter()
     peak: list = []
-    new_hidden = _recompute(i, layer, hidden, kw, ctx.observer, peak)
+    # the KV observers must see the attention run: no replay with them
+    new_hidden = _recompute(i, layer, hidden, kw, ctx.observer, peak, outcome.replay if ctx.observer is None else None)
+    outcome.replay = None
     if recount:
         counts = experts.counts.tolist()
     _record_moe(i, layer, ctx, algorithm, result, counts)
@@ -561,12 +564,14 @@ def _figures(i, schemes, prefix, errs, out_err, seconds, **extra):
     }
 
 
-def _recompute(i, layer, hidden, kw, observer=None, peak: list | None = None):
+def _recompute(i, layer, hidden, kw, observer=None, peak: list | None = None, replay=None):
     """The layer's outputs with its quantized weights (the next layer's inputs); KV statistics on the way.
 
     ``peak``: when given, ``peak[0]`` becomes the largest absolute value among the layer's
     outputs and every linear's output inside it (float32, over all calibration tokens): what
     a float16 deployment must hold below 65,504 (``compressor.commands.quantize`` checks it).
+    ``replay``: the step's :class:`~compressor.quant.replay.ModuleReplay`; its final children
+    return their kept outputs (their linears' peak comes from when they were kept).
     """
     handles = []
     if peak is not None:
@@ -577,11 +582,18 @@ def _recompute(i, layer, hidden, kw, observer=None, peak: list | None = None):
                 peak[0] = max(peak[0], float(out.detach().abs().amax()))
 
         handles = [m.register_forward_hook(track) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    new_hidden = []
     try:
-        new_hidden = [layer_forward(layer, h, kw, observer) for h in hidden]
+        with replay.active(record=False) if replay is not None else nullcontext():
+            for j, h in enumerate(hidden):
+                if replay is not None:
+                    replay.batch = j
+                new_hidden.append(layer_forward(layer, h, kw, observer))
     finally:
         for hd in handles:
             hd.remove()
+    if replay is not None and peak is not None:
+        peak[0] = max(peak[0], replay.peak)
     for j, h in enumerate(new_hidden):
         if not torch.isfinite(h).all():
             raise QuantizationError(f"decoder layer {i} produced NaN/Inf after quantization (batch {j}); nothing was written")

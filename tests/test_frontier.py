@@ -652,10 +652,10 @@ def test_gptq_expert_hessians_in_chunks_give_the_same_artifact(sources, tmp_path
     held: list[int] = []  # Hessian bytes of each conditional (expert) pass
     real = gl.accumulate_hessians
 
-    def spy(layer, hidden, kw, sets, conditional, first_pass, n_ref):
+    def spy(layer, hidden, kw, sets, conditional, first_pass, n_ref, *rest):
         if conditional:
             held.append(sum(gl.HESSIAN_BYTES * get_module(layer, st[0]).in_features ** 2 for st in sets))
-        return real(layer, hidden, kw, sets, conditional, first_pass, n_ref)
+        return real(layer, hidden, kw, sets, conditional, first_pass, n_ref, *rest)
 
     monkeypatch.setattr(gl, "accumulate_hessians", spy)
     one_set = gl.HESSIAN_BYTES * 64 ** 2  # an expert's gate/up pair reads the 64-wide hidden state
@@ -671,3 +671,34 @@ def test_gptq_expert_hessians_in_chunks_give_the_same_artifact(sources, tmp_path
     assert layers[1]["gptq"]["extra_hessian_passes"] > 0
     assert "extra_hessian_passes" not in load_manifest(tmp_path / "u").quality["layers"][1]["gptq"]
     assert b["output"] and u["output"]
+
+
+def test_gptq_replays_the_attention_in_expert_passes(sources, tmp_path, monkeypatch):
+    """DeepSeek-V3 layout (MLA attention, routed + shared experts, expert Hessians in bounded
+    chunks): once the attention's last pass is solved, the later passes (each chunk's) and the
+    recompute take its kept output; the tensors equal a run that computes it every time."""
+    import compressor.quant.gptq_layer as gl
+
+    made = []
+    real = gl.layer_replay
+
+    def spy(layer, passes, ctx):
+        r, last = real(layer, passes, ctx)
+        made.append(r)
+        return r, last
+
+    monkeypatch.setattr(gl, "layer_replay", spy)
+    budget = int(1.5 * gl.HESSIAN_BYTES * 64 ** 2)  # below the experts' Hessians: chunked passes
+    opts = dict(model=str(sources["deepseek_v3"]), algorithm="gptq", memory_budget_gib=budget / 2**30, **FAST)
+    run_quantize(QuantizeOptions(output=tmp_path / "r", **opts))
+    monkeypatch.setattr(gl, "layer_replay", lambda layer, passes, ctx: (None, {}))
+    run_quantize(QuantizeOptions(output=tmp_path / "n", **opts))
+    assert digests(tmp_path / "r") == digests(tmp_path / "n")
+    assert [r.final for r in made] == [["self_attn"]] * 2
+    moe = made[1]  # layer 1 is the MoE layer: the attention replayed in every chunk's pass and the down pass
+    assert moe.replayed > 2 * made[0].replayed > 0, (moe.replayed, made[0].replayed)
+    m = {f["layer"]: f for f in load_manifest(tmp_path / "r").quality["layers"]}
+    n = {f["layer"]: f for f in load_manifest(tmp_path / "n").quality["layers"]}
+    for i in m:
+        assert m[i]["max_abs_activation"] == n[i]["max_abs_activation"]
+        assert m[i]["output_rel_error"] == n[i]["output_rel_error"]

@@ -12,6 +12,7 @@ memory budget is taken in chunks (:func:`hessian_chunks`).
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -20,6 +21,7 @@ from ..distributed import deal, world
 from .algorithms import Algorithm, odd_bits_warnings, register_algorithm
 from .gptq import HessianAccumulator, gptq_quantize
 from .layer import LayerContext, LayerOutcome, StopForward, layer_forward
+from .replay import ModuleReplay
 
 
 def reader_sets(stage: list[str], fused_sets: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
@@ -81,12 +83,14 @@ def hessian_chunks(layer, sets: list[tuple[str, ...]], budget: int | None) -> li
     return chunks
 
 
-def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, first_pass: bool, n_ref: int):
+def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, first_pass: bool, n_ref: int,
+                        replay: ModuleReplay | None = None):
     """One calibration pass with input hooks: a :class:`HessianAccumulator` per reader set
     (keyed by its first linear). Returns ``(accumulators, float_out)``: on the first pass
     batch 0 runs to the layer's output, ``float_out = out[:n_ref]`` (nothing is quantized
     yet); otherwise ``None``. Without ``conditional`` (routed experts fire only for their
-    tokens) a batch stops once every set has its input."""
+    tokens) a batch stops once every set has its input. ``replay``: the layer's final
+    children return their kept outputs instead of running."""
     accs = {st[0]: HessianAccumulator(get_module(layer, st[0]).in_features, device=hidden[0].device) for st in sets}
     fired: set[str] = set()
     run_through = [False]  # this batch runs to the layer's output (the float reference)
@@ -102,15 +106,18 @@ def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, first_pass: 
 
     handles = [get_module(layer, key).register_forward_pre_hook(make_hook(key)) for key in accs]
     try:
-        for j, h in enumerate(hidden):
-            fired.clear()
-            run_through[0] = first_pass and j == 0
-            try:
-                out = layer_forward(layer, h, kw)
-            except StopForward:
-                continue
-            if run_through[0]:
-                float_out = out[:n_ref]
+        with replay.active() if replay is not None else nullcontext():
+            for j, h in enumerate(hidden):
+                if replay is not None:
+                    replay.batch = j
+                fired.clear()
+                run_through[0] = first_pass and j == 0
+                try:
+                    out = layer_forward(layer, h, kw)
+                except StopForward:
+                    continue
+                if run_through[0]:
+                    float_out = out[:n_ref]
     finally:
         for hd in handles:
             hd.remove()
@@ -213,6 +220,22 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
     return errs, damps, retries, dead
 
 
+def layer_replay(layer, passes: list[list[str]], ctx: LayerContext) -> tuple[ModuleReplay | None, dict[str, int]]:
+    """The layer's :class:`~compressor.quant.replay.ModuleReplay` over its direct children that
+    hold a linear of ``passes``, and the last pass holding one of each child's linears
+    (``(None, {})`` with one pass: nothing is final before the recompute, or when
+    ``ctx.replay_budget`` is 0). The passes follow the layer's forward order (the
+    architecture row's ``sequential`` stages), so once a child's last pass is solved, its
+    weights and inputs are final."""
+    last: dict[str, int] = {}
+    for p_i, group in enumerate(passes):
+        for rel in group:
+            last[rel.split(".")[0]] = p_i
+    if len(passes) < 2 or ctx.replay_budget == 0:
+        return None, {}
+    return ModuleReplay(layer, list(last), ctx.replay_budget), last
+
+
 def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=None, float_out=None) -> LayerOutcome:
     """GPTQ for decoder layer ``i``: per pass, accumulate the Hessians, then solve (``folds``: see
     :func:`solve_pass`; ``float_out``: the float layer's output on the loss sequences when the
@@ -228,7 +251,11 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
     errs, damps, retries, dead = [], [], 0, 0
     hess_t = quant_t = 0.0
     n_chunks = 0
-    for p_i, group in enumerate(_passes(i, layer, ctx)):
+    passes = _passes(i, layer, ctx)
+    replay, last_pass = layer_replay(layer, passes, ctx)
+    for p_i, group in enumerate(passes):
+        if replay is not None:  # children whose linears were all solved in earlier passes: their outputs are final
+            replay.finalize([c for c, p_last in last_pass.items() if p_last < p_i])
         sets = reader_sets(group, fused_sets)
         conditional = any(is_expert(arch, r) for r in group)  # experts fire only for routed tokens: no early stop
         chunks = hessian_chunks(layer, sets, ctx.hessian_budget) if conditional else [sets]
@@ -238,7 +265,7 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
             if experts is not None:
                 experts.counts.zero_()
             accs, out = accumulate_hessians(layer, hidden, kw, chunk, conditional,
-                                             need_ref and p_i == 0 and c_i == 0, n_ref)
+                                             need_ref and p_i == 0 and c_i == 0, n_ref, replay)
             if out is not None:
                 float_out = out
             if conditional and counts is None and experts is not None:
@@ -258,7 +285,7 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
     figures = {"gptq": {"max_damp": max(damps) if damps else None, "damp_retries": retries, "dead_channels": dead}}
     if n_chunks:
         figures["gptq"]["extra_hessian_passes"] = n_chunks  # routed experts' Hessians taken in bounded chunks
-    return LayerOutcome(errs, float_out, counts, figures, {"hessian": hess_t, "gptq": quant_t})
+    return LayerOutcome(errs, float_out, counts, figures, {"hessian": hess_t, "gptq": quant_t}, replay)
 
 
 @register_algorithm

@@ -130,6 +130,10 @@ class LayerContext:
     #: bytes of calibration statistics (GPTQ's Hessians) a step may hold at once for a layer's
     #: routed experts; ``None``: unbounded (see :func:`compressor.quant.gptq_layer.hessian_chunks`)
     hessian_budget: int | None = None
+    #: bytes of decoder-layer children's outputs a step may keep to replay them in its later
+    #: passes and the recompute (:class:`compressor.quant.replay.ModuleReplay`); ``None``:
+    #: unbounded, 0: none kept
+    replay_budget: int | None = None
 
     def experts(self, layer) -> UnfusedExperts | None:
         """The layer's unfused routed experts (``None`` for a dense layer)."""
@@ -151,6 +155,8 @@ class LayerOutcome:
     driver counts them on the recompute pass). ``figures``: algorithm-specific entries of
     the layer's figures (e.g. ``awq_ratios``, ``gptq``). ``phases``: seconds per named
     phase (the driver adds ``recompute``), or ``None`` for no ``phase_seconds``.
+    ``replay``: the step's :class:`~compressor.quant.replay.ModuleReplay` (outputs of the
+    layer's final children), which the driver's recompute reuses; or ``None``.
     """
 
     errs: list[float]
@@ -158,6 +164,7 @@ class LayerOutcome:
     counts: list[int] | None = None
     figures: dict = field(default_factory=dict)
     phases: dict | None = None
+    replay: object = None
 
 
 class StopForward(Exception):

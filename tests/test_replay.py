@@ -1,0 +1,144 @@
+"""GPTQ's true-sequential passes replay the outputs of a decoder layer's finished children
+(compressor.quant.replay): the same artifact as running every child again, fewer forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compressor.pipeline import quantize_model  # first: it imports the algorithm handlers in their order
+from compressor.quant import gptq_layer as gl
+from compressor.quant import replay as rp
+from compressor.quant.replay import ModuleReplay
+from compressor.recipe import load_recipe, with_overrides
+
+from conftest import tiny_config
+
+
+def _model(seed=0):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(tiny_config(num_hidden_layers=3)).eval().requires_grad_(False)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("layernorm.weight"):
+                p.uniform_(0.5, 1.5)
+    return m
+
+
+def _recipe(alg="gptq", **kw):
+    return with_overrides(load_recipe("w4a16-gptq"), **{"algorithm": alg, "weights.group_size": 32,
+                                                          "awq.loss_samples": 4, **kw})
+
+
+def _run(monkeypatch, replay: bool, recipe, kv=False):
+    """quantize_model on a fresh tiny Llama; returns (result, the replays made, logits on fixed ids)."""
+    made: list[ModuleReplay] = []
+
+    class Spy(ModuleReplay):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(gl, "ModuleReplay", Spy)
+    if not replay:
+        monkeypatch.setattr(gl, "layer_replay", lambda layer, passes, ctx: (None, {}))
+    if kv:
+        recipe = with_overrides(recipe, kv_cache=load_recipe("kv-fp8").kv_cache)
+    m = _model()
+    ids = torch.randint(0, 320, (6, 40), generator=torch.Generator().manual_seed(3))
+    res = quantize_model(m, recipe, ids, batch_size=2)
+    monkeypatch.undo()
+    return res, made, m(ids[:2]).logits
+
+
+def _same(a, b):
+    assert a.modules.keys() == b.modules.keys()
+    for n in a.modules:
+        x, y = a.modules[n], b.modules[n]
+        assert torch.equal(x.q, y.q) and torch.equal(x.scale, y.scale), n
+        assert (x.zero_point is None) == (y.zero_point is None)
+        assert x.zero_point is None or torch.equal(x.zero_point, y.zero_point), n
+    strip = lambda f: {k: v for k, v in f.items() if k not in ("seconds", "phase_seconds")}  # noqa: E731
+    assert [strip(f) for f in a.layers] == [strip(f) for f in b.layers]  # output error, peak activation included
+
+
+@pytest.mark.parametrize("alg", ["gptq", "awq-gptq"])
+def test_replay_gives_the_same_quantization_and_figures(monkeypatch, alg):
+    on, made, logits_on = _run(monkeypatch, True, _recipe(alg))
+    off, none, logits_off = _run(monkeypatch, False, _recipe(alg))
+    _same(on, off)
+    assert torch.equal(logits_on, logits_off)
+    assert not none and len(made) == 3
+    # the attention is final after the o_proj pass: replayed in the down_proj pass and the
+    # recompute, for each of the 3 batches of every layer; the MLP never is (its last pass is the last)
+    for r in made:
+        assert r.final == ["self_attn"] and set(r.kept["self_attn"]) == {0, 1, 2}
+        assert r.replayed == 2 * 3
+        assert r.peak > 0
+
+
+def test_replay_with_kv_observers_leaves_the_attention_to_the_recompute(monkeypatch):
+    """The KV observers read the attention's keys and values in the recompute: it runs there."""
+    on, made, _ = _run(monkeypatch, True, _recipe(), kv=True)
+    off, _, _ = _run(monkeypatch, False, _recipe(), kv=True)
+    _same(on, off)
+    assert on.kv_scales.keys() == off.kv_scales.keys() and on.kv_scales
+    for i in on.kv_scales:
+        assert all(torch.equal(x, y) for x, y in zip(on.kv_scales[i], off.kv_scales[i]))
+    assert all(r.replayed == 3 for r in made)  # the down_proj pass only
+
+
+def test_replay_budget_keeps_nothing_it_cannot_hold(monkeypatch):
+    """A budget below one batch's attention output: nothing kept, nothing replayed, same result."""
+    real = gl.layer_replay
+
+    def small(layer, passes, ctx):
+        r, last = real(layer, passes, ctx)
+        r.budget = 100
+        return r, last
+
+    monkeypatch.setattr(gl, "layer_replay", small)
+    made: list[ModuleReplay] = []
+    orig_init = ModuleReplay.__init__
+
+    def init(self, *a, **k):
+        orig_init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(ModuleReplay, "__init__", init)
+    m = _model()
+    ids = torch.randint(0, 320, (6, 40), generator=torch.Generator().manual_seed(3))
+    small_res = quantize_model(m, _recipe(), ids, batch_size=2)
+    monkeypatch.undo()
+    off, _, _ = _run(monkeypatch, False, _recipe())
+    _same(small_res, off)
+    assert made and all(r.held == 0 and r.replayed == 0 for r in made)
+
+
+def test_one_pass_keeps_nothing():
+    """Without true_sequential every linear is in one pass: nothing is final before the recompute."""
+    ctx = type("C", (), {"replay_budget": None})()
+    assert gl.layer_replay(None, [["self_attn.q_proj", "mlp.down_proj"]], ctx) == (None, {})
+    r, last = gl.layer_replay(torch.nn.Module(), [["self_attn.q_proj"], ["self_attn.o_proj"], ["mlp.up_proj"]], ctx)
+    assert last == {"self_attn": 1, "mlp": 2} and r.children == ["self_attn", "mlp"]
+    ctx.replay_budget = 0
+    assert gl.layer_replay(None, [["a.x"], ["b.y"]], ctx) == (None, {})
+
+
+def test_replayed_output_is_a_copy():
+    """A caller changing the returned output in place changes neither the kept copy nor the next replay."""
+    layer = torch.nn.Module()
+    layer.child = torch.nn.Linear(4, 4)
+    r = ModuleReplay(layer, ["child"], None)
+    r.finalize(["child", "absent"])
+    assert r.final == ["child"]
+    x = torch.randn(2, 4)
+    with torch.no_grad(), r.active():
+        first = layer.child(x)
+        first.add_(100.0)
+        again = layer.child(x)
+    assert r.replayed == 1 and torch.allclose(again, torch.nn.functional.linear(x, layer.child.weight, layer.child.bias))
+    assert "forward" not in vars(layer.child)  # the class's forward is back
+    assert rp._nbytes((again, None, [again])) == 2 * again.numel() * 4
