@@ -587,7 +587,7 @@ def _recompute(i, layer, hidden, kw, observer=None, peak: list | None = None, re
         with replay.active(record=False) if replay is not None else nullcontext():
             for j, h in enumerate(hidden):
                 if replay is not None:
-                    replay.batch = j
+                    replay.start_batch(j)
                 new_hidden.append(layer_forward(layer, h, kw, observer))
     finally:
         for hd in handles:

@@ -83,7 +83,7 @@ class GPTQOptions(_Strict):
     grid search (shrinks ``1 - k/clip_grid`` below ``clip_max_shrink``) scored by the group's
     output error under the Hessian, instead of min-max (:func:`compressor.quant.primitives.search_qparams`)."""
 
-    block_size: int = Field(128, ge=1)
+    block_size: int = Field(128, ge=1, strict=True)
     damp: float = Field(0.01, gt=0.0, lt=1.0)
     damp_increment: float = Field(0.01, gt=0.0, lt=1.0)
     act_order: bool = False

@@ -694,9 +694,13 @@ def test_gptq_replays_the_attention_in_expert_passes(sources, tmp_path, monkeypa
     monkeypatch.setattr(gl, "layer_replay", lambda layer, passes, ctx: (None, {}))
     run_quantize(QuantizeOptions(output=tmp_path / "n", **opts))
     assert digests(tmp_path / "r") == digests(tmp_path / "n")
-    assert [r.final for r in made] == [["self_attn"]] * 2
-    moe = made[1]  # layer 1 is the MoE layer: the attention replayed in every chunk's pass and the down pass
-    assert moe.replayed > 2 * made[0].replayed > 0, (moe.replayed, made[0].replayed)
+    dense, moe = made  # layer 0 is dense, layer 1 the MoE layer
+    assert dense.final == ["self_attn", "mlp.gate_proj", "mlp.up_proj"]
+    assert moe.final[0] == "self_attn" and "mlp.shared_experts.up_proj" in moe.final
+    assert any(p.startswith("mlp.experts.") and p.endswith("gate_proj") for p in moe.final)
+    assert "self_attn.q_a_proj" in moe.released  # kept for the attention's own last run, then let go
+    # the attention replayed in every chunk's pass and the down pass, the experts' gate/up by the recompute
+    assert moe.replayed > 2 * dense.replayed > 0, (moe.replayed, dense.replayed)
     m = {f["layer"]: f for f in load_manifest(tmp_path / "r").quality["layers"]}
     n = {f["layer"]: f for f in load_manifest(tmp_path / "n").quality["layers"]}
     for i in m:

@@ -330,8 +330,26 @@ def test_recipe_clip_is_left_out_of_dumps_while_off():
     assert apply_settings(r, {"gptq.clip_max_shrink": 0.4}).model_dump()["gptq"]["clip_max_shrink"] == 0.4
     from compressor.errors import InputError
 
-    for key, bad in (("gptq.clip_grid", True), ("gptq.clip_max_shrink", float("nan")), ("gptq.clip_max_shrink", 1.5)):
+    for key, bad in (("gptq.clip_grid", True), ("gptq.clip_max_shrink", float("nan")), ("gptq.clip_max_shrink", 1.5),
+                     ("gptq.block_size", True), ("gptq.block_size", 64.5)):
         with pytest.raises(InputError, match=key):
             apply_settings(r, {key: bad})
     # pairs apply in order: a key given twice, the last wins
     assert apply_settings(r, [("gptq.damp", 0.05), ("gptq.clip", True), ("gptq.damp", 0.02)]).gptq.damp == 0.02
+
+
+def test_gptq_settings_under_an_algorithm_without_gptq_are_said_to_do_nothing():
+    """``--set gptq.clip=true`` on an RTN or AWQ recipe is recorded but changes nothing: a warning
+    says so; the algorithms that read the section, and a default section, say nothing."""
+    from compressor.quant.algorithms import get_algorithm
+    from compressor.recipe import apply_settings
+
+    rtn = apply_settings(load_recipe("w4a16-rtn-g64"), {"gptq.clip": True, "gptq.damp": 0.05})
+    for name in ("rtn", "awq", "none"):
+        w = [x for x in get_algorithm(name).flag_warnings({}, rtn, "compressed-tensors") if "gptq settings" in x]
+        assert w == [f"the recipe's gptq settings (damp, clip) have no effect with algorithm {name} "
+                     "(gptq and awq-gptq read them)"]
+    for name in ("gptq", "awq-gptq"):
+        assert not any("gptq settings" in x for x in get_algorithm(name).flag_warnings({}, rtn, "compressed-tensors"))
+    assert not any("gptq settings" in x for x in get_algorithm("rtn").flag_warnings(
+        {}, load_recipe("w4a16-rtn-g64"), "compressed-tensors"))

@@ -71,11 +71,14 @@ def test_replay_gives_the_same_quantization_and_figures(monkeypatch, alg):
     _same(on, off)
     assert torch.equal(logits_on, logits_off)
     assert not none and len(made) == 3
-    # the attention is final after the o_proj pass: replayed in the down_proj pass and the
-    # recompute, for each of the 3 batches of every layer; the MLP never is (its last pass is the last)
+    # per layer, 3 batches: q/k/v kept in the o_proj pass, replayed while the attention is kept
+    # in the gate/up pass (9), then released; the attention replayed in the down_proj pass and
+    # the recompute (3 + 3); gate/up kept in the down_proj pass, replayed by the recompute (6)
     for r in made:
-        assert r.final == ["self_attn"] and set(r.kept["self_attn"]) == {0, 1, 2}
-        assert r.replayed == 2 * 3
+        assert r.final == ["self_attn", "mlp.gate_proj", "mlp.up_proj"]
+        assert r.released == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}
+        assert set(r.kept["self_attn"]) == {(0, 0), (1, 0), (2, 0)}
+        assert r.replayed == 9 + 3 + 3 + 6
         assert r.peak > 0
 
 
@@ -87,7 +90,7 @@ def test_replay_with_kv_observers_leaves_the_attention_to_the_recompute(monkeypa
     assert on.kv_scales.keys() == off.kv_scales.keys() and on.kv_scales
     for i in on.kv_scales:
         assert all(torch.equal(x, y) for x, y in zip(on.kv_scales[i], off.kv_scales[i]))
-    assert all(r.replayed == 3 for r in made)  # the down_proj pass only
+    assert all(r.replayed == 9 + 3 for r in made)  # q/k/v in the gate/up pass, the attention in the down_proj pass
 
 
 def test_replay_budget_keeps_nothing_it_cannot_hold(monkeypatch):
@@ -117,28 +120,47 @@ def test_replay_budget_keeps_nothing_it_cannot_hold(monkeypatch):
     assert made and all(r.held == 0 and r.replayed == 0 for r in made)
 
 
-def test_one_pass_keeps_nothing():
-    """Without true_sequential every linear is in one pass: nothing is final before the recompute."""
+def test_what_is_kept_and_from_which_pass():
+    """Llama's 4 passes; DeepSeek-V3's 5 (MLA: q_a/kv_a, q_b/kv_b, o, then the MLP's two);
+    one pass (no true_sequential) or a zero budget keeps nothing."""
     ctx = type("C", (), {"replay_budget": None})()
-    assert gl.layer_replay(None, [["self_attn.q_proj", "mlp.down_proj"]], ctx) == (None, {})
-    r, last = gl.layer_replay(torch.nn.Module(), [["self_attn.q_proj"], ["self_attn.o_proj"], ["mlp.up_proj"]], ctx)
-    assert last == {"self_attn": 1, "mlp": 2} and r.children == ["self_attn", "mlp"]
+    qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    llama = [qkv, ["self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    r, final_from = gl.layer_replay(torch.nn.Module(), llama, ctx)
+    assert final_from == {"self_attn": 2, **dict.fromkeys(qkv, 1), "mlp.gate_proj": 3, "mlp.up_proj": 3}
+    assert r.budget is None
+    mla = [["self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"], ["self_attn.q_b_proj", "self_attn.kv_b_proj"],
+           ["self_attn.o_proj"], ["mlp.experts.0.gate_proj", "mlp.shared_experts.up_proj"],
+           ["mlp.experts.0.down_proj", "mlp.shared_experts.down_proj"]]
+    _, final_from = gl.layer_replay(torch.nn.Module(), mla, ctx)
+    assert final_from == {"self_attn": 3, "self_attn.q_a_proj": 1, "self_attn.kv_a_proj_with_mqa": 1,
+                          "self_attn.q_b_proj": 2, "self_attn.kv_b_proj": 2,
+                          "mlp.experts.0.gate_proj": 4, "mlp.shared_experts.up_proj": 4}
+    assert gl.layer_replay(None, [qkv + ["mlp.down_proj"]], ctx) == (None, {})
     ctx.replay_budget = 0
-    assert gl.layer_replay(None, [["a.x"], ["b.y"]], ctx) == (None, {})
+    assert gl.layer_replay(None, llama, ctx) == (None, {})
 
 
 def test_replayed_output_is_a_copy():
     """A caller changing the returned output in place changes neither the kept copy nor the next replay."""
     layer = torch.nn.Module()
     layer.child = torch.nn.Linear(4, 4)
-    r = ModuleReplay(layer, ["child"], None)
-    r.finalize(["child", "absent"])
+    r = ModuleReplay(layer, None)
+    r.finalize(["child"])
     assert r.final == ["child"]
     x = torch.randn(2, 4)
     with torch.no_grad(), r.active():
+        r.start_batch(0)
         first = layer.child(x)
         first.add_(100.0)
-        again = layer.child(x)
-    assert r.replayed == 1 and torch.allclose(again, torch.nn.functional.linear(x, layer.child.weight, layer.child.bias))
+        second_call = layer.child(2 * x)  # a second call in the same forward is kept on its own
+        r.start_batch(0)
+        again, again2 = layer.child(x), layer.child(2 * x)
+    ref = torch.nn.functional.linear(x, layer.child.weight, layer.child.bias)
+    assert r.replayed == 2 and torch.allclose(again, ref) and torch.equal(again2, second_call)
     assert "forward" not in vars(layer.child)  # the class's forward is back
     assert rp._nbytes((again, None, [again])) == 2 * again.numel() * 4
+    assert r.complete("child", 1) and not r.complete("child", 2) and r.held == 2 * again.numel() * 4
+    r.release(["child"])
+    r.finalize(["child"])  # released stays released
+    assert r.final == [] and r.held == 0 and r.released == {"child"}

@@ -29,6 +29,7 @@ from typing import ClassVar
 
 from ..arch import layer_linears
 from ..errors import InputError
+from ..recipe import GPTQOptions
 from .layer import LayerContext, LayerOutcome
 
 _REGISTRY: dict[str, "Algorithm"] = {}
@@ -86,7 +87,7 @@ class Algorithm:
         out = []
         if flags.get("act_order") is not None:
             out.append(f"--act-order/--no-act-order has no effect with algorithm {self.name} (GPTQ only)")
-        return out + odd_bits_warnings(recipe, fmt)
+        return out + unread_gptq_warnings(self.name, recipe) + odd_bits_warnings(recipe, fmt)
 
     def run_warnings(self, layers: list[dict]) -> list[str]:
         """Warnings drawn from every layer's figures (``QuantizeResult.layers``) after the run."""
@@ -121,6 +122,18 @@ def find_algorithm(name: str) -> Algorithm | None:
 def algorithm_names() -> list[str]:
     """The registered algorithm names, sorted."""
     return sorted(_REGISTRY)
+
+
+def unread_gptq_warnings(name: str, recipe) -> list[str]:
+    """A ``gptq`` section other than the defaults (``--set gptq.clip=true``, a GPTQ recipe with
+    ``--algorithm rtn``) under an algorithm that runs no GPTQ: it is recorded in the manifest's
+    recipe but changes nothing, so say so."""
+    default = GPTQOptions()
+    changed = [k for k in type(default).model_fields if getattr(recipe.gptq, k) != getattr(default, k)]
+    if not changed:
+        return []
+    return [f"the recipe's gptq settings ({', '.join(changed)}) have no effect with algorithm {name} "
+            "(gptq and awq-gptq read them)"]
 
 
 def odd_bits_warnings(recipe, fmt: str) -> list[str]:
@@ -179,7 +192,7 @@ class NoWeights(Algorithm):
             out.append("--bits/--group-size/--symmetric have no effect: the recipe keeps weights in float (algorithm none)")
         if flags.get("act_order") is not None:
             out.append(f"--act-order/--no-act-order has no effect with algorithm {self.name} (GPTQ only)")
-        return out
+        return out + unread_gptq_warnings(self.name, recipe)
 
 
 # the handlers living beside their math modules register themselves on import

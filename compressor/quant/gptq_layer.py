@@ -109,7 +109,7 @@ def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, first_pass: 
         with replay.active() if replay is not None else nullcontext():
             for j, h in enumerate(hidden):
                 if replay is not None:
-                    replay.batch = j
+                    replay.start_batch(j)
                 fired.clear()
                 run_through[0] = first_pass and j == 0
                 try:
@@ -221,19 +221,41 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
 
 
 def layer_replay(layer, passes: list[list[str]], ctx: LayerContext) -> tuple[ModuleReplay | None, dict[str, int]]:
-    """The layer's :class:`~compressor.quant.replay.ModuleReplay` over its direct children that
-    hold a linear of ``passes``, and the last pass holding one of each child's linears
-    (``(None, {})`` with one pass: nothing is final before the recompute, or when
-    ``ctx.replay_budget`` is 0). The passes follow the layer's forward order (the
-    architecture row's ``sequential`` stages), so once a child's last pass is solved, its
-    weights and inputs are final."""
-    last: dict[str, int] = {}
-    for p_i, group in enumerate(passes):
-        for rel in group:
-            last[rel.split(".")[0]] = p_i
-    if len(passes) < 2 or ctx.replay_budget == 0:
+    """The layer's :class:`~compressor.quant.replay.ModuleReplay` and the pass from which each
+    replayed part is final (relative path -> pass index; ``len(passes)``: the recompute).
+
+    The passes follow the layer's forward order (the architecture row's ``sequential``
+    stages), so once the last pass holding one of a direct child's linears is solved, the
+    child's weights and inputs are final: it is kept from the next pass on, when that pass
+    exists (the attention, for the MLP passes and the recompute). A linear is kept from the
+    pass after its own when a later forward runs it again: a pass that still runs its child
+    in full (q/k/v while the attention is computed for the MLP's first pass), or the
+    recompute when its child is never kept (gate/up). ``(None, {})`` with one pass (nothing
+    is final before the recompute) or when ``ctx.replay_budget`` is 0."""
+    n = len(passes)
+    if n < 2 or ctx.replay_budget == 0:
         return None, {}
-    return ModuleReplay(layer, list(last), ctx.replay_budget), last
+    pass_of = {rel: p for p, group in enumerate(passes) for rel in group}
+    last: dict[str, int] = {}
+    for rel, p in pass_of.items():
+        child = rel.split(".")[0]
+        last[child] = max(last.get(child, -1), p)
+    final_from = {child: p + 1 for child, p in last.items() if p + 1 < n}
+    for rel, p in pass_of.items():
+        child = rel.split(".")[0]
+        if rel != child and p + 1 < n and (p + 2 <= last[child] + 1 or last[child] + 1 >= n):
+            final_from[rel] = p + 1
+    return ModuleReplay(layer, ctx.replay_budget), final_from
+
+
+def _settle(replay: ModuleReplay | None, final_from: dict[str, int], p_i: int, n_batches: int) -> None:
+    """Before pass ``p_i`` (``len(passes)``: the recompute): mark the parts final from it, and
+    release the linears whose child is kept for every batch (nothing runs them any more)."""
+    if replay is None:
+        return
+    replay.finalize([part for part, p in final_from.items() if p <= p_i])
+    replay.release([part for part in list(replay.final) if "." in part
+                    and replay.complete(part.split(".")[0], n_batches)])
 
 
 def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=None, float_out=None) -> LayerOutcome:
@@ -252,10 +274,9 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
     hess_t = quant_t = 0.0
     n_chunks = 0
     passes = _passes(i, layer, ctx)
-    replay, last_pass = layer_replay(layer, passes, ctx)
+    replay, final_from = layer_replay(layer, passes, ctx)
     for p_i, group in enumerate(passes):
-        if replay is not None:  # children whose linears were all solved in earlier passes: their outputs are final
-            replay.finalize([c for c, p_last in last_pass.items() if p_last < p_i])
+        _settle(replay, final_from, p_i, len(hidden))
         sets = reader_sets(group, fused_sets)
         conditional = any(is_expert(arch, r) for r in group)  # experts fire only for routed tokens: no early stop
         chunks = hessian_chunks(layer, sets, ctx.hessian_budget) if conditional else [sets]
@@ -282,6 +303,7 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
             quant_t += time.perf_counter() - t_q
     if float_out is None:  # no pass ran (nothing targeted in this layer)
         float_out = layer_forward(layer, hidden[0][:n_ref], kw)
+    _settle(replay, final_from, len(passes), len(hidden))  # what the recompute reads
     figures = {"gptq": {"max_damp": max(damps) if damps else None, "damp_retries": retries, "dead_channels": dead}}
     if n_chunks:
         figures["gptq"]["extra_hessian_passes"] = n_chunks  # routed experts' Hessians taken in bounded chunks
