@@ -42,6 +42,7 @@ from .quant.algorithms import Algorithm, get_algorithm
 from .quant.head import head_hessian
 from .quant.kv import check_layout, kv_observer, layer_scales, observed_absmax
 from .quant.layer import LayerContext, LinearQuantizer, QuantizedLinear, StopForward, layer_forward
+from .quant.primitives import abs_max
 from .recipe import Recipe, resolve_group_size
 from .streaming import frozen_gc
 
@@ -578,8 +579,8 @@ def _recompute(i, layer, hidden, kw, observer=None, peak: list | None = None, re
         peak[:] = [0.0]
 
         def track(_m, _inp, out):
-            if isinstance(out, torch.Tensor) and out.is_floating_point():
-                peak[0] = max(peak[0], float(out.detach().abs().amax()))
+            if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+                peak[0] = max(peak[0], abs_max(out))
 
         handles = [m.register_forward_hook(track) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
     new_hidden = []
@@ -598,7 +599,7 @@ def _recompute(i, layer, hidden, kw, observer=None, peak: list | None = None, re
         if not torch.isfinite(h).all():
             raise QuantizationError(f"decoder layer {i} produced NaN/Inf after quantization (batch {j}); nothing was written")
         if peak is not None:
-            peak[0] = max(peak[0], float(h.abs().amax()))
+            peak[0] = max(peak[0], abs_max(h))
     return new_hidden
 
 

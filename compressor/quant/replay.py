@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from ..arch import get_module
+from .primitives import abs_max
 
 
 def _copy(out):
@@ -116,8 +117,8 @@ class ModuleReplay:
                 h.remove()
 
     def _track(self, _mod, _inp, out) -> None:
-        if isinstance(out, torch.Tensor) and out.is_floating_point():
-            self.peak = max(self.peak, float(out.detach().abs().amax()))
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+            self.peak = max(self.peak, abs_max(out))
 
     def _wrap(self, path: str, forward, record: bool):
         kept = self.kept[path]
