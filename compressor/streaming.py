@@ -412,7 +412,7 @@ def copy_kept_tensors(ckpt: LazyCheckpoint, names: list[str], dtype: torch.dtype
         if size >= part_bytes:
             save_part(f"{tag}-{n:05d}", part)
             part, size, n = {}, 0, n + 1
-            _trim_heap()
+            trim_heap()
     if part:
         save_part(f"{tag}-{n:05d}", part)
         n += 1
@@ -427,7 +427,7 @@ def to_meta(module: torch.nn.Module) -> None:
         for k, p in list(m._parameters.items()):
             if p is not None and not p.is_meta:
                 m._parameters[k] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-    _trim_heap()
+    trim_heap()
 
 
 @contextmanager
@@ -443,7 +443,8 @@ def frozen_gc():
         gc.unfreeze()
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
+    """Collect garbage and hand the C heap's free pages back to the system (glibc ``malloc_trim``)."""
     import ctypes
     import ctypes.util
 

@@ -110,3 +110,17 @@ def test_gguf_conversion_is_cached_and_checked(tmp_path, monkeypatch):
     with open(folder / "tokenizer.json", "ab") as f:
         f.write(b" ")
     assert cached_gguf_folder(src) is None  # damaged: not used (the next load converts again)
+
+
+def test_first_run_on_a_gguf_converts_it_then_streams(tmp_path, monkeypatch, capsys):
+    """A GGUF file met for the first time is converted whole once, then released: the run
+    streams from kvq's cache (the layer loop's memory does not sit on top of the whole model)."""
+    from compressor.models import cached_gguf_folder, resolve_source
+
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    assert cached_gguf_folder(resolve_source("smollm2-135m")) is None
+    code, stdout, err = _run(["quantize", "smollm2-135m", "--recipe", "w4a16-rtn-g64", "-o", tmp_path / "o",
+                              "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(stdout)["source_loading"] == "streamed: one decoder layer at a time"
+    assert cached_gguf_folder(resolve_source("smollm2-135m")) is not None

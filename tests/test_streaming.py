@@ -415,3 +415,15 @@ def test_a_second_signal_does_not_cut_the_clean_up_short():
     assert interrupts.received() is None
     with interrupts.deferred():  # nothing pending after restore: a later block completes
         pass
+
+
+def test_gguf_converted_without_a_writable_cache_keeps_the_model_whole(monkeypatch):
+    """When kvq's cache could not be written after the conversion, the converted model is used
+    whole (not converted a second time)."""
+    import compressor.commands.quantize as cq
+
+    calls = []
+    converted = (object(), object())
+    monkeypatch.setattr(cq, "load_model", lambda source: calls.append(source) or converted)
+    monkeypatch.setattr(cq, "cached_gguf_folder", lambda source: None)
+    assert cq._convert_gguf_then_stream("src", None) == (None, converted) and calls == ["src"]
