@@ -298,12 +298,27 @@ def bundled_recipes() -> dict[str, Traversable]:
     return dict(sorted((p.name[: -len(".yaml")], p) for p in found))  # sorted by name, as documented
 
 
+#: the names pydantic gives the members of a union field in an error's location (``int``,
+#: ``literal['auto']``, ``function-after[...]``): not keys of the recipe
+_UNION_TAGS = {"int", "float", "str", "bool", "none"}
+
+
+def _recipe_loc(loc) -> str:
+    return ".".join(str(x) for x in loc if not (isinstance(x, str) and (x in _UNION_TAGS or "[" in x))) or "<root>"
+
+
 def _format_validation(err: ValidationError, where: str) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(x) for x in first["loc"]) or "<root>"
+    """One line for a recipe's first invalid key: ``WHERE: KEY: what it should be`` (a union's
+    members' messages joined: ``Input should be a valid integer or 'auto'``)."""
+    errors = err.errors()
+    first = errors[0]
+    loc = _recipe_loc(first["loc"])
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
+    same = [e["msg"] for e in errors if _recipe_loc(e["loc"]) == loc]
+    if len(same) > 1 and all(m.startswith("Input should be ") for m in same):
+        msg = "Input should be " + " or ".join(dict.fromkeys(m.removeprefix("Input should be ").split(", ")[0] for m in same))
     msg = msg.removeprefix("Value error, ")
     return f"{where}: {loc}: {msg}"
 

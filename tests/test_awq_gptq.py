@@ -91,14 +91,15 @@ def test_bundled_recipe_runs_awq_gptq_with_its_grid(tmp_path, tiny_model_dir):
 
 
 def test_gptq_takes_the_float_reference_it_is_given(monkeypatch):
-    """``gptq_layer(float_out=...)`` keeps the caller's float output and runs no pass to the layer's end for it."""
+    """``gptq_layer(float_out=...)`` keeps the caller's float output; plain GPTQ runs the float
+    layer once on the first ``REF_SEQUENCES`` sequences for it (not a whole calibration batch)."""
     from compressor.quant import gptq_layer as gl
 
-    first_pass = []  # accumulate_hessians' first_pass argument, call by call
-    real = gl.accumulate_hessians
-    monkeypatch.setattr(gl, "accumulate_hessians", lambda *a, **k: (first_pass.append(a[5]), real(*a, **k))[1])
+    rows = []  # rows of every decoder-layer forward gptq_layer runs
+    real = gl.layer_forward
+    monkeypatch.setattr(gl, "layer_forward", lambda layer, h, kw, *a: (rows.append(h.shape[0]), real(layer, h, kw, *a))[1])
     quantize_model(_model(), _gptq_recipe(algorithm="awq-gptq"), IDS, batch_size=4)
-    assert first_pass and not any(first_pass)  # AWQ's observe pass gave the reference
-    first_pass.clear()
+    assert rows and set(rows) == {4}  # calibration batches only: AWQ's observe pass gave the reference
+    rows.clear()
     quantize_model(_model(), _gptq_recipe(), IDS, batch_size=4)
-    assert sum(first_pass) == len(_model().model.layers)  # plain GPTQ: one reference pass a layer
+    assert gl.REF_SEQUENCES == 2 and rows.count(2) == len(_model().model.layers)  # once a layer

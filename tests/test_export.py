@@ -123,6 +123,10 @@ def test_mixed_precision_compressed_tensors_loads_in_transformers(tmp_path, tiny
     (["--recipe", "w4a16-gptq", "--set", "gptq.static_groups=false"], "static groups"),
     (["--set", "gptq.dampp=0.1"], "gptq.dampp: unknown recipe key"),
     (["--set", "gptq.damp=2"], "gptq.damp"),
+    # a union's members' messages joined, without pydantic's member tags in the key
+    (["--set", "weights.group_size=null"], "weights.group_size: Input should be a valid integer or 'auto'\n"),
+    (["--set", "weights.group_size=x"], "weights.group_size: Input should be a valid integer or 'auto'\n"),
+    (["--set", "gptq.block_size=true"], "gptq.block_size: Input should be a valid integer\n"),
     (["--set", "novalue"], "KEY=VALUE"),
 ])
 def test_refused_before_any_work(tmp_path, capsys, argv, pattern):

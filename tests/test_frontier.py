@@ -652,10 +652,10 @@ def test_gptq_expert_hessians_in_chunks_give_the_same_artifact(sources, tmp_path
     held: list[int] = []  # Hessian bytes of each conditional (expert) pass
     real = gl.accumulate_hessians
 
-    def spy(layer, hidden, kw, sets, conditional, first_pass, n_ref, *rest):
+    def spy(layer, hidden, kw, sets, conditional, *rest):
         if conditional:
             held.append(sum(gl.HESSIAN_BYTES * get_module(layer, st[0]).in_features ** 2 for st in sets))
-        return real(layer, hidden, kw, sets, conditional, first_pass, n_ref, *rest)
+        return real(layer, hidden, kw, sets, conditional, *rest)
 
     monkeypatch.setattr(gl, "accumulate_hessians", spy)
     one_set = gl.HESSIAN_BYTES * 64 ** 2  # an expert's gate/up pair reads the 64-wide hidden state

@@ -353,3 +353,16 @@ def test_gptq_settings_under_an_algorithm_without_gptq_are_said_to_do_nothing():
         assert not any("gptq settings" in x for x in get_algorithm(name).flag_warnings({}, rtn, "compressed-tensors"))
     assert not any("gptq settings" in x for x in get_algorithm("rtn").flag_warnings(
         {}, load_recipe("w4a16-rtn-g64"), "compressed-tensors"))
+
+
+def test_manifest_quantization_block_names_the_range_search():
+    """The summary (``--json``, manifest ``quantization``) shows the range search when it is on,
+    and nothing new when it is off (earlier manifests keep their bytes)."""
+    from compressor.quant.algorithms import get_algorithm
+    from compressor.recipe import apply_settings
+
+    r = load_recipe("w4a16-gptq")
+    for name in ("gptq", "awq-gptq"):
+        assert "clip" not in get_algorithm(name).summary_fields(r, "compressed-tensors")
+        on = get_algorithm(name).summary_fields(apply_settings(r, {"gptq.clip": True, "gptq.clip_grid": 50}), "gptq")
+        assert (on["clip"], on["clip_grid"], on["clip_max_shrink"]) == (True, 50, 0.25) and "gptq_checkpoint_format" in on

@@ -83,24 +83,19 @@ def hessian_chunks(layer, sets: list[tuple[str, ...]], budget: int | None) -> li
     return chunks
 
 
-def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, first_pass: bool, n_ref: int,
-                        replay: ModuleReplay | None = None):
+def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, replay: ModuleReplay | None = None):
     """One calibration pass with input hooks: a :class:`HessianAccumulator` per reader set
-    (keyed by its first linear). Returns ``(accumulators, float_out)``: on the first pass
-    batch 0 runs to the layer's output, ``float_out = out[:n_ref]`` (nothing is quantized
-    yet); otherwise ``None``. Without ``conditional`` (routed experts fire only for their
-    tokens) a batch stops once every set has its input. ``replay``: the layer's final
-    children return their kept outputs instead of running."""
+    (keyed by its first linear). Without ``conditional`` (routed experts fire only for their
+    tokens) a batch stops once every set has its input. ``replay``: the layer's final parts
+    return their kept outputs instead of running."""
     accs = {st[0]: HessianAccumulator(get_module(layer, st[0]).in_features, device=hidden[0].device) for st in sets}
     fired: set[str] = set()
-    run_through = [False]  # this batch runs to the layer's output (the float reference)
-    float_out = None
 
     def make_hook(rel):
         def hook(_mod, args):
             accs[rel].add(args[0])
             fired.add(rel)
-            if not conditional and not run_through[0] and len(fired) == len(accs):
+            if not conditional and len(fired) == len(accs):
                 raise StopForward
         return hook
 
@@ -111,17 +106,19 @@ def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, first_pass: 
                 if replay is not None:
                     replay.start_batch(j)
                 fired.clear()
-                run_through[0] = first_pass and j == 0
                 try:
-                    out = layer_forward(layer, h, kw)
+                    layer_forward(layer, h, kw)
                 except StopForward:
                     continue
-                if run_through[0]:
-                    float_out = out[:n_ref]
     finally:
         for hd in handles:
             hd.remove()
-    return accs, float_out
+    return accs
+
+
+#: calibration sequences GPTQ's output-error figure is taken on (at most ``loss_n``): the float
+#: layer's output on them is one more forward of those sequences alone (2 of 16 at 16 x 512)
+REF_SEQUENCES = 2
 
 
 #: the linears of one reader set that share a scheme are solved as one matrix (their rows
@@ -259,14 +256,15 @@ def _settle(replay: ModuleReplay | None, final_from: dict[str, int], p_i: int, n
 
 
 def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=None, float_out=None) -> LayerOutcome:
-    """GPTQ for decoder layer ``i``: per pass, accumulate the Hessians, then solve (``folds``: see
-    :func:`solve_pass`; ``float_out``: the float layer's output on the loss sequences when the
-    caller has it already, as ``awq-gptq`` does from AWQ's observe pass: no pass then runs a
-    batch to the layer's output for it)."""
+    """GPTQ for decoder layer ``i``: the float layer's output on the first :data:`REF_SEQUENCES`
+    calibration sequences (the output-error figure), then per pass, accumulate the Hessians
+    and solve (``folds``: see :func:`solve_pass`; ``float_out``: the float layer's output when
+    the caller has it already, as ``awq-gptq`` does from AWQ's observe pass)."""
     arch = ctx.arch
-    n_ref = min(ctx.loss_n, hidden[0].shape[0])
-    need_ref = float_out is None  # else the float layer's output on hidden[0][:n_ref], for the output
-    # error, is taken from the first Hessian pass (nothing is quantized yet), which runs batch 0 to the end
+    t_r = time.perf_counter()
+    if float_out is None:  # the float layer's output for the output-error figure, before anything is quantized
+        float_out = layer_forward(layer, hidden[0][:min(ctx.loss_n, REF_SEQUENCES)], kw)
+    ref_t = time.perf_counter() - t_r
     fused_sets = layer_fused_sets(arch, layer)
     experts = ctx.experts(layer)
     counts: list[int] | None = None
@@ -285,10 +283,7 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
             t_h = time.perf_counter()
             if experts is not None:
                 experts.counts.zero_()
-            accs, out = accumulate_hessians(layer, hidden, kw, chunk, conditional,
-                                             need_ref and p_i == 0 and c_i == 0, n_ref, replay)
-            if out is not None:
-                float_out = out
+            accs = accumulate_hessians(layer, hidden, kw, chunk, conditional, replay)
             if conditional and counts is None and experts is not None:
                 counts = experts.counts.tolist()  # routing is upstream of the experts: the same in every chunk
             cold = ctx.cold(counts)
@@ -301,13 +296,11 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
             retries += p_retries
             dead += p_dead
             quant_t += time.perf_counter() - t_q
-    if float_out is None:  # no pass ran (nothing targeted in this layer)
-        float_out = layer_forward(layer, hidden[0][:n_ref], kw)
     _settle(replay, final_from, len(passes), len(hidden))  # what the recompute reads
     figures = {"gptq": {"max_damp": max(damps) if damps else None, "damp_retries": retries, "dead_channels": dead}}
     if n_chunks:
         figures["gptq"]["extra_hessian_passes"] = n_chunks  # routed experts' Hessians taken in bounded chunks
-    return LayerOutcome(errs, float_out, counts, figures, {"hessian": hess_t, "gptq": quant_t}, replay)
+    return LayerOutcome(errs, float_out, counts, figures, {"reference": ref_t, "hessian": hess_t, "gptq": quant_t}, replay)
 
 
 @register_algorithm
@@ -324,6 +317,8 @@ class GPTQ(Algorithm):
         from ..formats import gptq_checkpoint_format
 
         out = {"act_order": recipe.gptq.act_order, "static_groups": recipe.gptq.static_groups}
+        if recipe.gptq.clip:  # the range search; left out while off (earlier manifests keep their bytes)
+            out.update(clip=True, clip_grid=recipe.gptq.clip_grid, clip_max_shrink=recipe.gptq.clip_max_shrink)
         if fmt == "gptq":
             out["gptq_checkpoint_format"] = gptq_checkpoint_format(recipe.weights.symmetric)
         return out
