@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
+from .quant.inplace_linalg import all_finite
 from .safetensors_io import read_header
 
 RESUME_NAME = "resume.json"
@@ -298,7 +299,7 @@ def _load_one(model, ckpt: LazyCheckpoint, arch, name: str, dtype: torch.dtype) 
     from .arch import checkpoint_name
 
     t = ckpt.get(checkpoint_name(arch, name), dtype)
-    if t.is_floating_point() and not torch.isfinite(t).all():
+    if t.is_floating_point() and not all_finite(t):
         raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to quantize")
     _set_tensor(model, name, t)
 
@@ -341,7 +342,7 @@ def load_whole(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | 
                 or mtp_layer(arch, cfg.num_hidden_layers, name) is not None or not is_text_tensor(arch, name):
             continue
         t = ckpt.get(name, dtype)
-        if t.is_floating_point() and not torch.isfinite(t).all():
+        if t.is_floating_point() and not all_finite(t):
             raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to quantize")
         state[name] = t
     state = state_from_checkpoint(arch, model, state)
@@ -405,7 +406,7 @@ def copy_kept_tensors(ckpt: LazyCheckpoint, names: list[str], dtype: torch.dtype
     part, size, n = {}, 0, 0
     for name in names:
         t = ckpt.get(name, dtype, as_stored)
-        if t.is_floating_point() and not torch.isfinite(t).all():
+        if t.is_floating_point() and not all_finite(t):
             raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to copy it")
         part[name] = t
         size += t.numel() * t.element_size()

@@ -282,7 +282,7 @@ def test_awq_quantization_config():
 # ================================================================ GPTQ
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
-@pytest.mark.parametrize("n", [1, 7, 10, 11, 21, 22, 32, 33, 75])
+@pytest.mark.parametrize("n", [1, 7, 10, 11, 21, 22, 32, 33, 75, 96])
 def test_dense_packer_equals_the_per_bit_reference(bits, n):
     g = torch.Generator().manual_seed(bits * 100 + n)
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1

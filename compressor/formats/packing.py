@@ -56,6 +56,8 @@ def pack_rows(values: torch.Tensor, num_bits: int, offset: int = 0) -> torch.Ten
     """
     rows, n = values.shape
     words_per_row = n_words(n, num_bits)
+    if 32 % num_bits == 0 and n % (32 // num_bits) == 0:
+        return _pack_aligned(values, num_bits, offset)
     word, off = _positions(n, num_bits)
     spill = 32 - off
     mask = (1 << num_bits) - 1
@@ -70,6 +72,24 @@ def pack_rows(values: torch.Tensor, num_bits: int, offset: int = 0) -> torch.Ten
         acc.index_add_(1, word + 1, torch.bitwise_right_shift(u, spill, out=part))
         del u, part
         acc = acc[:, :words_per_row]
+        out[r0:r1] = torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
+    return out
+
+
+def _pack_aligned(values: torch.Tensor, num_bits: int, offset: int) -> torch.Tensor:
+    """:func:`pack_rows` when ``b`` divides 32 and the row fills whole words (2/4/8 bits): each
+    word is the sum of its ``32/b`` shifted fields (no field crosses a word), the same bits as
+    the general path's ``index_add``s at a fraction of their time."""
+    rows, n = values.shape
+    per = 32 // num_bits
+    shifts = torch.arange(per, dtype=torch.int64) * num_bits
+    mask = (1 << num_bits) - 1
+    out = torch.empty(rows, n // per, dtype=torch.int32)
+    for r0, r1 in row_blocks(rows, n):
+        u = values[r0:r1].to(torch.int64, copy=True)
+        u.add_(offset).bitwise_and_(mask)
+        acc = torch.bitwise_left_shift(u.view(r1 - r0, n // per, per), shifts).sum(-1)
+        del u
         out[r0:r1] = torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
     return out
 

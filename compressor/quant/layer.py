@@ -20,6 +20,7 @@ from ..arch import ArchSpec
 from ..errors import QuantizationError
 from ..moe import UnfusedExperts, cold_experts, routed_experts
 from ..recipe import Recipe
+from .inplace_linalg import all_finite
 from .kv import cache_kwarg
 from .primitives import check_scale_range, dequantize
 from .rtn import rtn_quantize
@@ -62,7 +63,7 @@ def stored_dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
     check_scale_range(scale.float(), dtype, name)
     scale = scale.to(dtype)
     deq = dequantize(q, scale, zero_point, group_size, dtype=torch.float32, g_idx=g_idx)
-    if not (torch.isfinite(scale.float()).all() and torch.isfinite(deq).all()):
+    if not (torch.isfinite(scale.float()).all() and all_finite(deq)):
         raise QuantizationError(f"quantizing {name} produced NaN or Inf; nothing was written")
     return scale, deq
 
