@@ -115,6 +115,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvq"
 
 
+def cache_writable() -> bool:
+    """Whether kvq's cache folder (:func:`cache_root`) exists or can be made, and can be written."""
+    root = cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(root, os.W_OK | os.X_OK)
+
+
 def _gguf_key(source: ModelSource) -> str:
     import transformers
 

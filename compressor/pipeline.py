@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,8 +40,7 @@ from .moe import unfuse_experts
 from .quant.algorithms import Algorithm, get_algorithm
 from .quant.head import head_hessian
 from .quant.kv import check_layout, kv_observer, layer_scales, observed_absmax
-from .quant.layer import LayerContext, LinearQuantizer, QuantizedLinear, StopForward, layer_forward
-from .quant.primitives import abs_max
+from .quant.layer import LayerContext, LinearQuantizer, QuantizedLinear, StopForward, recompute_layer
 from .recipe import Recipe, resolve_group_size
 from .streaming import frozen_gc
 
@@ -513,7 +511,7 @@ def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: 
     tp = time.perf_counter()
     peak: list = []
     # the KV observers must see the attention run: no replay with them
-    new_hidden = _recompute(i, layer, hidden, kw, ctx.observer, peak, outcome.replay if ctx.observer is None else None)
+    new_hidden = recompute_layer(i, layer, hidden, kw, ctx.observer, peak, outcome.replay if ctx.observer is None else None)
     outcome.replay = None
     if recount:
         counts = experts.counts.tolist()
@@ -564,44 +562,6 @@ def _figures(i, schemes, prefix, errs, out_err, seconds, **extra):
         **extra,
         "seconds": round(seconds, 3),
     }
-
-
-def _recompute(i, layer, hidden, kw, observer=None, peak: list | None = None, replay=None):
-    """The layer's outputs with its quantized weights (the next layer's inputs); KV statistics on the way.
-
-    ``peak``: when given, ``peak[0]`` becomes the largest absolute value among the layer's
-    outputs and every linear's output inside it (float32, over all calibration tokens): what
-    a float16 deployment must hold below 65,504 (``compressor.commands.quantize`` checks it).
-    ``replay``: the step's :class:`~compressor.quant.replay.ModuleReplay`; its final children
-    return their kept outputs (their linears' peak comes from when they were kept).
-    """
-    handles = []
-    if peak is not None:
-        peak[:] = [0.0]
-
-        def track(_m, _inp, out):
-            if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
-                peak[0] = max(peak[0], abs_max(out))
-
-        handles = [m.register_forward_hook(track) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-    new_hidden = []
-    try:
-        with replay.active(record=False) if replay is not None else nullcontext():
-            for j, h in enumerate(hidden):
-                if replay is not None:
-                    replay.start_batch(j)
-                new_hidden.append(layer_forward(layer, h, kw, observer))
-    finally:
-        for hd in handles:
-            hd.remove()
-    if replay is not None and peak is not None:
-        peak[0] = max(peak[0], replay.peak)
-    for j, h in enumerate(new_hidden):
-        if not torch.isfinite(h).all():
-            raise QuantizationError(f"decoder layer {i} produced NaN/Inf after quantization (batch {j}); nothing was written")
-        if peak is not None:
-            peak[0] = max(peak[0], abs_max(h))
-    return new_hidden
 
 
 def _first_rows(hidden: list[torch.Tensor], n: int) -> torch.Tensor:

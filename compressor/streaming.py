@@ -177,7 +177,7 @@ def _real_buffers(model) -> str | None:
 
 
 def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None,
-              ckpt: LazyCheckpoint | None = None, defer_head: bool = False):
+              ckpt: LazyCheckpoint | None = None, defer_head: bool = False, convert_gguf: bool = False):
     """Build ``(model, tokenizer, checkpoint)`` with decoder layers on ``meta`` and the rest loaded.
 
     MoE experts are unfused (:func:`compressor.moe.unfuse_experts`) so parameter names are
@@ -192,7 +192,10 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     :func:`kept_tensor_names`. ``ckpt`` replaces the folder's default reader (e.g. one that
     dequantizes packed linears: :class:`compressor.commands.kv_only.PackedCheckpoint`).
     ``defer_head``: leave an untied ``lm_head`` on ``meta`` (nothing before the write needs
-    it; :func:`outer_names` / :func:`load_into` read it then).
+    it; :func:`outer_names` / :func:`load_into` read it then). ``convert_gguf``: a GGUF file
+    not in kvq's cache yet is converted whole once (:func:`compressor.models.load_model`
+    stores it there), released, and streamed from the cache (when the cache folder is
+    writable; otherwise ``(None, reason)`` as without it).
 
     Returns:
         ``(model, tokenizer, checkpoint)``, or ``(None, reason)`` when the folder cannot be
@@ -206,9 +209,13 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     from .moe import unfuse_experts
 
     if source.kind == "gguf":  # a GGUF converted once before streams from kvq's cache
-        from .models import ModelSource, cached_gguf_folder
+        from .models import ModelSource, cache_writable, cached_gguf_folder, load_model
 
         cached = cached_gguf_folder(source)
+        if cached is None and convert_gguf and cache_writable():
+            load_model(source)  # converted and stored in kvq's cache; the whole model is released here
+            trim_heap()
+            cached = cached_gguf_folder(source)
         if cached is None:
             return None, "a GGUF file is dequantized whole by transformers' GGUF loader the first time (cached for later runs)"
         source = ModelSource(source.spec, "hf", cached)

@@ -417,13 +417,24 @@ def test_a_second_signal_does_not_cut_the_clean_up_short():
         pass
 
 
-def test_gguf_converted_without_a_writable_cache_keeps_the_model_whole(monkeypatch):
-    """When kvq's cache could not be written after the conversion, the converted model is used
-    whole (not converted a second time)."""
-    import compressor.commands.quantize as cq
+def test_gguf_conversion_for_streaming_needs_a_writable_cache(tmp_path, monkeypatch):
+    """``open_lazy(convert_gguf=True)`` converts a GGUF file not cached yet only when kvq's cache
+    can hold the result (else it is loaded whole, converted once, as before); a conversion whose
+    cache entry still fails its check is not streamed either."""
+    import compressor.models as cm
+    from compressor.models import ModelSource, cache_writable
+    from compressor.streaming import open_lazy
 
     calls = []
-    converted = (object(), object())
-    monkeypatch.setattr(cq, "load_model", lambda source: calls.append(source) or converted)
-    monkeypatch.setattr(cq, "cached_gguf_folder", lambda source: None)
-    assert cq._convert_gguf_then_stream("src", None) == (None, converted) and calls == ["src"]
+    monkeypatch.setattr(cm, "load_model", lambda source, *a, **k: calls.append(source))
+    monkeypatch.setattr(cm, "cached_gguf_folder", lambda source: None)
+    src = ModelSource("x.gguf", "gguf", tmp_path / "x.gguf")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "file" / "cache"))  # under a file: cannot be made
+    assert not cache_writable()
+    assert open_lazy(src, convert_gguf=True)[0] is None and calls == []
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    assert cache_writable()
+    model, reason = open_lazy(src, convert_gguf=True)
+    assert model is None and "GGUF" in reason and calls == [src]
+    assert open_lazy(src)[0] is None and calls == [src]  # without convert_gguf: never converted here

@@ -43,7 +43,7 @@ from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import check_format, check_shapes, format_config, pack_modules
 from ..formats.compressed_tensors import kv_scale_tensors
-from ..models import ALIASES, cached_gguf_folder, load_model, peek_model_type, resolve_source, storage_dtype
+from ..models import ALIASES, load_model, peek_model_type, resolve_source, storage_dtype
 from ..pipeline import check_group_sizes, quantize_model
 from ..quant.algorithms import get_algorithm
 from ..quant.head import add_head, check_head, head_schemes
@@ -53,7 +53,7 @@ from ..signing import check_sign_options, sign_folder
 from ..staging import (
     LayerWriter, keep_checkpoint, name_kept_checkpoint, open_staging, plan_activations, resume_key,
 )
-from ..streaming import open_lazy, trim_heap
+from ..streaming import open_lazy
 from . import kv_only
 from .common import peak_rss_mib
 from .options import QuantizeOptions
@@ -281,14 +281,10 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
                        + (f" (rank 0 of {world_size})" if world_size > 1 else ""))
     model, ckpt, loading = None, None, "whole model (--no-stream)"
     if opts.execution.stream:
-        lazy = open_lazy(source, defer_head=True)
-        if lazy[0] is None and source.kind == "gguf":
-            lazy = _convert_gguf_then_stream(source, console)
+        lazy = open_lazy(source, defer_head=True, convert_gguf=True)  # a new GGUF: converted once, then streamed
         if lazy[0] is not None:
             model, tokenizer, ckpt = lazy
             loading = "streamed: one decoder layer at a time"
-        elif isinstance(lazy[1], tuple):  # converted, but kvq's cache could not be written
-            (model, tokenizer), loading = lazy[1], "whole model (GGUF converted; kvq's cache folder not writable)"
         else:
             loading = f"whole model ({lazy[1]})"
     if model is None:
@@ -306,22 +302,6 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
         plan.warnings.append(f"calibration sequences of {calib_ids.shape[1]} tokens exceed the model's "
                              f"max_position_embeddings {max_pos}")
     return _Source(model, tokenizer, ckpt, loading, calib_ids, calibration)
-
-
-def _convert_gguf_then_stream(source, console):
-    """A GGUF source not converted yet: transformers' GGUF loader converts it whole once
-    (:func:`~compressor.models.load_model` stores the result in kvq's cache), the whole model
-    is released, and the run streams from the cache like every later one: the layer loop's
-    memory then comes on top of one decoder layer, not of the whole float model. Returns
-    :func:`~compressor.streaming.open_lazy`'s answer, or ``(None, reason)`` with the model
-    kept whole (in ``reason[1]``) when the cache could not be written."""
-    show.note(console, "converting the GGUF file once (later runs read kvq's cache) ...")
-    model, tokenizer = load_model(source)
-    if cached_gguf_folder(source) is None:
-        return None, (model, tokenizer)
-    del model, tokenizer
-    trim_heap()
-    return open_lazy(source, defer_head=True)
 
 
 def _calibration(plan: _Plan, opts: QuantizeOptions, model, tokenizer, console) -> tuple:

@@ -12,6 +12,7 @@ Shapes: hidden states ``[b, T, H]`` float32; a linear's weight ``[out, in]``.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,7 @@ from ..moe import UnfusedExperts, cold_experts, routed_experts
 from ..recipe import Recipe
 from .inplace_linalg import all_finite
 from .kv import cache_kwarg
-from .primitives import check_scale_range, dequantize
+from .primitives import abs_max, check_scale_range, dequantize
 from .rtn import rtn_quantize
 
 
@@ -191,3 +192,41 @@ def inspect_forward(module, x, kw, is_attention):
     else:
         out = module(x)
     return out[0] if isinstance(out, tuple) else out
+
+
+def recompute_layer(i, layer, hidden, kw, observer=None, peak: list | None = None, replay=None):
+    """The layer's outputs with its quantized weights (the next layer's inputs); KV statistics on the way.
+
+    ``peak``: when given, ``peak[0]`` becomes the largest absolute value among the layer's
+    outputs and every linear's output inside it (float32, over all calibration tokens): what
+    a float16 deployment must hold below 65,504 (``compressor.commands.quantize`` checks it).
+    ``replay``: the step's :class:`~compressor.quant.replay.ModuleReplay`; its final children
+    return their kept outputs (their linears' peak comes from when they were kept).
+    """
+    handles = []
+    if peak is not None:
+        peak[:] = [0.0]
+
+        def track(_m, _inp, out):
+            if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+                peak[0] = max(peak[0], abs_max(out))
+
+        handles = [m.register_forward_hook(track) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    new_hidden = []
+    try:
+        with replay.active(record=False) if replay is not None else nullcontext():
+            for j, h in enumerate(hidden):
+                if replay is not None:
+                    replay.start_batch(j)
+                new_hidden.append(layer_forward(layer, h, kw, observer))
+    finally:
+        for hd in handles:
+            hd.remove()
+    if replay is not None and peak is not None:
+        peak[0] = max(peak[0], replay.peak)
+    for j, h in enumerate(new_hidden):
+        if not torch.isfinite(h).all():
+            raise QuantizationError(f"decoder layer {i} produced NaN/Inf after quantization (batch {j}); nothing was written")
+        if peak is not None:
+            peak[0] = max(peak[0], abs_max(h))
+    return new_hidden

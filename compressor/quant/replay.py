@@ -2,7 +2,7 @@
 
 GPTQ's true-sequential passes (:mod:`compressor.quant.gptq_layer`) run the decoder layer
 once per stage of linears, and the driver runs it once more to give the next layer its
-inputs (:func:`compressor.pipeline._recompute`). Once a part of the layer has its weights
+inputs (:func:`compressor.quant.layer.recompute_layer`). Once a part of the layer has its weights
 and its inputs final, its output on a calibration batch no longer changes:
 :class:`ModuleReplay` keeps it the first time the part runs in that state and returns a
 copy instead of running it again. The parts are the layer's direct children (its
