@@ -68,7 +68,7 @@ class AWQOptions(_Strict):
     duo_scaling: bool = True
     clip: bool = True
     clip_grid: int = Field(20, ge=2, le=100)
-    clip_max_shrink: float = Field(0.5, gt=0.0, lt=1.0)
+    clip_max_shrink: float = Field(0.5, gt=0.0, lt=1.0, allow_inf_nan=False)
     clip_tokens: int = Field(512, ge=16)
     loss_samples: int = Field(8, ge=1)
 
@@ -84,8 +84,8 @@ class GPTQOptions(_Strict):
     output error under the Hessian, instead of min-max (:func:`compressor.quant.primitives.search_qparams`)."""
 
     block_size: int = Field(128, ge=1, strict=True)
-    damp: float = Field(0.01, gt=0.0, lt=1.0)
-    damp_increment: float = Field(0.01, gt=0.0, lt=1.0)
+    damp: float = Field(0.01, gt=0.0, lt=1.0, allow_inf_nan=False)
+    damp_increment: float = Field(0.01, gt=0.0, lt=1.0, allow_inf_nan=False)
     act_order: bool = False
     static_groups: bool = False
     true_sequential: bool = True
@@ -201,16 +201,16 @@ class Gates(_Strict):
     greedy generations differ (see :mod:`compressor.stats`).
     """
 
-    max_ppl_increase_pct: float = Field(20.0, ge=0.0)
-    max_mean_kl: Optional[float] = Field(None, ge=0.0)
-    max_p99_kl: Optional[float] = Field(None, ge=0.0)
-    min_top1_agreement_pct: Optional[float] = Field(None, ge=0.0, le=100.0)
+    max_ppl_increase_pct: float = Field(20.0, ge=0.0, allow_inf_nan=False)
+    max_mean_kl: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
+    max_p99_kl: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
+    min_top1_agreement_pct: Optional[float] = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)
     min_sqnr_db: Optional[float] = None
-    max_hidden_error: Optional[float] = Field(None, ge=0.0)
+    max_hidden_error: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
     min_median_divergence: Optional[int] = Field(None, ge=0)
     # kvq serve-smoke (runtime vs reference; None: the command's defaults 80 % / 0.5 nats / ungated)
-    serve_min_top1_pct: Optional[float] = Field(None, ge=0.0, le=100.0)
-    serve_max_prompt_kl: Optional[float] = Field(None, ge=0.0)
+    serve_min_top1_pct: Optional[float] = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)
+    serve_max_prompt_kl: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
     serve_min_median_divergence: Optional[int] = Field(None, ge=0)
 
 
@@ -319,7 +319,7 @@ def _format_validation(err: ValidationError, where: str) -> str:
     same = [e["msg"] for e in errors if _recipe_loc(e["loc"]) == loc]
     if len(same) > 1 and all(m.startswith("Input should be ") for m in same):
         msg = "Input should be " + " or ".join(dict.fromkeys(m.removeprefix("Input should be ").split(", ")[0] for m in same))
-    msg = msg.removeprefix("Value error, ")
+    msg = re.sub(r" or instance of \w+", "", msg.removeprefix("Value error, "))  # no pydantic class names
     return f"{where}: {loc}: {msg}"
 
 

@@ -209,10 +209,12 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     from .moe import unfuse_experts
 
     if source.kind == "gguf":  # a GGUF converted once before streams from kvq's cache
-        from .models import ModelSource, cache_writable, cached_gguf_folder, load_model
+        from .models import ModelSource, cache_root, cache_writable, cached_gguf_folder, load_model
 
         cached = cached_gguf_folder(source)
-        if cached is None and convert_gguf and cache_writable():
+        if cached is None and convert_gguf:
+            if not cache_writable():
+                return None, f"kvq's cache folder {cache_root()} cannot be written: the GGUF file is converted whole on every run"
             load_model(source)  # converted and stored in kvq's cache; the whole model is released here
             trim_heap()
             cached = cached_gguf_folder(source)

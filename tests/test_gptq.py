@@ -353,6 +353,10 @@ def test_gptq_settings_under_an_algorithm_without_gptq_are_said_to_do_nothing():
         assert not any("gptq settings" in x for x in get_algorithm(name).flag_warnings({}, rtn, "compressed-tensors"))
     assert not any("gptq settings" in x for x in get_algorithm("rtn").flag_warnings(
         {}, load_recipe("w4a16-rtn-g64"), "compressed-tensors"))
+    # --act-order under rtn: one warning (the flag's), not a second one for the setting it made
+    w = get_algorithm("rtn").flag_warnings({"act_order": True}, apply_settings(load_recipe("w4a16-rtn-g64"),
+                                                                              {"gptq.act_order": True}), "compressed-tensors")
+    assert w == ["--act-order/--no-act-order has no effect with algorithm rtn (GPTQ only)"]
 
 
 def test_manifest_quantization_block_names_the_range_search():

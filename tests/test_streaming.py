@@ -432,7 +432,8 @@ def test_gguf_conversion_for_streaming_needs_a_writable_cache(tmp_path, monkeypa
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "file" / "cache"))  # under a file: cannot be made
     assert not cache_writable()
-    assert open_lazy(src, convert_gguf=True)[0] is None and calls == []
+    model, reason = open_lazy(src, convert_gguf=True)
+    assert model is None and calls == [] and f"kvq's cache folder {tmp_path / 'file' / 'cache'} cannot be written" in reason
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
     assert cache_writable()
     model, reason = open_lazy(src, convert_gguf=True)

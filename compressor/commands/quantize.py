@@ -277,8 +277,7 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
             calibration token ids outside the vocabulary.
     """
     source = plan.source
-    show.note(console, f"loading {source.spec} ({source.kind}) ..."
-                       + (f" (rank 0 of {world_size})" if world_size > 1 else ""))
+    show.note(console, f"loading {source.spec} ({source.kind}) ..." + (f" (rank 0 of {world_size})" if world_size > 1 else ""))
     model, ckpt, loading = None, None, "whole model (--no-stream)"
     if opts.execution.stream:
         lazy = open_lazy(source, defer_head=True, convert_gguf=True)  # a new GGUF: converted once, then streamed
@@ -287,6 +286,7 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
             loading = "streamed: one decoder layer at a time"
         else:
             loading = f"whole model ({lazy[1]})"
+            plan.warnings += [lazy[1]] if "cannot be written" in lazy[1] else []  # an unwritable cache costs every run
     if model is None:
         model, tokenizer = load_model(source)
     show.note(console, f"source weights: {loading}", highlight=False)

@@ -87,7 +87,8 @@ class Algorithm:
         out = []
         if flags.get("act_order") is not None:
             out.append(f"--act-order/--no-act-order has no effect with algorithm {self.name} (GPTQ only)")
-        return out + unread_gptq_warnings(self.name, recipe) + odd_bits_warnings(recipe, fmt)
+        unread = unread_gptq_warnings(self.name, recipe, skip=("act_order",) if flags.get("act_order") is not None else ())
+        return out + unread + odd_bits_warnings(recipe, fmt)
 
     def run_warnings(self, layers: list[dict]) -> list[str]:
         """Warnings drawn from every layer's figures (``QuantizeResult.layers``) after the run."""
@@ -124,12 +125,13 @@ def algorithm_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def unread_gptq_warnings(name: str, recipe) -> list[str]:
+def unread_gptq_warnings(name: str, recipe, skip: tuple[str, ...] = ()) -> list[str]:
     """A ``gptq`` section other than the defaults (``--set gptq.clip=true``, a GPTQ recipe with
     ``--algorithm rtn``) under an algorithm that runs no GPTQ: it is recorded in the manifest's
-    recipe but changes nothing, so say so."""
+    recipe but changes nothing, so say so (``skip``: keys a flag warning names already)."""
     default = GPTQOptions()
-    changed = [k for k in type(default).model_fields if getattr(recipe.gptq, k) != getattr(default, k)]
+    changed = [k for k in type(default).model_fields
+               if k not in skip and getattr(recipe.gptq, k) != getattr(default, k)]
     if not changed:
         return []
     return [f"the recipe's gptq settings ({', '.join(changed)}) have no effect with algorithm {name} "
@@ -192,7 +194,7 @@ class NoWeights(Algorithm):
             out.append("--bits/--group-size/--symmetric have no effect: the recipe keeps weights in float (algorithm none)")
         if flags.get("act_order") is not None:
             out.append(f"--act-order/--no-act-order has no effect with algorithm {self.name} (GPTQ only)")
-        return out + unread_gptq_warnings(self.name, recipe)
+        return out + unread_gptq_warnings(self.name, recipe, skip=("act_order",) if flags.get("act_order") is not None else ())
 
 
 # the handlers living beside their math modules register themselves on import
