@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -397,8 +398,11 @@ def _python(tmp_path: Path, body: str, module: bool = False):
     repo = Path(__file__).resolve().parents[1]
     (tmp_path / "probe.py").write_text(body)
     argv = [sys.executable, "-m", "probe"] if module else [sys.executable, str(tmp_path / "probe.py")]
+    # the probe starts as from a terminal: SIGINT at its default even when this test run was
+    # started in the background (``cmd &`` ignores SIGINT, and kvq leaves an ignored SIGINT alone)
     return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"})
+                          env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"},
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_an_interruption_raised_inside_pyrun_code_keeps_kvqs_exit_code(tmp_path):
