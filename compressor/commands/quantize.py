@@ -43,7 +43,7 @@ from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import check_format, check_shapes, format_config, pack_modules
 from ..formats.compressed_tensors import kv_scale_tensors
-from ..models import ALIASES, load_model, peek_model_type, resolve_source, storage_dtype
+from ..models import ALIASES, cache_writable, load_model, peek_model_type, resolve_source, storage_dtype
 from ..pipeline import check_group_sizes, quantize_model
 from ..quant.algorithms import get_algorithm
 from ..quant.head import add_head, check_head, head_schemes
@@ -286,7 +286,7 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
             loading = "streamed: one decoder layer at a time"
         else:
             loading = f"whole model ({lazy[1]})"
-            plan.warnings += [lazy[1]] if "cannot be written" in lazy[1] else []  # an unwritable cache costs every run
+            plan.warnings += [lazy[1]] if source.kind == "gguf" and not cache_writable() else []  # costs every run
     if model is None:
         model, tokenizer = load_model(source)
     show.note(console, f"source weights: {loading}", highlight=False)

@@ -242,7 +242,7 @@ def _act_order_permutation(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tens
 
 
 def _quantize_block(W1t: torch.Tensor, U1: torch.Tensor, i1: int, col_group_list: list[int], scale_t: torch.Tensor,
-                    zero_t: torch.Tensor, zero_f: torch.Tensor, grid: _Grid, static: bool,
+                    zero_f: torch.Tensor, grid: _Grid, static: bool,
                     h_blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the columns of one lazy block, propagating each column's error inside the block.
 
@@ -250,8 +250,8 @@ def _quantize_block(W1t: torch.Tensor, U1: torch.Tensor, i1: int, col_group_list
     into buffers made once per block (the loop is bound by per-operation overhead, not by
     arithmetic). ``W1t`` ``[b, out]`` (updated in place) holds columns ``i1 .. i1 + b`` in
     visiting order, ``U1`` ``[b, b]`` the matching block of the upper Cholesky factor of
-    ``H⁻¹``. ``scale_t`` float32, ``zero_t`` int8 and ``zero_f`` (its float32 copy) are the
-    qparams transposed, ``[G, out]``; unless ``static``, a group's qparams are computed when
+    ``H⁻¹``. ``scale_t`` and ``zero_f`` (integer zero points held as float32) are the
+    qparams transposed, float32 ``[G, out]``; unless ``static``, a group's qparams are computed when
     its first column is reached and written there (range search: scored by ``h_blocks[g]``,
     the Hessian's block of the group's visited columns). Returns ``Q1t`` (float32 integer
     values ``[b, out]``) and ``Err1t`` (the scaled errors ``[b, out]``, for the update of the
@@ -269,7 +269,6 @@ def _quantize_block(W1t: torch.Tensor, U1: torch.Tensor, i1: int, col_group_list
         if not static and j % gs == 0:
             s, z = grid.qparams(W1t[i : i + gs].t().contiguous(), None if h_blocks is None else h_blocks[g : g + 1])
             scale_t[g] = s[:, 0]
-            zero_t[g] = z[:, 0]
             zero_f[g] = z[:, 0]
         s_col, z_col, col, q, err = scale_t[g], zero_f[g], W1t[i], Q1t[i], Err1t[i]
         torch.div(col, s_col, out=q)
@@ -302,11 +301,9 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid, block_size:
     n_groups = in_f // gs
     Q = torch.empty(out_f, in_f, dtype=torch.int8, device=W.device)
     scale_t = torch.empty(n_groups, out_f, dtype=torch.float32, device=W.device)
-    zero_t = torch.empty(n_groups, out_f, dtype=torch.int8, device=W.device)
     zero_f = torch.empty(n_groups, out_f, dtype=torch.float32, device=W.device)
     if static_qparams is not None:
         scale_t.copy_(static_qparams[0].t())
-        zero_t.copy_(static_qparams[1].t())
         zero_f.copy_(static_qparams[1].t())
     # group of the column visited at position j (original index perm[j])
     orig = perm if perm is not None else torch.arange(in_f, device=W.device)
@@ -317,14 +314,14 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid, block_size:
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
         W1t = W[:, i1:i2].t().contiguous()
-        Q1t, Err1t = _quantize_block(W1t, U[i1:i2, i1:i2], i1, col_group_list, scale_t, zero_t, zero_f, grid,
+        Q1t, Err1t = _quantize_block(W1t, U[i1:i2, i1:i2], i1, col_group_list, scale_t, zero_f, grid,
                                      static_qparams is not None, h_blocks)
         del W1t
         Q[:, i1:i2] = Q1t.t()
         losses += Err1t.double().square_().sum(0).div_(2)
         if i2 < in_f:
             W[:, i2:] -= Err1t.t().contiguous() @ U[i1:i2, i2:]
-    return Q, scale_t.t().contiguous(), zero_t.t().contiguous(), col_group, losses
+    return Q, scale_t.t().contiguous(), zero_f.t().to(torch.int8).contiguous(), col_group, losses
 
 
 def _restore_column_order(Q: torch.Tensor, perm: torch.Tensor | None, col_group: torch.Tensor,

@@ -225,7 +225,7 @@ def recompute_layer(i, layer, hidden, kw, observer=None, peak: list | None = Non
     if replay is not None and peak is not None:
         peak[0] = max(peak[0], replay.peak)
     for j, h in enumerate(new_hidden):
-        if not torch.isfinite(h).all():
+        if not all_finite(h):
             raise QuantizationError(f"decoder layer {i} produced NaN/Inf after quantization (batch {j}); nothing was written")
         if peak is not None:
             peak[0] = max(peak[0], abs_max(h))
