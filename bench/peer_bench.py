@@ -154,7 +154,9 @@ def quantize(tool: str, algo: str, rnd: int) -> dict:
         summary = json.loads(text[text.index("{\n"):])
         inner = summary["quantize_seconds"]
         rss, size = summary["peak_rss_mib"], summary["artifact_bytes"]
+        extra = {"matmul_precision": summary.get("matmul_precision"), "threads": summary.get("threads")}
     else:
+        extra = {}
         if out.exists():
             shutil.rmtree(out)
         js = WORK / "logs" / f"{out.name}.json"
@@ -164,7 +166,7 @@ def quantize(tool: str, algo: str, rnd: int) -> dict:
         summary = json.loads(js.read_text())
         inner, rss, size = summary["quantize_seconds"], summary["peak_rss_mib"], summary["artifact_bytes"]
     return {"tool": tool, "algo": algo, "round": rnd, "command": " ".join(map(str, cmd)), "wall_seconds": round(wall, 1),
-            "quantize_seconds": inner, "peak_rss_mib": rss, "artifact_bytes": size, "artifact": str(out)}
+            "quantize_seconds": inner, "peak_rss_mib": rss, "artifact_bytes": size, "artifact": str(out), **extra}
 
 
 def perplexity(model: Path, name: str, windows: int, loader: str = "kvq") -> dict:

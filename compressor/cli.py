@@ -167,13 +167,15 @@ def _verify_keys(public_key, certificate_chain, identity, issuer):
 @click.option("--sign-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="With --sign-certificate: a certificate of its chain (repeatable).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Read a safetensors MODEL one decoder layer at a time (peak memory about one layer plus calibration activations); --no-stream loads it whole. A GGUF file is converted whole once, then streamed from kvq's cache (whole on every run when the cache folder cannot be written).")
 @click.option("--shard-size", default="5GB", show_default=True, callback=lambda c, p, v: _parse_size(v, p), help="Maximum size of one output weights file (e.g. 500MB, 2GiB; at least 1MB); several files get model-0000k-of-0000N names and model.safetensors.index.json.")
+@click.option("--matmul-precision", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True, help="CPU matmuls of the calibration pass (layer forwards, Hessians, AWQ's search, KV observers): bfloat16 rounds their inputs to bfloat16 and accumulates in float32 (oneDNN; AMX makes a layer forward about 1.6x faster); GPTQ's solve, packing, verify and serve-smoke stay float32. auto: bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, float32 otherwise and on CUDA. The two give artifacts that differ in their last bits; the manifest's provenance records which ran.")
+@click.option("--threads", type=_range(QuantizeOptions, "threads"), default=None, help="CPU threads of torch's operations (default: one per usable CPU). On a machine shared with other jobs --threads 1 is usually faster: each of GPTQ's thousands of short parallel steps otherwise waits for a descheduled thread (a note says so when the load average is above the CPU count). The artifact's last bits depend on the thread count (the manifest's provenance records it).")
 @click.option("--activation-budget-gib", type=_range(QuantizeOptions, "activation_budget_gib", float), default=8.0, show_default=True, help="Calibration activations above this size move to memory-mapped files in the staging folder; GPTQ also keeps finished sub-layers' outputs for reuse only within it (0: spill everything, keep nothing; the artifact is the same).")
 @click.option("--memory-budget-gib", type=_range(QuantizeOptions, "memory_budget_gib", float), default=4.0, show_default=True, help="Weights of one decoder layer held at once (5 bytes a weight: float32 and its int8 codes) by a streamed run without calibration (RTN, KV-only with float weights): a larger layer's routed experts are read, quantized, written and released in groups of at most this size. Calibrated runs (AWQ, GPTQ, static KV scales) hold one whole layer; GPTQ accumulates and solves the routed experts' Hessians (12 bytes per input feature squared each) in chunks within this budget.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run of the same command from its last finished layer (kept in .OUTPUT.kvq-partial beside OUTPUT); refused if the inputs changed.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout; no progress bar.")
 def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, symmetric, act_order, settings, fmt, calib, calib_field,
              calib_samples, calib_seqlen, seed, device, dtype, allow_float16_overflow, overwrite, digest_algorithm, sign_key, sign_password,
-             sign_certificate, sign_chain, stream, shard_size, activation_budget_gib, memory_budget_gib, resume, as_json):
+             sign_certificate, sign_chain, stream, shard_size, matmul_precision, threads, activation_budget_gib, memory_budget_gib, resume, as_json):
     """Quantize MODEL's linear weights and write an artifact to OUTPUT.
 
     MODEL is a Hugging Face folder (safetensors), a .gguf file, or the alias
@@ -246,7 +248,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
         calib_seqlen=calib_seqlen, seed=seed, device=_device(device), dtype=dtype,
         allow_float16_overflow=allow_float16_overflow, overwrite=overwrite,
         digest_algorithm=digest_algorithm, sign=sign, stream=stream, shard_bytes=shard_size, resume=resume,
-        activation_budget_gib=activation_budget_gib, memory_budget_gib=memory_budget_gib,
+        matmul_precision=matmul_precision, threads=threads, activation_budget_gib=activation_budget_gib, memory_budget_gib=memory_budget_gib,
     )
     summary = api.run_quantize(opts, console=None if as_json else _console(),
                                on_committed=_record_committed)

@@ -37,6 +37,7 @@ from .arch import (ArchSpec, checkpoint_name, expert_index, get_arch, get_module
                    num_experts)
 from .errors import InputError, QuantizationError
 from .moe import unfuse_experts
+from .precision import calibration_matmuls, resolve_matmul_precision
 from .quant.algorithms import Algorithm, get_algorithm
 from .quant.head import head_hessian
 from .quant.kv import check_layout, kv_observer, layer_scales, observed_absmax
@@ -360,6 +361,7 @@ def quantize_model(
     batch_size: int = 8,
     on_layer: Callable[[int, int, dict], None] | None = None,
     hooks: LayerHooks | None = None,
+    matmul_precision: str = "auto",
 ) -> QuantizeResult:
     """Quantize ``model`` in place according to ``recipe`` (its registered algorithm:
     :mod:`compressor.quant.algorithms`).
@@ -376,11 +378,15 @@ def quantize_model(
         on_layer: progress callback ``(layer_index, n_layers, layer_figures)``.
         hooks: per-layer load/write/release and resume state (:class:`LayerHooks`); with
             them the decoder layers may start on the ``meta`` device.
+        matmul_precision: ``auto``, ``float32`` or ``bfloat16``: the CPU matmuls of the calibration
+            pass (:func:`compressor.precision.calibration_matmuls`; GPTQ's solve stays float32);
+            ``auto`` as ``kvq quantize`` resolves it (:func:`compressor.precision.resolve_matmul_precision`).
 
     Raises:
         InputError: unsupported architecture, group size that does not fit, non-finite
             source weights, missing calibration, fused linears with different schemes, a
-            KV scheme the attention layout cannot hold (per-head scales on MLA).
+            KV scheme the attention layout cannot hold (per-head scales on MLA), ``bfloat16``
+            matmuls asked for on CUDA.
         QuantizationError: a non-finite scale or weight was produced (names the module).
     """
     t0 = time.perf_counter()
@@ -395,7 +401,8 @@ def quantize_model(
     ctx = LayerContext(plan.arch, recipe, LinearQuantizer(plan.schemes, dtype), plan.targets, result.modules, observer,
                        min(recipe.awq.loss_samples, len(calib_ids) if calib_ids is not None else 1),
                        getattr(hooks, "memory_budget", None), getattr(hooks, "activation_budget", None))
-    _layer_loop(model, layers, ctx, plan.algorithm, result, calib_ids, batch_size, device, on_layer, hooks)
+    with calibration_matmuls(resolve_matmul_precision(matmul_precision, device)):
+        _layer_loop(model, layers, ctx, plan.algorithm, result, calib_ids, batch_size, device, on_layer, hooks)
     result.warnings += plan.algorithm.run_warnings(result.layers)
     if result.moe_fallback:
         n_layers_fb = len({f["layer"] for f in result.moe_fallback})

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import resource
+import threading
 from pathlib import Path
 
 
@@ -37,3 +39,53 @@ def load_reference(spec: str, source, artifact_dtype=None):
     if Path(spec).is_dir() and ((Path(spec) / MANIFEST_NAME).is_file() or packed_method(Path(spec)) is not None):
         return load_artifact(spec, **({} if artifact_dtype is None else {"dtype": artifact_dtype}))[0]
     return load_model(source)[0]
+
+
+def in_background(fn):
+    """Start ``fn()`` on a daemon thread; returns a function that waits for its result (re-raising its
+    error). hashlib and file reads release the GIL, so hashing the source runs on another core
+    while the main thread imports and builds the model; a daemon thread never holds up an exit."""
+    box: dict = {}
+
+    def work():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised by the caller's wait
+            box["error"] = e
+
+    t = threading.Thread(target=work, name="kvq-source-digest", daemon=True)
+    t.start()
+
+    def wait():
+        t.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    return wait
+
+
+def cpu_threads(requested: int | None) -> tuple[int, str | None]:
+    """Apply ``--threads``: torch's intra-op threads set to ``requested`` (``None``: torch's
+    default, one per usable CPU). Returns ``(threads in effect, note)``; the note (else ``None``)
+    says the machine is busy when, with more than one thread and none requested, the 1-minute
+    load average already exceeds the usable CPUs: every short parallel step (GPTQ's column
+    loop runs thousands a layer) then waits for a descheduled thread. Measured here beside a
+    2-thread job on 2 cores: a small GPTQ run took 66.9 s with 2 threads, 28.7 s with 1
+    (14.6 s and 19.2 s on an idle machine; BENCHMARKS.md)."""
+    import torch
+
+    from ..safetensors_io import default_workers
+
+    if requested is not None:
+        torch.set_num_threads(requested)
+        return torch.get_num_threads(), None
+    threads, cores = torch.get_num_threads(), default_workers()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not available on this platform
+        return threads, None
+    if threads > 1 and load > cores + 0.5:
+        return threads, (f"the machine is busy (load {load:.1f} on {cores} CPUs): with {threads} threads each short "
+                         "parallel step waits for a descheduled thread; --threads 1 is usually faster on a shared machine")
+    return threads, None

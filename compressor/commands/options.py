@@ -190,6 +190,9 @@ class ExecutionOptions(_Section):
     """How the run proceeds: device, streamed source, resume, activation memory."""
 
     device: str = "cpu"
+    #: the calibration pass's CPU matmuls (compressor.precision): auto is bfloat16 where the CPU multiplies it in hardware
+    matmul_precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    threads: Optional[int] = Field(None, ge=1, le=4096)  # torch's intra-op threads; None: one per usable CPU
     stream: bool = True  # read a safetensors source one decoder layer at a time (compressor.streaming)
     resume: bool = False  # continue an interrupted run from its staging folder
     activation_budget_gib: float = _finite(8.0, ge=0, le=MAX_GIB)  # activations above this go to memory-mapped files
@@ -218,6 +221,7 @@ class QuantizeOptions(_Options):
         "digest_algorithm": ("write", "digest_algorithm"), "shard_bytes": ("write", "shard_bytes"),
         "sign": ("write", "sign"),
         "device": ("execution", "device"), "stream": ("execution", "stream"), "resume": ("execution", "resume"),
+        "matmul_precision": ("execution", "matmul_precision"), "threads": ("execution", "threads"),
         "activation_budget_gib": ("execution", "activation_budget_gib"),
         "memory_budget_gib": ("execution", "memory_budget_gib"),
     }

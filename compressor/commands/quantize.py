@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from ..formats import check_format, check_shapes, format_config, pack_modules
 from ..formats.compressed_tensors import kv_scale_tensors
 from ..models import ALIASES, cache_writable, load_model, peek_model_type, resolve_source, storage_dtype
 from ..pipeline import check_group_sizes, quantize_model
+from ..precision import resolve_matmul_precision
 from ..quant.algorithms import get_algorithm
 from ..quant.head import add_head, check_head, head_schemes
 from ..quant.kv import layout_bytes_per_token
@@ -55,7 +55,7 @@ from ..staging import (
 )
 from ..streaming import open_lazy
 from . import kv_only
-from .common import peak_rss_mib
+from .common import cpu_threads, in_background, peak_rss_mib
 from .options import QuantizeOptions
 
 
@@ -75,6 +75,12 @@ class _Plan:
     calib_shape: Optional[tuple[int, int]] = None  # (samples, seqlen) of the calibration windows, None without
     activation_budget_gib: Optional[float] = None  # in effect (0: spill all); None until the activations are checked
     packed: object = None  # compressor.commands.kv_only.PackedSource: weights already quantized, carried
+    matmul_precision: str = "float32"  # of the calibration pass, resolved (compressor.precision)
+    threads: int = 1  # torch's intra-op threads in effect (--threads)
+
+    def provenance(self, timing: dict, device: str) -> dict:
+        """The manifest's ``provenance``: how this artifact was made (not what it is; the last bits depend on it)."""
+        return {"timing": timing, "device": device, "matmul_precision": self.matmul_precision, "threads": self.threads}
 
 
 #: the largest finite float16 value: activations past it overflow in a float16 deployment
@@ -93,30 +99,6 @@ class _Source:
     calibration: Optional[dict]  # provenance record for the manifest
 
 
-def _in_background(fn):
-    """Start ``fn()`` on a daemon thread; returns a function that waits for its result (re-raising its
-    error). hashlib and file reads release the GIL, so hashing the source runs on another core
-    while the main thread imports and builds the model; a daemon thread never holds up an exit."""
-    box: dict = {}
-
-    def work():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # re-raised by the caller's wait
-            box["error"] = e
-
-    t = threading.Thread(target=work, name="kvq-source-digest", daemon=True)
-    t.start()
-
-    def wait():
-        t.join()
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-
-    return wait
-
-
 def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict:
     """Quantize ``opts.model`` and write the artifact; returns the JSON summary.
 
@@ -129,6 +111,15 @@ def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict
     Raises:
         InputError: bad usage or input; QuantizationError: non-finite values produced.
     """
+    threads = torch.get_num_threads()
+    try:
+        return _run(opts, console, on_committed)
+    finally:  # --threads is this run's: an in-process caller keeps its own
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def _run(opts: QuantizeOptions, console, on_committed) -> dict:
     t0 = time.perf_counter()
     plan = _plan(opts, console)
     rank, world_size, device = setup_distributed(opts.execution.device)
@@ -136,7 +127,7 @@ def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict
         return _carry(plan, opts, device, console, on_committed, t0)
     if rank != 0:
         console = None
-    fingerprint = _in_background(plan.source.fingerprint)  # the source's SHA-256s, read while the model loads
+    fingerprint = in_background(plan.source.fingerprint)  # the source's SHA-256s, read while the model loads
     with name_kept_checkpoint(plan.out, opts.execution.resume):  # interrupted while loading: say where the layers are
         src = _load(plan, opts, console, world_size)
         n_layers = src.model.config.num_hidden_layers
@@ -144,7 +135,7 @@ def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict
         source_fp = fingerprint()
         key = resume_key({"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
                           "calibration": src.calibration, "format": opts.write.format, "dtype": plan.dtype,
-                          "kvq": tool_info()["version"]})
+                          "kvq": tool_info()["version"], "matmul_precision": plan.matmul_precision})
         staging = open_staging(plan.out, key, opts.execution.resume, console) if rank == 0 else None  # other ranks write nothing
     with keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume
         interrupts.check()  # a signal whose exception was lost while loading stops the run here
@@ -212,7 +203,12 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
         raise InputError("--resume is not available under torchrun (several ranks); resume with one process")
     if packed is not None:
         kv_only.check_source_integrity(packed)
-    plan = _Plan(out, recipe, source, kv, token_file, text, warnings, dtype, dtype_reason, calib_shape, packed=packed)
+    threads, busy = cpu_threads(opts.execution.threads)
+    if busy:
+        show.note(console, f"[yellow]note:[/] {busy}", highlight=False)
+    plan = _Plan(out, recipe, source, kv, token_file, text, warnings, dtype, dtype_reason, calib_shape, packed=packed,
+                 matmul_precision=resolve_matmul_precision(opts.execution.matmul_precision, opts.execution.device),
+                 threads=threads)
     if source.kind == "hf":  # config.json was checked against the weights: its hidden size is the model's
         from ..config_check import hidden_size
 
@@ -310,7 +306,7 @@ def _calibration(plan: _Plan, opts: QuantizeOptions, model, tokenizer, console) 
     if plan.token_file:
         calib_ids, calibration = load_token_ids(c.source, model.config.vocab_size)
         show.note(console, f"calibration: {calib_ids.shape[0]} x {calib_ids.shape[1]} pre-tokenized ids from {c.source} "
-                           "(--calib-samples/--calib-seqlen/--seed do not apply)")
+                           f"(--calib-samples/--calib-seqlen/--seed do not apply); matmuls in {plan.matmul_precision}")
         return calib_ids, calibration
     if plan.text is None:
         return None, None
@@ -322,7 +318,8 @@ def _calibration(plan: _Plan, opts: QuantizeOptions, model, tokenizer, console) 
             f"{tokens.numel():,} tokens ({plan.text.name}): the windows overlap and repeat the text (at most "
             f"{tokens.numel() // c.seqlen} windows of {c.seqlen} would not); give more text or fewer --calib-samples")
     calibration = {**plan.text.provenance(), "samples": c.samples, "seqlen": c.seqlen, "seed": c.seed}
-    show.note(console, f"calibration: {c.samples} x {c.seqlen} tokens from {plan.text.name} (seed {c.seed})")
+    show.note(console, f"calibration: {c.samples} x {c.seqlen} tokens from {plan.text.name} (seed {c.seed}); "
+                       f"matmuls in {plan.matmul_precision}")
     return calib_ids, calibration
 
 
@@ -341,7 +338,7 @@ def _quantize(plan: _Plan, src: _Source, writer: LayerWriter, opts: QuantizeOpti
         return quantize_model(
             src.model, recipe, src.calib_ids, device=device, dtype=DTYPES[plan.dtype],
             on_layer=lambda i, n, fig: _layer_done(plan, opts, console, bar, task, i, n, fig), hooks=writer,
-        )
+            matmul_precision=plan.matmul_precision)
 
 
 def _layer_done(plan: _Plan, opts: QuantizeOptions, console, bar, task, i: int, n: int, fig: dict) -> None:
@@ -392,7 +389,7 @@ def _carry(plan: _Plan, opts: QuantizeOptions, device: str, console, on_committe
               "format": packed.format.name}
     manifest = kv_only.write_carried(packed, plan.out, plan.kv, {f"{m}.{leaf}": t for m, ts in scales.items()
                                                                   for leaf, t in ts.items()},
-                                     fields, w, tokenizer, {"timing": timing, "device": opts.execution.device}, on_committed)
+                                     fields, w, tokenizer, plan.provenance(timing, opts.execution.device), on_committed)
     show.warnings(console, plan.warnings)
     written = _Written(manifest, quant, quality, timing, sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values()))
     summary = _summary(plan, src, written, hooks, 1, opts, t0)
@@ -452,7 +449,7 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
         {"tool": tool_info(), "source": source_fp, "recipe": recipe.model_dump(mode="json"),
          "calibration": src.calibration, "quantization": quant, "quality": quality, "kv_cache": kv_record,
          "format": w.format},
-        provenance={"timing": timing, "device": opts.execution.device},
+        provenance=plan.provenance(timing, opts.execution.device),
         dtype_name=plan.dtype, overwrite=w.overwrite, digest_algorithm=w.digest_algorithm, rename=rename,
         finalize=(lambda tmp: sign_folder(tmp, w.sign)) if w.sign is not None else None,
         staging=staging, skip_prefix=arch.layers + ".", shard_bytes=w.shard_bytes, on_committed=on_committed,
@@ -588,6 +585,7 @@ def _summary(plan: _Plan, src: _Source, written: _Written, writer: LayerWriter, 
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "peak_rss_mib": peak_rss_mib(),
         "source_loading": src.loading,
+        "matmul_precision": plan.matmul_precision, "threads": plan.threads,
         "shards": sum(1 for n in manifest.files if n.endswith(".safetensors")),
         "resumed_from_layer": writer.start or None,
         "world_size": world_size,

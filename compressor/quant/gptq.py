@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError, QuantizationError
+from ..precision import float32_matmuls
 from .inplace_linalg import all_finite, permute_symmetric_, upper_cholesky_of_inverse_
 from .primitives import compute_qparams, qrange, search_qparams
 
@@ -341,6 +342,7 @@ def _restore_column_order(Q: torch.Tensor, perm: torch.Tensor | None, col_group:
 
 
 @torch.no_grad()
+@float32_matmuls()  # the error feedback is never rounded to bfloat16 (--matmul-precision)
 def gptq_quantize(
     w: torch.Tensor,
     H: torch.Tensor,
