@@ -90,6 +90,13 @@ def layer_table(console, layers: list[dict]) -> None:
         w_err = "-" if f["mean_rel_error"] is None else f"{f['mean_rel_error']:.4f}"
         t.add_row(str(f["layer"]), str(f["num_bits"] or "float"), str(f["group_size"] or "-"), str(f["modules"]),
                   w_err, out_err, f"{f['seconds']:.1f}")
+    seqs = sorted({f["output_error_sequences"] for f in layers if f.get("output_error_sequences")})
+    missing = any(f["output_rel_error"] is None for f in layers)
+    if seqs:
+        t.caption = (f"rel. output error: the layer's output against the float layer's on the first "
+                     f"{'/'.join(map(str, seqs))} calibration sequence(s)" + ("; -: not measured" if missing else ""))
+    elif missing:
+        t.caption = "rel. output error -: no calibration pass ran, so no layer output was compared with the float one"
     console.print(t)
 
 

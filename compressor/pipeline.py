@@ -527,6 +527,8 @@ def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: 
     if outcome.float_out is not None:
         out_err = _out_error(_first_rows(new_hidden, outcome.float_out.shape[0]), outcome.float_out)
     fig = _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", outcome.errs, out_err, 0.0, **outcome.figures)
+    if out_err is not None:  # how many calibration sequences the figure compares (GPTQ: 2; AWQ: awq.loss_samples)
+        fig["output_error_sequences"] = int(outcome.float_out.shape[0])
     fig["max_abs_activation"] = float(f"{peak[0]:.6g}")
     if outcome.phases is not None:
         phases = {**outcome.phases, "recompute": time.perf_counter() - tp}

@@ -88,6 +88,29 @@ def test_bundled_recipe_runs_awq_gptq_with_its_grid(tmp_path, tiny_model_dir):
     assert layers and all(len(x["awq_ratios"]) >= 2 for x in layers)
     assert all(0 <= r < 1 and round(r * 10, 6) == round(r * 10) for x in layers for r in x["awq_ratios"].values())
     assert all(x["output_rel_error"] > 0 for x in layers)
+    assert {x["output_error_sequences"] for x in layers} == {4}  # the recipe's awq.loss_samples
+
+
+def test_the_layer_table_says_what_the_output_error_compares(tmp_path, tiny_model_dir):
+    """Each calibrated layer records how many sequences its output error compares (GPTQ: the 2 of
+    its float reference); the table's caption says so, and says what '-' means without a calibration pass."""
+    from rich.console import Console
+
+    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.console import layer_table
+
+    out = tmp_path / "g"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, algorithm="gptq", group_size=32,
+                                 calib_samples=4, calib_seqlen=32))
+    layers = [{**x, "seconds": 0.0} for x in json.loads((out / "kvq-manifest.json").read_text())["quality"]["layers"]]
+    assert {x["output_error_sequences"] for x in layers} == {2}
+    con = Console(record=True, width=200)
+    layer_table(con, layers)
+    assert "on the first 2 calibration sequence(s)" in " ".join(con.export_text().split())
+    rtn = [{**x, "output_rel_error": None, "output_error_sequences": None} for x in layers]
+    con = Console(record=True, width=200)
+    layer_table(con, rtn)
+    assert "no calibration pass ran" in " ".join(con.export_text().split())
 
 
 def test_gptq_takes_the_float_reference_it_is_given(monkeypatch):

@@ -141,7 +141,7 @@ def test_pipeline_gptq_beats_rtn(true_sequential, act_order, static):
     m = _model()
     recipe = _gptq_recipe(**{"gptq.true_sequential": true_sequential, "gptq.act_order": act_order,
                              "gptq.static_groups": static})
-    res = quantize_model(m, recipe, ids, batch_size=4)
+    res = quantize_model(m, recipe, ids, batch_size=4, matmul_precision="float32")  # the figure below is exact
     assert len(res.modules) == 14
     assert all(f["gptq"]["damp_retries"] == 0 and f["output_rel_error"] > 0 for f in res.layers)
     assert set(res.layers[0]["phase_seconds"]) == {"reference", "hessian", "gptq", "recompute"}
@@ -353,6 +353,15 @@ def test_gptq_settings_under_an_algorithm_without_gptq_are_said_to_do_nothing():
         assert not any("gptq settings" in x for x in get_algorithm(name).flag_warnings({}, rtn, "compressed-tensors"))
     assert not any("gptq settings" in x for x in get_algorithm("rtn").flag_warnings(
         {}, load_recipe("w4a16-rtn-g64"), "compressed-tensors"))
+    # the awq section likewise: changed under gptq, rtn or none (the awq-gptq recipe's n_grid and loss_samples under gptq)
+    ag = load_recipe("w4a16-awq-gptq")
+    for name in ("gptq", "rtn", "none"):
+        w = [x for x in get_algorithm(name).flag_warnings({}, ag, "compressed-tensors") if "awq settings" in x]
+        assert w == [f"the recipe's awq settings (n_grid, loss_samples) have no effect with algorithm {name} "
+                     "(awq and awq-gptq read them)"]
+    for name in ("awq", "awq-gptq"):
+        assert not any("awq settings" in x for x in get_algorithm(name).flag_warnings({}, ag, "compressed-tensors"))
+    assert not any("settings" in x for x in get_algorithm("awq-gptq").flag_warnings({}, ag, "compressed-tensors"))
     # --act-order under rtn: one warning (the flag's), not a second one for the setting it made
     w = get_algorithm("rtn").flag_warnings({"act_order": True}, apply_settings(load_recipe("w4a16-rtn-g64"),
                                                                               {"gptq.act_order": True}), "compressed-tensors")

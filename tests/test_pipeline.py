@@ -123,7 +123,8 @@ def test_algorithm_flag_warnings():
     from compressor.quant.algorithms import get_algorithm
 
     flags = {"bits": 3, "group_size": None, "symmetric": None, "act_order": False}
-    r3 = _recipe("rtn", **{"weights.num_bits": 3})
+    # the awq section at its defaults: a changed one under rtn/gptq/none earns its own warning (test_gptq)
+    r3 = _recipe("rtn", **{"weights.num_bits": 3, "awq.loss_samples": 8})
     odd = ("3-bit weights: vLLM's compressed-tensors WNA16 kernels serve 4 and 8 bits only; "
            "kvq verify and transformers read this artifact")
     assert get_algorithm("rtn").flag_warnings(flags, r3, "compressed-tensors") == [

@@ -174,10 +174,14 @@ def test_resume_refusals(tmp_path, deep_dir, monkeypatch, capsys):
     real = pl.rtn_layer
     monkeypatch.setattr(pl, "rtn_layer", lambda i, *a: (_ for _ in ()).throw(Crash()) if i == 1 else real(i, *a))
     with pytest.raises(Crash):
-        run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="rtn", group_size=32))
+        run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="rtn", group_size=32,
+                                     matmul_precision="bfloat16"))
     monkeypatch.setattr(pl, "rtn_layer", real)
-    # other inputs (here the group size) cannot continue that run
+    # other inputs (here the group size, then the calibration's matmul precision) cannot continue that run
     code, _, err = run(["quantize", deep_dir, "--algorithm", "rtn", "--group-size", "64", "-o", out, "--resume"], capsys)
+    assert code == 2 and "made from other inputs" in err
+    code, _, err = run(["quantize", deep_dir, "--algorithm", "rtn", "--group-size", "32", "-o", out, "--resume",
+                        "--matmul-precision", "float32"], capsys)
     assert code == 2 and "made from other inputs" in err
     # without --resume the stale run is replaced, and the result is complete
     s = run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="rtn", group_size=32))

@@ -29,7 +29,7 @@ from typing import ClassVar
 
 from ..arch import layer_linears
 from ..errors import InputError
-from ..recipe import GPTQOptions
+from ..recipe import AWQOptions, GPTQOptions
 from .layer import LayerContext, LayerOutcome
 
 _REGISTRY: dict[str, "Algorithm"] = {}
@@ -48,6 +48,8 @@ class Algorithm:
     per_linear: ClassVar[bool] = False
     #: the artifact's weights are ``diag(1/s_row) W diag(s_col)`` (AWQ's folded scales)
     folds_input_scales: ClassVar[bool] = False
+    #: the recipe sections (``awq``, ``gptq``) its step reads; a changed one it does not read earns a warning
+    reads: ClassVar[tuple[str, ...]] = ()
 
     def quantize_layer(self, i: int, layer, hidden: list | None, kw: dict | None, ctx: LayerContext) -> LayerOutcome:
         """Quantize decoder layer ``i``'s targeted linears in place.
@@ -87,7 +89,7 @@ class Algorithm:
         out = []
         if flags.get("act_order") is not None:
             out.append(f"--act-order/--no-act-order has no effect with algorithm {self.name} (GPTQ only)")
-        unread = unread_gptq_warnings(self.name, recipe, skip=("act_order",) if flags.get("act_order") is not None else ())
+        unread = unread_warnings(self, recipe, skip=("act_order",) if flags.get("act_order") is not None else ())
         return out + unread + odd_bits_warnings(recipe, fmt)
 
     def run_warnings(self, layers: list[dict]) -> list[str]:
@@ -125,17 +127,25 @@ def algorithm_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def unread_gptq_warnings(name: str, recipe, skip: tuple[str, ...] = ()) -> list[str]:
-    """A ``gptq`` section other than the defaults (``--set gptq.clip=true``, a GPTQ recipe with
-    ``--algorithm rtn``) under an algorithm that runs no GPTQ: it is recorded in the manifest's
-    recipe but changes nothing, so say so (``skip``: keys a flag warning names already)."""
-    default = GPTQOptions()
-    changed = [k for k in type(default).model_fields
-               if k not in skip and getattr(recipe.gptq, k) != getattr(default, k)]
-    if not changed:
-        return []
-    return [f"the recipe's gptq settings ({', '.join(changed)}) have no effect with algorithm {name} "
-            "(gptq and awq-gptq read them)"]
+#: the recipe sections one algorithm may read, with their defaults
+_SECTIONS = {"awq": AWQOptions, "gptq": GPTQOptions}
+
+
+def unread_warnings(algorithm: "Algorithm", recipe, skip: tuple[str, ...] = ()) -> list[str]:
+    """An ``awq`` or ``gptq`` section other than its defaults (``--set gptq.clip=true`` under RTN,
+    ``--recipe w4a16-awq-gptq --algorithm gptq``) under an algorithm that does not read it
+    (:attr:`Algorithm.reads`): it is recorded in the manifest's recipe but changes nothing, so say
+    so, one warning per section (``skip``: keys a flag warning names already)."""
+    out = []
+    for section, options in _SECTIONS.items():
+        if section in algorithm.reads:
+            continue
+        default, given = options(), getattr(recipe, section)
+        changed = [k for k in options.model_fields if k not in skip and getattr(given, k) != getattr(default, k)]
+        if changed:
+            out.append(f"the recipe's {section} settings ({', '.join(changed)}) have no effect with algorithm "
+                       f"{algorithm.name} ({section} and awq-gptq read them)")
+    return out
 
 
 def odd_bits_warnings(recipe, fmt: str) -> list[str]:
@@ -194,7 +204,7 @@ class NoWeights(Algorithm):
             out.append("--bits/--group-size/--symmetric have no effect: the recipe keeps weights in float (algorithm none)")
         if flags.get("act_order") is not None:
             out.append(f"--act-order/--no-act-order has no effect with algorithm {self.name} (GPTQ only)")
-        return out + unread_gptq_warnings(self.name, recipe, skip=("act_order",) if flags.get("act_order") is not None else ())
+        return out + unread_warnings(self, recipe, skip=("act_order",) if flags.get("act_order") is not None else ())
 
 
 # the handlers living beside their math modules register themselves on import

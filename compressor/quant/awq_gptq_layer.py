@@ -47,6 +47,7 @@ class AWQGPTQ(GPTQ):
     both recipes' sections apply)."""
 
     name = "awq-gptq"
+    reads = ("awq", "gptq")
     folds_input_scales = AWQ.folds_input_scales
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):

@@ -305,6 +305,7 @@ class AWQ(Algorithm):
     """Activation-aware weight quantization; needs calibration; folds its scales into the weights."""
 
     name = "awq"
+    reads = ("awq",)
     needs_calibration = True
     folds_input_scales = True
 

@@ -18,7 +18,7 @@ import torch
 
 from ..arch import expand, expert_index, get_module, is_expert, layer_fused_sets, layer_linears, num_experts
 from ..distributed import deal, world
-from .algorithms import Algorithm, odd_bits_warnings, register_algorithm
+from .algorithms import Algorithm, odd_bits_warnings, register_algorithm, unread_warnings
 from .gptq import HessianAccumulator, gptq_quantize
 from .layer import LayerContext, LayerOutcome, StopForward, layer_forward
 from .replay import ModuleReplay
@@ -116,8 +116,9 @@ def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, replay: Modu
     return accs
 
 
-#: calibration sequences GPTQ's output-error figure is taken on (at most ``loss_n``): the float
-#: layer's output on them is one more forward of those sequences alone (2 of 16 at 16 x 512)
+#: calibration sequences GPTQ's output-error figure is taken on (fewer when the first batch has fewer; the
+#: recipe's ``awq.loss_samples`` is AWQ's and not read here): the float layer's output on them is one more
+#: forward of those sequences alone (2 of 16 at 16 x 512)
 REF_SEQUENCES = 2
 
 
@@ -263,7 +264,7 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
     arch = ctx.arch
     t_r = time.perf_counter()
     if float_out is None:  # the float layer's output for the output-error figure, before anything is quantized
-        float_out = layer_forward(layer, hidden[0][:min(ctx.loss_n, REF_SEQUENCES)], kw)
+        float_out = layer_forward(layer, hidden[0][:REF_SEQUENCES], kw)
     ref_t = time.perf_counter() - t_r
     fused_sets = layer_fused_sets(arch, layer)
     experts = ctx.experts(layer)
@@ -308,6 +309,7 @@ class GPTQ(Algorithm):
     """GPTQ with a streamed Hessian per reader set; needs calibration."""
 
     name = "gptq"
+    reads = ("gptq",)
     needs_calibration = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
@@ -324,7 +326,7 @@ class GPTQ(Algorithm):
         return out
 
     def flag_warnings(self, flags, recipe, fmt):
-        return odd_bits_warnings(recipe, fmt)
+        return odd_bits_warnings(recipe, fmt) + unread_warnings(self, recipe)
 
     def run_warnings(self, layers):
         raised = [f for f in layers if f.get("gptq", {}).get("damp_retries")]
