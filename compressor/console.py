@@ -96,7 +96,8 @@ def layer_table(console, layers: list[dict]) -> None:
         t.caption = (f"rel. output error: the layer's output against the float layer's on the first "
                      f"{'/'.join(map(str, seqs))} calibration sequence(s)" + ("; -: not measured" if missing else ""))
     elif missing:
-        t.caption = "rel. output error -: no calibration pass ran, so no layer output was compared with the float one"
+        t.caption = ("rel. output error -: not measured (this algorithm runs no float reference layer; "
+                     "kvq verify compares the whole model with the float one)")
     console.print(t)
 
 

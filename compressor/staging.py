@@ -63,6 +63,8 @@ class Staging:
     key: str
     parts: list[Path] = field(default_factory=list)
     state: dict = field(default_factory=dict)
+    #: flags inside the key that a refused resume names ({"--threads": 2, ...}), kept in resume.json
+    named: dict = field(default_factory=dict)
 
     def part(self, name: str) -> Path:
         return self.path / f"part-{name}.safetensors"
@@ -98,7 +100,7 @@ class Staging:
             digests[hidden_name] = file_digest(tmp)
             os.replace(tmp, self.path / hidden_name)
         self.state = {"key": self.key, "layers_done": layers_done, "parts": [p.name for p in self.parts],
-                      "hidden": hidden_name, "digests": digests, **state}
+                      "hidden": hidden_name, "digests": digests, "named": self.named, **state}
         with _atomic_write(self.path / RESUME_NAME) as f:
             json.dump(self.state, f)
         if old_hidden and old_hidden != hidden_name:
@@ -141,8 +143,9 @@ def resume_key(parts: dict) -> str:
 MARKER_NAME = "kvq-staging.json"
 
 
-def open_staging(out: Path, key: str, resume: bool, console=None) -> Staging:
+def open_staging(out: Path, key: str, resume: bool, console=None, named: dict | None = None) -> Staging:
     """The staging folder for ``out``: resumed when ``resume`` and its key matches, else new.
+    ``named``: flags the key covers whose values a refused resume names (``{"--threads": 2}``).
 
     A staging folder kvq made (its :data:`MARKER_NAME`, or a ``resume.json``) but that holds
     no checkpoint -- killed after the first part was written, before the first checkpoint --
@@ -160,7 +163,7 @@ def open_staging(out: Path, key: str, resume: bool, console=None) -> Staging:
         raise InputError(f"{path} exists and is not a folder; remove it")
     ours = path.is_dir() and ((path / MARKER_NAME).is_file() or state_file.is_file())
     if resume and state_file.is_file():
-        return _resume(path, out, key, console)
+        return _resume(path, out, key, console, named or {})
     if resume and not ours:
         raise InputError(f"--resume: no interrupted run to resume for {out} (no {path}/{RESUME_NAME})")
     if path.exists():
@@ -179,10 +182,10 @@ def open_staging(out: Path, key: str, resume: bool, console=None) -> Staging:
         shutil.rmtree(path)
     path.mkdir(parents=True)
     (path / MARKER_NAME).write_text(json.dumps({"tool": "kvq", "output": str(out)}))  # its presence is what counts
-    return Staging(path, key)
+    return Staging(path, key, named=named or {})
 
 
-def _resume(path: Path, out: Path, key: str, console) -> Staging:
+def _resume(path: Path, out: Path, key: str, console, named: dict) -> Staging:
     """The checkpointed run in ``path``, every recorded file rehashed (see :func:`open_staging`)."""
     state_file = path / RESUME_NAME
     try:
@@ -190,6 +193,13 @@ def _resume(path: Path, out: Path, key: str, console) -> Staging:
     except (OSError, ValueError) as e:
         raise InputError(f"--resume: cannot read {state_file}: {e}") from None
     if state.get("key") != key:
+        before = state.get("named") or {}
+        changed = [f for f in named if f in before and before[f] != named[f]]
+        if changed:
+            raise InputError(f"--resume: the interrupted run in {path} ran with "
+                             + ", ".join(f"{f} {before[f]}" for f in changed) + " (this run: "
+                             + ", ".join(f"{f} {named[f]}" for f in changed) + "); its layers would not match: "
+                             "rerun with those, or without --resume to start over")
         raise InputError(f"--resume: the interrupted run in {path} was made from other inputs (source, recipe, "
                          "calibration or output options differ); rerun without --resume to start over")
     parts = [path / n for n in state.get("parts", [])]
@@ -205,7 +215,7 @@ def _resume(path: Path, out: Path, key: str, console) -> Staging:
     shutil.rmtree(path / ARTIFACT_DIR, ignore_errors=True)  # an interrupted final write
     if console:
         console.print(f"resuming: {state['layers_done']} layer(s) already done in {path}", highlight=False)
-    return Staging(path, key, parts, state)
+    return Staging(path, key, parts, state, named)
 
 
 def checkpointed_layers(out: Path) -> int:

@@ -182,7 +182,11 @@ def test_resume_refusals(tmp_path, deep_dir, monkeypatch, capsys):
     assert code == 2 and "made from other inputs" in err
     code, _, err = run(["quantize", deep_dir, "--algorithm", "rtn", "--group-size", "32", "-o", out, "--resume",
                         "--matmul-precision", "float32"], capsys)
-    assert code == 2 and "made from other inputs" in err
+    assert code == 2 and "ran with --matmul-precision bfloat16 (this run: --matmul-precision float32)" in err
+    # the thread count too: the last bits depend on it, and the manifest records one count
+    code, _, err = run(["quantize", deep_dir, "--algorithm", "rtn", "--group-size", "32", "-o", out, "--resume",
+                        "--matmul-precision", "bfloat16", "--threads", str(torch.get_num_threads() + 1)], capsys)
+    assert code == 2 and f"ran with --threads {torch.get_num_threads()} (this run: --threads" in err
     # without --resume the stale run is replaced, and the result is complete
     s = run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="rtn", group_size=32))
     assert s["resumed_from_layer"] is None and len(load_manifest(out).quality["layers"]) == 4

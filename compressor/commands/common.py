@@ -69,7 +69,8 @@ def cpu_threads(requested: int | None) -> tuple[int, str | None]:
     """Apply ``--threads``: torch's intra-op threads set to ``requested`` (``None``: torch's
     default, one per usable CPU). Returns ``(threads in effect, note)``; the note (else ``None``)
     says the machine is busy when, with more than one thread and none requested, the 1-minute
-    load average already exceeds the usable CPUs: every short parallel step (GPTQ's column
+    load average is at least the usable CPUs minus one half (other jobs already keep about
+    every core busy; kvq's threads come on top): every short parallel step (GPTQ's column
     loop runs thousands a layer) then waits for a descheduled thread. Measured here beside a
     2-thread job on 2 cores: a small GPTQ run took 66.9 s with 2 threads, 28.7 s with 1
     (14.6 s and 19.2 s on an idle machine; BENCHMARKS.md)."""
@@ -85,7 +86,7 @@ def cpu_threads(requested: int | None) -> tuple[int, str | None]:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # not available on this platform
         return threads, None
-    if threads > 1 and load > cores + 0.5:
+    if threads > 1 and load >= cores - 0.5:
         return threads, (f"the machine is busy (load {load:.1f} on {cores} CPUs): with {threads} threads each short "
                          "parallel step waits for a descheduled thread; --threads 1 is usually faster on a shared machine")
     return threads, None

@@ -79,7 +79,7 @@ class _Plan:
     threads: int = 1  # torch's intra-op threads in effect (--threads)
 
     def provenance(self, timing: dict, device: str) -> dict:
-        """The manifest's ``provenance``: how this artifact was made (not what it is; the last bits depend on it)."""
+        """The manifest's ``provenance``: how this artifact was made (not what it is; the integer codes depend on it)."""
         return {"timing": timing, "device": device, "matmul_precision": self.matmul_precision, "threads": self.threads}
 
 
@@ -135,8 +135,9 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
         source_fp = fingerprint()
         key = resume_key({"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
                           "calibration": src.calibration, "format": opts.write.format, "dtype": plan.dtype,
-                          "kvq": tool_info()["version"], "matmul_precision": plan.matmul_precision})
-        staging = open_staging(plan.out, key, opts.execution.resume, console) if rank == 0 else None  # other ranks write nothing
+                          "kvq": tool_info()["version"], "matmul_precision": plan.matmul_precision, "threads": plan.threads})
+        named = {"--matmul-precision": plan.matmul_precision, "--threads": plan.threads}  # the integer codes depend on both
+        staging = open_staging(plan.out, key, opts.execution.resume, console, named) if rank == 0 else None  # other ranks write nothing
     with keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume
         interrupts.check()  # a signal whose exception was lost while loading stops the run here
         writer = LayerWriter(src.model, arch, src.ckpt, staging, opts.write.format, DTYPES[plan.dtype],
