@@ -143,7 +143,7 @@ def test_threads_are_applied_recorded_and_restored(tmp_path, tiny_model_dir, cap
     code, stdout, err = run(["quantize", tiny_model_dir, "-o", out, "--algorithm", "rtn", "--group-size", "32",
                              "--threads", "1", "--json"], capsys)
     assert code in (0, None), err
-    assert json.loads(stdout)["threads"] == 1
+    assert json.loads(stdout)["threads"] == 1 and json.loads(stdout)["busy_note"] is None  # --threads given: no note
     assert json.loads((out / "kvq-manifest.json").read_text())["provenance"]["threads"] == 1
     assert torch.get_num_threads() == before  # an in-process caller keeps its own setting
     code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "u", "--threads", "0"], capsys)
@@ -167,3 +167,19 @@ def test_a_busy_machine_earns_a_note_unless_threads_are_given(monkeypatch):
     assert cpu_threads(None) == (2, None)  # one other job on 2 CPUs: no note
     monkeypatch.undo()
     assert cpu_threads(before)[1] is None and torch.get_num_threads() == before
+
+
+def test_the_busy_note_reaches_the_json_summary(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """CI runs use --json, where console notes have no channel: the summary carries the note."""
+    import os
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+        code, stdout, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "b", "--algorithm", "rtn",
+                                 "--group-size", "32", "--json"], capsys)
+        assert code in (0, None), err
+        assert "the machine is busy (load 9.0" in json.loads(stdout)["busy_note"]
+    finally:
+        torch.set_num_threads(before)

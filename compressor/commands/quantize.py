@@ -77,6 +77,7 @@ class _Plan:
     packed: object = None  # compressor.commands.kv_only.PackedSource: weights already quantized, carried
     matmul_precision: str = "float32"  # of the calibration pass, resolved (compressor.precision)
     threads: int = 1  # torch's intra-op threads in effect (--threads)
+    busy: Optional[str] = None  # the busy-machine note (compressor.commands.common.cpu_threads), also in --json
 
     def provenance(self, timing: dict, device: str) -> dict:
         """The manifest's ``provenance``: how this artifact was made (not what it is; the integer codes depend on it)."""
@@ -209,7 +210,7 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
         show.note(console, f"[yellow]note:[/] {busy}", highlight=False)
     plan = _Plan(out, recipe, source, kv, token_file, text, warnings, dtype, dtype_reason, calib_shape, packed=packed,
                  matmul_precision=resolve_matmul_precision(opts.execution.matmul_precision, opts.execution.device),
-                 threads=threads)
+                 threads=threads, busy=busy)
     if source.kind == "hf":  # config.json was checked against the weights: its hidden size is the model's
         from ..config_check import hidden_size
 
@@ -586,7 +587,7 @@ def _summary(plan: _Plan, src: _Source, written: _Written, writer: LayerWriter, 
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "peak_rss_mib": peak_rss_mib(),
         "source_loading": src.loading,
-        "matmul_precision": plan.matmul_precision, "threads": plan.threads,
+        "matmul_precision": plan.matmul_precision, "threads": plan.threads, "busy_note": plan.busy,
         "shards": sum(1 for n in manifest.files if n.endswith(".safetensors")),
         "resumed_from_layer": writer.start or None,
         "world_size": world_size,
