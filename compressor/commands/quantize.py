@@ -134,10 +134,10 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
         n_layers = src.model.config.num_hidden_layers
         arch = get_arch(src.model.config.model_type)
         source_fp = fingerprint()
+        named = {"--matmul-precision": plan.matmul_precision, "--threads": plan.threads}  # the integer codes depend on both
         key = resume_key({"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
                           "calibration": src.calibration, "format": opts.write.format, "dtype": plan.dtype,
-                          "kvq": tool_info()["version"], "matmul_precision": plan.matmul_precision, "threads": plan.threads})
-        named = {"--matmul-precision": plan.matmul_precision, "--threads": plan.threads}  # the integer codes depend on both
+                          "kvq": tool_info()["version"], **named})
         staging = open_staging(plan.out, key, opts.execution.resume, console, named) if rank == 0 else None  # other ranks write nothing
     with keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume
         interrupts.check()  # a signal whose exception was lost while loading stops the run here
