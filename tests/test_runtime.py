@@ -179,6 +179,55 @@ def test_aten_int4_op_and_prefill_path_agree():
         assert _max_err(lin(x), ref) < 1e-4 and _max_err(lin(x[:3]), ref[:3]) < 1e-4  # dequant path, op path
 
 
+def test_fused_decode_is_each_parts_own_op_bit_for_bit():
+    """q/k/v (and gate/up) share one int4 decode call: every part's columns equal its own
+    call's, the prefill path is untouched, bytes are not duplicated, act-order parts stay apart."""
+    from compressor.runtime.linear import DEQUANT_MIN_M, AtenInt4Linear, FusedDecode
+
+    torch.manual_seed(3)
+
+    def lin(n, k=128, bias=False):
+        w = torch.randn(n, k)
+        scale, zp = compute_qparams(w, 4, 64, symmetric=False)
+        qw = QuantWeight(quantize(w, scale, zp, 4, 64), scale.half(), zp, 4, 64)
+        return make_linear(qw, torch.randn(n) if bias else None, "auto", torch.device("cpu"), torch.float32)
+
+    parts = [lin(64), lin(32, bias=True), lin(32)]
+    x = torch.randn(2, 3, 128)
+    alone = [p(x) for p in parts]
+    xp = torch.randn(DEQUANT_MIN_M, 128)
+    prefill = [p(xp) for p in parts]
+    bytes_before = sum(p.weight_bytes for p in parts)
+    fused = FusedDecode.of(parts)
+    assert fused is not None and all(p.packed is None and p.fused[0] is fused for p in parts)
+    for got, want in zip(fused.outputs(x), alone):
+        assert got.shape == want.shape and torch.equal(got, want)
+    assert all(torch.equal(p(x), want) for p, want in zip(parts, alone))  # a part called alone: same columns
+    assert sum(p.weight_bytes for p in parts) == bytes_before
+    torch.manual_seed(3)
+    assert FusedDecode.of(parts) is None  # already fused
+    assert FusedDecode.of([lin(64), lin(64, k=64)]) is None  # another input width
+    assert all(torch.equal(p(xp), want) for p, want in zip(parts, prefill))  # prefill: each part's own path
+    assert all(torch.equal(got, want) for got, want in zip(fused.outputs(xp), prefill))
+    assert isinstance(parts[0], AtenInt4Linear)
+
+
+def test_fp8_cache_lookup_decode_is_the_codec_bit_for_bit():
+    """The runtime's fp8 cache encodes and decodes (scaled lookup table) exactly as the scheme's codec."""
+    from compressor.runtime.kv_cache import make_cache
+
+    torch.manual_seed(4)
+    for strategy, n in (("tensor", 1), ("head", 3)):
+        spec = make_spec("fp8", strategy)
+        scales = {i: (torch.rand(n) * 0.05 + 1e-3, torch.rand(n) * 0.05 + 1e-3) for i in range(2)}
+        cache = make_cache(spec, scales, 2, 2, 3, 16, 8, torch.float32, torch.device("cpu"))
+        k, v = torch.randn(2, 3, 5, 8) * 4, torch.randn(2, 3, 5, 8)
+        keys, values = cache.update(1, k, v, torch.zeros(2, dtype=torch.long), torch.tensor([5, 3]))
+        for got, x, s, kind in ((keys, k, scales[1][0], "k"), (values, v, scales[1][1], "v")):
+            want = spec.codec.decode(spec.codec.encode(x, s, kind), s, kind, torch.float32)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1, :, :3], want[1, :, :3]), strategy
+
+
 def test_aten_int8_asymmetric_correction_and_dequant_fallback():
     torch.manual_seed(0)
     w = torch.randn(48, 64)

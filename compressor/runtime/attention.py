@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .blocks import RMSNorm, apply_rope
+from .linear import FusedDecode
 
 
 def attention_dtype(q: torch.Tensor) -> torch.dtype:
@@ -45,6 +46,7 @@ class Attention:
         self.n_heads, self.n_kv_heads, self.head_dim, self.scale = n_heads, n_kv_heads, head_dim, scale
         self.rope_layout, self.q_norm, self.k_norm = rope_layout, q_norm, k_norm
         self.window, self.rope_key = window, rope_key
+        self.qkv = FusedDecode.of([lin["q_proj"], lin["k_proj"], lin["v_proj"]])
 
     def norms(self) -> dict:
         """Relative name -> RMSNorm (for byte accounting)."""
@@ -52,15 +54,21 @@ class Attention:
 
     def __call__(self, h, ropes, masks, cache, start, n_new):
         B, T, _ = h.shape
-        q = self.lin["q_proj"](h).view(B, T, self.n_heads, self.head_dim)
-        k = self.lin["k_proj"](h).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.lin["v_proj"](h).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if self.qkv is not None:  # one decode call for the three projections
+            q, k, v = self.qkv.outputs(h)
+        else:
+            q, k, v = (self.lin[n](h) for n in ("q_proj", "k_proj", "v_proj"))
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D)
         cos, sin = ropes[self.rope_key]
         c, sn = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, R)
-        q, k = apply_rope(q, c, sn, self.rope_layout), apply_rope(k, c, sn, self.rope_layout)
+        # one rotation over the query and key heads together (elementwise: the same values as two)
+        qk = apply_rope(torch.cat((q, k), dim=1), c, sn, self.rope_layout)
+        q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
         keys, values = cache.update(self.index, k, v, start, n_new)  # (B, Hkv, L, D) dequantized
         mask = masks[self.window]
         ad = attention_dtype(q)

@@ -182,10 +182,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
 class GatedMLP:
     """``down(act(gate(x)) * up(x))``; ``lin`` maps ``gate_proj``/``up_proj``/``down_proj`` to Linears."""
 
-    def __init__(self, gate, up, down, act):
+    def __init__(self, gate, up, down, act, fuse: bool = True):
+        from .linear import FusedDecode
+
         self.gate, self.up, self.down, self.act = gate, up, down, act
+        self.fused = FusedDecode.of([gate, up]) if fuse else None  # one decode call for gate and up
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            g, u = self.fused.outputs(x)
+            return self.down(self.act(g) * u)
         return self.down(self.act(self.gate(x)) * self.up(x))
 
     def linears(self) -> dict:

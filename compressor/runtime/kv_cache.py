@@ -49,7 +49,7 @@ import torch
 
 from ..errors import InputError
 from ..quant.kv_schemes import (
-    FP8TensorScheme, Int8HeadScheme, Int8TokenScheme, KIVIScheme, KVScheme, KVSpec, make_spec,
+    FP8_MAX, FP8TensorScheme, Int8HeadScheme, Int8TokenScheme, KIVIScheme, KVScheme, KVSpec, make_spec,
 )
 
 
@@ -224,11 +224,42 @@ class QuantKVCache(KVCache):
 
 
 class FP8KVCache(QuantKVCache):
-    """float8 e4m3 codes with static scales (``scales``: layer -> (k_scale, v_scale), [1] or [H])."""
+    """float8 e4m3 codes with static scales (``scales``: layer -> (k_scale, v_scale), [1] or [H]).
+
+    Decoding reads a scaled lookup table instead of converting each code: one float32
+    table ``[H or 1, 256]`` per (layer, kind) holding ``e4m3(byte) * scale``, the very
+    float32 product :func:`~compressor.quant.kv_schemes.dequantize_fp8` computes, so the
+    result is bit-identical to ``spec.codec.decode``. On this torch a CPU float8 -> float32
+    conversion runs element by element (measured on a 2-core Xeon, 3 heads x 100 tokens x 64:
+    71 us per read against 18 us for the gather), and decode reads the whole prefix of every
+    layer at every step.
+    """
 
     scheme = "fp8"
     codecs = (FP8TensorScheme,)  # per tensor and (subclass) per head
     default_spec = ("fp8",)
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)  # storage (any mixin's layout), scales checked
+        values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().to(self.device)
+        self.luts = {(i, kind): (values[None, :] * s.reshape(-1, 1)).reshape(-1)  # [(H or 1) * 256]
+                     for i, pair in self.scales.items() for kind, s in zip("kv", pair)}
+        self.head_offsets = (torch.arange(self.kv_heads, device=self.device) * 256).reshape(1, -1, 1, 1)
+        self.divisors = {(i, kind): s.reshape(1, -1, 1, 1) for i, pair in self.scales.items() for kind, s in zip("kv", pair)}
+
+    def _encode(self, layer, x, kind):
+        # quantize_fp8's arithmetic (the same float32 division, clamp and cast), without its
+        # per-call no_grad context and scale reshaping: this runs for every layer and step
+        return ((x.float() / self.divisors[(layer, kind)]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn),)
+
+    def _decode(self, layer, kind, length):
+        codes = self._stores(layer, kind)[0][:, :, :length].view(torch.uint8)
+        lut = self.luts[(layer, kind)]
+        idx = codes.long()
+        if lut.numel() > 256:  # per head: row h of the table
+            idx += self.head_offsets
+        out = lut.index_select(0, idx.reshape(-1)).view(codes.shape)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
 
 
 class Int8HeadKVCache(QuantKVCache):

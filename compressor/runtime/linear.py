@@ -247,15 +247,86 @@ class AtenInt4Linear(QuantLinear):
             return f"shape [{w.out_features}, {w.in_features}] (needs out_features % 16 == 0)"
         return None
 
+    #: set by :class:`FusedDecode`: (the fused set, this layer's first output column); the
+    #: set then holds this layer's decode pack and its bytes are counted in ``fused_bytes``
+    fused: tuple | None = None
+    fused_bytes = 0
+
+    def codes(self) -> torch.Tensor:
+        """Unsigned codes ``u = q + 8``, int32 ``[N, K]`` (what the aten packer takes)."""
+        n, k = self.out_features, self.in_features
+        return torch.stack((self.nibbles & 15, self.nibbles >> 4), dim=-1).reshape(n, k).to(torch.int32)
+
     def _mm(self, x2):
         if x2.shape[0] >= DEQUANT_MIN_M:
             return _wide_linear(x2, self.dequantized)
+        if self.fused is not None:  # decode pack held by the fused set: run it, keep this layer's columns
+            owner, col = self.fused
+            return owner.matmul(x2)[:, col:col + self.out_features]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.to(self.act_dtype).contiguous(), self.packed, self.op_group, self.scale_zeros)
         return y.to(x2.dtype)
 
+    @property
+    def weight_bytes(self) -> int:
+        return super().weight_bytes + self.fused_bytes
+
     def _stored(self):
         return [self.packed, self.scale_zeros, self.nibbles, self.scale, self.zero_u, self.bias]
+
+
+class FusedDecode:
+    """Several :class:`AtenInt4Linear` layers that read the same input (``q/k/v_proj``,
+    ``gate/up_proj``), served at decode by **one** ``_weight_int4pack_mm_for_cpu`` call.
+
+    The parts' packed weights and scales are concatenated along the output dim (``N`` =
+    the sum of the parts'), so the product is, column for column, what each part's own
+    call returns (the op's inner loop is per output column); each part then holds no decode
+    pack of its own (no bytes are duplicated) and a direct call of a part runs the fused op
+    and keeps its columns. Prefill-sized calls (``DEQUANT_MIN_M`` rows on) go to each
+    part's dequantize + ``F.linear`` path as before. Saves per decode step and layer two
+    op launches for attention and one for the MLP (measured on a 2-core Xeon, one token:
+    q+k+v 34 us as three calls, 22 us as one; gate+up 58 us against 44 us).
+    """
+
+    def __init__(self, parts: list[AtenInt4Linear]):
+        self.parts = parts
+        self.in_features, self.act_dtype, self.op_group = parts[0].in_features, parts[0].act_dtype, parts[0].op_group
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat([p.codes() for p in parts]), 1)
+        self.scale_zeros = torch.cat([p.scale_zeros for p in parts], dim=1).contiguous()  # [K / op_group, N, 2]
+        col = 0
+        for p in parts:
+            p.fused_bytes = sum(t.numel() * t.element_size() for t in (p.packed, p.scale_zeros))
+            p.packed = p.scale_zeros = None
+            p.fused, col = (self, col), col + p.out_features
+
+    @classmethod
+    def of(cls, parts: list) -> "FusedDecode | None":
+        """The fused set of ``parts``, or None when they cannot share one call (not all aten
+        int4, an act-order input permutation, or another input width, group or act dtype)."""
+        if len(parts) < 2 or not all(type(p) is AtenInt4Linear and p.in_perm is None and p.fused is None for p in parts):
+            return None
+        first = parts[0]
+        if any((p.in_features, p.op_group, p.act_dtype) != (first.in_features, first.op_group, first.act_dtype)
+               for p in parts):
+            return None
+        return cls(parts)
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 [M, K]`` -> ``[M, sum N]`` (decode rows), in ``x2``'s dtype, biases not added."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2.to(self.act_dtype).contiguous(), self.packed, self.op_group, self.scale_zeros)
+        return y.to(x2.dtype)
+
+    def outputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each part's output for ``x [..., K]`` (``[..., N_i]``; views of one buffer at decode)."""
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] >= DEQUANT_MIN_M:
+            return [p(x) for p in self.parts]
+        ys = self.matmul(x2).split([p.out_features for p in self.parts], dim=-1)
+        lead = x.shape[:-1]
+        return [y.reshape(*lead, p.out_features) if p.bias is None else y.reshape(*lead, p.out_features) + p.bias
+                for y, p in zip(ys, self.parts)]
 
 
 class AtenInt8Linear(QuantLinear):

@@ -369,7 +369,7 @@ def _weight_bytes(dec: Decoder, embed: torch.Tensor) -> int:
     total = embed.numel() * embed.element_size()
     for lin in dec.linears().values():
         stored = [t for t in lin._stored() if t is not None and t is not embed]
-        total += sum(t.numel() * t.element_size() for t in stored)
+        total += sum(t.numel() * t.element_size() for t in stored) + getattr(lin, "fused_bytes", 0)
     for layer in dec.layers:
         total += sum(n.weight.numel() * n.weight.element_size() for n in layer.all_norms())
     return total + dec.norm.weight.numel() * dec.norm.weight.element_size()
