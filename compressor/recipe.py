@@ -81,7 +81,10 @@ class GPTQOptions(_Strict):
     ``true_sequential``: q/k/v, then o, then gate/up, then down, each Hessian taken from
     inputs produced by the already-quantized sub-layers; ``clip``: each group's range from a
     grid search (shrinks ``1 - k/clip_grid`` below ``clip_max_shrink``) scored by the group's
-    output error under the Hessian, instead of min-max (:func:`compressor.quant.primitives.search_qparams`)."""
+    output error under the Hessian, instead of min-max (:func:`compressor.quant.primitives.search_qparams`);
+    ``gptaq_alpha``: how far each linear's target moves from its own output on the quantized
+    model's inputs towards the float model's output on the float inputs (0: GPTQ as published;
+    asymmetric calibration as GPTAQ, Li et al., 2025; :func:`compressor.quant.gptq.float_target`)."""
 
     block_size: int = Field(128, ge=1, strict=True)
     damp: float = Field(0.01, gt=0.0, lt=1.0, allow_inf_nan=False)
@@ -92,18 +95,21 @@ class GPTQOptions(_Strict):
     clip: bool = False
     clip_grid: int = Field(100, ge=2, le=1000, strict=True)
     clip_max_shrink: float = Field(0.25, gt=0.0, lt=1.0, allow_inf_nan=False)
+    gptaq_alpha: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
 
     @model_serializer(mode="wrap")
     def _omit_new_defaults(self, handler, info):
-        """The range search's knobs (``clip*``) are left out of dumps while they hold their
-        defaults (search off): a recipe without the search serializes (and digests) as it did
-        before the fields existed, so earlier manifests keep their bytes (:data:`FULL_DUMP`
-        keeps them)."""
+        """The range search's knobs (``clip*``) and ``gptaq_alpha`` are left out of dumps while
+        they hold their defaults (search off, no float target): a recipe without them
+        serializes (and digests) as it did before the fields existed, so earlier manifests
+        keep their bytes (:data:`FULL_DUMP` keeps them)."""
         data = handler(self)
         if isinstance(data, dict) and not _full(info) and \
                 (data.get("clip"), data.get("clip_grid"), data.get("clip_max_shrink")) == (False, 100, 0.25):
             for k in ("clip", "clip_grid", "clip_max_shrink"):
                 del data[k]
+        if isinstance(data, dict) and not _full(info) and data.get("gptaq_alpha") == 0.0:
+            del data["gptaq_alpha"]
         return data
 
 

@@ -379,3 +379,57 @@ def test_manifest_quantization_block_names_the_range_search():
         assert "clip" not in get_algorithm(name).summary_fields(r, "compressed-tensors")
         on = get_algorithm(name).summary_fields(apply_settings(r, {"gptq.clip": True, "gptq.clip_grid": 50}), "gptq")
         assert (on["clip"], on["clip_grid"], on["clip_max_shrink"]) == (True, 50, 0.25) and "gptq_checkpoint_format" in on
+
+
+def test_float_target_is_the_least_squares_weight_for_the_float_outputs():
+    """``alpha = 1`` gives ``argmin_W' ‖W X_f - W' X_q‖`` (GPTAQ's target), ``alpha = 0`` W itself,
+    and the accumulator's matrix is ``2 (X_f - X_q)ᵀ X_q / n`` summed over batches."""
+    from compressor.quant.gptq import CrossAccumulator, float_target
+
+    torch.manual_seed(0)
+    xq = torch.randn(512, 24, dtype=torch.float64)
+    xf = xq + 0.1 * torch.randn(512, 24, dtype=torch.float64)
+    w = torch.randn(16, 24)
+    acc, hacc = CrossAccumulator(24), HessianAccumulator(24)
+    for a, b in ((xf[:200], xq[:200]), (xf[200:], xq[200:])):
+        acc.add(a, b)
+        hacc.add(b)
+    cross, H = acc.matrix(), hacc.hessian()
+    torch.testing.assert_close(cross, (2 * (xf - xq).t() @ xq / 512).float(), rtol=1e-5, atol=1e-6)
+    best = torch.linalg.lstsq(xq, xf @ w.double().t()).solution.t()  # W' with W' X_q closest to W X_f
+    torch.testing.assert_close(float_target(w, H, cross, 1.0, 1e-9).double(), best, rtol=1e-3, atol=1e-4)
+    assert torch.equal(float_target(w, H, cross, 0.0, 0.01), w)
+    half = float_target(w, H, cross, 0.5, 1e-9)
+    torch.testing.assert_close(half, (w + float_target(w, H, cross, 1.0, 1e-9)) / 2, rtol=1e-5, atol=1e-5)
+    with pytest.raises(QuantizationError):
+        CrossAccumulator(4).matrix()
+
+
+def test_pipeline_gptaq_alpha_moves_only_what_the_float_stream_changes():
+    """With ``gptq.gptaq_alpha``: layer 0's q/k/v see the same inputs in both streams (codes
+    unchanged); layers after it are quantized towards the float model's outputs (codes change);
+    the float stream's phase is timed; the manifest's recipe names the setting, a recipe without
+    it digests as before, and ``--resume`` is refused."""
+    from compressor.commands.common import check_resumable
+    from compressor.errors import InputError
+    from compressor.recipe import apply_settings
+
+    ids = torch.randint(0, 320, (8, 48), generator=torch.Generator().manual_seed(1))
+    base = _gptq_recipe()
+    assert "gptaq_alpha" not in base.model_dump()["gptq"]
+    on = apply_settings(base, {"gptq.gptaq_alpha": 0.25})
+    assert on.model_dump()["gptq"]["gptaq_alpha"] == 0.25
+    m0, m1 = _model(), _model()
+    r0 = quantize_model(m0, base, ids, batch_size=4, matmul_precision="float32")
+    r1 = quantize_model(m1, on, ids, batch_size=4, matmul_precision="float32")
+    for n in ("q_proj", "k_proj", "v_proj"):
+        assert torch.equal(r0.modules[f"model.layers.0.self_attn.{n}"].q, r1.modules[f"model.layers.0.self_attn.{n}"].q)
+    assert not torch.equal(r0.modules["model.layers.0.self_attn.o_proj"].q, r1.modules["model.layers.0.self_attn.o_proj"].q)
+    assert not torch.equal(r0.modules["model.layers.1.self_attn.q_proj"].q, r1.modules["model.layers.1.self_attn.q_proj"].q)
+    assert "float_stream" in r1.layers[1]["phase_seconds"] and "float_stream" not in r0.layers[1]["phase_seconds"]
+    assert all(not mod._forward_pre_hooks for mod in m1.modules())
+    check_resumable(base)
+    with pytest.raises(InputError, match="gptaq_alpha"):
+        check_resumable(on)
+    with pytest.raises(InputError, match="gptq.gptaq_alpha"):
+        apply_settings(base, {"gptq.gptaq_alpha": 1.5})

@@ -24,7 +24,6 @@ byte for byte (:mod:`compressor.commands.kv_only`); a weight recipe on it is ref
 from __future__ import annotations
 
 import gc
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +54,7 @@ from ..staging import (
 )
 from ..streaming import open_lazy
 from . import kv_only
-from .common import cpu_threads, in_background, peak_rss_mib
+from .common import check_resumable, cpu_threads, in_background, peak_rss_mib
 from .options import QuantizeOptions
 
 
@@ -201,8 +200,8 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     text = load_text(calib.source, calib.field, part="calib") if needs_calib and not token_file else None
     if text is not None and text.note:
         show.note(console, f"[yellow]calibration:[/] {text.note}")
-    if opts.execution.resume and os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
-        raise InputError("--resume is not available under torchrun (several ranks); resume with one process")
+    if opts.execution.resume:
+        check_resumable(recipe)  # torchrun; gptq.gptaq_alpha's float stream
     if packed is not None:
         kv_only.check_source_integrity(packed)
     threads, busy = cpu_threads(opts.execution.threads)

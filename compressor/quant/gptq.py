@@ -98,6 +98,69 @@ class HessianAccumulator:
         return out
 
 
+class CrossAccumulator:
+    """Running ``Σ (x_f - x_q)ᵀ x_q`` (float64 ``[in, in]``) over paired token rows: ``x_f`` a
+    linear's input in the float model, ``x_q`` its input in the partly quantized model (the
+    rows GPTQ's Hessian sums). :meth:`matrix` returns ``2 (X_f - X_q)ᵀ X_q / n``, on the
+    scale of :meth:`HessianAccumulator.hessian`."""
+
+    def __init__(self, in_features: int, device="cpu"):
+        self.sum = torch.zeros(in_features, in_features, dtype=torch.float64, device=device)
+        self.n = 0
+
+    @torch.no_grad()
+    def add(self, x_f: torch.Tensor, x_q: torch.Tensor) -> None:
+        """``x_f``, ``x_q``: ``[..., in]`` with the same token rows (any float dtype)."""
+        xq = x_q.detach().reshape(-1, x_q.shape[-1]).float()
+        xf = x_f.detach().reshape(-1, x_f.shape[-1]).to(device=xq.device, dtype=torch.float32)
+        self.sum += ((xf - xq).t() @ xq).double()
+        self.n += xq.shape[0]
+
+    def matrix(self) -> torch.Tensor:
+        """``[in, in]`` float32; raises :class:`QuantizationError` if no row was seen."""
+        if self.n == 0:
+            raise QuantizationError("GPTQ's float target has no calibration tokens")
+        return (2.0 * self.sum / self.n).float()
+
+
+@torch.no_grad()
+@float32_matmuls()
+def float_target(w: torch.Tensor, H: torch.Tensor, cross: torch.Tensor, alpha: float, damp: float) -> torch.Tensor:
+    """The weight GPTQ quantizes under asymmetric calibration (GPTAQ, Li et al., 2025,
+    arXiv:2504.02692): ``W + alpha · W C (H + λI)⁻¹``.
+
+    GPTQ minimises ``‖W X_q - Q X_q‖²`` on the inputs ``X_q`` of the partly quantized model,
+    so every layer keeps the errors of the layers before it. The float model's output is
+    ``W X_f``; ``‖W X_f - Q X_q‖²`` equals ``‖W* X_q - Q X_q‖²`` up to a constant for the
+    least-squares target ``W* = W + W (X_f - X_q) X_qᵀ (X_q X_qᵀ)⁻¹``, i.e. ``alpha = 1`` with
+    ``C = 2 (X_f - X_q) X_qᵀ / n`` (``cross``) and ``H = 2 X_q X_qᵀ / n``. ``alpha`` below 1
+    moves only part of the way (GPTAQ's own default is 0.25: the full correction fits the
+    calibration tokens' noise); ``λ = damp · mean(diag(H))``, GPTQ's damping.
+
+    Args:
+        w: float ``[out, in]``. H, cross: float32 ``[in, in]`` (neither modified).
+        alpha: 0..1. damp: relative dampening (the recipe's ``gptq.damp``).
+
+    Returns:
+        float32 ``[out, in]`` (``w`` itself, as float32, when ``alpha`` is 0).
+
+    Raises:
+        QuantizationError: ``H + λI`` is not positive definite.
+    """
+    W = w.detach().float()
+    if alpha == 0.0:
+        return W
+    Hd = H.float().clone()
+    diag = torch.diagonal(Hd)
+    diag[diag == 0] = 1.0  # dead inputs (as GPTQ's preparation)
+    diag.add_(damp * float(diag.mean()))
+    L, info = torch.linalg.cholesky_ex(Hd)
+    if int(info) != 0:
+        raise QuantizationError("GPTQ's float target: the damped Hessian is not positive definite")
+    del Hd
+    return W + alpha * torch.cholesky_solve(cross.float().t() @ W.t(), L).t()
+
+
 @dataclass
 class GPTQResult:
     """Output of :func:`gptq_quantize`.

@@ -19,7 +19,7 @@ import torch
 from ..arch import expand, expert_index, get_module, is_expert, layer_fused_sets, layer_linears, num_experts
 from ..distributed import deal, world
 from .algorithms import Algorithm, odd_bits_warnings, register_algorithm, unread_warnings
-from .gptq import HessianAccumulator, gptq_quantize
+from .gptq import CrossAccumulator, HessianAccumulator, float_target, gptq_quantize
 from .layer import LayerContext, LayerOutcome, StopForward, layer_forward
 from .replay import ModuleReplay
 
@@ -83,17 +83,26 @@ def hessian_chunks(layer, sets: list[tuple[str, ...]], budget: int | None) -> li
     return chunks
 
 
-def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, replay: ModuleReplay | None = None):
+def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, replay: ModuleReplay | None = None,
+                        float_inputs: dict | None = None):
     """One calibration pass with input hooks: a :class:`HessianAccumulator` per reader set
     (keyed by its first linear). Without ``conditional`` (routed experts fire only for their
     tokens) a batch stops once every set has its input. ``replay``: the layer's final parts
-    return their kept outputs instead of running."""
+    return their kept outputs instead of running. ``float_inputs``: set key -> the float
+    model's input of that set per batch; each such set also gets a :class:`CrossAccumulator`
+    (``accs[key].cross``) for :func:`~compressor.quant.gptq.float_target`."""
     accs = {st[0]: HessianAccumulator(get_module(layer, st[0]).in_features, device=hidden[0].device) for st in sets}
+    float_inputs = float_inputs or {}
+    for key, acc in accs.items():
+        acc.cross = CrossAccumulator(acc.in_features, hidden[0].device) if key in float_inputs else None
     fired: set[str] = set()
+    j = 0
 
     def make_hook(rel):
         def hook(_mod, args):
             accs[rel].add(args[0])
+            if accs[rel].cross is not None:
+                accs[rel].cross.add(float_inputs[rel][j], args[0])
             fired.add(rel)
             if not conditional and len(fired) == len(accs):
                 raise StopForward
@@ -183,13 +192,19 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
         rels, key = task
         bits, gs, sym = quantizer.schemes[prefix + rels[0]]
         if key not in built:
-            built[key] = accs.pop(key).hessian(consume=True)
+            acc = accs.pop(key)
+            cross = getattr(acc, "cross", None)
+            built[key] = (acc.hessian(consume=True), None if cross is None else cross.matrix())
+            del acc, cross
         left[key] -= 1
         last = left[key] == 0
-        H = built.pop(key) if last else built[key]
+        H, cross = built.pop(key) if last else built[key]
         weights = [get_module(layer, rel).weight.detach() for rel in rels]
         w = weights[0] if len(weights) == 1 else torch.cat(weights)
         del weights
+        if cross is not None:  # asymmetric calibration: the float model's output is the target
+            w = float_target(w, H, cross, opts.gptaq_alpha, opts.damp)
+        del cross
         r = gptq_quantize(
             w, H, bits, gs, sym, block_size=opts.block_size, damp=opts.damp,
             damp_increment=opts.damp_increment, act_order=opts.act_order,
@@ -273,6 +288,9 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
     hess_t = quant_t = 0.0
     n_chunks = 0
     passes = _passes(i, layer, ctx)
+    t_f = time.perf_counter()
+    float_inputs = float_stream(layer, hidden, kw, ctx, [st[0] for g in passes for st in reader_sets(g, fused_sets)])
+    float_t = time.perf_counter() - t_f
     replay, final_from = layer_replay(layer, passes, ctx)
     for p_i, group in enumerate(passes):
         _settle(replay, final_from, p_i, len(hidden))
@@ -284,7 +302,7 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
             t_h = time.perf_counter()
             if experts is not None:
                 experts.counts.zero_()
-            accs = accumulate_hessians(layer, hidden, kw, chunk, conditional, replay)
+            accs = accumulate_hessians(layer, hidden, kw, chunk, conditional, replay, float_inputs)
             if conditional and counts is None and experts is not None:
                 counts = experts.counts.tolist()  # routing is upstream of the experts: the same in every chunk
             cold = ctx.cold(counts)
@@ -301,7 +319,37 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
     figures = {"gptq": {"max_damp": max(damps) if damps else None, "damp_retries": retries, "dead_channels": dead}}
     if n_chunks:
         figures["gptq"]["extra_hessian_passes"] = n_chunks  # routed experts' Hessians taken in bounded chunks
-    return LayerOutcome(errs, float_out, counts, figures, {"reference": ref_t, "hessian": hess_t, "gptq": quant_t}, replay)
+    phases = {"reference": ref_t, "hessian": hess_t, "gptq": quant_t}
+    if float_inputs is not None:
+        phases["float_stream"] = float_t
+    return LayerOutcome(errs, float_out, counts, figures, phases, replay)
+
+
+def float_stream(layer, hidden: list, kw: dict, ctx: LayerContext, keys: list[str]) -> dict | None:
+    """With ``gptq.gptaq_alpha > 0``: run the layer, still float, on the float model's
+    activations (``ctx.float_hidden``; the quantized stream's at the first layer, where the two
+    are the same), keep the inputs of the reader sets ``keys`` per batch (routed experts
+    excluded: their tokens differ between the streams) and advance ``ctx.float_hidden`` to the
+    layer's float output. Returns set key -> ``[batch inputs]``, or None when off."""
+    if ctx.recipe.gptq.gptaq_alpha == 0.0:
+        return None
+    keys = [k for k in keys if not is_expert(ctx.arch, k)]
+    source = ctx.float_hidden if ctx.float_hidden is not None else hidden
+    kept: dict[str, list] = {k: [] for k in keys}
+
+    def make_hook(rel):
+        def hook(_mod, args):
+            kept[rel].append(args[0].detach().clone())
+        return hook
+
+    handles = [get_module(layer, k).register_forward_pre_hook(make_hook(k)) for k in keys]
+    try:
+        with torch.no_grad():
+            ctx.float_hidden = [layer_forward(layer, h, kw) for h in source]
+    finally:
+        for hd in handles:
+            hd.remove()
+    return kept
 
 
 @register_algorithm
@@ -321,6 +369,8 @@ class GPTQ(Algorithm):
         out = {"act_order": recipe.gptq.act_order, "static_groups": recipe.gptq.static_groups}
         if recipe.gptq.clip:  # the range search; left out while off (earlier manifests keep their bytes)
             out.update(clip=True, clip_grid=recipe.gptq.clip_grid, clip_max_shrink=recipe.gptq.clip_max_shrink)
+        if recipe.gptq.gptaq_alpha:  # the float target; left out while off, as the range search
+            out["gptaq_alpha"] = recipe.gptq.gptaq_alpha
         if fmt == "gptq":
             out["gptq_checkpoint_format"] = gptq_checkpoint_format(recipe.weights.symmetric)
         return out

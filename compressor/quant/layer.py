@@ -136,6 +136,9 @@ class LayerContext:
     #: passes and the recompute (:class:`compressor.quant.replay.ModuleReplay`); ``None``:
     #: unbounded, 0: none kept
     replay_budget: int | None = None
+    #: the float model's activations at the current layer, per batch (``gptq.gptaq_alpha``;
+    #: :func:`compressor.quant.gptq_layer.float_stream`), ``None`` before the first layer
+    float_hidden: list | None = None
 
     def experts(self, layer) -> UnfusedExperts | None:
         """The layer's unfused routed experts (``None`` for a dense layer)."""
