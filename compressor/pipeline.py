@@ -99,6 +99,8 @@ class LayerHooks:
     done: Callable[[int, torch.nn.Module, "QuantizeResult", list | None], None]
     start: int = 0
     hidden: list | None = None
+    #: the float model's activations beside ``hidden`` (GPTQ's float target), restored and checkpointed alike
+    float_hidden: list | None = None
     kv_absmax: dict = field(default_factory=dict)
     activation_budget: int | None = None
     spill_dir: object = None
@@ -435,6 +437,7 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
         hidden, layer_kwargs = capture_layer_inputs(model, arch, calib_ids, batch_size, device, kwargs_only=resumed)
         if resumed:
             hidden, hooks.hidden = hooks.hidden, None  # taken: the loop's copy is the only one kept
+            ctx.float_hidden, hooks.float_hidden = hooks.float_hidden, None  # GPTQ's float target (or None)
             for i, (k, v) in hooks.kv_absmax.items():
                 if observer is not None:
                     observer.layers[i].k_absmax, observer.layers[i].v_absmax = k, v
@@ -469,6 +472,7 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
             if observer is not None and observer.layers[i].k_absmax is not None:
                 result.kv_absmax[i] = (observer.layers[i].k_absmax, observer.layers[i].v_absmax)
             if hooks is not None:
+                hooks.float_hidden = ctx.float_hidden  # checkpointed beside hidden (GPTQ's float target)
                 hooks.done(i, layer, result, hidden)
             if on_layer:
                 on_layer(i, n_layers, fig)

@@ -81,8 +81,10 @@ class Staging:
             self.parts.append(p)
         return p
 
-    def checkpoint(self, layers_done: int, state: dict, hidden: list[torch.Tensor] | None) -> None:
-        """Record that layers ``< layers_done`` are written; ``hidden`` are the next layer's inputs."""
+    def checkpoint(self, layers_done: int, state: dict, hidden: list[torch.Tensor] | None,
+                   float_hidden: list[torch.Tensor] | None = None) -> None:
+        """Record that layers ``< layers_done`` are written; ``hidden`` are the next layer's inputs
+        (``float_hidden``: the float model's, for GPTQ's float target; kept in the same file)."""
         from safetensors.torch import save_file
 
         # Crash-consistent: the previous checkpoint's files stay valid until resume.json is
@@ -96,7 +98,9 @@ class Staging:
         if hidden is not None:
             hidden_name = f"{HIDDEN_PREFIX}{layers_done:05d}.safetensors"
             tmp = self.path / (hidden_name + ".tmp")
-            save_file({f"b{j}": h.contiguous() for j, h in enumerate(hidden)}, str(tmp))
+            tensors = {f"b{j}": h.contiguous() for j, h in enumerate(hidden)}
+            tensors.update({f"f{j}": h.contiguous() for j, h in enumerate(float_hidden or [])})
+            save_file(tensors, str(tmp))
             digests[hidden_name] = file_digest(tmp)
             os.replace(tmp, self.path / hidden_name)
         self.state = {"key": self.key, "layers_done": layers_done, "parts": [p.name for p in self.parts],
@@ -106,19 +110,23 @@ class Staging:
         if old_hidden and old_hidden != hidden_name:
             (self.path / old_hidden).unlink(missing_ok=True)
 
-    def load_hidden(self, device: str) -> list[torch.Tensor] | None:
+    def load_hidden(self, device: str) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """The checkpoint's activations: ``(hidden, float_hidden)`` (``float_hidden`` None when
+        the run kept no float stream; both None without a calibration pass)."""
         from safetensors.torch import load_file
 
         name = self.state.get("hidden")
         if not name:
-            return None
+            return None, None
         p = self.path / name
         try:
             d = load_file(str(p))
         except Exception as e:  # safetensors raises its own error types for damaged files
             raise InputError(f"--resume: {p} is damaged ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                              "rerun without --resume to start over") from None
-        return [d[f"b{j}"].to(device) for j in range(len(d))]
+        hidden = [d[f"b{j}"].to(device) for j in range(sum(k.startswith("b") for k in d))]
+        floats = [d[f"f{j}"].to(device) for j in range(sum(k.startswith("f") for k in d))]
+        return hidden, floats or None
 
     @property
     def artifact_dir(self) -> Path:
@@ -396,6 +404,9 @@ class LayerWriter:
         self.schemes: dict[str, tuple] = {}  # module name -> (bits, group size, symmetric), layers written
         self.start = 0
         self.hidden: list[torch.Tensor] | None = None
+        #: the float model's activations beside ``hidden`` (GPTQ's float target): restored on
+        #: resume, and set by the driver before each :meth:`done` so the checkpoint keeps them
+        self.float_hidden: list[torch.Tensor] | None = None
         self.kv_absmax: dict = {}
         self.activation_budget = int(activation_budget_gib * 2**30)
         self.spill_dir = staging.path if staging is not None else Path(tempfile.gettempdir())
@@ -443,7 +454,7 @@ class LayerWriter:
         self.layers, self.moe, self.moe_fallback = st["layers"], st["moe"], st["moe_fallback"]
         self.schemes.update({n: tuple(v) for n, v in st["schemes"].items()})
         self.kv_absmax = {int(j): (torch.tensor(k), torch.tensor(v)) for j, (k, v) in st["kv_absmax"].items()}
-        self.hidden = self.staging.load_hidden(device)
+        self.hidden, self.float_hidden = self.staging.load_hidden(device)
         for i in range(self.start):
             to_meta(get_module(self.model, self.arch.layers)[i])
 
@@ -537,4 +548,4 @@ class LayerWriter:
             "layers": result.layers, "moe": result.moe, "moe_fallback": result.moe_fallback,
             "schemes": {n: list(v) for n, v in self.schemes.items()},
             "kv_absmax": {str(j): [k.tolist(), v.tolist()] for j, (k, v) in result.kv_absmax.items()},
-        }, hidden)
+        }, hidden, self.float_hidden)

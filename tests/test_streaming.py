@@ -165,6 +165,31 @@ def test_resume_after_a_simulated_crash(tmp_path, deep_dir, whole, monkeypatch, 
     assert not staging.exists() and not (out / "resume.json").exists()
 
 
+def test_resume_with_the_float_target_equals_an_uninterrupted_run(tmp_path, deep_dir, monkeypatch):
+    """GPTQ's float target (``gptq.gptaq_alpha``) keeps a float stream beside the quantized one:
+    the checkpoint holds both, so a resumed run writes the very tensors of an uninterrupted one."""
+    import compressor.quant.gptq_layer as pl
+
+    opts = dict(model=str(deep_dir), algorithm="gptq", settings=(("gptq.gptaq_alpha", 0.25),), **FAST)
+    run_quantize(QuantizeOptions(output=tmp_path / "whole", **opts))
+    out = tmp_path / "r"
+    real = crash_gptq_at(monkeypatch, 2)
+    with pytest.raises(Crash):
+        run_quantize(QuantizeOptions(output=out, **opts))
+    staging = tmp_path / ".r.kvq-partial"
+    from safetensors import safe_open
+
+    with safe_open(str(staging / "resume-hidden-00002.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    n_b, n_f = sum(k.startswith("b") for k in keys), sum(k.startswith("f") for k in keys)
+    assert n_b == n_f > 0 and len(keys) == n_b + n_f  # one float batch beside each quantized one
+    monkeypatch.setattr(pl, "gptq_layer", real)
+    s = run_quantize(QuantizeOptions(output=out, resume=True, **opts))
+    assert s["resumed_from_layer"] == 2
+    assert digests(out) == digests(tmp_path / "whole")
+    assert load_manifest(out).recipe["gptq"]["gptaq_alpha"] == 0.25
+
+
 def test_resume_refusals(tmp_path, deep_dir, monkeypatch, capsys):
     import compressor.quant.algorithms as pl
 

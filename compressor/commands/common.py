@@ -92,17 +92,13 @@ def cpu_threads(requested: int | None) -> tuple[int, str | None]:
     return threads, None
 
 
-def check_resumable(recipe) -> None:
+def check_resumable() -> None:
     """Refuse ``--resume`` where a resumed run could not equal an uninterrupted one.
 
     Raises:
-        InputError: several ranks (torchrun); ``gptq.gptaq_alpha > 0`` (the float model's
-            activations that GPTQ's float target reads are not checkpointed).
+        InputError: several ranks (torchrun).
     """
     from ..errors import InputError
 
     if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
         raise InputError("--resume is not available under torchrun (several ranks); resume with one process")
-    if recipe.algorithm in ("gptq", "awq-gptq") and recipe.gptq.gptaq_alpha > 0:
-        raise InputError("--resume is not available with gptq.gptaq_alpha > 0 (the float activations it reads are not "
-                         "checkpointed); run again without --resume")

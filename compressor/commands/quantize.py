@@ -201,7 +201,7 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     if text is not None and text.note:
         show.note(console, f"[yellow]calibration:[/] {text.note}")
     if opts.execution.resume:
-        check_resumable(recipe)  # torchrun; gptq.gptaq_alpha's float stream
+        check_resumable()  # not under torchrun
     if packed is not None:
         kv_only.check_source_integrity(packed)
     threads, busy = cpu_threads(opts.execution.threads)
