@@ -10,8 +10,8 @@ agreement. Rows (``METHODS``, comma separated, default all):
   recipes ``w4a16-rtn-g64`` / ``w4a16-awq`` / ``w4a16-gptq`` / ``w4a16-awq-gptq`` and
   ``--bits``); ``awq-gptq-g20`` is ``w4a16-gptq`` with ``--algorithm awq-gptq`` (AWQ's
   default 20-point scale grid); ``gptq-clip`` is ``w4a16-gptq`` with GPTQ's range search
-  (``--set gptq.clip=true``); ``gptq-gptaq`` adds GPTQ's float target
-  (``--set gptq.gptaq_alpha=0.25``);
+  (``--set gptq.clip=true``); ``gptq-gptaq`` is ``w4a16-gptaq``
+  (the range search and GPTQ's float target, ``gptq.gptaq_alpha: 0.25``);
 * ``llmc-gptq``, ``llmc-awq`` -- llm-compressor in ``bench/.peers/llmcompressor``
   (``bench/peer_llmcompressor.py --bits``);
 * ``autoround`` -- AutoRound in ``bench/.peers/autoround`` (``bench/peer_autoround.py``;
@@ -53,10 +53,9 @@ METHODS = [m for m in os.environ.get("METHODS", ",".join(ALL)).split(",") if m]
 TAG = f"{pb.SAMPLES}x{pb.SEQLEN}-w{WINDOWS}"
 WORK = ROOT / "bench" / "work" / "quality" / TAG
 KVQ_RECIPE = {"rtn": "w4a16-rtn-g64", "awq": "w4a16-awq", "gptq": "w4a16-gptq", "gptq-clip": "w4a16-gptq",
-              "awq-gptq": "w4a16-awq-gptq", "awq-gptq-g20": "w4a16-gptq", "gptq-gptaq": "w4a16-gptq"}
+              "awq-gptq": "w4a16-awq-gptq", "awq-gptq-g20": "w4a16-gptq", "gptq-gptaq": "w4a16-gptaq"}
 #: extra kvq flags of a row
-KVQ_FLAGS = {"awq-gptq-g20": ["--algorithm", "awq-gptq"], "gptq-clip": ["--set", "gptq.clip=true"],
-             "gptq-gptaq": ["--set", "gptq.clip=true", "--set", "gptq.gptaq_alpha=0.25"]}
+KVQ_FLAGS = {"awq-gptq-g20": ["--algorithm", "awq-gptq"], "gptq-clip": ["--set", "gptq.clip=true"]}
 AR_PY = ROOT / "bench" / ".peers" / "autoround" / "bin" / "python"
 
 

@@ -427,5 +427,8 @@ def test_pipeline_gptaq_alpha_moves_only_what_the_float_stream_changes():
     assert not torch.equal(r0.modules["model.layers.1.self_attn.q_proj"].q, r1.modules["model.layers.1.self_attn.q_proj"].q)
     assert "float_stream" in r1.layers[1]["phase_seconds"] and "float_stream" not in r0.layers[1]["phase_seconds"]
     assert all(not mod._forward_pre_hooks for mod in m1.modules())
-    with pytest.raises(InputError, match="gptq.gptaq_alpha"):
-        apply_settings(base, {"gptq.gptaq_alpha": 1.5})
+    for bad in (1.5, -0.1, True, float("nan")):  # a YAML true is not a number (nor for any float knob)
+        with pytest.raises(InputError, match="gptq.gptaq_alpha"):
+            apply_settings(base, {"gptq.gptaq_alpha": bad})
+    with pytest.raises(InputError, match="gptq.damp"):
+        apply_settings(base, {"gptq.damp": True})

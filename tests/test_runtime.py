@@ -147,6 +147,11 @@ def test_quantized_weights_match_dequantized_reference(artifacts, name, aten_ker
     assert _max_err(deq.logits(IDS), ref) < 1e-5
     exact = Runtime.from_artifact(artifacts[name], backend="aten", kv=None, act_dtype=torch.float32, dtype=torch.float32)
     assert exact.describe()["kernels"][aten_kernel] == 14
+    # two layers x (q/k/v, gate/up) share one int4 decode call each, unless an act-order
+    # permutation reorders their inputs; int8 and dequant layers are not fused
+    permuted = any(lin.in_perm is not None for lin in exact.decoder.linears().values() if lin.kernel != "float")
+    assert exact.describe()["fused_decode_sets"] == (4 if aten_kernel == "aten-int4" and not permuted else 0)
+    assert deq.describe()["fused_decode_sets"] == 0
     # chunks of 8 tokens x 2 rows run the aten ops (below DEQUANT_MIN_M rows); one pass dequantizes
     assert _max_err(exact.logits(IDS, chunk=8), ref) < 1e-4  # layout, zero-point offset and permutation exact
     assert _max_err(exact.logits(IDS), ref) < 1e-5

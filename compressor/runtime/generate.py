@@ -149,6 +149,9 @@ class Runtime:
             "folder": None if self.folder is None else str(self.folder), "device": str(self.device),
             "dtype": str(self.decoder.dtype).replace("torch.", ""), "backend": self.backend,
             "quant_method": self.info.quant_method, "kernels": dict(Counter(self.info.kernels.values())),
+            # projections that share one decode call (q/k/v, gate/up: FusedDecode), counted per set
+            "fused_decode_sets": len({id(lin.fused[0]) for lin in self.decoder.linears().values()
+                                      if getattr(lin, "fused", None) is not None}),
             "fallbacks": dict(self.info.fallbacks), "weight_bytes": self.info.weight_bytes,
             "kv_scheme": "none" if self.kv_spec is None else self.kv_spec.describe(),
             "kv_bytes_per_token": cache.bytes_per_token(), "kv_fixed_bytes_per_sequence": cache.fixed_bytes_per_sequence(),
