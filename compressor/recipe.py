@@ -34,6 +34,18 @@ STANDARD_GROUP_SIZES = (128, 64, 32)
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, v, info):
+        """A YAML ``true``/``false`` given for a number is refused (pydantic would read it as 1/0:
+        ``--set gptq.damp=true`` would otherwise be a damping of 1.0)."""
+        if isinstance(v, bool):
+            ann = cls.model_fields[info.field_name].annotation
+            args = set(getattr(ann, "__args__", ()) or (ann,))
+            if bool not in args and args & {int, float}:
+                raise ValueError("Input should be a number, not a boolean")
+        return v
+
 
 #: ``model_dump(context=FULL_DUMP)``: every field, including those a serializer leaves out of
 #: digest-stable dumps while they hold their defaults (``head: null``, GPTQ's range search off)
@@ -68,7 +80,7 @@ class AWQOptions(_Strict):
     duo_scaling: bool = True
     clip: bool = True
     clip_grid: int = Field(20, ge=2, le=100)
-    clip_max_shrink: float = Field(0.5, gt=0.0, lt=1.0, allow_inf_nan=False, strict=True)
+    clip_max_shrink: float = Field(0.5, gt=0.0, lt=1.0, allow_inf_nan=False)
     clip_tokens: int = Field(512, ge=16)
     loss_samples: int = Field(8, ge=1)
 
@@ -87,15 +99,15 @@ class GPTQOptions(_Strict):
     asymmetric calibration as GPTAQ, Li et al., 2025; :func:`compressor.quant.gptq.float_target`)."""
 
     block_size: int = Field(128, ge=1, strict=True)
-    damp: float = Field(0.01, gt=0.0, lt=1.0, allow_inf_nan=False, strict=True)
-    damp_increment: float = Field(0.01, gt=0.0, lt=1.0, allow_inf_nan=False, strict=True)
+    damp: float = Field(0.01, gt=0.0, lt=1.0, allow_inf_nan=False)
+    damp_increment: float = Field(0.01, gt=0.0, lt=1.0, allow_inf_nan=False)
     act_order: bool = False
     static_groups: bool = False
     true_sequential: bool = True
     clip: bool = False
     clip_grid: int = Field(100, ge=2, le=1000, strict=True)
-    clip_max_shrink: float = Field(0.25, gt=0.0, lt=1.0, allow_inf_nan=False, strict=True)
-    gptaq_alpha: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False, strict=True)
+    clip_max_shrink: float = Field(0.25, gt=0.0, lt=1.0, allow_inf_nan=False)
+    gptaq_alpha: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
 
     @model_serializer(mode="wrap")
     def _omit_new_defaults(self, handler, info):
@@ -207,7 +219,7 @@ class Gates(_Strict):
     greedy generations differ (see :mod:`compressor.stats`).
     """
 
-    max_ppl_increase_pct: float = Field(20.0, ge=0.0, allow_inf_nan=False, strict=True)
+    max_ppl_increase_pct: float = Field(20.0, ge=0.0, allow_inf_nan=False)
     max_mean_kl: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
     max_p99_kl: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
     min_top1_agreement_pct: Optional[float] = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)

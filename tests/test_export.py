@@ -126,7 +126,7 @@ def test_mixed_precision_compressed_tensors_loads_in_transformers(tmp_path, tiny
     # a union's members' messages joined, without pydantic's member tags in the key
     (["--set", "weights.group_size=null"], "weights.group_size: Input should be a valid integer or 'auto'\n"),
     (["--set", "weights.group_size=x"], "weights.group_size: Input should be a valid integer or 'auto'\n"),
-    (["--set", "gptq.block_size=true"], "gptq.block_size: Input should be a valid integer\n"),
+    (["--set", "gptq.block_size=true"], "gptq.block_size: Input should be a number, not a boolean\n"),
     (["--set", "gptq.damp=nan"], "gptq.damp: Input should be a finite number\n"),
     (["--set", "gates.max_ppl_increase_pct=nan"], "gates.max_ppl_increase_pct: Input should be a finite number\n"),
     (["--set", "gptq=1"], "gptq: Input should be a valid dictionary\n"),  # no pydantic class name
