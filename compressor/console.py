@@ -213,7 +213,7 @@ def _verify_footer(console, report: dict, kv_budget_gib: float) -> None:
 
 def runtime_line(console, d: dict) -> None:
     """The runtime serve-smoke loaded: device, dtype, kernels, KV scheme (``Runtime.describe()``)."""
-    fused = f" ({d['fused_decode_sets']} q/k/v or gate/up sets share one decode call)" if d.get("fused_decode_sets") else ""
+    fused = f" ({d['fused_decode_sets']} q/k/v or gate/up sets share one decode call)" if "fused_decode_sets" in d else ""
     note(console, f"runtime: {d['device']} {d['dtype']}, kernels {d['kernels']}{fused}, KV {d['kv_scheme']} "
                   f"({d['kv_bytes_per_token']:.0f} B/token)", highlight=False)
 
