@@ -59,6 +59,10 @@ class HessianAccumulator:
     both whole.
     """
 
+    #: the reader set's :class:`CrossAccumulator` when GPTQ's float target is on (set by
+    #: :func:`compressor.quant.gptq_layer.accumulate_hessians`), else None
+    cross: "CrossAccumulator | None" = None
+
     def __init__(self, in_features: int, device="cpu"):
         step = ROW_BLOCK if in_features >= ROW_BLOCK_FROM else in_features
         self.in_features = in_features

@@ -93,8 +93,8 @@ def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, replay: Modu
     (``accs[key].cross``) for :func:`~compressor.quant.gptq.float_target`."""
     accs = {st[0]: HessianAccumulator(get_module(layer, st[0]).in_features, device=hidden[0].device) for st in sets}
     float_inputs = float_inputs or {}
-    for key, acc in accs.items():
-        acc.cross = CrossAccumulator(acc.in_features, hidden[0].device) if key in float_inputs else None
+    for key in float_inputs.keys() & accs.keys():
+        accs[key].cross = CrossAccumulator(accs[key].in_features, hidden[0].device)
     fired: set[str] = set()
     j = 0
 
@@ -193,9 +193,8 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
         bits, gs, sym = quantizer.schemes[prefix + rels[0]]
         if key not in built:
             acc = accs.pop(key)
-            cross = getattr(acc, "cross", None)
-            built[key] = (acc.hessian(consume=True), None if cross is None else cross.matrix())
-            del acc, cross
+            built[key] = (acc.hessian(consume=True), None if acc.cross is None else acc.cross.matrix())
+            del acc
         left[key] -= 1
         last = left[key] == 0
         H, cross = built.pop(key) if last else built[key]

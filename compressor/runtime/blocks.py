@@ -182,11 +182,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
 class GatedMLP:
     """``down(act(gate(x)) * up(x))``; ``lin`` maps ``gate_proj``/``up_proj``/``down_proj`` to Linears."""
 
-    def __init__(self, gate, up, down, act, fuse: bool = True):
+    def __init__(self, gate, up, down, act):
         from .linear import FusedDecode
 
         self.gate, self.up, self.down, self.act = gate, up, down, act
-        self.fused = FusedDecode.of([gate, up]) if fuse else None  # one decode call for gate and up
+        self.fused = FusedDecode.of([gate, up])  # one decode call for gate and up (None: not fusable)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:

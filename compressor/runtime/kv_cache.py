@@ -242,10 +242,12 @@ class FP8KVCache(QuantKVCache):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)  # storage (any mixin's layout), scales checked
         values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().to(self.device)
-        self.luts = {(i, kind): (values[None, :] * s.reshape(-1, 1)).reshape(-1)  # [(H or 1) * 256]
-                     for i, pair in self.scales.items() for kind, s in zip("kv", pair)}
+        self.luts, self.divisors = {}, {}
+        for i, pair in self.scales.items():
+            for kind, s in zip("kv", pair):
+                self.luts[(i, kind)] = (values[None, :] * s.reshape(-1, 1)).reshape(-1)  # [(H or 1) * 256]
+                self.divisors[(i, kind)] = s.reshape(1, -1, 1, 1)  # quantize_fp8's broadcast scale
         self.head_offsets = (torch.arange(self.kv_heads, device=self.device) * 256).reshape(1, -1, 1, 1)
-        self.divisors = {(i, kind): s.reshape(1, -1, 1, 1) for i, pair in self.scales.items() for kind, s in zip("kv", pair)}
 
     def _encode(self, layer, x, kind):
         # quantize_fp8's arithmetic (the same float32 division, clamp and cast), without its

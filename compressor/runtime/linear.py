@@ -195,6 +195,14 @@ def _aten_op(name: str):
     return getattr(torch.ops.aten, name, None)
 
 
+def _int4_mm(x2: torch.Tensor, packed: torch.Tensor, op_group: int, scale_zeros: torch.Tensor,
+             act_dtype: torch.dtype) -> torch.Tensor:
+    """``x2 [M, K]`` times an aten int4 pack (activations cast to ``act_dtype`` inside the op),
+    returned in ``x2``'s dtype."""
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(act_dtype).contiguous(), packed, op_group, scale_zeros)
+    return y.to(x2.dtype)
+
+
 class AtenInt4Linear(QuantLinear):
     """CPU int4 via ``_weight_int4pack_mm_for_cpu`` (see the module docstring for the layout).
 
@@ -263,9 +271,7 @@ class AtenInt4Linear(QuantLinear):
         if self.fused is not None:  # decode pack held by the fused set: run it, keep this layer's columns
             owner, col = self.fused
             return owner.matmul(x2)[:, col:col + self.out_features]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.to(self.act_dtype).contiguous(), self.packed, self.op_group, self.scale_zeros)
-        return y.to(x2.dtype)
+        return _int4_mm(x2, self.packed, self.op_group, self.scale_zeros, self.act_dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -314,9 +320,7 @@ class FusedDecode:
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 [M, K]`` -> ``[M, sum N]`` (decode rows), in ``x2``'s dtype, biases not added."""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.to(self.act_dtype).contiguous(), self.packed, self.op_group, self.scale_zeros)
-        return y.to(x2.dtype)
+        return _int4_mm(x2, self.packed, self.op_group, self.scale_zeros, self.act_dtype)
 
     def outputs(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each part's output for ``x [..., K]`` (``[..., N_i]``; views of one buffer at decode)."""
