@@ -9,7 +9,25 @@ SIGTERM) as one during the command.
 
 from __future__ import annotations
 
+import os
 import sys
+
+#: PyTorch's CPU allocator reads this once, at its first allocation: tensors of 2 MiB and more
+#: are then 2 MiB-aligned and advised as transparent huge pages (``madvise``, where the kernel
+#: offers them). kvq's calibration passes allocate and free tens of MB per forward; with 4 KiB
+#: pages each new allocation faulted in page by page (14.4 M minor faults, 23 s of system time
+#: in a 76 s AWQ run on SmolLM2); see BENCHMARKS.md. A value the user set is kept.
+ALLOCATOR_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def allocator_defaults(environ=os.environ) -> dict:
+    """Set :data:`ALLOCATOR_ENV` in ``environ`` where the user has not; returns what was set.
+
+    Takes effect only before torch's first allocation (the ``kvq`` console script and
+    ``python -m compressor`` call it before importing torch)."""
+    added = {k: v for k, v in ALLOCATOR_ENV.items() if k not in environ}
+    environ.update(added)
+    return added
 
 
 def main(argv=None) -> None:
@@ -19,6 +37,7 @@ def main(argv=None) -> None:
     the CLI is being imported; otherwise the CLI's own exit codes."""
     from . import interrupts
 
+    allocator_defaults()
     previous = interrupts.install()
     try:
         try:

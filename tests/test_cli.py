@@ -312,3 +312,13 @@ def test_options_take_flat_keywords_and_refuse_in_one_place():
         VerifyOptions(artifact="a", no_manifest=True)
     with pytest.raises(OptionError, match="--min-top1 cannot be evaluated with --hashes-only"):
         VerifyOptions(artifact="a", hashes_only=True, min_top1=50)
+
+
+def test_allocator_defaults_keep_the_users_value():
+    """The entry point turns on torch's huge-page allocation unless the user chose otherwise."""
+    from compressor.entry import ALLOCATOR_ENV, allocator_defaults
+
+    env = {}
+    assert allocator_defaults(env) == ALLOCATOR_ENV and env == {"THP_MEM_ALLOC_ENABLE": "1"}
+    env = {"THP_MEM_ALLOC_ENABLE": "0"}
+    assert allocator_defaults(env) == {} and env == {"THP_MEM_ALLOC_ENABLE": "0"}
