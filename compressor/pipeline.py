@@ -403,6 +403,8 @@ def quantize_model(
     ctx = LayerContext(plan.arch, recipe, LinearQuantizer(plan.schemes, dtype), plan.targets, result.modules, observer,
                        min(recipe.awq.loss_samples, len(calib_ids) if calib_ids is not None else 1),
                        getattr(hooks, "memory_budget", None), getattr(hooks, "activation_budget", None))
+    if hooks is not None and getattr(hooks, "activation_budget", None) is not None:
+        ctx.spill = lambda tensors, tag: _spill(tensors, hooks, tag)
     with calibration_matmuls(resolve_matmul_precision(matmul_precision, device)):
         _layer_loop(model, layers, ctx, plan.algorithm, result, calib_ids, batch_size, device, on_layer, hooks)
     result.warnings += plan.algorithm.run_warnings(result.layers)

@@ -287,10 +287,12 @@ def _gib(n: int) -> str:
 
 
 def plan_activations(samples: int, seqlen: int, hidden: int, budget_bytes: int, folder: Path,
-                     device: str = "cpu") -> tuple[bool, str | None]:
+                     device: str = "cpu", streams: int = 1) -> tuple[bool, str | None]:
     """Check, before any work, that the calibration activations fit; returns ``(spill_all, note)``.
 
-    One copy is ``samples x seqlen x hidden x 4`` bytes (float32); the layer loop holds a
+    One copy is ``streams x samples x seqlen x hidden x 4`` bytes (float32; ``streams`` 2 when
+    GPTQ's float target runs the float model's activations beside the quantized model's,
+    ``gptq.gptaq_alpha``); the layer loop holds a
     layer's inputs and its recomputed outputs (two copies) plus the int64 token ids, and the
     resume checkpoint writes the next layer's inputs to the staging folder after every layer
     (two files while one replaces the other). Above ``budget_bytes`` (``--activation-budget-gib``)
@@ -306,9 +308,9 @@ def plan_activations(samples: int, seqlen: int, hidden: int, budget_bytes: int, 
         InputError: they cannot fit in memory (spilled or not), in the device's memory, or
             in the free disk of ``folder``; the line says how much each needs.
     """
-    copy, ids = samples * seqlen * hidden * 4, samples * seqlen * 8
+    copy, ids = streams * samples * seqlen * hidden * 4, samples * seqlen * 8
     what = (f"calibration activations of {samples:,} x {seqlen:,} tokens x hidden size {hidden:,} (float32, "
-            f"{_gib(copy)} a copy)")
+            f"{_gib(copy)} a copy{', the float and the quantized stream' if streams > 1 else ''})")
     fix = "lower --calib-samples or --calib-seqlen"
     mem, spill_all, note = available_memory(), False, None
     if device.startswith("cuda"):

@@ -93,6 +93,19 @@ def test_calibration_memory_and_disk_bounds(src, tmp_path, monkeypatch, capsys, 
     assert "122.1 GiB a copy" in err  # 1e6 x 512 x 64 x 4 bytes
 
 
+def test_float_target_counts_its_second_stream(src, tmp_path, monkeypatch, capsys):
+    """``gptq.gptaq_alpha`` keeps the float model's activations beside the quantized model's:
+    the plan counts two streams (244 GiB a copy where one stream is 122 GiB)."""
+    import compressor.staging as st
+
+    _no_loading(monkeypatch)
+    monkeypatch.setattr(st, "available_memory", lambda: 8 * 2**30)
+    code, _, err = run(["quantize", src, "-o", tmp_path / "o", *FAST_GPTQ[:4], "--calib-samples", "1000000",
+                        "--set", "gptq.gptaq_alpha=0.25"], capsys)
+    assert_clean_error(code, err, 2, "of memory", tmp_path)
+    assert "244.1 GiB a copy, the float and the quantized stream" in _flat(err)
+
+
 def test_calibration_that_fits_once_but_not_twice_is_spilled(src, tmp_path, monkeypatch, capsys):
     """Within --activation-budget-gib, but two copies exceed the memory available: the run
     spills (budget 0, said in a note) instead of running out of memory; same artifact."""

@@ -190,6 +190,28 @@ def test_resume_with_the_float_target_equals_an_uninterrupted_run(tmp_path, deep
     assert load_manifest(out).recipe["gptq"]["gptaq_alpha"] == 0.25
 
 
+def test_float_target_streams_are_spilled_within_the_budget(tmp_path, deep_dir, monkeypatch):
+    """With ``gptq.gptaq_alpha`` the float stream and the float inputs of each reader set follow
+    ``--activation-budget-gib`` as the quantized stream does: at 0 they are memory-mapped files,
+    and the artifact is the one the in-memory run writes."""
+    import compressor.staging as st
+
+    opts = dict(model=str(deep_dir), algorithm="gptq", settings=(("gptq.gptaq_alpha", 0.25),), **FAST)
+    run_quantize(QuantizeOptions(output=tmp_path / "mem", **opts))
+    real, spilled = st.spill, []
+
+    def record(hidden, folder, tag, budget):
+        out = real(hidden, folder, tag, budget)
+        spilled.append((tag, len(out), all(t.untyped_storage().filename is not None for t in out)))
+        return out
+
+    monkeypatch.setattr(st, "spill", record)
+    run_quantize(QuantizeOptions(output=tmp_path / "disk", activation_budget_gib=0, **opts))
+    assert digests(tmp_path / "disk") == digests(tmp_path / "mem")
+    tags = {t for t, n, mapped in spilled if n and mapped}
+    assert "float" in tags and any(t.startswith("float-in") for t in tags), spilled
+
+
 def test_resume_refusals(tmp_path, deep_dir, monkeypatch, capsys):
     import compressor.quant.algorithms as pl
 

@@ -229,8 +229,9 @@ def _check_activations(plan: _Plan, opts: QuantizeOptions, hidden: Optional[int]
     plan.activation_budget_gib = opts.execution.activation_budget_gib
     if plan.calib_shape is None or not hidden:
         return
+    streams = 2 if "gptq" in get_algorithm(plan.recipe.algorithm).reads and plan.recipe.gptq.gptaq_alpha > 0 else 1
     spill_all, note = plan_activations(*plan.calib_shape, hidden, int(plan.activation_budget_gib * 2**30),
-                                       plan.out.resolve().parent, opts.execution.device)
+                                       plan.out.resolve().parent, opts.execution.device, streams)
     if spill_all:
         plan.activation_budget_gib = 0.0
     if note:

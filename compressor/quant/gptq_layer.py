@@ -309,6 +309,8 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
             t_q = time.perf_counter()
             p_errs, p_damps, p_retries, p_dead = solve_pass(i, layer, chunk, accs, cold, ctx, folds)
             del accs  # before the next chunk's pass builds its own
+            for st in chunk if float_inputs is not None else ():
+                float_inputs.pop(st[0], None)  # the set's float inputs are not read again
             errs += p_errs
             damps += p_damps
             retries += p_retries
@@ -329,7 +331,9 @@ def float_stream(layer, hidden: list, kw: dict, ctx: LayerContext, keys: list[st
     activations (``ctx.float_hidden``; the quantized stream's at the first layer, where the two
     are the same), keep the inputs of the reader sets ``keys`` per batch (routed experts
     excluded: their tokens differ between the streams) and advance ``ctx.float_hidden`` to the
-    layer's float output. Returns set key -> ``[batch inputs]``, or None when off."""
+    layer's float output. Returns set key -> ``[batch inputs]``, or None when off. Both go
+    through ``ctx.spill`` (``--activation-budget-gib``): above the budget they are memory-mapped
+    files, as the quantized stream is."""
     if ctx.recipe.gptq.gptaq_alpha == 0.0:
         return None
     keys = [k for k in keys if not is_expert(ctx.arch, k)]
@@ -348,6 +352,9 @@ def float_stream(layer, hidden: list, kw: dict, ctx: LayerContext, keys: list[st
     finally:
         for hd in handles:
             hd.remove()
+    if ctx.spill is not None:
+        ctx.float_hidden = ctx.spill(ctx.float_hidden, "float")
+        kept = {k: ctx.spill(v, f"float-in{n}") for n, (k, v) in enumerate(kept.items())}
     return kept
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -139,6 +140,9 @@ class LayerContext:
     #: the float model's activations at the current layer, per batch (``gptq.gptaq_alpha``;
     #: :func:`compressor.quant.gptq_layer.float_stream`), ``None`` before the first layer
     float_hidden: list | None = None
+    #: ``spill(tensors, tag) -> tensors``: the driver's ``--activation-budget-gib`` rule for a
+    #: step's own activation lists (moved to memory-mapped files above the budget); ``None``: kept in memory
+    spill: Callable[[list, str], list] | None = None
 
     def experts(self, layer) -> UnfusedExperts | None:
         """The layer's unfused routed experts (``None`` for a dense layer)."""
