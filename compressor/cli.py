@@ -29,14 +29,14 @@ def _quiet_libraries() -> None:
     here with SIGINT/SIGTERM held (:func:`compressor.interrupts.deferred`): a signal during
     torch's C++ initialisation must not raise there (it can abort the process, exit 134), so
     it is raised once the import is done."""
-    from . import interrupts
+    from . import gc_policy, interrupts
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported (calibration files)
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
-    with interrupts.deferred():
+    with interrupts.deferred(), gc_policy.settled_gc():
         import torch  # noqa: F401
         import transformers
 
@@ -553,13 +553,14 @@ def _from_command_line(param: str) -> bool:
 
 def main(argv=None) -> None:
     """Console entry point: maps errors to one line and an exit code, never a traceback."""
-    from . import interrupts
+    from . import gc_policy, interrupts
 
     previous = interrupts.install()
     try:
         _dispatch(argv)
     finally:
         interrupts.restore(previous)
+        gc_policy.release_frozen()
 
 
 def _interrupted(argv) -> None:

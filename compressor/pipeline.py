@@ -40,10 +40,11 @@ from .moe import unfuse_experts
 from .precision import calibration_matmuls, resolve_matmul_precision
 from .quant.algorithms import Algorithm, get_algorithm
 from .quant.head import head_hessian
+from .quant.inplace_linalg import all_finite
 from .quant.kv import check_layout, kv_observer, layer_scales, observed_absmax
 from .quant.layer import LayerContext, LinearQuantizer, QuantizedLinear, StopForward, recompute_layer
 from .recipe import Recipe, resolve_group_size
-from .streaming import frozen_gc
+from .gc_policy import frozen_gc
 
 __all__ = ["LayerHooks", "QuantizeResult", "QuantizedLinear", "capture_layer_inputs", "check_finite", "check_patterns",
            "quantize_model", "resolve_schemes", "target_modules", "check_group_sizes"]
@@ -227,7 +228,7 @@ def _layer_indices(targets: dict[str, torch.nn.Module], arch: ArchSpec) -> list[
 def check_finite(model) -> None:
     """Raise :class:`InputError` naming the first parameter holding NaN or Inf."""
     for name, p in model.named_parameters():
-        if not p.is_meta and not torch.isfinite(p).all():  # meta: not loaded yet (streaming checks on load)
+        if not p.is_meta and not all_finite(p.detach()):  # meta: not loaded yet (streaming checks on load)
             raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to quantize")
 
 #: keyword arguments of a decoder layer that belong to the caller's cache, not to the layer

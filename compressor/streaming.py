@@ -29,7 +29,6 @@ replaced.
 from __future__ import annotations
 
 import gc
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -92,14 +91,19 @@ class LazyCheckpoint:
     def _read(self, name: str) -> torch.Tensor:
         """``name`` as stored (its own dtype), in a private buffer."""
         shard, e = self.where[name]
-        buf = bytearray(e.end - e.start)
-        with open(shard, "rb") as f:
-            got = f.readinto(memoryview(buf)) if f.seek(e.start) == e.start else 0
-        if got != len(buf):
-            raise InputError(f"{shard}: truncated while reading {name}")
         if e.dtype not in _DTYPES:
             raise InputError(f"{shard}: tensor {name} has dtype {e.dtype}, which kvq does not load")
-        return torch.frombuffer(buf, dtype=_DTYPES[e.dtype]).view(e.shape) if buf else torch.empty(e.shape, dtype=_DTYPES[e.dtype])
+        n = e.end - e.start
+        if not n:
+            return torch.empty(e.shape, dtype=_DTYPES[e.dtype])
+        # torch's allocator, not a zero-filled bytearray: no page is written twice, and large
+        # buffers come as huge pages (compressor.entry.ALLOCATOR_ENV)
+        raw = torch.empty(n, dtype=torch.uint8)
+        with open(shard, "rb") as f:
+            got = f.readinto(memoryview(raw.numpy())) if f.seek(e.start) == e.start else 0
+        if got != n:
+            raise InputError(f"{shard}: truncated while reading {name}")
+        return raw.view(_DTYPES[e.dtype]).view(e.shape)
 
     def get(self, name: str, dtype: torch.dtype, as_stored: bool = False) -> torch.Tensor:
         """Read ``name`` into memory as ``dtype`` (a private copy; block-FP8 weights dequantized);
@@ -431,35 +435,57 @@ def copy_kept_tensors(ckpt: LazyCheckpoint, names: list[str], dtype: torch.dtype
 
 def to_meta(module: torch.nn.Module) -> None:
     """Release ``module``'s parameters (replaced by ``meta`` tensors of the same shape) and
-    hand the freed heap back to the OS (glibc keeps freed blocks of up to 32 MB in its heap,
-    where fragmentation would otherwise let RSS grow layer after layer)."""
+    hand the freed heap back to the OS once it holds :data:`HEAP_SLACK` free (glibc keeps freed
+    blocks of up to 32 MB in its heap, where fragmentation would otherwise let RSS grow layer
+    after layer)."""
     for m in module.modules():
         for k, p in list(m._parameters.items()):
             if p is not None and not p.is_meta:
                 m._parameters[k] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-    trim_heap()
+    trim_heap(HEAP_SLACK)
 
 
-@contextmanager
-def frozen_gc():
-    """Within the block, the objects alive on entry are left out of garbage collection
-    (:func:`gc.freeze`; unfrozen on exit): the collection :func:`to_meta` runs before each
-    heap trim then only looks at what the layer loop made (on SmolLM2 0.29 s a call otherwise,
-    8.5 of an RTN run's 9.4 s of quantization)."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+#: free bytes the C heap may keep between layers (:func:`to_meta`): below this the freed blocks
+#: are reused by the next layer instead of being handed back and faulted in again page by page
+#: (RTN on SmolLM2: 30-50 MB a layer; a trim after each layer cost about 200,000 page faults)
+HEAP_SLACK = 256 * 2**20
 
 
-def trim_heap() -> None:
-    """Collect garbage and hand the C heap's free pages back to the system (glibc ``malloc_trim``)."""
+def _libc():
     import ctypes
     import ctypes.util
 
-    gc.collect()
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def heap_free_bytes() -> int | None:
+    """Bytes the C heap holds free (glibc ``mallinfo2().fordblks``), ``None`` where unknown."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = _libc()
+    fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if fn is None:
+        return None
+    fn.restype = MallInfo2
+    return int(fn().fordblks)
+
+
+def trim_heap(min_free: int = 0) -> None:
+    """Collect garbage and hand the C heap's free pages back to the system (glibc ``malloc_trim``),
+    when it holds at least ``min_free`` bytes free (or that cannot be known)."""
+    gc.collect()
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):  # not glibc: nothing to trim
+        return
+    if min_free:
+        free = heap_free_bytes()
+        if free is not None and free < min_free:
+            return
+    libc.malloc_trim(0)

@@ -322,3 +322,25 @@ def test_allocator_defaults_keep_the_users_value():
     assert allocator_defaults(env) == ALLOCATOR_ENV and env == {"THP_MEM_ALLOC_ENABLE": "1"}
     env = {"THP_MEM_ALLOC_ENABLE": "0"}
     assert allocator_defaults(env) == {} and env == {"THP_MEM_ALLOC_ENABLE": "0"}
+
+
+def test_frozen_gc_leaves_an_outer_freeze_to_its_owner():
+    """The layer loop's freeze undoes itself when nothing was frozen before it (library use), and
+    leaves the CLI's frozen libraries frozen until the CLI releases them before exit."""
+    import gc
+
+    from compressor.gc_policy import frozen_gc, release_frozen, settled_gc
+
+    release_frozen()
+    with frozen_gc():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    with settled_gc():
+        assert not gc.isenabled()
+        keep = [object() for _ in range(10)]  # noqa: F841
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+    with frozen_gc():
+        pass
+    assert gc.get_freeze_count() > 0
+    release_frozen()
+    assert gc.get_freeze_count() == 0

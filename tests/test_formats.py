@@ -596,3 +596,18 @@ def test_default_packer_memory_is_bounded_at_a_real_shape():
     assert out.returncode == 0, out.stderr
     pack_peak, unpack_peak = map(float, out.stdout.split())
     assert pack_peak < 4.0 and unpack_peak < 4.0, out.stdout
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int32, torch.int64])
+def test_aligned_packer_leaves_its_input_alone(bits, dtype):
+    """The byte-wise aligned path (2/4/8 bits) gives the general path's words for every integer
+    dtype and never writes into the caller's tensor (a uint8 input is not converted, so not copied)."""
+    g = torch.Generator().manual_seed(bits)
+    u = torch.randint(0, 1 << bits, (7, 64), generator=g).to(dtype)
+    before = u.clone()
+    packed = pack_rows(u, bits)
+    assert torch.equal(u, before) and packed.dtype == torch.int32 and packed.is_contiguous()
+    fields = before.long() & ((1 << bits) - 1)  # int8 holds 128..255 as negatives: the same low bits
+    assert torch.equal(unpack_rows(packed, bits, 64), fields)
+    assert torch.equal(packed, per_bit_pack_int32((fields - (1 << (bits - 1))).to(torch.int8), bits))

@@ -23,7 +23,6 @@ byte for byte (:mod:`compressor.commands.kv_only`); a weight recipe on it is ref
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,8 +146,7 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
         result = _quantize(plan, src, writer, opts, device, console)
     with keep_checkpoint(staging, n_layers, drop_on_error=False):  # every layer is done: keep them whatever happens
         interrupts.check()
-        src.calib_ids = None
-        gc.collect()
+        src.calib_ids = None  # freed by its count; the layer loop's own garbage was collected at its end
         if rank != 0:
             return {"rank": rank, "world_size": world_size, "output": None, "quantize_seconds": round(result.seconds, 2)}
         written = _write(plan, src, result, writer, staging, source_fp, opts, console, on_committed)
