@@ -63,7 +63,7 @@ class QuantizeResult:
     group_size: int | None
     modules: dict[str, QuantizedLinear] = field(default_factory=dict)
     layers: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
+    seconds: float = 0.0  #: wall seconds of the run (a resumed run adds the finished layers' own seconds)
     #: static KV-cache scales: layer index -> (k_scale, v_scale) in the storage dtype
     kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     #: things the user should know (patterns matching nothing, damping raised, ...)
@@ -395,7 +395,8 @@ def quantize_model(
     t0 = time.perf_counter()
     plan = _plan(model, recipe, calib_ids)
     result = QuantizeResult(group_size=plan.group_size, warnings=plan.warnings)
-    if hooks is not None:
+    if hooks is not None:  # a resumed run: the finished layers' figures, and their seconds in result.seconds
+        t0 -= sum(f.get("seconds", 0.0) for f in hooks.layers)
         result.layers.extend(hooks.layers)
         result.moe.extend(hooks.moe)
         result.moe_fallback.extend(hooks.moe_fallback)

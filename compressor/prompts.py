@@ -38,8 +38,10 @@ def load_prompts(path: str | Path | None) -> list[str]:
     if path is None:
         return list(BUILTIN_PROMPTS)
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise InputError(f"prompts file {p} not found")
+    if p.is_dir():
+        raise InputError(f"prompts file {p} is a folder, not a file")  # a pipe (<(...), /dev/stdin) is read
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:

@@ -159,6 +159,8 @@ def test_resume_after_a_simulated_crash(tmp_path, deep_dir, whole, monkeypatch, 
     s = run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="gptq", resume=True, **FAST))
     assert s["resumed_from_layer"] == 2
     assert [n.split(".")[2] for n in loaded if ".layers." in n] == ["2", "3"]  # finished layers are not loaded again
+    timing = load_manifest(out).provenance["timing"]  # the whole job's time: the interrupted run's layers included
+    assert len(timing["layer_seconds"]) == 4 and s["quantize_seconds"] >= sum(timing["layer_seconds"]) - 0.01
     assert digests(out) == digests(whole["gptq"])
     m = load_manifest(out)
     assert [f["layer"] for f in m.quality["layers"]] == [0, 1, 2, 3]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from compressor.api import VerifyOptions, run_verify
+from compressor.errors import InputError
 from compressor.evaluate import hidden_state_errors
 from compressor.prompts import BUILTIN_PROMPTS, load_prompts
 from compressor.report import VerifyReport, json_schema
@@ -241,6 +242,22 @@ def test_prompts_files(tmp_path, capsys, awq_art):
     assert code == 2 and "no prompts" in err
     code, _, err = run(["verify", awq_art, *FAST, "--prompts", tmp_path / "missing.txt"], capsys)
     assert code == 2 and "not found" in err
+    assert_pipe_prompts(tmp_path)
+
+
+def assert_pipe_prompts(tmp_path):
+    """A named pipe (what a shell's ``<(...)`` hands over) is read like a file; a folder is refused."""
+    import os
+    import threading
+
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("from a pipe\nsecond\n"))
+    writer.start()
+    assert load_prompts(fifo) == ["from a pipe", "second"]
+    writer.join(timeout=10)
+    with pytest.raises(InputError, match="is a folder"):
+        load_prompts(tmp_path)
 
 
 def test_hashes_only_and_weights_only_are_exclusive(awq_art, capsys):
