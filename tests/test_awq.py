@@ -119,3 +119,93 @@ def test_folded_norm_is_rounded_to_the_storage_dtype():
     fold_scales(norm, s, None, 1.0, torch.bfloat16)
     assert torch.equal(norm.weight.detach(), exact.to(torch.bfloat16).float())
     assert not torch.equal(norm.weight.detach(), exact)  # bf16 rounding did change it
+
+
+def test_group_gram_gives_the_partial_output_error():
+    """``Δ_g G_g Δ_gᵀ`` equals the mean squared partial output of group ``g`` (float64 reference)."""
+    from compressor.quant.awq import group_grams
+
+    x, w = _outlier_problem(seed=3, n=300)
+    delta = fake_quantize(w, 4, 32, False) - w
+    gram = group_grams(x, 32)
+    assert gram.shape == (4, 32, 32)
+    direct = torch.stack([((x[:, g * 32:(g + 1) * 32].double() @ delta[:, g * 32:(g + 1) * 32].double().t()) ** 2).mean(0)
+                          for g in range(4)], 1)  # [out, G]
+    dg = delta.reshape(96, 4, 32).permute(1, 0, 2)
+    via_gram = torch.bmm(dg, gram).mul(dg).sum(-1).t()
+    torch.testing.assert_close(via_gram.double(), direct, rtol=1e-4, atol=1e-9)
+
+
+def test_clip_search_matches_a_direct_search():
+    """The Gram-based clip search picks, per row and group, the threshold a direct float64
+    search over the partial outputs picks (the reference implementation's objective)."""
+    x, w = _outlier_problem(seed=4, n=512)
+    clip = search_clip(w, x, 4, 32, False, clip_grid=20, max_shrink=0.5)
+    from compressor.quant.primitives import fake_quantize_grouped
+
+    wb = w.reshape(96, 4, 32)
+    xg = x.double().reshape(-1, 4, 32).permute(1, 2, 0)
+    ref = torch.bmm(wb.double().permute(1, 0, 2), xg)
+    org = wb.abs().amax(-1, keepdim=True)
+    errs, maxes = [], []
+    for i in range(10):  # the candidates rounded in float32 as the search rounds them, scored in float64
+        mv = org * (1 - i / 20)
+        q = fake_quantize_grouped(torch.maximum(torch.minimum(wb, mv), -mv), 4, False).double()
+        errs.append((torch.bmm(q.permute(1, 0, 2), xg) - ref).pow(2).mean(-1).t())
+        maxes.append(mv.squeeze(-1))
+    errs, maxes = torch.stack(errs), torch.stack(maxes)
+    best = maxes.gather(0, errs.argmin(0, keepdim=True))[0].float()
+    # near-ties (relative gap below 1e-5) may resolve either way in float32
+    srt = errs.sort(0).values
+    clear = (srt[1] - srt[0]) > 1e-5 * srt[0]
+    assert clear.float().mean() > 0.9
+    torch.testing.assert_close(clip[clear], best[clear])
+
+
+def test_gram_loss_equals_the_forward_loss():
+    """A lone linear's scale-search loss from ``xᵀx`` equals the forward loss (same candidates)."""
+    import compressor.quant.algorithms  # noqa: F401  (registers the algorithms; awq_layer alone is a cycle)
+    from compressor.quant.awq_layer import forward_loss, gram_loss, gram_worthwhile
+
+    x, w = _outlier_problem(seed=5, n=512)
+    lin = torch.nn.Linear(128, 96, bias=True)
+    lin.weight.data.copy_(w)
+    xb = x.reshape(4, 128, 128)
+    cand = [fake_quantize(w, 4, 32, False)]
+    fwd = forward_loss(lin, [lin], [w.clone()], [True], xb, {}, False)
+    gram = gram_loss(xb, w.clone(), True)
+    torch.testing.assert_close(float(gram(cand)), float(fwd(cand)), rtol=1e-4, atol=0)
+    assert torch.equal(lin.weight.data, w)  # the forward loss puts the weight back
+    assert float(gram_loss(xb, w, False)(cand)) == 0.0
+    assert gram_worthwhile(lin, [lin], xb)  # 128 channels, 512 tokens
+    assert not gram_worthwhile(lin, [lin], xb[:1])  # 128 tokens: the forward is cheaper
+    assert not gram_worthwhile(lin, [lin, lin], xb)
+
+
+def test_chunked_forward_loss_equals_the_whole_batch():
+    """The MLP loss summed over token chunks equals the whole-batch mean."""
+    import compressor.quant.algorithms  # noqa: F401
+    from compressor.quant import awq_layer
+
+    g = torch.Generator().manual_seed(6)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.SiLU(), torch.nn.Linear(64, 32))
+    x = torch.randn(6, 50, 32, generator=g)
+    lins = [mlp[0]]
+    w = mlp[0].weight.detach().clone()
+    cand = [fake_quantize(w, 4, 32, False)]
+    old = awq_layer.LOSS_CHUNK_TOKENS
+    try:
+        awq_layer.LOSS_CHUNK_TOKENS = 10 ** 9  # one chunk
+        whole = awq_layer.forward_loss(mlp, lins, [w], [True], x, {}, False)(cand)
+        awq_layer.LOSS_CHUNK_TOKENS = 100  # two sequences a chunk
+        chunked = awq_layer.forward_loss(mlp, lins, [w], [True], x, {}, False)(cand)
+    finally:
+        awq_layer.LOSS_CHUNK_TOKENS = old
+    mlp[0].weight.data.copy_(cand[0])
+    with torch.no_grad():
+        direct = mlp(x).double()  # the candidate's output
+    mlp[0].weight.data.copy_(w)
+    with torch.no_grad():
+        expected = (direct - mlp(x).double()).pow(2).mean()
+    torch.testing.assert_close(chunked.double(), expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(whole.double(), chunked.double(), rtol=1e-5, atol=0)

@@ -132,6 +132,20 @@ def search_scales(
 
 
 @torch.no_grad()
+def group_grams(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per-group second moments of the inputs, ``[G, gs, gs]`` float32: ``G_g = x_gᵀ x_g / T``.
+
+    ``x``: ``[T, in]`` input tokens of one linear; ``group_size`` as in the weight scheme
+    (``-1``: one group). For a weight error ``Δ [out, in]`` the mean squared partial output of
+    group ``g`` over the tokens, ``mean_t (Δ_g · x_{t,g})²``, is ``Δ_g G_g Δ_gᵀ``.
+    """
+    t, in_f = x.shape
+    gs = resolve_group_size(group_size, in_f)
+    xg = x.float().reshape(t, in_f // gs, gs).permute(1, 2, 0)  # [G, gs, T]
+    return torch.bmm(xg, xg.transpose(1, 2)).div_(max(t, 1))
+
+
+@torch.no_grad()
 def search_clip(
     w: torch.Tensor,
     x: torch.Tensor,
@@ -148,26 +162,29 @@ def search_clip(
         w: ``[out, in]`` float weight (already AWQ-scaled).
         x: ``[n_tokens, in]`` sampled inputs of this linear (scaled consistently with ``w``).
 
-    The per-group partial outputs ``w_g . x_g`` are batched matmuls over groups, so the
-    search costs ``steps * out * in * n_tokens`` multiply-adds in BLAS, not Python loops.
+    Each candidate threshold is scored, per output row and group, by the mean squared error
+    of the group's partial outputs over the tokens, ``mean_t ((q_g - w_g) · x_{t,g})²``, the
+    objective of the reference implementation. It is computed from the group's input second
+    moments (:func:`group_grams`) as ``Δ_g G_g Δ_gᵀ``: ``out * in * group_size`` multiply-adds
+    a candidate instead of ``out * in * n_tokens``, and the error itself rather than the
+    difference of two full partial outputs (no cancellation when the inputs are rounded).
     """
     out_f, in_f = w.shape
     gs = resolve_group_size(group_size, in_f)
     n_groups = in_f // gs
-    xg = x.float().reshape(-1, n_groups, gs).permute(1, 2, 0)  # [G, gs, T]
+    gram = group_grams(x, gs)  # [G, gs, gs]
     result = torch.empty(out_f, n_groups)
     steps = max(1, int(max_shrink * clip_grid))
     for r0 in range(0, out_f, row_batch):
         wb = w[r0 : r0 + row_batch].float().reshape(-1, n_groups, gs)  # [R, G, gs]
         org_max = wb.abs().amax(dim=-1, keepdim=True)  # [R, G, 1]
-        ref = torch.bmm(wb.permute(1, 0, 2), xg)  # [G, R, T]
         best_err = torch.full(org_max.shape[:2], float("inf"))
         best_max = org_max.squeeze(-1).clone()
         for i in range(steps):
             max_val = org_max * (1 - i / clip_grid)
             cur = torch.maximum(torch.minimum(wb, max_val), -max_val)
-            q = fake_quantize_grouped(cur, num_bits, symmetric)
-            err = (torch.bmm(q.permute(1, 0, 2), xg) - ref).pow_(2).mean(-1).t()  # [R, G]
+            delta = fake_quantize_grouped(cur, num_bits, symmetric).sub_(wb).permute(1, 0, 2)  # [G, R, gs]
+            err = torch.bmm(delta, gram).mul_(delta).sum(-1).t()  # [R, G]
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_max = torch.where(better, max_val.squeeze(-1), best_max)
