@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -42,6 +43,7 @@ from .quant.algorithms import Algorithm, get_algorithm
 from .quant.head import head_hessian
 from .quant.inplace_linalg import all_finite
 from .quant.kv import check_layout, kv_observer, layer_scales, observed_absmax
+from .quant.kv_search import apply_layer_search, layer_recorder, resolve_scale_search
 from .quant.layer import LayerContext, LinearQuantizer, QuantizedLinear, StopForward, recompute_layer
 from .recipe import Recipe, resolve_group_size
 from .gc_policy import frozen_gc
@@ -70,6 +72,7 @@ class QuantizeResult:
     warnings: list[str] = field(default_factory=list)
     #: observed post-RoPE absmax per layer: (k [kv_heads], v [kv_heads]) (MLA: latent, RoPE key)
     kv_absmax: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    kv_scale_search: str = "absmax"  #: or ``attention``: kv_absmax holds absmax x the searched multiplier
     #: per MoE layer: {"layer", "experts", "expert_tokens" (routed (token, slot) pairs per
     #: expert in the calibration pass, None without one), "below_min_tokens"}
     moe: list[dict] = field(default_factory=list)
@@ -335,6 +338,7 @@ def _plan(model, recipe: Recipe, calib_ids) -> _Plan:
     layout = arch.kv_layout(model.config) if kv is not None else None
     if kv is not None:
         check_layout(kv, layout)
+        resolve_scale_search(recipe.kv_cache, layout)  # refuses attention on MLA before any work
     quantize_weights = algorithm.quantizes_weights
     if not quantize_weights and kv is None:
         raise InputError("the recipe quantizes nothing: algorithm none and no kv_cache scheme")
@@ -407,6 +411,8 @@ def quantize_model(
                        getattr(hooks, "memory_budget", None), getattr(hooks, "activation_budget", None))
     if hooks is not None and getattr(hooks, "activation_budget", None) is not None:
         ctx.spill = lambda tensors, tag: _spill(tensors, hooks, tag)
+    if plan.observe_kv:
+        ctx.kv_scale_search = result.kv_scale_search = resolve_scale_search(recipe.kv_cache, plan.layout)
     with calibration_matmuls(resolve_matmul_precision(matmul_precision, device)):
         _layer_loop(model, layers, ctx, plan.algorithm, result, calib_ids, batch_size, device, on_layer, hooks)
     result.warnings += plan.algorithm.run_warnings(result.layers)
@@ -526,8 +532,11 @@ def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: 
     tp = time.perf_counter()
     peak: list = []
     # the KV observers must see the attention run: no replay with them
-    new_hidden = recompute_layer(i, layer, hidden, kw, ctx.observer, peak, outcome.replay if ctx.observer is None else None)
+    recorder = layer_recorder(layer, ctx)  # kv_cache.scale_search: attention
+    with recorder.active() if recorder is not None else nullcontext():
+        new_hidden = recompute_layer(i, layer, hidden, kw, ctx.observer, peak, outcome.replay if ctx.observer is None else None)
     outcome.replay = None
+    kv_multipliers = apply_layer_search(i, recorder, ctx) if recorder is not None else {}
     if recount:
         counts = experts.counts.tolist()
     _record_moe(i, layer, ctx, algorithm, result, counts)
@@ -538,6 +547,7 @@ def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: 
     if out_err is not None:  # how many calibration sequences the figure compares (GPTQ: 2; AWQ: awq.loss_samples)
         fig["output_error_sequences"] = int(outcome.float_out.shape[0])
     fig["max_abs_activation"] = float(f"{peak[0]:.6g}")
+    fig.update({"kv_scale_multipliers": kv_multipliers} if kv_multipliers else {})
     if outcome.phases is not None:
         phases = {**outcome.phases, "recompute": time.perf_counter() - tp}
         fig["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}

@@ -184,12 +184,20 @@ class KVCacheOptions(_Strict):
     """KV-cache scheme (see :mod:`compressor.quant.kv`): ``fp8`` (strategy ``tensor`` or
     ``head``, static scales), ``int8`` (``token``: dynamic asymmetric per token; ``head``:
     static per head), ``int4``/``int2`` (``kivi``: keys per channel in groups of
-    ``group_size`` tokens, values per token, ``residual_length`` recent tokens in full precision)."""
+    ``group_size`` tokens, values per token, ``residual_length`` recent tokens in full precision).
+
+    ``scale_search`` (static schemes): ``absmax`` (scale = absmax / 448 or / 127),
+    ``attention`` (the multiple of absmax, within one binade, whose scales give the smallest
+    error of each layer's attention output on ``scale_search_samples`` calibration sequences;
+    :mod:`compressor.quant.kv_search`; refused on an MLA cache) or ``auto`` (``attention``
+    where the cache has KV heads, ``absmax`` on MLA)."""
 
     scheme: Literal["fp8", "int8", "int4", "int2"]
     strategy: Optional[Literal["tensor", "head", "token", "kivi"]] = None
     group_size: int = Field(32, ge=1)
     residual_length: int = Field(128, ge=0)
+    scale_search: Literal["absmax", "attention", "auto"] = "absmax"
+    scale_search_samples: int = Field(4, ge=1, le=1024, strict=True)
 
     @model_validator(mode="after")
     def _valid(self):
@@ -200,7 +208,20 @@ class KVCacheOptions(_Strict):
         except InputError as e:
             raise ValueError(str(e)) from None
         self.strategy = spec.strategy
+        if self.scale_search != "absmax" and not spec.static:
+            raise ValueError(f"scale_search {self.scale_search} applies to static scales (fp8, int8 head), "
+                             f"not {spec.describe()}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_new_defaults(self, handler, info):
+        """``scale_search*`` are left out of dumps while they hold their defaults (absmax):
+        earlier recipes serialize (and digest) as before (:data:`FULL_DUMP` keeps them)."""
+        data = handler(self)
+        if isinstance(data, dict) and not _full(info) and \
+                (data.get("scale_search"), data.get("scale_search_samples")) == ("absmax", 4):
+            del data["scale_search"], data["scale_search_samples"]
+        return data
 
     def spec(self):
         """The resolved :class:`compressor.quant.kv.KVSpec`."""

@@ -534,8 +534,8 @@ def _kv_record(kv, result, arch, model, packed: dict) -> Optional[dict]:
             packed.setdefault(module, {})[leaf] = t
         record["scale_tensors"] = f"{layers}.<i>.{arch.attention}.k_scale / v_scale, shape " + (
             "[1]" if kv.strategy == "tensor" else "[num_kv_heads, 1, 1]")
-        record["absmax"] = {str(i): {"k": [round(float(x), 4) for x in k], "v": [round(float(x), 4) for x in v]}
-                            for i, (k, v) in result.kv_absmax.items()}
+        record["scale_search"], record["absmax"] = result.kv_scale_search, {  # absmax: the scales' ranges
+            str(i): {"k": [round(float(x), 4) for x in k], "v": [round(float(x), 4) for x in v]} for i, (k, v) in result.kv_absmax.items()}
     layout = arch.kv_layout(model.config)
     record["layout"] = layout.as_dict()
     record["bytes_per_token"] = layout_bytes_per_token(kv, layout)

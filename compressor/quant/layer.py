@@ -143,6 +143,9 @@ class LayerContext:
     #: ``spill(tensors, tag) -> tensors``: the driver's ``--activation-budget-gib`` rule for a
     #: step's own activation lists (moved to memory-mapped files above the budget); ``None``: kept in memory
     spill: Callable[[list, str], list] | None = None
+    #: how the static KV scales are chosen: ``absmax`` or ``attention``
+    #: (:func:`compressor.quant.kv_search.resolve_scale_search`)
+    kv_scale_search: str = "absmax"
 
     def experts(self, layer) -> UnfusedExperts | None:
         """The layer's unfused routed experts (``None`` for a dense layer)."""
