@@ -143,7 +143,7 @@ def _verify_keys(public_key, certificate_chain, identity, issuer):
 @click.argument("model")
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Artifact folder to create (must not exist unless --overwrite).")
 @click.option("--recipe", "recipes_", multiple=True, default=("w4a16-awq",), show_default=True, help="Bundled recipe name (see `kvq recipes`) or path to a YAML recipe; repeatable: later ones add to or override earlier ones (--recipe w4a16-awq --recipe kv-fp8).")
-@click.option("--kv-scheme", type=click.Choice(["fp8", "int8", "int4", "int2"]), default=None, help="Shortcut for a KV-cache scheme with its defaults (fp8 per tensor, int8 per token, int4/int2 KIVI group 32 residual 128).")
+@click.option("--kv-scheme", type=click.Choice(["fp8", "int8", "int4", "int2"]), default=None, help="Shortcut for a KV-cache scheme with its defaults (fp8 per tensor with scales searched on the attention output, as the kv-fp8 recipe; int8 per token; int4/int2 KIVI group 32 residual 128).")
 @click.option("--algorithm", type=click.Choice(["awq", "gptq", "awq-gptq", "rtn", "none"]), default=None, help="Override the recipe's algorithm (none: weights stay float, e.g. a KV-only artifact).")
 @click.option("--bits", type=_range(QuantizeOptions, "bits"), default=None, help="Override weights.num_bits (2-8).")
 @click.option("--group-size", default=None, help="Override weights.group_size: any size dividing every targeted in_features (32, 64 and 128 are the usual), -1 (per channel) or auto (the largest of 128/64/32 that divides).")

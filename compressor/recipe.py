@@ -189,8 +189,8 @@ class KVCacheOptions(_Strict):
     ``scale_search`` (static schemes): ``absmax`` (scale = absmax / 448 or / 127),
     ``attention`` (the multiple of absmax, within one binade, whose scales give the smallest
     error of each layer's attention output on ``scale_search_samples`` calibration sequences;
-    :mod:`compressor.quant.kv_search`; refused on an MLA cache) or ``auto`` (``attention``
-    where the cache has KV heads, ``absmax`` on MLA)."""
+    :mod:`compressor.quant.kv_search`; refused on an MLA cache and on dynamic schemes) or
+    ``auto`` (``attention`` for static scales on a cache with KV heads, else nothing or absmax)."""
 
     scheme: Literal["fp8", "int8", "int4", "int2"]
     strategy: Optional[Literal["tensor", "head", "token", "kivi"]] = None
@@ -208,7 +208,7 @@ class KVCacheOptions(_Strict):
         except InputError as e:
             raise ValueError(str(e)) from None
         self.strategy = spec.strategy
-        if self.scale_search != "absmax" and not spec.static:
+        if self.scale_search == "attention" and not spec.static:
             raise ValueError(f"scale_search {self.scale_search} applies to static scales (fp8, int8 head), "
                              f"not {spec.describe()}")
         return self

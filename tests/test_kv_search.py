@@ -124,6 +124,8 @@ def test_the_search_is_refused_where_it_cannot_apply(tiny_model_dir, tmp_path):
     base["kv_cache"]["scale_search"] = "attention"
     with pytest.raises(ValueError, match="applies to static scales"):
         Recipe.model_validate(base)  # int8 per token: dynamic scales, nothing to search
+    base["kv_cache"]["scale_search"] = "auto"  # auto: nothing to search there, accepted
+    assert Recipe.model_validate(base).kv_cache.scale_search == "auto"
 
     from test_frontier import tiny
 
@@ -138,3 +140,15 @@ def test_the_search_is_refused_where_it_cannot_apply(tiny_model_dir, tmp_path):
     r["kv_cache"]["scale_search"] = "auto"  # on MLA: absmax, recorded
     result = quantize_model(tiny("deepseek_v3"), Recipe.model_validate(r), torch.randint(0, 300, (2, 16)))
     assert result.kv_scale_search == "absmax" and all("kv_scale_multipliers" not in f for f in result.layers)
+
+
+def test_the_fp8_shortcut_searches_like_the_recipe(tiny_model_dir, tmp_path):
+    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.manifest import load_manifest
+
+    out = tmp_path / "shortcut"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, algorithm="rtn", group_size=32, calib_samples=2,
+                                 calib_seqlen=32, kv_scheme="fp8"))
+    man = load_manifest(out)
+    assert man.recipe["kv_cache"]["scale_search"] == "auto" and man.kv_cache["scale_search"] == "attention"
+    assert all("kv_scale_multipliers" in f for f in man.quality["layers"])

@@ -251,7 +251,7 @@ def _effective_recipe(opts: QuantizeOptions) -> Recipe:
     s = opts.scheme
     recipe = load_recipes(s.recipes)
     if s.kv_scheme is not None:
-        recipe = with_overrides(recipe, kv_cache=KVCacheOptions(scheme=s.kv_scheme).model_dump())
+        recipe = with_overrides(recipe, kv_cache=KVCacheOptions(scheme=s.kv_scheme, scale_search="auto" if s.kv_scheme == "fp8" else "absmax").model_dump())
     if s.settings:
         if s.kv_scheme is not None and any(k == "kv_cache" and v is None for k, v in s.settings):
             raise InputError(f"--kv-scheme {s.kv_scheme} and --set kv_cache=null contradict each other; drop one")
