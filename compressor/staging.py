@@ -65,6 +65,8 @@ class Staging:
     state: dict = field(default_factory=dict)
     #: flags inside the key that a refused resume names ({"--threads": 2, ...}), kept in resume.json
     named: dict = field(default_factory=dict)
+    #: the open marker file whose exclusive lock says a run is using the folder (:func:`_claim`)
+    lock: object = None
 
     def part(self, name: str) -> Path:
         return self.path / f"part-{name}.safetensors"
@@ -151,6 +153,25 @@ def resume_key(parts: dict) -> str:
 MARKER_NAME = "kvq-staging.json"
 
 
+def _claim(path: Path, out: Path):
+    """An exclusive, non-blocking ``flock`` on ``path``'s marker file (created if missing), held
+    while the returned file stays open: the run that holds it owns the staging folder.
+
+    Raises:
+        InputError: another process (a second ``kvq quantize`` of the same output) holds it.
+    """
+    import fcntl
+
+    f = open(path / MARKER_NAME, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise InputError(f"another kvq quantize is writing {out} (its staging folder {path} is in use); "
+                         "wait for it to finish or write to another folder") from None
+    return f
+
+
 def open_staging(out: Path, key: str, resume: bool, console=None, named: dict | None = None) -> Staging:
     """The staging folder for ``out``: resumed when ``resume`` and its key matches, else new.
     ``named``: flags the key covers whose values a refused resume names (``{"--threads": 2}``).
@@ -170,8 +191,12 @@ def open_staging(out: Path, key: str, resume: bool, console=None, named: dict | 
     if path.exists() and not path.is_dir():
         raise InputError(f"{path} exists and is not a folder; remove it")
     ours = path.is_dir() and ((path / MARKER_NAME).is_file() or state_file.is_file())
+    if ours:
+        _claim(path, out).close()  # refused while another run uses it; released: this run replaces or resumes it
     if resume and state_file.is_file():
-        return _resume(path, out, key, console, named or {})
+        staging = _resume(path, out, key, console, named or {})
+        staging.lock = _claim(path, out)
+        return staging
     if resume and not ours:
         raise InputError(f"--resume: no interrupted run to resume for {out} (no {path}/{RESUME_NAME})")
     if path.exists():
@@ -189,8 +214,10 @@ def open_staging(out: Path, key: str, resume: bool, console=None, named: dict | 
             console.print(show_note, highlight=False)
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    (path / MARKER_NAME).write_text(json.dumps({"tool": "kvq", "output": str(out)}))  # its presence is what counts
-    return Staging(path, key, named=named or {})
+    lock = _claim(path, out)
+    lock.write(json.dumps({"tool": "kvq", "output": str(out)}))  # its presence is what counts
+    lock.flush()
+    return Staging(path, key, named=named or {}, lock=lock)
 
 
 def _resume(path: Path, out: Path, key: str, console, named: dict) -> Staging:
@@ -365,6 +392,7 @@ def keep_checkpoint(staging: Staging | None, n_layers: int, drop_on_error: bool)
         yield
     except BaseException as e:
         if staging is None or not staging.path.exists():
+            _release(staging)
             raise
         done = staging.state.get("layers_done") or 0
         if (drop_on_error and isinstance(e, KvqError)) or not done:
@@ -372,7 +400,17 @@ def keep_checkpoint(staging: Staging | None, n_layers: int, drop_on_error: bool)
         else:
             print(f"kvq: stopped after {done} of {n_layers} layers; the finished layers are kept in {staging.path}: "
                   "rerun the same command with --resume to continue", file=sys.stderr)
+        _release(staging)  # a later --resume (in this process too) claims it again
         raise
+    if staging is not None and not staging.path.exists():  # written and moved into place
+        _release(staging)
+
+
+def _release(staging: Staging | None) -> None:
+    """Close the staging folder's claim (:func:`_claim`), if held."""
+    if staging is not None and staging.lock is not None:
+        staging.lock.close()
+        staging.lock = None
 
 
 class LayerWriter:

@@ -496,3 +496,21 @@ def test_gguf_conversion_for_streaming_needs_a_writable_cache(tmp_path, monkeypa
     model, reason = open_lazy(src, convert_gguf=True)
     assert model is None and "GGUF" in reason and calls == [src]
     assert open_lazy(src)[0] is None and calls == [src]  # without convert_gguf: never converted here
+
+
+def test_a_second_run_of_the_same_output_is_refused_while_the_first_holds_it(tmp_path):
+    """Two ``kvq quantize`` runs of one output: the second is refused with a clear error instead of
+    replacing the first one's staging folder under it; once the first lets go, it may proceed."""
+    from compressor.errors import InputError
+    from compressor.staging import _release, open_staging, staging_path
+
+    out = tmp_path / "art"
+    first = open_staging(out, "k1", resume=False)
+    assert first.lock is not None and staging_path(out).is_dir()
+    with pytest.raises(InputError, match="another kvq quantize is writing"):
+        open_staging(out, "k2", resume=False)
+    assert staging_path(out).is_dir() and first.path.exists()  # the first run's folder is untouched
+    _release(first)
+    second = open_staging(out, "k2", resume=False)  # an abandoned folder is replaced as before
+    assert second.lock is not None
+    _release(second)
