@@ -43,7 +43,7 @@ from .quant.algorithms import Algorithm, get_algorithm
 from .quant.head import head_hessian
 from .quant.inplace_linalg import all_finite
 from .quant.kv import check_layout, kv_observer, layer_scales, observed_absmax
-from .quant.kv_search import apply_layer_search, layer_recorder, resolve_scale_search
+from .quant.kv_search import apply_layer_search, layer_recorder, resolve_scale_search, search_warnings
 from .quant.layer import LayerContext, LinearQuantizer, QuantizedLinear, StopForward, recompute_layer
 from .recipe import Recipe, resolve_group_size
 from .gc_policy import frozen_gc
@@ -415,7 +415,7 @@ def quantize_model(
         ctx.kv_scale_search = result.kv_scale_search = resolve_scale_search(recipe.kv_cache, plan.layout)
     with calibration_matmuls(resolve_matmul_precision(matmul_precision, device)):
         _layer_loop(model, layers, ctx, plan.algorithm, result, calib_ids, batch_size, device, on_layer, hooks)
-    result.warnings += plan.algorithm.run_warnings(result.layers)
+    result.warnings += plan.algorithm.run_warnings(result.layers) + search_warnings(result.layers, recipe.kv_cache)
     if result.moe_fallback:
         n_layers_fb = len({f["layer"] for f in result.moe_fallback})
         result.warnings.append(

@@ -98,8 +98,9 @@ def test_quantize_with_the_search_stores_the_searched_scales(tiny_model_dir, tmp
                                  settings=(("kv_cache.scale_search", "attention"), ("kv_cache.scale_search_samples", 2))))
     man = load_manifest(out)
     mults = [f["kv_scale_multipliers"] for f in man.quality["layers"]]
-    assert len(mults) == 2 and all(set(m) == {"k", "v"} and all(x in [round(g, 4) for g in GRID] for x in m["k"] + m["v"])
-                                   for m in mults)
+    assert len(mults) == 2 and all(set(m) == {"k", "v", "sequences"} and m["sequences"] == 2 and len(m["k"]) == 1
+                                   and all(x in [round(g, 4) for g in GRID] for x in m["k"] + m["v"]) for m in mults)
+    assert not any("scale_search_samples" in w for w in man.quality["warnings"])
     assert man.recipe["kv_cache"]["scale_search"] == "attention" and man.kv_cache["scale_search"] == "attention"
     _, scales = read_kv_cache(out)
     for i in range(2):  # each stored scale is the recorded range / 448 (the range: absmax x the chosen multiplier)
@@ -151,4 +152,6 @@ def test_the_fp8_shortcut_searches_like_the_recipe(tiny_model_dir, tmp_path):
                                  calib_seqlen=32, kv_scheme="fp8"))
     man = load_manifest(out)
     assert man.recipe["kv_cache"]["scale_search"] == "auto" and man.kv_cache["scale_search"] == "attention"
-    assert all("kv_scale_multipliers" in f for f in man.quality["layers"])
+    assert all(f["kv_scale_multipliers"]["sequences"] == 2 for f in man.quality["layers"])
+    # the search asked for more sequences than the calibration set holds: it uses them all and says so
+    assert any("scale_search_samples is 4 but the calibration set has 2" in w for w in man.quality["warnings"])

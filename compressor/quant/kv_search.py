@@ -174,7 +174,8 @@ def layer_recorder(layer, ctx) -> AttentionRecorder | None:
 def apply_layer_search(i: int, rec: AttentionRecorder, ctx) -> dict:
     """Layer ``i``'s search (:func:`search_kv_ranges`) on what ``rec`` recorded during its
     recompute; the observer's ranges for the layer become ``absmax x m``. Returns the layer's
-    figure ``{"k": [m per KV head], "v": [...]}`` (``{}`` when the observer saw nothing)."""
+    figure ``{"k": [m per KV head, or one for per-tensor scales], "v": [...], "sequences": n}``
+    (``n``: calibration sequences the search used; ``{}`` when the observer saw nothing)."""
     obs = ctx.observer.layers[i]
     if obs.k_absmax is None:
         return {}
@@ -182,4 +183,16 @@ def apply_layer_search(i: int, rec: AttentionRecorder, ctx) -> dict:
                                                 ctx.quantizer.dtype)
     obs.k_absmax, obs.v_absmax = k_range, v_range
     rec.records.clear()
-    return {"k": [round(x, 4) for x in mk.tolist()], "v": [round(x, 4) for x in mv.tolist()]}
+    if ctx.recipe.kv_cache.spec().codec.per_tensor:  # one multiplier for the layer
+        mk, mv = mk[:1], mv[:1]
+    return {"k": [round(x, 4) for x in mk.tolist()], "v": [round(x, 4) for x in mv.tolist()], "sequences": rec.seen}
+
+
+def search_warnings(layers: list[dict], kv_options) -> list[str]:
+    """A warning when the search saw fewer calibration sequences than ``scale_search_samples``
+    asked for (the calibration set is smaller): ``layers`` are the run's layer figures."""
+    seen = [f["kv_scale_multipliers"]["sequences"] for f in layers if "sequences" in f.get("kv_scale_multipliers", {})]
+    if kv_options is None or not seen or min(seen) >= kv_options.scale_search_samples:
+        return []
+    return [f"kv_cache.scale_search_samples is {kv_options.scale_search_samples} but the calibration set has "
+            f"{min(seen)} sequence(s): the KV scale search used {min(seen)}"]
