@@ -46,13 +46,31 @@ def flags_have_bf16(cpuinfo: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AMX-BF16 or AVX512-BF16, read from
-    ``/proc/cpuinfo``) and torch has oneDNN; ``False`` where that cannot be read (not Linux)."""
+    ``/proc/cpuinfo``), torch has oneDNN, and oneDNN honours the setting (:func:`bf16_setting_takes_effect`);
+    ``False`` where that cannot be read (not Linux)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        return flags_have_bf16(Path("/proc/cpuinfo").read_text(errors="replace"))
+        flagged = flags_have_bf16(Path("/proc/cpuinfo").read_text(errors="replace"))
     except OSError:
         return False
+    return flagged and bf16_setting_takes_effect()
+
+
+def bf16_setting_takes_effect() -> bool:
+    """Whether a float32 matmul under the bfloat16 setting is the product of bfloat16-rounded
+    inputs here (a ``[64, 256] x [256, 96]`` probe, well under a millisecond). On an AMD EPYC
+    with AVX512-BF16 and no AMX, torch 2.13's oneDNN keeps float32 matmuls IEEE whatever the
+    setting (every shape tried, up to ``[2048, 576] x [576, 1536]``): ``auto`` must then mean
+    float32, or the manifest would record a precision that did not run."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(256, 96, generator=g)
+    with _mkldnn_fp32_precision("ieee"):
+        exact = (x @ w).double()
+    with _mkldnn_fp32_precision("bf16"):
+        fast = (x @ w).double()
+    rounded = x.bfloat16().double() @ w.bfloat16().double()
+    return bool((fast - rounded).abs().max() < (fast - exact).abs().max())
 
 
 def resolve_matmul_precision(choice: str, device: str) -> str:
