@@ -28,6 +28,7 @@ replaced.
 
 from __future__ import annotations
 
+import functools
 import gc
 from pathlib import Path
 
@@ -451,30 +452,32 @@ def to_meta(module: torch.nn.Module) -> None:
 HEAP_SLACK = 256 * 2**20
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
+    """The C library (looked up once: ``find_library`` asks the linker cache), ``None`` where it cannot be loaded;
+    its ``mallinfo2`` (if any) returns glibc's ``struct mallinfo2``."""
     import ctypes
     import ctypes.util
 
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
-
-
-def heap_free_bytes() -> int | None:
-    """Bytes the C heap holds free (glibc ``mallinfo2().fordblks``), ``None`` where unknown."""
-    import ctypes
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
 
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = MallInfo2
+    return libc
+
+
+def heap_free_bytes() -> int | None:
+    """Bytes the C heap holds free (glibc ``mallinfo2().fordblks``), ``None`` where unknown."""
     libc = _libc()
     fn = getattr(libc, "mallinfo2", None) if libc is not None else None
-    if fn is None:
-        return None
-    fn.restype = MallInfo2
-    return int(fn().fordblks)
+    return None if fn is None else int(fn().fordblks)
 
 
 def trim_heap(min_free: int = 0) -> None:
