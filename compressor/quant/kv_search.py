@@ -89,17 +89,17 @@ def _errors(rec: AttentionRecorder, spec: KVSpec, k_scales: list, v_scales: list
     error of ``o_proj``'s output (or of the attention output where there is none) summed over
     the recorded tokens, per KV head's query heads."""
     o_proj = getattr(rec.attn, "o_proj", None)
+    w = o_proj.weight.float().view(o_proj.weight.shape[0], kv_heads, -1) if o_proj is not None else None
     errs = torch.zeros(len(k_scales), kv_heads, dtype=torch.float64)
     for q, k, v, mask, kw in rec.records:
         ref, _ = rec.delegate(rec.attn, q, k, v, mask, **kw)  # [b, T, heads, d]
-        b, t, heads, d = ref.shape
-        group = heads // kv_heads
-        w = o_proj.weight.float().view(o_proj.weight.shape[0], kv_heads, group * d) if o_proj is not None else None
+        b, t = ref.shape[:2]
+        ref = ref.float().reshape(b * t, kv_heads, -1)  # each KV head's query heads side by side
         for c, (ks, vs) in enumerate(zip(k_scales, v_scales)):
             kq = spec.codec.fake_quantize(k, "k", ks)
             vq = spec.codec.fake_quantize(v, "v", vs)
             out, _ = rec.delegate(rec.attn, q, kq, vq, mask, **kw)
-            diff = (out.float() - ref.float()).reshape(b * t, kv_heads, group * d)
+            diff = out.float().reshape(b * t, kv_heads, -1) - ref
             if w is not None:  # each KV head's query heads through their o_proj columns: [kv_heads, b*t, H]
                 diff = torch.bmm(diff.transpose(0, 1), w.permute(1, 2, 0))
                 errs[c] += diff.pow(2).sum((1, 2), dtype=torch.float64)
@@ -179,11 +179,11 @@ def apply_layer_search(i: int, rec: AttentionRecorder, ctx) -> dict:
     obs = ctx.observer.layers[i]
     if obs.k_absmax is None:
         return {}
-    k_range, v_range, mk, mv = search_kv_ranges(rec, ctx.recipe.kv_cache.spec(), obs.k_absmax, obs.v_absmax,
-                                                ctx.quantizer.dtype)
+    spec = ctx.recipe.kv_cache.spec()
+    k_range, v_range, mk, mv = search_kv_ranges(rec, spec, obs.k_absmax, obs.v_absmax, ctx.quantizer.dtype)
     obs.k_absmax, obs.v_absmax = k_range, v_range
     rec.records.clear()
-    if ctx.recipe.kv_cache.spec().codec.per_tensor:  # one multiplier for the layer
+    if spec.codec.per_tensor:  # one multiplier for the layer
         mk, mv = mk[:1], mv[:1]
     return {"k": [round(x, 4) for x in mk.tolist()], "v": [round(x, 4) for x in mv.tolist()], "sequences": rec.seen}
 
