@@ -191,12 +191,17 @@ def open_staging(out: Path, key: str, resume: bool, console=None, named: dict | 
     if path.exists() and not path.is_dir():
         raise InputError(f"{path} exists and is not a folder; remove it")
     ours = path.is_dir() and ((path / MARKER_NAME).is_file() or state_file.is_file())
-    if ours:
-        _claim(path, out).close()  # refused while another run uses it; released: this run replaces or resumes it
+    held = _claim(path, out) if ours else None  # refused while another run uses it
     if resume and state_file.is_file():
-        staging = _resume(path, out, key, console, named or {})
-        staging.lock = _claim(path, out)
+        try:
+            staging = _resume(path, out, key, console, named or {})
+        except BaseException:
+            held.close()
+            raise
+        staging.lock = held  # held from the check through the resume: no second run slips in between
         return staging
+    if held is not None:
+        held.close()  # this run replaces the folder and claims the new one
     if resume and not ours:
         raise InputError(f"--resume: no interrupted run to resume for {out} (no {path}/{RESUME_NAME})")
     if path.exists():
@@ -213,7 +218,11 @@ def open_staging(out: Path, key: str, resume: bool, console=None, named: dict | 
         if console and show_note:
             console.print(show_note, highlight=False)
         shutil.rmtree(path)
-    path.mkdir(parents=True)
+    try:
+        path.mkdir(parents=True)
+    except FileExistsError:  # another run made it between the check above and here
+        raise InputError(f"another kvq quantize is writing {out} (its staging folder {path} is in use); "
+                         "wait for it to finish or write to another folder") from None
     lock = _claim(path, out)
     lock.write(json.dumps({"tool": "kvq", "output": str(out)}))  # its presence is what counts
     lock.flush()

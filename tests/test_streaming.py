@@ -515,3 +515,51 @@ def test_a_second_run_of_the_same_output_is_refused_while_the_first_holds_it(tmp
     second = open_staging(out, "k2", resume=False)  # an abandoned folder is replaced as before
     assert second.lock is not None
     _release(second)
+
+
+def test_resume_holds_the_claim_from_the_check_to_the_end_and_lets_go_when_refused(tmp_path):
+    """``--resume`` claims the interrupted run's folder once and keeps it (no window between the
+    check and the resumed run); a refused resume (other inputs) releases it for the next run."""
+    import json
+
+    from compressor.errors import InputError
+    from compressor.staging import RESUME_NAME, _release, open_staging, staging_path
+
+    out = tmp_path / "art"
+    first = open_staging(out, "k1", resume=False)
+    (staging_path(out) / RESUME_NAME).write_text(json.dumps({"key": "k1", "parts": [], "digests": {}, "layers_done": 0}))
+    _release(first)
+    with pytest.raises(InputError, match="other inputs"):
+        open_staging(out, "k2", resume=True)
+    resumed = open_staging(out, "k1", resume=True)  # the refused attempt let go of its claim
+    assert resumed.lock is not None
+    with pytest.raises(InputError, match="another kvq quantize is writing"):
+        open_staging(out, "k1", resume=True)
+    _release(resumed)
+
+
+def test_no_second_run_slips_in_while_the_checkpoint_is_read(tmp_path, monkeypatch):
+    """A second run that starts while ``--resume`` reads the interrupted run's checkpoint is refused."""
+    import json
+
+    from compressor import staging as st
+    from compressor.errors import InputError
+
+    out = tmp_path / "art"
+    first = st.open_staging(out, "k1", resume=False)
+    (st.staging_path(out) / st.RESUME_NAME).write_text(json.dumps({"key": "k1", "parts": [], "digests": {}, "layers_done": 0}))
+    st._release(first)
+    real, seen = st._resume, []
+
+    def resume_with_a_rival(*a, **kw):
+        try:
+            st._release(st.open_staging(out, "k1", resume=False))
+            seen.append("rival got in")
+        except InputError as e:
+            seen.append(str(e))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(st, "_resume", resume_with_a_rival)
+    resumed = st.open_staging(out, "k1", resume=True)
+    assert len(seen) == 1 and "another kvq quantize is writing" in seen[0]
+    st._release(resumed)
