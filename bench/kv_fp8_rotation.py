@@ -1,0 +1,163 @@
+"""Does an exact rotation of the queries and keys lower SmolLM2-135M's fp8 KV-cache error? (issue #18)
+
+RoPE turns each pair of key channels ``(i, i + d/2)`` by its own angle, so a 2-D rotation of
+every pair, applied to the rows of both ``q_proj`` and ``k_proj`` (the same angle for a KV head
+and the query heads that read it), commutes with RoPE and leaves every attention logit
+unchanged in float arithmetic; it is the only family of orthogonal changes of the key basis
+that does. e4m3's rounding error is relative to each value, so the key error that reaches a
+logit, ``sum_c q_c e_c``, has variance about ``sigma^2 sum_c q_c^2 k_c^2``: a pair where the
+queries and keys both concentrate on one channel gains up to 2x from being turned by 45 degrees.
+Each pair's angle (one of ``NPHI`` in [0, 90) degrees) minimises ``E[q_a'^2] E[k_a'^2] +
+E[q_b'^2] E[k_b'^2]`` over the recorded calibration tokens.
+
+Rows (fp8 e4m3 keys and values, per-tensor static scales in bfloat16, absmax of the post-RoPE
+K/V over 32 x 512 calibration tokens of wikitext-2 valid.txt):
+``absmax`` (scale absmax / 448), ``rotated`` (the same on the rotated model), ``search`` and
+``rotated+search`` (the multiplier of absmax chosen per layer as ``kv_cache.scale_search:
+attention`` does: keys then values, 2^(j/16), by o_proj's output error on NSEQ calibration
+sequences). Perplexity, mean KL and top-1 agreement against the float-KV model on the first
+N windows of 2048 tokens of wiki.test.raw, chunks of 128 tokens. Also printed: the rotation's
+largest logit change on the first window in float KV (it is exact up to float32 rounding).
+
+Usage: python bench/kv_fp8_rotation.py [N_WINDOWS]   (NSEQ=4, NPHI=32 by default)
+"""
+import copy
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from transformers import AttentionInterface
+from transformers.cache_utils import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from compressor.calib import load_text, sample_windows, tokenize
+from compressor.evaluate import compare, windows
+from compressor.models import load_model, resolve_source
+
+torch.set_grad_enabled(False)
+D = ROOT.parent / "shared" / "data"
+NW = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+NSEQ, NPHI = int(os.environ.get("NSEQ", 4)), int(os.environ.get("NPHI", 32))
+GRID = [2 ** (j / 16) for j in range(-2, 16)]
+model, tok = load_model(resolve_source("smollm2-135m"))
+wins = windows(tokenize(tok, load_text(f"{D}/wikitext-2-raw/wiki.test.raw", part="eval").text), 2048, NW)
+calib = sample_windows(tokenize(tok, load_text(f"{D}/wikitext-2/valid.txt", part="calib").text), 32, 512, 0)
+cfg = model.config
+L, H, KVH = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+G, d = H // KVH, cfg.hidden_size // cfg.num_attention_heads
+P = d // 2
+rec: dict[int, list] = {}
+
+
+def _record(module, q, k, v, mask, **kw):
+    rec.setdefault(module.layer_idx, []).append((q, k, v))
+    return sdpa_attention_forward(module, q, k, v, mask, **kw)
+
+
+AttentionInterface.register("bench_record", _record)
+
+
+def recorded(m, batch):
+    """{layer: (q, k, v)} post-RoPE for ``batch`` (``[n, T]`` token ids), 8 sequences at a time."""
+    rec.clear()
+    impl = m.config._attn_implementation
+    m.set_attn_implementation("bench_record")
+    for b in batch.split(8):
+        m(b)
+    m.set_attn_implementation(impl)
+    return {i: tuple(torch.cat(x) for x in zip(*r)) for i, r in rec.items()}
+
+
+def fq(x, s):
+    return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+
+
+def scale(a):
+    return (a / 448).to(torch.bfloat16).float()
+
+
+def pair_angles(q, k):
+    """``[KVH, P]`` angles minimising the product of the rotated pair's second moments."""
+    qg = q.view(q.shape[0], KVH, G, -1, d).transpose(1, 2).reshape(-1, KVH, q.shape[2], d)
+    phis = torch.arange(NPHI) * (math.pi / 2 / NPHI)
+    c, s = phis.cos()[:, None, None], phis.sin()[:, None, None]
+
+    def moments(x):
+        a, b = x[..., :P], x[..., P:]
+        A, B, AB = (a * a).mean((0, 2)), (b * b).mean((0, 2)), (a * b).mean((0, 2))
+        return c * c * A - 2 * c * s * AB + s * s * B, s * s * A + 2 * c * s * AB + c * c * B
+
+    (qa, qb), (ka, kb) = moments(qg), moments(k)
+    return phis[(qa * ka + qb * kb).argmin(0)]
+
+
+def rotate_rows(proj, phi):
+    """Turn each head's row pairs (i, i + d/2) of ``proj`` by ``phi [heads, P]``."""
+    w = proj.weight.data.view(-1, d, proj.weight.shape[1])
+    c, s = phi.cos()[..., None], phi.sin()[..., None]
+    a, b = w[:, :P].clone(), w[:, P:].clone()
+    w[:, :P], w[:, P:] = c * a - s * b, s * a + c * b
+
+
+def absmax(m):
+    r = recorded(m, calib)
+    return {i: (r[i][1].abs().amax(), r[i][2].abs().amax()) for i in range(L)}
+
+
+def searched(m, am):
+    """Per layer ranges ``(absmax_k x m_k, absmax_v x m_v)``, the search of ``scale_search: attention``."""
+    r, out = recorded(m, calib[:NSEQ]), {}
+    for i in range(L):
+        q, k, v = r[i]
+        wo = m.model.layers[i].self_attn.o_proj.weight.view(-1, H, d)
+
+        def y(kk, vv):
+            o = F.scaled_dot_product_attention(q, kk.repeat_interleave(G, 1), vv.repeat_interleave(G, 1), is_causal=True)
+            return torch.einsum("bhtd,Khd->btK", o, wo)
+
+        ref, (ka, va) = y(k, v), am[i]
+        mk = min(GRID, key=lambda x: float((y(fq(k, scale(ka * x)), fq(v, scale(va))) - ref).pow(2).sum()))
+        mv = min(GRID, key=lambda x: float((y(fq(k, scale(ka * mk)), fq(v, scale(va * x))) - ref).pow(2).sum()))
+        out[i] = (ka * mk, va * mv)
+    return out
+
+
+class FP8Cache(DynamicCache):
+    def __init__(self, ranges):
+        super().__init__()
+        self.ranges = ranges
+
+    def update(self, k, v, i, *a, **kw):
+        ka, va = self.ranges[i]
+        return super().update(fq(k, scale(ka)), fq(v, scale(va)), i, *a, **kw)
+
+
+t0 = time.time()
+plain = model
+rotated = copy.deepcopy(model)
+r = recorded(plain, calib[:NSEQ])
+for i in range(L):
+    phi = pair_angles(r[i][0], r[i][1])
+    att = rotated.model.layers[i].self_attn
+    assert att.q_proj.bias is None and att.k_proj.bias is None
+    rotate_rows(att.q_proj, phi.repeat_interleave(G, 0))
+    rotate_rows(att.k_proj, phi)
+x = wins[:1, :512]
+print("rotation: largest logit change in float KV", float((plain(x).logits - rotated(x).logits).abs().max()))
+am_plain, am_rot = absmax(plain), absmax(rotated)
+rows = {"absmax": (plain, am_plain), "rotated": (rotated, am_rot),
+        "search": (plain, searched(plain, am_plain)), "rotated+search": (rotated, searched(rotated, am_rot))}
+print(f"angles, absmax and searches {time.time() - t0:.0f} s", flush=True)
+res = compare(plain, {k: (m, lambda a=a: FP8Cache(a)) for k, (m, a) in rows.items()}, wins)
+base = res["reference"]["ppl"]
+print(f"float KV {base:.4f} on {NW} windows x 2048 ({res['seconds']:.0f} s)")
+print("| fp8 KV scales | perplexity | vs float KV | mean KL | top-1 % |\n|---|---|---|---|---|")
+for k in rows:
+    p = res[k]["ppl"]
+    print(f"| {k} | {p:.4f} | {(p / base - 1) * 100:+.2f} % | {res[k]['kl']['mean']:.5f} | {res[k]['top1_agreement'] * 100:.2f} |")
