@@ -44,6 +44,8 @@ torch.set_grad_enabled(False)
 D = ROOT.parent / "shared" / "data"
 NW = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 NSEQ, NPHI = int(os.environ.get("NSEQ", 4)), int(os.environ.get("NPHI", 32))
+OBJ = os.environ.get("OBJ", "moments")  # how each pair's angle is chosen: moments | attention
+ROWS = os.environ.get("ROWS", "absmax,rotated,search,rotated+search").split(",")
 GRID = [2 ** (j / 16) for j in range(-2, 16)]
 model, tok = load_model(resolve_source("smollm2-135m"))
 wins = windows(tokenize(tok, load_text(f"{D}/wikitext-2-raw/wiki.test.raw", part="eval").text), 2048, NW)
@@ -97,6 +99,30 @@ def pair_angles(q, k):
     return phis[(qa * ka + qb * kb).argmin(0)]
 
 
+def pair_angles_attention(q, k, scale_k):
+    """``[KVH, P]`` angles minimising each pair's own fp8 logit error weighted by the attention
+    probabilities: ``sum_{t,s} A_ts (q_a'(t) e_a'(s) + q_b'(t) e_b'(s))^2`` with ``e'`` the real
+    e4m3 rounding error of the rotated keys at scale ``scale_k`` (the unrotated absmax / 448)."""
+    b, _, T, _ = k.shape
+    phis = torch.arange(NPHI) * (math.pi / 2 / NPHI)
+    c, s = phis.cos(), phis.sin()
+    best = torch.empty(KVH, P)
+    for h in range(KVH):
+        qh = q[:, h * G:(h + 1) * G]  # [b, G, T, d]
+        A = F.scaled_dot_product_attention(qh, k[:, h:h + 1].expand(-1, G, -1, -1), torch.eye(T).expand(b, G, T, T),
+                                           is_causal=True)  # [b, G, T, T] attention probabilities
+        ka, kb = k[:, h, :, :P, None], k[:, h, :, P:, None]  # [b, T, P, 1]
+        ra, rb = c * ka - s * kb, s * ka + c * kb  # [b, T, P, NPHI]
+        ea, eb = fq(ra, scale_k) - ra, fq(rb, scale_k) - rb
+        E = torch.stack([ea * ea, ea * eb, eb * eb], -1).reshape(b, 1, T, -1)  # [b, 1, T, P*NPHI*3]
+        AE = (A @ E).view(b, G, T, P, NPHI, 3)
+        qa, qb = qh[..., :P, None], qh[..., P:, None]
+        qra, qrb = c * qa - s * qb, s * qa + c * qb  # [b, G, T, P, NPHI]
+        obj = (qra * qra * AE[..., 0] + 2 * qra * qrb * AE[..., 1] + qrb * qrb * AE[..., 2]).sum((0, 1, 2))
+        best[h] = phis[obj.argmin(-1)]
+    return best
+
+
 def rotate_rows(proj, phi):
     """Turn each head's row pairs (i, i + d/2) of ``proj`` by ``phi [heads, P]``."""
     w = proj.weight.data.view(-1, d, proj.weight.shape[1])
@@ -143,7 +169,8 @@ plain = model
 rotated = copy.deepcopy(model)
 r = recorded(plain, calib[:NSEQ])
 for i in range(L):
-    phi = pair_angles(r[i][0], r[i][1])
+    phi = (pair_angles_attention(r[i][0], r[i][1], scale(r[i][1].abs().amax())) if OBJ == "attention"
+           else pair_angles(r[i][0], r[i][1]))
     att = rotated.model.layers[i].self_attn
     assert att.q_proj.bias is None and att.k_proj.bias is None
     rotate_rows(att.q_proj, phi.repeat_interleave(G, 0))
@@ -151,8 +178,9 @@ for i in range(L):
 x = wins[:1, :512]
 print("rotation: largest logit change in float KV", float((plain(x).logits - rotated(x).logits).abs().max()))
 am_plain, am_rot = absmax(plain), absmax(rotated)
-rows = {"absmax": (plain, am_plain), "rotated": (rotated, am_rot),
-        "search": (plain, searched(plain, am_plain)), "rotated+search": (rotated, searched(rotated, am_rot))}
+make = {"absmax": lambda: (plain, am_plain), "rotated": lambda: (rotated, am_rot),
+        "search": lambda: (plain, searched(plain, am_plain)), "rotated+search": lambda: (rotated, searched(rotated, am_rot))}
+rows = {k: make[k]() for k in ROWS}
 print(f"angles, absmax and searches {time.time() - t0:.0f} s", flush=True)
 res = compare(plain, {k: (m, lambda a=a: FP8Cache(a)) for k, (m, a) in rows.items()}, wins)
 base = res["reference"]["ppl"]

@@ -155,3 +155,18 @@ def test_the_fp8_shortcut_searches_like_the_recipe(tiny_model_dir, tmp_path):
     assert all(f["kv_scale_multipliers"]["sequences"] == 2 for f in man.quality["layers"])
     # the search asked for more sequences than the calibration set holds: it uses them all and says so
     assert any("scale_search_samples is 4 but the calibration set has 2" in w for w in man.quality["warnings"])
+
+
+def test_errors_of_a_bfloat16_model_are_taken_in_float32():
+    """``kvq verify`` evaluates a bfloat16 artifact in bfloat16: the search scores its records in
+    float32 (the same numbers as float32 copies of the records), not with bfloat16's own rounding."""
+    attn, x, pe = _attention("sdpa", seed=2)
+    attn = attn.to(torch.bfloat16)
+    rec = AttentionRecorder(attn, max_sequences=2)
+    with torch.no_grad(), rec.active():
+        attn(hidden_states=x.bfloat16(), position_embeddings=tuple(p.bfloat16() for p in pe), attention_mask=None)
+    spec = make_spec("fp8", "tensor")
+    scales = [torch.tensor([s]) for s in (0.02, 0.03)]
+    got = _errors(rec, spec, scales, scales, 2)
+    rec.records = [(q.float(), k.float(), v.float(), m, kw) for q, k, v, m, kw in rec.records]
+    torch.testing.assert_close(got, _errors(rec, spec, scales, scales, 2))

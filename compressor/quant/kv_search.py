@@ -67,31 +67,46 @@ class AttentionRecorder:
     @contextmanager
     def active(self):
         """While active, ``self.attn``'s config names the recorder as its attention implementation."""
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        config = self.attn.config
-        original = config._attn_implementation
-        eager = getattr(sys.modules.get(type(self.attn).__module__), "eager_attention_forward", None)
-        self.delegate = ALL_ATTENTION_FUNCTIONS.get_interface(original, eager)
-        if self.delegate is None:
-            raise RuntimeError(f"no attention function for implementation {original!r}")
-        ALL_ATTENTION_FUNCTIONS[RECORD_NAME] = self._call
-        config._attn_implementation = RECORD_NAME
-        try:
+        with _attention_swapped(self.attn, self._call) as delegate:
+            self.delegate = delegate
             yield self
-        finally:
-            config._attn_implementation = original
-            del ALL_ATTENTION_FUNCTIONS[RECORD_NAME]
+
+
+@contextmanager
+def _attention_swapped(attn: torch.nn.Module, call):
+    """While active, the config ``attn`` reads names ``call`` (registered under
+    :data:`RECORD_NAME`) as its attention implementation; yields the function the model would
+    have called (its implementation, or the modeling file's eager one), restored on exit."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = attn.config
+    original = config._attn_implementation
+    eager = getattr(sys.modules.get(type(attn).__module__), "eager_attention_forward", None)
+    delegate = ALL_ATTENTION_FUNCTIONS.get_interface(original, eager)
+    if delegate is None:
+        raise RuntimeError(f"no attention function for implementation {original!r}")
+    ALL_ATTENTION_FUNCTIONS[RECORD_NAME] = call
+    config._attn_implementation = RECORD_NAME
+    try:
+        yield delegate
+    finally:
+        config._attn_implementation = original
+        del ALL_ATTENTION_FUNCTIONS[RECORD_NAME]
 
 
 def _errors(rec: AttentionRecorder, spec: KVSpec, k_scales: list, v_scales: list, kv_heads: int) -> torch.Tensor:
     """``[len(k_scales), kv_heads]`` float64: per candidate ``(k_scale, v_scale)`` pair, the squared
     error of ``o_proj``'s output (or of the attention output where there is none) summed over
-    the recorded tokens, per KV head's query heads."""
+    the recorded tokens, per KV head's query heads; computed in float32 from the records."""
     o_proj = getattr(rec.attn, "o_proj", None)
     w = o_proj.weight.float().view(o_proj.weight.shape[0], kv_heads, -1) if o_proj is not None else None
     errs = torch.zeros(len(k_scales), kv_heads, dtype=torch.float64)
     for q, k, v, mask, kw in rec.records:
+        # in float32 whatever the model runs in: a bfloat16 attention's own rounding would drown
+        # the differences between candidates (a no-op for the pipeline's float32 layers)
+        q, k, v = q.float(), k.float(), v.float()
+        if mask is not None and mask.is_floating_point():
+            mask = mask.float()
         ref, _ = rec.delegate(rec.attn, q, k, v, mask, **kw)  # [b, T, heads, d]
         b, t = ref.shape[:2]
         ref = ref.float().reshape(b * t, kv_heads, -1)  # each KV head's query heads side by side
