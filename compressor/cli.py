@@ -283,14 +283,15 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.option("--eval-dtype", type=click.Choice(["auto", "float32"]), default="auto", show_default=True, help="Evaluate the artifact in the dtype its config.json declares (auto: what transformers and vLLM load it in, so the figures describe the model users serve) or in float32. The reference is float32; the report's evaluated_in says which.")
 @click.option("--hidden-batches", type=_range(VerifyOptions, "hidden_batches"), default=2, show_default=True, help="Eval windows (first 512 tokens each) for the per-layer hidden-state error.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write report.md (PR comment), report.html, report.json and PNG plots into this folder.")
+@click.option("--threads", type=_range(VerifyOptions, "threads"), default=None, help="CPU threads of torch's operations (default: one per usable CPU; on a machine shared with other jobs --threads 1 is usually faster, and a note says when the CPUs are already busy).")
 @_signature_options
 @click.option("--no-manifest", is_flag=True, help="ARTIFACT was written by another tool (e.g. llm-compressor) and has no kvq-manifest.json: skip the digest step (the signature is still checked when keys are given) and compare with --reference, which is then required.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report to this file.")
 def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, kv_scheme, kv_budget_gib,
            kv_chunk, kv_calib, device, weights_only, max_mean_kl, max_p99_kl, min_top1, min_sqnr_db, max_hidden_error,
-           min_median_divergence, prompts_file, max_new_tokens, eval_dtype, hidden_batches, report_dir, public_key, certificate_chain,
-           identity, issuer, no_manifest, as_json, json_out):
+           min_median_divergence, prompts_file, max_new_tokens, eval_dtype, hidden_batches, report_dir, threads, public_key,
+           certificate_chain, identity, issuer, no_manifest, as_json, json_out):
     """Check ARTIFACT's integrity and quality against the original model.
 
     \b
@@ -334,8 +335,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
         max_mean_kl=max_mean_kl, max_p99_kl=max_p99_kl, min_top1=min_top1, min_sqnr_db=min_sqnr_db,
         max_hidden_error=max_hidden_error, min_median_divergence=min_median_divergence,
         prompts=prompts_file, max_new_tokens=max_new_tokens, hidden_batches=hidden_batches, no_manifest=no_manifest,
-        eval_dtype=eval_dtype,
-    )
+        eval_dtype=eval_dtype, threads=threads)
     for path, flag in ((report_dir, "--report"), (json_out, "--json-out")):
         if path is not None and Path(artifact).is_dir() and path.resolve().is_relative_to(Path(artifact).resolve()):
             raise InputError(f"{flag} {path} is inside the artifact; writing there would change what was signed")

@@ -351,3 +351,28 @@ def test_the_gate_table_names_every_recipe_gate_and_option():
     assert tuple(SmokeGateOptions.model_fields) == tuple(g.option for g in gates_of("serve-smoke", configurable=True))
     assert gate("min_sqnr_db").passes(20.0, 15.0) and not gate("min_sqnr_db").passes(None, 15.0)
     assert gate("max_mean_kl").symbol == "<=" and gate("min_top1_agreement_pct").flag == "--min-top1"
+
+
+def test_verify_threads_sets_torch_threads_and_is_range_checked(awq_art, capsys, monkeypatch):
+    """``kvq verify --threads N`` runs torch's operations on N threads (``--weights-only`` too);
+    0 is a usage error (one line, exit 2)."""
+    before = torch.get_num_threads()
+    seen = []
+    import compressor.commands.verify as v
+
+    real = v._plan
+
+    def plan(*a, **kw):
+        seen.append(torch.get_num_threads())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(v, "_plan", plan)
+    try:
+        n = 2 if before == 1 else 1  # not the caller's count, so the check can fail
+        code, _, err = run(["verify", awq_art, "--weights-only", "--threads", str(n)], capsys)
+        assert code == 0, err
+        assert seen == [n] and torch.get_num_threads() == before  # the run's own; the caller keeps its setting
+    finally:
+        torch.set_num_threads(before)
+    code, _, err = run(["verify", awq_art, "--weights-only", "--threads", "0"], capsys)
+    assert code == 2 and "--threads" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -298,6 +298,7 @@ class VerifyOptions(_Options):
     hashes_only: bool = False  # signature and digests only
     weights_only: bool = False  # weight statistics only: no eval text, no perplexity
     no_manifest: bool = False  # a foreign artifact (another tool's): no digests to check; reference required
+    threads: Optional[int] = Field(None, ge=1, le=4096)  # torch's intra-op threads; None: one per usable CPU
     evaluation: EvalOptions = Field(default_factory=EvalOptions)
     kv: KVEvalOptions = Field(default_factory=KVEvalOptions)
     gates: VerifyGateOptions = Field(default_factory=VerifyGateOptions)
