@@ -172,6 +172,18 @@ def _claim(path: Path, out: Path):
     return f
 
 
+def refuse_if_in_use(out: Path) -> None:
+    """Refuse at once, before the source loads, when another run holds ``out``'s staging folder
+    (:func:`open_staging` claims it for good once the run's key is known).
+
+    Raises:
+        InputError: another ``kvq quantize`` of ``out`` is running.
+    """
+    path = staging_path(out)
+    if path.is_dir() and (path / MARKER_NAME).is_file():
+        _claim(path, out).close()
+
+
 def open_staging(out: Path, key: str, resume: bool, console=None, named: dict | None = None) -> Staging:
     """The staging folder for ``out``: resumed when ``resume`` and its key matches, else new.
     ``named``: flags the key covers whose values a refused resume names (``{"--threads": 2}``).

@@ -563,3 +563,18 @@ def test_no_second_run_slips_in_while_the_checkpoint_is_read(tmp_path, monkeypat
     resumed = st.open_staging(out, "k1", resume=True)
     assert len(seen) == 1 and "another kvq quantize is writing" in seen[0]
     st._release(resumed)
+
+
+def test_a_second_quantize_of_a_busy_output_is_refused_before_any_work(tiny_model_dir, tmp_path, capsys):
+    """The refusal comes from the plan (before the source loads or calibration is read): one line on stderr."""
+    from conftest import kvq_run
+
+    from compressor.staging import _release, open_staging
+
+    out = tmp_path / "art"
+    first = open_staging(out, "k1", resume=False)
+    try:
+        code, _, err = kvq_run(["quantize", str(tiny_model_dir), "-o", str(out), "--algorithm", "rtn"], capsys)
+    finally:
+        _release(first)
+    assert code == 2 and err.strip().splitlines() == [err.strip()] and "another kvq quantize is writing" in err

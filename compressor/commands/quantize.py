@@ -49,7 +49,7 @@ from ..quant.kv import layout_bytes_per_token
 from ..recipe import KVCacheOptions, Recipe, apply_settings, load_recipes, with_overrides
 from ..signing import check_sign_options, sign_folder
 from ..staging import (
-    LayerWriter, keep_checkpoint, name_kept_checkpoint, open_staging, plan_activations, resume_key,
+    LayerWriter, keep_checkpoint, name_kept_checkpoint, open_staging, plan_activations, refuse_if_in_use, resume_key,
 )
 from ..streaming import open_lazy
 from . import kv_only
@@ -165,6 +165,7 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     if Path(opts.model).exists():  # before check_output: name the real problem when -o is the source
         _refuse_output_in_source(Path(opts.model), out, opts.model)
     check_output(out, opts.write.overwrite)
+    refuse_if_in_use(out)  # a second run of the same output: one line, before any work
     if opts.write.sign is not None:
         check_sign_options(opts.write.sign)
     recipe = _effective_recipe(opts)
