@@ -167,18 +167,27 @@ def _claim(path: Path, out: Path):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.close()
-        raise InputError(f"another kvq quantize is writing {out} (its staging folder {path} is in use); "
-                         "wait for it to finish or write to another folder") from None
+        raise _in_use(out, path) from None
     return f
+
+
+def _in_use(out: Path, path: Path) -> InputError:
+    return InputError(f"another kvq quantize is writing {out} (its staging folder {path} is in use); "
+                      "wait for it to finish or write to another folder")
 
 
 def refuse_if_in_use(out: Path) -> None:
     """Refuse at once, before the source loads, when another run holds ``out``'s staging folder
     (:func:`open_staging` claims it for good once the run's key is known).
 
+    Under torchrun only rank 0 checks (the other ranks write no staging folder, and rank 0's
+    own claim may already be held when they plan).
+
     Raises:
         InputError: another ``kvq quantize`` of ``out`` is running.
     """
+    if os.environ.get("RANK", "0") not in ("", "0"):  # torchrun: only rank 0 writes (and claims) the folder
+        return
     path = staging_path(out)
     if path.is_dir() and (path / MARKER_NAME).is_file():
         _claim(path, out).close()
@@ -233,8 +242,7 @@ def open_staging(out: Path, key: str, resume: bool, console=None, named: dict | 
     try:
         path.mkdir(parents=True)
     except FileExistsError:  # another run made it between the check above and here
-        raise InputError(f"another kvq quantize is writing {out} (its staging folder {path} is in use); "
-                         "wait for it to finish or write to another folder") from None
+        raise _in_use(out, path) from None
     lock = _claim(path, out)
     lock.write(json.dumps({"tool": "kvq", "output": str(out)}))  # its presence is what counts
     lock.flush()

@@ -578,3 +578,21 @@ def test_a_second_quantize_of_a_busy_output_is_refused_before_any_work(tiny_mode
     finally:
         _release(first)
     assert code == 2 and err.strip().splitlines() == [err.strip()] and "another kvq quantize is writing" in err
+
+
+def test_only_rank_0_checks_the_staging_claim_early(tmp_path, monkeypatch):
+    """Under torchrun the other ranks write no staging folder and may plan after rank 0 claimed
+    it: they must not refuse their own run."""
+    from compressor.errors import InputError
+    from compressor.staging import _release, open_staging, refuse_if_in_use
+
+    out = tmp_path / "art"
+    held = open_staging(out, "k1", resume=False)
+    try:
+        monkeypatch.setenv("RANK", "1")
+        refuse_if_in_use(out)
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(InputError, match="another kvq quantize is writing"):
+            refuse_if_in_use(out)
+    finally:
+        _release(held)
