@@ -494,7 +494,7 @@ def _spill(hidden, hooks: LayerHooks | None, tag: str):
     """``hidden`` moved to memory-mapped files when it exceeds the hooks' activation budget."""
     if hooks is None or hooks.activation_budget is None:
         return hidden
-    from .staging import spill
+    from .activations import spill
 
     return spill(hidden, hooks.spill_dir, tag, hooks.activation_budget)
 

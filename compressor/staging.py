@@ -10,7 +10,8 @@ reaches the manifest. ``kvq quantize ... --resume`` continues after the last
 finished layer when the key matches; without ``--resume`` a stale staging folder is
 replaced. kvq marks each staging folder it creates (:data:`MARKER_NAME`), so one killed
 before its first checkpoint is recognised and started over rather than refused.
-Activations above the budget move to memory-mapped files here (:func:`spill`).
+Activations above the budget move to memory-mapped files here
+(:func:`compressor.activations.spill`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class Staging:
     named: dict = field(default_factory=dict)
     #: the open marker file whose exclusive lock says a run is using the folder (:func:`_claim`)
     lock: object = None
+    #: each input's own digest (:func:`input_digests`), kept in resume.json
+    inputs: dict = field(default_factory=dict)
 
     def part(self, name: str) -> Path:
         return self.path / f"part-{name}.safetensors"
@@ -106,7 +109,7 @@ class Staging:
             digests[hidden_name] = file_digest(tmp)
             os.replace(tmp, self.path / hidden_name)
         self.state = {"key": self.key, "layers_done": layers_done, "parts": [p.name for p in self.parts],
-                      "hidden": hidden_name, "digests": digests, "named": self.named, **state}
+                      "hidden": hidden_name, "digests": digests, "named": self.named, "inputs": self.inputs, **state}
         with _atomic_write(self.path / RESUME_NAME) as f:
             json.dump(self.state, f)
         if old_hidden and old_hidden != hidden_name:
@@ -146,6 +149,18 @@ def resume_key(parts: dict) -> str:
     """SHA-256 over the canonical JSON of what determines the output (source digests,
     recipe, calibration provenance, format and dtype)."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def input_digests(parts: dict) -> dict[str, str]:
+    """:func:`resume_key` of each of ``parts`` on its own (kept in ``resume.json``), so that a
+    refused ``--resume`` names the inputs that changed."""
+    return {name: resume_key({name: value}) for name, value in parts.items()}
+
+
+#: how a refused --resume names each input of :func:`input_digests`
+INPUT_NAMES = {"source": "the source model's files", "recipe": "the recipe (with its flag overrides)",
+               "calibration": "the calibration input", "format": "--format", "dtype": "--dtype",
+               "kvq": "the kvq version"}
 
 
 #: written into a staging folder when kvq creates it, before any part: a folder holding it is
@@ -193,9 +208,11 @@ def refuse_if_in_use(out: Path) -> None:
         _claim(path, out).close()
 
 
-def open_staging(out: Path, key: str, resume: bool, console=None, named: dict | None = None) -> Staging:
+def open_staging(out: Path, key: str, resume: bool, console=None, named: dict | None = None,
+                 inputs: dict | None = None) -> Staging:
     """The staging folder for ``out``: resumed when ``resume`` and its key matches, else new.
-    ``named``: flags the key covers whose values a refused resume names (``{"--threads": 2}``).
+    ``named``: flags the key covers whose values a refused resume names (``{"--threads": 2}``);
+    ``inputs``: :func:`input_digests` of the key's parts, so that a refused resume names what changed.
 
     A staging folder kvq made (its :data:`MARKER_NAME`, or a ``resume.json``) but that holds
     no checkpoint -- killed after the first part was written, before the first checkpoint --
@@ -215,7 +232,7 @@ def open_staging(out: Path, key: str, resume: bool, console=None, named: dict | 
     held = _claim(path, out) if ours else None  # refused while another run uses it
     if resume and state_file.is_file():
         try:
-            staging = _resume(path, out, key, console, named or {})
+            staging = _resume(path, out, key, console, named or {}, inputs or {})
         except BaseException:
             held.close()
             raise
@@ -246,10 +263,10 @@ def open_staging(out: Path, key: str, resume: bool, console=None, named: dict | 
     lock = _claim(path, out)
     lock.write(json.dumps({"tool": "kvq", "output": str(out)}))  # its presence is what counts
     lock.flush()
-    return Staging(path, key, named=named or {}, lock=lock)
+    return Staging(path, key, named=named or {}, lock=lock, inputs=inputs or {})
 
 
-def _resume(path: Path, out: Path, key: str, console, named: dict) -> Staging:
+def _resume(path: Path, out: Path, key: str, console, named: dict, inputs: dict) -> Staging:
     """The checkpointed run in ``path``, every recorded file rehashed (see :func:`open_staging`)."""
     state_file = path / RESUME_NAME
     try:
@@ -264,8 +281,12 @@ def _resume(path: Path, out: Path, key: str, console, named: dict) -> Staging:
                              + ", ".join(f"{f} {before[f]}" for f in changed) + " (this run: "
                              + ", ".join(f"{f} {named[f]}" for f in changed) + "); its layers would not match: "
                              "rerun with those, or without --resume to start over")
-        raise InputError(f"--resume: the interrupted run in {path} was made from other inputs (source, recipe, "
-                         "calibration or output options differ); rerun without --resume to start over")
+        recorded = state.get("inputs") or {}
+        differ = [INPUT_NAMES.get(n, n) for n in inputs if n in recorded and recorded[n] != inputs[n]]
+        what = (" and ".join(differ) + " differ" + ("s" if len(differ) == 1 else "") if differ
+                else "source, recipe, calibration or output options differ")
+        raise InputError(f"--resume: the interrupted run in {path} was made from other inputs ({what}); "
+                         "rerun without --resume to start over")
     parts = [path / n for n in state.get("parts", [])]
     lost = [p.name for p in parts if not p.is_file()]
     if lost:
@@ -279,7 +300,7 @@ def _resume(path: Path, out: Path, key: str, console, named: dict) -> Staging:
     shutil.rmtree(path / ARTIFACT_DIR, ignore_errors=True)  # an interrupted final write
     if console:
         console.print(f"resuming: {state['layers_done']} layer(s) already done in {path}", highlight=False)
-    return Staging(path, key, parts, state, named)
+    return Staging(path, key, parts, state, named, inputs=inputs)
 
 
 def checkpointed_layers(out: Path) -> int:
@@ -306,110 +327,6 @@ def name_kept_checkpoint(out: Path, resume: bool):
             print(f"kvq: the {done} finished layer(s) of the interrupted run are kept in {staging_path(out)}: "
                   "rerun the same command with --resume to continue", file=sys.stderr)
         raise
-
-
-def available_memory() -> int | None:
-    """Bytes of memory this process can still take: ``MemAvailable`` of ``/proc/meminfo``,
-    lowered to the cgroup's limit minus its usage where one is set (a container); ``None``
-    where neither can be read (the memory check is then skipped)."""
-    found = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    for limit, usage in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            cap = Path("/sys/fs/cgroup", limit).read_text().strip()
-            if cap != "max" and int(cap) < 2**60:
-                found.append(max(int(cap) - int(Path("/sys/fs/cgroup", usage).read_text()), 0))
-                break
-        except (OSError, ValueError):
-            continue
-    return min(found) if found else None
-
-
-def free_disk(folder: Path) -> int | None:
-    """Free bytes on the file system of ``folder`` (``None`` when it cannot be asked)."""
-    try:
-        return shutil.disk_usage(folder).free
-    except OSError:
-        return None
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.1f} GiB"
-
-
-def plan_activations(samples: int, seqlen: int, hidden: int, budget_bytes: int, folder: Path,
-                     device: str = "cpu", streams: int = 1) -> tuple[bool, str | None]:
-    """Check, before any work, that the calibration activations fit; returns ``(spill_all, note)``.
-
-    One copy is ``streams x samples x seqlen x hidden x 4`` bytes (float32; ``streams`` 2 when
-    GPTQ's float target runs the float model's activations beside the quantized model's,
-    ``gptq.gptaq_alpha``); the layer loop holds a
-    layer's inputs and its recomputed outputs (two copies) plus the int64 token ids, and the
-    resume checkpoint writes the next layer's inputs to the staging folder after every layer
-    (two files while one replaces the other). Above ``budget_bytes`` (``--activation-budget-gib``)
-    the inputs move to memory-mapped files there: one copy in memory, three on disk. When two
-    copies would not fit in :func:`available_memory` although one is within the budget, they
-    are spilled anyway: ``spill_all`` is then true (run with a budget of 0) and the note says so. On CUDA the
-    activations stay on the device (no spill): two copies must fit in its free memory.
-
-    Only these activations are counted (the model's layer and the algorithm's buffers come on
-    top), so a refusal is certain, a pass is not a guarantee.
-
-    Raises:
-        InputError: they cannot fit in memory (spilled or not), in the device's memory, or
-            in the free disk of ``folder``; the line says how much each needs.
-    """
-    copy, ids = streams * samples * seqlen * hidden * 4, samples * seqlen * 8
-    what = (f"calibration activations of {samples:,} x {seqlen:,} tokens x hidden size {hidden:,} (float32, "
-            f"{_gib(copy)} a copy{', the float and the quantized stream' if streams > 1 else ''})")
-    fix = "lower --calib-samples or --calib-seqlen"
-    mem, spill_all, note = available_memory(), False, None
-    if device.startswith("cuda"):
-        import torch
-
-        dev = torch.cuda.mem_get_info(torch.device(device))[0]
-        if 2 * copy > dev:
-            raise InputError(f"{what} need {_gib(2 * copy)} (inputs and outputs of a layer) on {device}, which has "
-                             f"{_gib(dev)} free: {fix}")
-        spilled, ram, disk = False, ids + copy, 2 * copy  # the checkpoint goes through host memory
-    else:
-        if copy <= budget_bytes and mem is not None and 2 * copy + ids > mem:
-            spill_all = True
-            note = (f"{what}: two copies do not fit in the {_gib(mem)} of memory available, so they are spilled to "
-                    "memory-mapped files in the staging folder (as with a lower --activation-budget-gib)")
-        spilled = spill_all or copy > budget_bytes
-        ram, disk = ids + copy * (1 if spilled else 2), copy * (3 if spilled else 2)
-    if mem is not None and ram > mem:
-        raise InputError(f"{what} need at least {_gib(ram)} of memory ({'one copy spilled to disk, ' if spilled else ''}"
-                         f"plus the token ids), but {_gib(mem)} is available: {fix}")
-    room = free_disk(folder)
-    if room is not None and disk > room:
-        raise InputError(f"{what} need {_gib(disk)} of disk in {folder} for the resume checkpoints"
-                         f"{' and the spilled copy' if spilled else ''}, which has {_gib(room)} free: {fix}")
-    return spill_all, note
-
-
-def spill(hidden: list[torch.Tensor], folder: Path, tag: str, budget_bytes: int) -> list[torch.Tensor]:
-    """Move ``hidden`` to memory-mapped files in ``folder`` when their total size exceeds
-    ``budget_bytes``; returns tensors backed by those files (or ``hidden`` unchanged)."""
-    total = sum(h.numel() * h.element_size() for h in hidden)
-    if total <= budget_bytes or not hidden or hidden[0].device.type != "cpu":
-        return hidden
-    out = []
-    for j, h in enumerate(hidden):
-        path = folder / f"act-{os.getpid()}-{tag}-{j}.bin"
-        with open(path, "wb") as f:
-            f.truncate(h.numel() * h.element_size())
-        m = torch.from_file(str(path), shared=True, size=h.numel(), dtype=h.dtype).view(h.shape)
-        m.copy_(h)
-        out.append(m)
-        path.unlink()  # the mapping keeps the pages; the name is not needed (nothing left behind on a crash)
-    return out
 
 
 @contextmanager

@@ -83,7 +83,7 @@ def test_huge_calibration_is_refused_before_loading(src, tmp_path, monkeypatch, 
     (10**6, 100, "of disk"),  # memory enough, but the checkpoints need 2 copies on disk
 ])
 def test_calibration_memory_and_disk_bounds(src, tmp_path, monkeypatch, capsys, memory_gib, disk_gib, pattern):
-    import compressor.staging as st
+    import compressor.activations as st
 
     _no_loading(monkeypatch)
     monkeypatch.setattr(st, "available_memory", lambda: memory_gib * 2**30)
@@ -96,7 +96,7 @@ def test_calibration_memory_and_disk_bounds(src, tmp_path, monkeypatch, capsys, 
 def test_float_target_counts_its_second_stream(src, tmp_path, monkeypatch, capsys):
     """``gptq.gptaq_alpha`` keeps the float model's activations beside the quantized model's:
     the plan counts two streams (244 GiB a copy where one stream is 122 GiB)."""
-    import compressor.staging as st
+    import compressor.activations as st
 
     _no_loading(monkeypatch)
     monkeypatch.setattr(st, "available_memory", lambda: 8 * 2**30)
@@ -109,7 +109,7 @@ def test_float_target_counts_its_second_stream(src, tmp_path, monkeypatch, capsy
 def test_calibration_that_fits_once_but_not_twice_is_spilled(src, tmp_path, monkeypatch, capsys):
     """Within --activation-budget-gib, but two copies exceed the memory available: the run
     spills (budget 0, said in a note) instead of running out of memory; same artifact."""
-    import compressor.staging as st
+    import compressor.activations as st
 
     samples, seqlen, hidden = 4, 32, 64
     copy, ids = samples * seqlen * hidden * 4, samples * seqlen * 8

@@ -196,7 +196,7 @@ def test_float_target_streams_are_spilled_within_the_budget(tmp_path, deep_dir, 
     """With ``gptq.gptaq_alpha`` the float stream and the float inputs of each reader set follow
     ``--activation-budget-gib`` as the quantized stream does: at 0 they are memory-mapped files,
     and the artifact is the one the in-memory run writes."""
-    import compressor.staging as st
+    import compressor.activations as st
 
     opts = dict(model=str(deep_dir), algorithm="gptq", settings=(("gptq.gptaq_alpha", 0.25),), **FAST)
     run_quantize(QuantizeOptions(output=tmp_path / "mem", **opts))
@@ -596,3 +596,24 @@ def test_only_rank_0_checks_the_staging_claim_early(tmp_path, monkeypatch):
             refuse_if_in_use(out)
     finally:
         _release(held)
+
+
+def test_a_refused_resume_names_the_inputs_that_changed(tmp_path):
+    import json
+
+    from compressor.errors import InputError
+    from compressor.staging import RESUME_NAME, _release, input_digests, open_staging, resume_key, staging_path
+
+    out = tmp_path / "art"
+    before = {"source": {"a": "1"}, "recipe": {"bits": 4}, "calibration": {"samples": 8}, "format": "ct", "dtype": "bf16"}
+    first = open_staging(out, resume_key(before), resume=False, inputs=input_digests(before))
+    (staging_path(out) / RESUME_NAME).write_text(json.dumps({"key": resume_key(before), "parts": [], "digests": {},
+                                                            "layers_done": 0, "inputs": input_digests(before)}))
+    _release(first)
+    now = {**before, "calibration": {"samples": 9}}
+    with pytest.raises(InputError, match=r"other inputs \(the calibration input differs\)"):
+        open_staging(out, resume_key(now), resume=True, inputs=input_digests(now))
+    now = {**now, "recipe": {"bits": 3}}
+    with pytest.raises(InputError, match=r"the recipe \(with its flag overrides\) and the calibration input differ\)"):
+        open_staging(out, resume_key(now), resume=True, inputs=input_digests(now))
+    _release(open_staging(out, resume_key(before), resume=True, inputs=input_digests(before)))

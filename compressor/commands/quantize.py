@@ -48,8 +48,9 @@ from ..quant.head import add_head, check_head, head_schemes
 from ..quant.kv import layout_bytes_per_token
 from ..recipe import KVCacheOptions, Recipe, apply_settings, load_recipes, with_overrides
 from ..signing import check_sign_options, sign_folder
+from ..activations import plan_activations
 from ..staging import (
-    LayerWriter, keep_checkpoint, name_kept_checkpoint, open_staging, plan_activations, refuse_if_in_use, resume_key,
+    LayerWriter, input_digests, keep_checkpoint, name_kept_checkpoint, open_staging, refuse_if_in_use, resume_key,
 )
 from ..streaming import open_lazy
 from . import kv_only
@@ -133,10 +134,10 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
         arch = get_arch(src.model.config.model_type)
         source_fp = fingerprint()
         named = {"--matmul-precision": plan.matmul_precision, "--threads": plan.threads}  # the integer codes depend on both
-        key = resume_key({"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
-                          "calibration": src.calibration, "format": opts.write.format, "dtype": plan.dtype,
-                          "kvq": tool_info()["version"], **named})
-        staging = open_staging(plan.out, key, opts.execution.resume, console, named) if rank == 0 else None  # other ranks write nothing
+        inputs = {"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"), "calibration": src.calibration,
+                  "format": opts.write.format, "dtype": plan.dtype, "kvq": tool_info()["version"]}
+        key = resume_key({**inputs, **named})
+        staging = open_staging(plan.out, key, opts.execution.resume, console, named, input_digests(inputs)) if rank == 0 else None
     with keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume
         interrupts.check()  # a signal whose exception was lost while loading stops the run here
         writer = LayerWriter(src.model, arch, src.ckpt, staging, opts.write.format, DTYPES[plan.dtype],
@@ -218,7 +219,7 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
 
 def _check_activations(plan: _Plan, opts: QuantizeOptions, hidden: Optional[int], console) -> None:
     """The calibration activations against memory, disk and ``--activation-budget-gib``
-    (:func:`compressor.staging.plan_activations`); sets ``plan.activation_budget_gib``.
+    (:func:`compressor.activations.plan_activations`); sets ``plan.activation_budget_gib``.
     Run in the plan for a Hugging Face folder, after loading for a GGUF file (its hidden size
     is known only then).
 
