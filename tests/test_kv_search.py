@@ -155,6 +155,14 @@ def test_the_fp8_shortcut_searches_like_the_recipe(tiny_model_dir, tmp_path):
     assert all(f["kv_scale_multipliers"]["sequences"] == 2 for f in man.quality["layers"])
     # the search asked for more sequences than the calibration set holds: it uses them all and says so
     assert any("scale_search_samples is 4 but the calibration set has 2" in w for w in man.quality["warnings"])
+    # what --kv-scheme's help says --set changes on top of the shortcut: per-head scales, absmax
+    out = tmp_path / "set"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, algorithm="rtn", group_size=32, calib_samples=2,
+                                 calib_seqlen=32, kv_scheme="fp8",
+                                 settings=(("kv_cache.strategy", "head"), ("kv_cache.scale_search", "absmax"))))
+    man = load_manifest(out)
+    assert man.recipe["kv_cache"]["strategy"] == "head" and man.kv_cache["scale_search"] == "absmax"
+    assert all("kv_scale_multipliers" not in f for f in man.quality["layers"])
 
 
 def test_errors_of_a_bfloat16_model_are_taken_in_float32():
