@@ -110,9 +110,12 @@ def _errors(rec: AttentionRecorder, spec: KVSpec, k_scales: list, v_scales: list
         ref, _ = rec.delegate(rec.attn, q, k, v, mask, **kw)  # [b, T, heads, d]
         b, t = ref.shape[:2]
         ref = ref.float().reshape(b * t, kv_heads, -1)  # each KV head's query heads side by side
+        kq = vq = ks_done = vs_done = None  # one side's scale is the same for every candidate: rounded once
         for c, (ks, vs) in enumerate(zip(k_scales, v_scales)):
-            kq = spec.codec.fake_quantize(k, "k", ks)
-            vq = spec.codec.fake_quantize(v, "v", vs)
+            if ks is not ks_done:
+                kq, ks_done = spec.codec.fake_quantize(k, "k", ks), ks
+            if vs is not vs_done:
+                vq, vs_done = spec.codec.fake_quantize(v, "v", vs), vs
             out, _ = rec.delegate(rec.attn, q, kq, vq, mask, **kw)
             diff = out.float().reshape(b * t, kv_heads, -1) - ref
             if w is not None:  # each KV head's query heads through their o_proj columns: [kv_heads, b*t, H]
