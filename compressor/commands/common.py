@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -63,6 +64,20 @@ def in_background(fn):
         return box["value"]
 
     return wait
+
+
+@contextmanager
+def threads_restored():
+    """torch's intra-op thread count as it was on entry, restored on exit: ``--threads`` is one
+    command's (:func:`cpu_threads`), an in-process caller (``compressor.api``) keeps its own."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def cpu_threads(requested: int | None) -> tuple[int, str | None]:

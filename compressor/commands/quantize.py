@@ -54,7 +54,7 @@ from ..staging import (
 )
 from ..streaming import open_lazy
 from . import kv_only
-from .common import check_resumable, cpu_threads, in_background, peak_rss_mib
+from .common import check_resumable, cpu_threads, in_background, peak_rss_mib, threads_restored
 from .options import QuantizeOptions
 
 
@@ -111,12 +111,8 @@ def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict
     Raises:
         InputError: bad usage or input; QuantizationError: non-finite values produced.
     """
-    threads = torch.get_num_threads()
-    try:
+    with threads_restored():  # --threads is this run's
         return _run(opts, console, on_committed)
-    finally:  # --threads is this run's: an in-process caller keeps its own
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
 
 
 def _run(opts: QuantizeOptions, console, on_committed) -> dict:

@@ -37,7 +37,7 @@ from ..integrity import check_artifact_folder, foreign_integrity, verify_integri
 from ..manifest import load_manifest
 from ..models import resolve_source
 from ..quant.kv import kv_budget, make_spec, quantized_cache
-from .common import cpu_threads, load_reference
+from .common import cpu_threads, load_reference, threads_restored
 from .options import VerifyOptions
 
 #: gates appear in the report in the order of the sections their statistics come from
@@ -90,8 +90,7 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     if not report["passed"] or opts.hashes_only:
         report["seconds"] = round(time.perf_counter() - t0, 2)
         return validate(report)
-    threads = torch.get_num_threads()
-    try:
+    with threads_restored():  # --threads is this run's
         _, busy = cpu_threads(opts.threads)
         if busy:
             show.note(console, busy)
@@ -102,9 +101,6 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
             served, results = _evaluate(plan, models, prompts, opts, report, console)
         del models
         gc.collect()
-    finally:  # --threads is this run's: an in-process caller keeps its own
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
     report["gates"] = _gates(report, plan.thresholds, served)
     report["failed_gates"] = [x["name"] for x in report["gates"] if not x["passed"]]
     report["passed"] = report["passed"] and not report["failed_gates"]
