@@ -55,7 +55,7 @@ class UnfusedExperts(torch.nn.ModuleList):
         n = len(self)
         flat = top_k_index.reshape(-1)
         valid = flat[(flat >= 0) & (flat < n)]
-        self.counts += torch.bincount(valid.cpu(), minlength=n)[:n]
+        self.counts += torch.bincount(valid, minlength=n)[:n].to(self.counts.device)
         for e in torch.unique(valid).tolist():
             token_idx, slot = torch.where(top_k_index == e)
             y = self[e](hidden_states[token_idx]) * top_k_weights[token_idx, slot, None]

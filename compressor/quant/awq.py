@@ -173,12 +173,12 @@ def search_clip(
     gs = resolve_group_size(group_size, in_f)
     n_groups = in_f // gs
     gram = group_grams(x, gs)  # [G, gs, gs]
-    result = torch.empty(out_f, n_groups)
+    result = torch.empty(out_f, n_groups, device=w.device)
     steps = max(1, int(max_shrink * clip_grid))
     for r0 in range(0, out_f, row_batch):
         wb = w[r0 : r0 + row_batch].float().reshape(-1, n_groups, gs)  # [R, G, gs]
         org_max = wb.abs().amax(dim=-1, keepdim=True)  # [R, G, 1]
-        best_err = torch.full(org_max.shape[:2], float("inf"))
+        best_err = torch.full(org_max.shape[:2], float("inf"), device=w.device)
         best_max = org_max.squeeze(-1).clone()
         for i in range(steps):
             max_val = org_max * (1 - i / clip_grid)

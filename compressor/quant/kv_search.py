@@ -100,7 +100,8 @@ def _errors(rec: AttentionRecorder, spec: KVSpec, k_scales: list, v_scales: list
     the recorded tokens, per KV head's query heads; computed in float32 from the records."""
     o_proj = getattr(rec.attn, "o_proj", None)
     w = o_proj.weight.float().view(o_proj.weight.shape[0], kv_heads, -1) if o_proj is not None else None
-    errs = torch.zeros(len(k_scales), kv_heads, dtype=torch.float64)
+    device = rec.records[0][0].device if rec.records else None  # the attention's (the layer's) device
+    errs = torch.zeros(len(k_scales), kv_heads, dtype=torch.float64, device=device)
     for q, k, v, mask, kw in rec.records:
         # in float32 whatever the model runs in: a bfloat16 attention's own rounding would drown
         # the differences between candidates (a no-op for the pipeline's float32 layers)
@@ -139,7 +140,7 @@ def search_kv_ranges(rec: AttentionRecorder, spec: KVSpec, k_absmax: torch.Tenso
     KV head. With no record the ranges are the absmax (multipliers 1).
     """
     kv_heads = k_absmax.numel()
-    ones = torch.ones(kv_heads)
+    ones = torch.ones(kv_heads, device=k_absmax.device)
     if not rec.records:
         return k_absmax.float(), v_absmax.float(), ones, ones
 
@@ -148,8 +149,8 @@ def search_kv_ranges(rec: AttentionRecorder, spec: KVSpec, k_absmax: torch.Tenso
 
     def choose(errs):
         if spec.codec.per_tensor:
-            return torch.full((kv_heads,), GRID[int(errs.sum(1).argmin())])
-        return torch.tensor([GRID[j] for j in errs.argmin(0).tolist()])
+            return torch.full((kv_heads,), GRID[int(errs.sum(1).argmin())], device=k_absmax.device)
+        return torch.tensor([GRID[j] for j in errs.argmin(0).tolist()], device=k_absmax.device)
 
     v_base = scales(v_absmax, ones)
     mk = choose(_errors(rec, spec, [scales(k_absmax, m) for m in GRID], [v_base] * len(GRID), kv_heads))

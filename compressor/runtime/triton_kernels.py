@@ -76,7 +76,7 @@ def pack_w4(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | Non
     if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
         raise InputError("W4A16 layout needs 4-bit codes in [-8, 7]")
     u = (q.to(torch.int64) + 8).reshape(n, k // 8, 8)
-    words = (u << _SHIFTS).sum(-1)
+    words = (u << _SHIFTS.to(u.device)).sum(-1)
     qweight = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     zp = torch.zeros_like(scale, dtype=torch.int64) if zero_point is None else zero_point.to(torch.int64)
     return qweight.contiguous(), scale.to(dtype).contiguous(), (zp + 8).to(dtype).contiguous()

@@ -1,0 +1,133 @@
+"""kvq's ``--device cuda`` paths on a CUDA device faked on the CPU (tests/fake_cuda.py).
+
+The first real GPU run (2026-12-04, an H200) failed every ``kvq quantize --device cuda``
+(AWQ's clip search, the KV scale search, the MoE routed-token counts kept CPU tensors beside
+CUDA ones) and the Triton step of the GPU check (the W4 packing shifts): CI had run the
+CUDA paths' code only with every tensor on the CPU. Here the same code runs with "cuda"
+tensors that refuse a CPU operand as a GPU does, and each artifact is compared with the
+CPU run's, tensor digest for tensor digest.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compressor.api import QuantizeOptions, run_quantize
+from compressor.manifest import load_manifest
+
+from conftest import make_model_dir
+from fake_cuda import FakeCudaTensor, fake_cuda, reference_triton_kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+FAST = dict(group_size=32, kv_scheme="fp8", calib_samples=4, calib_seqlen=48, seed=0)
+ROWS = ("llama", "kimi_k2", "glm4_moe", "glm_moe_dsa")
+
+
+def test_the_fake_device_refuses_what_a_gpu_refuses(monkeypatch):
+    """The harness can fail: a CPU operand beside a fake CUDA tensor raises CUDA's error, a CPU
+    scalar and CPU indices pass, modules move, ``.device`` says cuda, ``.numpy()`` refuses."""
+    with fake_cuda() as mode:
+        lin = torch.nn.Linear(8, 4).to("cuda")
+        assert isinstance(lin.weight, FakeCudaTensor) and lin.weight.device.type == "cuda" and lin.weight.is_cuda
+        x = torch.randn(2, 8, device="cuda")
+        y = lin(x) * torch.tensor(2.0)  # a CPU scalar: allowed
+        assert y.device.type == "cuda" and y[torch.tensor([1])].shape == (1, 4)
+        with pytest.raises(RuntimeError, match="same device"):
+            _ = y + torch.ones(4)
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.zeros(4).add_(y[0])
+        with pytest.raises(TypeError, match="numpy"):
+            y.numpy()
+        acc = torch.zeros(4, device=y.device)
+        acc += y.sum(0)
+        assert acc.device.type == "cuda" and torch.equal(acc.cpu(), y.cpu().sum(0))
+        assert mode.ops > 0
+    assert not torch.cuda.is_available() or torch.cuda.get_device_name(0) != "fake CUDA (CPU)"
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, tokenizer):
+    """One tiny model per row: llama (GQA), Kimi K2 as published (block FP8, MLA, MoE),
+    GLM-4.5 (GQA, qk-norm, MoE), GLM-5 (MLA, sparse attention, MoE)."""
+    import test_frontier as tf
+
+    root, out = tmp_path_factory.mktemp("fake_cuda"), {}
+    out["llama"] = make_model_dir(root / "llama", tokenizer)
+    tf.to_block_fp8(tf.make_published(root / "kimi_bf16", tokenizer, "kimi_k2"), root / "kimi_k2")
+    out["kimi_k2"] = root / "kimi_k2"
+    out["glm4_moe"] = tf.make_published(root / "glm4_moe", tokenizer, "glm4_moe")
+    out["glm_moe_dsa"] = tf.make_published(root / "glm_moe_dsa", tokenizer, "glm_moe_dsa", index_topk=256)
+    return out
+
+
+def _digests(folder: Path) -> dict:
+    return {n: t.digest for n, t in load_manifest(folder).tensors.items()}
+
+
+@pytest.mark.parametrize("row,algorithm", [("llama", a) for a in ("awq", "gptq", "awq-gptq", "rtn")]
+                         + [(r, a) for r in ROWS[1:] for a in ("awq", "gptq")])
+def test_quantize_on_cuda_equals_cpu(row, algorithm, sources, tmp_path, monkeypatch):
+    """``quantize --device cuda`` runs on the fake device and writes the CPU run's artifact,
+    byte for byte (every tensor digest), with an fp8 KV cache whose scales are searched."""
+    opts = dict(model=str(sources[row]), algorithm=algorithm, **FAST)
+    run_quantize(QuantizeOptions(output=tmp_path / "cpu", **opts))
+    with fake_cuda() as mode:
+        run_quantize(QuantizeOptions(output=tmp_path / "cuda", device="cuda", **opts))
+    assert mode.ops > 1000  # the layers really ran on the (fake) device
+    cpu, cuda = _digests(tmp_path / "cpu"), _digests(tmp_path / "cuda")
+    assert cpu.keys() == cuda.keys()
+    assert [n for n in cpu if cpu[n] != cuda[n]] == []
+
+
+@pytest.fixture(scope="module")
+def artifacts(sources, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fake_cuda_art")
+    out = {}
+    for row in ROWS:
+        out[row] = root / row
+        run_quantize(QuantizeOptions(model=str(sources[row]), output=out[row], algorithm="rtn", **FAST))
+    return out
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_verify_and_serve_smoke_on_cuda(row, artifacts, monkeypatch):
+    """``verify --device cuda`` gives the CPU run's figures; ``serve-smoke --device cuda`` serves
+    with the Triton layers (their kernels replaced by the numerics they are tested against) and
+    agrees with the reference as on the CPU."""
+    from compressor.commands.options import SmokeOptions, VerifyOptions
+    from compressor.commands.serve_smoke import run_serve_smoke
+    from compressor.commands.verify import run_verify
+
+    vopts = dict(artifact=artifacts[row], seqlen=48, max_windows=2, max_new_tokens=4)
+    gate = {"min_top1": 50.0, "max_kl": 0.01} if row == "glm_moe_dsa" else {}
+    cpu = run_verify(VerifyOptions(**vopts))
+    with fake_cuda() as mode:
+        reference_triton_kernels(monkeypatch)
+        cuda = run_verify(VerifyOptions(device="cuda", **vopts))
+        smoke = run_serve_smoke(SmokeOptions(artifact=artifacts[row], device="cuda", max_new_tokens=4, **gate))
+    assert mode.ops > 1000
+    assert cuda["perplexity"]["artifact"] == pytest.approx(cpu["perplexity"]["artifact"], rel=1e-4)
+    assert cuda["perplexity"]["reference"] == pytest.approx(cpu["perplexity"]["reference"], rel=1e-4)
+    kernels = smoke["runtime"]["kernels"]
+    assert any(k.startswith("triton") for k in kernels), kernels
+    assert smoke["passed"], smoke.get("failed_gates")
+
+
+def test_gpu_check_triton_cases_place_their_tensors(monkeypatch):
+    """The GPU check's Triton step builds its weights, layers and timing copies on the device
+    (the W4 packing's shift table stayed on the CPU on the first GPU run)."""
+    from gpu_check_triton import ShapeCopies, case_numerics, random_weight
+
+    with fake_cuda():
+        reference_triton_kernels(monkeypatch)
+        dev = torch.device("cuda")
+        w = random_weight(64, 128, 64, dev, torch.Generator(device=dev).manual_seed(0))
+        row, parts = case_numerics(w, 8)
+        copies = ShapeCopies(w, 2**16)
+    assert row["kernel"] in ("gemv", "gemm") and row["max_abs_err_vs_reference"] < 1e-2
+    assert parts["x"].device.type == "cuda" and len(copies.layers["triton"]) > 1
