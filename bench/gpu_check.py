@@ -329,12 +329,14 @@ def _quantized_modules(manifest) -> list[str]:
     return sorted(n[: -len(leaf)] for n in manifest.tensors for leaf in leaves if n.endswith(leaf))
 
 
-def compare_artifacts(cpu: Path, cuda: Path) -> dict:
+def compare_artifacts(cpu: Path, cuda: Path, seconds_left=None) -> dict:
     """Agreement of two artifacts of the same model and recipe.
 
     Counts equal tensor digests of their manifests; when some differ and both hold their
     tensors, dequantizes both (:func:`compressor.artifact.load_artifact`, float32) and gives
     the weight SQNR (CPU as reference) of every quantized Linear: min, median, worst module.
+    ``seconds_left`` (a callable): the SQNR is skipped, with a note, once it returns <= 0
+    (the digest count is instant; loading two artifacts is not).
     """
     from compressor.manifest import load_manifest
 
@@ -351,6 +353,9 @@ def compare_artifacts(cpu: Path, cuda: Path) -> dict:
         return res
     if not any(Path(cpu).glob("*.safetensors")) or not any(Path(cuda).glob("*.safetensors")):
         res["weight_sqnr_db"] = {"note": "not computed: an artifact holds no tensors (manifest only)"}
+        return res
+    if seconds_left is not None and seconds_left() <= 0:
+        res["weight_sqnr_db"] = {"note": "not computed: the time budget was spent"}
         return res
     res["weight_sqnr_db"] = weight_sqnr(cpu, cuda, _quantized_modules(ma))
     return res
@@ -403,7 +408,7 @@ def step_agreement(ctx: Context) -> dict:
     for algo in ALGOS:
         cuda = ctx.cuda_artifacts.get(algo) or args.work / "cuda" / algo
         try:
-            res[algo] = compare_artifacts(cpu_dir / algo, cuda)
+            res[algo] = compare_artifacts(cpu_dir / algo, cuda, ctx.remaining)
         except Exception as e:
             res[algo] = {"error": f"{type(e).__name__}: {e}"}
             errors.append(f"{algo}: {res[algo]['error']}")

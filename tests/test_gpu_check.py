@@ -279,6 +279,10 @@ def test_compare_artifacts_sqnr_and_manifest_only(cpu_run, tmp_path):
     shutil.copy(work / "cpu" / "gptq" / "kvq-manifest.json", only)
     c2 = gc.compare_artifacts(only, work / "cpu" / "awq")
     assert c2["digests_equal"] == c["digests_equal"] and "manifest only" in c2["weight_sqnr_db"]["note"]
+    # past the deadline the digests are still counted, the artifacts not loaded (the first GPU run
+    # was killed loading them after its budget)
+    c3 = gc.compare_artifacts(work / "cpu" / "awq", work / "cpu" / "gptq", seconds_left=lambda: 0.0)
+    assert c3["digests_equal"] == c["digests_equal"] and "time budget" in c3["weight_sqnr_db"]["note"]
 
 
 def test_agreement_skips_and_uses_given_cpu_artifacts(cpu_run):
