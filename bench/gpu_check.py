@@ -6,8 +6,9 @@ Steps (``--steps``, default all, in this order), one JSON at ``--out``
 * ``triton`` -- Triton W4A16 GEMV/GEMM vs torch on the same inputs, time, achieved bandwidth
   as a fraction of the copy bandwidth (``bench/gpu_check_triton.py``): SmolLM2's Linear
   shapes and a 4096x11008 / 11008x4096 pair, group 64, batches 1 and 8 (decode; the GEMV
-  kernel serves M <= 8) and 64 (prefill; the GEMM kernel). A MoE Triton kernel is looked
-  for and recorded as present or "not present".
+  kernel serves M <= 8) and 64 (prefill; the GEMM kernel); and the grouped MoE kernel on
+  GLM-4.5-Air's routed projections (128 experts, top-8; 1 and 8 tokens) against its torch
+  reference, with the routed experts' bytes as the bandwidth.
 * ``quantize`` -- ``kvq quantize MODEL --device cuda`` with ``w4a16-awq`` and
   ``w4a16-gptq``, calibration ``--calib`` (default SHARED/wikitext-2/valid.txt when present,
   else ``embedded``), ``--samples`` x ``--seqlen`` (32 x 512), seed 0: wall time and the
@@ -439,9 +440,18 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"{'N x K':<12} {'M':>3} {'kernel':<6} {'triton us':>10} {'% copy BW':>9} {'torch us':>9} "
                      f"{'fp16 us':>8} {'err':>9}")
         for r in rows:
-            lines.append(f"{str(r['n']) + 'x' + str(r['k']):<12} {r['m']:>3} {r['kernel']:<6} {r['triton_us']:>10.1f} "
+            kern = r["kernel"] + (f"/{r['split_k']}" if r.get("split_k", 1) > 1 else "")
+            lines.append(f"{str(r['n']) + 'x' + str(r['k']):<12} {r['m']:>3} {kern:<6} {r['triton_us']:>10.1f} "
                          f"{100 * r['fraction_of_copy_bw']:>9.0f} {r['torch_dequant_us']:>9.1f} "
                          f"{r['fp16_linear_us']:>8.1f} {r['max_abs_err_vs_torch']:>9.2e}")
+    moe = st.get("triton", {}).get("moe", {}).get("rows", [])
+    if moe:
+        lines.append(f"{'MoE case':<18} {'tokens':>6} {'experts':>7} {'triton us':>10} {'% copy BW':>9} "
+                     f"{'torch us':>9} {'err':>9}")
+        for r in moe:
+            lines.append(f"{r['name']:<18} {r['tokens']:>6} {r['experts_routed']:>7} {r['triton_us']:>10.1f} "
+                         f"{100 * r['fraction_of_copy_bw']:>9.0f} {r['torch_reference_us']:>9.1f} "
+                         f"{r['max_abs_err_vs_reference']:>9.2e}")
     return lines
 
 
@@ -451,7 +461,8 @@ def _headline(name: str, r: dict) -> str:
     if r["status"] == "error" and not any(a in r for a in ALGOS):
         return r.get("error", "")
     if name == "triton":
-        return f"copy BW {r['copy_bandwidth_gb_s']:.0f} GB/s; {len(r['rows'])} cases; MoE kernel {r['moe']['status']}"
+        return (f"copy BW {r['copy_bandwidth_gb_s']:.0f} GB/s; {len(r['rows'])} cases; MoE kernel {r['moe']['status']}"
+                f" ({len(r['moe'].get('rows', []))} cases)")
     if name == "quantize":
         return "; ".join(f"{a} {r[a]['wall_s']:.0f} s" if r[a].get("rc") == 0 else f"{a} FAILED"
                          for a in ALGOS if a in r)

@@ -30,6 +30,11 @@ for _p in (ROOT, ROOT / "bench"):  # compressor (this checkout), triton_bench
 
 #: (out_features N, in_features K) of the cases
 SHAPES = ((576, 576), (576, 1536), (1536, 576), (4096, 11008), (11008, 4096))
+#: grouped MoE cases: (name, experts E, N, K, top-k): GLM-4.5-Air's routed gate/up (128 experts,
+#: 2 x 1408 x 4096) and down (4096 x 1408), top-8
+MOE_SHAPES = (("glm45air-gate_up", 128, 2816, 4096, 8), ("glm45air-down", 128, 4096, 1408, 8))
+#: tokens per decode step of the MoE cases
+MOE_TOKENS = (1, 8)
 
 
 def w4a16_bytes(m: int, n: int, k: int, group_size: int, act_bytes: int = 2) -> int:
@@ -86,7 +91,7 @@ def case_numerics(w, m: int, seed: int = 0) -> tuple[dict, dict]:
     import torch
 
     from compressor.runtime.linear import make_linear
-    from compressor.runtime.triton_kernels import choose_config, w4a16_reference
+    from compressor.runtime.triton_kernels import _sm_count, choose_config, w4a16_reference
 
     dev = w.q.device
     n, k, gs = w.out_features, w.in_features, w.group_size
@@ -97,7 +102,9 @@ def case_numerics(w, m: int, seed: int = 0) -> tuple[dict, dict]:
     x = torch.randn(m, k, device=dev, generator=torch.Generator(device=dev).manual_seed(seed)).half()
     y_tri, y_torch = tri(x).float(), deq(x).float()
     ref = w4a16_reference(x, tri.qweight, tri.scales, tri.zeros, gs).float()
-    row = {"n": n, "k": k, "m": m, "group_size": gs, "kernel": choose_config(m, n, k, gs).kind,
+    cfg = choose_config(m, n, k, gs, _sm_count(dev))  # what the launcher uses on this device
+    row = {"n": n, "k": k, "m": m, "group_size": gs, "kernel": cfg.kind, "split_k": cfg.split_k,
+           "blocks_mnk": [cfg.block_m, cfg.block_n, cfg.block_k],
            "max_abs_err_vs_torch": float((y_tri - y_torch).abs().max()),
            "max_abs_err_vs_reference": float((y_tri - ref).abs().max()),
            "max_abs_output": float(ref.abs().max())}
@@ -109,9 +116,10 @@ def _copies(bytes_per_copy: int, l2_bytes: int) -> int:
     return max(1, min(1024, -(-3 * l2_bytes // max(bytes_per_copy, 1))))
 
 
-def time_calls(fns: list, reps: int) -> tuple[float, str]:
+def time_calls(fns: list, reps: int, graph: bool = True) -> tuple[float, str]:
     """Median seconds per call: ``fns`` (one call per weight copy, at least 16) captured in one
-    CUDA graph, replayed ``reps`` times under ``triton_bench._time``; eager if capture fails."""
+    CUDA graph, replayed ``reps`` times under ``triton_bench._time``; eager if capture fails or
+    ``graph`` is False (calls that read a device value on the host cannot be captured)."""
     import torch
     from triton_bench import _time
 
@@ -123,6 +131,8 @@ def time_calls(fns: list, reps: int) -> tuple[float, str]:
             f()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+    if not graph:
+        return _time(lambda: [f() for f in fns], reps=reps, warm=3) / len(fns), "eager"
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -182,15 +192,102 @@ def l2_cache_bytes() -> int:
     return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 64 * 2**20)
 
 
+def random_experts(e: int, n: int, k: int, group_size: int, device, gen, dtype=None):
+    """Packed 4-bit weights of ``e`` experts in the grouped kernel's layout: int32 codes
+    ``[E, N, K/8]`` (random words), scales ``[E, N, G]`` and zeros ``[E, N, G]`` (8: symmetric)."""
+    import torch
+
+    dtype = dtype or torch.float16
+    g = k // group_size
+    qw = torch.randint(-2**31, 2**31 - 1, (e, n, k // 8), dtype=torch.int32, device=device, generator=gen)
+    scales = (torch.rand(e, n, g, device=device, generator=gen) * 0.02 + 0.001).to(dtype)
+    zeros = torch.full((e, n, g), 8.0, dtype=dtype, device=device)
+    return qw, scales, zeros
+
+
+def moe_case(e: int, n: int, k: int, top_k: int, tokens: int, group_size: int, device, seed: int = 0,
+             dtype=None) -> tuple[dict, dict]:
+    """The grouped W4A16 kernel on one MoE projection vs its torch reference (gate/up layout:
+    each token's input read once per routed slot, ``rows_per_token = top_k``).
+
+    Returns ``(row, parts)``: the row (shape, routed experts, max abs error) and the launch's
+    inputs for :func:`time_moe`. ``top_k`` distinct experts per token, drawn with ``seed``.
+    """
+    import torch
+
+    from compressor.runtime.triton_kernels import moe_w4a16, moe_w4a16_reference
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = dtype or torch.float16
+    qw, s, z = random_experts(e, n, k, group_size, device, gen, dtype)
+    x = torch.randn(tokens, k, device=device, generator=gen).to(dtype)
+    idx = torch.stack([torch.randperm(e, device=device, generator=gen)[:top_k] for _ in range(tokens)])
+    out = moe_w4a16(x, idx, qw, s, z, group_size, rows_per_token=top_k)
+    ref = moe_w4a16_reference(x, idx, qw, s, z, group_size, top_k)
+    used = int(idx.unique().numel())
+    row = {"e": e, "n": n, "k": k, "top_k": top_k, "tokens": tokens, "group_size": group_size,
+           "experts_routed": used, "max_abs_err_vs_reference": float((out.float() - ref.float()).abs().max()),
+           "max_abs_output": float(ref.float().abs().max())}
+    return row, {"x": x, "idx": idx, "w": (qw, s, z)}
+
+
+def moe_bytes(row: dict, act_bytes: int = 2) -> int:
+    """Bytes one grouped call moves at least: the routed experts' packed weights, scales and
+    zeros, the inputs (once per token) and the outputs (one row per routed slot)."""
+    n, k, g = row["n"], row["k"], row["k"] // row["group_size"]
+    per_expert = n * k // 2 + 2 * n * g * act_bytes
+    return row["experts_routed"] * per_expert + (row["tokens"] * k + row["tokens"] * row["top_k"] * n) * act_bytes
+
+
+def time_moe(row: dict, parts: dict, reps: int, copy_bw: float) -> dict:
+    """``row`` plus the grouped kernel's and the torch reference's time per call (us) and the
+    kernel's bandwidth (:func:`moe_bytes`) as a fraction of the copy bandwidth (CUDA). The
+    weights are one copy (a real layer's experts exceed the L2 cache already)."""
+    from compressor.runtime.triton_kernels import moe_w4a16, moe_w4a16_reference
+
+    x, idx, (qw, s, z), gs, k = parts["x"], parts["idx"], parts["w"], row["group_size"], row["top_k"]
+    # eager: the launch sizes its grid from the routed counts (a host read), which a graph cannot hold
+    t_tri, mode = time_calls([lambda: moe_w4a16(x, idx, qw, s, z, gs, rows_per_token=k)], reps, graph=False)
+    t_ref, _ = time_calls([lambda: moe_w4a16_reference(x, idx, qw, s, z, gs, k)], max(1, reps // 10), graph=False)
+    moved = moe_bytes(row)
+    return {**row, "timing": mode, "bytes_moved": moved, "triton_us": t_tri * 1e6,
+            "fraction_of_copy_bw": moved / t_tri / copy_bw, "torch_reference_us": t_ref * 1e6,
+            "speedup_vs_torch_reference": t_ref / t_tri}
+
+
 def moe_kernel_status() -> dict:
-    """Whether ``compressor.runtime.triton_kernels`` has a MoE kernel yet (public names containing 'moe')."""
+    """Whether ``compressor.runtime.triton_kernels`` has a MoE kernel (public names containing 'moe')."""
     from compressor.runtime import triton_kernels as tk
 
     names = sorted(n for n in dir(tk) if "moe" in n.lower() and not n.startswith("_"))
     if not names:
         return {"status": "not present"}
-    return {"status": "present, not timed", "names": names,
-            "note": "gpu_check.py predates this kernel: add its cases to step_triton"}
+    return {"status": "present", "names": names}
+
+
+def moe_rows(ctx, group_size: int, copy_bw: float, errors: list) -> list[dict]:
+    """Every :data:`MOE_SHAPES` x :data:`MOE_TOKENS` case (timed on CUDA; a failing case is
+    recorded in ``errors`` and the next runs)."""
+    import torch
+
+    rows, dev = [], getattr(ctx, "device", "cuda")
+    for name, e, n, k, top_k in MOE_SHAPES:
+        for t in MOE_TOKENS:
+            if ctx.remaining() <= 0:
+                errors.append(f"moe {name} tokens={t}: time budget spent")
+                continue
+            try:
+                row, parts = moe_case(e, n, k, top_k, t, group_size, dev)
+                row = {"name": name, **time_moe(row, parts, ctx.args.reps, copy_bw)}
+                rows.append(row)
+                log(f"triton moe {name} tokens={t}: {row['triton_us']:.1f} us, "
+                    f"{100 * row['fraction_of_copy_bw']:.0f} % of copy BW, torch reference {row['torch_reference_us']:.1f} us")
+            except Exception as ex:  # noqa: BLE001 -- recorded in the JSON
+                errors.append(f"moe {name} tokens={t}: {type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}")
+            parts = None
+            if dev != "cpu":
+                torch.cuda.empty_cache()
+    return rows
 
 
 def step_triton(ctx) -> dict:
@@ -234,7 +331,10 @@ def step_triton(ctx) -> dict:
             errors.append(f"{n}x{k}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         w = copies = parts = None
         torch.cuda.empty_cache()
-    res = {"copy_bandwidth_gb_s": bw / 1e9, "l2_cache_bytes": l2, "rows": rows, "moe": moe_kernel_status()}
+    moe = moe_kernel_status()
+    if moe["status"] == "present":
+        moe["rows"] = moe_rows(ctx, args.group_size, bw, errors)
+    res = {"copy_bandwidth_gb_s": bw / 1e9, "l2_cache_bytes": l2, "rows": rows, "moe": moe}
     if left:
         res["note"] = f"time budget spent: {len(left)} cases not run ({', '.join(left[:4])}...)"
     if errors:

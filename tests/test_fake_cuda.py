@@ -121,7 +121,7 @@ def test_verify_and_serve_smoke_on_cuda(row, artifacts, monkeypatch):
 def test_gpu_check_triton_cases_place_their_tensors(monkeypatch):
     """The GPU check's Triton step builds its weights, layers and timing copies on the device
     (the W4 packing's shift table stayed on the CPU on the first GPU run)."""
-    from gpu_check_triton import ShapeCopies, case_numerics, random_weight
+    from gpu_check_triton import ShapeCopies, case_numerics, moe_case, random_weight
 
     with fake_cuda():
         reference_triton_kernels(monkeypatch)
@@ -129,5 +129,7 @@ def test_gpu_check_triton_cases_place_their_tensors(monkeypatch):
         w = random_weight(64, 128, 64, dev, torch.Generator(device=dev).manual_seed(0))
         row, parts = case_numerics(w, 8)
         copies = ShapeCopies(w, 2**16)
+        moe, moe_parts = moe_case(6, 48, 64, 2, 3, 32, dev)
     assert row["kernel"] in ("gemv", "gemm") and row["max_abs_err_vs_reference"] < 1e-2
     assert parts["x"].device.type == "cuda" and len(copies.layers["triton"]) > 1
+    assert moe_parts["idx"].device.type == "cuda" and moe["max_abs_err_vs_reference"] == 0  # the reference itself here

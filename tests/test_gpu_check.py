@@ -313,12 +313,13 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
         rows.append(row)
     # the step's loop on CPU: CUDA-only parts stubbed (time: each call once, 1 us; L2 of 1 KiB -> 1-2 copies)
     calls = []
-    def fake_time(fns, reps):
+    def fake_time(fns, reps, graph=True):
         calls.append(len(fns))
         for f in fns:
             assert f().shape[1] in (40, 48)
         return 1e-6, "stub"
     gct.time_calls, gct.l2_cache_bytes, gct.SHAPES = fake_time, lambda: 1024, ((40, 64), (48, 96))
+    gct.MOE_SHAPES, gct.MOE_TOKENS = (("tiny-gate_up", 6, 48, 64, 2),), (1, 3)
     triton_bench.copy_bandwidth = lambda: 1e12
     args = types.SimpleNamespace(batches=(1, 3), group_size=32, reps=2)
     ctx = types.SimpleNamespace(args=args, device="cpu", remaining=lambda: 100.0)
@@ -342,7 +343,13 @@ def test_triton_step_under_interpreter():
         assert r["max_abs_err_vs_reference"] <= tol and r["max_abs_err_vs_torch"] <= 2 * tol, r
         assert r["max_abs_output"] > 0.1
     step = out["step"]
-    assert step["moe"]["status"] == "present, not timed" and "moe_w4a16" in step["moe"]["names"]
+    assert step["moe"]["status"] == "present" and "moe_w4a16" in step["moe"]["names"]
+    moe = step["moe"]["rows"]
+    assert [(r["name"], r["tokens"], r["experts_routed"] <= min(6, 2 * r["tokens"])) for r in moe] == [
+        ("tiny-gate_up", 1, True), ("tiny-gate_up", 3, True)]
+    for r in moe:  # the grouped kernel against its torch reference, both timed by the stub (1 us)
+        assert r["max_abs_err_vs_reference"] <= 2 ** -9 * r["max_abs_output"] + 1e-3 and r["max_abs_output"] > 0.1
+        assert r["bytes_moved"] == gct.moe_bytes(r) and r["speedup_vs_torch_reference"] == pytest.approx(1.0)
     assert step["copy_bandwidth_gb_s"] == 1000 and "note" not in step
     assert [(r["n"], r["k"], r["m"]) for r in step["rows"]] == [(40, 64, 1), (40, 64, 3), (48, 96, 1), (48, 96, 3)]
     r = step["rows"][0]
@@ -351,4 +358,4 @@ def test_triton_step_under_interpreter():
     assert r["fraction_of_copy_bw"] == pytest.approx(1808 / 1e-6 / 1e12) and r["weight_copies"] == 2
     assert r["timing"] == "stub" and r["speedup_vs_fp16_linear"] == pytest.approx(1.0)
     # triton layer 1,600 bytes, dequant layer 2,800 (int8 codes, fp16 scales, int8 zeros), fp16 weight 5,120
-    assert out["calls"][:3] == [2, 2, 1] and len(out["calls"]) == 3 * 4
+    assert out["calls"][:3] == [2, 2, 1] and len(out["calls"]) == 3 * 4 + 2 * 2 and out["calls"][-4:] == [1] * 4

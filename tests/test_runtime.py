@@ -348,18 +348,22 @@ def test_w4_layout_is_compressed_tensors_and_reference_is_dequantize():
 
 
 def test_choose_config_launch_logic():
-    for m in (1, 4, GEMV_MAX_M):
+    for m in (1, 4, GEMV_MAX_M):  # decode: one 16-row tile for every row, K split over idle multiprocessors
         c = choose_config(m, 1536, 576, 64)
-        assert c.kind == "gemv" and c.block_n == 128 and c.block_k == 128 and c.grid(m, 1536) == (m, 12)
+        assert c.kind == "gemv" and (c.block_m, c.block_n, c.block_k) == (16, 64, 128)
+        assert c.split_k == 2 and c.grid(m, 1536) == (24, 1, 2)  # 24 tiles; 5 K steps: at least 2 per split
+    c = choose_config(1, 4096, 11008, 64, sm_count=132)  # the first GPU run's shape: 64 tiles alone on 132 SMs
+    assert c.grid(1, 4096) == (64, 1, 4)
+    assert choose_config(1, 11008, 4096, 64, sm_count=132).split_k == 1  # 172 tiles: enough
     c = choose_config(9, 576, 1536, 64)
-    assert c.kind == "gemm" and (c.block_m, c.block_n, c.block_k) == (16, 64, 64) and c.grid(9, 576) == (1, 9)
+    assert c.kind == "gemm" and (c.block_m, c.block_n, c.block_k) == (16, 64, 64) and c.grid(9, 576) == (9, 1, 12)
     c = choose_config(512, 1536, 576, 64)
-    assert (c.block_m, c.block_n, c.num_warps) == (64, 128, 8) and c.grid(512, 1536) == (8, 12)
+    assert (c.block_m, c.block_n, c.num_warps) == (64, 128, 8) and c.grid(512, 1536) == (12, 8, 2)
     c = choose_config(20, 24, 16, 16)  # small: powers of two, never below 16
-    assert (c.block_m, c.block_n, c.block_k) == (32, 16, 32)
+    assert (c.block_m, c.block_n, c.block_k, c.split_k) == (32, 16, 32, 1)
     for cfg in (choose_config(m, n, 64, 32) for m in (1, 3, 17, 100) for n in (8, 40, 300)):
         for b in (cfg.block_m, cfg.block_n, cfg.block_k):
-            assert b & (b - 1) == 0
+            assert b & (b - 1) == 0 and b >= 16  # tl.dot's minimum tile
     with pytest.raises(InputError, match="divisible by 8"):
         choose_config(1, 64, 60, 60)
     with pytest.raises(InputError, match="bad W4A16"):
@@ -400,12 +404,12 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     errs = []
     cases = [(1, 48, 64, 32, None), (3, 40, 96, 32, None), (2, 64, 128, 128, None), (20, 64, 128, 64, None),
              (17, 24, 64, 64, None), (33, 80, 96, 32, KernelConfig("gemm", 16, 32, 32, 4, 2)),
-             (5, 72, 64, 64, KernelConfig("gemv", 1, 16, 16, 4, 2))]
+             (5, 72, 64, 64, KernelConfig("gemv", 16, 16, 16, 4, 2, 3)), (2, 40, 640, 64, None),
+             (24, 48, 320, 32, KernelConfig("gemm", 16, 16, 32, 4, 2, 4))]
     for dtype in (torch.float16, torch.bfloat16):
         for m, n, k, g, cfg in cases:
-            kind = (cfg or choose_config(m, n, k, g)).kind
-            if dtype == torch.bfloat16 and kind == "gemm":
-                continue  # the interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)
+            cfg = cfg or choose_config(m, n, k, g)
+            kind = f"{cfg.kind}/split{cfg.split_k}" if cfg.split_k > 1 else cfg.kind
             q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
             zp = torch.randint(-8, 8, (n, k // g), dtype=torch.int8)
             qw, s, z = pack_w4(q, torch.rand(n, k // g) * 0.1 + 0.01, zp, dtype)
@@ -433,7 +437,8 @@ def test_triton_kernels_under_interpreter(artifacts):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(proc.stdout.strip().splitlines()[-1])
     kinds = {(c[0], c[5]) for c in rep["cases"]}
-    assert kinds == {("torch.float16", "gemv"), ("torch.float16", "gemm"), ("torch.bfloat16", "gemv")}
+    assert {kind for _, kind in kinds} >= {"gemv", "gemm", "gemv/split3", "gemv/split2", "gemm/split4"}
+    assert {d for d, _ in kinds} == {"torch.float16", "torch.bfloat16"}  # bf16 tl.dot too (float32 products)
     for dtype, m, n, k, g, kind, err, mx in rep["cases"]:
         # same numerics contract; the float32 summation order differs, then one output rounding (the
         # interpreter's bfloat16 conversions do not round like torch's: allow a few ulps there); a

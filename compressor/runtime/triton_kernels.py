@@ -20,11 +20,15 @@ dtype; products accumulated in float32; the output rounded to the activation dty
 ``u - z = q - zero_point`` exactly, so ``w`` equals
 :func:`compressor.quant.primitives.dequantize` rounded to the activation dtype.
 
-Kernels: ``gemv`` (small ``M``: one program per row and ``BLOCK_N`` output columns, a
-``tl.sum`` reduction over ``BLOCK_K`` inputs), ``gemm`` (``tl.dot`` tiles of
-``BLOCK_M x BLOCK_N``, ``BLOCK_K`` deep) and ``moe`` (the grouped gemm of a
-mixture-of-experts layer: rows sorted by expert, each program one expert's tile; see
-:func:`moe_w4a16`). The dequantized tile never leaves registers.
+Kernels: ``mm`` (``tl.dot`` tiles of ``BLOCK_M x BLOCK_N`` from ``[BLOCK_N, BLOCK_K]``
+weight tiles read along K, the packed words' contiguous axis; every row of a decode step
+in one 16-row tile, so the weight is read once; K split across programs when the output
+tiles alone would leave multiprocessors idle, the float32 partial sums added after) and
+``moe`` (the grouped gemm of a mixture-of-experts layer: rows sorted by expert, each
+program one expert's tile; see :func:`moe_w4a16`). The dequantized tile never leaves
+registers. The first GPU run (an H200, BENCHMARKS.md) timed the kernels before ``mm``
+(one program per row, ``[BLOCK_K, BLOCK_N]`` tiles gathered across rows): correct, 4-10x
+slower than dequantizing in torch; ``mm`` has not run on a GPU yet.
 :func:`choose_config` picks the kernel and block sizes; :func:`w4a16_matmul` validates
 and launches.
 
@@ -107,23 +111,25 @@ def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Which kernel and which (power-of-two) block sizes a launch uses."""
+    """Which configuration and which (power-of-two) block sizes a launch uses."""
 
-    kind: str  # "gemv" | "gemm"
+    kind: str  # "gemv" (M <= GEMV_MAX_M) | "gemm": the same kernel, named for the reports
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # programs sharing one output tile's K range (float32 partial sums, added after)
 
-    def grid(self, m: int, n: int) -> tuple[int, int]:
-        """Program grid: ``(M, ceil(N / BLOCK_N))`` for gemv, ``(ceil(M/BLOCK_M), ceil(N/BLOCK_N))`` for gemm."""
-        rows = m if self.kind == "gemv" else -(-m // self.block_m)
-        return rows, -(-n // self.block_n)
+    def grid(self, m: int, n: int) -> tuple[int, int, int]:
+        """Program grid: ``(ceil(N / BLOCK_N), ceil(M / BLOCK_M), SPLIT_K)``."""
+        return -(-n // self.block_n), -(-m // self.block_m), self.split_k
 
 
-#: largest M served by the GEMV kernel (tl.dot needs M tiles of at least 16 rows)
+#: largest M served by the decode configuration (one 16-row tile, split K)
 GEMV_MAX_M = 8
+#: streaming multiprocessors assumed when the device does not say (an H100/H200 has 132)
+DEFAULT_SM_COUNT = 132
 
 
 def _pow2_at_most(v: int, cap: int, floor: int) -> int:
@@ -133,17 +139,20 @@ def _pow2_at_most(v: int, cap: int, floor: int) -> int:
     return p
 
 
-def choose_config(m: int, n: int, k: int, group_size: int) -> KernelConfig:
-    """Kernel and block sizes for ``x [m, k] @ W[n, k].T``.
+def choose_config(m: int, n: int, k: int, group_size: int, sm_count: int | None = None) -> KernelConfig:
+    """Block sizes for ``x [m, k] @ W[n, k].T``.
 
-    * ``m <= GEMV_MAX_M`` (decode): ``gemv`` -- weight streaming dominates; ``BLOCK_N`` up
-      to 128 output columns, ``BLOCK_K`` up to 128 inputs (never below 16).
-    * otherwise (prefill): ``gemm`` with ``BLOCK_M`` 16/32/64 following ``m``,
-      ``BLOCK_N`` 64 (128 once ``m >= 64``), ``BLOCK_K`` 64 (32 when ``k < 64``); 8 warps
-      for the 64x128 tile.
+    Every program computes a ``BLOCK_M x BLOCK_N`` output tile from ``[BLOCK_N, BLOCK_K]``
+    weight tiles read along K (the packed words' contiguous axis) and ``tl.dot``:
 
-    Scales and zeros are gathered per element, so block sizes need no relation to the
-    group size; masks cover ragged edges.
+    * ``m <= GEMV_MAX_M`` (decode, ``gemv``): one 16-row tile holds every row, so the
+      weight is read once whatever ``m``; ``BLOCK_N`` up to 64, ``BLOCK_K`` up to 128.
+    * otherwise (prefill, ``gemm``): ``BLOCK_M`` 16/32/64 following ``m``, ``BLOCK_N`` 64
+      (128 once ``m >= 64``), ``BLOCK_K`` 64 (32 when ``k < 64``); 8 warps for 64x128.
+
+    When the tiles are fewer than twice ``sm_count`` (default :data:`DEFAULT_SM_COUNT`),
+    K is split across up to 16 programs per tile (each at least two ``BLOCK_K`` steps), so
+    a decode GEMV of a 4096-row weight runs on every multiprocessor, not on 32 of them.
 
     Raises:
         InputError: non-positive sizes, ``k % 8 != 0`` or a group size not dividing ``k``.
@@ -153,11 +162,16 @@ def choose_config(m: int, n: int, k: int, group_size: int) -> KernelConfig:
     if k % 8 or k % group_size:
         raise InputError(f"W4A16 needs in_features ({k}) divisible by 8 and by the group size ({group_size})")
     if m <= GEMV_MAX_M:
-        return KernelConfig("gemv", 1, _pow2_at_most(n, 128, 16), _pow2_at_most(k, 128, 16), 4, 2)
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    bn = 128 if m >= 64 and n >= 128 else _pow2_at_most(n, 64, 16)
-    bk = 64 if k >= 64 else 32
-    return KernelConfig("gemm", bm, bn, bk, 8 if bm * bn >= 64 * 128 else 4, 3)
+        kind, bm, bn, bk, warps, stages = "gemv", 16, _pow2_at_most(n, 64, 16), _pow2_at_most(k, 128, 16), 4, 3
+    else:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        bn = 128 if m >= 64 and n >= 128 else _pow2_at_most(n, 64, 16)
+        kind, bk, stages = "gemm", 64 if k >= 64 else 32, 3
+        warps = 8 if bm * bn >= 64 * 128 else 4
+    tiles = -(-n // bn) * -(-m // bm)
+    steps = -(-k // bk)
+    split = max(1, min(2 * (sm_count or DEFAULT_SM_COUNT) // tiles, steps // 2, 16))
+    return KernelConfig(kind, bm, bn, bk, warps, stages, split)
 
 
 # ---------------------------------------------------------------------------------------
@@ -185,60 +199,49 @@ def _kernels(interpret: bool):
     import triton.language as tl
 
     @triton.jit
-    def w4_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, stride_xm, stride_om,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        kw = K // 8
-        ng = K // G
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            mask = k_mask[:, None] & n_mask[None, :]
-            a = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=k_mask, other=0.0)
-            words = tl.load(qw_ptr + offs_n[None, :] * kw + offs_k[:, None] // 8, mask=mask, other=0)
-            u = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
-            grp = offs_n[None, :] * ng + offs_k[:, None] // G
-            s = tl.load(s_ptr + grp, mask=mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + grp, mask=mask, other=0.0).to(tl.float32)
-            w = ((u.to(tl.float32) - z) * s).to(a.dtype).to(tl.float32)
-            acc += tl.sum(a.to(tl.float32)[:, None] * w, axis=0)
-        tl.store(out_ptr + pid_m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-    @triton.jit
-    def w4_gemm(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, G, stride_xm, stride_om,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+    def w4_mm(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, G, stride_xm, stride_om, k_chunk,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+              DOT_F32: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mask = offs_m < M
         n_mask = offs_n < N
         kw = K // 8
         ng = K // G
+        k_lo = pid_k * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
+            k_mask = offs_k < k_hi
             a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            mask = k_mask[:, None] & n_mask[None, :]
-            words = tl.load(qw_ptr + offs_n[None, :] * kw + offs_k[:, None] // 8, mask=mask, other=0)
-            u = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
-            grp = offs_n[None, :] * ng + offs_k[:, None] // G
+            mask = n_mask[:, None] & k_mask[None, :]
+            # [BLOCK_N, BLOCK_K] along K: neighbouring threads read neighbouring words of a row
+            words = tl.load(qw_ptr + offs_n[:, None] * kw + offs_k[None, :] // 8, mask=mask, other=0)
+            u = (words >> ((offs_k[None, :] % 8) * 4)) & 0xF
+            grp = offs_n[:, None] * ng + offs_k[None, :] // G
             s = tl.load(s_ptr + grp, mask=mask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + grp, mask=mask, other=0.0).to(tl.float32)
             w = ((u.to(tl.float32) - z) * s).to(a.dtype)
-            acc += tl.dot(a, w, out_dtype=tl.float32)
-        out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+            if DOT_F32:  # the interpreter: exact float32 products (its bf16 tl.dot is wrong, triton#11584)
+                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32)
+        if SPLIT_K == 1:
+            out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        else:  # float32 partial sums [SPLIT_K, M, N], added by the launcher
+            out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+            tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
 
     @triton.jit
     def w4_moe(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, rows_ptr, bexp_ptr, R, N, K, G, stride_xm, stride_om,
-               rows_per_token, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               rows_per_token, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               DOT_F32: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m).to(tl.int64)
@@ -258,18 +261,21 @@ def _kernels(interpret: bool):
             k_mask = offs_k < K
             a = tl.load(x_ptr + xrow[:, None] * stride_xm + offs_k[None, :],
                         mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-            mask = k_mask[:, None] & n_mask[None, :]
-            words = tl.load(qw_e + offs_n[None, :] * kw + offs_k[:, None] // 8, mask=mask, other=0)
-            u = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
-            grp = offs_n[None, :] * ng + offs_k[:, None] // G
+            mask = n_mask[:, None] & k_mask[None, :]
+            words = tl.load(qw_e + offs_n[:, None] * kw + offs_k[None, :] // 8, mask=mask, other=0)  # along K
+            u = (words >> ((offs_k[None, :] % 8) * 4)) & 0xF
+            grp = offs_n[:, None] * ng + offs_k[None, :] // G
             s = tl.load(s_e + grp, mask=mask, other=0.0).to(tl.float32)
             z = tl.load(z_e + grp, mask=mask, other=0.0).to(tl.float32)
             w = ((u.to(tl.float32) - z) * s).to(a.dtype)
-            acc += tl.dot(a, w, out_dtype=tl.float32)
+            if DOT_F32:
+                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32)
         out = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
 
-    return {"gemv": w4_gemv, "gemm": w4_gemm, "moe": w4_moe}
+    return {"mm": w4_mm, "moe": w4_moe}
 
 
 def check_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -321,17 +327,31 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         raise InputError("the triton backend needs the 'triton' package (pip install kvq-compressor[triton])")
     m, k = x.shape
     n = qweight.shape[0]
-    cfg = config or choose_config(m, n, k, group_size)
+    cfg = config or choose_config(m, n, k, group_size, _sm_count(x.device))
     x = x.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    kern = _kernels(interpreting())[cfg.kind]
-    common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.kind == "gemv":
-        kern[cfg.grid(m, n)](x, qweight, scales, zeros, out, n, k, group_size, x.stride(0), out.stride(0), **common)
-    else:
-        kern[cfg.grid(m, n)](x, qweight, scales, zeros, out, m, n, k, group_size, x.stride(0), out.stride(0),
-                             BLOCK_M=cfg.block_m, **common)
-    return out
+    k_chunk = -(-k // (cfg.split_k * cfg.block_k)) * cfg.block_k
+    kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+              DOT_F32=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kern = _kernels(interpreting())["mm"][cfg.grid(m, n)]
+    if cfg.split_k == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        kern(x, qweight, scales, zeros, out, m, n, k, group_size, x.stride(0), out.stride(0), k_chunk, **kw)
+        return out
+    part = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+    kern(x, qweight, scales, zeros, part, m, n, k, group_size, x.stride(0), n, k_chunk, **kw)
+    return part.sum(0).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count_of(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _sm_count(device: torch.device) -> int | None:
+    """The CUDA device's multiprocessor count (None on CPU, i.e. under the interpreter)."""
+    if device.type != "cuda":
+        return None
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # ---------------------------------------------------------------------------------------
@@ -425,5 +445,6 @@ def moe_w4a16(x: torch.Tensor, idx: torch.Tensor, qweight: torch.Tensor, scales:
     grid = (blocks.numel(), -(-n // bn))
     _kernels(interpreting())["moe"][grid](x, qweight, scales, zeros, out, rows, blocks, R, n, k, group_size,
                                           x.stride(0), out.stride(0), rows_per_token,
-                                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=2)
+                                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=interpreting(),
+                                          num_warps=4, num_stages=2)
     return out
