@@ -140,11 +140,31 @@ class ArchSpec:
     layer_returns_tuple: bool = False
     # a multimodal wrapper around this text decoder (Kimi K2.5), None for a text-only checkpoint
     wrapper: Wrapper | None = None
+    # the oldest transformers whose implementation caches what kvq's KV schemes quantize for this
+    # layout (DeepSeek sparse attention cached the expanded keys/values, not the MLA latent, up to 5.17)
+    kv_min_transformers: str | None = None
+
+    def check_kv_support(self, model_type: str) -> None:
+        """Refuse a KV-cache scheme (InputError, one line) on a transformers older than :attr:`kv_min_transformers`."""
+        import transformers
+        from packaging.version import Version
+
+        need = self.kv_min_transformers
+        if need is not None and Version(transformers.__version__).release < Version(need).release:
+            raise InputError(
+                f"{model_type}: a KV-cache scheme needs transformers >= {need} (installed: {transformers.__version__}, "
+                f"whose {model_type} caches the expanded keys and values instead of the compressed latent kvq "
+                f"quantizes, as vLLM does); pip install -U 'transformers>={need}'")
 
     def kv_layout(self, config):
-        """The model's :class:`compressor.quant.kv.KVLayout` (what one token costs in the cache)."""
+        """The model's :class:`compressor.quant.kv.KVLayout` (what one token costs in the cache).
+
+        Raises:
+            InputError: see :meth:`check_kv_support`.
+        """
         from .quant.kv import kv_layout
 
+        self.check_kv_support(config.model_type)
         return kv_layout(config, self.kv)
 
 
@@ -282,7 +302,7 @@ _DSA = replace(_DEEPSEEK_V3, awq_groups=(
     ScalingGroup("self_attn.q_a_layernorm", ("self_attn.q_b_proj",), "self_attn.q_b_proj",
                  also_scale=(f"{_INDEXER}.wq_b",)),
     ScalingGroup("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",), "self_attn.kv_b_proj"),
-) + _mlp_groups(), dense_exact_within="index_topk")
+) + _mlp_groups(), dense_exact_within="index_topk", kv_min_transformers="5.18")
 
 #: model_type -> ArchSpec
 ARCHITECTURES: dict[str, ArchSpec] = {

@@ -294,13 +294,34 @@ def test_glm5_capture_needs_no_patch(sources, tmp_path, monkeypatch):
     run_quantize(QuantizeOptions(model=str(sources["glm_moe_dsa"]), output=tmp_path / "o", algorithm="gptq", **FAST))
 
 
-def test_kv_scheme_on_sparse_attention(sources, tmp_path):
+def test_kv_scheme_on_sparse_attention(sources, tmp_path, capsys):
     """The indexer's key cache is not a kvq KV scheme (kept as transformers keeps it); the
     MLA latent is quantized as on DeepSeek-V3."""
     out = tmp_path / "o"
     run_quantize(QuantizeOptions(model=str(sources["deepseek_v32"]), output=out, algorithm="rtn", kv_scheme="fp8", **FAST))
     rep = run_verify(VerifyOptions(artifact=out, seqlen=64, max_windows=2, max_new_tokens=4, hidden_batches=1))
     assert rep["passed"]
+    # transformers <= 5.17 cached the expanded keys/values of these rows, not the latent: a KV scheme
+    # would be calibrated and evaluated on other tensors (seen with 5.17, the GPU machine's release:
+    # the runtime's logits 6e-3 from verify's). Refused in one line before any work, and in verify.
+    import transformers
+
+    real = transformers.__version__
+    try:
+        transformers.__version__ = "5.17.0"
+        for mt in ("deepseek_v32", "glm_moe_dsa"):
+            with pytest.raises(InputError, match=rf"{mt}: a KV-cache scheme needs transformers >= 5.18 \(installed: 5.17.0"):
+                get_arch(mt).check_kv_support(mt)
+        get_arch("deepseek_v3").check_kv_support("deepseek_v3")  # MLA rows cached the latent already
+        code, _, err = run(["quantize", sources["deepseek_v32"], "-o", tmp_path / "o2", "--algorithm", "rtn",
+                            "--kv-scheme", "fp8"], capsys)
+        assert_clean_error(code, err, 2, "needs transformers >= 5.18", tmp_path)
+        assert not (tmp_path / "o2").exists()
+        with pytest.raises(InputError, match="needs transformers >= 5.18"):
+            run_verify(VerifyOptions(artifact=out, seqlen=64, max_windows=2, max_new_tokens=4, hidden_batches=1))
+        run_quantize(QuantizeOptions(model=str(sources["deepseek_v32"]), output=tmp_path / "o3", algorithm="rtn", **FAST))
+    finally:
+        transformers.__version__ = real
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -180,8 +180,11 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     source = resolve_source(opts.model)
     dtype, dtype_reason = ((packed.declared_dtype(), "the source's float tensors, carried as they are") if packed
                            else storage_dtype(source, opts.write.dtype, fmt))
-    if peek_model_type(source) is not None:  # an unsupported architecture fails before the model is loaded
-        get_arch(peek_model_type(source))
+    model_type = peek_model_type(source)
+    if model_type is not None:  # an unsupported architecture (or KV scheme) fails before the model is loaded
+        arch = get_arch(model_type)
+        if recipe.kv_cache is not None:
+            arch.check_kv_support(model_type)
     _refuse_output_in_source(source.path, out, opts.model)
     kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
     needs_calib = algorithm.needs_calibration or (kv is not None and kv.static)
