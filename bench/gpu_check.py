@@ -79,7 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=450.0, help="whole-run time budget in seconds")
     p.add_argument("--require-cuda", action="store_true", help="exit 2 when no CUDA device is present")
     p.add_argument("--work", type=Path, default=ROOT / "bench" / "work" / "gpu_check")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model to quantize; a folder with a config and no weights gets seeded random ones "
+                        "(bench/synthetic_model.py)")
     p.add_argument("--calib", default="auto", help="calibration text; auto: SHARED/wikitext-2/valid.txt, else embedded")
     p.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "data")
     p.add_argument("--samples", type=int, default=32)
@@ -512,6 +514,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         report["steps"] = {s: skipped(NO_CUDA) for s in args.steps}
     else:
+        from synthetic_model import filled_copy, needs_weights
+
+        if needs_weights(Path(args.model)):  # a weightless folder (bench/synthetic_model.py prepare): fill a copy
+            src, args.model = args.model, str(filled_copy(Path(args.model), args.work))
+            report["synthetic_model"] = {"prepared": str(src), "filled": args.model,
+                                         "note": "random weights: times and agreement only, quality figures mean nothing"}
         if "agreement" in args.steps and args.cpu_artifacts is None and not args.skip_cpu and not args.no_overlap:
             fg, bg = split_cores()
             if bg:

@@ -359,3 +359,22 @@ def test_triton_step_under_interpreter():
     assert r["timing"] == "stub" and r["speedup_vs_fp16_linear"] == pytest.approx(1.0)
     # triton layer 1,600 bytes, dequant layer 2,800 (int8 codes, fp16 scales, int8 zeros), fp16 weight 5,120
     assert out["calls"][:3] == [2, 2, 1] and len(out["calls"]) == 3 * 4 + 2 * 2 and out["calls"][-4:] == [1] * 4
+
+
+def test_synthetic_model_prepare_fill(tiny_model_dir, tmp_path):
+    """A weightless copy of a model (config + tokenizer) gets seeded random weights of the same
+    shape, the same each time (the GPU check's stand-in where the real weights cannot go)."""
+    import synthetic_model as sm
+    from transformers import AutoModelForCausalLM
+
+    prep = sm.prepare(str(tiny_model_dir), tmp_path / "prep")
+    assert sm.needs_weights(prep) and (prep / "tokenizer.json").is_file()
+    a = sm.filled_copy(prep, tmp_path / "w1")
+    b = sm.filled_copy(prep, tmp_path / "w2")
+    assert not sm.needs_weights(a) and sm.needs_weights(prep)  # the prepared folder stays weightless
+    ma, mb = (AutoModelForCausalLM.from_pretrained(f) for f in (a, b))
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert ma.config.hidden_size == ref.config.hidden_size and ma.dtype == torch.bfloat16
+    sa, sb = ma.state_dict(), mb.state_dict()
+    assert sa.keys() == ref.state_dict().keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert "torch.manual_seed(0)" in (a / sm.MARKER).read_text()
