@@ -10,7 +10,9 @@ would. CPU scalars (0-dim tensors) mix as CUDA allows, and the cross-device ops 
 (copies, indexing a CUDA tensor with CPU indices) pass. ``torch.cuda``'s queries answer as
 one device would (``is_available``, memory figures, ``synchronize``).
 
-It checks placement only: kernels (Triton) cannot run on it, and timings mean nothing.
+It checks placement only: kernels (Triton) cannot run on it (:func:`reference_triton_kernels`),
+timings mean nothing, and it covers the calling thread only (a torch function mode is
+thread-local: ``serve-smoke --http`` generates in the server's threads, outside it).
 Found on the first real GPU run (2026-12-04, an H200): ``search_clip``'s and the KV scale
 search's CPU accumulators, every ``--device cuda`` quantize failing at its first layer.
 """

@@ -84,6 +84,25 @@ def test_quantize_on_cuda_equals_cpu(row, algorithm, sources, tmp_path, monkeypa
     assert [n for n in cpu if cpu[n] != cuda[n]] == []
 
 
+@pytest.mark.parametrize("recipes,kw", [
+    (["w4a16-gptq"], {"kv_scheme": "int4"}),  # KIVI int4 KV, GPTQ with act-order
+    (["w3a16-gptaq-g64"], {}),
+    (["w4a16-mixed"], {}),
+    (["w4a16-awq-gptq"], {"settings": (("head.num_bits", 8),)}),  # 8-bit LM head
+    (["w4a16-gptq"], {"settings": (("gptq.static_groups", False),), "format": "gptq"}),
+    (["w4a16-awq"], {"format": "awq"}),
+])
+def test_recipes_on_cuda_equal_cpu(recipes, kw, sources, tmp_path):
+    """The bundled recipes' other paths (KIVI KV, GPTAQ at 3 bits, mixed precision, a quantized
+    LM head, GPTQ and AutoAWQ formats) on the fake device: the CPU run's digests."""
+    opts = dict(model=str(sources["llama"]), recipe=recipes, group_size=32, calib_samples=4, calib_seqlen=48, seed=0, **kw)
+    run_quantize(QuantizeOptions(output=tmp_path / "cpu", **opts))
+    with fake_cuda():
+        run_quantize(QuantizeOptions(output=tmp_path / "cuda", device="cuda", **opts))
+    cpu, cuda = _digests(tmp_path / "cpu"), _digests(tmp_path / "cuda")
+    assert cpu.keys() == cuda.keys() and [n for n in cpu if cpu[n] != cuda[n]] == []
+
+
 @pytest.fixture(scope="module")
 def artifacts(sources, tmp_path_factory):
     root = tmp_path_factory.mktemp("fake_cuda_art")
