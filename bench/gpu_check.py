@@ -16,6 +16,9 @@ Steps (``--steps``, default all, in this order), one JSON at ``--out``
 * ``serve`` -- ``kvq serve-smoke ARTIFACT --device cuda --json`` on the CUDA AWQ artifact
   (or ``--artifact``): decode and prefill tokens/s at batch 1 and 8, kernels, agreement
   with the reference; exit 1 (a gate failed) is recorded, not an error.
+* ``sweep`` (run last, on what is left of the budget) -- decode launch configurations
+  (BLOCK_N, BLOCK_K, split-K) of the Triton W4A16 kernel on five shapes, timed, against the
+  one ``choose_config`` picks: the data to tune it on this GPU.
 * ``agreement`` -- each CUDA artifact against a CPU artifact of the same inputs (the same
   command with ``--device cpu``): equal tensor digests of kvq-manifest.json and, where
   they differ, the weight SQNR of every quantized Linear between the two dequantized
@@ -56,9 +59,9 @@ for _p in (ROOT, ROOT / "bench"):  # compressor (this checkout), gpu_check_trito
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from gpu_check_triton import log, step_triton  # noqa: E402
+from gpu_check_triton import log, step_sweep, step_triton  # noqa: E402
 
-STEPS = ("triton", "quantize", "serve", "agreement")
+STEPS = ("triton", "quantize", "serve", "agreement", "sweep")
 ALGOS = {"awq": "w4a16-awq", "gptq": "w4a16-gptq"}
 NO_CUDA = "no CUDA device"
 
@@ -420,7 +423,8 @@ def step_agreement(ctx: Context) -> dict:
     return res
 
 
-STEP_FUNCS = {"triton": step_triton, "quantize": step_quantize, "serve": step_serve, "agreement": step_agreement}
+STEP_FUNCS = {"triton": step_triton, "quantize": step_quantize, "serve": step_serve, "agreement": step_agreement,
+              "sweep": step_sweep}
 
 
 # ---------------------------------------------------------------------------------------
@@ -468,6 +472,10 @@ def _headline(name: str, r: dict) -> str:
     if name == "quantize":
         return "; ".join(f"{a} {r[a]['wall_s']:.0f} s" if r[a].get("rc") == 0 else f"{a} FAILED"
                          for a in ALGOS if a in r)
+    if name == "sweep":
+        return "; ".join(f"{c['n']}x{c['k']} m={c['m']}: chosen {c.get('chosen_us') or 0:.0f} us, best "
+                         f"{c['best']['us']:.0f} us ({c['best']['block_n']}/{c['best']['block_k']}/split {c['best']['split_k']})"
+                         for c in r.get("cases", []) if "best" in c)
     if name == "serve":
         b1, b8 = r.get("batch_1", {}), r.get("batch_8", {})
         return (f"decode {b1.get('decode_tokens_per_s') or 0:.1f} tok/s (batch 1), "

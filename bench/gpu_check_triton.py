@@ -35,6 +35,9 @@ SHAPES = ((576, 576), (576, 1536), (1536, 576), (4096, 11008), (11008, 4096))
 MOE_SHAPES = (("glm45air-gate_up", 128, 2816, 4096, 8), ("glm45air-down", 128, 4096, 1408, 8))
 #: tokens per decode step of the MoE cases
 MOE_TOKENS = (1, 8)
+#: the config sweep's cases (N, K, M) and candidates (BLOCK_N, BLOCK_K, SPLIT_K, num_warps), M <= 8
+SWEEP_CASES = ((1536, 576, 1), (576, 1536, 1), (4096, 11008, 1), (11008, 4096, 1), (4096, 11008, 8))
+SWEEP_GRID = tuple((bn, bk, sk, 4) for bn in (32, 64, 128) for bk in (32, 64, 128) for sk in (1, 2, 4, 8))
 
 
 def w4a16_bytes(m: int, n: int, k: int, group_size: int, act_bytes: int = 2) -> int:
@@ -342,3 +345,64 @@ def step_triton(ctx) -> dict:
     return res
 
 
+
+
+def step_sweep(ctx) -> dict:
+    """The ``sweep`` step (CUDA): the decode launch configurations of :data:`SWEEP_GRID` on each
+    of :data:`SWEEP_CASES`, timed as the ``triton`` step times (fewer replays), against the one
+    :func:`~compressor.runtime.triton_kernels.choose_config` picks: the data to tune it with.
+    Cases and configurations after the budget are listed in a note, not run.
+
+    Raises:
+        RuntimeError: triton is not installed.
+    """
+    import torch
+
+    from compressor.runtime.triton_kernels import (KernelConfig, _sm_count, choose_config, triton_available,
+                                                   w4a16_matmul, w4a16_reference)
+
+    if not triton_available():
+        raise RuntimeError("triton is not installed (pip install kvq-compressor[triton])")
+    args, dev = ctx.args, getattr(ctx, "device", "cuda")
+    gs, reps, l2 = args.group_size, max(5, args.reps // 5), (l2_cache_bytes() if dev != "cpu" else 1024)
+    cases, skipped_n = [], 0
+    for n, k, m in SWEEP_CASES:
+        w = random_weight(n, k, gs, dev, torch.Generator(device=dev).manual_seed(0))
+        layers = ShapeCopies(w, l2).layers["triton"]
+        x = torch.randn(m, k, device=dev, generator=torch.Generator(device=dev).manual_seed(1)).half()
+        L0 = layers[0]
+        ref = w4a16_reference(x, L0.qweight, L0.scales, L0.zeros, gs).float()
+        chosen = choose_config(m, n, k, gs, _sm_count(torch.device(dev)))
+        grid = [(chosen.block_n, chosen.block_k, chosen.split_k, chosen.num_warps)]
+        grid += [c for c in SWEEP_GRID if c not in grid]
+        rows = []
+        for bn, bk, sk, warps in grid:
+            if ctx.remaining() <= 0:
+                skipped_n += 1
+                continue
+            cfg = KernelConfig(chosen.kind, chosen.block_m, bn, bk, warps, chosen.num_stages, sk)
+            try:
+                err = float((w4a16_matmul(x, L0.qweight, L0.scales, L0.zeros, gs, cfg).float() - ref).abs().max())
+                t, _ = time_calls([(lambda L=L: w4a16_matmul(x, L.qweight, L.scales, L.zeros, gs, cfg)) for L in layers], reps)
+                rows.append({"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": warps, "us": t * 1e6,
+                             "max_abs_err_vs_reference": err})
+            except Exception as e:  # noqa: BLE001 -- a config the compiler refuses is recorded
+                rows.append({"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": warps,
+                             "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]})
+        timed = [r for r in rows if "us" in r]
+        case = {"n": n, "k": k, "m": m, "group_size": gs, "configs": rows,
+                "chosen": {"block_n": chosen.block_n, "block_k": chosen.block_k, "split_k": chosen.split_k,
+                           "num_warps": chosen.num_warps}}
+        if timed:
+            best = min(timed, key=lambda r: r["us"])
+            case.update(best=best, chosen_us=rows[0].get("us"))  # rows[0]: the chosen configuration
+            log(f"sweep {n}x{k} m={m}: chosen {case['chosen_us'] or float('nan'):.1f} us, best {best['us']:.1f} us "
+                f"(BLOCK_N {best['block_n']}, BLOCK_K {best['block_k']}, split {best['split_k']})")
+        cases.append(case)
+        layers = L0 = w = None
+        if dev != "cpu":
+            torch.cuda.empty_cache()
+    res = {"cases": cases}
+    if skipped_n:
+        res["note"] = f"time budget spent: {skipped_n} configurations not run"
+    return res

@@ -378,3 +378,39 @@ def test_synthetic_model_prepare_fill(tiny_model_dir, tmp_path):
     sa, sb = ma.state_dict(), mb.state_dict()
     assert sa.keys() == ref.state_dict().keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert "torch.manual_seed(0)" in (a / sm.MARKER).read_text()
+
+
+_SWEEP_SCRIPT = textwrap.dedent("""
+    import json, sys, types, torch
+    sys.path.insert(0, "bench")
+    import gpu_check_triton as gct
+    times = iter(range(100, 0, -1))  # stub timings: each later configuration 1 us faster
+    def fake_time(fns, reps, graph=True):
+        for f in fns:
+            f()
+        return next(times) * 1e-6, "stub"
+    gct.time_calls, gct.SWEEP_CASES = fake_time, ((48, 64, 1), (40, 96, 3))
+    gct.SWEEP_GRID = ((16, 16, 1, 4), (16, 32, 2, 4), (32, 16, 4, 4))
+    args = types.SimpleNamespace(group_size=32, reps=5)
+    ctx = types.SimpleNamespace(args=args, device="cpu", remaining=lambda: 100.0)
+    print(json.dumps(gct.step_sweep(ctx)))
+""")
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is an optional extra")
+def test_sweep_step_under_interpreter():
+    """The config sweep runs every candidate (and the chosen one first) through the kernel, checks
+    each against the reference and names the fastest."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", _SWEEP_SCRIPT], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])["cases"]
+    assert [(c["n"], c["k"], c["m"]) for c in cases] == [(48, 64, 1), (40, 96, 3)]
+    for c in cases:
+        rows = c["configs"]
+        assert len(rows) == 4 and all("us" in r for r in rows), rows  # the chosen config + 3 candidates
+        assert (rows[0]["block_n"], rows[0]["block_k"], rows[0]["split_k"]) == (
+            c["chosen"]["block_n"], c["chosen"]["block_k"], c["chosen"]["split_k"])
+        assert c["best"] == rows[-1] and c["chosen_us"] == rows[0]["us"]
+        assert max(r["max_abs_err_vs_reference"] for r in rows) < 0.05
