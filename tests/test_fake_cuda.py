@@ -103,6 +103,31 @@ def test_recipes_on_cuda_equal_cpu(recipes, kw, sources, tmp_path):
     assert cpu.keys() == cuda.keys() and [n for n in cpu if cpu[n] != cuda[n]] == []
 
 
+@pytest.mark.parametrize("case", ["rtn_memory_budget", "gptq_memory_budget", "awq_spilled_activations", "kv_only"])
+def test_bounded_memory_paths_on_cuda_equal_cpu(case, sources, tmp_path):
+    """Kimi K2 (block FP8, MoE) through the paths that hold less than a layer: routed experts read
+    and written in groups (RTN), Hessians in chunked passes (GPTQ), calibration activations in
+    memory-mapped files (AWQ), and a KV-only run on a packed source: the CPU run's digests."""
+    import compressor.quant.gptq_layer as gl
+
+    src, kw = sources["kimi_k2"], {}
+    if case == "rtn_memory_budget":  # one routed expert's float32 + int8 codes, x1.5
+        kw = dict(algorithm="rtn", memory_budget_gib=1.5 * 3 * 64 * 32 * 5 / 2**30)
+    elif case == "gptq_memory_budget":  # below the experts' Hessians
+        kw = dict(algorithm="gptq", memory_budget_gib=int(1.5 * gl.HESSIAN_BYTES * 64 ** 2) / 2**30)
+    elif case == "awq_spilled_activations":
+        kw = dict(algorithm="awq", activation_budget_gib=0)
+    else:
+        run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "w4", algorithm="rtn", group_size=32))
+        src, kw = tmp_path / "w4", dict(recipe=["kv-fp8"])
+    opts = dict(model=str(src), group_size=32, calib_samples=4, calib_seqlen=48, seed=0, **kw)
+    run_quantize(QuantizeOptions(output=tmp_path / "cpu", **opts))
+    with fake_cuda():
+        run_quantize(QuantizeOptions(output=tmp_path / "cuda", device="cuda", **opts))
+    cpu, cuda = _digests(tmp_path / "cpu"), _digests(tmp_path / "cuda")
+    assert cpu.keys() == cuda.keys() and [n for n in cpu if cpu[n] != cuda[n]] == []
+
+
 @pytest.fixture(scope="module")
 def artifacts(sources, tmp_path_factory):
     root = tmp_path_factory.mktemp("fake_cuda_art")
