@@ -4,7 +4,7 @@ CI has no GPU, and a CPU run of ``--device cuda`` code cannot show a tensor left
 wrong device: every tensor is on the CPU. Under :func:`fake_cuda`, ``"cuda"`` tensors are
 :class:`FakeCudaTensor` wrappers (their data on the CPU, ``.device`` ``cuda:0``), made by
 factory functions given a CUDA device, ``Tensor.to``/``Tensor.cuda`` and ``Module.to``;
-every aten op that mixes a fake CUDA tensor with a CPU tensor of one or more dimensions
+every torch function that mixes a fake CUDA tensor with a CPU tensor of one or more dimensions
 raises CUDA's own error (``Expected all tensors to be on the same device``), as a real GPU
 would. CPU scalars (0-dim tensors) mix as CUDA allows, and the cross-device ops CUDA allows
 (copies, indexing a CUDA tensor with CPU indices) pass. ``torch.cuda``'s queries answer as
@@ -13,8 +13,9 @@ one device would (``is_available``, memory figures, ``synchronize``).
 It checks placement only: kernels (Triton) cannot run on it (:func:`reference_triton_kernels`),
 timings mean nothing, and it covers the calling thread only (a torch function mode is
 thread-local: ``serve-smoke --http`` generates in the server's threads, outside it).
-Found on the first real GPU run (2026-12-04, an H200): ``search_clip``'s and the KV scale
-search's CPU accumulators, every ``--device cuda`` quantize failing at its first layer.
+Written after the first real GPU run (2026-12-04, an H200) failed every ``--device cuda``
+quantize at its first layer (CPU accumulators in AWQ's clip search, the KV scale search and
+the MoE routed-token counts; the W4 packing's CPU shift table): it reproduces each of them.
 """
 
 from __future__ import annotations
