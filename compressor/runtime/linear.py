@@ -452,7 +452,8 @@ def check_backend(backend: str, device: torch.device) -> None:
         if not triton_available():
             raise InputError("backend 'triton' needs the 'triton' package (pip install kvq-compressor[triton])")
         if device.type != "cuda" and not interpreting():
-            raise InputError("backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)")
+            raise InputError("backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1: Triton's CPU interpreter, "
+                             "for checking the kernels on tiny models; far too slow for a real one)")
 
 
 def make_linear(w: QuantWeight | torch.Tensor, bias: torch.Tensor | None, backend: str, device: torch.device,
