@@ -76,20 +76,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     Raises:
         SystemExit(2): unknown option, unknown step, bad number list (argparse's one-line error).
     """
-    p = argparse.ArgumentParser(description="kvq GPU check (issue #19)", allow_abbrev=False)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_check.json")
+    p = argparse.ArgumentParser(
+        description="kvq's CUDA paths on one GPU: the Triton kernels against torch, quantize and serve-smoke "
+                    "with --device cuda, their agreement with the CPU, a kernel configuration sweep; one JSON "
+                    "(see BENCHMARKS.md, 'GPU check')", allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_check.json",
+                   help="the JSON report, rewritten after every step")
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {', '.join(STEPS)}")
     p.add_argument("--budget-s", type=float, default=450.0, help="whole-run time budget in seconds")
     p.add_argument("--require-cuda", action="store_true", help="exit 2 when no CUDA device is present")
-    p.add_argument("--work", type=Path, default=ROOT / "bench" / "work" / "gpu_check")
+    p.add_argument("--work", type=Path, default=ROOT / "bench" / "work" / "gpu_check",
+                   help="artifacts and logs of the commands it runs")
     p.add_argument("--model", default="smollm2-135m",
                    help="model to quantize; a folder with a config and no weights gets seeded random ones "
                         "(bench/synthetic_model.py)")
     p.add_argument("--calib", default="auto", help="calibration text; auto: SHARED/wikitext-2/valid.txt, else embedded")
-    p.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "data")
-    p.add_argument("--samples", type=int, default=32)
-    p.add_argument("--seqlen", type=int, default=512)
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "data",
+                   help="the shared data folder (--calib auto reads wikitext-2/valid.txt there)")
+    p.add_argument("--samples", type=int, default=32, help="calibration samples of the quantize step")
+    p.add_argument("--seqlen", type=int, default=512, help="calibration tokens per sample")
+    p.add_argument("--group-size", type=int, default=64, help="group size of the Triton cases")
     p.add_argument("--batches", default="1,8,64", help="activation rows M of the Triton cases")
     p.add_argument("--reps", type=int, default=50, help="timed replays per Triton case (median)")
     p.add_argument("--artifact", type=Path, default=None, help="serve-smoke this artifact instead of the CUDA AWQ one")
@@ -108,7 +115,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--batches: expected comma-separated integers, got {a.batches!r}")
     if min(a.batches) < 1 or a.reps < 1 or a.samples < 1 or a.seqlen < 2 or a.budget_s <= 0:
         p.error("--batches, --reps, --samples, --budget-s must be positive and --seqlen at least 2")
+    why = _unwritable(a.out)
+    if why:  # before any step: a typo must not cost a GPU run its first result
+        p.error(f"--out {a.out}: {why}")
     return a
+
+
+def _unwritable(out: Path) -> str | None:
+    """Why the report cannot be written at ``out`` (None when it can: its folder is made, a probe written)."""
+    if out.is_dir():
+        return "is a folder; give a file name"
+    blocking = next((a for a in out.parents if a.exists() and not a.is_dir()), None)
+    if blocking is not None:
+        return f"{blocking} is a file, not a folder"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.with_name(out.name + ".tmp")
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
 
 
 def sqnr_db(ref, test) -> float | None:

@@ -58,6 +58,8 @@ def fill(folder: Path, seed: int = 0, dtype: str = "bfloat16") -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).to(getattr(torch, dtype))
     model.save_pretrained(folder)
+    for f in folder.glob("*.safetensors"):
+        f.chmod(0o644)  # as the config and tokenizer files
     meta = json.loads((folder / MARKER).read_text()) if (folder / MARKER).is_file() else {}
     meta.update(weights=f"random, torch.manual_seed({seed}), transformers' initialisation, {dtype}")
     (folder / MARKER).write_text(json.dumps(meta) + "\n")
@@ -85,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.cmd == "prepare":
-        print(prepare(args.model, args.out))
+        from compressor.errors import InputError
+
+        try:
+            print(prepare(args.model, args.out))
+        except InputError as e:
+            p.error(str(e))
     elif not needs_weights(args.dir):
         p.error(f"{args.dir} is not a folder with a config.json and no weights")
     else:

@@ -414,3 +414,16 @@ def test_sweep_step_under_interpreter():
             c["chosen"]["block_n"], c["chosen"]["block_k"], c["chosen"]["split_k"])
         assert c["best"] == rows[-1] and c["chosen_us"] == rows[0]["us"]
         assert max(r["max_abs_err_vs_reference"] for r in rows) < 0.05
+
+
+def test_out_is_checked_before_any_step(tmp_path, capsys):
+    """A report path that cannot be written fails in argparse's one line (exit 2) before any step:
+    on a GPU machine a typo would otherwise cost the first step's result and the rest of the run."""
+    (tmp_path / "file").write_text("")
+    for out, why in ((tmp_path, "is a folder"), (tmp_path / "file" / "g.json", "is a file, not a folder")):
+        with pytest.raises(SystemExit) as e:
+            gc.parse_args(["--out", str(out)])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+    assert not list(tmp_path.parent.glob(tmp_path.name + ".tmp"))  # no probe left beside the folder
+    a = gc.parse_args(["--out", str(tmp_path / "new" / "g.json")])  # a missing folder is made
+    assert (tmp_path / "new").is_dir() and not list((tmp_path / "new").iterdir())

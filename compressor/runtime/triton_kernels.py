@@ -27,7 +27,7 @@ tiles alone would leave multiprocessors idle, the float32 partial sums added aft
 ``moe`` (the grouped gemm of a mixture-of-experts layer: rows sorted by expert, each
 program one expert's tile; see :func:`moe_w4a16`). The dequantized tile never leaves
 registers. The first GPU run (an H200, BENCHMARKS.md) timed the kernels before ``mm``
-(one program per row, ``[BLOCK_K, BLOCK_N]`` tiles gathered across rows): correct, 4-10x
+(one program per row, ``[BLOCK_K, BLOCK_N]`` tiles gathered across rows): correct, 1.3-12x
 slower than dequantizing in torch; ``mm`` has not run on a GPU yet.
 :func:`choose_config` picks the kernel and block sizes; :func:`w4a16_matmul` validates
 and launches.
