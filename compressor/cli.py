@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from .commands.common import fail_unless_passed
 from .commands.options import OptionError, QuantizeOptions, SmokeOptions, VerifyOptions, bounds
 from .console import make_console as _console
 from .errors import InputError, KvqError
@@ -344,6 +345,8 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     console = None if as_json else _console()
     if hashes_only:  # integrity only: no torch, starts in about a second
         from .integrity import verify_integrity
+        if device != "auto":
+            click.echo(f"note: --hashes-only runs no model: --device {device} is not used", err=True)
 
         full = verify_integrity(artifact, keys, console, print_warnings=True)
     else:
@@ -367,8 +370,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
             json_out.write_text(json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n")
         except OSError as e:
             raise InputError(f"cannot write --json-out {json_out}: {e.strerror}") from None
-    if not report["passed"]:
-        sys.exit(1)
+    fail_unless_passed(report, as_json)
 
 
 @cli.command()
@@ -473,8 +475,7 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, comp
     report = run_serve_smoke(opts, console=None if as_json else _console())
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True, default=str))
-    if not report["passed"]:
-        sys.exit(1)
+    fail_unless_passed(report, as_json)
 
 
 @cli.command()
@@ -572,7 +573,7 @@ def _interrupted(argv) -> None:
 def _dispatch(argv) -> None:
     try:
         cli.main(args=argv, prog_name="kvq", standalone_mode=False)
-    except click.exceptions.Abort:  # click turns KeyboardInterrupt (Ctrl-C, SIGTERM) into Abort
+    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C and SIGTERM into Abort
         _interrupted(argv)
     except click.UsageError as e:  # one line, like every other kvq error (click's own form takes three)
         if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # bare `kvq`: the help
@@ -587,8 +588,6 @@ def _dispatch(argv) -> None:
     except KvqError as e:
         click.echo(f"kvq: error: {e}", err=True)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        _interrupted(argv)
     except MemoryError:
         click.echo("kvq: error: out of memory; try --calib-samples smaller or a machine with more memory", err=True)
         sys.exit(1)

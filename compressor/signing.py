@@ -80,8 +80,10 @@ class VerifyKeys:
 
 def _readable(path: Path, what: str) -> Path:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise InputError(f"{what} {path} not found")
+    if not path.is_file():
+        raise InputError(f"{what} {path} is not a file (a PEM file is expected)")
     try:
         with open(path, "rb"):
             pass

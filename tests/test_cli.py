@@ -156,12 +156,30 @@ def test_verify_exit_codes(tmp_path, tiny_model_dir, capsys):
     assert rep["passed"] and rep["perplexity"]["reference"] > 0
     code, _, err = run(["verify", out, "--seqlen", "64", "--max-windows", "2", "--max-ppl-increase", "-1"], capsys)
     assert code == 2  # click range check: usage error
+    # a failed gate under --json: the JSON on stdout, and one stderr line naming the gate (a CI log's reason)
+    code, out_json, err = run(["verify", out, "--seqlen", "64", "--max-windows", "2", "--max-mean-kl", "0", "--json"], capsys)
+    failed = json.loads(out_json)["failed_gates"]
+    assert code == 1 and failed and all(g in err for g in failed)
+    assert err.strip().splitlines()[-1] == f"kvq: check failed: {', '.join(failed)} (details in the JSON)"
+    code, _, err = run(["verify", out, "--hashes-only", "--device", "cuda"], capsys)  # no model runs: a note, not a refusal
+    assert code == 0 and "--device cuda is not used" in err
     with open(out / "model.safetensors", "r+b") as f:
         f.seek(-3, os.SEEK_END)
         f.write(b"\x00\x01\x02")
     code, out_json, err = run(["verify", out, "--hashes-only", "--json"], capsys)
     assert code == 1
     assert json.loads(out_json)["hashes"]["modified_tensors"]
+    assert err.strip() == "kvq: check failed: hashes (details in the JSON)"
+    # a backend the device cannot run is refused before anything about the artifact is said
+    monkey_env = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        code, _, err = run(["serve-smoke", out, "--backend", "triton", "--device", "cpu"], capsys)
+    finally:
+        if monkey_env is not None:
+            os.environ["TRITON_INTERPRET"] = monkey_env
+    if code != 2 or "triton" not in err:  # without the triton package the refusal names the package instead
+        raise AssertionError(err)
+    assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err
 
 
 def test_console_script_one_line_error(tmp_path):

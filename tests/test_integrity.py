@@ -839,3 +839,17 @@ def test_artifact_path_that_is_a_file_is_named_as_such(signed, keys, tmp_path, c
     one_line_error(code, err, 2, "is not a folder")
     code, _, err = run(["verify", tmp_path / "nowhere", "--hashes-only"], capsys)
     one_line_error(code, err, 2, "not found")
+
+
+def test_key_paths_that_are_not_files(tmp_path):
+    """A key path that exists but is no file (a folder, /dev/null) is named as such, not 'not found'."""
+    from pathlib import Path
+
+    from compressor.errors import InputError
+    from compressor.signing import _readable
+
+    with pytest.raises(InputError, match="not found"):
+        _readable(tmp_path / "missing.pem", "private key")
+    for p in (tmp_path, Path(os.devnull)):
+        with pytest.raises(InputError, match="is not a file"):
+            _readable(p, "private key")

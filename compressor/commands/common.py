@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -117,3 +118,20 @@ def check_resumable() -> None:
 
     if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
         raise InputError("--resume is not available under torchrun (several ranks); resume with one process")
+
+
+def fail_unless_passed(report: dict, as_json: bool) -> None:
+    """Return when ``report["passed"]``; else exit 1, and with ``--json`` (no console report on
+    the terminal) say on stderr in one line what failed: the signature, the digests, the gates.
+
+    Raises:
+        SystemExit(1): the check failed.
+    """
+    if report.get("passed"):
+        return
+    if as_json:
+        why = [part for part in ("signature", "hashes")
+               if isinstance(report.get(part), dict) and report[part].get("ok") is False]
+        why += list(report.get("failed_gates") or [])
+        print(f"kvq: check failed: {', '.join(why) or 'see the JSON'} (details in the JSON)", file=sys.stderr)
+    raise SystemExit(1)

@@ -125,14 +125,18 @@ def _plan(opts: SmokeOptions) -> _Plan:
     prompts, thresholds.
 
     Raises:
-        InputError: not an artifact; an architecture the runtime does not serve (one
-            line, exit 2, before hashing); a bad prompts file.
+        InputError: a backend that cannot run on the device; not an artifact; an architecture
+            the runtime does not serve (one line, exit 2, before hashing); a bad prompts file.
     """
     from ..integrity import check_artifact_folder
     from ..manifest import load_manifest
     from ..prompts import load_prompts
+    import torch
+
+    from ..runtime.linear import check_backend
     from ..runtime.model import check_servable_folder
 
+    check_backend(opts.backend, torch.device(opts.device))  # before any note of the artifact's checks
     folder = check_artifact_folder(opts.artifact)
     manifest = None if opts.no_manifest else load_manifest(folder)
     check_servable_folder(folder)
