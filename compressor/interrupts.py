@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 _state: dict = {"defer": 0, "pending": None}
 committed: list[str] = []  # outputs put in place by this process (for the interruption message)
+kept: list[str] = []  # "after N of M layers; the finished layers are kept in PATH" (an interrupted run's staging)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -40,6 +41,7 @@ def install() -> tuple:
     previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     _state["pending"] = None
     committed.clear()
+    kept.clear()
     signal.signal(signal.SIGTERM, _handler)
     if previous[1] is signal.default_int_handler:
         signal.signal(signal.SIGINT, _handler)
@@ -99,6 +101,8 @@ def message(sig: int | None, argv) -> str:
     if committed:
         return (f"kvq: {word} after the artifact was written to {committed[-1]} (complete; "
                 "the summary was not printed)")
+    if kept:
+        return f"kvq: {word} {kept[-1]}; no artifact was written: rerun the same command with --resume to continue"
     return f"kvq: {word}; no artifact was written"
 
 

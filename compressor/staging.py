@@ -344,8 +344,13 @@ def keep_checkpoint(staging: Staging | None, n_layers: int, drop_on_error: bool)
         if (drop_on_error and isinstance(e, KvqError)) or not done:
             shutil.rmtree(staging.path, ignore_errors=True)
         else:
-            print(f"kvq: stopped after {done} of {n_layers} layers; the finished layers are kept in {staging.path}: "
-                  "rerun the same command with --resume to continue", file=sys.stderr)
+            where = f"after {done} of {n_layers} layers; the finished layers are kept in {staging.path}"
+            if isinstance(e, KeyboardInterrupt):  # said in the interruption's one line (compressor.interrupts)
+                from . import interrupts
+
+                interrupts.kept.append(where)
+            else:
+                print(f"kvq: stopped {where}: rerun the same command with --resume to continue", file=sys.stderr)
         _release(staging)  # a later --resume (in this process too) claims it again
         raise
     if staging is not None and not staging.path.exists():  # written and moved into place
