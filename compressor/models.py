@@ -573,3 +573,12 @@ def tiktoken_tokenizer(folder: Path, tcfg: dict, vocab_file: str, pattern: str):
     if template is not None:
         out.chat_template = template
     return out
+
+
+def float32_bytes(model) -> int:
+    """Bytes of ``model``'s parameters held in float32 (4 per element; meta tensors count too),
+    each tensor once: a tied LM head (``tie_word_embeddings``) counts with the embedding, also
+    when a streamed load made it a tensor of its own."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    params = {id(p): p for n, p in model.named_parameters() if not (tied and n.endswith("lm_head.weight"))}
+    return sum(p.numel() * 4 for p in params.values())

@@ -40,7 +40,7 @@ from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import check_format, check_shapes, format_config, pack_modules
 from ..formats.compressed_tensors import kv_scale_tensors
-from ..models import ALIASES, cache_writable, load_model, peek_model_type, resolve_source, storage_dtype
+from ..models import ALIASES, cache_writable, float32_bytes, load_model, peek_model_type, resolve_source, storage_dtype
 from ..pipeline import check_group_sizes, quantize_model
 from ..precision import resolve_matmul_precision
 from ..quant.algorithms import get_algorithm
@@ -434,7 +434,7 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
     packed = {rename(n): t for n, t in pack_modules(result.modules, w.format, DTYPES[plan.dtype]).items()}
     result.modules.clear()
     kv_record = _kv_record(plan.kv, result, arch, model, packed)
-    float_bytes = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
+    float_bytes = float32_bytes(model)
     quality = _quality(result, recipe, warnings)
     if carried is not None:
         quality["carried"] = carried
