@@ -94,7 +94,7 @@ def case_numerics(w, m: int, seed: int = 0) -> tuple[dict, dict]:
     import torch
 
     from compressor.runtime.linear import make_linear
-    from compressor.runtime.triton_kernels import _sm_count, choose_config, w4a16_reference
+    from compressor.runtime.triton_kernels import choose_config, device_sm_count, w4a16_reference
 
     dev = w.q.device
     n, k, gs = w.out_features, w.in_features, w.group_size
@@ -105,7 +105,7 @@ def case_numerics(w, m: int, seed: int = 0) -> tuple[dict, dict]:
     x = torch.randn(m, k, device=dev, generator=torch.Generator(device=dev).manual_seed(seed)).half()
     y_tri, y_torch = tri(x).float(), deq(x).float()
     ref = w4a16_reference(x, tri.qweight, tri.scales, tri.zeros, gs).float()
-    cfg = choose_config(m, n, k, gs, _sm_count(dev))  # what the launcher uses on this device
+    cfg = choose_config(m, n, k, gs, device_sm_count(dev))  # what the launcher uses on this device
     row = {"n": n, "k": k, "m": m, "group_size": gs, "kernel": cfg.kind, "split_k": cfg.split_k,
            "blocks_mnk": [cfg.block_m, cfg.block_n, cfg.block_k],
            "max_abs_err_vs_torch": float((y_tri - y_torch).abs().max()),
@@ -358,7 +358,7 @@ def step_sweep(ctx) -> dict:
     """
     import torch
 
-    from compressor.runtime.triton_kernels import (KernelConfig, _sm_count, choose_config, triton_available,
+    from compressor.runtime.triton_kernels import (KernelConfig, choose_config, device_sm_count, triton_available,
                                                    w4a16_matmul, w4a16_reference)
 
     if not triton_available():
@@ -372,7 +372,7 @@ def step_sweep(ctx) -> dict:
         x = torch.randn(m, k, device=dev, generator=torch.Generator(device=dev).manual_seed(1)).half()
         L0 = layers[0]
         ref = w4a16_reference(x, L0.qweight, L0.scales, L0.zeros, gs).float()
-        chosen = choose_config(m, n, k, gs, _sm_count(torch.device(dev)))
+        chosen = choose_config(m, n, k, gs, device_sm_count(torch.device(dev)))
         grid = [(chosen.block_n, chosen.block_k, chosen.split_k, chosen.num_warps)]
         grid += [c for c in SWEEP_GRID if c not in grid]
         rows = []

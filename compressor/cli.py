@@ -344,9 +344,9 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
         raise InputError(f"--report {report_dir} exists and is not a folder")
     console = None if as_json else _console()
     if hashes_only:  # integrity only: no torch, starts in about a second
-        from .integrity import verify_integrity
         if device != "auto":
             click.echo(f"note: --hashes-only runs no model: --device {device} is not used", err=True)
+        from .integrity import verify_integrity
 
         full = verify_integrity(artifact, keys, console, print_warnings=True)
     else:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from . import interrupts
 from .errors import InputError, KvqError
 from .safetensors_io import file_digest
 from .streaming import ARTIFACT_DIR, HIDDEN_PREFIX, RESUME_NAME, LazyCheckpoint, layer_names, load_into, to_meta
@@ -346,8 +347,6 @@ def keep_checkpoint(staging: Staging | None, n_layers: int, drop_on_error: bool)
         else:
             where = f"after {done} of {n_layers} layers; the finished layers are kept in {staging.path}"
             if isinstance(e, KeyboardInterrupt):  # said in the interruption's one line (compressor.interrupts)
-                from . import interrupts
-
                 interrupts.kept.append(where)
             else:
                 print(f"kvq: stopped {where}: rerun the same command with --resume to continue", file=sys.stderr)

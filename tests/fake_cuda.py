@@ -29,9 +29,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 CUDA = torch.device("cuda", 0)
-#: aten ops CUDA runs with a CPU tensor beside a CUDA one (copies, CPU index tensors)
-_CROSS_DEVICE_OK = {"copy_", "_to_copy", "index", "index_put_", "_index_put_impl_", "set_", "_copy_from",
-                    "_has_compatible_shallow_copy_type", "lift_fresh", "detach", "alias"}
 
 
 class FakeCudaTensor(torch.Tensor):
@@ -53,21 +50,9 @@ class FakeCudaTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
-        name = func._schema.name.split("::")[-1]
-        if name not in _CROSS_DEVICE_OK:
-            cpu = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, FakeCudaTensor) and t.dim() > 0]
-            if cpu:
-                raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                                   f"cuda:0 and cpu! (fake CUDA: {func}, CPU operand of shape {tuple(cpu[0].shape)})")
-        if name == "_to_copy" and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
-            return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))  # .to("cpu"): a plain tensor
-        kwargs = {k: (torch.device("cpu") if k == "device" and v is not None else v) for k, v in kwargs.items()}
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-        if name.endswith("_") and args and isinstance(args[0], FakeCudaTensor):
-            return args[0]  # in place: the same wrapper
-        return tree_map(lambda t: FakeCudaTensor(t) if isinstance(t, torch.Tensor) else t, out)
+        # inside fake_cuda() every torch function on these tensors is served by the mode; one that
+        # reaches the dispatcher ran outside it (another thread, or after the with block)
+        raise RuntimeError(f"fake CUDA tensor used outside fake_cuda() (in {func}): the mode is thread-local")
 
 
 def _unwrap(t):

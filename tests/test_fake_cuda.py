@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from compressor.api import QuantizeOptions, run_quantize
-from compressor.manifest import load_manifest
 
 from conftest import make_model_dir
 from fake_cuda import FakeCudaTensor, fake_cuda, reference_triton_kernels
+from test_frontier import digests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -65,10 +65,6 @@ def sources(tmp_path_factory, tokenizer):
     return out
 
 
-def _digests(folder: Path) -> dict:
-    return {n: t.digest for n, t in load_manifest(folder).tensors.items()}
-
-
 @pytest.mark.parametrize("row,algorithm", [("llama", a) for a in ("awq", "gptq", "awq-gptq", "rtn")]
                          + [(r, a) for r in ROWS[1:] for a in ("awq", "gptq")])
 def test_quantize_on_cuda_equals_cpu(row, algorithm, sources, tmp_path, monkeypatch):
@@ -79,7 +75,7 @@ def test_quantize_on_cuda_equals_cpu(row, algorithm, sources, tmp_path, monkeypa
     with fake_cuda() as mode:
         run_quantize(QuantizeOptions(output=tmp_path / "cuda", device="cuda", **opts))
     assert mode.ops > 1000  # the layers really ran on the (fake) device
-    cpu, cuda = _digests(tmp_path / "cpu"), _digests(tmp_path / "cuda")
+    cpu, cuda = digests(tmp_path / "cpu"), digests(tmp_path / "cuda")
     assert cpu.keys() == cuda.keys()
     assert [n for n in cpu if cpu[n] != cuda[n]] == []
 
@@ -99,7 +95,7 @@ def test_recipes_on_cuda_equal_cpu(recipes, kw, sources, tmp_path):
     run_quantize(QuantizeOptions(output=tmp_path / "cpu", **opts))
     with fake_cuda():
         run_quantize(QuantizeOptions(output=tmp_path / "cuda", device="cuda", **opts))
-    cpu, cuda = _digests(tmp_path / "cpu"), _digests(tmp_path / "cuda")
+    cpu, cuda = digests(tmp_path / "cpu"), digests(tmp_path / "cuda")
     assert cpu.keys() == cuda.keys() and [n for n in cpu if cpu[n] != cuda[n]] == []
 
 
@@ -124,7 +120,7 @@ def test_bounded_memory_paths_on_cuda_equal_cpu(case, sources, tmp_path):
     run_quantize(QuantizeOptions(output=tmp_path / "cpu", **opts))
     with fake_cuda():
         run_quantize(QuantizeOptions(output=tmp_path / "cuda", device="cuda", **opts))
-    cpu, cuda = _digests(tmp_path / "cpu"), _digests(tmp_path / "cuda")
+    cpu, cuda = digests(tmp_path / "cpu"), digests(tmp_path / "cuda")
     assert cpu.keys() == cuda.keys() and [n for n in cpu if cpu[n] != cuda[n]] == []
 
 

@@ -128,11 +128,11 @@ def _plan(opts: SmokeOptions) -> _Plan:
         InputError: a backend that cannot run on the device; not an artifact; an architecture
             the runtime does not serve (one line, exit 2, before hashing); a bad prompts file.
     """
+    import torch
+
     from ..integrity import check_artifact_folder
     from ..manifest import load_manifest
     from ..prompts import load_prompts
-    import torch
-
     from ..runtime.linear import check_backend
     from ..runtime.model import check_servable_folder
 

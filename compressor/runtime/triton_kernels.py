@@ -327,7 +327,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         raise InputError("the triton backend needs the 'triton' package (pip install kvq-compressor[triton])")
     m, k = x.shape
     n = qweight.shape[0]
-    cfg = config or choose_config(m, n, k, group_size, _sm_count(x.device))
+    cfg = config or choose_config(m, n, k, group_size, device_sm_count(x.device))
     x = x.contiguous()
     k_chunk = -(-k // (cfg.split_k * cfg.block_k)) * cfg.block_k
     kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
@@ -347,7 +347,7 @@ def _sm_count_of(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
-def _sm_count(device: torch.device) -> int | None:
+def device_sm_count(device: torch.device) -> int | None:
     """The CUDA device's multiprocessor count (None on CPU, i.e. under the interpreter)."""
     if device.type != "cuda":
         return None
