@@ -1,30 +1,44 @@
 """Matmul precision of the calibration pass (``kvq quantize --matmul-precision``).
 
 Calibration spends most of its time in the layers' forwards and in the Hessians ``XᵀX``:
-float32 matmuls. On a CPU with bfloat16 matrix units (Intel AMX-BF16, Xeon 4th
-generation and later; AVX512-BF16 dot products on others) oneDNN can run a float32
-matmul with its inputs rounded to bfloat16 and the products accumulated in float32
-(torch's ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``). On this project's
-Xeon a SmolLM2 decoder layer's forward over 8 x 512 tokens takes 74 ms that way against
-121 ms in float32, and a ``[8192, 1536]`` ``XᵀX`` 34 ms against 98 ms (BENCHMARKS.md).
+float32 matmuls. A CPU with bfloat16 dot products (Intel AMX-BF16, Xeon 4th generation and
+later; AVX512-BF16, e.g. AMD EPYC Zen 4) multiplies bfloat16 operands 2-3x faster than float32
+ones. Under ``bfloat16`` (:func:`calibration_matmuls`):
 
-Only the calibration pass runs so (:func:`calibration_matmuls`: layer forwards, Hessians,
-AWQ's scale search, KV observers, the recompute of the next layer's inputs). GPTQ's solve
-(its error feedback and range search) runs in float32 inside it (:func:`float32_matmuls`),
+* every ``nn.Linear`` forward on float32 CPU inputs of at least :data:`MIN_ROWS` rows casts its
+  input and weight to bfloat16 and runs one bfloat16 matmul (float32 accumulation inside
+  oneDNN), its output rounded to bfloat16 and returned in float32 with the bias added: what a
+  bfloat16 model computes, the usual precision of GPTQ/AWQ calibration on a GPU;
+* the remaining float32 matmuls of the pass (attention, AWQ's loss terms, the Hessians) run
+  at oneDNN's bfloat16 setting (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``:
+  inputs rounded to bfloat16, float32 accumulation and output) where oneDNN honours it (with
+  AMX; torch 2.13's oneDNN keeps them IEEE on an AMD EPYC with AVX512-BF16 and no AMX).
+
+The Hessians stay out of the explicit casts: ``XᵀX`` with its result rounded to bfloat16 (per
+chunk of 1024 rows, summed in float64) made SmolLM2's Hessians indefinite in 4 of 30 layers
+(GPTQ raised their damping), where rounding only the inputs keeps the product positive
+semi-definite.
+
+Explicit casts rather than the oneDNN setting alone, because the setting does nothing on
+CPUs without AMX (BENCHMARKS.md, 2026-12-04: on this project's EPYC a ``[4096, 576] x
+[576, 1536]`` linear takes 44.6 ms in float32 and 17.7 ms in bfloat16). GPTQ's solve (its
+error feedback and range search) runs in float32 inside the pass (:func:`float32_matmuls`),
 and ``kvq verify`` / ``kvq serve-smoke`` never change the setting. The two precisions give
-different integer codes (GPTQ's integers follow every rounding upstream: 15-24 % of them
-moved in SmolLM2 runs) of the same quality within the noise, so the manifest's provenance
-and the resume key record which one ran.
+different integer codes (GPTQ's integers follow every rounding upstream) of the same quality
+within the noise (BENCHMARKS.md), so the manifest's provenance and the resume key record
+which one ran.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from pathlib import Path
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from .errors import InputError
 
@@ -46,31 +60,13 @@ def flags_have_bf16(cpuinfo: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AMX-BF16 or AVX512-BF16, read from
-    ``/proc/cpuinfo``), torch has oneDNN, and oneDNN honours the setting (:func:`bf16_setting_takes_effect`);
-    ``False`` where that cannot be read (not Linux)."""
+    ``/proc/cpuinfo``) and torch has oneDNN; ``False`` where that cannot be read (not Linux)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        flagged = flags_have_bf16(Path("/proc/cpuinfo").read_text(errors="replace"))
+        return flags_have_bf16(Path("/proc/cpuinfo").read_text(errors="replace"))
     except OSError:
         return False
-    return flagged and bf16_setting_takes_effect()
-
-
-def bf16_setting_takes_effect() -> bool:
-    """Whether a float32 matmul under the bfloat16 setting is the product of bfloat16-rounded
-    inputs here (a ``[64, 256] x [256, 96]`` probe, well under a millisecond). On an AMD EPYC
-    with AVX512-BF16 and no AMX, torch 2.13's oneDNN keeps float32 matmuls IEEE whatever the
-    setting (every shape tried, up to ``[2048, 576] x [576, 1536]``): ``auto`` must then mean
-    float32, or the manifest would record a precision that did not run."""
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(64, 256, generator=g), torch.randn(256, 96, generator=g)
-    with _mkldnn_fp32_precision("ieee"):
-        exact = (x @ w).double()
-    with _mkldnn_fp32_precision("bf16"):
-        fast = (x @ w).double()
-    rounded = x.bfloat16().double() @ w.bfloat16().double()
-    return bool((fast - rounded).abs().max() < (fast - exact).abs().max())
 
 
 def resolve_matmul_precision(choice: str, device: str) -> str:
@@ -106,14 +102,67 @@ def _mkldnn_fp32_precision(value: str) -> Iterator[None]:
         setting.fp32_precision = before
 
 
-def calibration_matmuls(precision: str):
-    """Context in which float32 CPU matmuls run at ``precision`` (``float32``: IEEE, as by
-    default; ``bfloat16``: inputs rounded to bfloat16, float32 accumulation). Restores the
-    previous setting on exit."""
-    return _mkldnn_fp32_precision("bf16" if precision == "bfloat16" else "ieee")
+#: a linear's input needs at least this many rows for its bfloat16 cast (the weight's cast
+#: is paid per call: a routed expert that got a handful of tokens stays float32)
+MIN_ROWS = 64
+
+_state = threading.local()
+_patch_lock = threading.Lock()
+_patch_depth = 0
+_LINEAR_FORWARD = torch.nn.Linear.forward
 
 
-def float32_matmuls():
-    """Context in which float32 CPU matmuls are IEEE float32 whatever the caller set (GPTQ's
-    solve: its error feedback must not be rounded to bfloat16)."""
-    return _mkldnn_fp32_precision("ieee")
+def bf16_active() -> bool:
+    """Whether this thread is inside ``calibration_matmuls("bfloat16")`` and outside
+    :func:`float32_matmuls`."""
+    return getattr(_state, "bf16", False)
+
+
+def _linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` while a bfloat16 calibration pass is open in any thread: the
+    bfloat16 product (module docstring) where this thread's pass is bfloat16 and the input
+    qualifies, ``nn.Linear``'s own forward otherwise."""
+    w = self.weight
+    if (bf16_active() and input.dtype == torch.float32 and w.dtype == torch.float32 and input.device.type == "cpu"
+            and input.numel() >= MIN_ROWS * max(input.shape[-1], 1)):
+        out = F.linear(input.bfloat16(), w.bfloat16()).float()
+        return out if self.bias is None else out.add_(self.bias)
+    return _LINEAR_FORWARD(self, input)
+
+
+@contextlib.contextmanager
+def _bf16_flag(on: bool) -> Iterator[None]:
+    global _patch_depth
+    before = bf16_active()
+    with _patch_lock:
+        if on and _patch_depth == 0:
+            torch.nn.Linear.forward = _linear_forward
+        _patch_depth += on
+    _state.bf16 = on
+    try:
+        yield
+    finally:
+        _state.bf16 = before
+        with _patch_lock:
+            _patch_depth -= on
+            if on and _patch_depth == 0:
+                torch.nn.Linear.forward = _LINEAR_FORWARD
+
+
+@contextlib.contextmanager
+def calibration_matmuls(precision: str) -> Iterator[None]:
+    """Context in which the calibration pass's CPU matmuls run at ``precision`` (``float32``:
+    IEEE, as by default; ``bfloat16``: the module docstring's three rules). Restores the
+    previous state on exit, also on error. ``nn.Linear.forward`` is replaced while any thread
+    is inside a bfloat16 pass; other threads' linears keep their own precision."""
+    bf16 = precision == "bfloat16"
+    with _mkldnn_fp32_precision("bf16" if bf16 else "ieee"), _bf16_flag(bf16):
+        yield
+
+
+@contextlib.contextmanager
+def float32_matmuls() -> Iterator[None]:
+    """Context in which float32 CPU matmuls and linears are IEEE float32 whatever the caller
+    set (GPTQ's solve: its error feedback must not be rounded to bfloat16)."""
+    with _mkldnn_fp32_precision("ieee"), _bf16_flag(False):
+        yield

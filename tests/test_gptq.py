@@ -179,19 +179,28 @@ def test_mixed_precision_schemes_and_fused_check():
         quantize_model(_model(), partial, None)
 
 
-def test_wide_inputs_accumulate_in_row_blocks():
-    """Inputs at least ROW_BLOCK_FROM wide are summed in blocks of rows (no full float32 or
-    float64 temporary): the same Hessian as one product, to float32 rounding."""
+@pytest.mark.parametrize("width", [300, "wide"])
+def test_hessians_sum_their_upper_block_triangle(width):
+    """The rows are summed in blocks, each holding only its columns from the diagonal on (the
+    upper block triangle; inputs at least ROW_BLOCK_FROM wide in ROW_BLOCK rows, narrower ones in
+    SYMMETRIC_BLOCKS blocks): the same symmetric Hessian as one product, to float32 rounding,
+    and with ``consume`` the same values block by block."""
     from compressor.quant import gptq as g
 
-    x = torch.randn(2, 8, g.ROW_BLOCK_FROM + 70, generator=torch.Generator().manual_seed(0))
-    acc = HessianAccumulator(x.shape[-1])
+    d = g.ROW_BLOCK_FROM + 70 if width == "wide" else width
+    x = torch.randn(2, 8 if width == "wide" else 200, d, generator=torch.Generator().manual_seed(0))
+    x[..., :3] *= 8
+    acc = HessianAccumulator(d)
+    assert len(acc.blocks) == (5 if width == "wide" else 3)
+    assert [tuple(b.shape) for b in acc.blocks] == [(min(acc.starts[1], d - r0), d - r0) for r0 in acc.starts]
     acc.add(x[0])
     acc.add(x[1])
     flat = x.reshape(-1, x.shape[-1]).double()
     ref = (2.0 * flat.t() @ flat / flat.shape[0]).float()
-    assert torch.allclose(acc.hessian(), ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(acc.hessian(), acc.hessian(consume=True))  # in place: the same values
+    H = acc.hessian()
+    assert torch.equal(H, H.t())
+    assert torch.allclose(H, ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(H, acc.hessian(consume=True))  # in place: the same values
     assert acc.blocks is None
 
 

@@ -1,4 +1,4 @@
-"""``--matmul-precision``: the calibration pass's CPU matmuls in bfloat16 (oneDNN), GPTQ's solve
+"""``--matmul-precision``: the calibration pass's CPU matmuls in bfloat16 (explicit casts and oneDNN), GPTQ's solve
 always in float32, the choice resolved, recorded and refused where it does not apply."""
 
 from __future__ import annotations
@@ -58,27 +58,37 @@ def test_contexts_set_and_restore_onednn_precision():
         assert SETTING.fp32_precision == "ieee"
 
 
-def test_bfloat16_matmuls_round_inputs_where_the_cpu_has_them():
-    """Where oneDNN honours the setting (the probe says so) a float32 matmul equals the product of its
-    bfloat16-rounded inputs (float32 accumulation), not the IEEE one; where it does not (an AMD EPYC with
-    AVX512-BF16 and no AMX) the matmul stays IEEE and ``auto`` must not claim bfloat16."""
-    from compressor.precision import bf16_setting_takes_effect
+def test_bfloat16_linears_are_one_bfloat16_matmul_and_float32_elsewhere():
+    """Inside a bfloat16 pass an ``nn.Linear`` on float32 CPU rows is exactly the bfloat16 product of
+    the rounded input and weight (bias added in float32); under ``float32``, inside GPTQ's
+    ``float32_matmuls``, on too few rows, after the pass and in another thread it is the IEEE one."""
+    import threading
 
     torch.manual_seed(0)
-    x, w = torch.randn(512, 576), torch.randn(576, 384)  # another shape than the probe's
-    exact = x @ w
+    lin = torch.nn.Linear(96, 40)
+    x = torch.randn(3, 50, 96)
+    exact = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    rounded = (torch.nn.functional.linear(x.bfloat16(), lin.weight.bfloat16()).float() + lin.bias)
+    assert not torch.equal(exact, rounded)
+    other = []
     with calibration_matmuls("bfloat16"):
-        fast = x @ w
-    rounded = x.bfloat16().double() @ w.bfloat16().double()
-    if not bf16_setting_takes_effect():
-        assert (fast.double() - exact.double()).abs().max() < 1e-2 < (fast.double() - rounded).abs().max()
-        assert not cpu_has_bf16_matmul() and resolve_matmul_precision("auto", "cpu") == "float32"
-        return
-    if not cpu_has_bf16_matmul():
-        pytest.skip("oneDNN honours the setting but /proc/cpuinfo names no AMX-BF16/AVX512-BF16")
-    assert not torch.equal(fast, exact)
-    assert torch.allclose(fast.double(), rounded, rtol=1e-4, atol=1e-3)
-    assert (fast.double() - rounded).abs().max() < (exact.double() - rounded).abs().max()
+        assert torch.equal(lin(x), rounded)
+        small = torch.randn(precision.MIN_ROWS - 1, 96)
+        assert torch.equal(lin(small), torch.nn.functional.linear(small, lin.weight, lin.bias))
+        with float32_matmuls():
+            assert torch.equal(lin(x), exact)
+        assert torch.equal(lin(x), rounded)
+        t = threading.Thread(target=lambda: other.append(lin(x)))
+        t.start()
+        t.join()
+    assert torch.equal(other[0], exact)
+    with calibration_matmuls("float32"):
+        assert torch.equal(lin(x), exact)
+    assert torch.equal(lin(x), exact) and torch.nn.Linear.forward is precision._LINEAR_FORWARD
+    with pytest.raises(RuntimeError):
+        with calibration_matmuls("bfloat16"):
+            raise RuntimeError("boom")
+    assert torch.nn.Linear.forward is precision._LINEAR_FORWARD and not precision.bf16_active()
 
 
 def test_gptq_solve_runs_in_float32_inside_a_bfloat16_calibration(monkeypatch):
@@ -120,6 +130,15 @@ def test_quantize_model_runs_the_calibration_forwards_at_the_given_precision(tok
     quantize_model(model, recipe, torch.randint(0, len(tokenizer), (4, 32)), matmul_precision="bfloat16")
     assert seen == {"bf16"}
     assert SETTING.fp32_precision == before
+    # and the linears' explicit bfloat16 products: the same run with the casts undone differs
+    torch.manual_seed(0)
+    twin = LlamaForCausalLM(tiny_config(vocab_size=len(tokenizer))).eval()
+    ids = torch.randint(0, len(tokenizer), (4, 32))
+    quantize_model(twin, recipe, ids, matmul_precision="bfloat16")
+    torch.manual_seed(0)
+    twin2 = LlamaForCausalLM(tiny_config(vocab_size=len(tokenizer))).eval()
+    quantize_model(twin2, recipe, ids, matmul_precision="float32")
+    assert any(not torch.equal(p, q) for p, q in zip(twin.state_dict().values(), twin2.state_dict().values()))
 
 
 def test_cli_records_the_precision_and_refuses_bfloat16_on_cuda(tmp_path, tiny_model_dir, capsys):
