@@ -152,7 +152,7 @@ def _bf16_flag(on: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def calibration_matmuls(precision: str) -> Iterator[None]:
     """Context in which the calibration pass's CPU matmuls run at ``precision`` (``float32``:
-    IEEE, as by default; ``bfloat16``: the module docstring's three rules). Restores the
+    IEEE, as by default; ``bfloat16``: the module docstring's two rules). Restores the
     previous state on exit, also on error. ``nn.Linear.forward`` is replaced while any thread
     is inside a bfloat16 pass; other threads' linears keep their own precision."""
     bf16 = precision == "bfloat16"
