@@ -65,12 +65,17 @@ def sources(tmp_path_factory, tokenizer):
     return out
 
 
+#: the CPU twin's calibration precision: CUDA runs in float32, while ``auto`` on a CPU with
+#: AVX512-BF16 or AMX is bfloat16 (other integer codes)
+CPU_AS_CUDA = "float32"
+
+
 @pytest.mark.parametrize("row,algorithm", [("llama", a) for a in ("awq", "gptq", "awq-gptq", "rtn")]
                          + [(r, a) for r in ROWS[1:] for a in ("awq", "gptq")])
 def test_quantize_on_cuda_equals_cpu(row, algorithm, sources, tmp_path, monkeypatch):
     """``quantize --device cuda`` runs on the fake device and writes the CPU run's artifact,
     byte for byte (every tensor digest), with an fp8 KV cache whose scales are searched."""
-    opts = dict(model=str(sources[row]), algorithm=algorithm, **FAST)
+    opts = dict(model=str(sources[row]), algorithm=algorithm, matmul_precision=CPU_AS_CUDA, **FAST)
     run_quantize(QuantizeOptions(output=tmp_path / "cpu", **opts))
     with fake_cuda() as mode:
         run_quantize(QuantizeOptions(output=tmp_path / "cuda", device="cuda", **opts))
@@ -91,7 +96,8 @@ def test_quantize_on_cuda_equals_cpu(row, algorithm, sources, tmp_path, monkeypa
 def test_recipes_on_cuda_equal_cpu(recipes, kw, sources, tmp_path):
     """The bundled recipes' other paths (KIVI KV, GPTAQ at 3 bits, mixed precision, a quantized
     LM head, GPTQ and AutoAWQ formats) on the fake device: the CPU run's digests."""
-    opts = dict(model=str(sources["llama"]), recipe=recipes, group_size=32, calib_samples=4, calib_seqlen=48, seed=0, **kw)
+    opts = dict(model=str(sources["llama"]), recipe=recipes, group_size=32, calib_samples=4, calib_seqlen=48, seed=0,
+                matmul_precision=CPU_AS_CUDA, **kw)
     run_quantize(QuantizeOptions(output=tmp_path / "cpu", **opts))
     with fake_cuda():
         run_quantize(QuantizeOptions(output=tmp_path / "cuda", device="cuda", **opts))
@@ -116,7 +122,7 @@ def test_bounded_memory_paths_on_cuda_equal_cpu(case, sources, tmp_path):
     else:
         run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "w4", algorithm="rtn", group_size=32))
         src, kw = tmp_path / "w4", dict(recipe=["kv-fp8"])
-    opts = dict(model=str(src), group_size=32, calib_samples=4, calib_seqlen=48, seed=0, **kw)
+    opts = dict(model=str(src), group_size=32, calib_samples=4, calib_seqlen=48, seed=0, matmul_precision=CPU_AS_CUDA, **kw)
     run_quantize(QuantizeOptions(output=tmp_path / "cpu", **opts))
     with fake_cuda():
         run_quantize(QuantizeOptions(output=tmp_path / "cuda", device="cuda", **opts))
