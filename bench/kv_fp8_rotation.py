@@ -15,7 +15,11 @@ K/V over 32 x 512 calibration tokens of wikitext-2 valid.txt):
 ``absmax`` (scale absmax / 448), ``rotated`` (the same on the rotated model), ``search`` and
 ``rotated+search`` (the multiplier of absmax chosen per layer as ``kv_cache.scale_search:
 attention`` does: keys then values, 2^(j/16), by o_proj's output error on NSEQ calibration
-sequences). Perplexity, mean KL and top-1 agreement against the float-KV model on the first
+sequences); ``pairs``, ``rotated+pairs``, ``search+pairs``, ``rotated+search+pairs``: the same with a
+factor per key pair (``pair_factors``: ``k_pair x c``, ``q_pair / c``, exact in float; one of
+``2^(-j/16)``, chosen on the pair's real e4m3 logit error's variance under the attention
+probabilities at the row's key scale; what ``kv_cache.key_rotation: pairs`` does in kvq,
+:mod:`compressor.quant.kv_rotation`). Perplexity, mean KL and top-1 agreement against the float-KV model on the first
 N windows of 2048 tokens of wiki.test.raw, chunks of 128 tokens. Also printed: the rotation's
 largest logit change on the first window in float KV (it is exact up to float32 rounding).
 
@@ -129,6 +133,38 @@ def pair_angles_attention(q, k, scale_k):
     return best
 
 
+C = torch.tensor([2 ** (-j / 16) for j in range(16)])
+
+
+def pair_factors(q, k, scale_k):
+    """``[KVH, P]`` factors ``c`` (one of ``2^(-j/16)``, ``j = 0 .. 15``: shrinking only, so no key
+    newly clips) for each key pair, ``k_pair x c`` and ``q_pair / c`` (exact in float), minimising
+    the pair's own fp8 logit error's variance under the attention probabilities,
+    ``sum_t (E_A[err^2] - E_A[err]^2)``, ``err_ts = (q_a(t) e_a(s) + q_b(t) e_b(s)) / c`` with ``e``
+    the e4m3 rounding error of ``c k`` at the static scale ``scale_k``."""
+    b, _, T, _ = k.shape
+    n = len(C)
+    best = torch.empty(KVH, P)
+    for h in range(KVH):
+        qh = q[:, h * G:(h + 1) * G]
+        A = F.scaled_dot_product_attention(qh, k[:, h:h + 1].expand(-1, G, -1, -1), torch.eye(T).expand(b, G, T, T),
+                                           is_causal=True)
+        ka, kb = k[:, h, :, :P, None] * C, k[:, h, :, P:, None] * C  # [b, T, P, n]
+        ea, eb = fq(ka, scale_k) - ka, fq(kb, scale_k) - kb
+        E = torch.stack([ea * ea, ea * eb, eb * eb, ea, eb], -1).reshape(b, 1, T, -1)
+        AE = (A @ E).view(b, G, T, P, n, 5)
+        qa, qb = qh[..., :P, None], qh[..., P:, None]
+        var = qa * qa * AE[..., 0] + 2 * qa * qb * AE[..., 1] + qb * qb * AE[..., 2] - (qa * AE[..., 3] + qb * AE[..., 4]) ** 2
+        best[h] = C[(var.sum((0, 1, 2)) / (C * C)).argmin(-1)]
+    return best
+
+
+def scale_rows(proj, f):
+    """Multiply each head's row pairs (i, i + d/2) of ``proj`` by ``f [heads, P]``."""
+    w = proj.weight.data.view(-1, d, proj.weight.shape[1])
+    w *= torch.cat([f, f], 1)[..., None]
+
+
 def rotate_rows(proj, phi):
     """Turn each head's row pairs (i, i + d/2) of ``proj`` by ``phi [heads, P]``."""
     w = proj.weight.data.view(-1, d, proj.weight.shape[1])
@@ -184,8 +220,27 @@ for i in range(L):
 x = wins[:1, :512]
 print("rotation: largest logit change in float KV", float((plain(x).logits - rotated(x).logits).abs().max()))
 am_plain, am_rot = absmax(plain), absmax(rotated)
+
+
+def with_pairs(m, ranges):
+    """A copy of ``m`` with each key pair scaled by ``pair_factors`` at ``ranges``' key scales."""
+    out, rr = copy.deepcopy(m), recorded(m, calib[:NSEQ])
+    hist = torch.zeros(len(C))
+    for i in range(L):
+        f = pair_factors(rr[i][0], rr[i][1], scale(ranges[i][0]))
+        hist += (f[..., None] == C).sum((0, 1))
+        att = out.model.layers[i].self_attn
+        scale_rows(att.k_proj, f)
+        scale_rows(att.q_proj, 1 / f.repeat_interleave(G, 0))
+    print("pair factors 2^(-j/16), count per j:", hist.int().tolist(), flush=True)
+    return out, ranges
+
+
 make = {"absmax": lambda: (plain, am_plain), "rotated": lambda: (rotated, am_rot),
-        "search": lambda: (plain, searched(plain, am_plain)), "rotated+search": lambda: (rotated, searched(rotated, am_rot))}
+        "search": lambda: (plain, searched(plain, am_plain)), "rotated+search": lambda: (rotated, searched(rotated, am_rot)),
+        "pairs": lambda: with_pairs(plain, am_plain), "rotated+pairs": lambda: with_pairs(rotated, am_rot),
+        "search+pairs": lambda: with_pairs(plain, searched(plain, am_plain)),
+        "rotated+search+pairs": lambda: with_pairs(rotated, searched(rotated, am_rot))}
 rows = {k: make[k]() for k in ROWS}
 print(f"angles, absmax and searches {time.time() - t0:.0f} s", flush=True)
 res = compare(plain, {k: (m, lambda a=a: FP8Cache(a)) for k, (m, a) in rows.items()}, wins)

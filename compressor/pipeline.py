@@ -5,10 +5,10 @@ the recipe's algorithm -- a registered per-layer handler (:mod:`compressor.quant
 RTN, AWQ, GPTQ, or ``none``) that observes the layer's inputs and quantizes its linears --,
 then recompute the layer's outputs *with the quantized weights* (the KV observers run on
 that pass) and feed them to the next layer. Without a calibration pass (RTN, no static KV
-scales) the same loop quantizes each layer where it lies. Only one layer
-is on the compute device at a time; the model is modified in place (its linears end
-up holding the dequantized weights, its norms the AWQ-folded scales), so memory holds
-one float copy of the model plus the packed integers -- never two float copies.
+scales) the same loop quantizes each layer where it lies. Only one layer is on the compute
+device at a time; the model is modified in place (its linears end up holding the dequantized
+weights, its norms the AWQ-folded scales), so memory holds one float copy of the model plus
+the packed integers -- never two float copies.
 
 Layer inputs and the keyword arguments each layer receives (attention mask -- sliding
 windows included --, rotary embeddings of the layer's type, position ids) are captured
@@ -43,7 +43,8 @@ from .quant.algorithms import Algorithm, get_algorithm
 from .quant.head import head_hessian
 from .quant.inplace_linalg import all_finite
 from .quant.kv import check_layout, kv_observer, layer_scales, observed_absmax
-from .quant.kv_search import apply_layer_search, layer_recorder, resolve_scale_search, search_warnings
+from .quant.kv_rotation import resolve_kv_search, rotate_layer
+from .quant.kv_search import apply_layer_search, layer_recorder, search_warnings
 from .quant.layer import LayerContext, LinearQuantizer, QuantizedLinear, StopForward, recompute_layer
 from .recipe import Recipe, resolve_group_size
 from .gc_policy import frozen_gc
@@ -73,6 +74,7 @@ class QuantizeResult:
     #: observed post-RoPE absmax per layer: (k [kv_heads], v [kv_heads]) (MLA: latent, RoPE key)
     kv_absmax: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     kv_scale_search: str = "absmax"  #: or ``attention``: kv_absmax holds absmax x the searched multiplier
+    kv_key_rotation: str = "none"  #: or ``pairs``: q_proj/k_proj rows changed per RoPE pair (kv_rotation)
     #: per MoE layer: {"layer", "experts", "expert_tokens" (routed (token, slot) pairs per
     #: expert in the calibration pass, None without one), "below_min_tokens"}
     moe: list[dict] = field(default_factory=list)
@@ -164,8 +166,7 @@ def _group_sizes(recipe: Recipe, targets: dict[str, torch.nn.Linear]) -> dict[st
     for (bits, gs, sym), in_features in by_scheme.items():
         scheme = recipe.weights.model_copy(update={"num_bits": bits, "group_size": gs, "symmetric": sym})
         resolved = resolve_group_size(recipe.model_copy(update={"weights": scheme}), in_features)
-        for name in in_features:
-            out[name] = (bits, resolved, sym)
+        out.update({name: (bits, resolved, sym) for name in in_features})
     return out
 
 
@@ -210,15 +211,11 @@ def resolve_schemes(recipe: Recipe, targets: dict[str, torch.nn.Linear], arch: A
             names = [f"{arch.layers}.{i}.{rel}" for rel in fused]
             present = [n for n in names if n in out]
             if present and len(present) != len(names):
-                raise InputError(
-                    f"{', '.join(names)} are fused into one kernel by vLLM: quantize all of them or none "
-                    f"(only {', '.join(p.rsplit('.', 1)[-1] for p in present)} targeted)"
-                )
+                raise InputError(f"{', '.join(names)} are fused into one kernel by vLLM: quantize all of them or none "
+                                 f"(only {', '.join(p.rsplit('.', 1)[-1] for p in present)} targeted)")
             if len({out[n] for n in present}) > 1:
-                raise InputError(
-                    f"{', '.join(names)} are fused into one kernel by vLLM and must share one weight scheme; "
-                    "adjust the recipe's overrides"
-                )
+                raise InputError(f"{', '.join(names)} are fused into one kernel by vLLM and must share one weight scheme; "
+                                 "adjust the recipe's overrides")
     return out
 
 
@@ -338,7 +335,7 @@ def _plan(model, recipe: Recipe, calib_ids) -> _Plan:
     layout = arch.kv_layout(model.config) if kv is not None else None
     if kv is not None:
         check_layout(kv, layout)
-        resolve_scale_search(recipe.kv_cache, layout)  # refuses attention on MLA before any work
+        resolve_kv_search(recipe.kv_cache, layout, model.config)  # refuses a search or rotation that cannot apply
     quantize_weights = algorithm.quantizes_weights
     if not quantize_weights and kv is None:
         raise InputError("the recipe quantizes nothing: algorithm none and no kv_cache scheme")
@@ -412,7 +409,8 @@ def quantize_model(
     if hooks is not None and getattr(hooks, "activation_budget", None) is not None:
         ctx.spill = lambda tensors, tag: _spill(tensors, hooks, tag)
     if plan.observe_kv:
-        ctx.kv_scale_search = result.kv_scale_search = resolve_scale_search(recipe.kv_cache, plan.layout)
+        ctx.kv_scale_search, ctx.kv_key_rotation = result.kv_scale_search, result.kv_key_rotation = \
+            resolve_kv_search(recipe.kv_cache, plan.layout, model.config)
     with calibration_matmuls(resolve_matmul_precision(matmul_precision, device)):
         _layer_loop(model, layers, ctx, plan.algorithm, result, calib_ids, batch_size, device, on_layer, hooks)
     result.warnings += plan.algorithm.run_warnings(result.layers) + search_warnings(result.layers, recipe.kv_cache)
@@ -523,6 +521,7 @@ def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: 
     """Layer ``i`` inside the calibration pass: the algorithm's step, then the layer's outputs
     recomputed with its quantized weights (the next layer's inputs; the KV observers run here).
     Returns ``(new_hidden, figures)``."""
+    rotation = rotate_layer(i, layer, hidden, kw, ctx)  # kv_cache.key_rotation: pairs (float rows turned)
     outcome = algorithm.quantize_layer(i, layer, hidden, kw, ctx)
     experts = ctx.experts(layer)
     counts = outcome.counts
@@ -536,9 +535,8 @@ def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: 
     with recorder.active() if recorder is not None else nullcontext():
         new_hidden = recompute_layer(i, layer, hidden, kw, ctx.observer, peak, outcome.replay if ctx.observer is None else None)
     outcome.replay = None
-    kv_multipliers = apply_layer_search(i, recorder, ctx) if recorder is not None else {}
-    if recount:
-        counts = experts.counts.tolist()
+    kv_multipliers = apply_layer_search(i, recorder, ctx, rotation) if recorder is not None else {}
+    counts = experts.counts.tolist() if recount else counts
     _record_moe(i, layer, ctx, algorithm, result, counts)
     out_err = None
     if outcome.float_out is not None:

@@ -81,7 +81,31 @@ def _awq_equivalent_scales(reference, artifact, arch) -> dict[str, tuple[torch.T
 
 
 @torch.no_grad()
-def weight_report(reference, artifact, algorithm: str, quantized_head: bool = False) -> dict:
+def key_basis(reference, artifact, algorithm: str) -> dict[int, torch.Tensor]:
+    """Per decoder layer, the artifact's key basis relative to the reference
+    (``kv_cache.key_rotation: pairs``): the complex factor per KV head and RoPE pair
+    (``[kv_heads, d/2]`` complex128) fitted from the two ``k_proj`` weights
+    (:func:`compressor.quant.kv_rotation.fit_pairs`), AWQ's folded input scales undone first
+    when ``algorithm`` folds them. ``kvq verify`` turns the reference's keys into it for the
+    KV-only figures, whose static scales were chosen in that basis."""
+    from .quant.kv_rotation import fit_pairs
+
+    arch = get_arch(reference.config.model_type)
+    handler = find_algorithm(algorithm)
+    scales = _awq_equivalent_scales(reference, artifact, arch) if handler is not None and handler.folds_input_scales else {}
+    cfg = reference.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    out = {}
+    for i, (lr, la) in enumerate(zip(reference.get_submodule(arch.layers), artifact.get_submodule(arch.layers))):
+        rel = f"{arch.attention}.k_proj"
+        w_hat = linear_weight(arch, la, rel).detach().double()
+        col = scales.get(f"{arch.layers}.{i}.{rel}", (None, None))[1]
+        out[i] = fit_pairs(linear_weight(arch, lr, rel).detach(), w_hat if col is None else w_hat / col.view(1, -1), head_dim)
+    return out
+
+
+@torch.no_grad()
+def weight_report(reference, artifact, algorithm: str, quantized_head: bool = False, key_pairs: bool = False) -> dict:
     """Per quantized linear: relative Frobenius error, SQNR (dB) and original-vs-artifact
     statistics; plus a per-decoder-layer summary.
 
@@ -92,6 +116,9 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
             weights (``awq``: :attr:`~compressor.quant.algorithms.Algorithm.folds_input_scales`)
             they are undone first (see :func:`_awq_equivalent_scales`); a name without a
             handler (``unknown``: a foreign artifact) undoes nothing.
+        key_pairs: the artifact's q_proj/k_proj rows carry per-RoPE-pair factors
+            (``kv_cache.key_rotation: pairs``); each pair's least-squares factor is divided out
+            (:func:`compressor.quant.kv_rotation.undo_pairs`).
 
     Every linear of the architecture row is compared, routed experts one by one (named
     ``<layers>.<i>.mlp.experts.<e>.gate_proj.weight`` etc., sliced from transformers'
@@ -101,13 +128,18 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
     Returns:
         ``{"tensors": [{"name", "layer", "rel_fro", "sqnr_db", "original": stats,
         "artifact": stats}], "layers": [{"layer", "mean_rel_fro", "min_sqnr_db",
-        "max_rel_fro"}], "min_sqnr_db", "min_sqnr_tensor", "awq_scales_undone"}``.
+        "max_rel_fro"}], "min_sqnr_db", "min_sqnr_tensor", "awq_scales_undone", "key_pairs_undone"}``.
     """
+    from .quant.kv_rotation import undo_pairs
+
     arch = get_arch(reference.config.model_type)
     handler = find_algorithm(algorithm)
     folded = handler is not None and handler.folds_input_scales
     scales = _awq_equivalent_scales(reference, artifact, arch) if folded else {}
     tensors = []
+    cfg = reference.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    pair_rows = {f"{arch.attention}.q_proj", f"{arch.attention}.k_proj"} if key_pairs else set()
     layers_ref = reference.get_submodule(arch.layers)
     layers_art = artifact.get_submodule(arch.layers)
     for i, (lr, la) in enumerate(zip(layers_ref, layers_art)):
@@ -123,6 +155,8 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
                 w_back = w_back * row.view(-1, 1)
             if col is not None:
                 w_back = w_back / col.view(1, -1)
+            if rel in pair_rows:  # the key basis changed per RoPE pair: back to the reference's
+                w_back = undo_pairs(w, w_back, head_dim)
             err = weight_error(w, w_back)
             if err["rel_fro"] == 0.0:
                 continue  # left in float (ignored by the recipe)
@@ -142,7 +176,8 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
                        "max_rel_fro": max(t["rel_fro"] for t in ts), "min_sqnr_db": min(t["sqnr_db"] for t in ts)})
     worst = min(tensors, key=lambda t: t["sqnr_db"], default=None)
     return {"tensors": tensors, "layers": layers, "min_sqnr_db": None if worst is None else worst["sqnr_db"],
-            "min_sqnr_tensor": None if worst is None else worst["name"], "awq_scales_undone": bool(scales)}
+            "min_sqnr_tensor": None if worst is None else worst["name"], "awq_scales_undone": bool(scales),
+            "key_pairs_undone": bool(pair_rows)}
 
 
 @torch.no_grad()

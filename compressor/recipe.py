@@ -190,7 +190,13 @@ class KVCacheOptions(_Strict):
     ``attention`` (the multiple of absmax, within one binade, whose scales give the smallest
     error of each layer's attention output on ``scale_search_samples`` calibration sequences;
     :mod:`compressor.quant.kv_search`; refused on an MLA cache and on dynamic schemes) or
-    ``auto`` (``attention`` for static scales on a cache with KV heads, else nothing or absmax)."""
+    ``auto`` (``attention`` for static scales on a cache with KV heads, else nothing or absmax).
+
+    ``key_rotation`` (static schemes searched on the attention output): ``pairs`` changes each
+    layer's key basis by one exact complex factor per RoPE pair (an angle, then a scale) in
+    ``q_proj``/``k_proj``'s rows, chosen for the cache's rounding
+    (:mod:`compressor.quant.kv_rotation`; refused where the layout does not commute with it),
+    ``auto`` (``pairs`` for fp8 where it applies, else ``none``) or ``none``."""
 
     scheme: Literal["fp8", "int8", "int4", "int2"]
     strategy: Optional[Literal["tensor", "head", "token", "kivi"]] = None
@@ -198,6 +204,7 @@ class KVCacheOptions(_Strict):
     residual_length: int = Field(128, ge=0)
     scale_search: Literal["absmax", "attention", "auto"] = "absmax"
     scale_search_samples: int = Field(4, ge=1, le=1024, strict=True)
+    key_rotation: Literal["none", "pairs", "auto"] = "none"
 
     @model_validator(mode="after")
     def _valid(self):
@@ -211,6 +218,8 @@ class KVCacheOptions(_Strict):
         if self.scale_search == "attention" and not spec.static:
             raise ValueError(f"scale_search {self.scale_search} applies to static scales (fp8, int8 head), "
                              f"not {spec.describe()}")
+        if self.key_rotation == "pairs" and not spec.static:
+            raise ValueError(f"key_rotation pairs applies to static scales (fp8, int8 head), not {spec.describe()}")
         return self
 
     @model_serializer(mode="wrap")
@@ -221,6 +230,8 @@ class KVCacheOptions(_Strict):
         if isinstance(data, dict) and not _full(info) and \
                 (data.get("scale_search"), data.get("scale_search_samples")) == ("absmax", 4):
             del data["scale_search"], data["scale_search_samples"]
+        if isinstance(data, dict) and not _full(info) and data.get("key_rotation") == "none":
+            del data["key_rotation"]
         return data
 
     def spec(self):

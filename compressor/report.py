@@ -89,6 +89,7 @@ class Weights(_M):
     min_sqnr_db: Optional[float]
     min_sqnr_tensor: Optional[str]
     awq_scales_undone: bool
+    key_pairs_undone: bool = False  #: q_proj/k_proj per-RoPE-pair factors divided out (kv_cache.key_rotation: pairs)
 
 
 class Hidden(_M):

@@ -150,6 +150,7 @@ def test_verify_and_serve_smoke(sources, fp8, tiny_model_dir, capsys):
     (["--recipe", "kv-fp8", "--dtype", "float16"], "carried as they are (bfloat16)"),
     (["--recipe", "kv-fp8", "--resume"], "keeps no layers to resume"),
     (["--recipe", "kv-fp8", "--set", "head.num_bits=8"], "the recipe's head: section cannot be applied"),
+    (["--recipe", "kv-fp8", "--set", "kv_cache.key_rotation=pairs"], "key_rotation pairs cannot change them"),
 ])
 def test_refusals(argv, pattern, sources, tmp_path, capsys):
     code, _, err = run(["quantize", sources["compressed-tensors"], "-o", tmp_path / "out", *argv], capsys)

@@ -130,15 +130,16 @@ def find_packed(spec: str) -> Optional[PackedSource]:
     return PackedSource(folder, spec, method, read_config(folder / "config.json"), manifest)
 
 
-def check_carry(packed: PackedSource, recipe, opts) -> None:
-    """Every refusal of a run on a packed source, before anything is loaded.
+def check_carry(packed: PackedSource, recipe, opts):
+    """Every refusal of a run on a packed source, before anything is loaded; returns the recipe
+    the run uses (``kv_cache.key_rotation: auto`` becomes ``none``: the q/k tensors are carried).
 
     Raises:
         InputError: the recipe quantizes weights (named, with the format and bits of the
             source and the KV recipes to use instead); it has no KV-cache scheme (nothing
             to do); a ``head:`` section; ``--format``/``--dtype`` other than the source's (its tensors are
             carried as they are); a static KV scheme on an AWQ/GPTQ source; a layout kvq
-            cannot dequantize; ``--resume`` or several torchrun ranks.
+            cannot dequantize; ``--resume`` or several torchrun ranks; ``kv_cache.key_rotation: pairs``.
     """
     from ..artifact import check_readable
     from ..quant.algorithms import get_algorithm
@@ -166,6 +167,14 @@ def check_carry(packed: PackedSource, recipe, opts) -> None:
         raise InputError("--resume: a run on an already-quantized source keeps no layers to resume; rerun without it")
     if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
         raise InputError(f"{packed.spec} is already quantized: its KV-cache calibration runs in one process, not under torchrun")
+    if recipe.kv_cache.key_rotation == "pairs":
+        raise InputError(f"{what}; its q_proj/k_proj tensors are carried as they are, so kv_cache.key_rotation pairs "
+                         "cannot change them: use auto or none")
+    if recipe.kv_cache.key_rotation == "auto":
+        from ..recipe import with_overrides
+
+        recipe = with_overrides(recipe, **{"kv_cache.key_rotation": "none"})
+    return recipe
 
 
 def check_source_integrity(packed: PackedSource) -> None:

@@ -173,7 +173,7 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     fmt = opts.write.format
     packed = kv_only.find_packed(opts.model)  # already-quantized weights: never quantized again
     if packed is not None:
-        kv_only.check_carry(packed, recipe, opts)
+        recipe = kv_only.check_carry(packed, recipe, opts)
     else:  # before the source is read: --format awq/gptq with auto is float16 whatever the source
         check_format(fmt, recipe, opts.write.dtype if opts.write.dtype != "auto" else
                      ("float16" if fmt in ("awq", "gptq") else "bfloat16"))
@@ -537,10 +537,11 @@ def _kv_record(kv, result, arch, model, packed: dict) -> Optional[dict]:
             "[1]" if kv.strategy == "tensor" else "[num_kv_heads, 1, 1]")
         record["scale_search"], record["absmax"] = result.kv_scale_search, {  # absmax: the scales' ranges
             str(i): {"k": [round(float(x), 4) for x in k], "v": [round(float(x), 4) for x in v]} for i, (k, v) in result.kv_absmax.items()}
+    # key_rotation: q_proj/k_proj rows changed per RoPE pair (only recorded when they were)
+    record.update({"key_rotation": result.kv_key_rotation} if getattr(result, "kv_key_rotation", "none") != "none" else {})
     layout = arch.kv_layout(model.config)
-    record["layout"] = layout.as_dict()
-    record["bytes_per_token"] = layout_bytes_per_token(kv, layout)
-    record["fp16_bytes_per_token"] = layout_bytes_per_token(None, layout)
+    record.update(layout=layout.as_dict(), bytes_per_token=layout_bytes_per_token(kv, layout),
+                  fp16_bytes_per_token=layout_bytes_per_token(None, layout))
     return record
 
 

@@ -64,6 +64,8 @@ class _Models:
     artifact: torch.nn.Module
     tokenizer: object
     reference: torch.nn.Module
+    #: the artifact's key basis per layer (``kv_cache.key_rotation: pairs``), ``None`` without one
+    key_basis: dict | None = None
 
 
 def run_verify(opts: VerifyOptions, console=None) -> dict:
@@ -224,7 +226,7 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
     Raises:
         InputError: the reference is another architecture or holds NaN/Inf.
     """
-    from ..quality import weight_report
+    from ..quality import key_basis, weight_report
 
     dtype, report["evaluated_in"] = _eval_dtype(plan.folder, opts.evaluation.dtype)
     model, tokenizer = load_artifact(plan.folder, dtype=dtype)
@@ -239,6 +241,8 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
         show.note(console, f"[red]NaN or Inf[/] in {len(bad)} artifact tensor(s): {', '.join(bad[:5])}", highlight=False)
     model.to(opts.device)
     ref_model.to(opts.device)
+    key_pairs = (plan.manifest.kv_cache or {}).get("key_rotation") == "pairs"
+    algorithm = "none"
     if plan.weights_quantized:
         # weights carried from an already-quantized source: the algorithm that made them, if known
         algorithm = plan.manifest.quantization.get("source_algorithm") or plan.manifest.recipe.get("algorithm", "")
@@ -246,8 +250,9 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
             algorithm = "awq" if _norms_rescaled(ref_model, model) else "unknown"
             report["warnings"].append(f"foreign artifact: weight statistics assume {'AWQ-folded' if algorithm == 'awq' else 'unscaled'} "
                                       "weights (inferred from the norm weights)")
-        report["weights"] = weight_report(ref_model, model, algorithm, quantized_head=_head_is_packed(plan.folder, model))
-    return _Models(model, tokenizer, ref_model)
+        report["weights"] = weight_report(ref_model, model, algorithm, quantized_head=_head_is_packed(plan.folder, model),
+                                          key_pairs=key_pairs)
+    return _Models(model, tokenizer, ref_model, key_basis(ref_model, model, algorithm) if key_pairs else None)
 
 
 def _head_is_packed(folder: Path, model) -> bool:
@@ -343,7 +348,10 @@ def _evaluate(plan: _Plan, models: _Models, prompts: list[str], opts: VerifyOpti
     if max_pos and ev.seqlen > max_pos:
         report["warnings"].append(f"--seqlen {ev.seqlen} exceeds the model's max_position_embeddings {max_pos}")
     make_cache = _cache_factory(model, kv_info, ev.seqlen, report)
-    candidates, served = _candidates(models, plan.weights_quantized, make_cache)
+    ref_cache = make_cache  # the KV-only figures: the reference's keys in the artifact's key basis, if it has one
+    if make_cache is not None and models.key_basis is not None and kv_info[0].static:
+        ref_cache = lambda: make_cache(models.key_basis)  # noqa: E731
+    candidates, served = _candidates(models, plan.weights_quantized, make_cache, ref_cache)
     with show.progress(console, "windows") as bar:
         task = bar.add_task(f"reference + {len(candidates)} configuration(s)", total=len(wins))
         results = compare(ref_model, candidates, wins, opts.device, opts.kv.chunk,
@@ -352,7 +360,8 @@ def _evaluate(plan: _Plan, models: _Models, prompts: list[str], opts: VerifyOpti
     report["eval"]["bos_token_id"] = bos
     report["eval"]["bos_rule"] = ("each window starts with the BOS the tokenizer adds (llama.cpp's perplexity)" if bos is not None
                                   else "the tokenizer adds no BOS: windows are text tokens only")
-    _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts, make_cache, served, opts)
+    _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts,
+                      make_cache if plan.weights_quantized else ref_cache, served, opts)
     if kv_info is not None:
         report["kv_cache"] = _kv_report(kv_info[0], plan.kv_source, plan.ref_source, opts)
     return served, results
@@ -369,18 +378,19 @@ def _cache_factory(model, kv_info, seqlen: int, report: dict):
             "the KV figures measure nothing; use a longer --seqlen")
     layout = get_arch(model.config.model_type).kv_layout(model.config)
     n_layers = model.config.num_hidden_layers
-    return lambda: quantized_cache(spec, n_layers, scales, layout)
+    return lambda basis=None: quantized_cache(spec, n_layers, scales, layout, key_basis=basis)
 
 
-def _candidates(models: _Models, weights_quantized: bool, make_cache) -> tuple[dict, str]:
-    """The configurations compared with the reference, and the one the gates judge."""
+def _candidates(models: _Models, weights_quantized: bool, make_cache, ref_cache=None) -> tuple[dict, str]:
+    """The configurations compared with the reference, and the one the gates judge
+    (``ref_cache``: the cache of the ``KV only`` row, which runs the reference model)."""
     candidates = {}
     if weights_quantized:
         candidates["weights only"] = (models.artifact, None)
         if make_cache:
             candidates["weights + KV"] = (models.artifact, make_cache)
     if make_cache:
-        candidates["KV only"] = (models.reference, make_cache)
+        candidates["KV only"] = (models.reference, ref_cache or make_cache)
     if not candidates:
         candidates["weights only"] = (models.artifact, None)
     served = ("weights + KV" if weights_quantized and make_cache

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
+from .kv_rotation import turn_keys
 from .kv_schemes import (  # noqa: F401  (re-exported: the scheme classes and the tensor quantizers live there)
     BITS, DEFAULT_STRATEGY, FP8_MAX, KV_SCHEMES, SCHEMES, VALID_STRATEGIES, FP8HeadScheme, FP8TensorScheme,
     Int8HeadScheme, Int8TokenScheme, KIVIScheme, KVScheme, KVSpec, dequantize_asym, dequantize_fp8,
@@ -266,9 +267,10 @@ def make_quantized_layer_class():
 
         is_croppable = False
 
-        def __init__(self, spec: KVSpec, k_scale=None, v_scale=None, kinds=("k", "v")):
+        def __init__(self, spec: KVSpec, k_scale=None, v_scale=None, kinds=("k", "v"), key_basis=None):
             super().__init__()
             self.spec, self.k_scale, self.v_scale = spec, k_scale, v_scale
+            self.key_basis = key_basis  # complex [kv_heads, d/2] or None (see quantized_cache)
             self.codec = spec.codec  # the scheme's encode/decode, shared with the runtime cache
             self.kinds = kinds  # KIVI grouping of the two slots (MLA: both per channel)
             self.qk: list = []  # quantized chunks, as the codec's encode returns them
@@ -299,7 +301,7 @@ def make_quantized_layer_class():
             self.cumulative_length += key_states.shape[-2]
             kivi = isinstance(self.codec, KIVIScheme)
             if not kivi:
-                self._write(key_states, value_states)
+                self._write(key_states if self.key_basis is None else turn_keys(key_states, self.key_basis), value_states)
             else:
                 self.keys = torch.cat([self.keys, key_states], dim=-2) if self.keys.numel() else key_states
                 self.values = torch.cat([self.values, value_states], dim=-2) if self.values.numel() else value_states
@@ -309,7 +311,8 @@ def make_quantized_layer_class():
             if kivi and self.keys.numel():
                 ks.append(self.keys)
                 vs.append(self.values)
-            return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+            keys = torch.cat(ks, dim=-2)
+            return keys if self.key_basis is None else turn_keys(keys, 1 / self.key_basis), torch.cat(vs, dim=-2)
 
         def get_seq_length(self) -> int:
             return self.cumulative_length
@@ -326,26 +329,33 @@ def make_quantized_layer_class():
 
 
 def quantized_cache(spec: KVSpec, n_layers: int, scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                    layout: KVLayout | None = None):
+                    layout: KVLayout | None = None, key_basis: dict[int, torch.Tensor] | None = None):
     """A transformers ``Cache`` whose layers quantize K/V with ``spec``.
 
     Args:
         scales: layer index -> ``(k_scale, v_scale)`` for static schemes.
         layout: the model's :class:`KVLayout` (default GQA); on MLA the two slots are the
             latent and the RoPE key, both grouped per channel by KIVI (module docstring).
+        key_basis: layer index -> complex ``[kv_heads, d/2]``: keys are turned into that basis
+            before they are quantized and back after (an artifact's ``kv_cache.key_rotation:
+            pairs`` applied to the reference model; :func:`compressor.quant.kv_rotation.turn_keys`).
 
     Raises:
-        InputError: a static scheme without scales for some layer; a per-head scheme on MLA.
+        InputError: a static scheme without scales for some layer; a per-head scheme on MLA;
+            a key basis for a dynamic scheme.
     """
     from transformers.cache_utils import Cache
 
     if layout is not None:
         check_layout(spec, layout)
+    if key_basis and not spec.static:
+        raise InputError(f"a key basis applies to static KV scales, not {spec.describe()}")
     if spec.static and (scales is None or any(i not in scales for i in range(n_layers))):
         raise InputError(f"KV scheme {spec.describe()} needs calibrated k_scale/v_scale for every layer")
     cls = make_quantized_layer_class()
     kinds = layout.kinds if layout is not None else ("k", "v")
-    layers = [cls(spec, *(scales[i] if spec.static else (None, None)), kinds=kinds) for i in range(n_layers)]
+    layers = [cls(spec, *(scales[i] if spec.static else (None, None)), kinds=kinds,
+                  key_basis=(key_basis or {}).get(i)) for i in range(n_layers)]
     return Cache(layers=layers)
 
 

@@ -190,21 +190,30 @@ def layer_recorder(layer, ctx) -> AttentionRecorder | None:
     return AttentionRecorder(get_module(layer, ctx.arch.attention), ctx.recipe.kv_cache.scale_search_samples)
 
 
-def apply_layer_search(i: int, rec: AttentionRecorder, ctx) -> dict:
+def apply_layer_search(i: int, rec: AttentionRecorder, ctx, rotation: dict | None = None) -> dict:
     """Layer ``i``'s search (:func:`search_kv_ranges`) on what ``rec`` recorded during its
-    recompute; the observer's ranges for the layer become ``absmax x m``. Returns the layer's
-    figure ``{"k": [m per KV head, or one for per-tensor scales], "v": [...], "sequences": n}``
-    (``n``: calibration sequences the search used; ``{}`` when the observer saw nothing)."""
+    recompute; the observer's ranges for the layer become ``absmax x m``. With
+    ``ctx.kv_key_rotation == "pairs"`` the key pairs' factors follow at the searched scales
+    (:func:`compressor.quant.kv_rotation.scale_layer_pairs`). Returns the layer's figure
+    ``{"k": [m per KV head, or one for per-tensor scales], "v": [...], "sequences": n}``
+    (``n``: calibration sequences the search used; ``{}`` when the observer saw nothing), plus
+    ``"key_pairs"``: ``rotation`` (the layer's angle figure) and the factors' figure."""
     obs = ctx.observer.layers[i]
     if obs.k_absmax is None:
         return {}
     spec = ctx.recipe.kv_cache.spec()
     k_range, v_range, mk, mv = search_kv_ranges(rec, spec, obs.k_absmax, obs.v_absmax, ctx.quantizer.dtype)
     obs.k_absmax, obs.v_absmax = k_range, v_range
+    pairs = {}
+    if ctx.kv_key_rotation == "pairs" and rec.records:
+        from .kv_rotation import scale_layer_pairs
+
+        pairs = {"key_pairs": {**(rotation or {}), **scale_layer_pairs(i, rec, ctx, k_range)}}
     rec.records.clear()
     if spec.codec.per_tensor:  # one multiplier for the layer
         mk, mv = mk[:1], mv[:1]
-    return {"k": [round(x, 4) for x in mk.tolist()], "v": [round(x, 4) for x in mv.tolist()], "sequences": rec.seen}
+    return {"k": [round(x, 4) for x in mk.tolist()], "v": [round(x, 4) for x in mv.tolist()], "sequences": rec.seen,
+            **pairs}
 
 
 def search_warnings(layers: list[dict], kv_options) -> list[str]:

@@ -146,6 +146,8 @@ class LayerContext:
     #: how the static KV scales are chosen: ``absmax`` or ``attention``
     #: (:func:`compressor.quant.kv_search.resolve_scale_search`)
     kv_scale_search: str = "absmax"
+    #: ``none`` or ``pairs``: the key basis changed per RoPE pair (:mod:`compressor.quant.kv_rotation`)
+    kv_key_rotation: str = "none"
 
     def experts(self, layer) -> UnfusedExperts | None:
         """The layer's unfused routed experts (``None`` for a dense layer)."""
