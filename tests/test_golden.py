@@ -215,7 +215,7 @@ W4A16_AWQ_JSON = """\
 
 #: SHA-256 of each bundled recipe's canonical JSON (``load_recipes([name]).model_dump(mode="json")``)
 RECIPE_SHA256 = {
-    "kv-fp8": "73cc6cde79e60e91b0d9ad824cd876943e207206685cda5a117e0039b3bd0035",
+    "kv-fp8": "baf1d66b3692c451a56b9b425978e56b8ebc746d504ae9af5a59038a47172565",
     "kv-int4": "052ccbef43d9ee3f8b07056d70110526740bb60e6cd59e452a1356d41c22a048",
     "kv-int8": "303b880f892f889096203aa1699d479e90d098e1bfa073b867637ff5a522cbc2",
     "w3a16-gptaq-g64": "8c82331a9cb29c4825349db0f66392959bd7123d1df333dbbf2b0e6d17d2eff5",

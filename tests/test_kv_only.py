@@ -87,15 +87,13 @@ def test_kv_scales_are_calibrated_on_the_dequantized_weights(sources, fp8, tiny_
     from compressor.calib import load_text, sample_windows, tokenize
     from compressor.models import load_tokenizer
     from compressor.pipeline import quantize_model
-    from compressor.recipe import load_recipes, with_overrides
+    from compressor.recipe import load_recipes
 
     quantize(tiny_model_dir, out.parent / "float-fp8kv", "kv-fp8", **CALIB)
     assert load_manifest(out.parent / "float-fp8kv").kv_cache["absmax"] != absmax  # bf16 scales may round alike
     model, _ = load_artifact(sources["compressed-tensors"])
     ids = sample_windows(tokenize(load_tokenizer(sources["compressed-tensors"]), load_text("embedded", part="calib").text), 8, 64, 0)
-    # as the carried run: its q_proj/k_proj are carried byte for byte, so key_rotation auto is none there
-    recipe = with_overrides(load_recipes(["kv-fp8"]), **{"kv_cache.key_rotation": "none"})
-    res = quantize_model(model, recipe, ids, dtype=torch.bfloat16)
+    res = quantize_model(model, load_recipes(["kv-fp8"]), ids, dtype=torch.bfloat16)
     for i in scales:
         assert torch.equal(res.kv_scales[i][0].float().reshape(1), scales[i][0])
         assert torch.equal(res.kv_scales[i][1].float().reshape(1), scales[i][1])

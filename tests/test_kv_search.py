@@ -98,7 +98,7 @@ def test_quantize_with_the_search_stores_the_searched_scales(tiny_model_dir, tmp
                                  settings=(("kv_cache.scale_search", "attention"), ("kv_cache.scale_search_samples", 2))))
     man = load_manifest(out)
     mults = [f["kv_scale_multipliers"] for f in man.quality["layers"]]
-    assert len(mults) == 2 and all(set(m) == {"k", "v", "sequences", "key_pairs"} and m["sequences"] == 2 and len(m["k"]) == 1
+    assert len(mults) == 2 and all(set(m) == {"k", "v", "sequences"} and m["sequences"] == 2 and len(m["k"]) == 1
                                    and all(x in [round(g, 4) for g in GRID] for x in m["k"] + m["v"]) for m in mults)
     assert not any("scale_search_samples" in w for w in man.quality["warnings"])
     assert man.recipe["kv_cache"]["scale_search"] == "attention" and man.kv_cache["scale_search"] == "attention"

@@ -252,8 +252,7 @@ def _effective_recipe(opts: QuantizeOptions) -> Recipe:
     s = opts.scheme
     recipe = load_recipes(s.recipes)
     if s.kv_scheme is not None:
-        auto = dict(scale_search="auto", key_rotation="auto") if s.kv_scheme == "fp8" else {}  # fp8: as the kv-fp8 recipe
-        recipe = with_overrides(recipe, kv_cache=KVCacheOptions(scheme=s.kv_scheme, **auto).model_dump())
+        recipe = with_overrides(recipe, kv_cache=KVCacheOptions(scheme=s.kv_scheme, scale_search="auto" if s.kv_scheme == "fp8" else "absmax").model_dump())
     if s.settings:
         if s.kv_scheme is not None and any(k == "kv_cache" and v is None for k, v in s.settings):
             raise InputError(f"--kv-scheme {s.kv_scheme} and --set kv_cache=null contradict each other; drop one")
@@ -590,7 +589,8 @@ def _summary(plan: _Plan, src: _Source, written: _Written, writer: LayerWriter, 
         "source_loading": src.loading,
         "matmul_precision": plan.matmul_precision, "threads": plan.threads, "busy_note": plan.busy,
         "shards": sum(1 for n in manifest.files if n.endswith(".safetensors")),
-        "resumed_from_layer": writer.start or None, "world_size": world_size,
+        "resumed_from_layer": writer.start or None,
+        "world_size": world_size,
         "mean_rel_error": quality["mean_rel_error"],
         "moe": quality.get("moe"), "head": quality.get("head"),
         "warnings": plan.warnings,
