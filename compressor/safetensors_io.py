@@ -406,7 +406,7 @@ def file_digest(path: str | os.PathLike, algorithm: str = "sha256") -> str:
 
 
 def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, shard_bytes: int,
-                 metadata: dict[str, str] | None = None, skip: set[str] | frozenset = frozenset()) -> dict[str, str]:
+                 metadata: dict[str, str] | None = None, skip: dict | None = None) -> dict[str, str]:
     """Concatenate the tensors of safetensors ``parts`` into shards of at most ``shard_bytes``
     of data each (a tensor larger than that gets a shard of its own), streaming the bytes
     (memory stays O(copy buffer), whatever the model size).
@@ -414,7 +414,8 @@ def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, sha
     One shard is written as ``model.safetensors``; several as
     ``model-0000k-of-0000N.safetensors`` plus ``model.safetensors.index.json``
     (``{"metadata": {"total_size"}, "weight_map": {tensor: file}}``, the Hugging Face
-    sharded-checkpoint index). Tensors named in ``skip`` are left out. Tensors keep the order of the parts; within a shard the
+    sharded-checkpoint index). ``skip`` maps a part to the tensor names left out of that part
+    (the same name in another part is kept: a replacement). Tensors keep the order of the parts; within a shard the
     header is sorted by name and the data follows in that order (safetensors spec: 8-byte
     little-endian header length, JSON header padded with spaces to 8 bytes, data buffer
     fully indexed, no holes).
@@ -428,9 +429,11 @@ def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, sha
     out_dir = Path(out_dir)
     entries: list[tuple[Path, TensorEntry]] = []
     seen: set[str] = set()
+    skip = {Path(k): v for k, v in (skip or {}).items()}
     for p in parts:
+        left_out = skip.get(Path(p), ())
         for e in read_header(p).values():
-            if e.name in skip:
+            if e.name in left_out:
                 continue
             if e.name in seen:
                 raise InputError(f"tensor {e.name} written twice while assembling the shards")

@@ -202,6 +202,20 @@ def test_foreign_source_and_recalibration(sources, fp8, tmp_path, capsys):
     assert any("KV-cache scale tensors were replaced" in w for w in load_manifest(again).quality["warnings"])
 
 
+def test_recalibrated_fp8_keeps_its_new_scales(fp8, tmp_path, capsys):
+    """An fp8-KV artifact calibrated again with an fp8 scheme gets the new scales under the
+    old names (the source's are left out, the new ones kept), so verify and serve-smoke accept it."""
+    again = tmp_path / "fp8-again"
+    code, _, err = run(["quantize", fp8[0], "--recipe", "kv-fp8", "-o", again, *CALIB_FLAGS], capsys)
+    assert code == 0, err
+    assert set(tensors(again)) == set(tensors(fp8[0]))
+    assert kv_names(2) <= set(tensors(again))
+    assert any("KV-cache scale tensors were replaced" in w for w in load_manifest(again).quality["warnings"])
+    assert read_kv_cache(again) is not None
+    code, _, err = run(["verify", again, "--weights-only"], capsys)
+    assert code == 0, err
+
+
 def test_streamed_equals_whole_model(sources, fp8, tmp_path):
     out = tmp_path / "whole"
     summary = quantize(sources["compressed-tensors"], out, "kv-fp8", stream=False, **CALIB)

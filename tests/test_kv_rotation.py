@@ -152,7 +152,9 @@ def test_weight_statistics_undo_the_pairs_of_a_quantized_artifact(tiny_model_dir
     give q_proj/k_proj errors of the size the unchanged run has; without the undo they are wrong."""
     from transformers import AutoModelForCausalLM
 
+    from compressor.api import QuantizeOptions, VerifyOptions, run_quantize, run_verify
     from compressor.artifact import load_artifact
+    from compressor.manifest import load_manifest
     from compressor.quality import weight_report
 
     src = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -172,6 +174,15 @@ def test_weight_statistics_undo_the_pairs_of_a_quantized_artifact(tiny_model_dir
         assert errs["pairs", False][n] > 3 * errs["none", True][n]
     v = [n for n in errs["none", True] if n.endswith("v_proj.weight")]
     assert all(errs["pairs", True][n] == errs["none", True][n] for n in v)  # other linears untouched
+    # the pairs artifact calibrated again (another KV scheme): its q/k rows are carried, so
+    # the new manifest keeps key_rotation and verify still divides the factors out
+    carried = tmp_path / "carried-int8"
+    run_quantize(QuantizeOptions(model=str(tmp_path / "pairs"), output=carried, recipe=("kv-int8",)))
+    assert load_manifest(carried).kv_cache["key_rotation"] == "pairs"
+    rep = run_verify(VerifyOptions(artifact=carried, reference=str(tiny_model_dir), weights_only=True))["weights"]
+    assert rep["key_pairs_undone"] is True
+    assert all(rep_t["rel_fro"] < 1.5 * errs["none", True][rep_t["name"]] for rep_t in rep["tensors"]
+               if rep_t["name"] in qk)
 
 
 def test_verify_measures_the_kv_only_row_in_the_artifacts_key_basis(tmp_path):

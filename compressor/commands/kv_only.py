@@ -177,6 +177,14 @@ def check_carry(packed: PackedSource, recipe, opts):
     return recipe
 
 
+def carried_key_rotation(packed: PackedSource) -> str:
+    """The source's ``kv_cache.key_rotation`` (``pairs`` or ``none``): its q_proj/k_proj
+    tensors are carried, so their per-RoPE-pair factors are the new artifact's too and
+    ``kvq verify`` must undo them (a source without a kvq manifest: ``none``)."""
+    kv = (packed.manifest.kv_cache or {}) if packed.manifest is not None else {}
+    return kv.get("key_rotation", "none")
+
+
 def check_source_integrity(packed: PackedSource) -> None:
     """A kvq source is checked against its own manifest before its weights are carried.
 
@@ -401,9 +409,9 @@ def write_carried(packed: PackedSource, out: Path, spec, scales: dict, fields: d
 
     check_output(out, write_opts.overwrite)
     shards = sorted(packed.folder.glob("*.safetensors"))
-    old_scales = {n for s in shards for n in read_header(s) if n.rpartition(".")[2] in KV_LEAVES}
-    if old_scales:
-        fields["quality"]["warnings"].append(f"the source's {len(old_scales)} KV-cache scale tensors were replaced by "
+    old_scales = {s: {n for n in read_header(s) if n.rpartition(".")[2] in KV_LEAVES} for s in shards}
+    if any(old_scales.values()):
+        fields["quality"]["warnings"].append(f"the source's {sum(map(len, old_scales.values()))} KV-cache scale tensors were replaced by "
                                              f"the {spec.describe()} scheme's")
     tmp = new_temp_folder(out)
     try:

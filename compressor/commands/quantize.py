@@ -378,7 +378,7 @@ def _carry(plan: _Plan, opts: QuantizeOptions, device: str, console, on_committe
     src = _Source(model, tokenizer, None, loading, calib_ids, calibration)
     # a dynamic scheme has no scale to calibrate: no decoder layer is read
     result = _quantize(plan, src, hooks, opts, device, console) if plan.kv.static else kv_only.uncalibrated(model, plan.kv)
-    src.calib_ids = None
+    src.calib_ids, result.kv_key_rotation = None, kv_only.carried_key_rotation(packed)  # q/k rows as the source's
     arch = get_arch(model.config.model_type)
     scales: dict = {}
     kv_record = _kv_record(plan.kv, result, arch, model, scales)
