@@ -121,6 +121,12 @@ def quantize_done(console, summary: dict, layers: list[dict], moe_layers: list[d
         console.print(f"lm_head: {h['num_bits']} bit, " + ("per channel" if h["group_size"] == -1 else f"group {h['group_size']}")
                       + f", {'symmetric' if h['symmetric'] else 'asymmetric'}, rel. weight error {h['relative_error']:.4f}"
                       + ("; untied from the embedding (kept float)" if h["untied"] else ""), highlight=False)
+    if summary.get("kv_cache"):
+        k = summary["kv_cache"]
+        console.print(f"KV cache: {k['scheme']} per {k['strategy']}"
+                      + (f", static scales {k['scale_search']}" if k["scale_search"] != "none" else "")
+                      + (", key pairs changed in q_proj/k_proj (key_rotation pairs)" if k["key_rotation"] == "pairs" else ""),
+                      highlight=False)
     size, float_bytes = summary["artifact_bytes"], summary["float32_bytes"]
     console.print(
         f"[green]wrote[/] {summary['output']} ({size / 2**20:.1f} MiB; float32 model {float_bytes / 2**20:.1f} MiB) "

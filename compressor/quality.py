@@ -93,19 +93,24 @@ def key_basis(reference, artifact, algorithm: str) -> dict[int, torch.Tensor]:
     arch = get_arch(reference.config.model_type)
     handler = find_algorithm(algorithm)
     scales = _awq_equivalent_scales(reference, artifact, arch) if handler is not None and handler.folds_input_scales else {}
-    cfg = reference.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     out = {}
     for i, (lr, la) in enumerate(zip(reference.get_submodule(arch.layers), artifact.get_submodule(arch.layers))):
         rel = f"{arch.attention}.k_proj"
         w_hat = linear_weight(arch, la, rel).detach().double()
         col = scales.get(f"{arch.layers}.{i}.{rel}", (None, None))[1]
-        out[i] = fit_pairs(linear_weight(arch, lr, rel).detach(), w_hat if col is None else w_hat / col.view(1, -1), head_dim)
+        out[i] = fit_pairs(linear_weight(arch, lr, rel).detach(), w_hat if col is None else w_hat / col.view(1, -1),
+                           _head_dim(reference.config))
     return out
 
 
+def _head_dim(cfg) -> int:
+    """Channels per attention head of a model config (``head_dim``, else hidden / heads)."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 @torch.no_grad()
-def weight_report(reference, artifact, algorithm: str, quantized_head: bool = False, key_pairs: bool = False) -> dict:
+def weight_report(reference, artifact, algorithm: str, quantized_head: bool = False, key_pairs: bool = False,
+                  basis: dict | None = None) -> dict:
     """Per quantized linear: relative Frobenius error, SQNR (dB) and original-vs-artifact
     statistics; plus a per-decoder-layer summary.
 
@@ -119,6 +124,8 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
         key_pairs: the artifact's q_proj/k_proj rows carry per-RoPE-pair factors
             (``kv_cache.key_rotation: pairs``); each pair's least-squares factor is divided out
             (:func:`compressor.quant.kv_rotation.undo_pairs`).
+        basis: with ``key_pairs``, filled with what :func:`key_basis` returns (the ``k_proj``
+            factors fitted here), so ``kvq verify`` does not fit them twice.
 
     Every linear of the architecture row is compared, routed experts one by one (named
     ``<layers>.<i>.mlp.experts.<e>.gate_proj.weight`` etc., sliced from transformers'
@@ -130,15 +137,14 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
         "artifact": stats}], "layers": [{"layer", "mean_rel_fro", "min_sqnr_db",
         "max_rel_fro"}], "min_sqnr_db", "min_sqnr_tensor", "awq_scales_undone", "key_pairs_undone"}``.
     """
-    from .quant.kv_rotation import undo_pairs
+    from .quant.kv_rotation import fit_pairs, undo_pairs
 
     arch = get_arch(reference.config.model_type)
     handler = find_algorithm(algorithm)
     folded = handler is not None and handler.folds_input_scales
     scales = _awq_equivalent_scales(reference, artifact, arch) if folded else {}
     tensors = []
-    cfg = reference.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = _head_dim(reference.config)
     pair_rows = {f"{arch.attention}.q_proj", f"{arch.attention}.k_proj"} if key_pairs else set()
     layers_ref = reference.get_submodule(arch.layers)
     layers_art = artifact.get_submodule(arch.layers)
@@ -156,7 +162,10 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
             if col is not None:
                 w_back = w_back / col.view(1, -1)
             if rel in pair_rows:  # the key basis changed per RoPE pair: back to the reference's
-                w_back = undo_pairs(w, w_back, head_dim)
+                z = fit_pairs(w, w_back, head_dim)
+                if basis is not None and rel.endswith("k_proj"):
+                    basis[i] = z
+                w_back = undo_pairs(w, w_back, head_dim, z)
             err = weight_error(w, w_back)
             if err["rel_fro"] == 0.0:
                 continue  # left in float (ignored by the recipe)

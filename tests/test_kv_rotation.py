@@ -1,5 +1,6 @@
 """Per-RoPE-pair changes of the key basis for a static fp8 KV cache (``kv_cache.key_rotation: pairs``, issue #18)."""
 
+import json
 import math
 
 import pytest
@@ -163,6 +164,9 @@ def test_weight_statistics_undo_the_pairs_of_a_quantized_artifact(tiny_model_dir
         out = tmp_path / mode
         _quantize(tiny_model_dir, out, ("kv_cache.key_rotation", mode), algorithm="rtn", dtype="bfloat16")
         art, _ = load_artifact(out, dtype=torch.float32)
+        if mode == "pairs":  # q/k rows quantized: no angles (they would mix rows before rounding), factors only
+            figs = [f["kv_scale_multipliers"]["key_pairs"] for f in load_manifest(out).quality["layers"]]
+            assert all(f["angles"].startswith("none") and 0.5 < f["mean_factor"] <= 1 for f in figs)
         for undo in (True, False):
             rep = weight_report(src, art, "rtn", key_pairs=undo and mode == "pairs")
             errs[mode, undo] = {t["name"]: t["rel_fro"] for t in rep["tensors"]}
@@ -238,3 +242,18 @@ def test_the_cache_turns_keys_into_a_basis_and_back():
     assert (k_out - spec.codec.fake_quantize(k, "k", s)).abs().max() > 1e-3  # not the plain rounding
     with pytest.raises(Exception, match="key basis applies to static"):
         quantized_cache(make_spec("int8", "token"), 1, key_basis={0: z})
+
+
+def test_quantize_says_what_it_did_to_the_cache(tiny_model_dir, tmp_path, capsys):
+    """The console and the JSON summary name the KV scheme, the scale search and the key pairs."""
+    from conftest import kvq_run
+
+    argv = ["quantize", tiny_model_dir, "--kv-scheme", "fp8", "--set", "kv_cache.key_rotation=pairs", "--set",
+            "kv_cache.scale_search_samples=2", "--calib-samples", "4", "--calib-seqlen", "32", "--dtype", "float32"]
+    code, out, err = kvq_run([*argv, "-o", tmp_path / "kv", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["kv_cache"] == {"scheme": "fp8", "strategy": "tensor", "scale_search": "attention",
+                                           "key_rotation": "pairs"}
+    code, _, err = kvq_run([*argv, "-o", tmp_path / "kv2"], capsys)
+    assert code == 0, err
+    assert "KV cache: fp8 per tensor, static scales attention, key pairs changed" in " ".join(err.split())

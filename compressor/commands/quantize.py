@@ -537,8 +537,7 @@ def _kv_record(kv, result, arch, model, packed: dict) -> Optional[dict]:
             "[1]" if kv.strategy == "tensor" else "[num_kv_heads, 1, 1]")
         record["scale_search"], record["absmax"] = result.kv_scale_search, {  # absmax: the scales' ranges
             str(i): {"k": [round(float(x), 4) for x in k], "v": [round(float(x), 4) for x in v]} for i, (k, v) in result.kv_absmax.items()}
-    # key_rotation: q_proj/k_proj rows changed per RoPE pair (only recorded when they were)
-    record.update({"key_rotation": result.kv_key_rotation} if getattr(result, "kv_key_rotation", "none") != "none" else {})
+    record.update({"key_rotation": result.kv_key_rotation} if result.kv_key_rotation != "none" else {})  # q/k rows changed per RoPE pair
     layout = arch.kv_layout(model.config)
     record.update(layout=layout.as_dict(), bytes_per_token=layout_bytes_per_token(kv, layout),
                   fp16_bytes_per_token=layout_bytes_per_token(None, layout))
@@ -592,7 +591,8 @@ def _summary(plan: _Plan, src: _Source, written: _Written, writer: LayerWriter, 
         "resumed_from_layer": writer.start or None,
         "world_size": world_size,
         "mean_rel_error": quality["mean_rel_error"],
-        "moe": quality.get("moe"), "head": quality.get("head"),
+        "moe": quality.get("moe"), "head": quality.get("head"), "kv_cache": manifest.kv_cache and {k: manifest.kv_cache.get(k, "none")
+                                                                    for k in ("scheme", "strategy", "scale_search", "key_rotation")},
         "warnings": plan.warnings,
         "content_digest": manifest.content_digest(),
         "digest_algorithm": opts.write.digest_algorithm,

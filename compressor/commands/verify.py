@@ -242,6 +242,7 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
     model.to(opts.device)
     ref_model.to(opts.device)
     key_pairs = (plan.manifest.kv_cache or {}).get("key_rotation") == "pairs"
+    basis: dict = {}  # the k_proj pair factors, fitted once (weight statistics, then the KV-only row)
     algorithm = "none"
     if plan.weights_quantized:
         # weights carried from an already-quantized source: the algorithm that made them, if known
@@ -251,8 +252,8 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
             report["warnings"].append(f"foreign artifact: weight statistics assume {'AWQ-folded' if algorithm == 'awq' else 'unscaled'} "
                                       "weights (inferred from the norm weights)")
         report["weights"] = weight_report(ref_model, model, algorithm, quantized_head=_head_is_packed(plan.folder, model),
-                                          key_pairs=key_pairs)
-    return _Models(model, tokenizer, ref_model, key_basis(ref_model, model, algorithm) if key_pairs else None)
+                                          key_pairs=key_pairs, basis=basis)
+    return _Models(model, tokenizer, ref_model, (basis or key_basis(ref_model, model, algorithm)) if key_pairs else None)
 
 
 def _head_is_packed(folder: Path, model) -> bool:

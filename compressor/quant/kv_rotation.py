@@ -29,9 +29,13 @@ on the 3-bit mantissa grid. Two steps per decoder layer (:mod:`compressor.pipeli
    cancels in the softmax). ``k_proj``'s rows are multiplied by ``c`` and ``q_proj``'s by ``1/c``:
    for a quantized linear only its group scales move (the integer codes are exact).
 
-Measured on SmolLM2-135M (BENCHMARKS.md, issue #18): per-tensor fp8 keys and values, first 20
-windows of wiki.test.raw, mean KL against the float-KV model 0.00813 (scale search alone) ->
-0.00642 (search, angles and factors), perplexity +0.84 % -> +0.60 %.
+Step 1 runs only where ``q_proj`` and ``k_proj`` stay float (KV-only runs, or recipes that
+leave them unquantized): turned before rounding, the rows' W4 error grows by more than the
+cache gains (:func:`rotate_layer`). Step 2 is exact on quantized rows and always runs.
+
+Measured on SmolLM2-135M (BENCHMARKS.md, issue #18): a KV-only float32 artifact, per-tensor fp8
+keys and values, 32 x 512 calibration, first 20 windows of wiki.test.raw, against the float-KV
+model: perplexity +0.83 % -> +0.65 %, mean KL 0.00805 -> 0.00637 (``kvq verify``).
 
 Supported where transformers applies RoPE to the whole head in the ``rotate_half`` layout with
 separate ``q_proj``/``k_proj`` and no q/k norm (:data:`ARCHS`); ``auto`` skips other layouts and
@@ -48,7 +52,7 @@ import torch.nn.functional as F
 
 #: model types whose attention rotates whole heads in the ``rotate_half`` layout, with
 #: separate q_proj/k_proj and no q/k norm (what the exactness argument needs)
-ARCHS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe"})
+ARCHS = frozenset({"llama", "mistral", "mixtral", "qwen2"})
 #: angles tried per pair, evenly in [0, 90) degrees (90 degrees swaps the pair: the same moments)
 ANGLES = 32
 #: factors tried per pair: one binade in 16 steps, shrinking only
@@ -194,13 +198,19 @@ def rotate_layer(i: int, layer, hidden: list, kw: dict, ctx) -> dict:
     attention's queries and keys on the first ``scale_search_samples`` sequences of ``hidden``
     (``[b, T, H]`` batches, the layer's inputs), choose the angles (:func:`choose_angles`) and turn
     ``q_proj``'s and ``k_proj``'s rows. Returns the layer's figure ``{"mean_angle_deg"}`` (``{}``
-    when the run does not change the key basis)."""
+    when the run does not change the key basis, and ``{"angles": "none: q/k weights quantized"}``
+    when the recipe quantizes ``q_proj`` or ``k_proj``: a turn mixes a pair's two rows before
+    rounding, and a small row mixed with a large one takes the large one's group scales, which
+    cost the W4 model more than the angles gain the cache; the factors of step 2 still apply)."""
     from ..arch import get_module
     from .kv_search import AttentionRecorder
     from .layer import StopForward, layer_forward
 
     if ctx.kv_key_rotation != "pairs" or not hidden:
         return {}
+    prefix = f"{ctx.arch.layers}.{i}.{ctx.arch.attention}."
+    if prefix + "q_proj" in ctx.targets or prefix + "k_proj" in ctx.targets:
+        return {"angles": "none: q/k weights quantized"}
     attn = get_module(layer, ctx.arch.attention)
     rec = AttentionRecorder(attn, ctx.recipe.kv_cache.scale_search_samples)
 
@@ -276,13 +286,14 @@ def fit_pairs(w_ref: torch.Tensor, w_hat: torch.Tensor, head_dim: int) -> torch.
     return torch.where(z.abs() > 0, z, torch.ones_like(z))
 
 
-def undo_pairs(w_ref: torch.Tensor, w_hat: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """``w_hat [heads * d, in]`` with each head's row pair divided by its :func:`fit_pairs` factor:
-    the artifact's q_proj/k_proj in the reference's key basis, for weight statistics. The fit
-    also absorbs the (small) part of the quantization error along each pair's own rows, as
-    AWQ's row-scale fit does. float64 in, float64 out."""
+def undo_pairs(w_ref: torch.Tensor, w_hat: torch.Tensor, head_dim: int, z: torch.Tensor | None = None) -> torch.Tensor:
+    """``w_hat [heads * d, in]`` with each head's row pair divided by its :func:`fit_pairs` factor
+    (``z [heads, d/2]`` complex, when already fitted): the artifact's q_proj/k_proj in the
+    reference's key basis, for weight statistics. The fit also absorbs the (small) part of the
+    quantization error along each pair's own rows, as AWQ's row-scale fit does. float64 in,
+    float64 out."""
     p = head_dim // 2
-    z = fit_pairs(w_ref, w_hat, head_dim)
+    z = fit_pairs(w_ref, w_hat, head_dim) if z is None else z
     h = w_hat.reshape(-1, head_dim, w_hat.shape[-1])
     back = torch.complex(h[:, :p], h[:, p:]) / z[..., None]
     return torch.cat([back.real, back.imag], 1).reshape(w_hat.shape)
