@@ -423,13 +423,14 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the runtime and the reference run.")
 @click.option("--http", is_flag=True, help="Also start the OpenAI-compatible server on a free 127.0.0.1 port, send --http-requests concurrent requests (completions and chat), check the answers, stop it.")
 @click.option("--http-requests", type=_range(SmokeOptions, "http_requests"), default=8, show_default=True, help="Concurrent requests for --http.")
+@click.option("--threads", type=_range(SmokeOptions, "threads"), default=None, help="CPU threads of torch's operations, runtime and reference (default: one per usable CPU; the decode tokens/s depend on it; a note says when other jobs already keep the CPUs busy).")
 @click.option("--min-top1", type=_range(SmokeOptions, "min_top1", float), default=None, help="Gate: minimum top-1 agreement with the reference over generated positions, percent (default: recipe gates.serve_min_top1_pct, else 70).")
 @click.option("--max-kl", type=_range(SmokeOptions, "max_kl", float), default=None, help="Gate: maximum mean KL(reference || runtime) over prompt positions, nats (default: recipe gates.serve_max_prompt_kl, else 0.5).")
 @click.option("--min-first-divergence", type=_range(SmokeOptions, "min_first_divergence"), default=None, help="Gate: minimum median first generated position where the reference would pick another token.")
 @_signature_options
 @click.option("--no-manifest", is_flag=True, help=_NO_MANIFEST_SERVE + " --reference is then required.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, compute, device, http, http_requests, min_top1, max_kl,
+def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, compute, device, http, http_requests, threads, min_top1, max_kl,
                 min_first_divergence, public_key, certificate_chain, identity, issuer, no_manifest, as_json):
     """Serve ARTIFACT with the bundled runtime and check it answers like the original.
 
@@ -469,7 +470,7 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, comp
 
     opts = _options(SmokeOptions, artifact=artifact, prompts=str(prompts_file) if prompts_file else None,
                     max_new_tokens=max_new_tokens, reference=reference, device=_device(device), backend=backend,
-                    dtype=compute, http=http, http_requests=http_requests, min_top1=min_top1, max_kl=max_kl,
+                    dtype=compute, http=http, http_requests=http_requests, threads=threads, min_top1=min_top1, max_kl=max_kl,
                     min_first_divergence=min_first_divergence, no_manifest=no_manifest,
                     keys=_verify_keys(public_key, certificate_chain, identity, issuer))
     report = run_serve_smoke(opts, console=None if as_json else _console())

@@ -220,6 +220,9 @@ class KVCacheOptions(_Strict):
                              f"not {spec.describe()}")
         if self.key_rotation == "pairs" and not spec.static:
             raise ValueError(f"key_rotation pairs applies to static scales (fp8, int8 head), not {spec.describe()}")
+        if self.key_rotation == "pairs" and self.scale_search == "absmax":
+            raise ValueError("key_rotation pairs needs the scales searched on the attention output: "
+                             "set scale_search attention or auto")
         return self
 
     @model_serializer(mode="wrap")

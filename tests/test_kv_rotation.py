@@ -113,6 +113,9 @@ def test_resolution_and_refusals():
     int8 = load_recipes(["kv-int8"]).model_dump()
     with pytest.raises(ValueError, match="key_rotation pairs applies to static scales"):
         Recipe.model_validate({**int8, "kv_cache": {**int8["kv_cache"], "key_rotation": "pairs"}})
+    fp8 = load_recipes(["kv-fp8"]).model_dump()  # refused with the recipe, before any model is loaded
+    with pytest.raises(ValueError, match="key_rotation pairs needs the scales searched"):
+        Recipe.model_validate({**fp8, "kv_cache": {**fp8["kv_cache"], "key_rotation": "pairs", "scale_search": "absmax"}})
     assert "key_rotation" not in load_recipes(["kv-fp8"]).model_dump()["kv_cache"]  # the default serializes as before
 
 

@@ -38,10 +38,14 @@ def test_serve_smoke_json_report_and_gates(art, capsys):
 
 
 def test_serve_smoke_float32_compute(art, capsys):
-    code, out, err = run(["serve-smoke", art, *FAST, "--dtype", "float32", "--json"], capsys)
+    import torch
+
+    before = torch.get_num_threads()
+    code, out, err = run(["serve-smoke", art, *FAST, "--dtype", "float32", "--threads", "1", "--json"], capsys)
     assert code == 0, err
     rep = json.loads(out)
     assert rep["runtime"]["dtype"] == "float32" and rep["comparison"]["prompt_kl"]["mean"] < 0.05
+    assert rep["runtime"]["threads"] == 1 and torch.get_num_threads() == before  # this run's, then restored
     code, _out, err = run(["serve-smoke", art, *FAST, "--dtype", "float8"], capsys)
     assert code == 2 and "float8" in err and "Traceback" not in err
 

@@ -362,6 +362,7 @@ class SmokeOptions(_Options):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     http: bool = False
     http_requests: int = Field(8, ge=1, le=256)
+    threads: Optional[int] = Field(None, ge=1, le=4096)  # torch's intra-op threads; None: one per usable CPU
     keys: Optional[InstanceOf[VerifyKeys]] = None  # check model.sig with these first
     no_manifest: bool = False  # another tool's artifact: nothing to check digests against; reference required
     gates: SmokeGateOptions = Field(default_factory=SmokeGateOptions)

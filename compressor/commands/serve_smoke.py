@@ -28,7 +28,7 @@ from pathlib import Path
 from .. import console as show
 from .. import gates
 from ..errors import CheckFailed, InputError
-from .common import load_reference, peak_rss_mib
+from .common import cpu_threads, load_reference, peak_rss_mib, threads_restored
 from .options import SmokeOptions
 
 
@@ -64,9 +64,20 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
     reference's greedy choice differs (exactly where its own greedy generation would
     diverge); optionally the HTTP round trip.
 
+    ``opts.threads``: torch's intra-op threads for the run (restored after it; the default,
+    one per usable CPU, with a note when other jobs keep the CPUs busy).
+
     Raises:
         InputError: not an artifact, bad prompts file, unsupported model, no reference.
     """
+    with threads_restored():  # --threads is this run's
+        _, busy = cpu_threads(opts.threads)
+        if busy:
+            show.note(console, busy)
+        return _run(opts, console)
+
+
+def _run(opts: SmokeOptions, console) -> dict:
     from ..load_integrity import ArtifactMismatch, SignatureFailed
     from ..models import resolve_source
 
@@ -161,6 +172,8 @@ def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
         InputError: a prompt plus ``max_new_tokens`` exceeds the context length.
         SignatureFailed, ArtifactMismatch: a failed check (before anything runs).
     """
+    import torch
+
     from ..runtime.generate import load_checked
     from ..runtime.server import Engine
 
@@ -184,7 +197,7 @@ def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
         one = rt.generate(ids[:1], max_new_tokens=opts.max_new_tokens)
         batch = rt.generate(ids, max_new_tokens=opts.max_new_tokens, return_prompt_logits=True)
         report["runtime"] = {**rt.describe(), "batch_1": one.summary(), f"batch_{len(ids)}": batch.summary(),
-                             "peak_rss_mib": peak_rss_mib()}
+                             "peak_rss_mib": peak_rss_mib(), "threads": torch.get_num_threads()}
         if opts.http:
             report["http"] = _http_smoke(eng, plan.prompts, ids, batch.tokens, opts, console)
     finally:
