@@ -162,10 +162,12 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
             if col is not None:
                 w_back = w_back / col.view(1, -1)
             if rel in pair_rows:  # the key basis changed per RoPE pair: back to the reference's
-                z = fit_pairs(w, w_back, head_dim)
+                same = torch.equal(w, w_back)  # a reference that is the artifact's own (carried) source
+                z = fit_pairs(w, w_back, head_dim) if not same else torch.ones(w.shape[0] // head_dim, head_dim // 2,
+                                                                                dtype=torch.complex128)
                 if basis is not None and rel.endswith("k_proj"):
                     basis[i] = z
-                w_back = undo_pairs(w, w_back, head_dim, z)
+                w_back = w_back if same else undo_pairs(w, w_back, head_dim, z)
             err = weight_error(w, w_back)
             if err["rel_fro"] == 0.0:
                 continue  # left in float (ignored by the recipe)

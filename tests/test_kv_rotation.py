@@ -190,6 +190,8 @@ def test_weight_statistics_undo_the_pairs_of_a_quantized_artifact(tiny_model_dir
     assert rep["key_pairs_undone"] is True
     assert all(rep_t["rel_fro"] < 1.5 * errs["none", True][rep_t["name"]] for rep_t in rep["tensors"]
                if rep_t["name"] in qk)
+    own = run_verify(VerifyOptions(artifact=carried, weights_only=True))["weights"]  # against its carried source
+    assert own["tensors"] == []  # every tensor byte for byte: nothing to list, no fit noise on q/k
 
 
 def test_verify_measures_the_kv_only_row_in_the_artifacts_key_basis(tmp_path):

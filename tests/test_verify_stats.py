@@ -269,6 +269,8 @@ def test_hashes_only_and_weights_only_are_exclusive(awq_art, capsys):
     (["--hashes-only", "--min-sqnr-db", "10"], "--min-sqnr-db cannot be evaluated with --hashes-only"),
     (["--weights-only", "--max-mean-kl", "0.1"], "--max-mean-kl cannot be evaluated"),
     (["--weights-only", "--max-ppl-increase", "5"], "--max-ppl-increase cannot be evaluated"),
+    (["--weights-only", "--kv-scheme", "int8"], "--kv-scheme applies to the evaluation, which --weights-only does not"),
+    (["--hashes-only", "--kv-scheme", "fp8"], "--kv-scheme applies to the evaluation, which --hashes-only does not"),
     ([*FAST, "--min-median-divergence", "7"], "could never pass"),
 ])
 def test_gate_flags_that_cannot_be_evaluated_are_refused(awq_art, capsys, argv, msg):

@@ -317,6 +317,8 @@ class VerifyOptions(_Options):
             raise OptionError("--no-manifest has no digests to check: --hashes-only does not apply")
         if self.no_manifest and not self.reference:
             raise OptionError("--no-manifest needs --reference (a foreign artifact records no source model)")
+        if self.kv.scheme is not None and self.mode != "full":
+            raise OptionError(f"--kv-scheme applies to the evaluation, which --{self.mode} does not run")
         if self.hashes_only:
             given = [g.flag for g in gates_of("verify", configurable=True) if getattr(self.gates, g.option) is not None]
             if given:

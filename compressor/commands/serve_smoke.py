@@ -71,9 +71,6 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
         InputError: not an artifact, bad prompts file, unsupported model, no reference.
     """
     with threads_restored():  # --threads is this run's
-        _, busy = cpu_threads(opts.threads)
-        if busy:
-            show.note(console, busy)
         return _run(opts, console)
 
 
@@ -82,7 +79,10 @@ def _run(opts: SmokeOptions, console) -> dict:
     from ..models import resolve_source
 
     t0 = time.perf_counter()
-    plan = _plan(opts)
+    plan = _plan(opts)  # refusals first: a refused run's stderr is its one error line
+    _, busy = cpu_threads(opts.threads)
+    if busy:
+        show.note(console, busy)
     report: dict = {"artifact": str(plan.folder), "hashes_ok": None, "prompts": len(plan.prompts),
                     "max_new_tokens": opts.max_new_tokens, "gates": [], "failed_gates": [], "passed": False}
     ref_spec = opts.reference or (plan.manifest.source.get("spec") if plan.manifest else None)
