@@ -75,6 +75,14 @@ def layer_done(console, bar, task, i: int, n: int, fig: dict) -> None:
                       + ("" if err is None else f", relative output error {err:.4f}"), highlight=False)
 
 
+def window_done(console, bar, task, i: int, n: int, seconds: float) -> None:
+    """Advance verify's bar; where there is no terminal (CI logs, ``make demo``) print one plain
+    line per evaluated window, so a long evaluation shows it is moving."""
+    bar.update(task, completed=i)
+    if console is not None and not console.is_terminal:
+        console.print(f"window {i}/{n} evaluated ({seconds:.0f} s)", highlight=False)
+
+
 # ---------------------------------------------------------------------------------------
 # kvq quantize
 

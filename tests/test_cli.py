@@ -154,6 +154,8 @@ def test_verify_exit_codes(tmp_path, tiny_model_dir, capsys):
     assert code == 0, err
     rep = json.loads(out_json)
     assert rep["passed"] and rep["perplexity"]["reference"] > 0
+    code, _, err = run(["verify", out, "--seqlen", "64", "--max-windows", "2"], capsys)
+    assert code == 0 and "window 2/2 evaluated" in err, err  # no terminal: one plain line per window
     code, _, err = run(["verify", out, "--seqlen", "64", "--max-windows", "2", "--max-ppl-increase", "-1"], capsys)
     assert code == 2  # click range check: usage error
     # a failed gate under --json: the JSON on stdout, and one stderr line naming the gate (a CI log's reason)

@@ -355,8 +355,9 @@ def _evaluate(plan: _Plan, models: _Models, prompts: list[str], opts: VerifyOpti
     candidates, served = _candidates(models, plan.weights_quantized, make_cache, ref_cache)
     with show.progress(console, "windows") as bar:
         task = bar.add_task(f"reference + {len(candidates)} configuration(s)", total=len(wins))
+        t_eval = time.perf_counter()
         results = compare(ref_model, candidates, wins, opts.device, opts.kv.chunk,
-                          lambda i, n: bar.update(task, completed=i))
+                          lambda i, n: show.window_done(console, bar, task, i, n, time.perf_counter() - t_eval))
     _distribution_sections(report, results, served, wins, plan.text, ev.seqlen)
     report["eval"]["bos_token_id"] = bos
     report["eval"]["bos_rule"] = ("each window starts with the BOS the tokenizer adds (llama.cpp's perplexity)" if bos is not None
