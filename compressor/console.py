@@ -131,7 +131,8 @@ def quantize_done(console, summary: dict, layers: list[dict], moe_layers: list[d
                       + ("; untied from the embedding (kept float)" if h["untied"] else ""), highlight=False)
     if summary.get("kv_cache"):
         k = summary["kv_cache"]
-        console.print(f"KV cache: {k['scheme']} per {k['strategy']}"
+        strategy = {"kivi": "KIVI"}.get(k["strategy"], f"per {k['strategy']}")
+        console.print(f"KV cache: {k['scheme']} {strategy}"
                       + (f", static scales {k['scale_search']}" if k["scale_search"] != "none" else "")
                       + (", key pairs changed in q_proj/k_proj (key_rotation pairs)" if k["key_rotation"] == "pairs" else ""),
                       highlight=False)
