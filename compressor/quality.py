@@ -103,6 +103,32 @@ def key_basis(reference, artifact, algorithm: str) -> dict[int, torch.Tensor]:
     return out
 
 
+#: largest relative residual of a KV-only artifact's q_proj/k_proj after its per-pair factors are
+#: divided out (bfloat16 storage alone leaves at most 0.0017 on SmolLM2-135M)
+KEY_PAIRS_TOLERANCE = 1e-2
+
+
+@torch.no_grad()
+def key_pairs_residual(reference, artifact) -> tuple[float, str]:
+    """How far a KV-only artifact's ``q_proj``/``k_proj`` are from the reference's rows turned per
+    RoPE pair (``kv_cache.key_rotation: pairs``, float weights): the largest relative Frobenius
+    residual after :func:`compressor.quant.kv_rotation.undo_pairs`, and the tensor it is in.
+    ``kvq verify`` runs the KV-only figures on the reference in the artifact's key basis, which
+    describes the artifact only while this stays within :data:`KEY_PAIRS_TOLERANCE`."""
+    from .quant.kv_rotation import undo_pairs
+
+    arch = get_arch(reference.config.model_type)
+    worst, name = 0.0, ""
+    for i, (lr, la) in enumerate(zip(reference.get_submodule(arch.layers), artifact.get_submodule(arch.layers))):
+        for rel in (f"{arch.attention}.q_proj", f"{arch.attention}.k_proj"):
+            w = linear_weight(arch, lr, rel).detach().double()
+            back = undo_pairs(w, linear_weight(arch, la, rel).detach().double(), _head_dim(reference.config))
+            r = float(weight_error(w, back)["rel_fro"])
+            if not r <= worst:  # NaN counts as the worst
+                worst, name = r, checkpoint_name(arch, f"{arch.layers}.{i}.{rel}") + ".weight"
+    return worst, name
+
+
 def _head_dim(cfg) -> int:
     """Channels per attention head of a model config (``head_dim``, else hidden / heads)."""
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -149,6 +149,15 @@ def test_a_kv_only_artifact_with_changed_pairs_computes_the_source_function(tiny
     ids = torch.randint(0, src.config.vocab_size, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(art(ids).logits, src(ids).logits, rtol=0, atol=2e-4)
+    # verify's check that the KV-only figures (reference in the artifact's key basis) describe it
+    from compressor.quality import KEY_PAIRS_TOLERANCE, key_pairs_residual
+
+    worst, _ = key_pairs_residual(src, art)
+    assert worst < 1e-6
+    with torch.no_grad():
+        a.k_proj.weight[3, :5] += 0.5  # one row no longer a turned pair of the source's
+    worst, name = key_pairs_residual(src, art)
+    assert worst > KEY_PAIRS_TOLERANCE and name == "model.layers.0.self_attn.k_proj.weight"
 
 
 def test_weight_statistics_undo_the_pairs_of_a_quantized_artifact(tiny_model_dir, tmp_path):

@@ -225,8 +225,10 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
 
     Raises:
         InputError: the reference is another architecture or holds NaN/Inf.
+        CheckFailed: a KV-only artifact with ``kv_cache.key_rotation: pairs`` whose q_proj/k_proj
+            are not the reference's rows changed per RoPE pair (:func:`compressor.quality.key_pairs_residual`).
     """
-    from ..quality import key_basis, weight_report
+    from ..quality import KEY_PAIRS_TOLERANCE, key_basis, key_pairs_residual, weight_report
 
     dtype, report["evaluated_in"] = _eval_dtype(plan.folder, opts.evaluation.dtype)
     model, tokenizer = load_artifact(plan.folder, dtype=dtype)
@@ -253,6 +255,11 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
                                       "weights (inferred from the norm weights)")
         report["weights"] = weight_report(ref_model, model, algorithm, quantized_head=_head_is_packed(plan.folder, model),
                                           key_pairs=key_pairs, basis=basis)
+    elif key_pairs:  # KV-only: its figures run the reference in the artifact's key basis; the q/k rows must be exactly that
+        worst, name = key_pairs_residual(ref_model, model)
+        if not worst <= KEY_PAIRS_TOLERANCE:
+            raise CheckFailed(f"{name} is not the reference's rows changed per RoPE pair (relative residual {worst:.3g} > "
+                              f"{KEY_PAIRS_TOLERANCE:g}): the artifact is not its source with kv_cache.key_rotation pairs")
     return _Models(model, tokenizer, ref_model, (basis or key_basis(ref_model, model, algorithm)) if key_pairs else None)
 
 
