@@ -127,7 +127,7 @@ def _quantize(model_dir, out, *extra, algorithm="none", dtype="float32"):
                                         settings=(("kv_cache.scale_search_samples", 2), *extra)))
 
 
-def test_a_kv_only_artifact_with_changed_pairs_computes_the_source_function(tiny_model_dir, tmp_path):
+def test_a_kv_only_artifact_with_changed_pairs_computes_the_source_function(tiny_model_dir, tmp_path, capsys):
     """float32 KV-only artifact: q_proj/k_proj rows differ from the source, the logits (float KV)
     do not; the manifest records the change and each layer's figures."""
     from transformers import AutoModelForCausalLM
@@ -158,6 +158,10 @@ def test_a_kv_only_artifact_with_changed_pairs_computes_the_source_function(tiny
         a.k_proj.weight[3, :5] += 0.5  # one row no longer a turned pair of the source's
     worst, name = key_pairs_residual(src, art)
     assert worst > KEY_PAIRS_TOLERANCE and name == "model.layers.0.self_attn.k_proj.weight"
+    from conftest import kvq_run
+
+    code, _, err = kvq_run(["verify", out, "--weights-only"], capsys)  # the artifact as written passes the check
+    assert code == 0 and "key pairs: q_proj/k_proj are the reference's rows changed per RoPE pair" in " ".join(err.split()), err
 
 
 def test_weight_statistics_undo_the_pairs_of_a_quantized_artifact(tiny_model_dir, tmp_path):

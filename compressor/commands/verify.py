@@ -260,6 +260,8 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
         if not worst <= KEY_PAIRS_TOLERANCE:
             raise CheckFailed(f"{name} is not the reference's rows changed per RoPE pair (relative residual {worst:.3g} > "
                               f"{KEY_PAIRS_TOLERANCE:g}): the artifact is not its source with kv_cache.key_rotation pairs")
+        show.note(console, f"key pairs: q_proj/k_proj are the reference's rows changed per RoPE pair (largest relative "
+                           f"residual {worst:.2g}, {name})", highlight=False)
     return _Models(model, tokenizer, ref_model, (basis or key_basis(ref_model, model, algorithm)) if key_pairs else None)
 
 
