@@ -303,7 +303,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
        missing, extra or renamed tensor or file, symlinks; exit 1 on any difference);
     2. weight statistics against the reference (original) model: per quantized tensor
        relative Frobenius error, SQNR (dB), mean/std/absmax/kurtosis before and after
-       (AWQ's folded scales undone); --weights-only stops here;
+       (AWQ's scales, key pairs undone; KV-only pairs: q/k checked exact); --weights-only stops here;
     3. on the eval text (non-overlapping windows, each starting with the BOS when the
        tokenizer adds one; the artifact in its declared dtype, see --eval-dtype): perplexity of the
        artifact and the reference, KL(reference || artifact) per token (mean, median,
