@@ -15,7 +15,10 @@ Engines:
 
 Also: KV bytes per token of the runtime's cache for each scheme. Results:
 bench/results/serve_bench.json (env RESULT: another name). Usage: python bench/serve_bench.py
-(env ARTIFACT, MAX_NEW, RESULT, ENGINES: a comma-separated subset).
+[--one ENGINE BATCH] (env ARTIFACT, MAX_NEW (at least 2), RESULT, THREADS (torch's threads; default
+one per usable CPU), ENGINES: a comma-separated subset of the four engines). Decode figures
+taken while other jobs keep the CPUs busy are not figures: the script says so when the 1-minute
+load average is at least the CPU count minus one half.
 """
 
 from __future__ import annotations
@@ -31,9 +34,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 ART = Path(os.environ.get("ARTIFACT", ROOT / ".kvq-demo" / "smollm2-w4a16-awq"))
-MAX_NEW = int(os.environ.get("MAX_NEW", "64"))
 RESULT = os.environ.get("RESULT", "serve_bench.json")  # file name under bench/results
-ENGINES = os.environ.get("ENGINES", "kvq-auto,kvq-float32,kvq-dequant,transformers-fp32").split(",")
+ALL_ENGINES = ("kvq-auto", "kvq-float32", "kvq-dequant", "transformers-fp32")
+ENGINES = os.environ.get("ENGINES", ",".join(ALL_ENGINES)).split(",")
+
+
+def _int_env(name: str, default: int, least: int) -> int:
+    raw = os.environ.get(name, str(default))
+    if not raw.strip().isdigit() or int(raw) < least:
+        raise SystemExit(f"serve_bench: {name} must be an integer of at least {least}, got {raw!r}")
+    return int(raw)
+
+
+MAX_NEW = _int_env("MAX_NEW", 64, 2)  # decode speed counts the tokens after the first: at least one
+THREADS = _int_env("THREADS", 0, 0)  # 0: torch's default
 
 
 def _rss() -> float:
@@ -43,6 +57,8 @@ def _rss() -> float:
 def one(engine: str, batch: int) -> dict:
     import torch
 
+    if THREADS:
+        torch.set_num_threads(THREADS)
     from compressor.prompts import BUILTIN_PROMPTS
 
     prompts = list(BUILTIN_PROMPTS[:batch])
@@ -108,11 +124,26 @@ def kv_bytes() -> list[dict]:
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--one":
-        print(json.dumps(one(sys.argv[2], int(sys.argv[3]))))
+    args = sys.argv[1:]
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__)
         return
+    bad = [e for e in ENGINES if e not in ALL_ENGINES]
+    if bad:
+        raise SystemExit(f"serve_bench: unknown engine {bad[0]!r} in ENGINES (known: {', '.join(ALL_ENGINES)})")
     if not (ART / "kvq-manifest.json").exists():
-        raise SystemExit(f"{ART} is not a kvq artifact: run `make demo` first or set ARTIFACT")
+        raise SystemExit(f"serve_bench: {ART} is not a kvq artifact: run `make demo` first or set ARTIFACT")
+    if args and not (len(args) == 3 and args[0] == "--one" and args[1] in ALL_ENGINES and args[2].isdigit()
+                     and 1 <= int(args[2]) <= 8):
+        raise SystemExit("serve_bench: usage: python bench/serve_bench.py [--one ENGINE BATCH] (BATCH 1-8; --help)")
+    if args:
+        print(json.dumps(one(args[1], int(args[2]))))
+        return
+    from compressor.commands.common import cpu_threads
+
+    busy = cpu_threads(THREADS or None)[1]
+    if busy:
+        print(f"serve_bench: note: {busy}; the decode figures of this run are not figures", file=sys.stderr)
     rows = []
     for engine in ENGINES:
         for batch in (1, 8):
@@ -122,7 +153,7 @@ def main() -> None:
                 raise SystemExit(f"{engine} batch {batch} failed: {p.stderr[-2000:]}")
             rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
-    res = {"artifact": str(ART), "max_new_tokens": MAX_NEW, "rows": rows, "kv_bytes": kv_bytes()}
+    res = {"artifact": str(ART), "max_new_tokens": MAX_NEW, "rows": rows, "kv_bytes": kv_bytes(), "busy_note": busy}
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
     (ROOT / "bench" / "results" / RESULT).write_text(json.dumps(res, indent=2) + "\n")
     print("| engine | batch | prefill tokens/s | decode tokens/s | peak RSS (MiB) |")

@@ -31,6 +31,9 @@ def warnings(console, items: list[str]) -> None:
         note(console, f"[yellow]warning:[/] {w}", highlight=False)
 
 
+#: how the quantize summary names each way of choosing static KV scales
+_SEARCH = {"attention": "searched on the attention output", "absmax": "from the calibration absmax"}
+
 #: items of a list of differences printed one per line before the rest are only counted
 LIST_LIMIT = 20
 
@@ -133,7 +136,7 @@ def quantize_done(console, summary: dict, layers: list[dict], moe_layers: list[d
         k = summary["kv_cache"]
         strategy = {"kivi": "KIVI"}.get(k["strategy"], f"per {k['strategy']}")
         console.print(f"KV cache: {k['scheme']} {strategy}"
-                      + (f", static scales {k['scale_search']}" if k["scale_search"] != "none" else "")
+                      + (f", static scales {_SEARCH.get(k['scale_search'], k['scale_search'])}" if k["scale_search"] != "none" else "")
                       + (", key pairs changed in q_proj/k_proj (key_rotation pairs)" if k["key_rotation"] == "pairs" else ""),
                       highlight=False)
     size, float_bytes = summary["artifact_bytes"], summary["float32_bytes"]

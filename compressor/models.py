@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import InputError
+from .gguf_cache import (GGUF_CACHE_INDEX, _write_gguf_cache, cache_root, cache_writable,  # noqa: F401 (public here)
+                         cached_gguf_folder, take_cache_notes)
 from .safetensors_io import file_digest, read_header
 
 #: alias -> (python package, file inside it, install hint)
@@ -101,85 +102,6 @@ def peek_model_type(source: ModelSource) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, str) else None
-
-
-#: file in a GGUF cache entry recording what it was made from and each file's BLAKE3 digest
-GGUF_CACHE_INDEX = "kvq-gguf-cache.json"
-GGUF_CACHE_VERSION = 1
-
-
-def cache_root() -> Path:
-    """kvq's cache folder: ``$KVQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvq``, else ``~/.cache/kvq``."""
-    if os.environ.get("KVQ_CACHE_DIR"):
-        return Path(os.environ["KVQ_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvq"
-
-
-def cache_writable() -> bool:
-    """Whether kvq's cache folder (:func:`cache_root`) exists or can be made, and can be written."""
-    root = cache_root()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(root, os.W_OK | os.X_OK)
-
-
-def _gguf_key(source: ModelSource) -> str:
-    import transformers
-
-    return f"{file_digest(source.path)}-tf{transformers.__version__}-v{GGUF_CACHE_VERSION}"
-
-
-def cached_gguf_folder(source: ModelSource) -> Path | None:
-    """The converted form of a GGUF source (float32 safetensors, ``config.json``, tokenizer
-    files) from kvq's cache, or ``None`` when there is none or it fails its check.
-
-    Converting a GGUF file (metadata, tokenizer, dequantization) takes transformers tens of
-    seconds on every load; :func:`load_model` stores the result once, keyed by the GGUF
-    file's SHA-256 and the transformers version, and every use re-checks each cached
-    file's BLAKE3 digest (a damaged or edited entry is ignored and rebuilt). The folder is
-    an ordinary Hugging Face folder, so a cached GGUF source also streams one decoder layer
-    at a time (:func:`compressor.streaming.open_lazy`).
-    """
-    import json
-
-    if source.kind != "gguf":
-        return None
-    folder = cache_root() / "gguf" / _gguf_key(source)
-    try:
-        index = json.loads((folder / GGUF_CACHE_INDEX).read_text())
-        files = index["files"]
-        ok = index.get("gguf_sha256") == file_digest(source.path) and all(
-            file_digest(folder / name, "blake3") == digest for name, digest in files.items())
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return folder if ok and "config.json" in files else None
-
-
-def _write_gguf_cache(source: ModelSource, model, tokenizer) -> None:
-    """Store the converted GGUF model (best effort: a cache that cannot be written is skipped)."""
-    import json
-    import shutil
-    import tempfile
-
-    folder = cache_root() / "gguf" / _gguf_key(source)
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
-        try:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(str(tmp))
-            files = {p.name: file_digest(p, "blake3") for p in sorted(tmp.iterdir()) if p.is_file()}
-            (tmp / GGUF_CACHE_INDEX).write_text(json.dumps(
-                {"gguf": str(source.path), "gguf_sha256": file_digest(source.path), "files": files}, indent=1))
-            if folder.exists():
-                shutil.rmtree(folder, ignore_errors=True)
-            os.rename(tmp, folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError:
-        pass
 
 
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None):

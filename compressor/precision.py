@@ -154,7 +154,9 @@ def calibration_matmuls(precision: str) -> Iterator[None]:
     """Context in which the calibration pass's CPU matmuls run at ``precision`` (``float32``:
     IEEE, as by default; ``bfloat16``: the module docstring's two rules). Restores the
     previous state on exit, also on error. ``nn.Linear.forward`` is replaced while any thread
-    is inside a bfloat16 pass; other threads' linears keep their own precision."""
+    is inside a bfloat16 pass; other threads' linears take no explicit cast, but oneDNN's
+    setting is process-wide: where oneDNN honours it (AMX), their float32 matmuls run at it
+    too while the pass is open (kvq's own other threads, hashing and file I/O, run none)."""
     bf16 = precision == "bfloat16"
     with _mkldnn_fp32_precision("bf16" if bf16 else "ieee"), _bf16_flag(bf16):
         yield

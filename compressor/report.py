@@ -121,6 +121,8 @@ class VerifyReport(_M):
     gates: list[Gate] = []
     failed_gates: list[str] = []
     warnings: list[str] = []
+    #: the busy-machine or too-many-threads note of ``--threads`` (compressor.commands.common.cpu_threads)
+    busy_note: Optional[str] = None
     nonfinite_tensors: list[str] = []
     reference: Optional[str] = None
     reference_matches_source: Optional[bool] = None

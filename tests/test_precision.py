@@ -61,13 +61,17 @@ def test_contexts_set_and_restore_onednn_precision():
 def test_bfloat16_linears_are_one_bfloat16_matmul_and_float32_elsewhere():
     """Inside a bfloat16 pass an ``nn.Linear`` on float32 CPU rows is exactly the bfloat16 product of
     the rounded input and weight (bias added in float32); under ``float32``, inside GPTQ's
-    ``float32_matmuls``, on too few rows, after the pass and in another thread it is the IEEE one."""
+    ``float32_matmuls``, on too few rows and after the pass it is the IEEE one. In another thread
+    it is not the explicit cast: the IEEE product where oneDNN ignores its process-wide bfloat16
+    setting (an EPYC without AMX), the setting's product where it honours it (AMX)."""
     import threading
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 40)
     x = torch.randn(3, 50, 96)
     exact = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    with precision._mkldnn_fp32_precision("bf16"):
+        by_setting = torch.nn.functional.linear(x, lin.weight, lin.bias)  # == exact where oneDNN ignores it
     rounded = (torch.nn.functional.linear(x.bfloat16(), lin.weight.bfloat16()).float() + lin.bias)
     assert not torch.equal(exact, rounded)
     other = []
@@ -81,7 +85,7 @@ def test_bfloat16_linears_are_one_bfloat16_matmul_and_float32_elsewhere():
         t = threading.Thread(target=lambda: other.append(lin(x)))
         t.start()
         t.join()
-    assert torch.equal(other[0], exact)
+    assert torch.equal(other[0], by_setting) and not torch.equal(other[0], rounded)
     with calibration_matmuls("float32"):
         assert torch.equal(lin(x), exact)
     assert torch.equal(lin(x), exact) and torch.nn.Linear.forward is precision._LINEAR_FORWARD
@@ -193,6 +197,16 @@ def test_a_busy_machine_earns_a_note_unless_threads_are_given(monkeypatch):
     assert cpu_threads(None) == (2, None)  # one other job on 2 CPUs: no note
     monkeypatch.undo()
     assert cpu_threads(before)[1] is None and torch.get_num_threads() == before
+
+
+def test_more_threads_than_cpus_earn_a_note(monkeypatch):
+    """``--threads 999`` on 2 CPUs: accepted, but said (the extra threads only wait for each other)."""
+    from compressor.commands.common import cpu_threads, threads_restored
+
+    monkeypatch.setattr("compressor.safetensors_io.default_workers", lambda: 2)
+    with threads_restored():
+        assert "--threads 3 is more than the 2 usable CPUs" in cpu_threads(3)[1]
+        assert cpu_threads(2)[1] is None and cpu_threads(1)[1] is None
 
 
 def test_the_busy_note_reaches_the_json_summary(tmp_path, tiny_model_dir, capsys, monkeypatch):

@@ -37,6 +37,27 @@ def test_serve_smoke_json_report_and_gates(art, capsys):
     assert rt["dtype"] == "bfloat16"  # --dtype auto: the artifact's declared dtype
 
 
+def test_serve_smoke_json_carries_the_busy_note(art, capsys, monkeypatch):
+    """CI runs use --json: a decode figure taken on a busy machine says so in the report."""
+    import os
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+        code, out, err = run(["serve-smoke", art, *FAST, "--json"], capsys)
+        assert code == 0, err
+        rep = json.loads(out)
+        assert "the machine is busy (load 9.0" in rep["busy_note"] and rep["warnings"] == []
+        monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+        code, out, err = run(["serve-smoke", art, *FAST, "--json", "--threads", "1"], capsys)
+        assert code == 0 and json.loads(out)["busy_note"] is None
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_serve_smoke_float32_compute(art, capsys):
     import torch
 

@@ -2,6 +2,7 @@
 activations, resume after an interruption."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -624,3 +625,39 @@ def test_a_refused_resume_names_the_inputs_that_changed(tmp_path):
     with pytest.raises(InputError, match=r"the recipe \(with its flag overrides\) and the calibration input differ\)"):
         open_staging(out, resume_key(now), resume=True, inputs=input_digests(now))
     _release(open_staging(out, resume_key(before), resume=True, inputs=input_digests(before)))
+
+
+def test_gguf_cache_entry_damaged_or_blocked_by_a_file_is_named_and_replaced(tmp_path, monkeypatch):
+    """A cache entry that fails its check (a file where the folder belongs, a file whose BLAKE3
+    changed) is not used and is named in a note the commands print as a warning; the next
+    conversion replaces it; a cache that cannot be stored is named too."""
+    from compressor.gguf_cache import _gguf_key, _write_gguf_cache, cache_root, cached_gguf_folder, take_cache_notes
+    from compressor.models import ModelSource
+
+    class Saved:  # stands for the converted model and tokenizer
+        def save_pretrained(self, folder, **kw):
+            Path(folder, "config.json").write_text("{}")
+            Path(folder, "model.safetensors").write_bytes(b"weights")
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF, as far as the cache knows")
+    src = ModelSource("m.gguf", "gguf", gguf)
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    take_cache_notes()
+    assert cached_gguf_folder(src) is None and take_cache_notes() == []  # no entry: nothing to say
+    entry = cache_root() / "gguf" / _gguf_key(src)
+    entry.parent.mkdir(parents=True)
+    entry.write_text("x")  # a file where the entry belongs
+    assert cached_gguf_folder(src) is None
+    notes = take_cache_notes()
+    assert len(notes) == 1 and "failed its check: its index cannot be read" in notes[0] and "converted again" in notes[0]
+    _write_gguf_cache(src, Saved(), Saved())
+    assert cached_gguf_folder(src) == entry and take_cache_notes() == []
+    (entry / "model.safetensors").write_bytes(b"weightz")
+    assert cached_gguf_folder(src) is None
+    assert "model.safetensors does not match its BLAKE3 digest" in take_cache_notes()[0]
+    (entry / "model.safetensors").unlink()
+    assert cached_gguf_folder(src) is None and "model.safetensors" in take_cache_notes()[0]
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(gguf / "cache"))  # under a file: cannot be made
+    _write_gguf_cache(src, Saved(), Saved())
+    assert "could not be stored in kvq's cache" in take_cache_notes()[0]

@@ -84,7 +84,7 @@ def threads_restored():
 def cpu_threads(requested: int | None) -> tuple[int, str | None]:
     """Apply ``--threads``: torch's intra-op threads set to ``requested`` (``None``: torch's
     default, one per usable CPU). Returns ``(threads in effect, note)``; the note (else ``None``)
-    says the machine is busy when, with more than one thread and none requested, the 1-minute
+    says that more threads were requested than the process has CPUs, or that the machine is busy when, with more than one thread and none requested, the 1-minute
     load average is at least the usable CPUs minus one half (other jobs already keep about
     every core busy; kvq's threads come on top): every short parallel step (GPTQ's column
     loop runs thousands a layer) then waits for a descheduled thread. Measured here beside a
@@ -94,10 +94,14 @@ def cpu_threads(requested: int | None) -> tuple[int, str | None]:
 
     from ..safetensors_io import default_workers
 
+    cores = default_workers()
     if requested is not None:
         torch.set_num_threads(requested)
+        if requested > cores:
+            return torch.get_num_threads(), (f"--threads {requested} is more than the {cores} usable CPUs: the threads "
+                                             f"beyond {cores} only wait for each other and slow every parallel step")
         return torch.get_num_threads(), None
-    threads, cores = torch.get_num_threads(), default_workers()
+    threads = torch.get_num_threads()
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # not available on this platform

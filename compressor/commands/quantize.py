@@ -40,7 +40,7 @@ from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import check_format, check_shapes, format_config, pack_modules
 from ..formats.compressed_tensors import kv_scale_tensors
-from ..models import ALIASES, cache_writable, float32_bytes, load_model, peek_model_type, resolve_source, storage_dtype
+from ..models import ALIASES, cache_writable, float32_bytes, load_model, peek_model_type, resolve_source, storage_dtype, take_cache_notes
 from ..pipeline import check_group_sizes, quantize_model
 from ..precision import resolve_matmul_precision
 from ..quant.algorithms import get_algorithm
@@ -279,13 +279,13 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
     if opts.execution.stream:
         lazy = open_lazy(source, defer_head=True, convert_gguf=True)  # a new GGUF: converted once, then streamed
         if lazy[0] is not None:
-            model, tokenizer, ckpt = lazy
-            loading = "streamed: one decoder layer at a time"
+            (model, tokenizer, ckpt), loading = lazy, "streamed: one decoder layer at a time"
         else:
             loading = f"whole model ({lazy[1]})"
             plan.warnings += [lazy[1]] if source.kind == "gguf" and not cache_writable() else []  # costs every run
     if model is None:
         model, tokenizer = load_model(source)
+    plan.warnings += take_cache_notes()  # a damaged cache entry converted again, or one that could not be stored
     show.note(console, f"source weights: {loading}", highlight=False)
     if plan.activation_budget_gib is None:  # a GGUF source: its hidden size is known now
         _check_activations(plan, opts, getattr(model.config, "hidden_size", None), console)

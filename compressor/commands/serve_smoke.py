@@ -76,15 +76,16 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
 
 def _run(opts: SmokeOptions, console) -> dict:
     from ..load_integrity import ArtifactMismatch, SignatureFailed
-    from ..models import resolve_source
+    from ..models import resolve_source, take_cache_notes
 
     t0 = time.perf_counter()
     plan = _plan(opts)  # refusals first: a refused run's stderr is its one error line
     _, busy = cpu_threads(opts.threads)
     if busy:
-        show.note(console, busy)
+        show.note(console, f"[yellow]note:[/] {busy}", highlight=False)
     report: dict = {"artifact": str(plan.folder), "hashes_ok": None, "prompts": len(plan.prompts),
-                    "max_new_tokens": opts.max_new_tokens, "gates": [], "failed_gates": [], "passed": False}
+                    "max_new_tokens": opts.max_new_tokens, "gates": [], "failed_gates": [], "passed": False,
+                    "busy_note": busy, "warnings": []}
     ref_spec = opts.reference or (plan.manifest.source.get("spec") if plan.manifest else None)
     if not ref_spec:
         raise InputError("the manifest records no source model; pass --reference")
@@ -99,6 +100,8 @@ def _run(opts: SmokeOptions, console) -> dict:
         show.note(console, f"served the text model with text prompts; {report['carried']}", highlight=False)
     report["reference"] = ref_spec
     report["comparison"] = _compare(load_reference(ref_spec, ref_source), served, plan.prompts, opts)
+    report["warnings"] = take_cache_notes()  # a cached GGUF reference converted again
+    show.warnings(console, report["warnings"])
     report["gates"] = _gates(report, plan.thresholds, opts)
     report["failed_gates"] = [g["name"] for g in report["gates"] if not g["passed"]]
     report["passed"] = not report["failed_gates"]

@@ -83,6 +83,7 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
         InputError: not an artifact, bad manifest/header, reference, eval text or prompts not found.
         CheckFailed: the recorded source model changed since quantization.
     """
+    from ..models import take_cache_notes
     from ..prompts import load_prompts
     from ..report import validate
 
@@ -93,11 +94,12 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
         report["seconds"] = round(time.perf_counter() - t0, 2)
         return validate(report)
     with threads_restored():  # --threads is this run's
-        _, busy = cpu_threads(opts.threads)
-        if busy:
-            show.note(console, busy)
+        _, report["busy_note"] = cpu_threads(opts.threads)
+        if report["busy_note"]:
+            show.note(console, f"[yellow]note:[/] {report['busy_note']}", highlight=False)
         plan = _plan(opts, folder, manifest, report, console)
         models = _load(plan, opts, report, console)
+        report["warnings"].extend(take_cache_notes())  # a cached GGUF reference converted again
         served, results = "weights only", {}
         if opts.mode == "full":
             served, results = _evaluate(plan, models, prompts, opts, report, console)

@@ -1,0 +1,126 @@
+"""kvq's cache of converted GGUF files (issue #19: start-up under 5 s on a second command).
+
+transformers converts a GGUF file (metadata, tokenizer, dequantization) on every load, which
+takes tens of seconds; :func:`compressor.models.load_model` stores the converted float32
+model once, as an ordinary Hugging Face folder, keyed by the GGUF file's SHA-256 and the
+transformers version, with each file's BLAKE3 digest checked on every use.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .safetensors_io import file_digest
+
+if TYPE_CHECKING:
+    from .models import ModelSource
+
+#: file in a GGUF cache entry recording what it was made from and each file's BLAKE3 digest
+GGUF_CACHE_INDEX = "kvq-gguf-cache.json"
+GGUF_CACHE_VERSION = 1
+
+
+def cache_root() -> Path:
+    """kvq's cache folder: ``$KVQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvq``, else ``~/.cache/kvq``."""
+    if os.environ.get("KVQ_CACHE_DIR"):
+        return Path(os.environ["KVQ_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvq"
+
+
+def cache_writable() -> bool:
+    """Whether kvq's cache folder (:func:`cache_root`) exists or can be made, and can be written."""
+    root = cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(root, os.W_OK | os.X_OK)
+
+
+def _gguf_key(source: ModelSource) -> str:
+    import transformers
+
+    return f"{file_digest(source.path)}-tf{transformers.__version__}-v{GGUF_CACHE_VERSION}"
+
+
+#: what happened to kvq's GGUF cache in this process that a user should hear about (an entry
+#: that failed its check and is converted again, one that could not be stored); commands
+#: print them as warnings (:func:`take_cache_notes`)
+_CACHE_NOTES: list[str] = []
+
+
+def take_cache_notes() -> list[str]:
+    """The cache notes gathered since the last call (each once), emptied."""
+    notes = list(dict.fromkeys(_CACHE_NOTES))
+    _CACHE_NOTES.clear()
+    return notes
+
+
+def cached_gguf_folder(source: ModelSource) -> Path | None:
+    """The converted form of a GGUF source (float32 safetensors, ``config.json``, tokenizer
+    files) from kvq's cache, or ``None`` when there is none or it fails its check.
+
+    Converting a GGUF file (metadata, tokenizer, dequantization) takes transformers tens of
+    seconds on every load; :func:`load_model` stores the result once, keyed by the GGUF
+    file's SHA-256 and the transformers version, and every use re-checks each cached
+    file's BLAKE3 digest (a damaged or edited entry is ignored, rebuilt, and named in a
+    note: :func:`take_cache_notes`). The folder is an ordinary Hugging Face folder, so a
+    cached GGUF source also streams one decoder layer at a time
+    (:func:`compressor.streaming.open_lazy`).
+    """
+    import json
+
+    if source.kind != "gguf":
+        return None
+    folder = cache_root() / "gguf" / _gguf_key(source)
+    if not os.path.lexists(folder):
+        return None
+    problem = None
+    try:
+        index = json.loads((folder / GGUF_CACHE_INDEX).read_text())
+        files = index["files"]
+        if index.get("gguf_sha256") != file_digest(source.path):
+            problem = "it was made from another file"
+        elif "config.json" not in files:
+            problem = "it has no config.json"
+        else:
+            problem = next((f"{name} does not match its BLAKE3 digest" for name, digest in files.items()
+                            if not (folder / name).is_file() or file_digest(folder / name, "blake3") != digest), None)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        problem = f"its index cannot be read ({type(e).__name__})"
+    if problem is None:
+        return folder
+    _CACHE_NOTES.append(f"kvq's cached conversion of {source.path.name} ({folder}) failed its check: {problem}; "
+                        "the GGUF file is converted again")
+    return None
+
+
+def _write_gguf_cache(source: ModelSource, model, tokenizer) -> None:
+    """Store the converted GGUF model (best effort: a cache that cannot be written is skipped,
+    with a note, :func:`take_cache_notes`); a damaged entry, or a file in its place, is replaced."""
+    import json
+    import shutil
+    import tempfile
+
+    folder = cache_root() / "gguf" / _gguf_key(source)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(str(tmp))
+            files = {p.name: file_digest(p, "blake3") for p in sorted(tmp.iterdir()) if p.is_file()}
+            (tmp / GGUF_CACHE_INDEX).write_text(json.dumps(
+                {"gguf": str(source.path), "gguf_sha256": file_digest(source.path), "files": files}, indent=1))
+            if folder.is_dir() and not folder.is_symlink():
+                shutil.rmtree(folder, ignore_errors=True)
+            elif os.path.lexists(folder):  # a file or a link where the entry belongs
+                folder.unlink()
+            os.rename(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        _CACHE_NOTES.append(f"the converted GGUF file could not be stored in kvq's cache ({folder}): "
+                            f"{e.strerror or type(e).__name__}; the next command converts it again")
