@@ -16,7 +16,8 @@ Engines:
 Also: KV bytes per token of the runtime's cache for each scheme. Results:
 bench/results/serve_bench.json (env RESULT: another name). Usage: python bench/serve_bench.py
 [--one ENGINE BATCH] (env ARTIFACT, MAX_NEW (at least 2), RESULT, THREADS (torch's threads; default
-one per usable CPU), ENGINES: a comma-separated subset of the four engines). Decode figures
+one per usable CPU), ENGINES: a comma-separated subset of kvq-auto, kvq-float32, kvq-dequant,
+transformers-fp32). ``--one ENGINE BATCH`` (BATCH 1-8) measures one engine in this process. Decode figures
 taken while other jobs keep the CPUs busy are not figures: the script says so when the 1-minute
 load average is at least the CPU count minus one half.
 """
@@ -128,14 +129,14 @@ def main() -> None:
     if args and args[0] in ("-h", "--help"):
         print(__doc__)
         return
-    bad = [e for e in ENGINES if e not in ALL_ENGINES]
+    bad = [e for e in ENGINES if e not in ALL_ENGINES] + ([args[1]] if len(args) == 3 and args[1] not in ALL_ENGINES else [])
     if bad:
-        raise SystemExit(f"serve_bench: unknown engine {bad[0]!r} in ENGINES (known: {', '.join(ALL_ENGINES)})")
+        raise SystemExit(f"serve_bench: unknown engine {bad[0]!r} (known: {', '.join(ALL_ENGINES)})")
+    if args and not (len(args) == 3 and args[0] == "--one" and args[2].isdigit() and 1 <= int(args[2]) <= 8):
+        raise SystemExit(f"serve_bench: usage: python bench/serve_bench.py [--one ENGINE BATCH] (BATCH 1-8; --help); "
+                         f"got {' '.join(args)!r}")
     if not (ART / "kvq-manifest.json").exists():
         raise SystemExit(f"serve_bench: {ART} is not a kvq artifact: run `make demo` first or set ARTIFACT")
-    if args and not (len(args) == 3 and args[0] == "--one" and args[1] in ALL_ENGINES and args[2].isdigit()
-                     and 1 <= int(args[2]) <= 8):
-        raise SystemExit("serve_bench: usage: python bench/serve_bench.py [--one ENGINE BATCH] (BATCH 1-8; --help)")
     if args:
         print(json.dumps(one(args[1], int(args[2]))))
         return

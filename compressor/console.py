@@ -25,10 +25,10 @@ def note(console, text: str, **kw) -> None:
         console.print(text, **kw)
 
 
-def warnings(console, items: list[str]) -> None:
-    """One ``warning:`` line per item."""
+def warnings(console, items: list[str], label: str = "warning") -> None:
+    """One ``warning:`` (or ``label:``) line per item, never wrapped (grep-able)."""
     for w in items:
-        note(console, f"[yellow]warning:[/] {w}", highlight=False)
+        note(console, f"[yellow]{label}:[/] {w}", highlight=False, soft_wrap=True)
 
 
 #: how the quantize summary names each way of choosing static KV scales

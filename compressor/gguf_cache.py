@@ -58,6 +58,13 @@ def take_cache_notes() -> list[str]:
     return notes
 
 
+def stale_cache_notes(source: ModelSource) -> list[str]:
+    """The notes (:func:`take_cache_notes`) on a cache entry of ``source`` that fails its check:
+    said before a command converts the file again (tens of seconds) rather than after."""
+    cached_gguf_folder(source)
+    return take_cache_notes()
+
+
 def cached_gguf_folder(source: ModelSource) -> Path | None:
     """The converted form of a GGUF source (float32 safetensors, ``config.json``, tokenizer
     files) from kvq's cache, or ``None`` when there is none or it fails its check.
@@ -86,8 +93,8 @@ def cached_gguf_folder(source: ModelSource) -> Path | None:
         elif "config.json" not in files:
             problem = "it has no config.json"
         else:
-            problem = next((f"{name} does not match its BLAKE3 digest" for name, digest in files.items()
-                            if not (folder / name).is_file() or file_digest(folder / name, "blake3") != digest), None)
+            problem = next((_file_problem(folder / name, digest) for name, digest in files.items()
+                            if _file_problem(folder / name, digest)), None)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         problem = f"its index cannot be read ({type(e).__name__})"
     if problem is None:
@@ -95,6 +102,15 @@ def cached_gguf_folder(source: ModelSource) -> Path | None:
     _CACHE_NOTES.append(f"kvq's cached conversion of {source.path.name} ({folder}) failed its check: {problem}; "
                         "the GGUF file is converted again")
     return None
+
+
+def _file_problem(path: Path, digest: str) -> str | None:
+    """Why a cached file is not the one recorded (missing, not a file, another BLAKE3), else ``None``."""
+    if not os.path.lexists(path):
+        return f"{path.name} is missing"
+    if not path.is_file():
+        return f"{path.name} is not a file"
+    return None if file_digest(path, "blake3") == digest else f"{path.name} does not match its BLAKE3 digest"
 
 
 def _write_gguf_cache(source: ModelSource, model, tokenizer) -> None:
@@ -123,4 +139,4 @@ def _write_gguf_cache(source: ModelSource, model, tokenizer) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:
         _CACHE_NOTES.append(f"the converted GGUF file could not be stored in kvq's cache ({folder}): "
-                            f"{e.strerror or type(e).__name__}; the next command converts it again")
+                            f"{e.strerror or type(e).__name__}; every command converts it whole again")

@@ -16,7 +16,7 @@ import torch
 
 from .errors import InputError
 from .gguf_cache import (GGUF_CACHE_INDEX, _write_gguf_cache, cache_root, cache_writable,  # noqa: F401 (public here)
-                         cached_gguf_folder, take_cache_notes)
+                         cached_gguf_folder, stale_cache_notes, take_cache_notes)
 from .safetensors_io import file_digest, read_header
 
 #: alias -> (python package, file inside it, install hint)

@@ -631,7 +631,8 @@ def test_gguf_cache_entry_damaged_or_blocked_by_a_file_is_named_and_replaced(tmp
     """A cache entry that fails its check (a file where the folder belongs, a file whose BLAKE3
     changed) is not used and is named in a note the commands print as a warning; the next
     conversion replaces it; a cache that cannot be stored is named too."""
-    from compressor.gguf_cache import _gguf_key, _write_gguf_cache, cache_root, cached_gguf_folder, take_cache_notes
+    from compressor.gguf_cache import (_gguf_key, _write_gguf_cache, cache_root, cached_gguf_folder, stale_cache_notes,
+                                       take_cache_notes)
     from compressor.models import ModelSource
 
     class Saved:  # stands for the converted model and tokenizer
@@ -657,7 +658,10 @@ def test_gguf_cache_entry_damaged_or_blocked_by_a_file_is_named_and_replaced(tmp
     assert cached_gguf_folder(src) is None
     assert "model.safetensors does not match its BLAKE3 digest" in take_cache_notes()[0]
     (entry / "model.safetensors").unlink()
-    assert cached_gguf_folder(src) is None and "model.safetensors" in take_cache_notes()[0]
+    assert cached_gguf_folder(src) is None and "model.safetensors is missing" in take_cache_notes()[0]
+    (entry / "model.safetensors").mkdir()
+    assert cached_gguf_folder(src) is None and "model.safetensors is not a file" in take_cache_notes()[0]
+    assert stale_cache_notes(src) and take_cache_notes() == []  # said once, before a conversion
     monkeypatch.setenv("KVQ_CACHE_DIR", str(gguf / "cache"))  # under a file: cannot be made
     _write_gguf_cache(src, Saved(), Saved())
     assert "could not be stored in kvq's cache" in take_cache_notes()[0]

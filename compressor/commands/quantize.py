@@ -40,7 +40,7 @@ from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import check_format, check_shapes, format_config, pack_modules
 from ..formats.compressed_tensors import kv_scale_tensors
-from ..models import ALIASES, cache_writable, float32_bytes, load_model, peek_model_type, resolve_source, storage_dtype, take_cache_notes
+from ..models import ALIASES, float32_bytes, load_model, peek_model_type, resolve_source, stale_cache_notes, storage_dtype, take_cache_notes
 from ..pipeline import check_group_sizes, quantize_model
 from ..precision import resolve_matmul_precision
 from ..quant.algorithms import get_algorithm
@@ -275,6 +275,8 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
     """
     source = plan.source
     show.note(console, f"loading {source.spec} ({source.kind}) ..." + (f" (rank 0 of {world_size})" if world_size > 1 else ""))
+    plan.warnings += (early := stale_cache_notes(source))  # said now: the conversion's wait follows
+    show.warnings(console, early, "note")  # a warning in the run's summary
     model, ckpt, loading = None, None, "whole model (--no-stream)"
     if opts.execution.stream:
         lazy = open_lazy(source, defer_head=True, convert_gguf=True)  # a new GGUF: converted once, then streamed
@@ -282,10 +284,9 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
             (model, tokenizer, ckpt), loading = lazy, "streamed: one decoder layer at a time"
         else:
             loading = f"whole model ({lazy[1]})"
-            plan.warnings += [lazy[1]] if source.kind == "gguf" and not cache_writable() else []  # costs every run
     if model is None:
         model, tokenizer = load_model(source)
-    plan.warnings += take_cache_notes()  # a damaged cache entry converted again, or one that could not be stored
+    plan.warnings += [n for n in take_cache_notes() if n not in early]  # e.g. a cache that cannot be written
     show.note(console, f"source weights: {loading}", highlight=False)
     if plan.activation_budget_gib is None:  # a GGUF source: its hidden size is known now
         _check_activations(plan, opts, getattr(model.config, "hidden_size", None), console)
@@ -502,15 +503,8 @@ def _keep_tensors(plan: _Plan, src: _Source, staging, warnings: list[str], conso
 def _quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schemes: dict) -> dict:
     """The manifest's ``quantization`` block: algorithm, format, weight scheme, module
     count, storage dtype; the schemes of a mixed recipe; the algorithm's own fields."""
-    quant = {
-        "algorithm": recipe.algorithm,
-        "format": fmt,
-        "num_bits": recipe.weights.num_bits,
-        "group_size": group_size,
-        "symmetric": recipe.weights.symmetric,
-        "modules": len(schemes),
-        "storage_dtype": dtype,
-    }
+    quant = {"algorithm": recipe.algorithm, "format": fmt, "num_bits": recipe.weights.num_bits, "group_size": group_size,
+             "symmetric": recipe.weights.symmetric, "modules": len(schemes), "storage_dtype": dtype}
     if recipe.is_mixed:
         quant["schemes"] = [{"num_bits": b, "group_size": g, "symmetric": y,
                              "modules": sorted(n for n, v in schemes.items() if v == (b, g, y))}
