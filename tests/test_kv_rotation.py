@@ -274,4 +274,4 @@ def test_quantize_says_what_it_did_to_the_cache(tiny_model_dir, tmp_path, capsys
                                            "key_rotation": "pairs"}
     code, _, err = kvq_run([*argv, "-o", tmp_path / "kv2"], capsys)
     assert code == 0, err
-    assert "KV cache: fp8 per tensor, static scales attention, key pairs changed" in " ".join(err.split())
+    assert "KV cache: fp8 per tensor, static scales searched on the attention output, key pairs changed" in " ".join(err.split())

@@ -61,7 +61,11 @@ def row_artifacts(tmp_path_factory, tokenizer):
     float32 storage keeps the parity check at the level of float32 summation order. With
     bfloat16 storage the arithmetic still agrees to ~4e-7 (measured, gemma3_text, KV off), but
     a difference that small can move one per-token int8 KV code by one step, and every later
-    position's logits then differ by ~1e-4 (measured: from position 14 of the second prompt)."""
+    position's logits then differ by ~1e-4 (measured: from position 14 of the second prompt).
+    Calibration matmuls in IEEE float32: under ``auto`` (bfloat16 on a CPU with bfloat16 dot
+    products) an AMX CPU also rounds the scale search's attention matmuls (oneDNN's setting),
+    an AVX512-BF16 one does not, and the fp8 scales, so the tiny models' near-tied top-1
+    choices, differed between the two (glm4 fp8: 46.9 % agreement on a Xeon with AMX)."""
     root = tmp_path_factory.mktemp("rows")
     out = {}
     for mt in SERVED:
@@ -72,7 +76,8 @@ def row_artifacts(tmp_path_factory, tokenizer):
         for kv in ("fp8", "int8"):
             out[mt][kv] = root / f"{mt}-{kv}"
             run_quantize(QuantizeOptions(model=str(src), output=out[mt][kv], recipe="w4a16-rtn-g64", group_size=32,
-                                         kv_scheme=kv, calib_samples=4, calib_seqlen=32, dtype="float32"))
+                                         kv_scheme=kv, calib_samples=4, calib_seqlen=32, dtype="float32",
+                                         matmul_precision="float32"))
     return out
 
 
