@@ -347,6 +347,36 @@ def test_allocator_defaults_keep_the_users_value():
     assert allocator_defaults(env) == {} and env == {"THP_MEM_ALLOC_ENABLE": "0"}
 
 
+def test_malloc_defaults_keep_the_users_value(monkeypatch):
+    """The entry point sets glibc's mmap/trim thresholds unless the user set their variables;
+    where the C library has no mallopt nothing is applied."""
+    import ctypes
+
+    from compressor.entry import MALLOC_SETTINGS, malloc_defaults
+
+    calls = []
+
+    class Libc:
+        class mallopt:  # noqa: N801 - stands for the C function
+            def __new__(cls, param, value):
+                calls.append((param, value))
+                return 1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc)
+    assert malloc_defaults({}) == {k: v for k, (_, v) in MALLOC_SETTINGS.items()}
+    assert calls == list(MALLOC_SETTINGS.values())
+    calls.clear()
+    assert malloc_defaults({"MALLOC_TRIM_THRESHOLD_": "0"}) == {
+        k: v for k, (_, v) in MALLOC_SETTINGS.items() if k != "MALLOC_TRIM_THRESHOLD_"}
+    assert (-1, (1 << 31) - 1) not in calls
+
+    class NoMallopt:
+        pass
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: NoMallopt)
+    assert malloc_defaults({}) == {}
+
+
 def test_frozen_gc_leaves_an_outer_freeze_to_its_owner():
     """The layer loop's freeze undoes itself when nothing was frozen before it (library use), and
     leaves the CLI's frozen libraries frozen until the CLI releases them before exit."""
