@@ -188,6 +188,7 @@ def test_a_busy_machine_earns_a_note_unless_threads_are_given(monkeypatch):
     before = torch.get_num_threads()
     monkeypatch.setattr("compressor.safetensors_io.default_workers", lambda: 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr("compressor.commands.common.runnable_now", lambda: 3)
     monkeypatch.setattr(os, "getloadavg", lambda: (4.3, 3.0, 2.0))
     threads, note = cpu_threads(None)
     assert threads == 2 and "busy (load 4.3 on 2 CPUs)" in note and "--threads 1" in note
@@ -195,6 +196,11 @@ def test_a_busy_machine_earns_a_note_unless_threads_are_given(monkeypatch):
     assert "busy (load 1.9 on 2 CPUs)" in cpu_threads(None)[1]
     monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 1.0, 1.0))
     assert cpu_threads(None) == (2, None)  # one other job on 2 CPUs: no note
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.3, 3.0, 2.0))
+    monkeypatch.setattr("compressor.commands.common.runnable_now", lambda: 1)
+    assert cpu_threads(None) == (2, None)  # a high average, but only this thread runs now: a job that just ended
+    monkeypatch.setattr("compressor.commands.common.runnable_now", lambda: None)
+    assert "busy (load 4.3" in cpu_threads(None)[1]  # unknown: the average alone
     monkeypatch.undo()
     assert cpu_threads(before)[1] is None and torch.get_num_threads() == before
 
@@ -217,6 +223,7 @@ def test_the_busy_note_reaches_the_json_summary(tmp_path, tiny_model_dir, capsys
     torch.set_num_threads(2)
     try:
         monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+        monkeypatch.setattr("compressor.commands.common.runnable_now", lambda: 9)
         code, stdout, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "b", "--algorithm", "rtn",
                                  "--group-size", "32", "--json"], capsys)
         assert code in (0, None), err

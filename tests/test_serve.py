@@ -47,6 +47,7 @@ def test_serve_smoke_json_carries_the_busy_note(art, capsys, monkeypatch):
     torch.set_num_threads(2)
     try:
         monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+        monkeypatch.setattr("compressor.commands.common.runnable_now", lambda: 9)
         code, out, err = run(["serve-smoke", art, *FAST, "--json"], capsys)
         assert code == 0, err
         rep = json.loads(out)

@@ -84,9 +84,10 @@ def threads_restored():
 def cpu_threads(requested: int | None) -> tuple[int, str | None]:
     """Apply ``--threads``: torch's intra-op threads set to ``requested`` (``None``: torch's
     default, one per usable CPU). Returns ``(threads in effect, note)``; the note (else ``None``)
-    says that more threads were requested than the process has CPUs, or that the machine is busy when, with more than one thread and none requested, the 1-minute
-    load average is at least the usable CPUs minus one half (other jobs already keep about
-    every core busy; kvq's threads come on top): every short parallel step (GPTQ's column
+    says that more threads were requested than the process has CPUs, or that the machine is busy
+    when, with more than one thread and none requested, the 1-minute load average is at least
+    the usable CPUs minus one half and another thread is runnable right now (:func:`runnable_now`;
+    other jobs already keep about every core busy; kvq's threads come on top): every short parallel step (GPTQ's column
     loop runs thousands a layer) then waits for a descheduled thread. Measured here beside a
     2-thread job on 2 cores: a small GPTQ run took 66.9 s with 2 threads, 28.7 s with 1
     (14.6 s and 19.2 s on an idle machine; BENCHMARKS.md)."""
@@ -106,10 +107,22 @@ def cpu_threads(requested: int | None) -> tuple[int, str | None]:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # not available on this platform
         return threads, None
-    if threads > 1 and load >= cores - 0.5:
+    now = runnable_now()
+    if threads > 1 and load >= cores - 0.5 and (now is None or now >= 2):
         return threads, (f"the machine is busy (load {load:.1f} on {cores} CPUs): with {threads} threads each short "
                          "parallel step waits for a descheduled thread; --threads 1 is usually faster on a shared machine")
     return threads, None
+
+
+def runnable_now() -> int | None:
+    """Threads runnable on the machine at this instant, the caller's included (``/proc/loadavg``'s
+    fourth field), ``None`` where unknown. :func:`cpu_threads` wants at least one besides the
+    caller: the 1-minute load average still counts a job that ended seconds ago (``make demo``'s
+    verify right after its quantize)."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def check_resumable() -> None:
