@@ -39,10 +39,32 @@ def cache_writable() -> bool:
     return os.access(root, os.W_OK | os.X_OK)
 
 
+def _stat(path: Path) -> tuple:
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+#: (path, its _stat) -> SHA-256: a command reads the GGUF's key more than once (the early check,
+#: the streamed load, the conversion); the file is hashed once per process while it is unchanged
+_GGUF_SHA256: dict[tuple, str] = {}
+
+
+def _gguf_sha256(path: Path) -> str:
+    key = (str(path), _stat(path))
+    if key not in _GGUF_SHA256:
+        _GGUF_SHA256[key] = file_digest(path)
+    return _GGUF_SHA256[key]
+
+
 def _gguf_key(source: ModelSource) -> str:
     import transformers
 
-    return f"{file_digest(source.path)}-tf{transformers.__version__}-v{GGUF_CACHE_VERSION}"
+    return f"{_gguf_sha256(source.path)}-tf{transformers.__version__}-v{GGUF_CACHE_VERSION}"
+
+
+#: entry folder -> the _stat of each of its files when their BLAKE3 digests last matched in this
+#: process: a second check of an unchanged entry (same inode, size and mtime) hashes nothing
+_VERIFIED: dict[Path, dict] = {}
 
 
 #: what happened to kvq's GGUF cache in this process that a user should hear about (an entry
@@ -88,17 +110,21 @@ def cached_gguf_folder(source: ModelSource) -> Path | None:
     try:
         index = json.loads((folder / GGUF_CACHE_INDEX).read_text())
         files = index["files"]
-        if index.get("gguf_sha256") != file_digest(source.path):
+        stats = {name: _stat(folder / name) for name in [GGUF_CACHE_INDEX, *files] if (folder / name).is_file()}
+        if _VERIFIED.get(folder) == stats and len(stats) == len(files) + 1:
+            return folder  # checked earlier in this process, unchanged since
+        if index.get("gguf_sha256") != _gguf_sha256(source.path):
             problem = "it was made from another file"
         elif "config.json" not in files:
             problem = "it has no config.json"
         else:
-            problem = next((_file_problem(folder / name, digest) for name, digest in files.items()
-                            if _file_problem(folder / name, digest)), None)
+            problem = next(filter(None, (_file_problem(folder / name, digest) for name, digest in files.items())), None)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         problem = f"its index cannot be read ({type(e).__name__})"
     if problem is None:
+        _VERIFIED[folder] = stats
         return folder
+    _VERIFIED.pop(folder, None)
     _CACHE_NOTES.append(f"kvq's cached conversion of {source.path.name} ({folder}) failed its check: {problem}; "
                         "the GGUF file is converted again")
     return None
@@ -129,7 +155,7 @@ def _write_gguf_cache(source: ModelSource, model, tokenizer) -> None:
             tokenizer.save_pretrained(str(tmp))
             files = {p.name: file_digest(p, "blake3") for p in sorted(tmp.iterdir()) if p.is_file()}
             (tmp / GGUF_CACHE_INDEX).write_text(json.dumps(
-                {"gguf": str(source.path), "gguf_sha256": file_digest(source.path), "files": files}, indent=1))
+                {"gguf": str(source.path), "gguf_sha256": _gguf_sha256(source.path), "files": files}, indent=1))
             if folder.is_dir() and not folder.is_symlink():
                 shutil.rmtree(folder, ignore_errors=True)
             elif os.path.lexists(folder):  # a file or a link where the entry belongs

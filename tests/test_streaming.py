@@ -654,6 +654,13 @@ def test_gguf_cache_entry_damaged_or_blocked_by_a_file_is_named_and_replaced(tmp
     assert len(notes) == 1 and "failed its check: its index cannot be read" in notes[0] and "converted again" in notes[0]
     _write_gguf_cache(src, Saved(), Saved())
     assert cached_gguf_folder(src) == entry and take_cache_notes() == []
+    import compressor.gguf_cache as gc_mod
+
+    hashed = []
+    real = gc_mod.file_digest
+    monkeypatch.setattr(gc_mod, "file_digest", lambda *a: hashed.append(a) or real(*a))
+    assert cached_gguf_folder(src) == entry and hashed == []  # checked before, unchanged: nothing hashed again
+    monkeypatch.setattr(gc_mod, "file_digest", real)
     (entry / "model.safetensors").write_bytes(b"weightz")
     assert cached_gguf_folder(src) is None
     assert "model.safetensors does not match its BLAKE3 digest" in take_cache_notes()[0]
