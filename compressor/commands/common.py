@@ -81,16 +81,26 @@ def threads_restored():
             torch.set_num_threads(threads)
 
 
-def cpu_threads(requested: int | None) -> tuple[int, str | None]:
+def cpu_threads(requested: int | None, console=None) -> tuple[int, str | None]:
     """Apply ``--threads``: torch's intra-op threads set to ``requested`` (``None``: torch's
-    default, one per usable CPU). Returns ``(threads in effect, note)``; the note (else ``None``)
-    says that more threads were requested than the process has CPUs, or that the machine is busy
-    when, with more than one thread and none requested, the 1-minute load average is at least
-    the usable CPUs minus one half and another thread is runnable right now (:func:`runnable_now`;
-    other jobs already keep about every core busy; kvq's threads come on top): every short parallel step (GPTQ's column
-    loop runs thousands a layer) then waits for a descheduled thread. Measured here beside a
+    default, one per usable CPU). Returns ``(threads in effect, note)``, the note also printed as
+    a ``note:`` line on ``console`` (when given); the note (else ``None``) says that more threads
+    were requested than the process has CPUs, or that the machine is busy when, with more than
+    one thread and none requested, the 1-minute load average is at least the usable CPUs minus
+    one half and another thread is runnable right now (:func:`runnable_now`; other jobs already
+    keep about every core busy; kvq's threads come on top): every short parallel step (GPTQ's
+    column loop runs thousands a layer) then waits for a descheduled thread. Measured here beside a
     2-thread job on 2 cores: a small GPTQ run took 66.9 s with 2 threads, 28.7 s with 1
     (14.6 s and 19.2 s on an idle machine; BENCHMARKS.md)."""
+    threads, note = _threads_and_note(requested)
+    if note:
+        from .. import console as show
+
+        show.note(console, f"[yellow]note:[/] {note}", highlight=False)
+    return threads, note
+
+
+def _threads_and_note(requested: int | None) -> tuple[int, str | None]:
     import torch
 
     from ..safetensors_io import default_workers

@@ -203,9 +203,7 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
         check_resumable()  # not under torchrun
     if packed is not None:
         kv_only.check_source_integrity(packed)
-    threads, busy = cpu_threads(opts.execution.threads)
-    if busy:
-        show.note(console, f"[yellow]note:[/] {busy}", highlight=False)
+    threads, busy = cpu_threads(opts.execution.threads, console)
     plan = _Plan(out, recipe, source, kv, token_file, text, warnings, dtype, dtype_reason, calib_shape, packed=packed,
                  matmul_precision=resolve_matmul_precision(opts.execution.matmul_precision, opts.execution.device),
                  threads=threads, busy=busy)

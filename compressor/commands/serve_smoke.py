@@ -80,9 +80,7 @@ def _run(opts: SmokeOptions, console) -> dict:
 
     t0 = time.perf_counter()
     plan = _plan(opts)  # refusals first: a refused run's stderr is its one error line
-    _, busy = cpu_threads(opts.threads)
-    if busy:
-        show.note(console, f"[yellow]note:[/] {busy}", highlight=False)
+    _, busy = cpu_threads(opts.threads, console)
     report: dict = {"artifact": str(plan.folder), "hashes_ok": None, "prompts": len(plan.prompts),
                     "max_new_tokens": opts.max_new_tokens, "gates": [], "failed_gates": [], "passed": False,
                     "busy_note": busy, "warnings": []}

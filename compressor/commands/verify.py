@@ -94,9 +94,7 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
         report["seconds"] = round(time.perf_counter() - t0, 2)
         return validate(report)
     with threads_restored():  # --threads is this run's
-        _, report["busy_note"] = cpu_threads(opts.threads)
-        if report["busy_note"]:
-            show.note(console, f"[yellow]note:[/] {report['busy_note']}", highlight=False)
+        _, report["busy_note"] = cpu_threads(opts.threads, console)
         plan = _plan(opts, folder, manifest, report, console)
         models = _load(plan, opts, report, console)
         report["warnings"].extend(take_cache_notes())  # a cached GGUF reference converted again
