@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from compressor.tokens import bos_token_id, encode  # noqa: E402 - after the repository is on sys.path
 ART = Path(os.environ.get("ARTIFACT", ROOT / ".kvq-demo" / "smollm2-w4a16-awq"))
 RESULT = os.environ.get("RESULT", "serve_bench.json")  # file name under bench/results
 ALL_ENGINES = ("kvq-auto", "kvq-float32", "kvq-dequant", "transformers-fp32")
@@ -72,7 +73,7 @@ def one(engine: str, batch: int) -> dict:
         dtype = torch.float32 if engine == "kvq-float32" else None  # None: the commands' default (auto)
         rt = Runtime.from_artifact(ART, backend=backend, kv="artifact", dtype=dtype)
         tok = AutoTokenizer.from_pretrained(str(ART))
-        ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+        ids = [encode(tok, p) for p in prompts]  # the tokenizer's BOS rule, as kvq serve encodes
         rt.generate(ids, max_new_tokens=4)  # warm-up
         res = rt.generate(ids, max_new_tokens=MAX_NEW)
         d = rt.describe()
@@ -91,7 +92,7 @@ def one(engine: str, batch: int) -> dict:
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=bos_token_id(tok) is not None)
 
     def gen(n):
         with torch.inference_mode():

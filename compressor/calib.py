@@ -178,31 +178,13 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def bos_token_for_eval(tokenizer) -> int | None:
-    """The BOS id the tokenizer puts in front of a text, or ``None`` when it adds none.
-
-    Follows the tokenizer's own rule (``add_bos_token`` or its post-processor): a text
-    encoded with special tokens is compared with the same text encoded without them; the
-    token added at the front, if it is the tokenizer's ``bos_token_id``, is the BOS. Models
-    whose tokenizer adds one (Llama 3, Gemma, Mistral, DeepSeek-V3/Kimi) never see text
-    without it in service, so evaluation windows start with it, as llama.cpp's perplexity
-    does; SmolLM2's tokenizer adds none.
-    """
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return None
-    try:
-        with_special = tokenizer("Hello world", add_special_tokens=True)["input_ids"]
-        without = tokenizer("Hello world", add_special_tokens=False)["input_ids"]
-    except Exception:  # noqa: BLE001 - a tokenizer that cannot say: evaluate the text as it is
-        return None
-    if len(with_special) > len(without) and with_special[0] == bos and with_special[1:1 + len(without)] == without:
-        return int(bos)
-    return None
-
-
-def sample_windows(ids: torch.Tensor, n_samples: int, seqlen: int, seed: int) -> torch.Tensor:
+def sample_windows(ids: torch.Tensor, n_samples: int, seqlen: int, seed: int, bos_id: int | None = None) -> torch.Tensor:
     """Draw ``n_samples`` windows of ``seqlen`` tokens; returns int64 ``[n_samples, seqlen]``.
+
+    With ``bos_id`` (the tokenizer adds a BOS: :func:`compressor.tokens.bos_token_id`) each
+    window is that BOS followed by ``seqlen - 1`` text tokens drawn as above, so calibration
+    sees what the model sees in service (and what verify's windows hold); without it the
+    windows are ``seqlen`` text tokens, the GPTQ/AWQ convention, unchanged.
 
     Raises:
         InputError: fewer tokens than one window, or non-positive sizes.
@@ -214,6 +196,10 @@ def sample_windows(ids: torch.Tensor, n_samples: int, seqlen: int, seed: int) ->
             f"calibration text has {ids.numel()} tokens, shorter than one sample of {seqlen}; "
             "give more text or a smaller --calib-seqlen"
         )
+    body = seqlen - (bos_id is not None)
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - seqlen + 1, (n_samples,), generator=gen)
-    return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
+    starts = torch.randint(0, ids.numel() - body + 1, (n_samples,), generator=gen)
+    out = torch.stack([ids[s : s + body] for s in starts.tolist()])
+    if bos_id is not None:
+        out = torch.cat([torch.full((n_samples, 1), bos_id, dtype=out.dtype), out], dim=1)
+    return out

@@ -28,7 +28,7 @@ from .errors import InputError
 def windows(ids: torch.Tensor, seqlen: int, max_windows: int | None = None, bos_id: int | None = None) -> torch.Tensor:
     """``[n_windows, seqlen]`` non-overlapping windows of the token stream ``ids [n]``.
 
-    With ``bos_id`` (the tokenizer adds a BOS: :func:`compressor.calib.bos_token_for_eval`)
+    With ``bos_id`` (the tokenizer adds a BOS: :func:`compressor.tokens.bos_token_id`)
     each window is the BOS followed by the next ``seqlen - 1`` text tokens, as llama.cpp's
     perplexity evaluates: the model sees what it sees in service, and the BOS is never a
     predicted token. Without it, windows are ``seqlen`` text tokens (the published

@@ -13,6 +13,7 @@ from .arch import checkpoint_name, find_module, get_arch, layer_groups, layer_li
 from .quant.algorithms import find_algorithm
 from .quant.awq_layer import kv_repeat
 from .stats import first_divergence, summarize, weight_error, weight_stats
+from .tokens import bos_token_id, encode
 
 
 def _awq_equivalent_scales(reference, artifact, arch) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
@@ -225,7 +226,8 @@ def greedy_drift(reference, artifact, tokenizer, prompts: list[str], max_new_tok
     Returns ``{"prompts", "max_new_tokens", "first_divergence": [int|None per prompt],
     "median", "min", "identical"}``; ``None`` (all ``max_new_tokens`` equal) counts as
     ``max_new_tokens`` in the median and min. ``make_cache`` gives the artifact a
-    quantized KV cache (as served).
+    quantized KV cache (as served). Prompts are encoded by the tokenizer's own rule
+    (:func:`compressor.tokens.encode`: its BOS first when it adds one).
     """
     from .quant.kv import cache_kwarg
 
@@ -236,11 +238,9 @@ def greedy_drift(reference, artifact, tokenizer, prompts: list[str], max_new_tok
                              eos_token_id=None, **kw)
         return out[0, ids.shape[1]:].tolist()
 
-    firsts = []
-    for p in prompts:
-        ids = tokenizer(p, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
-        if ids.shape[1] == 0:
-            ids = torch.tensor([[tokenizer.bos_token_id or 0]], device=device)
+    firsts, bos = [], bos_token_id(tokenizer)
+    for p in prompts:  # the tokenizer's own rule: its BOS first, if it adds one (as served)
+        ids = torch.tensor([encode(tokenizer, p, bos)], device=device)
         r = gen(reference, ids, None)
         a = gen(artifact, ids, make_cache() if make_cache else None)
         firsts.append(first_divergence(r, a))

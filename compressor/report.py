@@ -348,7 +348,8 @@ def markdown(report: dict, images: list[Path] | None = None) -> str:
                                                               else " (not the recorded source)"))
     if report.get("eval"):
         e = report["eval"]
-        lines.append(f"- eval: {e['windows']} windows x {e['seqlen']} tokens of `{e.get('source')}`")
+        lines.append(f"- eval: {e['windows']} windows x {e['seqlen']} tokens of `{e.get('source')}`"
+                     + (f"; {e['bos_rule']}" if e.get("bos_rule") else ""))
     for wmsg in report.get("warnings", []):
         lines.append(f"- warning: {wmsg}")
     if report["gates"]:

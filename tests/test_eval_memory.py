@@ -121,11 +121,11 @@ def _tokenizer(add_bos: bool):
 def test_bos_rule_follows_the_tokenizer():
     """A tokenizer that adds a BOS gets windows that start with it (llama.cpp's rule); one
     that adds none (SmolLM2's) gets plain text windows, as before."""
-    from compressor.calib import bos_token_for_eval
+    from compressor.tokens import bos_token_id
     from compressor.evaluate import windows
 
-    assert bos_token_for_eval(_tokenizer(True)) == 0
-    assert bos_token_for_eval(_tokenizer(False)) is None
+    assert bos_token_id(_tokenizer(True)) == 0
+    assert bos_token_id(_tokenizer(False)) is None
     ids = torch.arange(10, 30)
     plain = windows(ids, 5)
     assert plain.tolist()[0] == [10, 11, 12, 13, 14] and plain.shape == (4, 5)

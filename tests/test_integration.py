@@ -40,6 +40,8 @@ def test_real_model_quantize_verify(tmp_path, capsys):
     assert summary["artifact_bytes"] < 0.25 * summary["float32_bytes"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True and cfg["num_hidden_layers"] == 30
+    # SmolLM2's tokenizer adds no BOS: calibration ids are the text's tokens, as before the rule was followed
+    assert json.loads((out / "kvq-manifest.json").read_text())["calibration"]["bos_token_id"] is None
     assert cfg["architectures"] == ["LlamaForCausalLM"]  # a GGUF source has none: vLLM needs the class
 
     # 8 x 128 calibration tokens is a smoke budget: the gate here is a sanity bound, the
@@ -48,7 +50,7 @@ def test_real_model_quantize_verify(tmp_path, capsys):
                               "--max-ppl-increase", "40", "--max-new-tokens", "8", "--hidden-batches", "1",
                               "--json"], capsys)
     rep = json.loads(stdout)
-    assert rep["hashes"]["ok"] and rep["eval"]["predicted_tokens"] == 2 * 511
+    assert rep["hashes"]["ok"] and rep["eval"]["predicted_tokens"] == 2 * 511 and rep["eval"]["bos_token_id"] is None
     # distribution and weight statistics: sanity bounds for a W4 g64 model (measured figures in BENCHMARKS.md)
     assert 0 < rep["distribution"]["kl"]["mean"] < 0.5 and rep["distribution"]["top1_agreement_pct"] > 60, rep["distribution"]
     w = rep["weights"]

@@ -35,6 +35,7 @@ from .. import interrupts
 from ..arch import checkpoint_name, get_arch, mtp_layer, routers
 from ..artifact import DTYPES, check_output, tool_info, write_artifact
 from ..calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
+from ..tokens import bos_rule
 from ..config_check import read_config
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
@@ -311,13 +312,15 @@ def _calibration(plan: _Plan, opts: QuantizeOptions, model, tokenizer, console) 
     if plan.text is None:
         return None, None
     tokens = tokenize(tokenizer, plan.text.text)
-    calib_ids = sample_windows(tokens, c.samples, c.seqlen, c.seed)
+    rule = bos_rule(tokenizer)  # windows start with the BOS the tokenizer adds, as in service
+    calib_ids = sample_windows(tokens, c.samples, c.seqlen, c.seed, bos_id=rule["bos_token_id"])
     if c.samples * c.seqlen > tokens.numel():
         plan.warnings.append(
             f"calibration: {c.samples} x {c.seqlen} = {c.samples * c.seqlen:,} tokens asked of a text of "
             f"{tokens.numel():,} tokens ({plan.text.name}): the windows overlap and repeat the text (at most "
             f"{tokens.numel() // c.seqlen} windows of {c.seqlen} would not); give more text or fewer --calib-samples")
-    calibration = {**plan.text.provenance(), "samples": c.samples, "seqlen": c.seqlen, "seed": c.seed}
+    calibration = {**plan.text.provenance(), "samples": c.samples, "seqlen": c.seqlen, "seed": c.seed,
+                   "bos_token_id": rule["bos_token_id"], "bos_rule": rule["rule"]}
     show.note(console, f"calibration: {c.samples} x {c.seqlen} tokens from {plan.text.name} (seed {c.seed}); "
                        f"matmuls in {plan.matmul_precision}")
     return calib_ids, calibration

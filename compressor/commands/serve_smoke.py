@@ -98,7 +98,7 @@ def _run(opts: SmokeOptions, console) -> dict:
         show.note(console, f"served the text model with text prompts; {report['carried']}", highlight=False)
     report["reference"] = ref_spec
     report["comparison"] = _compare(load_reference(ref_spec, ref_source), served, plan.prompts, opts)
-    report["warnings"] = take_cache_notes()  # a cached GGUF reference converted again
+    report["warnings"] = take_cache_notes() + report["tokenizer"].pop("warnings")  # + a missing chat template
     show.warnings(console, report["warnings"])
     report["gates"] = _gates(report, plan.thresholds, opts)
     report["failed_gates"] = [g["name"] for g in report["gates"] if not g["passed"]]
@@ -167,7 +167,8 @@ def _smoke_thresholds(manifest, opts: SmokeOptions) -> dict[str, float]:
 def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
     """Load the runtime through one checked read, run it (warm-up, batch 1, every prompt
     as one batch) and optionally the HTTP smoke; fills ``report["signature"]``,
-    ``report["hashes"]``, ``report["runtime"]`` (and ``report["http"]``).
+    ``report["hashes"]``, ``report["runtime"]``, ``report["tokenizer"]`` (the BOS rule the
+    prompts were encoded by, whether a chat template exists; and ``report["http"]``).
 
     Raises:
         InputError: a prompt plus ``max_new_tokens`` exceeds the context length.
@@ -176,7 +177,7 @@ def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
     import torch
 
     from ..runtime.generate import load_checked
-    from ..runtime.server import Engine
+    from ..runtime.engine import CHAT_FALLBACK_NOTE, Engine
 
     rt, tok, sig, manifest = load_checked(plan.folder, opts, lambda line: show.note(console, line, highlight=False))
     if manifest != plan.manifest:  # the plan's gates and reference came from the manifest the load checked against
@@ -185,6 +186,8 @@ def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
     report["hashes_ok"] = None if rt.integrity is None else rt.integrity["ok"]
     report["hashes"] = rt.integrity if rt.integrity is not None else {"checked": False, "note": "--no-manifest"}
     eng = Engine(rt, tok, plan.folder.name)
+    report["tokenizer"] = {**eng.bos_rule, "chat_template": eng.chat_template,
+                           "warnings": [] if eng.chat_template else [CHAT_FALLBACK_NOTE]}
     try:
         ids = [eng.encode(p) for p in plan.prompts]
         for i, x in enumerate(ids):

@@ -30,7 +30,8 @@ from .. import console as show
 from .. import gates
 from ..arch import get_arch
 from ..artifact import foreign_manifest, load_artifact, read_kv_cache
-from ..calib import bos_token_for_eval, load_text, sample_windows, tokenize
+from ..calib import load_text, sample_windows, tokenize
+from ..tokens import bos_rule, bos_token_id
 from ..errors import CheckFailed, InputError
 from ..evaluate import windows
 from ..integrity import check_artifact_folder, foreign_integrity, verify_integrity
@@ -348,7 +349,8 @@ def _evaluate(plan: _Plan, models: _Models, prompts: list[str], opts: VerifyOpti
 
     ev = opts.evaluation
     model, ref_model = models.artifact, models.reference
-    bos = bos_token_for_eval(models.tokenizer)  # the tokenizer's own rule: windows start with its BOS, if any
+    rule = bos_rule(models.tokenizer)  # the tokenizer's own rule: windows start with its BOS, if any
+    bos = rule["bos_token_id"]
     wins = windows(tokenize(models.tokenizer, plan.text.text), ev.seqlen, ev.max_windows, bos_id=bos)
     kv_info = plan.kv_info
     if kv_info is not None and kv_info[0].static and kv_info[1] is None:
@@ -369,8 +371,8 @@ def _evaluate(plan: _Plan, models: _Models, prompts: list[str], opts: VerifyOpti
                           lambda i, n: show.window_done(console, bar, task, i, n, time.perf_counter() - t_eval))
     _distribution_sections(report, results, served, wins, plan.text, ev.seqlen)
     report["eval"]["bos_token_id"] = bos
-    report["eval"]["bos_rule"] = ("each window starts with the BOS the tokenizer adds (llama.cpp's perplexity)" if bos is not None
-                                  else "the tokenizer adds no BOS: windows are text tokens only")
+    report["eval"]["bos_rule"] = rule["rule"] + ("; evaluation windows, drift prompts and KV calibration follow it"
+                                                 " (llama.cpp's perplexity convention)")
     _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts,
                       make_cache if plan.weights_quantized else ref_cache, served, opts)
     if kv_info is not None:
@@ -459,7 +461,7 @@ def _calibrate_kv(model, tokenizer, spec, opts: VerifyOptions, console) -> dict:
 
     kv = opts.kv
     text = load_text(kv.calib, part="calib")
-    ids = sample_windows(tokenize(tokenizer, text.text), kv.calib_samples, 512, 0)
+    ids = sample_windows(tokenize(tokenizer, text.text), kv.calib_samples, 512, 0, bos_id=bos_token_id(tokenizer))
     obs = kv_observer(model.config.num_hidden_layers)
     with torch.no_grad():
         for b in ids.split(4):

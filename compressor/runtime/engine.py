@@ -18,8 +18,15 @@ from functools import partial
 from typing import Any, Sequence
 
 from ..errors import InputError
+from ..tokens import bos_rule, encode
 
 MAX_QUEUE = 64  # sequences waiting for the engine (default of ``kvq serve --max-queue``)
+
+
+#: said at ``kvq serve``'s start-up and in serve-smoke's report when the tokenizer has no chat template
+CHAT_FALLBACK_NOTE = ("the artifact's tokenizer has no chat template: chat requests fall back to plain "
+                      "'role: content' lines ending in 'assistant:', a prompt format the model was not trained on; "
+                      "/v1/completions with the model's own prompt format is unaffected")
 
 
 class QueueFull(Exception):
@@ -74,6 +81,8 @@ class Engine:
         self.runtime, self.tokenizer, self.name = runtime, tokenizer, name
         self.max_batch, self.max_queue = max_batch, max_queue
         self.eos = tokenizer.eos_token_id
+        self.bos_rule = bos_rule(tokenizer)  # prompts start with the BOS the tokenizer adds, if it adds one
+        self.chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.waiting: list[_Request] = []
         self.running: list[_Request] = []
         self.batches: list[int] = []
@@ -91,22 +100,21 @@ class Engine:
         self._thread.join(timeout=10)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens; the BOS id alone for an empty text).
+        """Token ids of ``text`` by the tokenizer's own rule (:func:`compressor.tokens.encode`):
+        its BOS first when it adds one, then the text's tokens; the BOS id alone for an empty text.
 
         Raises:
             InputError: the text is empty after tokenization and the tokenizer has no BOS.
         """
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        if not ids:
-            bos = self.tokenizer.bos_token_id
-            if bos is None:
-                raise InputError("the prompt is empty after tokenization")
-            ids = [bos]
-        return ids
+        return encode(self.tokenizer, text, self.bos_rule["bos_token_id"])
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of ``messages`` through the chat template (``role: content`` lines without one)."""
-        if getattr(self.tokenizer, "chat_template", None):
+        """Token ids of ``messages`` through the chat template (whose text carries its own BOS,
+        as the template writes it), or, for a tokenizer without one (:attr:`chat_template`
+        false; GGUF conversions often have none), ``role: content`` lines then ``assistant:``
+        encoded by :meth:`encode` (the BOS by the tokenizer's rule). :data:`CHAT_FALLBACK_NOTE`
+        is what ``kvq serve`` and serve-smoke say of the fallback."""
+        if self.chat_template:
             out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
             return list(ids)

@@ -43,7 +43,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictInt, S
 from pydantic_core import PydanticCustomError
 
 from ..errors import InputError
-from .engine import MAX_QUEUE, Engine, QueueFull
+from .engine import CHAT_FALLBACK_NOTE, MAX_QUEUE, Engine, QueueFull
 
 MAX_TOKENS_LIMIT = 4096
 MAX_BODY_BYTES = 4 << 20  # 4 MiB of JSON per request
@@ -561,6 +561,9 @@ def run_server(opts: ServeOptions, announce: Callable[[str], None] = print) -> N
     artifact = Path(opts.artifact)
     rt, tok, _sig, _manifest = load_checked(artifact, opts, lambda line: announce(f"kvq: {line}"))
     eng = Engine(rt, tok, artifact.name, opts.max_batch, opts.max_queue)
+    announce(f"kvq: prompts: {eng.bos_rule['rule']}")
+    if not eng.chat_template:
+        announce(f"kvq: warning: {CHAT_FALLBACK_NOTE}")
     try:
         srv = Server(eng, opts.host, opts.port, request_timeout=opts.request_timeout,
                      log_config=LOGGING_CONFIG).start()
