@@ -8,6 +8,8 @@ SHARED ?= ../shared/data
 DEMO   ?= .kvq-demo
 DEMO_SAMPLES ?= 32
 DEMO_WINDOWS ?= 8
+# torch's CPU threads for every demo step (empty: one per CPU); THREADS=1 is usually faster on a shared machine
+THREADS ?=
 
 .PHONY: install test test-fast demo bench bench-quality clean
 
@@ -52,14 +54,18 @@ demo: install
 	fi; \
 	echo "demo: calibration $$calib, $(DEMO_SAMPLES) x 512 tokens (the default is 128 x 512; the benchmark uses it)"; \
 	echo "demo: evaluation $$eval, first $(DEMO_WINDOWS) windows of 2048 tokens"; \
-	keys=$$(mktemp -d); trap 'rm -rf "$$keys"' EXIT; \
-	$(BIN)/python -c "$$KEYGEN" "$$keys"; cp "$$keys/pub.pem" $(DEMO)/signing-pub.pem; \
-	echo "demo: signing with a throwaway EC P-256 key generated into $$keys (public key kept in $(DEMO)/signing-pub.pem)"; \
+	threads="$(if $(THREADS),--threads $(THREADS))"; \
+	keys=$(DEMO)/keys; \
+	if [ ! -f "$$keys/key.pem" ]; then mkdir -p "$$keys"; chmod 700 "$$keys"; $(BIN)/python -c "$$KEYGEN" "$$keys"; fi; \
+	cp "$$keys/pub.pem" $(DEMO)/signing-pub.pem; \
+	echo "demo: signing with a throwaway EC P-256 key in $$keys (kept for the demo's life, removed by make clean)"; \
+	resume=""; if [ -d $(DEMO)/.smollm2-w4a16-awq.kvq-partial ]; then resume="--resume"; \
+	  echo "demo: an interrupted quantize is resumed from its last finished layer"; fi; \
 	$(BIN)/kvq quantize smollm2-135m --recipe w4a16-awq --recipe kv-fp8 --calib "$$calib" \
 	  --calib-samples $(DEMO_SAMPLES) --calib-seqlen 512 -o $(DEMO)/smollm2-w4a16-awq --overwrite \
-	  --sign-key "$$keys/key.pem"; \
+	  --sign-key "$$keys/key.pem" $$threads $$resume; \
 	$(BIN)/kvq verify $(DEMO)/smollm2-w4a16-awq --public-key "$$keys/pub.pem" --eval "$$eval" --seqlen 2048 \
-	  --max-windows $(DEMO_WINDOWS) --json-out $(DEMO)/verify.json --report $(DEMO)/report \
+	  --max-windows $(DEMO_WINDOWS) --json-out $(DEMO)/verify.json --report $(DEMO)/report $$threads \
 	  || { rc=$$?; if [ $$rc -eq 1 ]; then echo "demo: verify FAILED (a check or gate), see $(DEMO)/report/report.md"; \
 	       else echo "demo: verify did not finish (exit $$rc: usage error or interrupted; no report)"; fi; exit 1; }; \
 	if $(BIN)/model_signing verify key --signature $(DEMO)/smollm2-w4a16-awq/model.sig --public_key "$$keys/pub.pem" \
@@ -67,7 +73,7 @@ demo: install
 	  echo "demo: the stock model_signing CLI verifies the signature too"; \
 	else echo "demo: model_signing verify FAILED"; exit 1; fi; \
 	$(BIN)/python -c "import json; r=json.load(open('$(DEMO)/verify.json')); p=r['perplexity']; d=r['distribution']; print(f\"demo: verify passed: signature ok ({r['signature']['method']}), {r['hashes']['tensors_checked']} tensor digests ok, perplexity {p['artifact']:.3f} vs reference {p['reference']:.3f} ({p['increase_pct']:+.2f} %), mean KL {d['kl']['mean']:.4f} nats, top-1 agreement {d['top1_agreement_pct']:.1f} %\")"; \
-	$(BIN)/kvq serve-smoke $(DEMO)/smollm2-w4a16-awq --http --json > $(DEMO)/serve-smoke.json \
+	$(BIN)/kvq serve-smoke $(DEMO)/smollm2-w4a16-awq --http --json $$threads > $(DEMO)/serve-smoke.json \
 	  || { rc=$$?; if [ $$rc -eq 1 ]; then echo "demo: serve-smoke FAILED (a check or gate), see $(DEMO)/serve-smoke.json"; \
 	       else echo "demo: serve-smoke did not finish (exit $$rc: usage error or interrupted)"; fi; exit 1; }; \
 	$(BIN)/python -c "import json; r=json.load(open('$(DEMO)/serve-smoke.json')); rt=r['runtime']; c=r['comparison']; h=r['http']; print(f\"demo: serve-smoke passed: decode {rt['batch_1']['decode_tokens_per_s']:.1f} tokens/s (batch 1), {rt['batch_8']['decode_tokens_per_s']:.1f} (batch 8), KV {rt['kv_scheme']} {rt['kv_bytes_per_token']:.0f} B/token, top-1 agreement {c['top1_agreement_pct']:.1f} %, HTTP {h['ok']}/{h['requests']} ok\")"; \
