@@ -8,8 +8,10 @@ hooks). When the layer is done its packed tensors and remaining float tensors ar
 a part file in the staging folder and the layer's weights go back to ``meta``; at the end the parts are concatenated
 into the artifact's shards (:func:`compressor.safetensors_io.write_shards`). Peak memory
 is therefore about one decoder layer plus the calibration activations, independent of
-depth. GGUF sources, and folders whose tensor names do not map onto the model (a layout
-kvq cannot address tensor by tensor), are loaded whole instead, and the summary says so.
+depth. Buffers no checkpoint stores (rotary ``inv_freq``, Gemma 3's ``embed_scale``) are
+computed by the model's own classes from its config (:func:`_real_buffers`). GGUF sources,
+and folders whose tensor names do not map onto the model (a layout kvq cannot address
+tensor by tensor), are loaded whole instead, and the summary says so.
 
 Calibration activations (``[samples, seqlen, hidden]`` float32, plus the next layer's)
 move to memory-mapped files in the staging folder when they exceed
@@ -33,6 +35,7 @@ import gc
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .errors import InputError
 from .quant.inplace_linalg import all_finite
@@ -157,27 +160,65 @@ def _set_tensor(model, name: str, value: torch.Tensor) -> None:
         raise KeyError(name)
 
 
-def _real_buffers(model) -> str | None:
-    """Rebuild modules whose buffers were created on ``meta`` (rotary embeddings compute
-    ``inv_freq`` in ``__init__``); return the name of one that cannot be rebuilt, else None.
+class _StorageOnMeta(TorchFunctionMode):
+    """``torch.empty`` lands on ``meta`` (whatever ``device`` it is given); every other
+    factory runs as asked. A module's ``__init__`` creates its weights with ``torch.empty``
+    (``nn.Linear``, ``nn.Embedding``, transformers' fused experts) and computes its buffers
+    from ``arange`` / ``tensor`` / ``ones`` and arithmetic, so under this mode the buffers come
+    out real and the weights take no memory. A buffer filled into ``torch.empty`` storage
+    stays on ``meta``, where :func:`_real_buffers` sees it and refuses."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+def _real_buffers(model, dtype: torch.dtype) -> str | None:
+    """Compute the non-persistent buffers ``model`` (built on ``meta`` in ``dtype``) holds on
+    ``meta``, in place; return why one cannot be computed (a phrase naming it), else None.
+
+    Non-persistent buffers are not in the checkpoint: each module computes them in its
+    ``__init__`` from the config (rotary embeddings' ``inv_freq`` per layer type, Gemma 3's
+    ``Gemma3TextScaledWordEmbedding.embed_scale = sqrt(hidden_size)``), and on ``meta``
+    those values are lost. They are taken from a second build of ``model``'s class from
+    ``model.config`` in ``dtype`` on the CPU under :class:`_StorageOnMeta`: the class's own
+    ``__init__`` code, with no weight storage. That is correct for any class whose buffers
+    depend on its config alone (every row of :data:`compressor.arch.ARCHITECTURES`, each
+    tested: tests/test_streaming_rows.py), needs no per-class rule, and is what
+    ``from_pretrained`` reproduces class by class in ``_init_weights`` (the whole-model path).
+    Parameters ``__init__`` fills with a constant (norm weights; routers' zero-initialized
+    ``[experts, hidden]`` weights) are allocated and freed with that copy (DeepSeek-V3 at
+    full size: 0.43 GB float32, under a second). Each buffer taken must exist in the copy
+    with the same shape and dtype and hold values (not ``meta``); otherwise
+    :func:`open_lazy` loads the model whole, saying why.
 
     Persistent buffers (a MoE router's ``e_score_correction_bias``) are part of the state
     dict: they are read from the checkpoint with the parameters (:func:`open_lazy` checks
-    every one is stored), so they need no rebuilding. ``counts`` (routed-token counters of
-    :class:`compressor.moe.UnfusedExperts`) are kvq's own."""
-    for name, module in list(model.named_modules()):
-        meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
-        if not meta:
-            continue
-        if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config"):
-            with torch.device("cpu"):
-                fresh = type(module)(config=module.config)
-            parent_name, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, leaf, fresh)
-        elif all(n == "counts" or n not in module._non_persistent_buffers_set for n in meta):
-            continue
-        else:
-            return name
+    every one is stored), so they need no computing. kvq's own buffers (``counts`` of
+    :class:`compressor.moe.UnfusedExperts`) are created on the CPU."""
+    wanted = [f"{m}.{b}" if m else b for m, module in model.named_modules()
+              for b, t in module._buffers.items()
+              if t is not None and t.is_meta and b in module._non_persistent_buffers_set]
+    if not wanted:
+        return None
+    cls = type(model).__name__
+    try:
+        with torch.device("cpu"), _StorageOnMeta():
+            fresh = _from_config(model.config, dtype)
+    except Exception as e:  # it built on meta; whatever fails here, the whole-model path still loads it
+        return f"buffer {wanted[0]}: {cls} cannot be built without its weights ({_first_line(e)})"
+    for name in wanted:
+        module_name, _, leaf = name.rpartition(".")
+        old = model.get_submodule(module_name)._buffers[leaf]
+        try:
+            new = fresh.get_buffer(name)
+        except AttributeError:
+            new = None
+        if new is None or new.is_meta or new.shape != old.shape or new.dtype != old.dtype:
+            return f"buffer {name} is not computed by {cls}'s __init__ without the weights"
+        _set_tensor(model, name, new)
     return None
 
 
@@ -204,7 +245,8 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
 
     Returns:
         ``(model, tokenizer, checkpoint)``, or ``(None, reason)`` when the folder cannot be
-        streamed (GGUF file, tensor names that do not map, buffers that cannot be rebuilt).
+        streamed (GGUF file, tensor names that do not map, a non-persistent buffer its class
+        does not compute without its weights: :func:`_real_buffers`).
 
     Raises:
         InputError: unreadable config/tokenizer, bad shard headers.
@@ -232,9 +274,9 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     cfg = model.config
     arch = get_arch(cfg.model_type)
     unfuse_experts(model, arch)
-    bad = _real_buffers(model)
-    if bad is not None:
-        return None, f"module {bad} keeps buffers kvq cannot rebuild"
+    why = _real_buffers(model, dtype)
+    if why is not None:
+        return None, why
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     names = [n for n in model.state_dict() if not (tied and n == "lm_head.weight") and not n.endswith(".counts")]
     missing = check_layout(model, arch, ckpt, names, source.spec)  # a config that describes another layout: refused
@@ -284,7 +326,6 @@ def outer_names(model, arch) -> list[str]:
 def _meta_model(source, dtype: torch.dtype, tokenizer_dir, ckpt: LazyCheckpoint | None = None):
     """``(model on meta, tokenizer, checkpoint)`` of a Hugging Face folder, eval mode, no gradients."""
     import transformers
-    from transformers import AutoModelForCausalLM
 
     from .models import check_buildable, load_config, load_tokenizer, register_for
 
@@ -298,15 +339,25 @@ def _meta_model(source, dtype: torch.dtype, tokenizer_dir, ckpt: LazyCheckpoint 
         if ckpt.dequantizes and hasattr(cfg, "quantization_config"):  # the weights are dequantized as they are read
             del cfg.quantization_config
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+            model = _from_config(cfg, dtype)
     except InputError:
         raise
     except Exception as e:  # transformers raises many types for unreadable files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise InputError(f"cannot load model {source.spec}: {first}") from None
-    model.eval()
-    model.requires_grad_(False)
+        raise InputError(f"cannot load model {source.spec}: {_first_line(e)}") from None
     return model, tokenizer, ckpt
+
+
+def _first_line(e: Exception) -> str:
+    """The first line of ``e``'s message (its type's name when it has none)."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _from_config(cfg, dtype: torch.dtype):
+    """transformers' causal-LM class for ``cfg`` built from it in ``dtype`` (on the current
+    default device), in eval mode, without gradients."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval().requires_grad_(False)
 
 
 def _load_one(model, ckpt: LazyCheckpoint, arch, name: str, dtype: torch.dtype) -> None:
@@ -365,9 +416,9 @@ def load_whole(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | 
                if not (tied and n == "lm_head.weight")]
     if missing:
         raise InputError(f"cannot load model {source.spec}: tensor {checkpoint_name(arch, missing[0])} is not stored in it")
-    bad = _real_buffers(model)
-    if bad is not None:
-        raise InputError(f"cannot load model {source.spec}: module {bad} keeps buffers kvq cannot rebuild")
+    why = _real_buffers(model, dtype)
+    if why is not None:
+        raise InputError(f"cannot load model {source.spec}: {why}")
     if tied:
         model.tie_weights()
     return model, tokenizer
