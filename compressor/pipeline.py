@@ -50,7 +50,7 @@ from .recipe import Recipe, resolve_group_size
 from .gc_policy import frozen_gc
 
 __all__ = ["LayerHooks", "QuantizeResult", "QuantizedLinear", "capture_layer_inputs", "check_finite", "check_patterns",
-           "quantize_model", "resolve_schemes", "target_modules", "check_group_sizes"]
+           "layer_kwargs", "quantize_model", "resolve_schemes", "target_modules", "check_group_sizes"]
 
 
 @dataclass
@@ -260,19 +260,14 @@ def _to_device(obj, device):
 
 
 @torch.no_grad()
-def capture_layer_inputs(model, arch: ArchSpec, calib_ids: torch.Tensor, batch_size: int, device: str,
-                         kwargs_only: bool = False):
-    """Inputs of decoder layer 0 and the keyword arguments of every layer, from the model's own forward.
-
-    The decoder layers are replaced by catchers (restored afterwards): one forward of one
-    sequence records each layer's keyword arguments (``attention_mask``,
-    ``position_embeddings``, ``position_ids``; batch 1, so they broadcast over any batch);
-    then one forward per batch of ``calib_ids [n, T]`` records layer 0's input. Only the
-    embedding (and mask/RoPE construction) runs.
-
-    Returns:
-        ``(hidden, kwargs)``: list of float32 ``[b, T, H]`` on ``device`` (empty with
-        ``kwargs_only``, when resuming), and one dict per layer.
+def layer_kwargs(model, arch: ArchSpec, ids: torch.Tensor, **forward) -> list[dict]:
+    """The keyword arguments each decoder layer receives when ``model`` runs ``ids [1, T]``
+    (int64): ``attention_mask``, ``position_embeddings``, ``position_ids``, as the model's own
+    forward builds them (sliding windows, per-layer-type RoPE); the caller's cache arguments
+    are left out. ``forward``: further arguments of the model's forward (``use_cache``, a cache
+    whose length places ``ids`` after earlier tokens). The decoder layers are replaced by
+    catchers (restored afterwards), so only the embedding, masks and RoPE run: the layers may
+    be on ``meta``.
 
     Raises:
         QuantizationError: the model did not call some decoder layer.
@@ -281,21 +276,52 @@ def capture_layer_inputs(model, arch: ArchSpec, calib_ids: torch.Tensor, batch_s
     originals = list(layers)
     n = len(originals)
     kwargs: list[dict | None] = [None] * n
-    hidden: list[torch.Tensor] = []
 
     def record_kwargs(i, _h, kw):
         kwargs[i] = {k: v for k, v in kw.items() if k not in _CACHE_KWARGS}
-
-    def record_hidden(_i, h, _kw):
-        hidden.append(h.detach().float().to(device))
 
     try:
         for i in range(n):
             layers[i] = _Catcher(i, record_kwargs, n - 1, arch.layer_returns_tuple)
         try:
-            model(input_ids=calib_ids[:1], use_cache=False)
+            model(input_ids=ids, **forward)
         except StopForward:
             pass
+    finally:
+        for i, layer in enumerate(originals):
+            layers[i] = layer
+    missing = [i for i, k in enumerate(kwargs) if k is None]
+    if missing:
+        raise QuantizationError(f"the model's forward did not reach decoder layer {missing[0]}; cannot capture its inputs")
+    return kwargs
+
+
+@torch.no_grad()
+def capture_layer_inputs(model, arch: ArchSpec, calib_ids: torch.Tensor, batch_size: int, device: str,
+                         kwargs_only: bool = False):
+    """Inputs of decoder layer 0 and the keyword arguments of every layer, from the model's own forward.
+
+    One forward of one sequence records each layer's keyword arguments (:func:`layer_kwargs`;
+    batch 1, so they broadcast over any batch); then, with layer 0 replaced by a catcher
+    (restored afterwards), one forward per batch of ``calib_ids [n, T]`` records layer 0's
+    input. Only the embedding (and mask/RoPE construction) runs.
+
+    Returns:
+        ``(hidden, kwargs)``: list of float32 ``[b, T, H]`` on ``device`` (empty with
+        ``kwargs_only``, when resuming), and one dict per layer.
+
+    Raises:
+        QuantizationError: the model did not call some decoder layer.
+    """
+    kwargs = layer_kwargs(model, arch, calib_ids[:1], use_cache=False)
+    layers = get_module(model, arch.layers)
+    first = layers[0]
+    hidden: list[torch.Tensor] = []
+
+    def record_hidden(_i, h, _kw):
+        hidden.append(h.detach().float().to(device))
+
+    try:
         layers[0] = _Catcher(0, record_hidden, 0)
         for b in [] if kwargs_only else calib_ids.split(batch_size):
             try:
@@ -303,12 +329,9 @@ def capture_layer_inputs(model, arch: ArchSpec, calib_ids: torch.Tensor, batch_s
             except StopForward:
                 pass
     finally:
-        for i, layer in enumerate(originals):
-            layers[i] = layer
-    missing = [i for i, k in enumerate(kwargs) if k is None]
-    if missing or (not kwargs_only and len(hidden) != len(calib_ids.split(batch_size))):
-        raise QuantizationError(f"the model's forward did not reach decoder layer {missing[0] if missing else 0}; "
-                                "cannot capture its inputs")
+        layers[0] = first
+    if not kwargs_only and len(hidden) != len(calib_ids.split(batch_size)):
+        raise QuantizationError("the model's forward did not reach decoder layer 0; cannot capture its inputs")
     return hidden, [_to_device(k, device) for k in kwargs]
 
 

@@ -16,7 +16,7 @@ from .stats import first_divergence, summarize, weight_error, weight_stats
 from .tokens import bos_token_id, encode
 
 
-def _awq_equivalent_scales(reference, artifact, arch) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+def _awq_equivalent_scales(reference, artifact, arch, layers=None) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
     """Scales AWQ folded into each linear: full module name -> ``(row_scale [out] | None, col_scale [in] | None)``.
 
     AWQ (Lin et al., 2023) multiplies a linear's input channels by ``s`` and divides the
@@ -32,12 +32,11 @@ def _awq_equivalent_scales(reference, artifact, arch) -> dict[str, tuple[torch.T
     ``1/in_features`` of ``P``'s error energy). A change that rescales whole output rows
     of ``P`` is indistinguishable from AWQ's own scaling and shows up in the consuming
     linear instead. Experts kept fused by transformers are read as per-expert slices.
+    ``layers``: ``(i, reference layer, artifact layer)`` triples (default: every decoder layer).
     """
     out: dict[str, list] = {}
-    layers_ref = reference.get_submodule(arch.layers)
-    layers_art = artifact.get_submodule(arch.layers)
     ones = lambda t: torch.allclose(t, torch.ones_like(t), rtol=0, atol=1e-6)  # noqa: E731
-    for i, (lr, la) in enumerate(zip(layers_ref, layers_art)):
+    for i, lr, la in _layer_pairs(reference, artifact, arch) if layers is None else layers:
         for group in layer_groups(arch, lr):
             prev_r = find_module(lr, group.prev_op)
             is_norm = prev_r is not None and not isinstance(prev_r, torch.nn.Linear)
@@ -81,21 +80,28 @@ def _awq_equivalent_scales(reference, artifact, arch) -> dict[str, tuple[torch.T
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def _layer_pairs(reference, artifact, arch) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
+    """``(i, reference layer i, artifact layer i)`` for every decoder layer."""
+    return [(i, lr, la) for i, (lr, la) in enumerate(zip(reference.get_submodule(arch.layers),
+                                                          artifact.get_submodule(arch.layers)))]
+
+
 @torch.no_grad()
-def key_basis(reference, artifact, algorithm: str) -> dict[int, torch.Tensor]:
+def key_basis(reference, artifact, algorithm: str, layers: list | None = None) -> dict[int, torch.Tensor]:
     """Per decoder layer, the artifact's key basis relative to the reference
     (``kv_cache.key_rotation: pairs``): the complex factor per KV head and RoPE pair
     (``[kv_heads, d/2]`` complex128) fitted from the two ``k_proj`` weights
     (:func:`compressor.quant.kv_rotation.fit_pairs`), AWQ's folded input scales undone first
     when ``algorithm`` folds them. ``kvq verify`` turns the reference's keys into it for the
-    KV-only figures, whose static scales were chosen in that basis."""
+    KV-only figures, whose static scales were chosen in that basis. ``layers``: as for :func:`weight_report`."""
     from .quant.kv_rotation import fit_pairs
 
     arch = get_arch(reference.config.model_type)
     handler = find_algorithm(algorithm)
-    scales = _awq_equivalent_scales(reference, artifact, arch) if handler is not None and handler.folds_input_scales else {}
+    layers = _layer_pairs(reference, artifact, arch) if layers is None else layers
+    scales = _awq_equivalent_scales(reference, artifact, arch, layers) if handler is not None and handler.folds_input_scales else {}
     out = {}
-    for i, (lr, la) in enumerate(zip(reference.get_submodule(arch.layers), artifact.get_submodule(arch.layers))):
+    for i, lr, la in layers:
         rel = f"{arch.attention}.k_proj"
         w_hat = linear_weight(arch, la, rel).detach().double()
         col = scales.get(f"{arch.layers}.{i}.{rel}", (None, None))[1]
@@ -110,17 +116,18 @@ KEY_PAIRS_TOLERANCE = 1e-2
 
 
 @torch.no_grad()
-def key_pairs_residual(reference, artifact) -> tuple[float, str]:
+def key_pairs_residual(reference, artifact, layers: list | None = None) -> tuple[float, str]:
     """How far a KV-only artifact's ``q_proj``/``k_proj`` are from the reference's rows turned per
     RoPE pair (``kv_cache.key_rotation: pairs``, float weights): the largest relative Frobenius
     residual after :func:`compressor.quant.kv_rotation.undo_pairs`, and the tensor it is in.
     ``kvq verify`` runs the KV-only figures on the reference in the artifact's key basis, which
-    describes the artifact only while this stays within :data:`KEY_PAIRS_TOLERANCE`."""
+    describes the artifact only while this stays within :data:`KEY_PAIRS_TOLERANCE`. ``layers``: as for
+    :func:`weight_report`."""
     from .quant.kv_rotation import undo_pairs
 
     arch = get_arch(reference.config.model_type)
     worst, name = 0.0, ""
-    for i, (lr, la) in enumerate(zip(reference.get_submodule(arch.layers), artifact.get_submodule(arch.layers))):
+    for i, lr, la in _layer_pairs(reference, artifact, arch) if layers is None else layers:
         for rel in (f"{arch.attention}.q_proj", f"{arch.attention}.k_proj"):
             w = linear_weight(arch, lr, rel).detach().double()
             back = undo_pairs(w, linear_weight(arch, la, rel).detach().double(), _head_dim(reference.config))
@@ -137,7 +144,7 @@ def _head_dim(cfg) -> int:
 
 @torch.no_grad()
 def weight_report(reference, artifact, algorithm: str, quantized_head: bool = False, key_pairs: bool = False,
-                  basis: dict | None = None) -> dict:
+                  basis: dict | None = None, layers: list | None = None) -> dict:
     """Per quantized linear: relative Frobenius error, SQNR (dB) and original-vs-artifact
     statistics; plus a per-decoder-layer summary.
 
@@ -153,6 +160,9 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
             (:func:`compressor.quant.kv_rotation.undo_pairs`).
         basis: with ``key_pairs``, filled with what :func:`key_basis` returns (the ``k_proj``
             factors fitted here), so ``kvq verify`` does not fit them twice.
+        layers: ``(i, reference layer, artifact layer)`` triples to compare (default: every
+            decoder layer; a streamed verify passes one layer at a time and joins the tensors
+            with :func:`weight_summary`).
 
     Every linear of the architecture row is compared, routed experts one by one (named
     ``<layers>.<i>.mlp.experts.<e>.gate_proj.weight`` etc., sliced from transformers'
@@ -169,13 +179,12 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
     arch = get_arch(reference.config.model_type)
     handler = find_algorithm(algorithm)
     folded = handler is not None and handler.folds_input_scales
-    scales = _awq_equivalent_scales(reference, artifact, arch) if folded else {}
+    layers = _layer_pairs(reference, artifact, arch) if layers is None else layers
+    scales = _awq_equivalent_scales(reference, artifact, arch, layers) if folded else {}
     tensors = []
     head_dim = _head_dim(reference.config)
     pair_rows = {f"{arch.attention}.q_proj", f"{arch.attention}.k_proj"} if key_pairs else set()
-    layers_ref = reference.get_submodule(arch.layers)
-    layers_art = artifact.get_submodule(arch.layers)
-    for i, (lr, la) in enumerate(zip(layers_ref, layers_art)):
+    for i, lr, la in layers:
         for rel in layer_linears(arch, lr):
             name = f"{arch.layers}.{i}.{rel}"
             w = linear_weight(arch, lr, rel).detach().double()
@@ -205,8 +214,14 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
     if quantized_head:  # recipe ``head:`` (a float head differs from the reference by storage rounding only)
         head_ref, head_art = reference.get_submodule(arch.lm_head), artifact.get_submodule(arch.lm_head)
         err = weight_error(head_ref.weight.detach(), head_art.weight.detach())
-        tensors.append({"name": f"{checkpoint_name(arch, arch.lm_head)}.weight", "layer": len(layers_ref), **err,
-                        "original": weight_stats(head_ref.weight.detach()), "artifact": weight_stats(head_art.weight.detach())})
+        tensors.append({"name": f"{checkpoint_name(arch, arch.lm_head)}.weight", "layer": reference.config.num_hidden_layers,
+                        **err, "original": weight_stats(head_ref.weight.detach()), "artifact": weight_stats(head_art.weight.detach())})
+    return weight_summary(tensors, bool(scales), bool(pair_rows))
+
+
+def weight_summary(tensors: list[dict], awq_scales_undone: bool, key_pairs_undone: bool) -> dict:
+    """:func:`weight_report`'s dict from its per-tensor entries (``tensors``, in layer order):
+    the per-layer summary and the worst tensor added."""
     layers = []
     for i in sorted({t["layer"] for t in tensors}):
         ts = [t for t in tensors if t["layer"] == i]
@@ -214,8 +229,8 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
                        "max_rel_fro": max(t["rel_fro"] for t in ts), "min_sqnr_db": min(t["sqnr_db"] for t in ts)})
     worst = min(tensors, key=lambda t: t["sqnr_db"], default=None)
     return {"tensors": tensors, "layers": layers, "min_sqnr_db": None if worst is None else worst["sqnr_db"],
-            "min_sqnr_tensor": None if worst is None else worst["name"], "awq_scales_undone": bool(scales),
-            "key_pairs_undone": bool(pair_rows)}
+            "min_sqnr_tensor": None if worst is None else worst["name"], "awq_scales_undone": awq_scales_undone,
+            "key_pairs_undone": key_pairs_undone}
 
 
 @torch.no_grad()

@@ -360,23 +360,27 @@ def _from_config(cfg, dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval().requires_grad_(False)
 
 
-def _load_one(model, ckpt: LazyCheckpoint, arch, name: str, dtype: torch.dtype) -> None:
+def _load_one(model, ckpt: LazyCheckpoint, arch, name: str, dtype: torch.dtype, on_nonfinite=None) -> None:
     from .arch import checkpoint_name
 
     t = ckpt.get(checkpoint_name(arch, name), dtype)
     if t.is_floating_point() and not all_finite(t):
-        raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to quantize")
+        if on_nonfinite is None:
+            raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to quantize")
+        on_nonfinite(name)
     _set_tensor(model, name, t)
 
 
-def load_into(model, ckpt: LazyCheckpoint, arch, names: list[str], dtype: torch.dtype = torch.float32) -> None:
-    """Read ``names`` (in-memory names) from ``ckpt`` into ``model``.
+def load_into(model, ckpt: LazyCheckpoint, arch, names: list[str], dtype: torch.dtype = torch.float32,
+              on_nonfinite=None) -> None:
+    """Read ``names`` (in-memory names) from ``ckpt`` into ``model``; ``on_nonfinite(name)``, when
+    given, is called for a tensor holding NaN or Inf (loaded all the same) instead of refusing it.
 
     Raises:
-        InputError: a tensor holds NaN or Inf (named).
+        InputError: a tensor holds NaN or Inf (named), without ``on_nonfinite``.
     """
     for n in names:
-        _load_one(model, ckpt, arch, n, dtype)
+        _load_one(model, ckpt, arch, n, dtype, on_nonfinite)
 
 
 def layer_names(model, arch, i: int) -> list[str]:

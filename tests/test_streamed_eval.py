@@ -1,0 +1,115 @@
+"""Streamed verify (issue #43): both models advancing one decoder layer at a time give the
+whole-model figures (perplexity, KL, top-1 per window, per-layer hidden-state error, weight
+statistics), with and without a quantized KV cache fed in chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compressor.artifact import load_artifact, read_kv_cache
+from compressor.arch import get_arch
+from compressor.calib import load_text, tokenize
+from compressor.commands.kv_only import PackedCheckpoint, find_packed
+from compressor.errors import InputError
+from compressor.evaluate import compare, hidden_state_errors, windows
+from compressor.models import ModelSource, load_model, resolve_source
+from compressor.quant.kv import quantized_cache
+from compressor.quality import weight_report, weight_summary
+from compressor.streamed_eval import memory_plan, open_model, streamed_compare
+from tests.conftest import make_model_dir, quantize_tiny
+
+TOL = dict(rel=1e-4, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory, tokenizer):
+    """A 3-layer tiny llama with an fp8 KV cache artifact of it (RTN W4, group 32)."""
+    root = tmp_path_factory.mktemp("streamed")
+    src = make_model_dir(root / "model", tokenizer, num_hidden_layers=3, tie_word_embeddings=False)
+    return src, quantize_tiny(root / "art", src, kv_scheme="fp8")
+
+
+def _streamed(src, art, dtype=torch.float32):
+    ref, _ = open_model(resolve_source(str(src)), torch.float32, "reference")
+    a, tok = open_model(ModelSource(str(art), "hf", art), dtype, "artifact", ckpt=PackedCheckpoint(find_packed(str(art))))
+    return ref, a, tok
+
+
+def _assert_same(got: dict, want: dict):
+    for label, w in want.items():
+        if label == "seconds":
+            continue
+        g = got[label]
+        assert g["ppl"] == pytest.approx(w["ppl"], **TOL), label
+        assert g["per_window_ppl"] == pytest.approx(w["per_window_ppl"], **TOL), label
+        if label != "reference":
+            assert g["top1_agreement"] == pytest.approx(w["top1_agreement"], abs=1e-9), label
+            assert g["kl"]["mean"] == pytest.approx(w["kl"]["mean"], rel=1e-3, abs=1e-7), label
+            assert g["kl"]["p99"] == pytest.approx(w["kl"]["p99"], rel=1e-3, abs=1e-7), label
+            assert g["per_window_kl_mean"] == pytest.approx(w["per_window_kl_mean"], rel=1e-3, abs=1e-7), label
+
+
+@pytest.mark.parametrize("kv", [False, True], ids=["float-kv", "fp8-kv"])
+def test_streamed_figures_equal_the_whole_model(tiny_pair, kv):
+    src, art = tiny_pair
+    ref_whole = load_model(resolve_source(str(src)))[0]
+    art_whole, tok = load_artifact(art)
+    wins = windows(tokenize(tok, load_text("embedded", part="eval").text), 64, 3)
+    kv_info = read_kv_cache(art)
+    layout = get_arch("llama").kv_layout(ref_whole.config)
+    make_cache = (lambda: quantized_cache(kv_info[0], 3, kv_info[1], layout)) if kv else None
+    whole = {"weights only": (art_whole, None)}
+    if kv:
+        whole.update({"weights + KV": (art_whole, make_cache), "KV only": (ref_whole, make_cache)})
+    want = compare(ref_whole, whole, wins, kv_chunk=16)
+    want_hidden = hidden_state_errors(ref_whole, art_whole, wins[:2, :32])
+
+    ref, a, _ = _streamed(src, art)
+    cands = {label: ("reference" if m is ref_whole else "artifact", mc) for label, (m, mc) in whole.items()}
+    seen = []
+    got = streamed_compare(ref, a, cands, wins, kv_chunk=16, hidden_of="weights only", hidden_rows=(2, 32),
+                           on_layer=lambda i, lr, la: seen.append((i, lr.self_attn.q_proj.weight.is_meta)))
+    _assert_same(got["results"], want)
+    assert got["hidden_state_error"] == pytest.approx(want_hidden, rel=1e-4)
+    assert seen == [(0, False), (1, False), (2, False)]  # each layer read when its turn came
+    assert got["nonfinite_tensors"] == []
+    assert all(p.is_meta for p in a.layers.parameters()) and all(p.is_meta for p in ref.layers.parameters())
+
+
+def test_streamed_weight_statistics_equal_the_whole_model(tiny_pair):
+    src, art = tiny_pair
+    want = weight_report(load_model(resolve_source(str(src)))[0], load_artifact(art)[0], "rtn")
+    ref, a, tok = _streamed(src, art)
+    tensors = []
+    wins = windows(tokenize(tok, load_text("embedded", part="eval").text), 16, 1)
+    streamed_compare(ref, a, {"weights only": ("artifact", None)}, wins, on_layer=lambda i, lr, la: tensors.extend(
+        weight_report(ref.model, a.model, "rtn", layers=[(i, lr, la)])["tensors"]))
+    got = weight_summary(tensors, False, False)
+    assert [t["name"] for t in got["tensors"]] == [t["name"] for t in want["tensors"]]
+    assert [t["sqnr_db"] for t in got["tensors"]] == pytest.approx([t["sqnr_db"] for t in want["tensors"]], rel=1e-6)
+    assert got["min_sqnr_db"] == pytest.approx(want["min_sqnr_db"], rel=1e-6)
+    assert got["layers"] == want["layers"]
+
+
+def test_memory_plan_counts_one_layer_of_each_model(tiny_pair):
+    src, art = tiny_pair
+    ref, a, _ = _streamed(src, art)
+    plan = memory_plan(ref, a, 2, 64, ["reference", "artifact"])
+    layer = sum(p.numel() for p in ref.layers[0].parameters()) * 4
+    assert plan.layers == 2 * layer  # both read in float32
+    assert plan.hidden == 2 * 2 * 2 * 64 * 64 * 4
+    assert plan.peak < plan.whole + plan.hidden
+    assert "at peak" in plan.describe()
+
+
+def test_rows_the_streamed_path_does_not_run_are_refused():
+    from transformers import CONFIG_MAPPING
+
+    from compressor.streamed_eval import check_streamable
+
+    class M:
+        config = CONFIG_MAPPING["glm_moe_dsa"]()
+
+    with pytest.raises(InputError, match="glm_moe_dsa"):
+        check_streamable(M)
