@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Optional
 
 from .console import capped_list, capped_names
 from .console import warnings as show_warnings
-from .errors import InputError
+from .errors import CheckFailed, InputError
 from .manifest import MANIFEST_NAME, SIGNATURE_NAME, FileRecord, Manifest, TensorRecord, load_manifest
 from .safetensors_io import FolderDigests, digest_files, file_digest
 from .signing import VerifyKeys, verify_signature
@@ -169,6 +170,56 @@ def _compare_tensors(report: dict, manifest: Manifest, d: FolderDigests, shard_o
     return len(seen)
 
 
+#: a decoder layer's index in a tensor name (``model.layers.3.``, ``language_model.model.layers.3.``)
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def listing_problem(manifest: Manifest) -> str | None:
+    """Why ``manifest``'s lists cannot describe a model (no ``config.json``, no ``.safetensors``
+    weight file, no tensor), else ``None``: a manifest that lists nothing proves nothing."""
+    if "config.json" not in manifest.files:
+        return "its manifest does not list config.json"
+    if not any(name.endswith(".safetensors") for name in manifest.files):
+        return "its manifest lists no weight file (.safetensors)"
+    if not manifest.tensors:
+        return "its manifest lists no tensor"
+    return None
+
+
+def coverage_problem(folder: Path, manifest: Manifest) -> str | None:
+    """Why ``manifest`` does not cover what ``folder`` needs to be a model, else ``None``:
+    :func:`listing_problem`, then, from the (already checked) ``config.json``, an embedding
+    (``embed_tokens``) and at least one tensor of each of its ``num_hidden_layers`` decoder
+    layers. Reads only ``config.json``; no torch."""
+    from .config_check import read_config, text_config
+
+    problem = listing_problem(manifest)
+    if problem is not None:
+        return problem
+    try:
+        n = text_config(read_config(folder / "config.json")).get("num_hidden_layers")
+    except InputError as e:
+        return str(e)
+    if not any("embed_tokens." in t for t in manifest.tensors):
+        return "its manifest lists no embedding (embed_tokens)"
+    if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 100_000:
+        stored = {int(m.group(1)) for t in manifest.tensors if (m := _LAYER_INDEX.search(t))}
+        missing = [i for i in range(n) if i not in stored]
+        if missing:
+            return (f"its manifest lists no tensor of decoder layer {missing[0]} ({len(missing)} of the "
+                    f"num_hidden_layers = {n} config.json declares)")
+    return None
+
+
+def refuse_uncovered(folder: Path, manifest: Manifest, doing: str, listing_only: bool = False) -> None:
+    """Raise :class:`CheckFailed` when ``manifest`` does not cover a model (:func:`coverage_problem`;
+    ``listing_only``: :func:`listing_problem`, before ``config.json`` is checked). ``doing``
+    ends the line (``refusing to sign it``)."""
+    problem = listing_problem(manifest) if listing_only else coverage_problem(folder, manifest)
+    if problem is not None:
+        raise CheckFailed(f"{folder} is not a complete artifact: {problem}; {doing}")
+
+
 def check_hashes(folder: str | Path, workers: int | None = None) -> dict:
     """Recompute every file and tensor digest and compare them with the manifest.
 
@@ -320,12 +371,16 @@ def verify_integrity(folder: Path, keys: Optional[VerifyKeys], console=None, pri
 
     Raises:
         InputError: not an artifact folder, invalid manifest, bad key files.
+        CheckFailed: the manifest does not cover a model (:func:`coverage_problem`).
     """
     t0 = time.perf_counter()
     folder = check_artifact_folder(folder)
     manifest = load_manifest(folder)
+    refuse_uncovered(folder, manifest, "nothing it lists would prove anything", listing_only=True)
     signature = check_signature(folder, keys, console)
     hashes = check_hashes(folder)
+    if hashes["ok"]:  # config.json is the checked one now
+        refuse_uncovered(folder, manifest, "nothing it lists would prove anything")
     if console:
         print_hashes(console, hashes)
     ok = hashes["ok"] and signature["ok"] is not False

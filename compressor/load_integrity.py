@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import CheckFailed, InputError
-from .integrity import check_artifact_folder, check_signature, compare_with_manifest, describe_differences, scan_artifact_folder
+from .integrity import (check_artifact_folder, check_signature, compare_with_manifest, describe_differences, refuse_uncovered,
+                        scan_artifact_folder)
 from .manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, parse_manifest
 from .safetensors_io import (FolderDigests, TensorEntry, digest_bytes, digest_files, new_hasher, parse_header,
                              read_header_span)
@@ -94,6 +95,7 @@ def open_for_serving(folder: str | Path, keys=None, no_manifest: bool = False,
     Raises:
         InputError: not a folder; no manifest without ``no_manifest``, or one with it; an
             invalid manifest; unreadable key files.
+        CheckFailed: a manifest that lists no config.json, weight file or tensor.
         SignatureFailed: the signature does not verify, or the manifest is not the signed one.
         ArtifactMismatch: the folder's files, small files or headers differ from the manifest.
     """
@@ -110,6 +112,7 @@ def open_for_serving(folder: str | Path, keys=None, no_manifest: bool = False,
             raise CheckFailed(f"{path}: not a regular file (kvq does not follow links)")
         raw = path.read_bytes()
         manifest = parse_manifest(raw, path)
+        refuse_uncovered(folder, manifest, "nothing it lists would prove anything", listing_only=True)
     sig = check_signature(folder, keys)
     if sig["checked"] and not sig["ok"]:
         raise SignatureFailed(sig)
