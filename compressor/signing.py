@@ -168,7 +168,8 @@ def check_sign_options(opts: SignOptions) -> None:
     Raises:
         InputError: no method, two methods, missing or unparseable key/certificate files,
             password problems, a signing certificate that does not belong to the key or
-            that grants no signing usage (:func:`_check_signing_usage`).
+            that grants no signing usage (:func:`_check_signing_usage`), a signing or chain
+            certificate that is not valid now (expired, or not valid yet: :func:`validity_problem`).
     """
     if opts.sigstore:
         if opts.private_key or opts.signing_certificate:
@@ -186,10 +187,71 @@ def check_sign_options(opts: SignOptions) -> None:
             raise InputError(f"signing certificate {opts.signing_certificate} does not match private key "
                              f"{opts.private_key} (the certificate is for another key)")
         _check_signing_usage(leaf, opts.signing_certificate)
+        problem = validity_problem(leaf, f"signing certificate {opts.signing_certificate}")
         for c in opts.certificate_chain:
-            _check_pem(_readable(c, "certificate"), "cert")
+            for cert in _check_pem(_readable(c, "certificate"), "cert"):
+                problem = problem or validity_problem(cert, f"certificate {_subject(cert)} in {c}")
+        if problem is not None:
+            raise InputError(f"{problem}: a {SIGNATURE_NAME} made with it would not verify; sign with a certificate "
+                             "that is valid now")
     elif opts.certificate_chain:
         raise InputError("--certificate-chain needs --signing-certificate (the leaf certificate of the key)")
+
+
+def _subject(cert) -> str:
+    """A certificate's subject as RFC 4514 text (``CN=kvq CA``), or its serial number when empty."""
+    text = cert.subject.rfc4514_string()
+    return text or f"serial {cert.serial_number:x}"
+
+
+def validity_problem(cert, what: str, now=None) -> Optional[str]:
+    """Why ``cert`` is not valid at ``now`` (default: the current time, UTC) -- not valid yet, or
+    expired, with the dates -- else ``None``; ``what`` names the certificate in the line."""
+    from datetime import datetime, timezone
+
+    now = now or datetime.now(timezone.utc)
+    before, after = cert.not_valid_before_utc, cert.not_valid_after_utc
+    if now < before:
+        return f"{what} is not valid yet (valid from {before:%Y-%m-%d %H:%M} UTC to {after:%Y-%m-%d %H:%M} UTC)"
+    if now > after:
+        return f"{what} expired on {after:%Y-%m-%d %H:%M} UTC (valid from {before:%Y-%m-%d %H:%M} UTC)"
+    return None
+
+
+def _bundle_chain_problem(sig: Path, anchors: Sequence[Path]) -> Optional[str]:
+    """The first certificate that is not valid now among a certificate bundle's chain (the
+    signing certificate first, then the others it carries) and the ``--certificate-chain``
+    certificates that issued one of them, named; ``None`` when every one is valid (or the
+    bundle carries no chain: model_signing then says what is wrong).
+
+    model_signing checks the chain at the signing certificate's start of validity, not now,
+    and the signing time of a key-signed bundle is not attested, so a certificate that has
+    expired (or is not valid yet) cannot vouch for a signature: this is checked here."""
+    import base64
+    import json
+
+    from cryptography import x509
+
+    try:
+        material = json.loads(sig.read_text(encoding="utf-8"))["verificationMaterial"]
+        chain = [x509.load_der_x509_certificate(base64.b64decode(c["rawBytes"]))
+                 for c in material["x509CertificateChain"]["certificates"]]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    for k, cert in enumerate(chain):
+        what = (f"the signing certificate ({_subject(cert)})" if k == 0
+                else f"certificate {k + 1} of {SIGNATURE_NAME}'s chain ({_subject(cert)})")
+        problem = validity_problem(cert, what)
+        if problem is not None:
+            return problem
+    issuers = {c.issuer for c in chain}
+    for path in anchors:
+        for cert in _check_pem(_readable(path, "certificate"), "cert"):
+            if cert.subject in issuers:
+                problem = validity_problem(cert, f"certificate {_subject(cert)} in {path}")
+                if problem is not None:
+                    return problem
+    return None
 
 
 def _check_signing_usage(cert, path: Path) -> None:
@@ -375,7 +437,8 @@ def verify_signature(folder: Path, keys: VerifyKeys) -> dict:
     ``added since signing: a, b``, ``removed since signing: ...``, ``changed since
     signing: x``. ``error`` is one line: the signature is missing, a symlink, not a
     Sigstore bundle, made with another kind of key material (key vs certificate vs
-    Sigstore), does not verify with the given key or chain, or Sigstore cannot be reached.
+    Sigstore), does not verify with the given key or chain, carries a certificate that is not
+    valid now (expired or not valid yet, the certificate named), or Sigstore cannot be reached.
     ``signed_files`` (when ``ok``): ``{file name: SHA-256}`` from the statement of the very
     bundle that verified (it is read once and checked from a private copy), so a caller
     can bind the bytes it reads afterwards (the manifest) to what was signed.
@@ -426,6 +489,9 @@ def _run_verifier(folder: Path, sig: Path, keys: VerifyKeys, result: dict) -> No
     if error is None and kind != method and not (method == "sigstore" and kind == "certificate"):
         error = (f"{SIGNATURE_NAME} was made with {_MADE_WITH[kind]}, not the kind of key material given "
                  f"(key vs certificate vs Sigstore): check it with {_CHECK_WITH[kind]}, not {_CHECK_WITH[method]}")
+    if error is None and method == "certificate":
+        problem = _bundle_chain_problem(sig, keys.certificate_chain)
+        error = None if problem is None else f"signature does not verify (certificate): {problem}"
     if error is not None:
         result["error"] = error
         return

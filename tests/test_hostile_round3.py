@@ -108,3 +108,106 @@ def test_a_complete_artifact_still_verifies_and_signs(art, keys, tmp_path, capsy
     assert code == 0, err
     code, _, err = run(["verify", a, "--hashes-only", "--public-key", keys[1]], capsys)
     assert code == 0 and "hashes ok" in err and "signature ok" in err, err
+
+
+# --- 3. certificates outside their validity ---------------------------------------------
+
+def _ec_key(path: Path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    return key
+
+
+def _certificate(path: Path, key, name: str, days: tuple[float, float], issuer=None, ca: bool = False) -> Path:
+    """A certificate for ``key`` valid from now + ``days[0]`` to now + ``days[1]`` days, issued by
+    ``issuer`` (``(key, name)``) or self-signed; a CA certificate, or a code-signing leaf."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    signer_key, signer_name = issuer if issuer is not None else (key, name)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (x509.CertificateBuilder().subject_name(subject)
+         .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, signer_name)]))
+         .public_key(key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(now + datetime.timedelta(days=days[0])).not_valid_after(now + datetime.timedelta(days=days[1]))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if ca:
+        b = b.add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                          data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                          crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+    else:
+        b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CODE_SIGNING]), critical=False)
+    path.write_bytes(b.sign(signer_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def _signed_anyway(art: Path, monkeypatch, **sign) -> None:
+    """Sign ``art`` with the validity check switched off: a model.sig another tool (or an older
+    kvq) made with a certificate outside its validity."""
+    import compressor.signing as sg
+
+    with monkeypatch.context() as m:
+        m.setattr(sg, "validity_problem", lambda *a, **k: None)
+        sg.sign_folder(art, sg.SignOptions(**sign))
+
+
+@pytest.mark.parametrize("days, pattern", [((-30, -1), "expired on"), ((10, 40), "is not valid yet")])
+def test_a_leaf_certificate_outside_its_validity(src, art, tmp_path, monkeypatch, capsys, days, pattern):
+    key_pem = tmp_path / "key.pem"
+    leaf = _certificate(tmp_path / "leaf.pem", _ec_key(key_pem), "round3 leaf", days)
+    a = _copy(art, tmp_path / "a")
+    code, _, err = run(["sign", a, "--private-key", key_pem, "--signing-certificate", leaf], capsys)
+    assert_clean_error(code, err, 2, pattern)
+    assert f"signing certificate {leaf}" in err and not (a / SIGNATURE_NAME).exists()
+    out = tmp_path / "never"
+    import compressor.commands.quantize as q
+
+    monkeypatch.setattr(q, "open_lazy", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    code, _, err = run(["quantize", src, "-o", out, *RTN, "--sign-key", key_pem, "--sign-certificate", leaf], capsys)
+    assert_clean_error(code, err, 2, pattern, tmp_path)
+    assert not out.exists()
+    monkeypatch.undo()
+    _signed_anyway(a, monkeypatch, private_key=key_pem, signing_certificate=leaf)
+    code, out_, err = run(["verify", a, "--hashes-only", "--certificate-chain", leaf, "--json"], capsys)
+    sig = json.loads(out_)["signature"]
+    assert code == 1 and sig["ok"] is False and pattern in sig["error"] and "the signing certificate (CN=round3 leaf)" \
+        in sig["error"], (code, err)
+    code, _, err = run(["verify", a, "--hashes-only", "--certificate-chain", leaf], capsys)
+    assert code == 1 and "signature FAILED" in err and "signature ok" not in err and pattern in _flat(err), err
+
+
+def test_a_chain_certificate_not_valid_yet_is_named(art, tmp_path, monkeypatch, capsys):
+    ca_key = _ec_key(tmp_path / "ca-key.pem")
+    ca = _certificate(tmp_path / "ca.pem", ca_key, "round3 CA", (10, 400), ca=True)
+    key_pem = tmp_path / "key.pem"
+    leaf = _certificate(tmp_path / "leaf.pem", _ec_key(key_pem), "round3 leaf", (-1, 30), issuer=(ca_key, "round3 CA"))
+    a = _copy(art, tmp_path / "a")
+    code, _, err = run(["sign", a, "--private-key", key_pem, "--signing-certificate", leaf, "--certificate-chain", ca],
+                       capsys)
+    assert_clean_error(code, err, 2, "certificate CN=round3 CA in")
+    assert "is not valid yet" in err and not (a / SIGNATURE_NAME).exists()
+    _signed_anyway(a, monkeypatch, private_key=key_pem, signing_certificate=leaf, certificate_chain=(ca,))
+    code, _, err = run(["verify", a, "--hashes-only", "--certificate-chain", ca], capsys)
+    flat = _flat(err)
+    assert code == 1 and "certificate 2 of model.sig's chain (CN=round3 CA) is not valid yet" in flat, err
+
+
+def test_certificates_within_their_validity_sign_and_verify(art, tmp_path, capsys):
+    ca_key = _ec_key(tmp_path / "ca-key.pem")
+    ca = _certificate(tmp_path / "ca.pem", ca_key, "round3 CA", (-10, 400), ca=True)
+    key_pem = tmp_path / "key.pem"
+    leaf = _certificate(tmp_path / "leaf.pem", _ec_key(key_pem), "round3 leaf", (-1, 30), issuer=(ca_key, "round3 CA"))
+    a = _copy(art, tmp_path / "a")
+    code, _, err = run(["sign", a, "--private-key", key_pem, "--signing-certificate", leaf, "--certificate-chain", ca],
+                       capsys)
+    assert code == 0, err
+    code, _, err = run(["verify", a, "--hashes-only", "--certificate-chain", ca], capsys)
+    assert code == 0 and "signature ok (certificate)" in err, err
