@@ -285,13 +285,16 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.option("--hidden-batches", type=_range(VerifyOptions, "hidden_batches"), default=2, show_default=True, help="Eval windows (first 512 tokens each) for the per-layer hidden-state error.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write report.md (PR comment), report.html, report.json and PNG plots into this folder.")
 @click.option("--threads", type=_range(VerifyOptions, "threads"), default=None, help="CPU threads of torch's operations (default: one per usable CPU; on a machine shared with other jobs --threads 1 is usually faster, and a note, also in the JSON report's busy_note, says when the CPUs are already busy or --threads exceeds them).")
+@click.option("--stream", is_flag=True, help="Read both models one decoder layer at a time: every eval window advances through layer i of the reference and of the artifact, then the layer is released (memory: one layer of each model, the windows' hidden states, at the end both heads). Same statistics as the whole-model path; greedy drift is skipped (the report says so). Chosen by itself when the two models do not fit whole in --memory-budget-gib (default: the memory this machine has available).")
+@click.option("--memory-budget-gib", type=_range(VerifyOptions, "memory_budget_gib", float), default=None, help="Memory verify may use, GiB: models that do not fit whole are streamed (--stream), and a streamed plan that does not fit is refused before any weight is read. The plan (what is held at peak) is printed first.")
 @_signature_options
 @click.option("--no-manifest", is_flag=True, help="ARTIFACT was written by another tool (e.g. llm-compressor) and has no kvq-manifest.json: skip the digest step (the signature is still checked when keys are given) and compare with --reference, which is then required.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report to this file.")
 def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, kv_scheme, kv_budget_gib,
            kv_chunk, kv_calib, device, weights_only, max_mean_kl, max_p99_kl, min_top1, min_sqnr_db, max_hidden_error,
-           min_median_divergence, prompts_file, max_new_tokens, eval_dtype, hidden_batches, report_dir, threads, public_key,
+           min_median_divergence, prompts_file, max_new_tokens, eval_dtype, hidden_batches, report_dir, threads, stream,
+           memory_budget_gib, public_key,
            certificate_chain, identity, issuer, no_manifest, as_json, json_out):
     """Check ARTIFACT's integrity and quality against the original model.
 
@@ -325,6 +328,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
       kvq verify out/smollm2-w4 --weights-only --min-sqnr-db 15
       kvq verify out/smollm2-w4 --max-mean-kl 0.1 --min-top1 85 --report out/report
       kvq verify llmc-out/ --no-manifest --reference float-model/ --max-windows 4
+      kvq verify out/kimi-k2-w4 --stream --memory-budget-gib 64 --max-windows 2
     """
     if json_out is not None and not json_out.resolve().parent.is_dir():
         raise InputError(f"cannot write --json-out {json_out}: its folder does not exist")
@@ -336,7 +340,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
         max_mean_kl=max_mean_kl, max_p99_kl=max_p99_kl, min_top1=min_top1, min_sqnr_db=min_sqnr_db,
         max_hidden_error=max_hidden_error, min_median_divergence=min_median_divergence,
         prompts=prompts_file, max_new_tokens=max_new_tokens, hidden_batches=hidden_batches, no_manifest=no_manifest,
-        eval_dtype=eval_dtype, threads=threads)
+        eval_dtype=eval_dtype, threads=threads, stream=stream, memory_budget_gib=memory_budget_gib)
     for path, flag in ((report_dir, "--report"), (json_out, "--json-out")):
         if path is not None and Path(artifact).is_dir() and path.resolve().is_relative_to(Path(artifact).resolve()):
             raise InputError(f"{flag} {path} is inside the artifact; writing there would change what was signed")

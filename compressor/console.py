@@ -195,8 +195,11 @@ def _verify_rows(t, report: dict, results: dict) -> None:
         row("KL median / p99 / max, nats", f"{k['median']:.4g} / {k['p99']:.4g} / {k['max']:.4g}", "max_p99_kl")
         row(f"top-1 agreement ({served})", f"{d['top1_agreement_pct']:.2f} %", "min_top1_agreement_pct")
         dr = report["drift"]
-        row(f"greedy drift: first differing token ({dr['prompts']} prompts)",
-            f"median {dr['median']:g}, min {dr['min']:g} of {dr['max_new_tokens']} generated", "min_median_divergence")
+        if dr:  # a streamed verify skips it (evaluated_in.streamed says why)
+            row(f"greedy drift: first differing token ({dr['prompts']} prompts)",
+                f"median {dr['median']:g}, min {dr['min']:g} of {dr['max_new_tokens']} generated", "min_median_divergence")
+        else:
+            row("greedy drift", "not measured (streamed)")
         if report.get("hidden_state_error"):
             row("hidden-state error, last layer", f"{100 * report['hidden_state_error']['last']:.4g} %", "max_hidden_error")
     w = report.get("weights")

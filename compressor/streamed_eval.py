@@ -110,17 +110,17 @@ class LazyModel:
         if not self.tied:
             to_meta(self.model.get_submodule(self.arch.embed_tokens))
 
-    def load_head(self) -> None:
-        """Read an untied head left on ``meta``.
+    def load_head(self, on_nonfinite: Callable[[str], None] | None = None) -> None:
+        """Read an untied head left on ``meta`` (``on_nonfinite``: as for :meth:`load_layer`).
 
         Raises:
-            InputError: unreadable, or NaN/Inf in the reference's head.
+            InputError: unreadable, or NaN/Inf without ``on_nonfinite``.
         """
         from .streaming import load_into
 
         name = f"{self.arch.lm_head}.weight"
         if not self.tied and self.model.get_parameter(name).is_meta:
-            load_into(self.model, self.ckpt, self.arch, [name], self.dtype, self._refuse_nonfinite)
+            load_into(self.model, self.ckpt, self.arch, [name], self.dtype, on_nonfinite or self._refuse_nonfinite)
 
 
 def open_model(source, dtype: torch.dtype, role: str, ckpt=None):
@@ -304,7 +304,7 @@ def _advance(layer, i: int, stream: _Stream, kw_full: list[dict], kw_chunks: lis
 
 @torch.no_grad()
 def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
-                     candidates: dict[str, tuple[str, Callable[[], object] | None]], wins: torch.Tensor,
+                     candidates: dict[str, tuple[str, Callable[[], object] | None]], wins: torch.Tensor | None,
                      kv_chunk: int = 128, hidden_of: str | None = None, hidden_rows: tuple[int, int] = (2, 512),
                      on_layer: Callable | None = None, on_heads: Callable | None = None,
                      on_progress: Callable[[int, int], None] | None = None, logit_chunk: int = LOGIT_CHUNK) -> dict:
@@ -315,7 +315,8 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
         reference: the original model (float, no quantized cache).
         artifact: the artifact (``None`` when no candidate runs it and no layer callback needs it).
         candidates: label -> (``"reference"`` or ``"artifact"``, make_cache or None).
-        wins: ``[n_windows, seqlen]`` int64 token windows.
+        wins: ``[n_windows, seqlen]`` int64 token windows; ``None``: no evaluation, only the
+            layers (and heads, with ``on_heads``) read in turn for the callbacks (weight statistics).
         hidden_of: the candidate whose per-layer hidden-state error against the reference is
             measured (no cache), over the first ``hidden_rows[1]`` positions of the first
             ``hidden_rows[0]`` windows; ``None``: not measured.
@@ -325,7 +326,7 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
         on_progress: ``on_progress(done, total)`` after each decoder layer and at the end.
 
     Returns:
-        ``{"results": what compare returns, "hidden_state_error": per-layer list or None,
+        ``{"results": what compare returns (``None`` without ``wins``), "hidden_state_error": per-layer list or None,
         "nonfinite_tensors": artifact tensors holding NaN/Inf (named), "seconds"}``.
 
     Raises:
@@ -335,9 +336,8 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
     t0 = time.perf_counter()
     models = {"reference": reference, "artifact": artifact}
     check_streamable(reference.model)
-    wins = wins.cpu()
-    streams = {"reference": _Stream(reference, None), **{label: _Stream(models[owner], mc)
-                                                        for label, (owner, mc) in candidates.items()}}
+    streams = {} if wins is None else {"reference": _Stream(reference, None),
+                                       **{label: _Stream(models[owner], mc) for label, (owner, mc) in candidates.items()}}
     kw_full: dict[str, list[dict]] = {}
     kw_chunks: dict[str, list[list[dict]] | None] = {}
     for role, lm in models.items():
@@ -368,7 +368,7 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
         for s in streams.values():
             role = "reference" if s.owner is reference else "artifact"
             _advance(lr if s.owner is reference else la, i, s, kw_full[role], kw_chunks[role], kv_chunk)
-        if hidden_of is not None:
+        if hidden_of is not None and streams:
             for r, a in zip(streams["reference"].hidden[:rows], streams[hidden_of].hidden[:rows]):
                 r, a = r[:, :cols].double(), a[:, :cols].double()
                 num[i] += float((a - r).pow(2).sum())
@@ -378,25 +378,34 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
             artifact.release_layer(i)
         if on_progress is not None:
             on_progress(i + 1, n_layers + 1)
-    results = _statistics(models, streams, wins, logit_chunk, on_heads)
+    results = None
+    if wins is not None:
+        results = _statistics(models, streams, wins, logit_chunk, on_heads, nonfinite.append)
+    elif on_heads is not None:
+        reference.load_head()
+        if artifact is not None:
+            artifact.load_head(nonfinite.append)
+        on_heads(reference.model, None if artifact is None else artifact.model)
     if on_progress is not None:
         on_progress(n_layers + 1, n_layers + 1)
     hidden = None
-    if hidden_of is not None:
+    if hidden_of is not None and streams:
         hidden = [math.sqrt(a / b) if b > 0 else math.inf for a, b in zip(num, den)]
     return {"results": results, "hidden_state_error": hidden, "nonfinite_tensors": nonfinite,
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def _statistics(models: dict, streams: dict[str, _Stream], wins: torch.Tensor, logit_chunk: int, on_heads) -> dict:
+def _statistics(models: dict, streams: dict[str, _Stream], wins: torch.Tensor, logit_chunk: int, on_heads,
+                on_nonfinite) -> dict:
     """The final norm and head of each model over its configurations' last hidden states:
-    :func:`compressor.evaluate.compare`'s figures (``results["seconds"]``: this phase's)."""
+    :func:`compressor.evaluate.compare`'s figures (``results["seconds"]``: this phase's;
+    ``on_nonfinite``: for the artifact's head)."""
     t0 = time.perf_counter()
     heads = {}
     for role, lm in models.items():
         if lm is None:
             continue
-        lm.load_head()
+        lm.load_head(on_nonfinite if role == "artifact" else None)
         probe = torch.randn(1, 8, lm.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(lm.dtype)
         head = _Head(lm.model, probe)
         if not head.usable:

@@ -113,3 +113,79 @@ def test_rows_the_streamed_path_does_not_run_are_refused():
 
     with pytest.raises(InputError, match="glm_moe_dsa"):
         check_streamable(M)
+
+
+# --- kvq verify --stream ----------------------------------------------------------------
+
+def _verify_json(capsys, art, *extra):
+    import json
+
+    from tests.conftest import kvq_run
+
+    code, out, err = kvq_run(["verify", art, "--seqlen", "96", "--max-windows", "3", "--max-new-tokens", "4",
+                              "--hidden-batches", "2", "--kv-chunk", "32", "--json", *extra], capsys)
+    assert code == 0, err
+    return json.loads(out), err
+
+
+def _close(got, want, path=""):
+    """Equal structure; numbers equal within float tolerance (the report rounds to 4 decimals)."""
+    if isinstance(want, dict):
+        assert set(got) == set(want), path
+        for k in want:
+            _close(got[k], want[k], f"{path}.{k}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), path
+        for k, (g, w) in enumerate(zip(got, want)):
+            _close(g, w, f"{path}[{k}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-4, abs=2e-4), path
+    else:
+        assert got == want, path
+
+
+def _same_report(got: dict, want: dict):
+    for section in ("perplexity", "perplexity_breakdown", "per_window"):
+        _close(got[section], want[section], section)
+    for section in ("distribution", "hidden_state_error", "weights", "kv_cache"):
+        _close(got[section], want[section], section)
+    assert got["nonfinite_tensors"] == want["nonfinite_tensors"] == []
+    assert [g["name"] for g in got["gates"]] == [g["name"] for g in want["gates"] if g["name"] != "min_median_divergence"]
+
+
+def test_verify_stream_reports_the_whole_model_figures(tiny_pair, capsys):
+    _, art = tiny_pair
+    want, _ = _verify_json(capsys, art)
+    got, err = _verify_json(capsys, art, "--stream")
+    _same_report(got, want)
+    assert want["drift"] is not None and got["drift"] is None
+    s = got["evaluated_in"]["streamed"]
+    assert s["why"] == "--stream" and s["greedy_drift"].startswith("skipped")
+    assert s["memory_plan"]["peak_gib"] > 0
+    assert any("greedy drift not measured" in w for w in got["warnings"])
+    weights_only, _ = _verify_json(capsys, art, "--stream", "--weights-only")
+    assert weights_only["weights"]["tensors"] == got["weights"]["tensors"]
+
+
+def test_verify_streams_by_itself_when_the_models_do_not_fit(tiny_pair, capsys, monkeypatch):
+    import compressor.commands.verify_streamed as vs
+
+    _, art = tiny_pair
+    monkeypatch.setattr(vs, "_available_bytes", lambda: 2**20)  # a machine with 1 MiB free
+    got, err = _verify_json(capsys, art)
+    assert "more than the 0.0 GiB this machine has available" in got["evaluated_in"]["streamed"]["why"]
+    from tests.conftest import kvq_run
+
+    code, _, err = kvq_run(["verify", art, "--seqlen", "96", "--max-windows", "1", "--weights-only"], capsys)
+    assert code == 0, err
+    assert "streamed verify (the two models need about" in err and "GiB at peak: one decoder layer of each model" in err
+
+
+def test_verify_refuses_a_budget_below_the_smallest_unit(tiny_pair, capsys):
+    from tests.conftest import assert_clean_error, kvq_run
+
+    _, art = tiny_pair
+    code, _, err = kvq_run(["verify", art, "--stream", "--memory-budget-gib", "0.01", "--max-windows", "1"], capsys)
+    assert_clean_error(code, err, 2, "--memory-budget-gib 0.01 cannot hold streamed verify's smallest unit: ")
+    code, _, err = kvq_run(["verify", art, "--stream", "--min-median-divergence", "2", "--max-windows", "1"], capsys)
+    assert_clean_error(code, err, 2, "--min-median-divergence cannot be evaluated by streamed verify")

@@ -299,6 +299,10 @@ class VerifyOptions(_Options):
     weights_only: bool = False  # weight statistics only: no eval text, no perplexity
     no_manifest: bool = False  # a foreign artifact (another tool's): no digests to check; reference required
     threads: Optional[int] = Field(None, ge=1, le=4096)  # torch's intra-op threads; None: one per usable CPU
+    #: both models one decoder layer at a time (compressor.streamed_eval); also chosen when they do not fit whole
+    stream: bool = False
+    #: memory verify may hold (GiB): above it the models are streamed; a streamed plan above it is refused
+    memory_budget_gib: Optional[float] = _finite(None, gt=0, le=MAX_GIB)
     evaluation: EvalOptions = Field(default_factory=EvalOptions)
     kv: KVEvalOptions = Field(default_factory=KVEvalOptions)
     gates: VerifyGateOptions = Field(default_factory=VerifyGateOptions)
@@ -319,6 +323,8 @@ class VerifyOptions(_Options):
             raise OptionError("--no-manifest needs --reference (a foreign artifact records no source model)")
         if self.kv.scheme is not None and self.mode != "full":
             raise OptionError(f"--kv-scheme applies to the evaluation, which --{self.mode} does not run")
+        if self.hashes_only and (self.stream or self.memory_budget_gib is not None):
+            raise OptionError("--hashes-only loads no model: --stream and --memory-budget-gib do not apply")
         if self.hashes_only:
             given = [g.flag for g in gates_of("verify", configurable=True) if getattr(self.gates, g.option) is not None]
             if given:

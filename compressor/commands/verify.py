@@ -8,7 +8,9 @@
    overridden by flags, see :mod:`compressor.gates`), the reference model and whether it is
    the recorded source, the eval text, the KV scheme to evaluate;
 3. :func:`_load` -- the artifact (dequantized) and the reference, checked to be the same
-   architecture and finite; weight statistics (``--weights-only`` stops here);
+   architecture and finite; weight statistics (``--weights-only`` stops here); models that do
+   not fit whole (or ``--stream``) go through :mod:`compressor.commands.verify_streamed`
+   instead, one decoder layer at a time (steps 3 and 4, greedy drift skipped);
 4. :func:`_evaluate` -- perplexity, KL divergence, top-1 agreement per window, hidden-state
    error per layer, greedy drift, the KV cache's effect and memory accounting;
 5. :func:`_gates` -- every gate whose threshold is set and whose statistic was computed;
@@ -38,6 +40,7 @@ from ..integrity import check_artifact_folder, foreign_integrity, verify_integri
 from ..manifest import load_manifest
 from ..models import resolve_source
 from ..quant.kv import kv_budget, make_spec, quantized_cache
+from . import verify_streamed
 from .common import cpu_threads, load_reference, threads_restored
 from .options import VerifyOptions
 
@@ -97,10 +100,13 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
     with threads_restored():  # --threads is this run's
         _, report["busy_note"] = cpu_threads(opts.threads, console)
         plan = _plan(opts, folder, manifest, report, console)
-        models = _load(plan, opts, report, console)
+        streamed = verify_streamed.choose(plan, opts, report, console)  # models too large whole: a layer at a time
+        models = _load(plan, opts, report, console) if streamed is None else None
         report["warnings"].extend(take_cache_notes())  # a cached GGUF reference converted again
         served, results = "weights only", {}
-        if opts.mode == "full":
+        if streamed is not None:
+            served, results = streamed.run()
+        elif opts.mode == "full":
             served, results = _evaluate(plan, models, prompts, opts, report, console)
         del models
         gc.collect()

@@ -1,0 +1,263 @@
+"""``kvq verify`` on models that do not fit whole: steps 3 and 4 of :mod:`compressor.commands.verify`
+with both models read one decoder layer at a time (:mod:`compressor.streamed_eval`).
+
+:func:`choose` decides before any model loads: ``--stream``, or the two models whole above
+``--memory-budget-gib`` (default: the memory this machine has available). :meth:`Streamed.run`
+then builds both models with their decoder layers on ``meta``, prints the memory plan (and
+refuses one ``--memory-budget-gib`` cannot hold), and fills the same report sections as the
+whole-model path: weight statistics a layer at a time, perplexity / KL / top-1 per window,
+hidden-state error per layer, KV accounting. Greedy drift needs generation, which would run
+every layer once per new token: it is skipped, and the report (``evaluated_in.streamed``, a
+warning) says so.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import console as show
+from ..errors import CheckFailed, InputError
+from ..streamed_eval import GIB, BASELINE_BYTES
+
+#: why greedy drift is missing from a streamed report
+DRIFT_SKIPPED = "skipped: greedy generation runs every decoder layer once per new token, so it needs the models whole"
+
+
+def _available_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, ``None`` where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _whole_bytes(plan, opts) -> int | None:
+    """About what the whole-model path holds: the reference in float32 and the artifact
+    dequantized to its evaluation dtype (parameter count from the reference's shard
+    headers), ``None`` for a source that is not a safetensors folder."""
+    import torch
+
+    from ..streaming import LazyCheckpoint
+    from .verify import _eval_dtype
+
+    if plan.ref_source.kind != "hf":
+        return None
+    ckpt = LazyCheckpoint(plan.ref_source.path, block_fp8=None)
+    n = sum(int(torch.Size(e.shape).numel()) for name, (_, e) in ckpt.where.items() if not name.endswith("_scale_inv"))
+    dtype = _eval_dtype(plan.folder, opts.evaluation.dtype)[0]
+    return n * (4 + torch.empty((), dtype=dtype).element_size()) + BASELINE_BYTES
+
+
+def choose(plan, opts, report: dict, console) -> "Streamed | None":
+    """The streamed evaluation when ``--stream`` asks for it or the models do not fit whole
+    (``--memory-budget-gib``, else ``MemAvailable``), else ``None`` (the whole-model path)."""
+    if opts.mode == "hashes-only":
+        return None
+    if opts.stream:
+        return Streamed(plan, opts, report, console, "--stream")
+    need = _whole_bytes(plan, opts)
+    budget = opts.memory_budget_gib * GIB if opts.memory_budget_gib is not None else _available_bytes()
+    if need is None or budget is None or need <= budget:
+        return None
+    where = (f"--memory-budget-gib {opts.memory_budget_gib:g}" if opts.memory_budget_gib is not None
+             else f"the {budget / GIB:.1f} GiB this machine has available")
+    return Streamed(plan, opts, report, console, f"the two models need about {need / GIB:.1f} GiB whole, more than {where}")
+
+
+def _reader(folder: Path):
+    """The tensor reader of a kvq (or packed) artifact folder: packed linears dequantized per
+    tensor, float tensors as stored."""
+    from ..streaming import LazyCheckpoint
+    from .kv_only import PackedCheckpoint, find_packed
+
+    packed = find_packed(str(folder))
+    return PackedCheckpoint(packed) if packed is not None else LazyCheckpoint(folder, block_fp8=None)
+
+
+@dataclass
+class Streamed:
+    """A streamed ``kvq verify`` run (:func:`choose`); ``why``: what chose it (for the report)."""
+
+    plan: object  # compressor.commands.verify._Plan
+    opts: object  # VerifyOptions
+    report: dict
+    console: object
+    why: str
+
+    def run(self) -> tuple[str, dict]:
+        """Load (a layer at a time), evaluate, and fill the report's sections.
+
+        Returns:
+            ``(served, results)`` as :func:`compressor.commands.verify._evaluate` returns them
+            (``("weights only", {})`` in ``--weights-only`` mode).
+
+        Raises:
+            InputError: ``--min-median-divergence`` (drift is not computed), ``--no-manifest``,
+                ``--kv-scheme`` with static scales the artifact lacks, a model that cannot be read
+                a layer at a time, another architecture, a plan above ``--memory-budget-gib``.
+            CheckFailed: a KV-only artifact's q/k rows are not the reference's changed per RoPE pair.
+        """
+        import torch
+
+        from ..manifest import MANIFEST_NAME
+        from ..models import ModelSource
+        from ..streamed_eval import memory_plan, open_model
+        from .common import peak_rss_mib
+        from .kv_only import packed_method
+        from .verify import _check_same_architecture, _eval_dtype
+
+        plan, opts, report = self.plan, self.opts, self.report
+        self._refusals()
+        dtype, report["evaluated_in"] = _eval_dtype(plan.folder, opts.evaluation.dtype)
+        art, tokenizer = open_model(ModelSource(str(plan.folder), "hf", plan.folder), dtype, "artifact", _reader(plan.folder))
+        ref_path = Path(plan.ref_spec)
+        is_artifact = ref_path.is_dir() and ((ref_path / MANIFEST_NAME).is_file() or packed_method(ref_path) is not None)
+        # as load_reference: an artifact serving as the reference is read in the artifact's dtype
+        ref, _ = open_model(plan.ref_source, dtype if is_artifact else torch.float32, "reference",
+                            _reader(ref_path) if is_artifact else None)
+        _check_same_architecture(art.model, ref.model, plan.ref_spec)
+        self.art, self.ref, self.tokenizer = art, ref, tokenizer
+        wins, candidates, served, make_cache = self._windows_and_candidates() if opts.mode == "full" else (None, {}, "weights only", None)
+        owners = [] if wins is None else ["reference", *[o for o, _ in candidates.values()]]
+        mem = memory_plan(ref, art, 0 if wins is None else wins.shape[0], 0 if wins is None else wins.shape[1], owners)
+        budget = opts.memory_budget_gib
+        if budget is not None and mem.peak > budget * GIB:
+            raise InputError(f"--memory-budget-gib {budget:g} cannot hold streamed verify's smallest unit: {mem.describe()}; "
+                             "raise it, or lower --max-windows / --seqlen")
+        show.note(self.console, f"streamed verify ({self.why}): {mem.describe()}", highlight=False)
+        if opts.device != "cpu":
+            show.note(self.console, f"note: streamed verify runs on the CPU (--device {opts.device} applies to the whole-model path)",
+                      highlight=False)
+        out = self._evaluate(wins, candidates)
+        report["nonfinite_tensors"] = out["nonfinite_tensors"]
+        if out["nonfinite_tensors"]:
+            show.note(self.console, f"[red]NaN or Inf[/] in {len(out['nonfinite_tensors'])} artifact tensor(s): "
+                                    f"{', '.join(out['nonfinite_tensors'][:5])}", highlight=False)
+        report["evaluated_in"]["streamed"] = {
+            "why": self.why, "device": "cpu", "memory_plan": mem.as_dict(), "greedy_drift": DRIFT_SKIPPED,
+            "seconds": out["seconds"], "peak_rss_mib": peak_rss_mib()}
+        if wins is None:
+            return served, {}
+        self._sections(out, wins, served, make_cache)
+        return served, out["results"]
+
+    def _refusals(self) -> None:
+        """What the streamed path cannot do, refused (or, for a recipe's drift gate, warned) before a model loads."""
+        plan, opts = self.plan, self.opts
+        if opts.no_manifest:
+            raise InputError("streamed verify needs the artifact's manifest (its recipe's algorithm decides how weight "
+                             "statistics undo AWQ scales); --no-manifest artifacts are verified whole, without --stream")
+        if "min_median_divergence" in plan.thresholds:
+            if opts.gates.min_median_divergence is not None:
+                raise InputError(f"--min-median-divergence cannot be evaluated by streamed verify ({self.why}): greedy drift "
+                                 f"is {DRIFT_SKIPPED}")
+            del plan.thresholds["min_median_divergence"]
+            self.report["warnings"].append(f"recipe gate min_median_divergence not evaluated: streamed verify's greedy drift is "
+                                           f"{DRIFT_SKIPPED}")
+        kv = plan.kv_info
+        if opts.mode == "full" and kv is not None and kv[0].static and kv[1] is None:
+            raise InputError(f"--kv-scheme {kv[0].describe()} needs static scales calibrated on the whole model, which "
+                             "streamed verify does not run; use an artifact quantized with its KV scheme, or a dynamic one")
+
+    def _windows_and_candidates(self):
+        """``(windows, {label: (role, make_cache)}, served, make_cache)`` as the whole-model path chooses them."""
+        from ..calib import tokenize
+        from ..evaluate import windows
+        from ..tokens import bos_rule
+        from .verify import _cache_factory, _candidates, _Models
+
+        plan, ev, report = self.plan, self.opts.evaluation, self.report
+        self.rule = bos_rule(self.tokenizer)
+        wins = windows(tokenize(self.tokenizer, plan.text.text), ev.seqlen, ev.max_windows, bos_id=self.rule["bos_token_id"])
+        max_pos = getattr(self.art.model.config, "max_position_embeddings", None)
+        if max_pos and ev.seqlen > max_pos:
+            report["warnings"].append(f"--seqlen {ev.seqlen} exceeds the model's max_position_embeddings {max_pos}")
+        make_cache = _cache_factory(self.art.model, plan.kv_info, ev.seqlen, report)
+        self.basis: dict = {}  # the k_proj pair factors, filled layer by layer before the layer's windows run
+        ref_cache = make_cache
+        if make_cache is not None and self._key_pairs and plan.weights_quantized and plan.kv_info[0].static:
+            ref_cache = lambda: make_cache(self.basis)  # noqa: E731
+        models = _Models(self.art.model, self.tokenizer, self.ref.model)
+        found, served = _candidates(models, plan.weights_quantized, make_cache, ref_cache)
+        roles = {label: ("artifact" if m is self.art.model else "reference", mc) for label, (m, mc) in found.items()}
+        return wins, roles, served, make_cache
+
+    @property
+    def _key_pairs(self) -> bool:
+        return (self.plan.manifest.kv_cache or {}).get("key_rotation") == "pairs"
+
+    def _evaluate(self, wins, candidates: dict) -> dict:
+        """:func:`compressor.streamed_eval.streamed_compare` with the weight statistics (and the
+        key-pair check of a KV-only artifact) computed on each layer pair as it is read."""
+        from ..quality import KEY_PAIRS_TOLERANCE, key_pairs_residual, weight_report, weight_summary
+        from ..streamed_eval import streamed_compare
+        from .verify import _head_is_packed
+
+        plan, report = self.plan, self.report
+        ref, art = self.ref, self.art
+        algorithm = plan.manifest.quantization.get("source_algorithm") or plan.manifest.recipe.get("algorithm", "")
+        tensors: list[dict] = []
+        undone = [False]
+        worst = [0.0, ""]
+        basis = getattr(self, "basis", {})
+
+        def on_layer(i, lr, la):
+            if plan.weights_quantized:
+                r = weight_report(ref.model, art.model, algorithm, key_pairs=self._key_pairs, basis=basis, layers=[(i, lr, la)])
+                tensors.extend(r["tensors"])
+                undone[0] = undone[0] or r["awq_scales_undone"]
+            elif self._key_pairs:  # KV-only: the q/k rows must be the reference's changed per RoPE pair
+                w, name = key_pairs_residual(ref.model, art.model, [(i, lr, la)])
+                if not w <= KEY_PAIRS_TOLERANCE:
+                    raise CheckFailed(f"{name} is not the reference's rows changed per RoPE pair (relative residual {w:.3g} > "
+                                      f"{KEY_PAIRS_TOLERANCE:g}): the artifact is not its source with kv_cache.key_rotation pairs")
+                worst[:] = max(worst, [w, name])
+
+        def on_heads(rm, am):
+            if plan.weights_quantized and _head_is_packed(plan.folder, am):
+                tensors.extend(weight_report(rm, am, algorithm, quantized_head=True, layers=[])["tensors"])
+
+        ev = self.opts.evaluation
+        with show.progress(self.console, "steps") as bar:
+            task = bar.add_task(f"decoder layers, then logits (reference + {len(candidates)} configuration(s))",
+                                total=len(ref.layers) + 1)
+            t0 = time.perf_counter()
+
+            def progress(i, n):
+                bar.update(task, completed=i)
+                if self.console is not None and not self.console.is_terminal:
+                    self.console.print(f"streamed step {i}/{n} done ({time.perf_counter() - t0:.0f} s)", highlight=False)
+
+            out = streamed_compare(ref, art, candidates, wins, self.opts.kv.chunk,
+                                   hidden_of="weights only" if plan.weights_quantized and wins is not None else None,
+                                   hidden_rows=(ev.hidden_batches, min(ev.seqlen, 512)), on_layer=on_layer,
+                                   on_heads=on_heads, on_progress=progress)
+        if plan.weights_quantized:
+            report["weights"] = weight_summary(tensors, undone[0], self._key_pairs)
+        elif self._key_pairs:
+            show.note(self.console, f"key pairs: q_proj/k_proj are the reference's rows changed per RoPE pair (largest "
+                                    f"relative residual {worst[0]:.2g}, {worst[1]})", highlight=False)
+        return out
+
+    def _sections(self, out: dict, wins, served: str, make_cache) -> None:
+        """The report's evaluation sections from the streamed results (drift: ``None``, said in a warning)."""
+        from .verify import _distribution_sections, _kv_report
+
+        plan, ev, report = self.plan, self.opts.evaluation, self.report
+        _distribution_sections(report, out["results"], served, wins, plan.text, ev.seqlen)
+        report["eval"]["bos_token_id"] = self.rule["bos_token_id"]
+        report["eval"]["bos_rule"] = self.rule["rule"] + ("; evaluation windows follow it (llama.cpp's perplexity "
+                                                          "convention); streamed: no drift prompts")
+        per_layer = out["hidden_state_error"]
+        if per_layer is not None:
+            report["hidden_state_error"] = {"batches": min(ev.hidden_batches, int(wins.shape[0])),
+                                            "seqlen": min(ev.seqlen, 512), "per_layer": per_layer, "last": per_layer[-1]}
+        report["drift"] = None
+        report["warnings"].append(f"greedy drift not measured ({self.why}): {DRIFT_SKIPPED}")
+        if plan.kv_info is not None:
+            report["kv_cache"] = _kv_report(plan.kv_info[0], plan.kv_source, plan.ref_source, self.opts)
