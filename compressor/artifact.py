@@ -21,12 +21,13 @@ import torch
 
 from . import __version__, interrupts
 from .arch import get_arch, is_text_tensor, mtp_layer, state_from_checkpoint
-from .config_check import quantization_config
+from .config_check import check_routing, quantization_config, text_config
 from .errors import InputError
 from .formats import read_quant_weight, reader_for
 from .integrity import build_manifest, check_hashes  # noqa: F401  (re-exported)
 from .manifest import MANIFEST_NAME, Manifest, load_manifest
 from .safetensors_io import read_header
+from .tokens import check_vocabulary
 
 WEIGHTS_NAME = "model.safetensors"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -322,7 +323,8 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
 
     Raises:
         InputError: missing files, bad headers, a quantization config kvq cannot read,
-            tensors missing or unexpected for the model's architecture.
+            tensors missing or unexpected for the model's architecture, router fields that
+            contradict the experts, a tokenizer id beyond the embedding.
     """
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -352,6 +354,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
         raise InputError(f"{folder}/config.json: {str(e).splitlines()[0]}") from None
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
+    check_routing(text_config(cfg.to_dict()), f"{folder}/config.json")  # a router the experts contradict
     arch = get_arch(cfg.model_type)
     try:
         from transformers.initialization import no_init_weights
@@ -389,7 +392,9 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.eval().requires_grad_(False)
-    return model, load_tokenizer(folder)  # a tokenizer that needs repository code (Kimi's tiktoken) is converted
+    tokenizer = load_tokenizer(folder)  # a tokenizer that needs repository code (Kimi's tiktoken) is converted
+    check_vocabulary(tokenizer, cfg.vocab_size, f"{folder}: tokenizer")
+    return model, tokenizer
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ Checked (each only where the checkpoint holds the tensor that proves it):
 * ``max_position_embeddings`` is a positive integer below :data:`MAX_POSITIONS`; norm
   epsilons are finite and in (0, 1); ``rope_theta`` is finite and positive; ``hidden_act``
   and the RoPE scaling type are ones transformers knows;
+* the router agrees with the experts (:func:`check_routing`): ``num_experts_per_tok`` at most
+  the experts (and the experts its ``topk_group`` groups hold), ``n_group`` divides them,
+  ``topk_group`` at most ``n_group``; ``sliding_window`` is a positive integer or null;
 * a multimodal wrapper (Kimi K2.5, :class:`compressor.arch.Wrapper`): its ``text_config``
   (a text model type the row names) is what the checks above read, against the tensors
   under the text prefix; every tensor is the text model's or one the row carries.
@@ -147,6 +150,49 @@ def _check_numbers(c: dict, where: str) -> None:
             _check_rope(b, f, where)
 
 
+def _whole(c: dict, name: str, where: str, low: int, high: int, why: str = "") -> int | None:
+    """``c[name]``, where present and not null: a whole number in ``low .. high`` (``why`` says
+    what decides the range), else :class:`InputError` naming the field."""
+    v = c.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InputError(f"{where}: {name} must be a whole number, got {v!r}")
+    if not low <= v <= high:
+        raise InputError(f"{where}: {name} = {v:,} is out of range ({low:,} .. {high:,}{why})")
+    return v
+
+
+def check_routing(c: dict, where: str = "config.json") -> None:
+    """The fields a model is run with that no tensor shape proves, against each other: a
+    mixture-of-experts router's ``num_experts_per_tok`` (at most the experts), ``n_group``
+    (divides the experts into groups of at least two: a group is scored by its two best
+    experts), ``topk_group`` (at most ``n_group``) and ``num_experts_per_tok`` again (at most
+    the experts the kept groups hold); ``sliding_window`` (a positive integer, or null for none).
+    ``c`` is the language model's config (:func:`text_config`).
+
+    Raises:
+        InputError: the first field that contradicts the others, named, with the range it must be in.
+    """
+    _whole(c, "sliding_window", where, 1, MAX_POSITIONS, "; null for no sliding window")
+    experts = next((c[f] for f in ("n_routed_experts", "num_experts", "num_local_experts")
+                    if isinstance(c.get(f), int) and not isinstance(c.get(f), bool)), None)
+    if experts is None:
+        return
+    k = _whole(c, "num_experts_per_tok", where, 1, experts, f": the {experts} experts")
+    groups = _whole(c, "n_group", where, 1, experts, f": the {experts} experts")
+    if groups is not None:
+        if experts % groups or (c.get("routed_scaling_factor") is not None and experts // groups < 2):
+            raise InputError(f"{where}: n_group = {groups} does not divide the {experts} experts into groups of at "
+                             "least two (a group is scored by its two best experts)")
+    kept = _whole(c, "topk_group", where, 1, groups or 1, f": n_group = {groups or 1}")
+    if k is not None and kept is not None:
+        reachable = kept * (experts // (groups or 1))
+        if k > reachable:
+            raise InputError(f"{where}: num_experts_per_tok = {k} but the topk_group = {kept} groups kept hold "
+                             f"{reachable} experts")
+
+
 def _check_rope(b: dict, field: str, where: str) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -182,6 +228,7 @@ def check_config(cfg: dict, shapes: dict[str, list[int]], where: str = "config.j
     for f in _SIZE_FIELDS:
         _size(c, f, where)
     _check_numbers(c, where)
+    check_routing(c, where)
     n_layers = _size(c, "num_hidden_layers", where, MAX_LAYERS, required=True)
     hidden = _size(c, "hidden_size", where, required=True)
     prefix = layers_path + "."

@@ -225,9 +225,16 @@ def check_buildable(cfg, spec: str) -> None:
     own indexer attends to the tokens the previous layer's indexer chose) needs the top-k
     carried from layer to layer, which the sequential pipeline does not do.
 
+    The router and sliding-window fields are checked against each other as transformers
+    completed them with its defaults (:func:`compressor.config_check.check_routing`: the
+    runtime and verify read those values).
+
     Raises:
-        InputError: naming the first such layer.
+        InputError: naming the first such layer, or the field that contradicts the others.
     """
+    from .config_check import check_routing, text_config
+
+    check_routing(text_config(cfg.to_dict()), f"{spec}: config.json (with transformers' defaults)")
     shared = [i for i, t in enumerate(getattr(cfg, "indexer_types", None) or ()) if t == "shared"]
     if shared:
         raise InputError(f"cannot quantize {spec}: decoder layer {shared[0]} reuses the previous layer's sparse-attention "

@@ -92,3 +92,28 @@ def encode(tokenizer, text: str, bos: int | None | bool = True) -> list[int]:
         return [int(fallback)]
     return ids
 
+
+def check_vocabulary(tokenizer, vocab_size: int, where: str) -> None:
+    """Refuse a tokenizer that can produce an id the model has no embedding row for: every id
+    of its vocabulary (added and special tokens included) must be below ``vocab_size`` (the
+    embedding's rows, ``config.json`` ``vocab_size``). Such an id would fail inside the
+    model's embedding at the first text that contains the token, long after the check.
+
+    Args:
+        tokenizer: a transformers tokenizer (``get_vocab``).
+        vocab_size: the embedding's rows.
+        where: names the tokenizer (its folder) in the message.
+
+    Raises:
+        InputError: naming the first such token and its id.
+    """
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return
+    beyond = sorted((i, t) for t, i in vocab.items() if isinstance(i, int) and not 0 <= i < vocab_size)
+    if beyond:
+        i, t = beyond[0]
+        raise InputError(f"{where}: the tokenizer's token {t!r} has id {i}, beyond the model's embedding of "
+                         f"{vocab_size} rows (config.json vocab_size; {len(beyond)} such token(s)): no text containing "
+                         "it could be run; remove the token from the tokenizer or give the embedding its rows")

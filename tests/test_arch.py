@@ -80,10 +80,18 @@ def tiny(model_type: str, seed: int = 0, vocab_size: int = 320, **kw):
     return m
 
 
-def make_dir(path, tokenizer, model_type, seed=0, **kw):
-    m = tiny(model_type, seed, len(tokenizer), **kw)
-    m.save_pretrained(path)
+def make_dir(path, tokenizer, model_type, seed=0, prepare=lambda m: m, **kw):
+    """``tiny(model_type)`` (passed through ``prepare``) and ``tokenizer`` saved in ``path``, with
+    an embedding row for every id the tokenizer gives as the row's folder loads it (Qwen2's
+    class adds ``<|endoftext|>`` after the tokenizer's 320 ids; kvq refuses a tokenizer beyond
+    the embedding)."""
+    from compressor.models import load_tokenizer
+
+    prepare(tiny(model_type, seed, len(tokenizer), **kw)).save_pretrained(path)
     tokenizer.save_pretrained(path)
+    loaded = len(load_tokenizer(path))
+    if loaded > len(tokenizer):
+        prepare(tiny(model_type, seed, loaded, **kw)).save_pretrained(path)
     return path
 
 

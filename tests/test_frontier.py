@@ -104,10 +104,11 @@ def _mtp_tensors(state: dict, n_layers: int, seed: int) -> dict:
     return out
 
 
-def make_published(path, tokenizer, model_type: str, seed: int = 0, **kw):
+def make_published(path, tokenizer, model_type: str, seed: int = 0, vocab_size: int | None = None, **kw):
     """The tiny model saved as its release lays it out: the published config.json (model_type,
-    auto_map, architectures) and the MTP layer after the decoder layers."""
-    m = tiny(model_type, seed, len(tokenizer), **kw)
+    auto_map, architectures) and the MTP layer after the decoder layers; the embedding has
+    ``vocab_size`` rows (default: the tokenizer's)."""
+    m = tiny(model_type, seed, vocab_size or len(tokenizer), **kw)
     m.save_pretrained(path)
     tokenizer.save_pretrained(path)
     cfg = json.loads((path / "config.json").read_text())
@@ -516,13 +517,16 @@ def test_kimi_tiktoken_tokenizer_is_read_without_its_code(tmp_path):
     assert "<|im_end|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
 
 
-def test_kimi_k2_with_its_tiktoken_tokenizer_quantizes(tmp_path, sources):
-    src = tmp_path / "k2"
-    shutil.copytree(sources["kimi_k2"], src)
+def test_kimi_k2_with_its_tiktoken_tokenizer_quantizes(tmp_path, tokenizer):
+    from compressor.models import KIMI_RESERVED
+
+    shutil.rmtree(tmp_path / "tok", ignore_errors=True)
+    ranks = _tiktoken_folder(tmp_path / "tok", "the model 中文 " * 20)
+    # an embedding row for every id the tokenizer gives: its ranks, then the reserved special
+    # tokens (Kimi K2: 163,584 + 256 = its vocab_size 163,840)
+    src = make_published(tmp_path / "k2", tokenizer, "kimi_k2", vocab_size=len(ranks) + KIMI_RESERVED)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (src / f).unlink(missing_ok=True)
-    shutil.rmtree(tmp_path / "tok", ignore_errors=True)
-    _tiktoken_folder(tmp_path / "tok", "the model 中文 " * 20)
     for f in (tmp_path / "tok").iterdir():
         shutil.copy(f, src / f.name)
     s = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "o", algorithm="rtn", recipe="kv-fp8", **FAST))

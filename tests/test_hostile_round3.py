@@ -211,3 +211,124 @@ def test_certificates_within_their_validity_sign_and_verify(art, tmp_path, capsy
     assert code == 0, err
     code, _, err = run(["verify", a, "--hashes-only", "--certificate-chain", ca], capsys)
     assert code == 0 and "signature ok (certificate)" in err, err
+
+
+# --- 4. inputs accepted at quantize time that failed later as internal errors ------------
+
+@pytest.fixture(scope="module")
+def moe_src(tmp_path_factory, tokenizer):
+    from test_arch import make_dir
+
+    return make_dir(tmp_path_factory.mktemp("round3-moe") / "deepseek", tokenizer, "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def mistral_src(tmp_path_factory, tokenizer):
+    from test_arch import make_dir
+
+    return make_dir(tmp_path_factory.mktemp("round3-mistral") / "mistral", tokenizer, "mistral")
+
+
+@pytest.mark.parametrize("fields, pattern", [
+    ({"n_group": 3}, "n_group = 3 does not divide the 4 experts"),
+    ({"n_group": 4}, "n_group = 4 does not divide the 4 experts into groups of at least two"),
+    ({"topk_group": 3}, "topk_group = 3 is out of range (1 .. 2: n_group = 2)"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok = 9 is out of range (1 .. 4: the 4 experts)"),
+    ({"num_experts_per_tok": 3}, "num_experts_per_tok = 3 but the topk_group = 1 groups kept hold 2 experts"),
+])
+def test_router_fields_that_contradict_the_experts_are_refused(moe_src, tmp_path, monkeypatch, capsys, fields, pattern):
+    bad = _copy_model(moe_src, tmp_path / "m", **fields)
+    import compressor.commands.quantize as q
+
+    monkeypatch.setattr(q, "open_lazy", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    code, _, err = run(["quantize", bad, "-o", tmp_path / "o", *RTN], capsys)
+    assert_clean_error(code, err, 2, pattern, tmp_path)
+    assert "config.json" in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("window", [-1, 0, 2.5])
+def test_a_sliding_window_that_is_no_window_is_refused(mistral_src, tmp_path, capsys, window):
+    bad = _copy_model(mistral_src, tmp_path / "m", sliding_window=window)
+    code, _, err = run(["quantize", bad, "-o", tmp_path / "o", *RTN], capsys)
+    assert_clean_error(code, err, 2, "sliding_window", tmp_path)
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_routing_check_runs_on_transformers_defaults_and_at_load(moe_src, tmp_path):
+    """A config that leaves n_group to transformers (DeepSeek-V3's default is 8 groups) is
+    checked as the model is built; an artifact whose config contradicts its experts is refused
+    by verify's and the runtime's loaders (one line, not a RuntimeError inside the router)."""
+    from transformers import AutoConfig
+
+    from compressor.errors import InputError
+    from compressor.models import check_buildable
+    from compressor.runtime.model import DecoderSpec
+
+    bad = _copy_model(moe_src, tmp_path / "m")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.pop("n_group")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    built = AutoConfig.from_pretrained(bad)
+    with pytest.raises(InputError, match="n_group = 8"):
+        check_buildable(built, str(bad))
+    with pytest.raises(InputError, match="n_group = 8"):
+        DecoderSpec.from_config(built, kv="mla")
+
+
+def _with_added_token(folder: Path, token: str = "<round3-extra>") -> int:
+    """Add ``token`` to the tokenizer saved in ``folder`` (its id: one past the embedding)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.add_tokens([token])
+    tok.save_pretrained(str(folder))
+    return tok.convert_tokens_to_ids(token)
+
+
+def test_a_tokenizer_beyond_the_embedding_is_refused_at_quantize_time(src, tmp_path, capsys):
+    bad = _copy(src, tmp_path / "m")
+    rows = json.loads((bad / "config.json").read_text())["vocab_size"]
+    assert _with_added_token(bad) == rows
+    code, _, err = run(["quantize", bad, "-o", tmp_path / "o", *RTN], capsys)
+    assert_clean_error(code, err, 2, f"token '<round3-extra>' has id {rows}, beyond the model's embedding of {rows} rows",
+                       tmp_path)
+    assert "tokenizer" in err and not (tmp_path / "o").exists()
+
+
+def test_a_served_tokenizer_beyond_the_embedding_is_refused_before_the_port_opens(art, tmp_path, monkeypatch, capsys):
+    import compressor.runtime.server as server
+
+    nm = _copy(art, tmp_path / "nm")
+    (nm / MANIFEST_NAME).unlink()
+    _with_added_token(nm)
+    monkeypatch.setattr(server, "Server", lambda *a, **k: pytest.fail("the port opened"))
+    code, _, err = run(["serve", nm, "--port", "0", "--no-manifest"], capsys)
+    assert_clean_error(code, err, 2, "beyond the model's embedding")
+    code, _, err = run(["verify", nm, "--no-manifest", "--reference", art, "--weights-only"], capsys)
+    assert_clean_error(code, err, 2, "beyond the model's embedding")
+
+
+def test_a_request_beyond_the_vocabulary_is_a_400_not_a_500(art, tmp_path):
+    """Whatever the tokenizer in front of the engine produces, an id beyond the embedding is the
+    request's problem: 400 in OpenAI's shape, and the server keeps serving."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from compressor.runtime import Runtime
+    from compressor.runtime.server import Engine, Server
+
+    tok = AutoTokenizer.from_pretrained(str(art))
+    tok.add_tokens(["<round3-extra>"])
+    eng = Engine(Runtime.from_artifact(art, kv="artifact"), tok, "tiny")
+    srv = Server(eng, "127.0.0.1").start()
+    try:
+        for path, body in (("/v1/completions", {"prompt": "a <round3-extra> b", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "<round3-extra>"}],
+                                                     "max_tokens": 2})):
+            r = httpx.post(srv.url + path, json=body, timeout=60)
+            assert r.status_code == 400 and "beyond the model's" in r.json()["error"]["message"], r.text
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a b", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+        eng.close()

@@ -35,7 +35,7 @@ from compressor.runtime.mla import make_mla_cache
 from compressor.runtime.moe import MoE, SigmoidRouter, SoftmaxRouter, make_router
 from compressor.runtime.triton_kernels import triton_available
 
-from test_arch import CONFIGS, tiny
+from test_arch import CONFIGS, make_dir, tiny
 
 REPO = Path(__file__).resolve().parents[1]
 PARITY_TOL = 1e-4
@@ -70,8 +70,7 @@ def row_artifacts(tmp_path_factory, tokenizer):
     out = {}
     for mt in SERVED:
         src = root / f"{mt}-src"
-        _spread_router_bias(tiny(mt, 0, len(tokenizer))).save_pretrained(src)
-        tokenizer.save_pretrained(src)
+        make_dir(src, tokenizer, mt, prepare=_spread_router_bias)
         out[mt] = {}
         for kv in ("fp8", "int8"):
             out[mt][kv] = root / f"{mt}-{kv}"

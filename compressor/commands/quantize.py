@@ -35,7 +35,7 @@ from .. import interrupts
 from ..arch import checkpoint_name, get_arch, mtp_layer, routers
 from ..artifact import DTYPES, check_output, tool_info, write_artifact
 from ..calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
-from ..tokens import bos_rule
+from ..tokens import bos_rule, check_vocabulary
 from ..config_check import read_config
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
@@ -286,6 +286,7 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
     if model is None:
         model, tokenizer = load_model(source)
     plan.warnings += [n for n in take_cache_notes() if n not in early]  # e.g. a cache that cannot be written
+    check_vocabulary(tokenizer, model.config.vocab_size, f"{source.spec}: tokenizer")  # served later: checked here
     show.note(console, f"source weights: {loading}", highlight=False)
     if plan.activation_budget_gib is None:  # a GGUF source: its hidden size is known now
         _check_activations(plan, opts, getattr(model.config, "hidden_size", None), console)

@@ -379,13 +379,14 @@ def load_checked(artifact: Path, opts, note: Callable[[str], None]) -> Loaded:
 
     Raises:
         InputError: see :func:`~compressor.load_integrity.open_for_serving` and
-            :meth:`~compressor.runtime.Runtime.from_artifact`.
+            :meth:`~compressor.runtime.Runtime.from_artifact`; a tokenizer id beyond the embedding.
         SignatureFailed, ArtifactMismatch: a failed check (exit 1), before anything is served.
     """
     from transformers import AutoTokenizer
 
     from ..integrity import hashes_summary
     from ..load_integrity import open_for_serving
+    from ..tokens import check_vocabulary
 
     reads, sig = open_for_serving(artifact, opts.keys, opts.no_manifest, note)
     with reads:
@@ -393,6 +394,7 @@ def load_checked(artifact: Path, opts, note: Callable[[str], None]) -> Loaded:
         rt = Runtime.from_artifact(artifact, device=opts.device, backend=opts.backend, kv="artifact", reads=reads,
                                    dtype=dtype)
         tok = AutoTokenizer.from_pretrained(str(reads.files_folder))
+    check_vocabulary(tok, rt.vocab_size, f"{artifact}: tokenizer")  # no request may reach an id beyond the embedding
     if rt.integrity is not None:
         note(f"hashes ok, checked as loaded: {hashes_summary(rt.integrity)}")
     return Loaded(rt, tok, sig, reads.manifest)

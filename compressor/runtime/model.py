@@ -70,7 +70,12 @@ class DecoderSpec:
 
     @classmethod
     def from_config(cls, cfg, kv: str = "gqa", dense_field: str | None = None) -> "DecoderSpec":
-        """Raises InputError: a missing field or GQA heads that do not divide."""
+        """Raises InputError: a missing field, GQA heads that do not divide, router or
+        sliding-window fields that contradict the experts (:func:`compressor.config_check.check_routing`)."""
+        from ..config_check import check_routing, text_config
+
+        if hasattr(cfg, "to_dict"):
+            check_routing(text_config(cfg.to_dict()))
         try:
             n_heads = int(cfg.num_attention_heads)
             n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)

@@ -276,14 +276,20 @@ class _Api:
         """Queue every prompt, wait for all; drop them all if the client leaves first.
 
         Raises:
-            _BadRequest: context length exceeded (400), queue full (429), engine failure (5xx).
+            _BadRequest: context length exceeded or a token id beyond the embedding (400), queue
+                full (429), engine failure (5xx).
             _ClientGone: the client disconnected (its sequences were cancelled).
         """
+        vocab = self.engine.runtime.vocab_size
         for x in ids:
             try:
                 self.engine.check_length(x, req.max_tokens)
             except InputError as e:
                 raise _BadRequest(str(e), param) from None
+            beyond = next((i for i in x if not 0 <= i < vocab), None)
+            if beyond is not None:  # the model's own vocabulary is the request's business, never a 500
+                raise _BadRequest(f"the {param} encodes to token id {beyond}, beyond the model's {vocab} embedding "
+                                  "rows", param)
         try:
             futs = self.engine.submit_many(ids, req.max_tokens, req.temperature, req.seed)
         except QueueFull as e:
@@ -304,6 +310,8 @@ class _Api:
         if work.cancelled() or not work.done():
             raise _ClientGone()
         e = work.exception()
+        if isinstance(e, InputError):  # the runtime refused the request itself
+            raise _BadRequest(str(e), param)
         if e is not None:
             _log.error("generation failed: %s: %s", type(e).__name__, e)
             raise _BadRequest(f"generation failed: {type(e).__name__}: {e}", status=500, kind="server_error")
