@@ -332,3 +332,39 @@ def test_a_request_beyond_the_vocabulary_is_a_400_not_a_500(art, tmp_path):
     finally:
         srv.stop()
         eng.close()
+
+
+# --- 6. a silent skip ----------------------------------------------------------------------
+
+def test_awq_says_and_records_the_gqa_group_it_leaves_unscaled(src, tmp_path, capsys):
+    """The tiny model has 4 query heads over 2 KV heads: AWQ does not scale v_proj -> o_proj
+    there (GQA_V_TO_O); each layer's figures name the group and why, the run warns, and the
+    manifest keeps both."""
+    from compressor.quant import awq_layer
+
+    assert awq_layer.GQA_V_TO_O is False
+    out = tmp_path / "awq"
+    code, stdout, err = run(["quantize", src, "-o", out, "--algorithm", "awq", "--group-size", "32",
+                             "--calib-samples", "4", "--calib-seqlen", "32", "--json"], capsys)
+    assert code == 0, err
+    warned = [w for w in json.loads(stdout)["warnings"] if "unscaled" in w]
+    assert len(warned) == 1 and "self_attn.v_proj -> self_attn.o_proj unscaled in 2 of 2 layer(s) (layers 0-1)" in \
+        warned[0] and "2 query heads read each of the 2 KV heads" in warned[0], warned
+    quality = load_manifest(out).quality
+    assert warned[0] in quality["warnings"]
+    for f in quality["layers"]:
+        assert list(f["awq_skipped"]) == ["self_attn.v_proj -> self_attn.o_proj"]
+        assert "self_attn.v_proj" not in f["awq_ratios"] and "post_attention_layernorm" in f["awq_ratios"]
+    code, _, err = run(["quantize", src, "-o", tmp_path / "awq2", "--algorithm", "awq", "--group-size", "32",
+                        "--calib-samples", "4", "--calib-seqlen", "32"], capsys)
+    assert code == 0 and "self_attn.v_proj -> self_attn.o_proj unscaled" in _flat(err), err
+
+
+def test_awq_on_full_attention_scales_every_group_and_says_nothing(tmp_path, tokenizer, capsys):
+    mha = make_model_dir(tmp_path / "mha", tokenizer, num_key_value_heads=4)
+    out = tmp_path / "awq"
+    code, stdout, err = run(["quantize", mha, "-o", out, "--algorithm", "awq", "--group-size", "32",
+                             "--calib-samples", "4", "--calib-seqlen", "32", "--json"], capsys)
+    assert code == 0, err
+    assert not [w for w in json.loads(stdout)["warnings"] if "unscaled" in w]
+    assert all("awq_skipped" not in f and "self_attn.v_proj" in f["awq_ratios"] for f in load_manifest(out).quality["layers"])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 
 from .algorithms import register_algorithm
-from .awq_layer import AWQ, awq_scale_layer
+from .awq_layer import AWQ, awq_scale_layer, skipped_warnings
 from .gptq_layer import GPTQ, gptq_layer
 from .layer import LayerContext, LayerOutcome
 
@@ -37,7 +37,7 @@ def awq_gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> 
     # the float layer's output before any fold, from AWQ's observe pass (GPTQ's passes need not compute it again)
     out = gptq_layer(i, layer, hidden, kw, ctx, folds=(sl.col_scale, sl.row_scale, sl.originals), float_out=sl.float_out)
     out.phases = {**sl.phases, **out.phases, "gptq_total": time.perf_counter() - tp}
-    out.figures = {**out.figures, "awq_ratios": sl.ratios}
+    out.figures = {**out.figures, **sl.figures()}
     return out
 
 
@@ -52,3 +52,6 @@ class AWQGPTQ(GPTQ):
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return awq_gptq_layer(i, layer, hidden, kw, ctx)
+
+    def run_warnings(self, layers):
+        return super().run_warnings(layers) + skipped_warnings(layers)

@@ -117,14 +117,23 @@ def _loss_inputs(stored, watched, linears, hidden, loss_n) -> dict[str, torch.Te
 #: apply the v_proj -> o_proj group under GQA (scales tied per KV head, :func:`kv_repeat`). Off:
 #: measured on SmolLM2-135M (W4 g64, 8 x 512 calibration, 4 windows of wiki.test.raw) it cost
 #: perplexity (29.03 vs 28.64) for a slightly lower KL (0.1458 vs 0.1479); the fold is exact
-#: and tested, kept for the quality work of issue #18
+#: and tested, kept for the quality work of issue #18. The skip is not silent: each layer's
+#: ``awq_skipped`` figure names the group and why, and the run warns (:meth:`AWQ.run_warnings`)
 GQA_V_TO_O = False
 
 
+def group_name(group) -> str:
+    """A scaling group as the manifest names it: ``self_attn.v_proj -> self_attn.o_proj``."""
+    shown = group.linears if len(group.linears) <= 4 else group.linears[:2] + (f"... ({len(group.linears)} linears)",)
+    return f"{group.prev_op} -> {', '.join(shown)}"
+
+
 def search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw, ctx: LayerContext):
-    """AWQ scales of one scaling group; ``(s [in] float32, best ratio, input key)`` or ``None`` when
-    the group is skipped (nothing targeted, shapes that do not chain, a cold expert's own
-    group, no token among the loss samples)."""
+    """AWQ scales of one scaling group: ``(s [in] float32, best ratio, input key)``; ``None`` when
+    there is nothing to scale (no linear of it targeted, a cold expert's own group: its RTN
+    fallback is recorded in ``quality.moe``); or, when a targeted group is left unscaled, the
+    reason (a ``str``: grouped-query attention with :data:`GQA_V_TO_O` off, shapes that do not
+    chain, no token among the loss samples), which the layer's figures record."""
     arch, quantizer, opts, targets = ctx.arch, ctx.quantizer, ctx.recipe.awq, ctx.targets
     prev = get_module(layer, group.prev_op)
     lins = [linears[r] for r in group.linears]
@@ -133,18 +142,22 @@ def search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw,
         return None
     tie = None
     if group.requires_square:
-        kv = kv_repeat(layer, group) if GQA_V_TO_O else None
-        if kv is not None:  # GQA/MQA: one scale per KV-head channel, repeated for the query heads reading it
+        kv = kv_repeat(layer, group)
+        if kv is not None and GQA_V_TO_O:  # GQA/MQA: one scale per KV-head channel, repeated for the query heads reading it
             tie = lambda c, kv=kv: tie_kv_heads(c, *kv)  # noqa: E731
+        elif kv is not None:
+            return (f"grouped-query attention ({kv[1]} query heads read each of the {kv[0]} KV heads): AWQ's "
+                    "v_proj -> o_proj scaling is off for it (it cost perplexity where measured)")
         elif (any(m.in_features != prev.weight.shape[0] for m in lins)
               or lins[0].weight.shape != prev.weight.shape):
-            return None
+            return (f"{group.prev_op}'s {prev.weight.shape[0]} output rows do not map one to one onto "
+                    f"{group.linears[0]}'s {lins[0].in_features} input columns")
     if expert_index(arch, group.prev_op) in cold:
         return None  # a cold expert's own group (up -> down): RTN fallback, no scaling
     key = group.inputs_at or group.linears[0]
     x = x_loss[key]
     if x.numel() == 0 or x_mean[key] is None:
-        return None  # no token reached this group among the loss samples
+        return "no calibration token reached it among the loss samples"
     inspect = get_module(layer, group.inspect)
     weights = [m.weight.detach().clone() for m in lins]
     if gram_worthwhile(inspect, lins, x):
@@ -152,8 +165,7 @@ def search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw,
     else:
         loss_fn = forward_loss(inspect, lins, weights, quantized, x, kw, group.inspect_is_attention)
 
-    shown = group.linears if len(group.linears) <= 4 else group.linears[:2] + (f"... ({len(group.linears)} linears)",)
-    name = f"{prefix}{group.prev_op} -> {', '.join(shown)}"
+    name = prefix + group_name(group)
     specs = [quantizer.schemes.get(prefix + r, quantizer.schemes[next(iter(quantizer.schemes))]) for r in group.linears]
     s, ratio, _ = search_scales(
         x_mean[key], weights, loss_fn, [b for b, _, _ in specs], [g for _, g, _ in specs],
@@ -293,7 +305,8 @@ class ScaledLayer:
     ``row_scale``: the scales folded into each linear's input columns / output rows;
     ``originals``: each linear's weight before folding; ``ratios``: the chosen grid ratio per
     scaling group; ``float_out``: the float layer's output on the loss sequences; ``counts``:
-    routed tokens per expert; ``phases``: seconds per step."""
+    routed tokens per expert; ``phases``: seconds per step; ``skipped``: targeted scaling
+    groups left unscaled (:func:`group_name` -> why)."""
 
     linears: dict
     x_loss: dict
@@ -305,6 +318,12 @@ class ScaledLayer:
     float_out: torch.Tensor
     counts: list | None
     phases: dict
+    skipped: dict
+
+    def figures(self) -> dict:
+        """The layer's AWQ figures for the manifest: ``awq_ratios``, and ``awq_skipped`` when a
+        targeted group was left unscaled."""
+        return {"awq_ratios": self.ratios, **({"awq_skipped": self.skipped} if self.skipped else {})}
 
 
 def awq_scale_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> ScaledLayer:
@@ -332,17 +351,20 @@ def awq_scale_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) ->
     originals = {rel: m.weight.detach().clone() for rel, m in linears.items()}
     col_scale: dict[str, torch.Tensor] = {}
     row_scale: dict[str, torch.Tensor] = {}
-    ratios = {}
+    ratios, skipped = {}, {}
     phases["observe"], tp = time.perf_counter() - tp, time.perf_counter()
 
     for group in groups:  # one scaling group at a time: later groups see the earlier folds
         found = search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw, ctx)
-        if found is None:
+        if isinstance(found, str):
+            skipped[group_name(group)] = found
+        if found is None or isinstance(found, str):
             continue
         s, ratios[group.prev_op], key = found
         fold_group(layer, group, s, key, linears, x_loss, col_scale, row_scale, arch.norm_offset, ctx.quantizer.dtype)
     phases["scale_search"] = time.perf_counter() - tp
-    return ScaledLayer(linears, x_loss, cold, col_scale, row_scale, originals, ratios, torch.cat(float_out), counts, phases)
+    return ScaledLayer(linears, x_loss, cold, col_scale, row_scale, originals, ratios, torch.cat(float_out), counts, phases,
+                       skipped)
 
 
 def awq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> LayerOutcome:
@@ -351,7 +373,30 @@ def awq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> Layer
     tp = time.perf_counter()
     errs = clip_and_quantize(i, sl.linears, sl.x_loss, sl.cold, sl.col_scale, sl.row_scale, sl.originals, ctx)
     sl.phases["clip_and_quantize"] = time.perf_counter() - tp
-    return LayerOutcome(errs, sl.float_out, sl.counts, {"awq_ratios": sl.ratios}, sl.phases)
+    return LayerOutcome(errs, sl.float_out, sl.counts, sl.figures(), sl.phases)
+
+
+def skipped_warnings(layers: list[dict]) -> list[str]:
+    """One warning per scaling group AWQ left unscaled (``quality.layers[].awq_skipped``), with
+    the layers it concerns and why: its linears are quantized without AWQ's scales."""
+    seen: dict[tuple[str, str], list[int]] = {}
+    for f in layers:
+        for group, why in (f.get("awq_skipped") or {}).items():
+            seen.setdefault((group, why), []).append(f["layer"])
+    return [f"AWQ left the scaling group {group} unscaled in {len(ids)} of {len(layers)} layer(s) ({_ranges(ids)}): "
+            f"{why}; its linears are quantized without AWQ's scales (quality.layers[].awq_skipped)"
+            for (group, why), ids in seen.items()]
+
+
+def _ranges(ids: list[int]) -> str:
+    """``layers 0-3, 7`` for ``[0, 1, 2, 3, 7]``."""
+    ids, parts, start = sorted(ids), [], None
+    for k, i in enumerate(ids):
+        start = i if start is None else start
+        if k + 1 == len(ids) or ids[k + 1] != i + 1:
+            parts.append(f"{start}" if start == i else f"{start}-{i}")
+            start = None
+    return ("layer " if len(ids) == 1 else "layers ") + ", ".join(parts)
 
 
 @register_algorithm
@@ -365,3 +410,6 @@ class AWQ(Algorithm):
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return awq_layer(i, layer, hidden, kw, ctx)
+
+    def run_warnings(self, layers):
+        return skipped_warnings(layers)
