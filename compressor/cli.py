@@ -197,7 +197,9 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 
     The recipe (`kvq recipes`) says what to quantize and how: algorithm (awq, gptq,
     awq-gptq: AWQ's scales then GPTQ, rtn, none), weight scheme, targets/ignore, per-module overrides (mixed precision),
-    the KV-cache scheme, the LM head (head:, e.g. --set head.num_bits=8; float by default)
+    the KV-cache scheme, the LM head (head:, e.g. --set head.num_bits=8; float by default;
+    a tied head only with --set head.untie=true, which adds its bytes), the input embedding
+    (embedding:, e.g. --set embedding.num_bits=8: a tied model's shared table, read by kvq only)
     and the verify gate. Several --recipe combine (later ones win);
     flags override recipe fields; the effective recipe is stored in the artifact's
     kvq-manifest.json.
@@ -209,7 +211,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
       kvq quantize smollm2-135m --recipe w4a16-gptq --no-act-order --set gptq.damp=0.05 -o out/g
       kvq quantize smollm2-135m --recipe w4a16-gptq --set gptq.static_groups=false --format gptq -o out/g2
       kvq quantize smollm2-135m --recipe w4a16-awq --recipe kv-fp8 -o out/w4-fp8kv
-      kvq quantize smollm2-135m --recipe w4a16-awq-gptq --set head.num_bits=8 -o out/best   # 8-bit lm_head
+      kvq quantize smollm2-135m --recipe w4a16-rtn-g64 --set embedding.num_bits=8 -o out/small   # 8-bit tied table
       kvq quantize smollm2-135m --recipe kv-int4 -o out/kv-only
       kvq quantize out/smollm2-w4 --recipe kv-fp8 -o out/w4-then-fp8kv   # packed source: KV only
       kvq quantize smollm2-135m --sign-key key.pem -o out/signed

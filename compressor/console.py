@@ -132,6 +132,12 @@ def quantize_done(console, summary: dict, layers: list[dict], moe_layers: list[d
         console.print(f"lm_head: {h['num_bits']} bit, " + ("per channel" if h["group_size"] == -1 else f"group {h['group_size']}")
                       + f", {'symmetric' if h['symmetric'] else 'asymmetric'}, rel. weight error {h['relative_error']:.4f}"
                       + ("; untied from the embedding (kept float)" if h["untied"] else ""), highlight=False)
+    if summary.get("embedding"):
+        e = summary["embedding"]
+        console.print(f"embedding: {e['num_bits']} bit, " + ("per row" if e["group_size"] == -1 else f"group {e['group_size']}")
+                      + f", rel. weight error {e['relative_error']:.4f}, {e['bytes'] / 1e6:,.2f} MB instead of "
+                      f"{e['float_bytes'] / 1e6:,.2f} MB" + ("; also the tied LM head" if e["tied"] and not summary.get("head") else ""),
+                      highlight=False)
     if summary.get("kv_cache"):
         k = summary["kv_cache"]
         strategy = {"kivi": "KIVI"}.get(k["strategy"], f"per {k['strategy']}")

@@ -148,24 +148,58 @@ class WeightOverride(_Strict):
         return WeightScheme._gs(v) if v is not None else v
 
 
+def _row_group_size(v: int) -> int:
+    if v != -1 and v <= 0:
+        raise ValueError("group_size must be a positive integer or -1 (per channel)")
+    return v
+
+
 class HeadScheme(_Strict):
     """Integer weight-only scheme of the LM head (``lm_head``), quantized after the decoder
     layers: GPTQ on the final norm's outputs when the run has a calibration pass, else RTN. ``group_size``: ``-1`` per output channel (one scale
     per vocabulary row, the default: 8-bit per channel costs almost nothing) or a divisor of
     the hidden size (4-bit grouped). Stored in compressed-tensors only (its own config group;
-    vLLM and transformers load it); a tied head (``tie_word_embeddings``) is untied: the
-    embedding stays in the storage dtype and the artifact's config says the head is separate."""
+    vLLM and transformers load it). A tied head (``tie_word_embeddings``) can only be quantized
+    by untying it: the embedding stays as it is and the packed head is stored beside it, which
+    adds the head's bytes to the artifact; ``untie: true`` accepts that (refused without it,
+    :func:`compressor.quant.head.check_untie`)."""
 
     num_bits: int = Field(8, ge=2, le=8)
     group_size: int = -1
     symmetric: bool = True
+    untie: bool = False
 
     @field_validator("group_size")
     @classmethod
     def _gs(cls, v):
-        if v != -1 and v <= 0:
-            raise ValueError("group_size must be a positive integer or -1 (per channel)")
-        return v
+        return _row_group_size(v)
+
+    @model_serializer(mode="wrap")
+    def _omit_untie(self, handler, info):
+        """``untie: false`` is left out of dumps: a head scheme serializes (and digests) as it
+        did before the field existed (:data:`FULL_DUMP` keeps it)."""
+        data = handler(self)
+        if isinstance(data, dict) and not _full(info) and data.get("untie") is False:
+            del data["untie"]
+        return data
+
+
+class EmbeddingScheme(_Strict):
+    """Integer scheme of the input embedding table (``embed_tokens``, ``[vocab, hidden]``):
+    symmetric round-to-nearest per vocabulary row (``group_size: -1``, the default) or in groups
+    of a divisor of the hidden size. Under ``tie_word_embeddings`` the table is also the LM
+    head, so the head reads the quantized table too and the artifact stays tied. Stored as a
+    compressed-tensors ``pack-quantized`` module with a config group of its own; kvq's readers
+    (verify, serve-smoke, serve) load it; transformers and vLLM do not load a tied one (README
+    'LM head and embedding'), which the quantize run says in a warning."""
+
+    num_bits: int = Field(8, ge=2, le=8)
+    group_size: int = -1
+
+    @field_validator("group_size")
+    @classmethod
+    def _gs(cls, v):
+        return _row_group_size(v)
 
 
 class Override(_Strict):
@@ -282,16 +316,18 @@ class Recipe(_Strict):
     moe: MoEOptions = MoEOptions()
     kv_cache: Optional[KVCacheOptions] = Field(None, description="KV-cache scheme; null keeps the cache in float")
     head: Optional[HeadScheme] = Field(None, description="LM-head scheme; null keeps lm_head in float")
+    embedding: Optional[EmbeddingScheme] = Field(None, description="input embedding scheme; null keeps it in float")
     gates: Gates = Gates()
 
     @model_serializer(mode="wrap")
     def _omit_float_head(self, handler, info):
-        """``head: null`` is left out of dumps: a recipe without a head scheme serializes (and
-        digests) as it did before the field existed, so earlier manifests keep their bytes
-        (:data:`FULL_DUMP` keeps it)."""
+        """``head: null`` and ``embedding: null`` are left out of dumps: a recipe without them
+        serializes (and digests) as it did before the fields existed, so earlier manifests keep
+        their bytes (:data:`FULL_DUMP` keeps them)."""
         data = handler(self)
-        if isinstance(data, dict) and not _full(info) and data.get("head", 0) is None:
-            del data["head"]
+        for key in ("head", "embedding"):
+            if isinstance(data, dict) and not _full(info) and data.get(key, 0) is None:
+                del data[key]
         return data
 
     @field_validator("targets", "ignore")
@@ -467,11 +503,16 @@ def with_overrides(recipe: Recipe, **overrides) -> Recipe:
     return apply_settings(recipe, {k: v for k, v in overrides.items() if v is not None})
 
 
+#: optional sections a dotted ``--set`` key creates with their defaults (``--set head.num_bits=4``)
+_SECTIONS = {"head": HeadScheme, "embedding": EmbeddingScheme}
+
+
 def apply_settings(recipe: Recipe, settings) -> Recipe:
     """Return a copy of ``recipe`` with dotted-key settings (``--set``: ``weights.num_bits=3``,
     ``head=null``), a dict or ``(key, value)`` pairs applied in their order (a key given twice:
     the last wins, where it stands); a ``None`` value sets the field to null, which only
-    optional sections (``kv_cache``, ``head``) accept.
+    optional sections (``kv_cache``, ``head``, ``embedding``) accept; a key inside a null
+    ``head`` or ``embedding`` section creates it with its defaults first.
 
     Raises:
         InputError: a key that is not a recipe field, or a value the field rejects.
@@ -481,8 +522,8 @@ def apply_settings(recipe: Recipe, settings) -> Recipe:
         node = data
         parts = key.split(".")
         for p in parts[:-1]:
-            if p == "head" and node is data and node[p] is None:
-                node[p] = HeadScheme().model_dump()  # head.* on a float head: HeadScheme's defaults (8 bit per channel), then the key
+            if p in _SECTIONS and node is data and node[p] is None:  # head.* on a float head: the section's
+                node[p] = _SECTIONS[p]().model_dump(context=FULL_DUMP)  # defaults (8 bit per channel), then the key
             if p in node and node[p] is None:
                 raise InputError(f"command-line options: {key}: the recipe has no {p} section (null); set it first (e.g. --kv-scheme)")
             if not isinstance(node.get(p), dict):

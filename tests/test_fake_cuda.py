@@ -89,7 +89,7 @@ def test_quantize_on_cuda_equals_cpu(row, algorithm, sources, tmp_path, monkeypa
     (["w4a16-gptq"], {"kv_scheme": "int4"}),  # KIVI int4 KV, GPTQ with act-order
     (["w3a16-gptaq-g64"], {}),
     (["w4a16-mixed"], {}),
-    (["w4a16-awq-gptq"], {"settings": (("head.num_bits", 8),)}),  # 8-bit LM head
+    (["w4a16-awq-gptq"], {"settings": (("head.num_bits", 8), ("head.untie", True))}),  # 8-bit LM head (tied source)
     (["w4a16-gptq"], {"settings": (("gptq.static_groups", False),), "format": "gptq"}),
     (["w4a16-awq"], {"format": "awq"}),
 ])

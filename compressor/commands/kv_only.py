@@ -137,7 +137,7 @@ def check_carry(packed: PackedSource, recipe, opts):
     Raises:
         InputError: the recipe quantizes weights (named, with the format and bits of the
             source and the KV recipes to use instead); it has no KV-cache scheme (nothing
-            to do); a ``head:`` section; ``--format``/``--dtype`` other than the source's (its tensors are
+            to do); a ``head:`` or ``embedding:`` section; ``--format``/``--dtype`` other than the source's (its tensors are
             carried as they are); a static KV scheme on an AWQ/GPTQ source; a layout kvq
             cannot dequantize; ``--resume`` or several torchrun ranks; ``kv_cache.key_rotation: pairs``.
     """
@@ -149,9 +149,10 @@ def check_carry(packed: PackedSource, recipe, opts):
     if get_algorithm(recipe.algorithm).quantizes_weights:
         raise InputError(f"{what}; kvq does not quantize quantized weights again (recipe {recipe.name} asks for "
                          f"{recipe.algorithm.upper()}): to calibrate the KV cache on the weights as they are, {hint}")
-    if recipe.head is not None:
-        raise InputError(f"{what}; its tensors are carried as they are, so the recipe's head: section cannot be "
-                         "applied (quantize the head from the float model)")
+    for section in ("head", "embedding"):
+        if getattr(recipe, section) is not None:
+            raise InputError(f"{what}; its tensors are carried as they are, so the recipe's {section}: section cannot "
+                             f"be applied (quantize the {section} from the float model)")
     if recipe.kv_cache is None:
         raise InputError(f"{what} and the recipe has no KV-cache scheme: nothing to do; {hint}")
     w = opts.write

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -36,7 +37,7 @@ from ..arch import checkpoint_name, get_arch, mtp_layer, routers
 from ..artifact import DTYPES, check_output, tool_info, write_artifact
 from ..calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
 from ..tokens import bos_rule, check_vocabulary
-from ..config_check import read_config
+from ..config_check import read_config, text_config
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import check_format, check_shapes, format_config, pack_modules
@@ -45,7 +46,8 @@ from ..models import ALIASES, float32_bytes, load_model, peek_model_type, resolv
 from ..pipeline import check_group_sizes, quantize_model
 from ..precision import resolve_matmul_precision
 from ..quant.algorithms import get_algorithm
-from ..quant.head import add_head, check_head, head_schemes
+from ..quant.embedding import add_embedding, check_embedding, embedding_scheme
+from ..quant.head import add_head, check_head, check_untie, head_schemes
 from ..quant.kv import layout_bytes_per_token
 from ..recipe import KVCacheOptions, Recipe, apply_settings, load_recipes, with_overrides
 from ..signing import check_sign_options, sign_folder
@@ -187,6 +189,8 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
         if recipe.kv_cache is not None:
             arch.check_kv_support(model_type)
     _refuse_output_in_source(source.path, out, opts.model)
+    if packed is None:
+        _refuse_tied_head(recipe, source, dtype)
     kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
     needs_calib = algorithm.needs_calibration or (kv is not None and kv.static)
     calib = opts.calibration
@@ -234,6 +238,19 @@ def _check_activations(plan: _Plan, opts: QuantizeOptions, hidden: Optional[int]
         plan.activation_budget_gib = 0.0
     if note:
         show.note(console, f"[yellow]note:[/] {note}", highlight=False)
+
+
+def _refuse_tied_head(recipe: Recipe, source, dtype: str) -> None:
+    """A recipe ``head:`` that would untie a tied head without ``head.untie: true``, refused from
+    ``config.json`` before the model loads (:func:`compressor.quant.head.check_untie`); a GGUF
+    file, or a config that leaves ``tie_word_embeddings`` to the model class's default, is
+    checked once loaded (:func:`compressor.quant.head.check_head`)."""
+    if recipe.head is None or source.kind != "hf":
+        return
+    cfg = text_config(read_config(source.path / "config.json"))
+    vocab, hidden = cfg.get("vocab_size"), cfg.get("hidden_size")
+    if cfg.get("tie_word_embeddings") is True and isinstance(vocab, int) and isinstance(hidden, int):
+        check_untie(recipe, True, vocab, hidden, DTYPES[dtype].itemsize)
 
 
 def _refuse_output_in_source(source: Path, out: Path, spec: str) -> None:
@@ -293,7 +310,9 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
     check_shapes(opts.write.format, {n: m.out_features for n, m in model.named_modules()
                                      if isinstance(m, torch.nn.Linear) and not plan.recipe.is_ignored(n) and n != "lm_head"})
     check_group_sizes(model, plan.recipe)  # before the calibration text is tokenized
-    check_head(plan.recipe, opts.write.format, model, get_arch(model.config.model_type))
+    arch, scale_bytes = get_arch(model.config.model_type), DTYPES[plan.dtype].itemsize
+    plan.warnings += [w for w in (check_head(plan.recipe, opts.write.format, model, arch, scale_bytes),
+                                  check_embedding(plan.recipe, opts.write.format, model, arch, scale_bytes)) if w]
     calib_ids, calibration = _calibration(plan, opts, model, tokenizer, console)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if calib_ids is not None and max_pos and calib_ids.shape[1] > max_pos:
@@ -433,7 +452,8 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
     ignored = [rename(n) for n in ignored + routers(arch, model) if n != "lm_head" or rename(n) != n]
     kept, carried = _keep_tensors(plan, src, staging, warnings, console)
     qcfg = format_config(w.format, recipe, {rename(n): v for n, v in schemes.items()}, ignored + kept,
-                         {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]})
+                         {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]},
+                         {rename(n): v for n, v in embedding_scheme(recipe, arch).items()})
     packed = {rename(n): t for n, t in pack_modules(result.modules, w.format, DTYPES[plan.dtype]).items()}
     result.modules.clear()
     kv_record = _kv_record(plan.kv, result, arch, model, packed)
@@ -445,7 +465,10 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
     if opts.model not in ALIASES:  # record paths absolutely so verify finds the reference from anywhere
         source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
     writer.load_outer()  # released after layer 0's inputs were captured (streamed sources)
-    if (head := add_head(recipe, arch, model, packed, lambda m: pack_modules(m, w.format, DTYPES[plan.dtype]), rename,
+    pack = partial(pack_modules, fmt=w.format, dtype=DTYPES[plan.dtype])
+    if (table := add_embedding(recipe, arch, model, packed, pack, rename, DTYPES[plan.dtype])) is not None:
+        quality["embedding"] = table  # before add_head, which unties a tied model's config
+    if (head := add_head(recipe, arch, model, packed, pack, rename,
                          DTYPES[plan.dtype], getattr(result, "head_hessian", None))) is not None:
         quality["head"] = head
     manifest = write_artifact(
@@ -587,7 +610,7 @@ def _summary(plan: _Plan, src: _Source, written: _Written, writer: LayerWriter, 
         "resumed_from_layer": writer.start or None,
         "world_size": world_size,
         "mean_rel_error": quality["mean_rel_error"],
-        "moe": quality.get("moe"), "head": quality.get("head"), "kv_cache": manifest.kv_cache and {k: manifest.kv_cache.get(k, "none")
+        "moe": quality.get("moe"), "head": quality.get("head"), "embedding": quality.get("embedding"), "kv_cache": manifest.kv_cache and {k: manifest.kv_cache.get(k, "none")
                                                                     for k in ("scheme", "strategy", "scale_search", "key_rotation")},
         "warnings": plan.warnings,
         "content_digest": manifest.content_digest(),

@@ -98,12 +98,14 @@ def check_format(fmt: str, recipe, dtype_name: str) -> None:
             groups, a ``g_idx`` or mixed precision; GPTQ with bits outside 2/3/4/8 or mixed
             precision; AWQ/GPTQ with a KV-only recipe, a static KV scheme, or a storage
             dtype other than float16 (their kernels read fp16 scales); a recipe ``head:``
-            outside compressed-tensors.
+            or ``embedding:`` outside compressed-tensors.
     """
     get_format(fmt).check(recipe, dtype_name)
+    from ..quant.embedding import check_embedding
     from ..quant.head import check_head
 
     check_head(recipe, fmt)
+    check_embedding(recipe, fmt)
 
 
 def check_shapes(fmt: str, out_features: dict[str, int]) -> None:
@@ -125,12 +127,14 @@ def pack_modules(modules: dict, fmt: str, dtype: torch.dtype) -> dict[str, dict[
     return {name: f.pack(r, dtype) for name, r in modules.items()}
 
 
-def format_config(fmt: str, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict | None:
+def format_config(fmt: str, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict,
+                  embeddings: dict[str, tuple[int, int, bool]] | None = None) -> dict | None:
     """``config.json["quantization_config"]`` for ``fmt`` (``None``: the artifact needs none).
 
     Args:
         schemes: quantized module name -> ``(num_bits, group_size, symmetric)``.
         ignored: decoder linears left in float (``lm_head`` is added where the format needs it).
         versions: ``{"compressed-tensors": ..., "kvq": ...}``.
+        embeddings: quantized embedding tables -> scheme (recipe ``embedding:``, compressed-tensors only).
     """
-    return get_format(fmt).config(recipe, schemes, ignored, versions)
+    return get_format(fmt).config(recipe, schemes, ignored, versions, embeddings)

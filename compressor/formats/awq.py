@@ -283,7 +283,8 @@ class AwqFormat(WeightFormat):
         return [{"num_bits": qc.get("bits", qc.get("w_bit", 4)), "group_size": qc.get("group_size", qc.get("q_group_size", 128)),
                  "symmetric": not qc.get("zero_point", True)}]
 
-    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict:
+    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict,
+               embeddings: dict[str, tuple[int, int, bool]] | None = None) -> dict:
         """:func:`awq_quantization_config` of the (single) scheme's group size; ``ignored``
         becomes ``modules_to_not_convert`` (``null`` when empty)."""
         bits, gs, sym = next(iter(schemes.values()))

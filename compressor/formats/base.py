@@ -161,13 +161,16 @@ class WeightFormat:
         """A :class:`QuantWeight` from one module's stored tensors (InputError if inconsistent)."""
         raise NotImplementedError
 
-    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict | None:
+    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict,
+               embeddings: dict[str, tuple[int, int, bool]] | None = None) -> dict | None:
         """``config.json["quantization_config"]`` (``None``: the artifact needs none).
 
         Args:
             schemes: quantized module name -> ``(num_bits, group_size, symmetric)``.
             ignored: decoder linears left in float (``lm_head`` is added where the format needs it).
             versions: ``{"compressed-tensors": ..., "kvq": ...}``.
+            embeddings: quantized embedding tables -> scheme (recipe ``embedding:``; only
+                compressed-tensors holds them, the others refuse the recipe before any work).
         """
         raise NotImplementedError
 

@@ -149,6 +149,7 @@ def quantization_config(
     ct_version: str,
     actorder: str | None = None,
     kv_cache: dict | None = None,
+    embeddings: dict[str, tuple[int, int, bool]] | None = None,
 ) -> dict:
     """``config.json["quantization_config"]`` for integer weight-only schemes.
 
@@ -164,6 +165,9 @@ def quantization_config(
         actorder: ``"weight"`` when GPTQ act-order with static groups was used (the
             only act-order compressed-tensors 0.20 stores; ``"group"`` was removed).
         kv_cache: ``kv_cache_scheme`` (see :func:`kv_cache_scheme`) or None.
+        embeddings: quantized embedding tables (recipe ``embedding:``) -> scheme, as ``schemes``;
+            each scheme gets a group listing their exact names after the Linears' groups
+            (never the class ``Linear`` target, and no act-order).
 
     ``group_size=-1`` is written as ``strategy: channel``. The most common scheme targets
     the class ``Linear``; every other scheme gets its own group listing exact module
@@ -187,6 +191,13 @@ def quantization_config(
         )
         for k, (sch, names) in enumerate(ordered)
     }
+    tables: dict[tuple, list[str]] = {}
+    for name, sch in (embeddings or {}).items():
+        tables.setdefault(tuple(sch), []).append(name)
+    for sch, names in sorted(tables.items()):
+        groups[f"group_{len(groups)}"] = QuantizationScheme(
+            targets=sorted(names), weights=_weight_args(*sch, None), input_activations=None, output_activations=None,
+            format="pack-quantized")
     cfg = QuantizationConfig(
         config_groups=groups, quant_method="compressed-tensors",
         kv_cache_scheme=None if kv_cache is None else QuantizationArgs(**kv_cache),
@@ -306,18 +317,20 @@ class CompressedTensorsFormat(WeightFormat):
         g_idx = t.get("weight_g_idx")
         return QuantWeight(q, scale, symmetric_zero(zp), bits, gs, None if g_idx is None else g_idx.to(torch.int32))
 
-    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict | None:
+    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict,
+               embeddings: dict[str, tuple[int, int, bool]] | None = None) -> dict | None:
         """:func:`quantization_config` with ``lm_head`` ignored (unless the recipe quantizes
         it: then it is one of ``schemes``), ``actorder: weight`` for GPTQ
-        act-order and the recipe's static ``kv_cache_scheme``; ``None`` when there is
-        nothing to describe (no quantized module and no static KV scheme)."""
+        act-order, the recipe's static ``kv_cache_scheme`` and the quantized ``embeddings``'
+        groups; ``None`` when there is nothing to describe (no quantized module and no
+        static KV scheme)."""
         kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
         kv_cfg = kv_cache_scheme(kv) if kv is not None else None
-        if not schemes and kv_cfg is None:
+        if not schemes and not embeddings and kv_cfg is None:
             return None  # nothing compressed-tensors can describe (KV scheme lives in the manifest)
         actorder = "weight" if recipe.algorithm in ("gptq", "awq-gptq") and recipe.gptq.act_order else None
         head = [] if any(n.rsplit(".", 1)[-1] == "lm_head" for n in schemes) else ["lm_head"]  # recipe head: quantized
-        return quantization_config(schemes, head + ignored, versions["compressed-tensors"], actorder, kv_cfg)
+        return quantization_config(schemes, head + ignored, versions["compressed-tensors"], actorder, kv_cfg, embeddings)
 
     def declared(self, qc: dict) -> list[dict]:
         """One scheme per config group's ``weights`` (``strategy: channel`` -> group size -1)."""

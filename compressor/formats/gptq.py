@@ -410,7 +410,8 @@ class GptqFormat(WeightFormat):
         gs = qc.get("group_size", -1)
         return [{"num_bits": qc.get("bits"), "group_size": -1 if gs in (-1, 0, None) else gs, "symmetric": qc.get("sym", True)}]
 
-    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict) -> dict:
+    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict,
+               embeddings: dict[str, tuple[int, int, bool]] | None = None) -> dict:
         """:func:`gptq_quantization_config` of the (single) scheme; ``ignored`` modules become
         GPTQModel ``dynamic`` negative overrides (``"-:^<name>$": {}``)."""
         bits, gs, sym = next(iter(schemes.values()))

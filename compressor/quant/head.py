@@ -13,9 +13,11 @@ else with min-max RTN.
 Layout: compressed-tensors ``pack-quantized``, the head out of the ignore list and in a config
 group of its own (``targets: [lm_head]``) when its scheme differs from the body's (else in the
 body's ``Linear`` class group), as llm-compressor writes a quantized head; vLLM's compressed-tensors path loads it (a ``ParallelLMHead`` with a weight scheme) and
-transformers decompresses it. A tied head (``tie_word_embeddings``) is untied: the artifact
-keeps the embedding in the storage dtype, adds the packed head and sets
-``tie_word_embeddings: false``, so a loader never ties a quantized head to a float table.
+transformers decompresses it. A tied head (``tie_word_embeddings``) is quantized only by
+untying it, with the recipe's ``head.untie: true`` (:func:`check_untie` refuses it otherwise,
+naming the bytes it adds): the artifact keeps the embedding, adds the packed head and sets
+``tie_word_embeddings: false``, so a loader never ties a quantized head to a float table. The
+shared table itself is made smaller by the recipe's ``embedding:`` (:mod:`.embedding`).
 """
 
 from __future__ import annotations
@@ -30,33 +32,93 @@ from .rtn import rtn_quantize
 ROWS = 4096
 
 
-def check_head(recipe, fmt: str, model=None, arch=None) -> None:
+def packed_bytes(rows: int, cols: int, num_bits: int, group_size: int, symmetric: bool, scale_bytes: int) -> int:
+    """Bytes of a ``[rows, cols]`` matrix stored ``pack-quantized`` (compressed-tensors): the
+    dense ``num_bits`` codes of each row in int32 words, one scale per row and group in the
+    storage dtype (``scale_bytes`` each), asymmetric zero points packed along the rows, and the
+    int64 ``weight_shape``."""
+    groups = 1 if group_size == -1 else cols // group_size
+    words = -(-cols * num_bits // 32)
+    zero_points = 0 if symmetric else -(-rows * num_bits // 32) * groups * 4
+    return rows * words * 4 + rows * groups * scale_bytes + zero_points + 16
+
+
+def megabytes(n: int) -> str:
+    """``n`` bytes as the warnings say them: ``28.41 MB`` (10^6 bytes)."""
+    return f"{n / 1e6:,.2f} MB"
+
+
+def check_untie(recipe, tied: bool, vocab: int, hidden: int, scale_bytes: int) -> str | None:
+    """A recipe ``head:`` on a tied model (``tie_word_embeddings``) unties the head: the
+    artifact keeps the embedding and adds the packed head beside it. Refused unless the
+    recipe says ``head.untie: true``; then the warning that states the bytes it adds.
+
+    Args:
+        tied: the model's ``tie_word_embeddings``.
+        vocab, hidden: the head's ``[vocab, hidden]`` shape.
+        scale_bytes: bytes of one scale in the storage dtype (2 for bfloat16/float16).
+
+    Returns:
+        The warning (``head.untie: true`` on a tied model), else ``None``.
+
+    Raises:
+        InputError: a tied model whose head the recipe quantizes without ``head.untie: true``;
+            the line names the bytes the untied head would add and both ways out.
+    """
+    head = recipe.head
+    if head is None or not tied:
+        return None
+    cost = packed_bytes(vocab, hidden, head.num_bits, head.group_size, head.symmetric, scale_bytes)
+    what = (f"a second, {head.num_bits}-bit copy of the {vocab:,} x {hidden:,} table beside the embedding "
+            f"(+{megabytes(cost)})")
+    if not head.untie:
+        raise InputError(f"recipe head: the model ties lm_head to its embedding (tie_word_embeddings); quantizing the "
+                         f"head unties it and stores {what}; accept that with --set head.untie=true (recipe "
+                         "head.untie: true), keep the head float with --set head=null, or make the shared table "
+                         "smaller with --set embedding.num_bits=8 (README 'LM head and embedding')")
+    return f"recipe head.untie: the tied head is stored on its own: {what}"
+
+
+def compressed_tensors_only(section: str, fmt: str, module: str) -> None:
+    """Raises InputError naming the recipe ``section`` (``head``, ``embedding``) when ``fmt`` is
+    not compressed-tensors: AutoAWQ's and GPTQ's loaders keep ``module`` in float."""
+    if fmt != "compressed-tensors":
+        raise InputError(f"recipe {section}: {fmt} artifacts keep {module} in float; quantize it with "
+                         "--format compressed-tensors")
+
+
+def check_head(recipe, fmt: str, model=None, arch=None, scale_bytes: int = 2) -> str | None:
     """Refuse a head scheme the artifact cannot hold, before any work (``model``: once loaded).
+
+    Returns:
+        With ``model``: :func:`check_untie`'s warning for a tied head the recipe unties
+        (``scale_bytes``: one stored scale's bytes), else ``None``.
 
     Raises:
         InputError: a format other than compressed-tensors (AutoAWQ's and GPTQ's loaders
             keep ``lm_head`` in float), ``lm_head`` also in the recipe's ``ignore``, a group size that does not divide the hidden size, a
-            model without a Linear ``lm_head``, or a tied head inside a multimodal wrapper.
+            model without a Linear ``lm_head``, a tied head without ``head.untie: true``
+            (:func:`check_untie`), or a tied head inside a multimodal wrapper.
     """
     head = recipe.head
     if head is None:
-        return
-    if fmt != "compressed-tensors":
-        raise InputError(f"recipe head: {fmt} artifacts keep lm_head in float; quantize the head with "
-                         "--format compressed-tensors")
+        return None
+    compressed_tensors_only("head", fmt, "lm_head")
     from ..recipe import matches
 
     if matches(recipe.ignore, "lm_head"):
         raise InputError("the recipe both quantizes the head (head:) and ignores lm_head (ignore:); "
                          "drop one (--set head=null keeps the head in float)")
     if model is None:
-        return
+        return None
     lin = _head(model, arch)
     if head.group_size != -1 and lin.in_features % head.group_size:
         raise InputError(f"recipe head.group_size {head.group_size} does not divide the hidden size {lin.in_features}")
-    if arch is not None and arch.wrapper is not None and getattr(model.config, "tie_word_embeddings", False):
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if arch is not None and arch.wrapper is not None and tied:
         raise InputError("recipe head: the model ties lm_head to its embedding inside a multimodal wrapper; "
                          "kvq unties heads only in text models")
+    return check_untie(recipe, tied, lin.out_features, lin.in_features, scale_bytes)
 
 
 def _head(model, arch) -> torch.nn.Linear:
@@ -128,28 +190,47 @@ def quantize_head(model, arch, scheme, dtype: torch.dtype, hessian: torch.Tensor
     w = _head(model, arch).weight
     if w.is_meta:
         raise QuantizationError("lm_head was not loaded before the head was quantized")
-    gs = scheme.group_size
+    return quantize_rows(w, scheme.num_bits, scheme.group_size, scheme.symmetric, dtype, "lm_head", hessian, damp,
+                         clip_grid, clip_max_shrink)
+
+
+@torch.no_grad()
+def quantize_rows(w: torch.Tensor, num_bits: int, gs: int, symmetric: bool, dtype: torch.dtype, name: str,
+                  hessian: torch.Tensor | None = None, damp: float = 0.01, clip_grid: int | None = None,
+                  clip_max_shrink: float = 0.25) -> tuple[QuantizedLinear, float]:
+    """Quantize a ``[rows, cols]`` matrix whose every scheme is per row (``gs``: ``-1`` per row
+    or a divisor of ``cols``), :data:`ROWS` rows at a time: GPTQ with ``hessian`` (``[cols,
+    cols]`` float32), else min-max RTN. ``w`` is read, never changed.
+
+    Returns:
+        ``(record, relative Frobenius error of the dequantized matrix)``: ``record.q`` int8
+        ``[rows, cols]``, ``record.scale`` ``[rows, G]`` in ``dtype``.
+
+    Raises:
+        QuantizationError: a non-finite scale or dequantized row (``name`` is named).
+        InputError: a scale the storage dtype cannot hold (float16 above 65,504).
+    """
     qs, scales, zps = [], [], []
     err2 = ref2 = 0.0
     for r0 in range(0, w.shape[0], ROWS):
         block = w[r0:r0 + ROWS].float()
         if hessian is None:
-            q, scale, zp = rtn_quantize(block, scheme.num_bits, gs, scheme.symmetric)
+            q, scale, zp = rtn_quantize(block, num_bits, gs, symmetric)
         else:
             from .gptq import gptq_quantize
 
-            r = gptq_quantize(block, hessian, scheme.num_bits, gs, scheme.symmetric, damp=damp, scale_dtype=dtype,
-                              name="lm_head", clip_grid=clip_grid, clip_max_shrink=clip_max_shrink)
+            r = gptq_quantize(block, hessian, num_bits, gs, symmetric, damp=damp, scale_dtype=dtype,
+                              name=name, clip_grid=clip_grid, clip_max_shrink=clip_max_shrink)
             q, scale, zp = r.q, r.scale, r.zero_point
-        scale, deq = stored_dequantize(q, scale, None if scheme.symmetric else zp, gs, dtype, "lm_head")
+        scale, deq = stored_dequantize(q, scale, None if symmetric else zp, gs, dtype, name)
         err2 += float((deq - block).pow(2).sum())
         ref2 += float(block.pow(2).sum())
         qs.append(q)
         scales.append(scale)
         zps.append(zp)
     record = QuantizedLinear(q=torch.cat(qs), scale=torch.cat(scales).contiguous(),
-                             zero_point=None if scheme.symmetric else torch.cat(zps), g_idx=None,
-                             num_bits=scheme.num_bits, group_size=gs, symmetric=scheme.symmetric)
+                             zero_point=None if symmetric else torch.cat(zps), g_idx=None,
+                             num_bits=num_bits, group_size=gs, symmetric=symmetric)
     return record, (err2 / max(ref2, 1e-30)) ** 0.5
 
 

@@ -152,6 +152,14 @@ class _Builder:
             self.fallbacks[name] = lin.fallback_reason
         return lin
 
+    def table(self, name: str) -> torch.Tensor:
+        """An embedding table ``[vocab, hidden]`` in the compute dtype: stored float, or packed
+        (recipe ``embedding:``) and dequantized here, once (a tied head then reads it too)."""
+        if not (self.marker and f"{name}.{self.marker}" in self.t):
+            return _float(self.t.get(f"{name}.weight"), self.device, self.dtype)
+        w = read_quant_weight(self.method, self.qc, name, self.t.leaves(name, PACKED_LEAVES[self.method]))
+        return w.dequantize(self.dtype).to(self.device)
+
     def norm(self, name: str, offset: float | None = None, eps: float | None = None) -> RMSNorm:
         w = _float(self.t.get(f"{name}.weight"), self.device, self.dtype)
         return RMSNorm(w, self.spec.rms_norm_eps if eps is None else eps,
@@ -349,7 +357,7 @@ def _load(folder: Path, device: torch.device, backend: str, dtype, act_dtype, re
     b = _Builder(Tensors(reads), arch, cfg, spec, method, qc, backend, device, dtype, act_dtype)
     rotaries = b.rotaries()
     embed_name, head_name = checkpoint_name(arch, arch.embed_tokens), checkpoint_name(arch, arch.lm_head)
-    embed = _float(b.t.get(f"{embed_name}.weight"), device, dtype)
+    embed = b.table(embed_name)
     if embed.shape != (spec.vocab_size, spec.hidden_size):
         raise InputError(f"{folder}: {embed_name}.weight has shape {tuple(embed.shape)}, "
                          f"expected {(spec.vocab_size, spec.hidden_size)}")
