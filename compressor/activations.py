@@ -35,6 +35,24 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
+def address_space_left() -> tuple[int, int] | None:
+    """``(bytes, limit)``: how much more this process may map under its address-space limit
+    (``RLIMIT_AS``, ``ulimit -v``; the limit minus ``VmSize`` of ``/proc/self/status``), and
+    the limit; ``None`` when there is no limit. Memory-mapped (spilled) activations count
+    against it as much as anonymous ones."""
+    import re
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        used = int(re.search(r"VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+    except (OSError, AttributeError, ValueError):
+        used = 0
+    return max(limit - used, 0), limit
+
+
 def free_disk(folder: Path) -> int | None:
     """Free bytes on the file system of ``folder`` (``None`` when it cannot be asked)."""
     try:
@@ -66,8 +84,10 @@ def plan_activations(samples: int, seqlen: int, hidden: int, budget_bytes: int, 
     top), so a refusal is certain, a pass is not a guarantee.
 
     Raises:
-        InputError: they cannot fit in memory (spilled or not), in the device's memory, or
-            in the free disk of ``folder``; the line says how much each needs.
+        InputError: they cannot fit in memory (spilled or not), in the device's memory, in
+            the address space the process may still map (``ulimit -v``:
+            :func:`address_space_left`), or in the free disk of ``folder``; the line says how
+            much each needs.
     """
     copy, ids = streams * samples * seqlen * hidden * 4, samples * seqlen * 8
     what = (f"calibration activations of {samples:,} x {seqlen:,} tokens x hidden size {hidden:,} (float32, "
@@ -92,6 +112,11 @@ def plan_activations(samples: int, seqlen: int, hidden: int, budget_bytes: int, 
     if mem is not None and ram > mem:
         raise InputError(f"{what} need at least {_gib(ram)} of memory ({'one copy spilled to disk, ' if spilled else ''}"
                          f"plus the token ids), but {_gib(mem)} is available: {fix}")
+    mapped, space = ids + (copy if device.startswith("cuda") else 2 * copy), address_space_left()
+    if space is not None and mapped > space[0]:  # a spilled copy is mapped: it saves memory, not address space
+        raise InputError(f"{what} need {_gib(mapped)} of address space (a layer's inputs and outputs, spilled or not, "
+                         f"plus the token ids), but this process may map {_gib(space[0])} more under its limit of "
+                         f"{_gib(space[1])} (ulimit -v): {fix}")
     room = free_disk(folder)
     if room is not None and disk > room:
         raise InputError(f"{what} need {_gib(disk)} of disk in {folder} for the resume checkpoints"

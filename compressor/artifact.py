@@ -22,7 +22,7 @@ import torch
 from . import __version__, interrupts
 from .arch import get_arch, is_text_tensor, mtp_layer, state_from_checkpoint
 from .config_check import check_routing, quantization_config, text_config
-from .errors import InputError
+from .errors import InputError, resource_problem
 from .formats import read_quant_weight, reader_for
 from .integrity import build_manifest, check_hashes  # noqa: F401  (re-exported)
 from .manifest import MANIFEST_NAME, Manifest, load_manifest
@@ -191,6 +191,11 @@ def write_artifact(
             complete artifact (the CLI passes one that its interruption message reads).
         published_config: a multimodal wrapper's ``config.json`` (Kimi K2.5), kept as
             published instead of ``model``'s (the text model's) config.
+
+    Raises:
+        InputError: the output folder is refused (:func:`check_output`); a resource ran out
+            while writing (disk full, quota, file-size limit: :func:`compressor.errors.resource_problem`),
+            named; nothing is placed at ``out``.
     """
     from safetensors.torch import save_file
 
@@ -224,10 +229,14 @@ def write_artifact(
         place_folder(tmp, out, on_committed, after=(lambda: shutil.rmtree(staging.path, ignore_errors=True))
                      if staging is not None else None)
         placed = True
-    except BaseException:
+    except BaseException as e:
         if not placed:
             shutil.rmtree(tmp, ignore_errors=True)  # the staging folder's checkpoint is the caller's to keep or drop
             last.unlink(missing_ok=True)
+        problem = resource_problem(e) if isinstance(e, Exception) and not isinstance(e, InputError) else None
+        if problem is not None:  # disk full, quota, file-size limit: one line naming it (nothing was placed)
+            raise InputError(f"cannot write the artifact {out}: {problem} (assembled in {tmp.parent}); nothing was "
+                             "written") from None
         raise
     return manifest
 

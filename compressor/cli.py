@@ -20,7 +20,7 @@ import click
 from .commands.common import fail_unless_passed
 from .commands.options import OptionError, QuantizeOptions, SmokeOptions, VerifyOptions, bounds
 from .console import make_console as _console
-from .errors import InputError, KvqError
+from .errors import InputError, KvqError, resource_problem
 
 
 def _quiet_libraries() -> None:
@@ -595,10 +595,13 @@ def _dispatch(argv) -> None:
     except KvqError as e:
         click.echo(f"kvq: error: {e}", err=True)
         sys.exit(e.exit_code)
-    except MemoryError:
-        click.echo("kvq: error: out of memory; try --calib-samples smaller or a machine with more memory", err=True)
-        sys.exit(1)
-    except Exception as e:  # a bug: one line, the traceback only on request
+    except Exception as e:  # a resource that ran out (MemoryError included), else a bug: one line either way
+        problem = resource_problem(e)
+        if problem is not None:
+            fix = ("ask for less (--calib-samples, --calib-seqlen, --activation-budget-gib) or use a machine with more"
+                   if "memory" in problem else "nothing half-written was left; free space (or raise the limit) and run again")
+            click.echo(f"kvq: error: {problem}: {fix}", err=True)
+            sys.exit(2)
         if os.environ.get("KVQ_DEBUG"):
             raise
         click.echo(f"kvq: internal error: {type(e).__name__}: {e} (set KVQ_DEBUG=1 for a traceback)", err=True)

@@ -55,14 +55,14 @@ def read_config(path: str | Path) -> dict:
     """Parse ``config.json`` as a JSON object.
 
     Raises:
-        InputError: unreadable, larger than :data:`MAX_CONFIG_BYTES`, not JSON, nested
-            too deeply to parse, or not an object.
+        InputError: unreadable, not a regular file, larger than :data:`MAX_CONFIG_BYTES`, not
+            JSON, nested too deeply to parse, or not an object.
     """
+    from .files import read_limited
+
     path = Path(path)
-    try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise InputError(f"{path} is {path.stat().st_size:,} bytes; a model config is a few KiB (limit {MAX_CONFIG_BYTES:,})")
-        text = path.read_text(encoding="utf-8")
+    try:  # bounded, and a FIFO or device is refused rather than waited on
+        text = read_limited(path, "model config", MAX_CONFIG_BYTES).decode("utf-8")
         data = json.loads(text)
     except InputError:
         raise

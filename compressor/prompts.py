@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from .errors import InputError
+from .files import read_limited
 
 BUILTIN_PROMPTS: tuple[str, ...] = (
     "The capital of France is",
@@ -26,28 +27,26 @@ BUILTIN_PROMPTS: tuple[str, ...] = (
 
 MAX_PROMPTS = 10_000
 MAX_PROMPT_CHARS = 100_000
+#: the largest prompts file kvq reads (10,000 prompts of 6 KiB)
+MAX_PROMPTS_BYTES = 64 << 20
 
 
 def load_prompts(path: str | Path | None) -> list[str]:
     """The built-in set (``path`` None) or the prompts of ``path``.
 
     Raises:
-        InputError: missing/unreadable file, not UTF-8, a bad JSONL line (named by its
-            number), no prompts, more than 10,000 prompts or one above 100,000 characters.
+        InputError: missing/unreadable file, a folder or socket, above 64 MiB, not UTF-8, a
+            bad JSONL line (named by its number), no prompts, more than 10,000 prompts or one
+            above 100,000 characters.
     """
     if path is None:
         return list(BUILTIN_PROMPTS)
     p = Path(path)
-    if not p.exists():
-        raise InputError(f"prompts file {p} not found")
-    if p.is_dir():
-        raise InputError(f"prompts file {p} is a folder, not a file")  # a pipe (<(...), /dev/stdin) is read
+    raw = read_limited(p, "prompts file", MAX_PROMPTS_BYTES, pipes=True)  # a pipe (<(...), /dev/stdin) is read, bounded
     try:
-        text = p.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"prompts file {p} is not UTF-8 text") from None
-    except OSError as e:
-        raise InputError(f"cannot read prompts file {p}: {e.strerror}") from None
     prompts: list[str] = []
     if p.suffix == ".jsonl":
         for i, line in enumerate(text.splitlines(), 1):

@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from .errors import InputError
+from .files import read_limited
 
 if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotations are strings at run time
     from importlib.resources.abc import Traversable
@@ -412,6 +413,10 @@ def _format_validation(err: ValidationError, where: str) -> str:
     return f"{where}: {loc}: {msg}"
 
 
+#: the largest recipe file kvq reads (the bundled ones are under 2 KiB)
+MAX_RECIPE_BYTES = 1 << 20
+
+
 def _read_recipe(name_or_path: str) -> tuple[dict, Path | Traversable]:
     path: Path | Traversable = Path(name_or_path)
     bundled = bundled_recipes()
@@ -422,8 +427,9 @@ def _read_recipe(name_or_path: str) -> tuple[dict, Path | Traversable]:
             raise InputError(
                 f"recipe '{name_or_path}' is neither a file nor a bundled recipe ({', '.join(bundled)})"
             )
-    try:
-        data = yaml.safe_load(path.read_text())
+    try:  # a file the user names is read bounded (a FIFO or /dev/zero is refused, not waited on)
+        data = yaml.safe_load(read_limited(path, "recipe", MAX_RECIPE_BYTES).decode("utf-8")
+                              if isinstance(path, Path) else path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise InputError(f"cannot read recipe {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):

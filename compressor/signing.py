@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .errors import CheckFailed, InputError
+from .files import read_limited
 from .manifest import SIGNATURE_NAME
 
 
@@ -92,6 +93,8 @@ def _readable(path: Path, what: str) -> Path:
     return path
 
 
+#: the largest key or certificate file kvq reads (a CA bundle such as certifi's is about 300 KB)
+MAX_PEM_BYTES = 16 << 20
 _CURVES = {"secp256r1": "P-256", "secp384r1": "P-384", "secp521r1": "P-521"}  # what model_signing accepts
 
 
@@ -114,17 +117,15 @@ def _check_pem(path: Path, kind: str, password: Optional[str] = None):
 
     Raises:
         InputError: not PEM, not an elliptic-curve key on a curve model_signing supports,
-            or a password problem.
+            a password problem, not a regular file or above :data:`MAX_PEM_BYTES`.
     """
     from cryptography import x509
     from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise InputError(f"cannot read {path}: {e.strerror}") from None
+    data = read_limited(path, {"private": "private key", "public": "public key", "cert": "certificate file"}[kind],
+                        MAX_PEM_BYTES)
     encrypted = kind == "private" and _pem_is_encrypted(data)
     try:
         if kind == "private":

@@ -368,3 +368,208 @@ def test_awq_on_full_attention_scales_every_group_and_says_nothing(tmp_path, tok
     assert code == 0, err
     assert not [w for w in json.loads(stdout)["warnings"] if "unscaled" in w]
     assert all("awq_skipped" not in f and "self_attn.v_proj" in f["awq_ratios"] for f in load_manifest(out).quality["layers"])
+
+
+# --- 5. resources that run out ------------------------------------------------------------
+
+def test_a_full_disk_during_the_artifact_write_is_one_line(src, tmp_path, monkeypatch, capsys):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    real = safetensors.torch.save_file
+
+    def full(tensors, filename, *a, **k):
+        if "part-final" in str(filename):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, filename, *a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "o"
+    code, _, err = run(["quantize", src, "-o", out, *RTN], capsys)
+    assert_clean_error(code, err, 2, "no space left on the device", tmp_path)
+    assert f"cannot write the artifact {out}" in _flat(err) and "nothing was written" in err and not out.exists()
+    assert "--resume" in err  # the finished layers are kept
+
+
+def test_the_file_size_limit_during_the_write_is_one_line(src, tmp_path):
+    """A real RLIMIT_FSIZE (SIGXFSZ ignored, as a shell's ``ulimit -f`` leaves it for a job that
+    handles it): the first write past it fails with EFBIG inside safetensors' Rust code."""
+    from test_hostile_round2 import _python
+
+    out = tmp_path / "o"
+    r = _python(tmp_path, (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))\n"
+        f"sys.argv = ['kvq', 'quantize', {str(src)!r}, '-o', {str(out)!r}, '--algorithm', 'rtn', '--group-size', '32']\n"
+        "from compressor.entry import main\n"
+        "main()\n"))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("kvq: error:") and "file-size limit" in last, (r.returncode, r.stderr)
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr and not out.exists()
+
+
+def test_a_million_calibration_samples_under_an_address_space_limit_are_refused_up_front(src, tmp_path):
+    """--calib-samples 1000000 x 32 tokens on the tiny model: 7.6 GiB a copy. Under ``ulimit -v``
+    the two copies a layer holds (a spilled one is mapped, which takes address space too) are
+    refused by the plan, before any work, in one line naming the limit."""
+    from test_hostile_round2 import _python
+
+    r = _python(tmp_path, (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+        f"sys.argv = ['kvq', 'quantize', {str(src)!r}, '-o', {str(tmp_path / 'o')!r}, '--algorithm', 'gptq',\n"
+        "            '--group-size', '32', '--calib-samples', '1000000', '--calib-seqlen', '32']\n"
+        "import compressor.commands.quantize as q\n"
+        "q.open_lazy = q.load_model = lambda *a, **k: sys.exit('loaded before the refusal')\n"
+        "from compressor.entry import main\n"
+        "main()\n"))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("kvq: error:") and "lower --calib-samples" in last, (r.returncode, r.stderr)
+    assert "address space" in last or "of memory" in last  # a machine with less memory refuses it on memory first
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "huge"])
+def test_a_recipe_that_is_no_file_is_refused_at_once(src, tmp_path, capsys, kind):
+    import os
+    import signal
+
+    if kind == "fifo":
+        recipe = tmp_path / "r.yaml"
+        os.mkfifo(recipe)  # nobody writes to it: opening it to read would wait for ever
+    elif kind == "device":
+        recipe = Path("/dev/zero")
+    else:
+        recipe = tmp_path / "r.yaml"
+        with open(recipe, "wb") as f:
+            f.truncate(2 << 20)
+    def waited(*_):
+        raise TimeoutError("kvq waited on the recipe")
+
+    previous = signal.signal(signal.SIGALRM, waited)
+    signal.alarm(60)
+    try:
+        code, _, err = run(["quantize", src, "-o", tmp_path / "o", "--recipe", recipe], capsys)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert_clean_error(code, err, 2, {"fifo": "is a FIFO", "device": "is a device", "huge": "above the"}[kind], tmp_path)
+    assert "out of memory" not in err
+
+
+def test_prompts_from_a_device_or_a_silent_pipe_are_bounded(art, tmp_path, monkeypatch, capsys):
+    """Prompts may come through a pipe (``<(...)``), so a pipe is read, but bounded: /dev/zero
+    stops at the size limit, and a FIFO nobody writes to is refused after a wait."""
+    import os
+
+    import compressor.files as files
+
+    code, _, err = run(["verify", art, "--prompts", "/dev/zero", "--max-windows", "1"], capsys)
+    assert_clean_error(code, err, 2, "holds more than")
+    fifo = tmp_path / "p.fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(files, "PIPE_WAIT_S", 1)
+    code, _, err = run(["verify", art, "--prompts", fifo, "--max-windows", "1"], capsys)
+    assert_clean_error(code, err, 2, "is a FIFO (named pipe) that nothing was written to in 1 s")
+
+
+# --- the corpus: every hostile input of this round, no internal error, no HTTP 500 --------
+
+def _corpus(tmp: Path, src: Path, art: Path, moe_src: Path, mistral_src: Path, keys) -> dict[str, list]:
+    """Case name -> the kvq command lines it runs, each input built under ``tmp``. (The
+    resource limits that need a process of their own -- ``ulimit -f``, ``ulimit -v`` -- and the
+    GGUF cache cases are run by their own tests above, which assert the same.)"""
+    import os
+
+    cases: dict[str, list] = {}
+    for damage in (_empty_lists, _only_manifest, _weights_removed, _layer_removed):
+        a = _copy(art, tmp / damage.__name__)
+        damage(a)
+        cases[damage.__name__] = [["verify", a, "--hashes-only"], ["sign", a, "--private-key", keys[0]],
+                                  ["serve", a, "--port", "0"]]
+    for name, days in (("expired", (-30, -1)), ("not-yet", (10, 40))):
+        key_pem = tmp / f"{name}-key.pem"
+        leaf = _certificate(tmp / f"{name}.pem", _ec_key(key_pem), name, days)
+        cases[f"leaf-{name}"] = [["sign", _copy(art, tmp / f"sign-{name}"), "--private-key", key_pem,
+                                  "--signing-certificate", leaf],
+                                 ["quantize", src, "-o", tmp / f"q-{name}", *RTN, "--sign-key", key_pem,
+                                  "--sign-certificate", leaf]]
+    for k, fields in enumerate(({"n_group": 3}, {"n_group": 4}, {"topk_group": 3}, {"num_experts_per_tok": 9},
+                                {"num_experts_per_tok": 3})):
+        cases[f"router-{k}"] = [["quantize", _copy_model(moe_src, tmp / f"router-{k}", **fields), "-o",
+                                 tmp / f"router-{k}-o", *RTN]]
+    cases["sliding-window"] = [["quantize", _copy_model(mistral_src, tmp / "window", sliding_window=-1), "-o",
+                                tmp / "window-o", *RTN]]
+    bad_tok = _copy(src, tmp / "tok")
+    _with_added_token(bad_tok)
+    nm = _copy(art, tmp / "nm")
+    (nm / MANIFEST_NAME).unlink()
+    _with_added_token(nm)
+    nm_window = _copy_model(art, tmp / "nm-window", sliding_window=-1)
+    (nm_window / MANIFEST_NAME).unlink()
+    cases["tokenizer"] = [["quantize", bad_tok, "-o", tmp / "tok-o", *RTN], ["serve", nm, "--port", "0", "--no-manifest"],
+                          ["verify", nm, "--no-manifest", "--reference", src, "--weights-only"],
+                          ["serve-smoke", nm, "--no-manifest", "--reference", src]]
+    cases["artifact-window"] = [["verify", nm_window, "--no-manifest", "--reference", src, "--weights-only"],
+                                ["serve", nm_window, "--port", "0", "--no-manifest"]]
+    fifo = tmp / "fifo.yaml"
+    os.mkfifo(fifo)
+    huge = tmp / "huge.yaml"
+    with open(huge, "wb") as f:
+        f.truncate(2 << 20)
+    cases["recipes"] = [["quantize", src, "-o", tmp / "r-o", "--recipe", r] for r in (fifo, "/dev/zero", huge)]
+    cases["prompts"] = [["verify", art, "--prompts", "/dev/zero", "--max-windows", "1"]]
+    return cases
+
+
+def test_the_hostile_corpus_reaches_no_internal_error(src, art, moe_src, mistral_src, keys, tmp_path, monkeypatch,
+                                                      capsys):
+    import signal
+
+    import compressor.runtime.server as server
+
+    monkeypatch.setattr(server, "Server", lambda *a, **k: pytest.fail("a hostile input opened the port"))
+
+    def waited(*_):
+        raise TimeoutError("kvq waited on an input")
+
+    previous = signal.signal(signal.SIGALRM, waited)
+    try:
+        for name, argvs in _corpus(tmp_path, src, art, moe_src, mistral_src, keys).items():
+            for argv in argvs:
+                signal.alarm(120)
+                code, _, err = run(argv, capsys)
+                signal.alarm(0)
+                assert code in (1, 2), (name, argv, code, err)
+                assert_clean_error(code, err, code, "")
+                assert "internal error" not in err, (name, argv, err)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_the_hostile_requests_reach_no_http_500(art):
+    """Requests about the model's own vocabulary, through a tokenizer that gives ids past the
+    embedding: every answer is a 4xx or a 200, none a 500, and the server keeps serving."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from compressor.runtime import Runtime
+    from compressor.runtime.server import Engine, Server
+
+    tok = AutoTokenizer.from_pretrained(str(art))
+    tok.add_tokens(["<round3-a>", "<round3-b>"])
+    eng = Engine(Runtime.from_artifact(art, kv="artifact"), tok, "tiny")
+    srv = Server(eng, "127.0.0.1").start()
+    bodies = [("/v1/completions", {"prompt": p, "max_tokens": 2})
+              for p in ("<round3-a>", ["ok", "<round3-b> x"], "x" * 10 + "<round3-a>", "", "plain")]
+    bodies += [("/v1/chat/completions", {"messages": [{"role": r, "content": c}], "max_tokens": 2})
+               for r, c in (("user", "<round3-b>"), ("system", "<round3-a><round3-b>"), ("user", "fine"))]
+    try:
+        for path, body in bodies:
+            r = httpx.post(srv.url + path, json=body, timeout=60)
+            assert r.status_code != 500 and r.status_code < 500, (body, r.status_code, r.text)
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    finally:
+        srv.stop()
+        eng.close()
