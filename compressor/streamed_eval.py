@@ -22,8 +22,11 @@ layer ``i``'s output for chunk ``c`` depends only on its own cache and its input
 model fills it) gives the same states. The keyword arguments of chunk ``c`` are captured
 from the model's forward with a cache that reports the ``c * kv_chunk`` tokens before it.
 
-At the end the final norm and the head (read now) turn each window's last hidden states
-into logits ``logit_chunk`` positions at a time, and the statistics are those of
+At the end each model's own forward, with its decoder layers replaced by pass-through
+stand-ins, turns each window's last hidden states into logits ``logit_chunk`` positions at a
+time (final norm, the head read now, and what the model's class does to its logits:
+Gemma's softcapping in the model's dtype, as the whole-model path's
+:func:`compressor.evaluate.window_logits` gets them), and the statistics are those of
 :func:`compressor.evaluate.compare` (:func:`compressor.evaluate._window_statistics`), equal
 to the whole-model figures within float tolerance. Memory holds one decoder layer of each
 model, the hidden states of every configuration (``windows x seqlen x hidden`` each), and at
@@ -36,13 +39,14 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from .errors import InputError
-from .evaluate import LOGIT_CHUNK, LogitHead, _summary, _window_statistics
+from .evaluate import LOGIT_CHUNK, _summary, _window_statistics
 
 GIB = 2**30
 #: bytes a Python process with torch and transformers imported holds before any model (measured: about 0.5 GiB)
@@ -127,6 +131,8 @@ def open_model(source, dtype: torch.dtype, role: str, ckpt=None):
     """``(LazyModel, tokenizer)`` of a Hugging Face folder (``source``: a
     :class:`compressor.models.ModelSource`), read through ``ckpt`` (default: the folder's
     :class:`~compressor.streaming.LazyCheckpoint`; a packed artifact's dequantizing reader).
+    A GGUF file is read from kvq's cache of its conversion (made once, whole, when missing:
+    :func:`compressor.streaming.open_lazy`'s ``convert_gguf``).
 
     Raises:
         InputError: the folder cannot be read one layer at a time (the reason named), or
@@ -134,7 +140,7 @@ def open_model(source, dtype: torch.dtype, role: str, ckpt=None):
     """
     from .streaming import open_lazy
 
-    lazy = open_lazy(source, dtype, ckpt=ckpt, defer_head=True)
+    lazy = open_lazy(source, dtype, ckpt=ckpt, defer_head=True, convert_gguf=True)
     if lazy[0] is None:
         raise InputError(f"streamed verify cannot read the {role} {source.spec} one decoder layer at a time: {lazy[1]}")
     model, tokenizer, ckpt = lazy
@@ -185,7 +191,7 @@ class MemoryPlan:
     def describe(self) -> str:
         """One line: the peak and what makes it."""
         return (f"{self.peak / GIB:.2f} GiB at peak: one decoder layer of each model {self.layers / GIB:.2f} GiB, "
-                f"hidden states of {self.streams} configuration(s) {self.hidden / GIB:.2f} GiB, heads "
+                f"hidden states of {self.streams} configuration(s) {self.hidden / GIB:.2f} GiB, untied heads "
                 f"{self.heads / GIB:.2f} GiB at the end, work {self.work / GIB:.2f} GiB, process "
                 f"{BASELINE_BYTES / GIB:.2f} GiB (both models whole: {self.whole / GIB:.2f} GiB)")
 
@@ -236,29 +242,25 @@ def memory_plan(reference: LazyModel, artifact: LazyModel | None, n_windows: int
 # the evaluation
 
 
-class _Head(LogitHead):
-    """:class:`compressor.evaluate.LogitHead` probed without the decoder layers: they are
-    replaced by pass-through stand-ins, and the model's own logits on random input embeddings
-    must equal the head applied to its decoder's output (the final norm and head kvq applies)."""
+@contextmanager
+def _layers_passed_through(models):
+    """Each model's decoder layers replaced by pass-through stand-ins (restored on exit): the
+    model's forward on ``inputs_embeds`` then applies only its final norm, head and whatever
+    its class does to the logits (Gemma's softcapping, in the model's own dtype)."""
+    from .pipeline import _Catcher
 
-    def _probe(self, x: torch.Tensor) -> bool:
-        from .arch import get_arch
-        from .pipeline import _Catcher
-
-        arch = get_arch(self.model.config.model_type)
-        layers = self.model.get_submodule(arch.layers)
-        originals = list(layers)
-        try:
+    saved = []
+    try:
+        for lm in models:
+            layers = lm.layers
+            saved.append((layers, list(layers)))
             for i in range(len(layers)):
-                layers[i] = _Catcher(i, lambda *_: None, -1, arch.layer_returns_tuple)
-            want = self.model(inputs_embeds=x).logits[0].float()
-            got = self(self.decoder(inputs_embeds=x).last_hidden_state[0])
-        except Exception:  # noqa: BLE001 - any mismatch in calling convention means: not usable
-            return False
-        finally:
+                layers[i] = _Catcher(i, lambda *_: None, -1, lm.arch.layer_returns_tuple)
+        yield
+    finally:
+        for layers, originals in saved:
             for i, layer in enumerate(originals):
                 layers[i] = layer
-        return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
 
 
 @dataclass
@@ -330,8 +332,7 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
         "nonfinite_tensors": artifact tensors holding NaN/Inf (named), "seconds"}``.
 
     Raises:
-        InputError: a row :func:`check_streamable` refuses; a reference tensor with NaN/Inf;
-            a head whose scaling kvq does not know (:class:`_Head`).
+        InputError: a row :func:`check_streamable` refuses; a reference tensor with NaN/Inf.
     """
     t0 = time.perf_counter()
     models = {"reference": reference, "artifact": artifact}
@@ -401,35 +402,25 @@ def _statistics(models: dict, streams: dict[str, _Stream], wins: torch.Tensor, l
     :func:`compressor.evaluate.compare`'s figures (``results["seconds"]``: this phase's;
     ``on_nonfinite``: for the artifact's head)."""
     t0 = time.perf_counter()
-    heads = {}
     for role, lm in models.items():
-        if lm is None:
-            continue
-        lm.load_head(on_nonfinite if role == "artifact" else None)
-        probe = torch.randn(1, 8, lm.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(lm.dtype)
-        head = _Head(lm.model, probe)
-        if not head.usable:
-            raise InputError(f"streamed verify cannot apply the {role}'s output head on its own ({lm.model.config.model_type}: "
-                             "its logits are not the head of the decoder's normed output); verify it whole, without --stream")
-        heads[id(lm)] = (lm.model.get_submodule(lm.arch.final_norm), head)
+        if lm is not None:
+            lm.load_head(on_nonfinite if role == "artifact" else None)
     if on_heads is not None:
         on_heads(models["reference"].model, None if models["artifact"] is None else models["artifact"].model)
     acc = {label: {"nll": 0.0, "per": [], "kl": [], "same": 0, "w_kl": [], "w_top1": []} for label in streams}
     count = 0
-    for w in range(wins.shape[0]):
-        final = {}
-        for label, s in streams.items():
-            norm, head = heads[id(s.owner)]
-            final[label] = (norm(s.hidden[w])[0], head)
-            s.hidden[w] = None  # this window's last states are no longer needed
 
-        def at(label):
-            h, head = final[label]
-            return lambda a, b: head(h[a:b])
+    def at(label, w):  # logits of positions a..b-1: the model's own forward after its last decoder layer
+        s = streams[label]
+        return lambda a, b: s.owner.model(inputs_embeds=s.hidden[w][:, a:b], use_cache=False).logits[0].float()
 
-        _window_statistics(wins[w, 1:], at("reference"), {label: at(label) for label in streams if label != "reference"},
-                           acc, logit_chunk)
-        count += wins.shape[1] - 1
+    with _layers_passed_through([m for m in models.values() if m is not None]):
+        for w in range(wins.shape[0]):
+            _window_statistics(wins[w, 1:], at("reference", w), {label: at(label, w) for label in streams
+                                                                 if label != "reference"}, acc, logit_chunk)
+            count += wins.shape[1] - 1
+            for s in streams.values():
+                s.hidden[w] = None  # this window's last states are no longer needed
     out = {label: _summary(label, a, wins, count) for label, a in acc.items()}
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out

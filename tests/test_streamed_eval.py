@@ -189,3 +189,25 @@ def test_verify_refuses_a_budget_below_the_smallest_unit(tiny_pair, capsys):
     assert_clean_error(code, err, 2, "--memory-budget-gib 0.01 cannot hold streamed verify's smallest unit: ")
     code, _, err = kvq_run(["verify", art, "--stream", "--min-median-divergence", "2", "--max-windows", "1"], capsys)
     assert_clean_error(code, err, 2, "--min-median-divergence cannot be evaluated by streamed verify")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "glm4", "glm4_moe",
+                                        "deepseek_v3", "mixtral", "qwen3_moe"])
+def test_every_tiny_row_streams_to_the_whole_model_report(model_type, tmp_path, tokenizer):
+    """Each architecture row with its tiny model (tests/test_arch.py), RTN W4 with an fp8 KV cache:
+    the streamed report's statistics are the whole-model report's."""
+    from compressor.api import QuantizeOptions, VerifyOptions, run_quantize, run_verify
+    from test_arch import make_dir
+
+    src = make_dir(tmp_path / "src", tokenizer, model_type)
+    art = tmp_path / "art"
+    run_quantize(QuantizeOptions(model=str(src), output=art, algorithm="rtn", group_size=32, kv_scheme="fp8",
+                                 calib_samples=4, calib_seqlen=48))
+    # float32: the streamed path runs routed experts unfused (per-expert linears), transformers' whole model fused;
+    # in bfloat16 the two summation orders differ by about 1e-4 of the perplexity on the MoE rows
+    opts = dict(artifact=art, seqlen=64, max_windows=2, max_new_tokens=4, hidden_batches=2, kv_chunk=16,
+                eval_dtype="float32")
+    want = run_verify(VerifyOptions(**opts))
+    got = run_verify(VerifyOptions(**opts, stream=True))
+    _same_report(got, want)
+    assert got["passed"] == want["passed"]

@@ -99,14 +99,17 @@ class Streamed:
         Raises:
             InputError: ``--min-median-divergence`` (drift is not computed), ``--no-manifest``,
                 ``--kv-scheme`` with static scales the artifact lacks, a model that cannot be read
-                a layer at a time, another architecture, a plan above ``--memory-budget-gib``.
+                a layer at a time, another architecture, router fields or a tokenizer the artifact's
+                tensors contradict, a plan above ``--memory-budget-gib``.
             CheckFailed: a KV-only artifact's q/k rows are not the reference's changed per RoPE pair.
         """
         import torch
 
+        from ..config_check import check_routing, text_config
         from ..manifest import MANIFEST_NAME
         from ..models import ModelSource
         from ..streamed_eval import memory_plan, open_model
+        from ..tokens import check_vocabulary
         from .common import peak_rss_mib
         from .kv_only import packed_method
         from .verify import _check_same_architecture, _eval_dtype
@@ -115,6 +118,9 @@ class Streamed:
         self._refusals()
         dtype, report["evaluated_in"] = _eval_dtype(plan.folder, opts.evaluation.dtype)
         art, tokenizer = open_model(ModelSource(str(plan.folder), "hf", plan.folder), dtype, "artifact", _reader(plan.folder))
+        # as load_artifact: a router its experts contradict, a tokenizer id beyond the embedding
+        check_routing(text_config(art.model.config.to_dict()), f"{plan.folder}/config.json")
+        check_vocabulary(tokenizer, art.model.config.vocab_size, f"{plan.folder}: tokenizer")
         ref_path = Path(plan.ref_spec)
         is_artifact = ref_path.is_dir() and ((ref_path / MANIFEST_NAME).is_file() or packed_method(ref_path) is not None)
         # as load_reference: an artifact serving as the reference is read in the artifact's dtype
@@ -169,7 +175,7 @@ class Streamed:
         from ..calib import tokenize
         from ..evaluate import windows
         from ..tokens import bos_rule
-        from .verify import _cache_factory, _candidates, _Models
+        from .verify import _cache_factory, _candidates, _measured_rows, _Models
 
         plan, ev, report = self.plan, self.opts.evaluation, self.report
         self.rule = bos_rule(self.tokenizer)
@@ -184,6 +190,7 @@ class Streamed:
             ref_cache = lambda: make_cache(self.basis)  # noqa: E731
         models = _Models(self.art.model, self.tokenizer, self.ref.model)
         found, served = _candidates(models, plan.weights_quantized, make_cache, ref_cache)
+        report["evaluated_in"]["rows"] = _measured_rows(models, found, plan.kv_info)
         roles = {label: ("artifact" if m is self.art.model else "reference", mc) for label, (m, mc) in found.items()}
         return wins, roles, served, make_cache
 
