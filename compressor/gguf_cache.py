@@ -4,14 +4,27 @@ transformers converts a GGUF file (metadata, tokenizer, dequantization) on every
 takes tens of seconds; :func:`compressor.models.load_model` stores the converted float32
 model once, as an ordinary Hugging Face folder, keyed by the GGUF file's SHA-256 and the
 transformers version, with each file's BLAKE3 digest checked on every use.
+
+A cache entry stands in for the GGUF file it was made from, so its index (the GGUF's SHA-256,
+each file's BLAKE3) is authenticated: a keyed BLAKE3 over it with a 32-byte key kept outside
+the cache (:func:`cache_key_file`, readable by its owner only). Anyone who can write the cache
+but not read the key cannot make an entry kvq accepts (an edited file with its digest rewritten
+in the index fails the check, is named and converted again), so a command's claim that it read
+the GGUF (the manifest's ``source``, verify's ``reference_matches_source``) holds for what it
+read from the cache too.
 """
 
 from __future__ import annotations
 
+import hmac
+import json
 import os
+import secrets
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .errors import resource_problem
 from .safetensors_io import file_digest
 
 if TYPE_CHECKING:
@@ -19,7 +32,9 @@ if TYPE_CHECKING:
 
 #: file in a GGUF cache entry recording what it was made from and each file's BLAKE3 digest
 GGUF_CACHE_INDEX = "kvq-gguf-cache.json"
-GGUF_CACHE_VERSION = 1
+GGUF_CACHE_VERSION = 2  # 2: the index is authenticated with the cache key (entries of version 1 are not read)
+#: bytes of the cache key
+CACHE_KEY_BYTES = 32
 
 
 def cache_root() -> Path:
@@ -27,6 +42,70 @@ def cache_root() -> Path:
     if os.environ.get("KVQ_CACHE_DIR"):
         return Path(os.environ["KVQ_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvq"
+
+
+def cache_key_file() -> Path:
+    """Where kvq's cache key lives, outside the cache folder: ``$KVQ_CACHE_KEY_FILE``, else
+    ``$XDG_CONFIG_HOME/kvq/cache-key``, else ``~/.config/kvq/cache-key``."""
+    if os.environ.get("KVQ_CACHE_KEY_FILE"):
+        return Path(os.environ["KVQ_CACHE_KEY_FILE"])
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "kvq" / "cache-key"
+
+
+def _read_key(path: Path) -> bytes | str:
+    """The key at ``path``, or why it cannot be trusted (a ``str``): not there, a link or not a
+    file, owned by another user, readable or writable by others, not :data:`CACHE_KEY_BYTES` long."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return f"kvq's cache key {path} does not exist"
+    except OSError as e:
+        return f"kvq's cache key {path} cannot be read ({e.strerror}; a link is not followed)"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return f"kvq's cache key {path} is not a file"
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            return f"kvq's cache key {path} is owned by another user or open to others (it must be yours, mode 600)"
+        key = os.read(fd, CACHE_KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    return key if len(key) == CACHE_KEY_BYTES else f"kvq's cache key {path} is not {CACHE_KEY_BYTES} bytes"
+
+
+def _cache_key(create: bool = False) -> bytes | str:
+    """The cache key (:func:`cache_key_file`), made once (random, mode 600, in a folder of mode
+    700) when ``create`` and it does not exist; or why there is none to use (a ``str``)."""
+    path = cache_key_file()
+    key = _read_key(path)
+    if isinstance(key, bytes) or not create or os.path.lexists(path):
+        return key
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secrets.token_bytes(CACHE_KEY_BYTES))
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # never replaces a key another process made meanwhile
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        return f"kvq's cache key {path} cannot be made ({e.strerror})"
+    return _read_key(path)
+
+
+def _index_mac(key: bytes, entry: str, gguf_sha256: str, files: dict) -> str:
+    """The keyed BLAKE3 of what an entry's index vouches for: its name (GGUF SHA-256, transformers
+    and cache version), the GGUF's SHA-256 and each file's BLAKE3."""
+    import blake3
+
+    body = json.dumps({"entry": entry, "gguf_sha256": gguf_sha256, "files": files}, sort_keys=True)
+    return blake3.blake3(body.encode(), key=key).hexdigest()
 
 
 def cache_writable() -> bool:
@@ -99,8 +178,6 @@ def cached_gguf_folder(source: ModelSource) -> Path | None:
     cached GGUF source also streams one decoder layer at a time
     (:func:`compressor.streaming.open_lazy`).
     """
-    import json
-
     if source.kind != "gguf":
         return None
     folder = cache_root() / "gguf" / _gguf_key(source)
@@ -111,9 +188,15 @@ def cached_gguf_folder(source: ModelSource) -> Path | None:
         index = json.loads((folder / GGUF_CACHE_INDEX).read_text())
         files = index["files"]
         stats = {name: _stat(folder / name) for name in [GGUF_CACHE_INDEX, *files] if (folder / name).is_file()}
-        if _VERIFIED.get(folder) == stats and len(stats) == len(files) + 1:
+        key = _cache_key()
+        if isinstance(key, str):
+            problem = f"it cannot be authenticated: {key}"
+        elif not hmac.compare_digest(str(index.get("mac")),
+                                     _index_mac(key, folder.name, str(index.get("gguf_sha256")), files)):
+            problem = "its index is not the one kvq wrote with this user's cache key (edited, or written elsewhere)"
+        elif _VERIFIED.get(folder) == stats and len(stats) == len(files) + 1:
             return folder  # checked earlier in this process, unchanged since
-        if index.get("gguf_sha256") != _gguf_sha256(source.path):
+        elif index.get("gguf_sha256") != _gguf_sha256(source.path):
             problem = "it was made from another file"
         elif "config.json" not in files:
             problem = "it has no config.json"
@@ -140,22 +223,28 @@ def _file_problem(path: Path, digest: str) -> str | None:
 
 
 def _write_gguf_cache(source: ModelSource, model, tokenizer) -> None:
-    """Store the converted GGUF model (best effort: a cache that cannot be written is skipped,
-    with a note, :func:`take_cache_notes`); a damaged entry, or a file in its place, is replaced."""
-    import json
+    """Store the converted GGUF model (best effort: a cache that cannot be written -- no room,
+    no cache key, a file-size limit -- is skipped, with a note, :func:`take_cache_notes`); a
+    damaged entry, or a file in its place, is replaced. The index is authenticated with the
+    cache key (:func:`_cache_key`, made on first use)."""
     import shutil
     import tempfile
 
     folder = cache_root() / "gguf" / _gguf_key(source)
     try:
+        key = _cache_key(create=True)
+        if isinstance(key, str):
+            raise OSError(key)
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
         try:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(str(tmp))
             files = {p.name: file_digest(p, "blake3") for p in sorted(tmp.iterdir()) if p.is_file()}
+            sha = _gguf_sha256(source.path)
             (tmp / GGUF_CACHE_INDEX).write_text(json.dumps(
-                {"gguf": str(source.path), "gguf_sha256": _gguf_sha256(source.path), "files": files}, indent=1))
+                {"gguf": str(source.path), "gguf_sha256": sha, "files": files,
+                 "mac": _index_mac(key, folder.name, sha, files)}, indent=1))
             if folder.is_dir() and not folder.is_symlink():
                 shutil.rmtree(folder, ignore_errors=True)
             elif os.path.lexists(folder):  # a file or a link where the entry belongs
@@ -163,6 +252,8 @@ def _write_gguf_cache(source: ModelSource, model, tokenizer) -> None:
             os.rename(tmp, folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - the cache is best effort: safetensors' own errors (a full disk) too
+        why = resource_problem(e) or (e.strerror if isinstance(e, OSError) and e.strerror else None) \
+            or (str(e).splitlines()[0] if str(e).strip() else type(e).__name__)
         _CACHE_NOTES.append(f"the converted GGUF file could not be stored in kvq's cache ({folder}): "
-                            f"{e.strerror or type(e).__name__}; every command converts it whole again")
+                            f"{why}; every command converts it whole again")

@@ -370,7 +370,162 @@ def test_awq_on_full_attention_scales_every_group_and_says_nothing(tmp_path, tok
     assert all("awq_skipped" not in f and "self_attn.v_proj" in f["awq_ratios"] for f in load_manifest(out).quality["layers"])
 
 
+# --- 1. a second copy of the source is trusted as the source ----------------------------
+
+def tiny_gguf(path: Path, tokenizer, seed: int = 0) -> Path:
+    """A tiny Llama GGUF file (float32 tensors, a GPT-2 style BPE tokenizer: the test tokenizer's
+    tokens and merges) that transformers' GGUF loader converts as it converts SmolLM2's."""
+    import gguf
+    import numpy as np
+
+    cfg = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = cfg["model"]["vocab"]
+    # the special token named as GPT-2's: transformers' GGUF converter adds an <|endoftext|> when none is there
+    tokens = ["<|endoftext|>" if t == "<eos>" else t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in cfg["model"]["merges"]]
+    hidden, inter, layers, heads, kv = 64, 128, 2, 4, 2
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t == "<|endoftext|>" else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(vocab["<eos>"])
+    w.add_bos_token_id(vocab["<eos>"])
+    w.add_add_bos_token(False)
+    rng = np.random.default_rng(seed)
+
+    def t(name, *shape, norm=False):
+        w.add_tensor(name, (rng.uniform(0.5, 1.5, shape) if norm else rng.normal(0, 0.05, shape)).astype(np.float32))
+
+    t("token_embd.weight", len(tokens), hidden)
+    for i in range(layers):
+        t(f"blk.{i}.attn_norm.weight", hidden, norm=True)
+        t(f"blk.{i}.attn_q.weight", hidden, hidden)
+        t(f"blk.{i}.attn_k.weight", kv * hidden // heads, hidden)
+        t(f"blk.{i}.attn_v.weight", kv * hidden // heads, hidden)
+        t(f"blk.{i}.attn_output.weight", hidden, hidden)
+        t(f"blk.{i}.ffn_norm.weight", hidden, norm=True)
+        t(f"blk.{i}.ffn_gate.weight", inter, hidden)
+        t(f"blk.{i}.ffn_up.weight", inter, hidden)
+        t(f"blk.{i}.ffn_down.weight", hidden, inter)
+    t("output_norm.weight", hidden, norm=True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory, tokenizer):
+    return tiny_gguf(tmp_path_factory.mktemp("round3-gguf") / "tiny.gguf", tokenizer)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """kvq's GGUF cache, and the key outside it, in this test's folder."""
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVQ_CACHE_KEY_FILE", str(tmp_path / "config" / "cache-key"))
+    return tmp_path / "cache"
+
+
+def _entry(cache: Path) -> Path:
+    (entry,) = [p for p in (cache / "gguf").iterdir() if not p.name.startswith(".")]
+    return entry
+
+
+def _poison(entry: Path) -> None:
+    """What anyone who can write the cache can do: change a cached tensor and rewrite its BLAKE3
+    in the entry's index."""
+    from safetensors.torch import load_file, save_file
+
+    from compressor.gguf_cache import GGUF_CACHE_INDEX
+    from compressor.safetensors_io import file_digest
+
+    weights = entry / "model.safetensors"
+    state = load_file(str(weights))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    state[name] = state[name] * 3
+    save_file(state, str(weights), metadata={"format": "pt"})
+    index = json.loads((entry / GGUF_CACHE_INDEX).read_text())
+    index["files"]["model.safetensors"] = file_digest(weights, "blake3")
+    (entry / GGUF_CACHE_INDEX).write_text(json.dumps(index))
+
+
+def test_a_poisoned_gguf_cache_entry_is_never_read_as_the_gguf(gguf_file, cache, tmp_path, capsys):
+    code, _, err = run(["quantize", gguf_file, "-o", tmp_path / "clean", *RTN], capsys)
+    assert code == 0, err
+    _poison(_entry(cache))
+    code, out, err = run(["quantize", gguf_file, "-o", tmp_path / "again", *RTN, "--json"], capsys)
+    assert code == 0, err
+    warned = [w for w in json.loads(out)["warnings"] if "failed its check" in w]
+    assert len(warned) == 1 and "not the one kvq wrote with this user's cache key" in warned[0], warned
+    clean, again = load_manifest(tmp_path / "clean"), load_manifest(tmp_path / "again")
+    assert again.tensors == clean.tensors and again.source == clean.source  # the GGUF's weights, as its SHA-256 claims
+    _poison(_entry(cache))  # the run above converted again; poison the new entry too
+    code, out, err = run(["verify", tmp_path / "clean", "--weights-only", "--json"], capsys)
+    poisoned = json.loads(out)
+    assert code == 0 and poisoned["reference_matches_source"] is True, err
+    assert [w for w in poisoned["warnings"] if "failed its check" in w], poisoned["warnings"]
+    code, out, err = run(["verify", tmp_path / "clean", "--weights-only", "--json"], capsys)  # the entry is sound now
+    sound = json.loads(out)
+    assert code == 0 and not [w for w in sound["warnings"] if "failed its check" in w]
+    assert poisoned["weights"]["tensors"] == sound["weights"]["tensors"]  # the reference was the GGUF's both times
+
+
+def test_the_cache_key_lives_outside_the_cache_and_is_checked(gguf_file, cache, tmp_path, monkeypatch):
+    import os
+
+    from compressor.gguf_cache import CACHE_KEY_BYTES, cache_key_file, cached_gguf_folder, take_cache_notes
+    from compressor.models import load_model, resolve_source
+
+    src = resolve_source(str(gguf_file))
+    take_cache_notes()
+    load_model(src)  # converted, stored, its index authenticated with a key made now
+    key = cache_key_file()
+    assert cache not in key.parents and key.stat().st_mode & 0o777 == 0o600 and key.stat().st_size == CACHE_KEY_BYTES
+    assert cached_gguf_folder(src) is not None and take_cache_notes() == []
+    other = tmp_path / "other-key"  # an entry made with another key: another user's or machine's cache, copied in
+    other.write_bytes(os.urandom(CACHE_KEY_BYTES))
+    other.chmod(0o600)
+    monkeypatch.setenv("KVQ_CACHE_KEY_FILE", str(other))
+    assert cached_gguf_folder(src) is None and "not the one kvq wrote" in take_cache_notes()[0]
+    monkeypatch.setenv("KVQ_CACHE_KEY_FILE", str(key))
+    key.chmod(0o644)  # a key others can read vouches for nothing
+    assert cached_gguf_folder(src) is None and "open to others" in take_cache_notes()[0]
+    key.chmod(0o600)
+    assert cached_gguf_folder(src) is not None and take_cache_notes() == []
+
+
 # --- 5. resources that run out ------------------------------------------------------------
+
+def test_a_full_disk_while_the_gguf_cache_is_written_falls_back(gguf_file, cache, tmp_path, monkeypatch, capsys):
+    """The cache is best effort: safetensors' own error for a full disk (not an OSError) is a
+    warning naming the folder, and the run loads the converted model whole."""
+    from safetensors import SafetensorError
+    from transformers import LlamaForCausalLM
+
+    def full(self, *a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(LlamaForCausalLM, "save_pretrained", full)
+    code, out, err = run(["quantize", gguf_file, "-o", tmp_path / "o", *RTN, "--json"], capsys)
+    _no_internal_error(code, err)
+    assert code == 0, err
+    warned = [w for w in json.loads(out)["warnings"] if "could not be stored in kvq's cache" in w]
+    assert warned and "no space left on the device" in warned[0], json.loads(out)["warnings"]
+    assert json.loads(out)["source_loading"].startswith("whole model")
+
 
 def test_a_full_disk_during_the_artifact_write_is_one_line(src, tmp_path, monkeypatch, capsys):
     import safetensors.torch

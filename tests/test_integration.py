@@ -96,6 +96,7 @@ def test_gguf_conversion_is_cached_and_checked(tmp_path, monkeypatch):
     from compressor.streaming import open_lazy
 
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVQ_CACHE_KEY_FILE", str(tmp_path / "cache-key"))  # the key kept outside the cache
     src = resolve_source("smollm2-135m")
     assert cached_gguf_folder(src) is None
     m1, tok1 = load_model(src)
@@ -120,6 +121,7 @@ def test_first_run_on_a_gguf_converts_it_then_streams(tmp_path, monkeypatch, cap
     from compressor.models import cached_gguf_folder, resolve_source
 
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVQ_CACHE_KEY_FILE", str(tmp_path / "cache-key"))  # the key kept outside the cache
     assert cached_gguf_folder(resolve_source("smollm2-135m")) is None
     code, stdout, err = _run(["quantize", "smollm2-135m", "--recipe", "w4a16-rtn-g64", "-o", tmp_path / "o",
                               "--json"], capsys)

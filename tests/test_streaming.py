@@ -644,6 +644,7 @@ def test_gguf_cache_entry_damaged_or_blocked_by_a_file_is_named_and_replaced(tmp
     gguf.write_bytes(b"GGUF, as far as the cache knows")
     src = ModelSource("m.gguf", "gguf", gguf)
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVQ_CACHE_KEY_FILE", str(tmp_path / "config" / "cache-key"))
     take_cache_notes()
     assert cached_gguf_folder(src) is None and take_cache_notes() == []  # no entry: nothing to say
     entry = cache_root() / "gguf" / _gguf_key(src)
