@@ -5,6 +5,7 @@ and the corpus of all of them, which must reach no internal error and no HTTP 50
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -23,6 +24,27 @@ RTN = ["--algorithm", "rtn", "--group-size", "32"]
 def art(tmp_path_factory, src):
     """A tiny RTN artifact (unsigned)."""
     return quantize_tiny(tmp_path_factory.mktemp("round3-art") / "w4", src)
+
+
+@contextlib.contextmanager
+def _address_space_cap(extra: int = 1 << 30):
+    """This process may map at most ``extra`` bytes more while the block runs (``RLIMIT_AS``'s
+    soft limit, raised back after): a kvq that read ``/dev/zero`` without bound would stop at a
+    MemoryError here, not take the machine's memory."""
+    import resource
+
+    from compressor.activations import address_space_left
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    if address_space_left() is not None:  # already limited: leave it
+        yield
+        return
+    used = int(Path("/proc/self/status").read_text().split("VmSize:")[1].split()[0]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (used + extra, before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, before)
 
 
 def _no_internal_error(code, err) -> None:
@@ -604,7 +626,8 @@ def test_a_recipe_that_is_no_file_is_refused_at_once(src, tmp_path, capsys, kind
     previous = signal.signal(signal.SIGALRM, waited)
     signal.alarm(60)
     try:
-        code, _, err = run(["quantize", src, "-o", tmp_path / "o", "--recipe", recipe], capsys)
+        with _address_space_cap():
+            code, _, err = run(["quantize", src, "-o", tmp_path / "o", "--recipe", recipe], capsys)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
@@ -619,7 +642,8 @@ def test_prompts_from_a_device_or_a_silent_pipe_are_bounded(art, tmp_path, monke
 
     import compressor.files as files
 
-    code, _, err = run(["verify", art, "--prompts", "/dev/zero", "--max-windows", "1"], capsys)
+    with _address_space_cap():
+        code, _, err = run(["verify", art, "--prompts", "/dev/zero", "--max-windows", "1"], capsys)
     assert_clean_error(code, err, 2, "holds more than")
     fifo = tmp_path / "p.fifo"
     os.mkfifo(fifo)
@@ -693,7 +717,8 @@ def test_the_hostile_corpus_reaches_no_internal_error(src, art, moe_src, mistral
         for name, argvs in _corpus(tmp_path, src, art, moe_src, mistral_src, keys).items():
             for argv in argvs:
                 signal.alarm(120)
-                code, _, err = run(argv, capsys)
+                with _address_space_cap(4 << 30):
+                    code, _, err = run(argv, capsys)
                 signal.alarm(0)
                 assert code in (1, 2), (name, argv, code, err)
                 assert_clean_error(code, err, code, "")
