@@ -328,6 +328,8 @@ def test_a_served_tokenizer_beyond_the_embedding_is_refused_before_the_port_open
     assert_clean_error(code, err, 2, "beyond the model's embedding")
     code, _, err = run(["verify", nm, "--no-manifest", "--reference", art, "--weights-only"], capsys)
     assert_clean_error(code, err, 2, "beyond the model's embedding")
+    code, _, err = run(["quantize", nm, "--recipe", "kv-int8", "-o", tmp_path / "kv"], capsys)  # a KV-only run on it
+    assert_clean_error(code, err, 2, "beyond the model's embedding", tmp_path)
 
 
 def test_a_request_beyond_the_vocabulary_is_a_400_not_a_500(art, tmp_path):
@@ -688,7 +690,8 @@ def _corpus(tmp: Path, src: Path, art: Path, moe_src: Path, mistral_src: Path, k
     (nm_window / MANIFEST_NAME).unlink()
     cases["tokenizer"] = [["quantize", bad_tok, "-o", tmp / "tok-o", *RTN], ["serve", nm, "--port", "0", "--no-manifest"],
                           ["verify", nm, "--no-manifest", "--reference", src, "--weights-only"],
-                          ["serve-smoke", nm, "--no-manifest", "--reference", src]]
+                          ["serve-smoke", nm, "--no-manifest", "--reference", src],
+                          ["quantize", nm, "--recipe", "kv-int8", "-o", tmp / "nm-kv"]]
     cases["artifact-window"] = [["verify", nm_window, "--no-manifest", "--reference", src, "--weights-only"],
                                 ["serve", nm_window, "--port", "0", "--no-manifest"]]
     fifo = tmp / "fifo.yaml"

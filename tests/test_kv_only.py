@@ -254,11 +254,14 @@ def test_kimi_k2_thinking_like_source(tmp_path, tokenizer, capsys):
     converted tokenizer.json added, so verify (and vLLM) read it without the code."""
     from test_frontier import _tiktoken_folder, make_published
 
-    w4 = tmp_path / "k2t"
-    quantize(make_published(tmp_path / "kimi", tokenizer, "kimi_k2"), w4, "w4a16-rtn-g64", group_size=32)
+    from compressor.models import KIMI_RESERVED
+
+    ranks = _tiktoken_folder(tmp_path / "tok", "the model 中文 " * 20)
+    w4 = tmp_path / "k2t"  # an embedding row for every id the tiktoken tokenizer gives (its ranks, 256 reserved)
+    quantize(make_published(tmp_path / "kimi", tokenizer, "kimi_k2", vocab_size=len(ranks) + KIMI_RESERVED), w4,
+             "w4a16-rtn-g64", group_size=32)
     for f in ("kvq-manifest.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (w4 / f).unlink(missing_ok=True)
-    _tiktoken_folder(tmp_path / "tok", "the model 中文 " * 20)
     for f in (tmp_path / "tok").iterdir():
         shutil.copy(f, w4 / f.name)
     out = tmp_path / "k2t-fp8kv"

@@ -262,18 +262,21 @@ def load_packed(packed: PackedSource, source, stream: bool, spill_dir: Path, bud
         (load / release each layer), and how the weights were read (for the summary).
 
     Raises:
-        InputError: tensors the format's reader refuses, or that do not match the architecture.
+        InputError: tensors the format's reader refuses, or that do not match the architecture;
+            a tokenizer id beyond the embedding.
     """
     from ..arch import get_arch
     from ..artifact import load_artifact
     from ..pipeline import LayerHooks
     from ..streaming import layer_names, load_into, open_lazy, to_meta
+    from ..tokens import check_vocabulary
 
     budget = int(budget_gib * 2**30)
     if stream:
         lazy = open_lazy(source, ckpt=PackedCheckpoint(packed))
         if lazy[0] is not None:
             model, tokenizer, ckpt = lazy
+            check_vocabulary(tokenizer, model.config.vocab_size, f"{packed.folder}: tokenizer")  # as load_artifact
             arch = get_arch(model.config.model_type)
             hooks = LayerHooks(load=lambda i, _layer: load_into(model, ckpt, arch, layer_names(model, arch, i)),
                                done=lambda _i, layer, _result, _hidden: to_meta(layer),
