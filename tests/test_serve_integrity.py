@@ -374,7 +374,7 @@ def test_sigterm_stops_serve_with_its_own_message(art, monkeypatch, capsys):
 
     monkeypatch.setattr(server, "Server", Stopped)
     code, out, err = run(["serve", art, "--port", "0"], capsys)
-    assert code == 143 and "kvq: terminated; the server stopped" in err and "artifact" not in err, err
+    assert code == 143 and "kvq: terminated; the server stopped" in err and "artifact was written" not in err, err
 
 
 @pytest.mark.parametrize("argv,line", [
