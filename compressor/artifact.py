@@ -38,13 +38,13 @@ def check_output(out: Path, overwrite: bool) -> None:
 
     ``overwrite`` replaces only an empty folder or a kvq artifact (a folder holding
     ``kvq-manifest.json``): any other folder is refused, so a mistyped ``-o`` never
-    deletes unrelated files.
+    deletes unrelated files. A missing parent folder is created.
 
     Raises:
         InputError: ``out`` is a symlink (dangling or not: the artifact is put in place by
             renaming a folder onto that path, which a link cannot take); the folder (or a
             file) exists and ``overwrite`` is false; it exists, is not empty and is not a
-            kvq artifact; or its parent is missing or not writable.
+            kvq artifact; or its parent cannot be created or written.
     """
     out = Path(out)
     if out.is_symlink():
@@ -66,8 +66,12 @@ def check_output(out: Path, overwrite: bool) -> None:
             raise InputError(f"output folder {out} is not a kvq artifact; refusing to overwrite it (it holds files but "
                              f"no {MANIFEST_NAME}; --overwrite replaces only an empty folder or an earlier kvq artifact)")
     parent = out.resolve().parent
-    if not parent.is_dir():
-        raise InputError(f"parent folder of {out} does not exist")
+    try:  # a missing parent is made (``-o out/model`` in a fresh checkout), as ``mkdir -p`` does
+        parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise InputError(f"parent of {out} is not a folder") from None
+    except OSError as e:
+        raise InputError(f"cannot create the parent folder of {out}: {e.strerror}") from None
     try:  # the artifact is written to a temporary folder beside the destination: prove we can
         probe = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvq-probe-", dir=parent))
         probe.rmdir()

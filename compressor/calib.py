@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
+from .files import file_kind
 
 NAMED_SETS = {
     "wikitext2": ("wikitext", "wikitext-2-raw-v1", "train", "text"),
@@ -80,6 +81,8 @@ def load_text(spec: str, text_field: str = "text", part: str = "calib") -> TextS
     if spec in NAMED_SETS:
         return _named(spec)
     path = Path(spec)
+    if path.exists() and not path.is_file():  # a FIFO, a device, a folder: named as what it is, never read
+        raise InputError(f"text source {spec} is {file_kind(path.stat().st_mode)}, not a file: give a .txt/.jsonl/.parquet file")
     if not path.is_file():
         raise InputError(
             f"text source '{spec}' not found: give a .txt/.jsonl/.parquet file, 'embedded', or one of {', '.join(NAMED_SETS)}"
@@ -148,6 +151,8 @@ def load_token_ids(spec: str, vocab_size: int | None = None) -> tuple[torch.Tens
     from safetensors.torch import load_file
 
     path = Path(spec)
+    if path.exists() and not path.is_file():  # a FIFO, a device, a folder: named as what it is, never read
+        raise InputError(f"calibration token file {spec} is {file_kind(path.stat().st_mode)}, not a file")
     if not path.is_file():
         raise InputError(f"calibration token file '{spec}' not found")
     try:

@@ -179,6 +179,8 @@ def check_routing(c: dict, where: str = "config.json") -> None:
                     if isinstance(c.get(f), int) and not isinstance(c.get(f), bool)), None)
     if experts is None:
         return
+    if "num_experts_per_tok" in c and c["num_experts_per_tok"] is None:  # a router that picks no expert
+        raise InputError(f"{where}: num_experts_per_tok must be a whole number (1 .. {experts}), got null")
     k = _whole(c, "num_experts_per_tok", where, 1, experts, f": the {experts} experts")
     groups = _whole(c, "n_group", where, 1, experts, f": the {experts} experts")
     if groups is not None:

@@ -21,7 +21,8 @@ from .errors import InputError
 PIPE_WAIT_S = 30
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a path whose ``st_mode`` is ``mode`` is, for messages: ``a folder``, ``a FIFO (named pipe)``, ``a device``..."""
     if stat.S_ISDIR(mode):
         return "a folder"
     if stat.S_ISFIFO(mode):
@@ -64,14 +65,14 @@ def read_limited(path: str | Path, what: str, limit: int, pipes: bool = False) -
         mode = os.fstat(fd).st_mode
         regular = stat.S_ISREG(mode)
         if not regular and not (pipes and (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode))):
-            raise InputError(f"{what} {path} is {_kind(mode)}, not a file kvq can read to its end")
+            raise InputError(f"{what} {path} is {file_kind(mode)}, not a file kvq can read to its end")
         if regular and os.fstat(fd).st_size > limit:
             raise InputError(f"{what} {path} is {os.fstat(fd).st_size:,} bytes, above the {limit:,} a {what} may take")
         if not regular:  # a writer that has not come yet may still come, but not for ever
             poller = select.poll()
             poller.register(fd, select.POLLIN)
             if not poller.poll(PIPE_WAIT_S * 1000):
-                raise InputError(f"{what} {path} is {_kind(mode)} that nothing was written to in {PIPE_WAIT_S} s")
+                raise InputError(f"{what} {path} is {file_kind(mode)} that nothing was written to in {PIPE_WAIT_S} s")
         os.set_blocking(fd, True)
         chunks, total = [], 0
         while total <= limit:

@@ -348,8 +348,12 @@ def _meta_model(source, dtype: torch.dtype, tokenizer_dir, ckpt: LazyCheckpoint 
 
 
 def _first_line(e: Exception) -> str:
-    """The first line of ``e``'s message (its type's name when it has none)."""
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    """The first line of ``e``'s message (its type's name when it has none); a first line that
+    ends in a colon (``Validation error for field 'x':``) is joined with the line that follows."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def _from_config(cfg, dtype: torch.dtype):

@@ -257,6 +257,7 @@ def mistral_src(tmp_path_factory, tokenizer):
     ({"topk_group": 3}, "topk_group = 3 is out of range (1 .. 2: n_group = 2)"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok = 9 is out of range (1 .. 4: the 4 experts)"),
     ({"num_experts_per_tok": 3}, "num_experts_per_tok = 3 but the topk_group = 1 groups kept hold 2 experts"),
+    ({"num_experts_per_tok": None}, "num_experts_per_tok must be a whole number (1 .. 4), got null"),
 ])
 def test_router_fields_that_contradict_the_experts_are_refused(moe_src, tmp_path, monkeypatch, capsys, fields, pattern):
     bad = _copy_model(moe_src, tmp_path / "m", **fields)
@@ -756,3 +757,31 @@ def test_the_hostile_requests_reach_no_http_500(art):
     finally:
         srv.stop()
         eng.close()
+
+
+@pytest.mark.parametrize("flag", ["--calib", "--eval"])
+def test_a_text_source_that_is_no_file_is_named_as_what_it_is(src, art, tmp_path, capsys, flag):
+    """A FIFO or a device as the calibration or evaluation text: named as what it is (it exists),
+    never "not found", and never read."""
+    import os
+
+    fifo = tmp_path / "text.txt"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "is a FIFO"), (Path("/dev/zero"), "is a device")):
+        argv = (["quantize", src, "-o", tmp_path / "o", *RTN, "--recipe", "kv-fp8", "--calib", path] if flag == "--calib"
+                else ["verify", art, "--eval", path, "--max-windows", "1", "--seqlen", "64"])
+        code, _, err = run(argv, capsys)
+        assert_clean_error(code, err, 2, kind, tmp_path)
+        assert "not found" not in err
+
+
+def test_a_missing_output_parent_is_created(src, tmp_path, capsys):
+    """``-o out/model`` in a fresh checkout (the README's examples): the parent folder is made."""
+    out = tmp_path / "out" / "nested" / "model"
+    code, _, err = run(["quantize", src, "-o", out, *RTN], capsys)
+    assert code == 0, err
+    assert (out / "kvq-manifest.json").is_file()
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, _, err = run(["quantize", src, "-o", blocker / "model", *RTN], capsys)
+    assert_clean_error(code, err, 2, "is not a folder")
