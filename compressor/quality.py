@@ -144,7 +144,7 @@ def _head_dim(cfg) -> int:
 
 @torch.no_grad()
 def weight_report(reference, artifact, algorithm: str, quantized_head: bool = False, key_pairs: bool = False,
-                  basis: dict | None = None, layers: list | None = None) -> dict:
+                  basis: dict | None = None, layers: list | None = None, quantized_embedding: bool = False) -> dict:
     """Per quantized linear: relative Frobenius error, SQNR (dB) and original-vs-artifact
     statistics; plus a per-decoder-layer summary.
 
@@ -167,7 +167,9 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
     Every linear of the architecture row is compared, routed experts one by one (named
     ``<layers>.<i>.mlp.experts.<e>.gate_proj.weight`` etc., sliced from transformers'
     fused expert tensors); with ``quantized_head`` (the artifact stores its LM head packed:
-    recipe ``head:``) the head is listed too, as layer ``num_hidden_layers``.
+    recipe ``head:``) the head is listed too, as layer ``num_hidden_layers``; with
+    ``quantized_embedding`` (recipe ``embedding:``, the ``[vocab, hidden]`` table stored packed)
+    the input embedding is listed the same way (for a tied model it is the head's table too).
 
     Returns:
         ``{"tensors": [{"name", "layer", "rel_fro", "sqnr_db", "original": stats,
@@ -216,6 +218,11 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
         err = weight_error(head_ref.weight.detach(), head_art.weight.detach())
         tensors.append({"name": f"{checkpoint_name(arch, arch.lm_head)}.weight", "layer": reference.config.num_hidden_layers,
                         **err, "original": weight_stats(head_ref.weight.detach()), "artifact": weight_stats(head_art.weight.detach())})
+    if quantized_embedding:  # recipe ``embedding:``: the table itself is quantized
+        emb_ref = find_module(reference, arch.embed_tokens).weight.detach()
+        emb_art = find_module(artifact, arch.embed_tokens).weight.detach()
+        tensors.append({"name": f"{checkpoint_name(arch, arch.embed_tokens)}.weight", "layer": reference.config.num_hidden_layers,
+                        **weight_error(emb_ref, emb_art), "original": weight_stats(emb_ref), "artifact": weight_stats(emb_art)})
     return weight_summary(tensors, bool(scales), bool(pair_rows))
 
 

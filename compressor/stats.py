@@ -64,8 +64,27 @@ def summarize(values) -> dict:
             "p99": float(np.percentile(a, 99)), "max": float(a.max()), "min": float(a.min())}
 
 
+#: elements per float64 block of :func:`weight_error` and :func:`weight_stats` (8 MiB): a tensor is
+#: read a block of rows at a time, so a large one (a ``[vocab, hidden]`` LM head, 226 MB per float64
+#: copy at SmolLM2's 49152 x 576) never exists whole in float64, let alone in several copies
+STATS_BLOCK = 1 << 20
+
+
+def _row_blocks(*tensors: torch.Tensor):
+    """Equal slices of leading rows of same-shaped ``tensors`` as flat float64 copies (the caller
+    may change them in place), about :data:`STATS_BLOCK` elements each (a 0-d tensor is one block)."""
+    t0 = tensors[0]
+    if t0.dim() == 0:
+        yield tuple(t.to(torch.float64, copy=True).reshape(1) for t in tensors)
+        return
+    rows = max(1, STATS_BLOCK // max(1, t0[0].numel()))
+    for r in range(0, t0.shape[0], rows):
+        yield tuple(t[r:r + rows].to(torch.float64, copy=True).reshape(-1) for t in tensors)
+
+
 def weight_error(w: torch.Tensor, w_hat: torch.Tensor) -> dict:
-    """``{"rel_fro", "sqnr_db"}`` of ``w_hat`` against ``w`` (same shape; computed in float64).
+    """``{"rel_fro", "sqnr_db"}`` of ``w_hat`` against ``w`` (same shape, any float dtype; sums in
+    float64, a block of rows at a time: :data:`STATS_BLOCK`).
 
     An exact copy has ``rel_fro`` 0 and ``sqnr_db`` ``inf``; an all-zero ``w`` gives
     ``rel_fro`` ``inf`` unless ``w_hat`` is zero too.
@@ -75,8 +94,11 @@ def weight_error(w: torch.Tensor, w_hat: torch.Tensor) -> dict:
     """
     if w.shape != w_hat.shape:
         raise ValueError(f"weight shapes differ: {tuple(w.shape)} vs {tuple(w_hat.shape)}")
-    w64, e64 = w.double(), (w_hat.double() - w.double())
-    num, den = float(e64.pow(2).sum()), float(w64.pow(2).sum())
+    num = den = 0.0
+    for a, b in _row_blocks(w, w_hat):
+        d = b.sub_(a)
+        num += float(torch.dot(d, d))
+        den += float(torch.dot(a, a))
     if num == 0.0:
         return {"rel_fro": 0.0, "sqnr_db": math.inf}
     if den == 0.0:
@@ -85,13 +107,23 @@ def weight_error(w: torch.Tensor, w_hat: torch.Tensor) -> dict:
 
 
 def weight_stats(w: torch.Tensor) -> dict:
-    """``{"mean", "std", "absmax", "kurtosis"}`` of all elements of ``w`` (float64;
-    population std; excess kurtosis, ``None`` for a constant tensor)."""
-    x = w.double().flatten()
-    mu = float(x.mean())
-    var = float((x - mu).pow(2).mean())
-    kurt = None if var == 0.0 else float(((x - mu).pow(4).mean()) / var**2 - 3.0)
-    return {"mean": mu, "std": math.sqrt(var), "absmax": float(x.abs().max()), "kurtosis": kurt}
+    """``{"mean", "std", "absmax", "kurtosis"}`` of all elements of ``w`` (float64, two passes
+    over blocks of rows: :data:`STATS_BLOCK`; population std; excess kurtosis, ``None`` for a
+    constant tensor)."""
+    n = max(1, w.numel())
+    mu = sum(float(x.sum()) for (x,) in _row_blocks(w)) / n
+    m2 = m4 = 0.0
+    absmax = -math.inf
+    for (x,) in _row_blocks(w):  # no tensor outlives its block (a small one kept would pin the freed blocks)
+        peak = max(abs(float(x.max())), abs(float(x.min())))  # NaN when the block holds one
+        absmax = absmax if math.isnan(absmax) or peak <= absmax else peak
+        d = x.sub_(mu)
+        m2 += float(torch.dot(d, d))
+        d.mul_(d)
+        m4 += float(torch.dot(d, d))
+    var = m2 / n
+    kurt = None if var == 0.0 else float((m4 / n) / var**2 - 3.0)
+    return {"mean": mu, "std": math.sqrt(var), "absmax": absmax, "kurtosis": kurt}
 
 
 def relative_error(ref: torch.Tensor, other: torch.Tensor) -> float:

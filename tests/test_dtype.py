@@ -89,6 +89,31 @@ def test_float16_overflow_is_refused_then_accepted_on_request(tmp_path, tokenize
     assert rep32["perplexity"]["artifact"] is not None and rep32["perplexity"]["artifact"] < 1e6
 
 
+@pytest.mark.parametrize("recipe", ["kv-fp8", "w4a16-gptq"])
+def test_activations_beyond_float16_warn_a_bfloat16_artifact(tmp_path, tokenizer, recipe):
+    """A bfloat16 artifact, KV only or weights, whose calibration activations pass 65,504 says
+    it is not for float16 (its manifest records the activations), once; loaded in float16 it
+    does overflow, in its own bfloat16 it does not. The source within range gets no warning."""
+    src = _source(tmp_path / "src", tokenizer, torch.bfloat16, overflow=True)
+    s = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "out", recipe=recipe, group_size=32,
+                                     calib_samples=4, calib_seqlen=32))
+    m = load_manifest(tmp_path / "out")
+    assert s["quantization"]["storage_dtype"] == "bfloat16"
+    assert m.quantization["algorithm"] == {"kv-fp8": "none", "w4a16-gptq": "gptq"}[recipe]
+    assert max(f["max_abs_activation"] for f in m.quality["layers"]) > 65504
+    warned = [w for w in s["warnings"] if w.startswith("not for float16")]
+    assert len(warned) == 1 and "decoder layer 1" in warned[0] and "in bfloat16 (as config.json declares) or float32" in warned[0]
+    assert warned == [w for w in m.quality["warnings"] if w.startswith("not for float16")]
+    ids = torch.randint(1, 300, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(load_artifact(tmp_path / "out", dtype=torch.bfloat16)[0](ids).logits).all()
+        assert not torch.isfinite(load_artifact(tmp_path / "out", dtype=torch.float16)[0](ids).logits).all()
+    calm = _source(tmp_path / "calm", tokenizer, torch.bfloat16)
+    s = run_quantize(QuantizeOptions(model=str(calm), output=tmp_path / "calm-out", recipe=recipe, group_size=32,
+                                     calib_samples=4, calib_seqlen=32))
+    assert not [w for w in s["warnings"] if "float16" in w]
+
+
 def test_transformers_loads_each_artifact_with_its_defaults(tmp_path, tokenizer):
     """AutoModelForCausalLM.from_pretrained(artifact) with no dtype argument loads the
     declared dtype, and its logits equal kvq's loader's in that dtype. (Symmetric weights:
@@ -106,7 +131,9 @@ def test_transformers_loads_each_artifact_with_its_defaults(tmp_path, tokenizer)
         a, b = tm(ids).logits.float(), km(ids).logits.float()
     assert torch.allclose(a, b, atol=2e-2, rtol=2e-2), (a - b).abs().max()
     rep = run_verify(VerifyOptions(artifact=tmp_path / "out", seqlen=64, max_windows=1, max_new_tokens=4, hidden_batches=1))
-    assert rep["evaluated_in"] == {"dtype": "bfloat16", "declared": "bfloat16", "why": "the dtype config.json declares"}
+    assert rep["evaluated_in"] == {"dtype": "bfloat16", "declared": "bfloat16", "why": "the dtype config.json declares",
+                                   "rows": {"reference": "the reference's weights in float32 with a float KV cache",
+                                            "weights only": "the artifact's weights in bfloat16 with a float KV cache"}}
 
 
 def test_library_refuses_an_unknown_dtype(tmp_path):

@@ -255,6 +255,42 @@ def test_verify_reports_weights_kv_both(kv_artifacts):
     assert rep["perplexity_breakdown"]["KV only"]["increase_pct"] > rep["perplexity_breakdown"]["weights only"]["increase_pct"] - 100
 
 
+def test_verify_measures_a_kv_only_artifact_as_served(kv_artifacts):
+    """A KV-only artifact's figures are the artifact's own weights, in the dtype it declares
+    (bfloat16), with its quantized cache (not the float32 reference with the cache), and the
+    report says what each row ran; beside a weight artifact, the KV-only row stays the reference's."""
+    from transformers import AutoModelForCausalLM
+
+    from compressor.arch import get_arch
+    from compressor.calib import load_text, tokenize
+    from compressor.evaluate import compare, windows
+
+    a, b = kv_artifacts
+    rep = run_verify(VerifyOptions(artifact=b, seqlen=64, max_windows=2, kv_chunk=16, max_new_tokens=4, hidden_batches=1))
+    assert rep["evaluated_in"]["dtype"] == "bfloat16" and rep["perplexity"]["measured_on"] == "KV only"
+    rows = rep["evaluated_in"]["rows"]
+    assert rows["KV only"].startswith("the artifact's weights in bfloat16 with the int4") and rows["KV only"].endswith("KV cache")
+    assert rows["reference"] == "the reference's weights in float32 with a float KV cache"
+    art, tok = load_artifact(b, dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(str(rep["reference"]), dtype=torch.float32).eval()
+    spec, scales = read_kv_cache(b)
+    layout = get_arch("llama").kv_layout(ref.config)
+    cache = lambda: quantized_cache(spec, ref.config.num_hidden_layers, scales, layout)  # noqa: E731
+    wins = windows(tokenize(tok, load_text("embedded", part="eval").text), 64, 2)
+    res = compare(ref, {"served": (art, cache), "reference + KV": (ref, cache)}, wins, kv_chunk=16)
+    kl = rep["distribution"]["kl"]["mean"]
+    assert kl == pytest.approx(res["served"]["kl"]["mean"], rel=1e-6)
+    assert abs(res["reference + KV"]["kl"]["mean"] - kl) > 0.01 * kl  # the row before: another model
+    streamed = run_verify(VerifyOptions(artifact=b, seqlen=64, max_windows=2, kv_chunk=16, hidden_batches=1, stream=True))
+    assert streamed["evaluated_in"]["rows"] == rep["evaluated_in"]["rows"]  # --stream runs the same rows
+    assert streamed["distribution"]["kl"]["mean"] == pytest.approx(kl, rel=1e-4)
+    rows = run_verify(VerifyOptions(artifact=a, seqlen=64, max_windows=1, kv_chunk=16, max_new_tokens=4,
+                                    hidden_batches=1))["evaluated_in"]["rows"]
+    assert rows["weights + KV"].startswith("the artifact's weights in bfloat16 with the fp8")
+    assert rows["KV only"].startswith("the reference's weights in float32 with the fp8")
+    assert rows["weights only"] == "the artifact's weights in bfloat16 with a float KV cache"
+
+
 def test_verify_kv_scheme_static_calibrates(tiny_model_dir, tmp_path):
     out = tmp_path / "w8"
     run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, recipe="w8a16-rtn"))

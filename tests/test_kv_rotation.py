@@ -208,9 +208,9 @@ def test_weight_statistics_undo_the_pairs_of_a_quantized_artifact(tiny_model_dir
 
 
 def test_verify_measures_the_kv_only_row_in_the_artifacts_key_basis(tmp_path):
-    """The KV-only row runs the reference model: its keys must be turned into the artifact's
-    basis (where the scales were chosen). verify's row equals the artifact's own model with its
-    cache; the reference with the plain cache (the row before the basis) differs."""
+    """A KV-only artifact's row runs the artifact as served, its keys in the basis its scales were
+    chosen in: verify's row equals the artifact's own model with its cache; the reference with the
+    plain cache (the keys in another basis) differs."""
     from transformers import AutoModelForCausalLM
 
     from compressor.api import VerifyOptions, run_verify

@@ -126,7 +126,7 @@ def test_algorithm_flag_warnings():
     # the awq section at its defaults: a changed one under rtn/gptq/none earns its own warning (test_gptq)
     r3 = _recipe("rtn", **{"weights.num_bits": 3, "awq.loss_samples": 8})
     odd = ("3-bit weights: vLLM's compressed-tensors WNA16 kernels serve 4 and 8 bits only; "
-           "kvq verify and transformers read this artifact")
+           "kvq verify, kvq serve and kvq serve-smoke read this artifact")
     assert get_algorithm("rtn").flag_warnings(flags, r3, "compressed-tensors") == [
         "--act-order/--no-act-order has no effect with algorithm rtn (GPTQ only)", odd]
     assert get_algorithm("gptq").flag_warnings(flags, r3, "compressed-tensors") == [odd]
@@ -135,3 +135,32 @@ def test_algorithm_flag_warnings():
         "--bits/--group-size/--symmetric have no effect: the recipe keeps weights in float (algorithm none)",
         "--act-order/--no-act-order has no effect with algorithm none (GPTQ only)"]
     assert get_algorithm("awq").flag_warnings(dict.fromkeys(flags), _recipe("awq"), "compressed-tensors") == []
+
+
+def test_a_3bit_artifact_is_read_by_the_readers_its_warning_names(tmp_path, tiny_model_dir, capsys):
+    """The odd-bit warning names kvq verify, kvq serve and kvq serve-smoke (not transformers, whose
+    compressed-tensors loader refuses asymmetric zero points): verify's loader and the runtime that
+    serve and serve-smoke run read a 3-bit asymmetric artifact to the same logits, and serve-smoke
+    passes on it."""
+    import json
+
+    from conftest import kvq_run
+
+    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.artifact import load_artifact
+    from compressor.runtime.generate import Runtime
+
+    out = tmp_path / "w3"
+    s = run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, recipe="w4a16-rtn-g64", bits=3,
+                                     group_size=32))
+    odd = [w for w in s["warnings"] if w.startswith("3-bit weights")]
+    assert len(odd) == 1 and "transformers" not in odd[0]
+    assert s["quantization"]["num_bits"] == 3 and s["quantization"]["symmetric"] is False
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours, _ = load_artifact(out)  # kvq verify's reader
+    served = Runtime.from_artifact(out, kv=None, dtype=torch.float32, backend="dequant")  # kvq serve's / serve-smoke's
+    with torch.no_grad():
+        torch.testing.assert_close(served.logits(ids), ours(ids).logits, rtol=1e-5, atol=1e-5)
+    code, stdout, err = kvq_run(["serve-smoke", out, "--max-new-tokens", "4", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(stdout)["comparison"]["top1_agreement_pct"] >= 70

@@ -50,6 +50,36 @@ def test_weight_error_and_sqnr_by_hand():
     assert relative_error(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 3.0])) == pytest.approx(0.2)
 
 
+@pytest.mark.parametrize("shape", [(37, 11), (5, 3, 4), (50,), ()])
+def test_weight_statistics_by_blocks_equal_the_whole_tensor(shape, monkeypatch):
+    """weight_error and weight_stats read a block of rows at a time (a large LM head never
+    exists whole in float64): the figures are the whole-tensor float64 ones; a NaN still shows."""
+    import compressor.stats as stats
+
+    g = torch.Generator().manual_seed(len(shape))
+    w = torch.randn(shape, generator=g) * 3 + 0.5
+    w_hat = (w + 0.1 * torch.randn(shape, generator=g)).bfloat16()
+    x, e = w.double().flatten(), w_hat.double().flatten() - w.double().flatten()
+    mu = float(x.mean())
+    var = float((x - mu).pow(2).mean())
+    monkeypatch.setattr(stats, "STATS_BLOCK", 7)  # several blocks of rows (one row when a row is longer)
+    got = weight_error(w, w_hat)
+    assert got["rel_fro"] == pytest.approx(math.sqrt(float(e.pow(2).sum()) / float(x.pow(2).sum())), rel=1e-12)
+    s = weight_stats(w)
+    assert s["mean"] == pytest.approx(mu, rel=1e-12) and s["std"] == pytest.approx(math.sqrt(var), rel=1e-12)
+    assert s["absmax"] == float(x.abs().max())
+    if x.numel() > 1:
+        assert s["kurtosis"] == pytest.approx(float((x - mu).pow(4).mean()) / var**2 - 3.0, rel=1e-9, abs=1e-12)
+    w64, hat64 = w.double(), w_hat.double()  # float64 arguments (quality.py passes them): read, never changed
+    keep = (w64.clone(), hat64.clone())
+    assert weight_error(w64, hat64) == got and weight_stats(hat64) == weight_stats(w_hat)
+    assert torch.equal(w64, keep[0]) and torch.equal(hat64, keep[1])
+    if len(shape) > 1:
+        w_hat = w_hat.clone()
+        w_hat.view(-1)[-1] = float("nan")  # in the last block
+        assert math.isnan(weight_error(w, w_hat)["rel_fro"]) and math.isnan(weight_stats(w_hat)["absmax"])
+
+
 def test_weight_stats_by_hand():
     s = weight_stats(torch.tensor([1.0, 2.0, 3.0, 4.0]))
     assert s["mean"] == 2.5 and s["absmax"] == 4.0

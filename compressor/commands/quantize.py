@@ -365,14 +365,21 @@ def _quantize(plan: _Plan, src: _Source, writer: LayerWriter, opts: QuantizeOpti
 
 
 def _layer_done(plan: _Plan, opts: QuantizeOptions, console, bar, task, i: int, n: int, fig: dict) -> None:
-    """Progress, and the float16 range check on the layer's activations (issue #21).
+    """Progress, and the float16 range check on the layer's activations (issue #21): a
+    bfloat16 or float32 artifact (weights or KV only) whose activations exceed 65,504 gets a
+    warning, once, that it must not be loaded in float16.
 
     Raises:
         InputError: float16 storage and a layer whose activations exceed 65,504, without
             ``--allow-float16-overflow`` (raised at that layer: nothing is written).
     """
     peak = fig.get("max_abs_activation")
-    if plan.dtype == "float16" and peak is not None and peak > FLOAT16_MAX:
+    if plan.dtype != "float16" and peak is not None and peak > FLOAT16_MAX:
+        if not any(w.startswith("not for float16") for w in plan.warnings):
+            plan.warnings.append(f"not for float16: decoder layer {i}'s activations reach {peak:,.6g}, beyond float16's "
+                                 f"{FLOAT16_MAX:,.0f}; load and serve this artifact in {plan.dtype} (as config.json declares)"
+                                 + ("" if plan.dtype == "float32" else " or float32") + ": in float16 its activations overflow")
+    elif plan.dtype == "float16" and peak is not None and peak > FLOAT16_MAX:
         where = f"decoder layer {i}: activations reach {peak:,.6g}, beyond float16's {FLOAT16_MAX:,.0f}"
         if not opts.write.allow_float16_overflow:
             raise InputError(f"{where}; a float16 artifact would overflow (dtype {plan.dtype}: {plan.dtype_reason}): "

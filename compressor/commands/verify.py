@@ -269,7 +269,9 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
                               f"{KEY_PAIRS_TOLERANCE:g}): the artifact is not its source with kv_cache.key_rotation pairs")
         show.note(console, f"key pairs: q_proj/k_proj are the reference's rows changed per RoPE pair (largest relative "
                            f"residual {worst:.2g}, {name})", highlight=False)
-    return _Models(model, tokenizer, ref_model, (basis or key_basis(ref_model, model, algorithm)) if key_pairs else None)
+    # the key basis serves the reference's KV-only row of a weight artifact; a KV-only artifact's row runs the artifact
+    return _Models(model, tokenizer, ref_model,
+                   (basis or key_basis(ref_model, model, algorithm)) if key_pairs and plan.weights_quantized else None)
 
 
 def _head_is_packed(folder: Path, model) -> bool:
@@ -370,6 +372,7 @@ def _evaluate(plan: _Plan, models: _Models, prompts: list[str], opts: VerifyOpti
     if make_cache is not None and models.key_basis is not None and kv_info[0].static:
         ref_cache = lambda: make_cache(models.key_basis)  # noqa: E731
     candidates, served = _candidates(models, plan.weights_quantized, make_cache, ref_cache)
+    report["evaluated_in"]["rows"] = _measured_rows(models, candidates, kv_info)
     with show.progress(console, "windows") as bar:
         task = bar.add_task(f"reference + {len(candidates)} configuration(s)", total=len(wins))
         t_eval = time.perf_counter()
@@ -379,8 +382,7 @@ def _evaluate(plan: _Plan, models: _Models, prompts: list[str], opts: VerifyOpti
     report["eval"]["bos_token_id"] = bos
     report["eval"]["bos_rule"] = rule["rule"] + ("; evaluation windows, drift prompts and KV calibration follow it"
                                                  " (llama.cpp's perplexity convention)")
-    _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts,
-                      make_cache if plan.weights_quantized else ref_cache, served, opts)
+    _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts, make_cache, served, opts)
     if kv_info is not None:
         report["kv_cache"] = _kv_report(kv_info[0], plan.kv_source, plan.ref_source, opts)
     return served, results
@@ -401,20 +403,35 @@ def _cache_factory(model, kv_info, seqlen: int, report: dict):
 
 
 def _candidates(models: _Models, weights_quantized: bool, make_cache, ref_cache=None) -> tuple[dict, str]:
-    """The configurations compared with the reference, and the one the gates judge
-    (``ref_cache``: the cache of the ``KV only`` row, which runs the reference model)."""
+    """The configurations compared with the reference, and the one the gates judge.
+
+    ``KV only`` is the artifact as served when its weights are not quantized (its stored
+    weights, in the dtype it is evaluated in, with the quantized cache); beside a weight
+    artifact's rows it isolates the cache's cost on the reference model (``ref_cache``: that
+    row's cache, keys in the artifact's basis when it has one)."""
     candidates = {}
     if weights_quantized:
         candidates["weights only"] = (models.artifact, None)
         if make_cache:
             candidates["weights + KV"] = (models.artifact, make_cache)
     if make_cache:
-        candidates["KV only"] = (models.reference, ref_cache or make_cache)
+        candidates["KV only"] = (models.reference, ref_cache or make_cache) if weights_quantized else (models.artifact, make_cache)
     if not candidates:
         candidates["weights only"] = (models.artifact, None)
     served = ("weights + KV" if weights_quantized and make_cache
               else ("weights only" if weights_quantized or not make_cache else "KV only"))
     return candidates, served
+
+
+def _measured_rows(models: _Models, candidates: dict, kv_info) -> dict[str, str]:
+    """What each row of the report ran: ``{label: "the artifact's weights in bfloat16 with the fp8
+    per-tensor KV cache"}``, the reference included (the report's ``evaluated_in.rows``)."""
+    def what(model, cache) -> str:
+        whose = "the artifact's" if model is models.artifact else "the reference's"
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        return f"{whose} weights in {dtype} with " + (f"the {kv_info[0].describe()} KV cache" if cache else "a float KV cache")
+
+    return {"reference": what(models.reference, None), **{label: what(m, c) for label, (m, c) in candidates.items()}}
 
 
 def _distribution_sections(report: dict, results: dict, served: str, wins, text, seqlen: int) -> None:
@@ -455,9 +472,8 @@ def _hidden_and_drift(report: dict, models: _Models, weights_quantized: bool, wi
         per_layer = hidden_state_errors(models.reference, models.artifact, hb, opts.device)
         report["hidden_state_error"] = {"batches": int(hb.shape[0]), "seqlen": int(hb.shape[1]),
                                         "per_layer": per_layer, "last": per_layer[-1]}
-    drift_model = models.artifact if weights_quantized else models.reference
-    drift_cache = make_cache if served != "weights only" else None
-    report["drift"] = {**greedy_drift(models.reference, drift_model, models.tokenizer, prompts, ev.max_new_tokens,
+    drift_cache = make_cache if served != "weights only" else None  # the artifact as served
+    report["drift"] = {**greedy_drift(models.reference, models.artifact, models.tokenizer, prompts, ev.max_new_tokens,
                                       drift_cache, opts.device), "measured_on": served}
 
 

@@ -149,12 +149,15 @@ def unread_warnings(algorithm: "Algorithm", recipe, skip: tuple[str, ...] = ()) 
 
 
 def odd_bits_warnings(recipe, fmt: str) -> list[str]:
-    """The warning for weight widths vLLM's compressed-tensors kernels do not serve (none when ``fmt`` is another format)."""
+    """The warning for weight widths vLLM's compressed-tensors kernels do not serve (none when ``fmt`` is
+    another format). It names only the readers kvq's tests load such an artifact with (``kvq verify``'s
+    loader and the runtime of ``kvq serve`` / ``serve-smoke``: tests/test_pipeline.py); transformers is not
+    one: its compressed-tensors loader refuses asymmetric zero points, and the odd-bit recipes are asymmetric."""
     bits = {recipe.weights.num_bits} | {o.weights.num_bits for o in recipe.overrides if o.weights.num_bits}
     odd = sorted(b for b in bits if b not in (4, 8))
     if odd and fmt == "compressed-tensors":
         return [f"{'/'.join(map(str, odd))}-bit weights: vLLM's compressed-tensors WNA16 kernels serve 4 and 8 bits only; "
-                "kvq verify and transformers read this artifact"]
+                "kvq verify, kvq serve and kvq serve-smoke read this artifact"]
     return []
 
 
