@@ -321,8 +321,10 @@ def test_embedding_8bit_smaller_and_read_by_kvq(tmp_path, tokenizer, capsys, tie
     assert 0 < _rel(got, want) < 0.02  # 8-bit rows: the logits move by about the table's own error
     rt = Runtime.from_artifact(small, backend="dequant", kv=None, dtype=torch.float32)
     torch.testing.assert_close(rt.logits(ids), got, atol=1e-4, rtol=1e-4)
-    code, _, err = run(["verify", small, "--weights-only"], capsys)
+    code, out, err = run(["verify", small, "--weights-only", "--json"], capsys)
     assert code == 0, err
+    rows = {t["name"]: t for t in json.loads(out)["weights"]["tensors"]}  # the packed table is gated like any tensor
+    assert 0 < rows["model.embed_tokens.weight"]["rel_fro"] < 0.01
 
 
 def test_embedding_with_untied_head_keeps_both_packed(tmp_path, tokenizer):

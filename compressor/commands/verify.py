@@ -261,7 +261,8 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
             report["warnings"].append(f"foreign artifact: weight statistics assume {'AWQ-folded' if algorithm == 'awq' else 'unscaled'} "
                                       "weights (inferred from the norm weights)")
         report["weights"] = weight_report(ref_model, model, algorithm, quantized_head=_head_is_packed(plan.folder, model),
-                                          key_pairs=key_pairs, basis=basis)
+                                          key_pairs=key_pairs, basis=basis,
+                                          quantized_embedding=_head_is_packed(plan.folder, model, "embed_tokens"))
     elif key_pairs:  # KV-only: its figures run the reference in the artifact's key basis; the q/k rows must be exactly that
         worst, name = key_pairs_residual(ref_model, model)
         if not worst <= KEY_PAIRS_TOLERANCE:
@@ -274,15 +275,16 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
                    (basis or key_basis(ref_model, model, algorithm)) if key_pairs and plan.weights_quantized else None)
 
 
-def _head_is_packed(folder: Path, model) -> bool:
-    """True when the artifact stores its LM head quantized (``<head>.weight_packed`` or
-    ``<head>.qweight``, a compressed-tensors or GPTQ-style head), from the safetensors headers."""
+def _head_is_packed(folder: Path, model, module: str = "lm_head") -> bool:
+    """True when the artifact stores its LM head (``module="embed_tokens"``: its input
+    embedding) quantized (``<name>.weight_packed`` or ``<name>.qweight``, a compressed-tensors
+    or GPTQ-style layout), from the safetensors headers."""
     from ..arch import checkpoint_name
     from ..safetensors_io import read_header
 
     arch = get_arch(model.config.model_type)
-    head = checkpoint_name(arch, arch.lm_head)
-    return any(f"{head}.{leaf}" in read_header(s) for s in sorted(folder.glob("*.safetensors"))
+    name = checkpoint_name(arch, getattr(arch, module))
+    return any(f"{name}.{leaf}" in read_header(s) for s in sorted(folder.glob("*.safetensors"))
                for leaf in ("weight_packed", "qweight"))
 
 
