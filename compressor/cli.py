@@ -20,6 +20,7 @@ import click
 from .commands.common import fail_unless_passed
 from .commands.options import OptionError, QuantizeOptions, SmokeOptions, VerifyOptions, bounds
 from .console import make_console as _console
+from .cli_sizes import parse_size
 from .errors import InputError, KvqError, resource_problem
 
 
@@ -96,23 +97,6 @@ def cli():
     """
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def _parse_size(value: str, param) -> int:
-    """``5GB`` / ``500MB`` / ``2GiB`` / ``123456`` -> bytes (at least 1 MB: smaller shards are for tests)."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-    unit = m.group(2).upper() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise click.BadParameter(f"{value!r} is not a size like 500MB, 5GB or 2GiB", param=param)
-    n = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if n < 10**6:
-        raise click.BadParameter(f"{value!r} is below the 1 MB minimum", param=param)
-    return n
-
-
 _SIGNATURE_OPTIONS = (
     click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Check model.sig with this EC public key (PEM) before anything else."),
     click.option("--certificate-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="Check model.sig against this certificate chain (PEM, repeatable)."),
@@ -167,7 +151,7 @@ def _verify_keys(public_key, certificate_chain, identity, issuer):
 @click.option("--sign-certificate", type=click.Path(dir_okay=False, path_type=Path), default=None, help="With --sign-key: the key's signing certificate (PEM), for certificate-based signing.")
 @click.option("--sign-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="With --sign-certificate: a certificate of its chain (repeatable).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Read a safetensors MODEL one decoder layer at a time (peak memory about one layer plus calibration activations); --no-stream loads it whole. A GGUF file is converted whole once, then streamed from kvq's cache (whole on every run when the cache folder cannot be written).")
-@click.option("--shard-size", default="5GB", show_default=True, callback=lambda c, p, v: _parse_size(v, p), help="Maximum size of one output weights file (e.g. 500MB, 2GiB; at least 1MB); several files get model-0000k-of-0000N names and model.safetensors.index.json.")
+@click.option("--shard-size", default="5GB", show_default=True, callback=lambda c, p, v: parse_size(v, p), help="Maximum size of one output weights file (e.g. 500MB, 2GiB; at least 1MB); several files get model-0000k-of-0000N names and model.safetensors.index.json.")
 @click.option("--matmul-precision", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True, help="CPU matmuls of the calibration pass (layer forwards, Hessians, AWQ's search, KV observers): bfloat16 runs each linear as one bfloat16 matmul (inputs and weight rounded to bfloat16, float32 accumulation, output rounded to bfloat16; a SmolLM2 linear 2.5x faster on an AVX512-BF16 CPU) and the other matmuls with bfloat16 inputs where oneDNN does so (AMX); Hessians keep float32 products. GPTQ's solve, packing, verify and serve-smoke stay float32. auto: bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, float32 otherwise and on CUDA. The two give different integer codes of the same quality (each deterministic; BENCHMARKS.md); the manifest's provenance records which ran.")
 @click.option("--threads", type=_range(QuantizeOptions, "threads"), default=None, help="CPU threads of torch's operations (default: one per usable CPU). On a machine shared with other jobs --threads 1 is usually faster: each of GPTQ's thousands of short parallel steps otherwise waits for a descheduled thread (a note says so when other jobs already keep the CPUs busy: load average at least the CPU count minus 0.5; another when --threads exceeds the usable CPUs; both in --json as busy_note). A calibrated artifact's integer codes depend on the thread count (BLAS reductions): the manifest's provenance records it and --resume keeps it.")
 @click.option("--activation-budget-gib", type=_range(QuantizeOptions, "activation_budget_gib", float), default=8.0, show_default=True, help="Calibration activations above this size move to memory-mapped files in the staging folder; GPTQ also keeps finished sub-layers' outputs for reuse only within it (0: spill everything, keep nothing; the artifact is the same).")

@@ -12,7 +12,7 @@ advance together one decoder layer at a time:
 2. every configuration (the reference, and each candidate: the artifact or the reference,
    with or without a quantized KV cache) runs all its windows through its model's layer ``i``,
    with the keyword arguments the model's own forward gives that layer
-   (:func:`compressor.pipeline.layer_kwargs`: masks, RoPE of the layer's type);
+   (:func:`compressor.layer_inputs.layer_kwargs`: masks, RoPE of the layer's type);
 3. the per-layer hidden-state error is summed, and both layers go back to ``meta``.
 
 A configuration with a quantized KV cache feeds each window in chunks of ``kv_chunk`` tokens
@@ -177,6 +177,7 @@ class MemoryPlan:
     heads: int  #: the heads at the end
     hidden: int  #: every configuration's hidden states (windows x seqlen x hidden each, twice while a layer runs)
     work: int  #: one window's activations inside a layer, or the logits of one chunk per configuration
+    weight_stats: int  #: weight statistics of the largest linear (float64 copies), before the layer's windows run
     streams: int  #: configurations evaluated
     whole: int  #: both models whole (today's path), for the comparison
     parts: dict = field(default_factory=dict)
@@ -185,21 +186,23 @@ class MemoryPlan:
     def peak(self) -> int:
         """The largest of the three phases (embedding, layer loop, statistics), plus the process baseline."""
         return BASELINE_BYTES + max(self.embeddings + self.hidden,
-                                    self.outer + self.layers + self.hidden + self.work,
+                                    self.outer + self.layers + self.hidden + max(self.work, self.weight_stats),
                                     self.heads + self.outer + self.hidden + self.work)
 
     def describe(self) -> str:
         """One line: the peak and what makes it."""
         return (f"{self.peak / GIB:.2f} GiB at peak: one decoder layer of each model {self.layers / GIB:.2f} GiB, "
                 f"hidden states of {self.streams} configuration(s) {self.hidden / GIB:.2f} GiB, untied heads "
-                f"{self.heads / GIB:.2f} GiB at the end, work {self.work / GIB:.2f} GiB, process "
+                f"{self.heads / GIB:.2f} GiB at the end, work {self.work / GIB:.2f} GiB, weight statistics "
+                f"{self.weight_stats / GIB:.2f} GiB, process "
                 f"{BASELINE_BYTES / GIB:.2f} GiB (both models whole: {self.whole / GIB:.2f} GiB)")
 
     def as_dict(self) -> dict:
         """The plan for the report (GiB, 3 decimals)."""
         return {k: round(v / GIB, 3) for k, v in (("peak_gib", self.peak), ("layers_gib", self.layers),
                                                    ("hidden_gib", self.hidden), ("heads_gib", self.heads),
-                                                   ("work_gib", self.work), ("whole_model_gib", self.whole))}
+                                                   ("work_gib", self.work), ("weight_stats_gib", self.weight_stats),
+                                                   ("whole_model_gib", self.whole))}
 
 
 def _nbytes(module, dtype: torch.dtype) -> int:
@@ -209,7 +212,7 @@ def _nbytes(module, dtype: torch.dtype) -> int:
 
 
 def memory_plan(reference: LazyModel, artifact: LazyModel | None, n_windows: int, seqlen: int,
-                owners: list[str], logit_chunk: int = LOGIT_CHUNK) -> MemoryPlan:
+                owners: list[str], logit_chunk: int = LOGIT_CHUNK, weight_stats: bool = False) -> MemoryPlan:
     """Estimate the peak memory of :func:`streamed_compare` from the models' shapes (no weight is read).
 
     Args:
@@ -220,7 +223,9 @@ def memory_plan(reference: LazyModel, artifact: LazyModel | None, n_windows: int
         of ``owners`` x ``n_windows x seqlen x hidden`` (two copies while a layer runs), the
         heads and embeddings, one window's activations inside a layer (attention scores of
         every head, the MLP's ``3 x intermediate``), ``logit_chunk x vocab x 4 B x 6`` per
-        configuration at the end.
+        configuration at the end; with ``weight_stats``, three float64 copies of the largest
+        2-D weight (:func:`compressor.quality.weight_report`'s original, artifact and AWQ-undone
+        copies).
     """
     models = [m for m in (reference, artifact) if m is not None]
     cfg = reference.model.config
@@ -234,8 +239,10 @@ def memory_plan(reference: LazyModel, artifact: LazyModel | None, n_windows: int
     work = max(seqlen * (3 * inter + 6 * cfg.hidden_size) * 4 + cfg.num_attention_heads * seqlen * seqlen * 4,
                len(owners) * logit_chunk * cfg.vocab_size * 4 * 6)
     whole = sum(_nbytes(m.model, m.dtype) for m in models)  # every parameter once (a tied head is the embedding)
+    largest = max((p.numel() for p in reference.layers.parameters() if p.ndim == 2), default=0)
     return MemoryPlan(layers=layers, outer=tied + norms, embeddings=emb, heads=head, hidden=hidden, work=work,
-                      streams=len(owners), whole=whole + BASELINE_BYTES + work)
+                      weight_stats=3 * 8 * largest if weight_stats else 0, streams=len(owners),
+                      whole=whole + BASELINE_BYTES + work)
 
 
 # ---------------------------------------------------------------------------------------
@@ -247,7 +254,7 @@ def _layers_passed_through(models):
     """Each model's decoder layers replaced by pass-through stand-ins (restored on exit): the
     model's forward on ``inputs_embeds`` then applies only its final norm, head and whatever
     its class does to the logits (Gemma's softcapping, in the model's own dtype)."""
-    from .pipeline import _Catcher
+    from .layer_inputs import _Catcher
 
     saved = []
     try:
@@ -276,7 +283,7 @@ def _chunk_kwargs(lm: LazyModel, x: torch.Tensor, kv_chunk: int, make_cache) -> 
     """Per chunk of ``kv_chunk`` tokens of a window ``x [1, T]``, the keyword arguments of every
     decoder layer when the model runs that chunk after the ones before it through a cache
     (``make_cache()``'s, reporting the tokens before the chunk as cached)."""
-    from .pipeline import layer_kwargs
+    from .layer_inputs import layer_kwargs
     from .quant.kv import cache_kwarg
 
     out = []
@@ -346,7 +353,7 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
             continue
         mine = [s for s in streams.values() if s.owner is lm]
         if mine:  # layer 0's inputs and each layer's arguments, from the model's own forward
-            from .pipeline import capture_layer_inputs
+            from .layer_inputs import capture_layer_inputs
 
             h0, kw_full[role] = capture_layer_inputs(lm.model, lm.arch, wins, 1, "cpu")
             h0 = [h.to(lm.dtype) for h in h0]  # recorded in float32: the model's own values back

@@ -17,7 +17,8 @@ from compressor.artifact import load_artifact, read_kv_cache
 from compressor.errors import InputError
 from compressor.manifest import load_manifest
 from compressor.moe import unfuse_experts
-from compressor.pipeline import capture_layer_inputs, quantize_model
+from compressor.layer_inputs import capture_layer_inputs
+from compressor.pipeline import quantize_model
 from compressor.quant.awq_layer import fold_scales as _fold
 from compressor.quant.layer import layer_forward as _layer_forward
 from compressor.quant.kv import (

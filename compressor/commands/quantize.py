@@ -41,14 +41,12 @@ from ..config_check import read_config, text_config
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import check_format, check_shapes, format_config, pack_modules
-from ..formats.compressed_tensors import kv_scale_tensors
 from ..models import ALIASES, float32_bytes, load_model, peek_model_type, resolve_source, stale_cache_notes, storage_dtype, take_cache_notes
 from ..pipeline import check_group_sizes, quantize_model
 from ..precision import resolve_matmul_precision
 from ..quant.algorithms import get_algorithm
 from ..quant.embedding import add_embedding, check_embedding, embedding_scheme
 from ..quant.head import add_head, check_head, check_untie, head_schemes
-from ..quant.kv import layout_bytes_per_token
 from ..recipe import KVCacheOptions, Recipe, apply_settings, load_recipes, with_overrides
 from ..signing import check_sign_options, sign_folder
 from ..activations import plan_activations
@@ -58,6 +56,7 @@ from ..staging import (
 from ..streaming import open_lazy
 from . import kv_only
 from .common import check_resumable, cpu_threads, in_background, peak_rss_mib, threads_restored
+from . import quantize_record as blocks
 from .options import QuantizeOptions
 
 
@@ -410,10 +409,10 @@ def _carry(plan: _Plan, opts: QuantizeOptions, device: str, console, on_committe
     src.calib_ids, result.kv_key_rotation = None, kv_only.carried_key_rotation(packed)  # q/k rows as the source's
     arch = get_arch(model.config.model_type)
     scales: dict = {}
-    kv_record = _kv_record(plan.kv, result, arch, model, scales)
+    kv_record = blocks.kv_record(plan.kv, result, arch, model, scales)
     plan.warnings += result.warnings
     quant = kv_only.quantization_record(packed, plan.dtype, plan.dtype_reason)
-    quality, timing = _quality(result, plan.recipe, plan.warnings), _timing(result)
+    quality, timing = blocks.quality(result, plan.recipe, plan.warnings), blocks.timing(result)
     fields = {"tool": tool_info(), "source": kv_only.source_record(packed), "recipe": plan.recipe.model_dump(mode="json"),
               "calibration": calibration, "quantization": quant, "quality": quality, "kv_cache": kv_record,
               "format": packed.format.name}
@@ -451,7 +450,7 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
     show.warnings(console, warnings)
     schemes, rename, arch = writer.schemes, writer.rename, writer.arch
     schemes.update({n: r.scheme for n, r in result.modules.items()} | head_schemes(recipe, arch))
-    quant = _quantization_summary(recipe, w.format, plan.dtype, result.group_size, schemes)
+    quant = blocks.quantization_summary(recipe, w.format, plan.dtype, result.group_size, schemes)
     quant["storage_dtype_reason"] = plan.dtype_reason
     # names as the checkpoint (and vLLM) spells them; MoE routers stay float and are listed as ignored;
     # lm_head is the format's to add, and a wrapper's is listed under its checkpoint name too
@@ -463,12 +462,12 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
                          {rename(n): v for n, v in embedding_scheme(recipe, arch).items()})
     packed = {rename(n): t for n, t in pack_modules(result.modules, w.format, DTYPES[plan.dtype]).items()}
     result.modules.clear()
-    kv_record = _kv_record(plan.kv, result, arch, model, packed)
+    kv_record = blocks.kv_record(plan.kv, result, arch, model, packed)
     float_bytes = float32_bytes(model)
-    quality = _quality(result, recipe, warnings)
+    quality = blocks.quality(result, recipe, warnings)
     if carried is not None:
         quality["carried"] = carried
-    timing = _timing(result)
+    timing = blocks.timing(result)
     if opts.model not in ALIASES:  # record paths absolutely so verify finds the reference from anywhere
         source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
     writer.load_outer()  # released after layer 0's inputs were captured (streamed sources)
@@ -530,70 +529,6 @@ def _keep_tensors(plan: _Plan, src: _Source, staging, warnings: list[str], conso
     warnings += new
     show.warnings(console, new)
     return kept_modules(ckpt, mtp + carried), record
-
-
-def _quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schemes: dict) -> dict:
-    """The manifest's ``quantization`` block: algorithm, format, weight scheme, module
-    count, storage dtype; the schemes of a mixed recipe; the algorithm's own fields."""
-    quant = {"algorithm": recipe.algorithm, "format": fmt, "num_bits": recipe.weights.num_bits, "group_size": group_size,
-             "symmetric": recipe.weights.symmetric, "modules": len(schemes), "storage_dtype": dtype}
-    if recipe.is_mixed:
-        quant["schemes"] = [{"num_bits": b, "group_size": g, "symmetric": y,
-                             "modules": sorted(n for n, v in schemes.items() if v == (b, g, y))}
-                            for b, g, y in sorted(set(schemes.values()))]
-    quant.update(get_algorithm(recipe.algorithm).summary_fields(recipe, fmt))  # keys already present keep their place
-    return quant
-
-
-def _kv_record(kv, result, arch, model, packed: dict) -> Optional[dict]:
-    """The manifest's ``kv_cache`` block; static scales are added to ``packed`` as
-    ``<layers>.<i>.<attention>.k_scale`` / ``v_scale`` tensors."""
-    if kv is None:
-        return None
-    record = {"scheme": kv.scheme, "strategy": kv.strategy, "bits": kv.bits, "static_scales": kv.static}
-    if kv.strategy == "kivi":
-        record.update({"group_size": kv.group_size, "residual_length": kv.residual_length,
-                       "keys": "per channel, groups of group_size tokens", "values": "per token, groups of group_size channels"})
-    if kv.static:
-        layers = checkpoint_name(arch, arch.layers)  # the checkpoint's (a wrapper's text model: under its prefix)
-        for name, t in kv_scale_tensors(result.kv_scales, layers, arch.attention, kv.strategy).items():
-            module, _, leaf = name.rpartition(".")
-            packed.setdefault(module, {})[leaf] = t
-        record["scale_tensors"] = f"{layers}.<i>.{arch.attention}.k_scale / v_scale, shape " + (
-            "[1]" if kv.strategy == "tensor" else "[num_kv_heads, 1, 1]")
-        record["scale_search"], record["absmax"] = result.kv_scale_search, {  # absmax: the scales' ranges
-            str(i): {"k": [round(float(x), 4) for x in k], "v": [round(float(x), 4) for x in v]} for i, (k, v) in result.kv_absmax.items()}
-    record.update({"key_rotation": result.kv_key_rotation} if result.kv_key_rotation != "none" else {})  # q/k rows changed per RoPE pair
-    layout = arch.kv_layout(model.config)
-    record.update(layout=layout.as_dict(), bytes_per_token=layout_bytes_per_token(kv, layout),
-                  fp16_bytes_per_token=layout_bytes_per_token(None, layout))
-    return record
-
-
-def _mean(values) -> float | None:
-    vals = [v for v in values if v is not None]
-    return round(sum(vals) / len(vals), 6) if vals else None
-
-
-def _quality(result, recipe: Recipe, warnings: list[str]) -> dict:
-    """The manifest's ``quality`` block (per-layer figures without timings, warnings, MoE routing)."""
-    quality = {
-        "layers": [{k: v for k, v in f.items() if k not in ("seconds", "phase_seconds")} for f in result.layers],
-        "mean_rel_error": _mean([f["mean_rel_error"] for f in result.layers]),
-        "warnings": warnings,
-    }
-    if result.moe:  # routed calibration tokens per expert; experts quantized with the RTN fallback
-        quality["moe"] = {"min_tokens": max(recipe.moe.min_tokens, 1), "layers": result.moe, "fallback": result.moe_fallback}
-    return quality
-
-
-def _timing(result) -> dict:
-    """Timings: they vary run to run, so they go to the provenance block, outside the content digest."""
-    timing = {"quantize_seconds": round(result.seconds, 2), "layer_seconds": [f["seconds"] for f in result.layers]}
-    if result.layers and "phase_seconds" in result.layers[0]:
-        timing["phase_seconds"] = {k: round(sum(f["phase_seconds"][k] for f in result.layers), 2)
-                                   for k in result.layers[0]["phase_seconds"]}
-    return timing
 
 
 def _summary(plan: _Plan, src: _Source, written: _Written, writer: LayerWriter, world_size: int,

@@ -1,0 +1,75 @@
+"""The manifest blocks ``kvq quantize`` writes from a finished run: ``quantization``,
+``kv_cache`` (static scales added as tensors), ``quality`` and the provenance's timings."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..arch import checkpoint_name
+from ..quant.algorithms import get_algorithm
+from ..formats.compressed_tensors import kv_scale_tensors
+from ..quant.kv import layout_bytes_per_token
+from ..recipe import Recipe
+
+def quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schemes: dict) -> dict:
+    """The manifest's ``quantization`` block: algorithm, format, weight scheme, module
+    count, storage dtype; the schemes of a mixed recipe; the algorithm's own fields."""
+    quant = {"algorithm": recipe.algorithm, "format": fmt, "num_bits": recipe.weights.num_bits, "group_size": group_size,
+             "symmetric": recipe.weights.symmetric, "modules": len(schemes), "storage_dtype": dtype}
+    if recipe.is_mixed:
+        quant["schemes"] = [{"num_bits": b, "group_size": g, "symmetric": y,
+                             "modules": sorted(n for n, v in schemes.items() if v == (b, g, y))}
+                            for b, g, y in sorted(set(schemes.values()))]
+    quant.update(get_algorithm(recipe.algorithm).summary_fields(recipe, fmt))  # keys already present keep their place
+    return quant
+
+
+def kv_record(kv, result, arch, model, packed: dict) -> Optional[dict]:
+    """The manifest's ``kv_cache`` block; static scales are added to ``packed`` as
+    ``<layers>.<i>.<attention>.k_scale`` / ``v_scale`` tensors."""
+    if kv is None:
+        return None
+    record = {"scheme": kv.scheme, "strategy": kv.strategy, "bits": kv.bits, "static_scales": kv.static}
+    if kv.strategy == "kivi":
+        record.update({"group_size": kv.group_size, "residual_length": kv.residual_length,
+                       "keys": "per channel, groups of group_size tokens", "values": "per token, groups of group_size channels"})
+    if kv.static:
+        layers = checkpoint_name(arch, arch.layers)  # the checkpoint's (a wrapper's text model: under its prefix)
+        for name, t in kv_scale_tensors(result.kv_scales, layers, arch.attention, kv.strategy).items():
+            module, _, leaf = name.rpartition(".")
+            packed.setdefault(module, {})[leaf] = t
+        record["scale_tensors"] = f"{layers}.<i>.{arch.attention}.k_scale / v_scale, shape " + (
+            "[1]" if kv.strategy == "tensor" else "[num_kv_heads, 1, 1]")
+        record["scale_search"], record["absmax"] = result.kv_scale_search, {  # absmax: the scales' ranges
+            str(i): {"k": [round(float(x), 4) for x in k], "v": [round(float(x), 4) for x in v]} for i, (k, v) in result.kv_absmax.items()}
+    record.update({"key_rotation": result.kv_key_rotation} if result.kv_key_rotation != "none" else {})  # q/k rows changed per RoPE pair
+    layout = arch.kv_layout(model.config)
+    record.update(layout=layout.as_dict(), bytes_per_token=layout_bytes_per_token(kv, layout),
+                  fp16_bytes_per_token=layout_bytes_per_token(None, layout))
+    return record
+
+
+def mean_or_none(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(sum(vals) / len(vals), 6) if vals else None
+
+
+def quality(result, recipe: Recipe, warnings: list[str]) -> dict:
+    """The manifest's ``quality`` block (per-layer figures without timings, warnings, MoE routing)."""
+    quality = {
+        "layers": [{k: v for k, v in f.items() if k not in ("seconds", "phase_seconds")} for f in result.layers],
+        "mean_rel_error": mean_or_none([f["mean_rel_error"] for f in result.layers]),
+        "warnings": warnings,
+    }
+    if result.moe:  # routed calibration tokens per expert; experts quantized with the RTN fallback
+        quality["moe"] = {"min_tokens": max(recipe.moe.min_tokens, 1), "layers": result.moe, "fallback": result.moe_fallback}
+    return quality
+
+
+def timing(result) -> dict:
+    """Timings: they vary run to run, so they go to the provenance block, outside the content digest."""
+    timing = {"quantize_seconds": round(result.seconds, 2), "layer_seconds": [f["seconds"] for f in result.layers]}
+    if result.layers and "phase_seconds" in result.layers[0]:
+        timing["phase_seconds"] = {k: round(sum(f["phase_seconds"][k] for f in result.layers), 2)
+                                   for k in result.layers[0]["phase_seconds"]}
+    return timing
