@@ -101,6 +101,8 @@ def test_memory_plan_counts_one_layer_of_each_model(tiny_pair):
     assert plan.hidden == 2 * 2 * 2 * 64 * 64 * 4
     assert plan.peak < plan.whole + plan.hidden
     assert "at peak" in plan.describe()
+    assert plan.weight_stats == 0
+    assert memory_plan(ref, a, 2, 64, ["reference"], weight_stats=True).weight_stats == 3 * 8 * 128 * 64  # float64 copies of gate_proj
 
 
 def test_rows_the_streamed_path_does_not_run_are_refused():

@@ -130,7 +130,8 @@ class Streamed:
         self.art, self.ref, self.tokenizer = art, ref, tokenizer
         wins, candidates, served, make_cache = self._windows_and_candidates() if opts.mode == "full" else (None, {}, "weights only", None)
         owners = [] if wins is None else ["reference", *[o for o, _ in candidates.values()]]
-        mem = memory_plan(ref, art, 0 if wins is None else wins.shape[0], 0 if wins is None else wins.shape[1], owners)
+        mem = memory_plan(ref, art, 0 if wins is None else wins.shape[0], 0 if wins is None else wins.shape[1], owners,
+                          weight_stats=plan.weights_quantized)
         budget = opts.memory_budget_gib
         if budget is not None and mem.peak > budget * GIB:
             raise InputError(f"--memory-budget-gib {budget:g} cannot hold streamed verify's smallest unit: {mem.describe()}; "
