@@ -70,3 +70,12 @@ def resource_problem(e: BaseException) -> str | None:
     if m and int(m.group(1)) in _RAN_OUT:
         return _RAN_OUT[int(m.group(1))]
     return next((_RAN_OUT[code] for said, code in _SAID if said in text), None)
+
+
+def first_line(e: Exception) -> str:
+    """The first line of ``e``'s message (its type's name when it has none); a first line that
+    ends in a colon (``Validation error for field 'x':``) is joined with the line that follows."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]

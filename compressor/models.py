@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, first_line
 from .gguf_cache import (GGUF_CACHE_INDEX, _write_gguf_cache, cache_root, cache_writable,  # noqa: F401 (public here)
                          cached_gguf_folder, stale_cache_notes, take_cache_notes)
 from .safetensors_io import file_digest, read_header
@@ -156,7 +156,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, tokenize
     except InputError:
         raise
     except Exception as e:  # transformers raises many types for unreadable files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise InputError(f"cannot load model {source.spec}: {first}") from None
     model.eval()
     model.requires_grad_(False)
@@ -430,7 +430,7 @@ def load_tokenizer(folder: str | Path, spec: str | None = None, tokenizer_dir: s
     except InputError:
         raise
     except Exception as e:  # transformers/tokenizers raise many types for unreadable files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise InputError(f"cannot load model {spec}: {first}") from None
     raise InputError(f"cannot load the tokenizer of {spec}: it needs the repository's own code ({ref}), which kvq "
                      "does not run; give a folder holding a tokenizer.json for it with --tokenizer DIR")

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .errors import InputError
+from .errors import InputError, first_line
 from .quant.inplace_linalg import all_finite
 from .safetensors_io import read_header
 
@@ -208,7 +208,7 @@ def _real_buffers(model, dtype: torch.dtype) -> str | None:
         with torch.device("cpu"), _StorageOnMeta():
             fresh = _from_config(model.config, dtype)
     except Exception as e:  # it built on meta; whatever fails here, the whole-model path still loads it
-        return f"buffer {wanted[0]}: {cls} cannot be built without its weights ({_first_line(e)})"
+        return f"buffer {wanted[0]}: {cls} cannot be built without its weights ({first_line(e)})"
     for name in wanted:
         module_name, _, leaf = name.rpartition(".")
         old = model.get_submodule(module_name)._buffers[leaf]
@@ -343,17 +343,8 @@ def _meta_model(source, dtype: torch.dtype, tokenizer_dir, ckpt: LazyCheckpoint 
     except InputError:
         raise
     except Exception as e:  # transformers raises many types for unreadable files
-        raise InputError(f"cannot load model {source.spec}: {_first_line(e)}") from None
+        raise InputError(f"cannot load model {source.spec}: {first_line(e)}") from None
     return model, tokenizer, ckpt
-
-
-def _first_line(e: Exception) -> str:
-    """The first line of ``e``'s message (its type's name when it has none); a first line that
-    ends in a colon (``Validation error for field 'x':``) is joined with the line that follows."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    if not lines:
-        return type(e).__name__
-    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def _from_config(cfg, dtype: torch.dtype):
