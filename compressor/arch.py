@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .errors import InputError
+from .kv_layout import kv_layout
 
 EXPERT = "{e}"
 
@@ -124,7 +125,7 @@ class ArchSpec:
     # RMSNorm computes x_hat * (norm_offset + weight): 0 (Llama), 1 (Gemma)
     norm_offset: float = 0.0
     moe: MoESpec | None = None
-    # KV-cache layout (compressor.quant.kv.kv_layout): "gqa" keys/values per KV head, "mla"
+    # KV-cache layout (compressor.kv_layout.kv_layout): "gqa" keys/values per KV head, "mla"
     # one compressed latent + decoupled RoPE key per token (DeepSeek-V2/V3, Kimi K2)
     kv: str = "gqa"
     # the bundled runtime (kvq serve-smoke / serve) runs this layout
@@ -157,13 +158,11 @@ class ArchSpec:
                 f"quantizes, as vLLM does); pip install -U 'transformers>={need}'")
 
     def kv_layout(self, config):
-        """The model's :class:`compressor.quant.kv.KVLayout` (what one token costs in the cache).
+        """The model's :class:`compressor.kv_layout.KVLayout` (what one token costs in the cache).
 
         Raises:
             InputError: see :meth:`check_kv_support`.
         """
-        from .quant.kv import kv_layout
-
         self.check_kv_support(config.model_type)
         return kv_layout(config, self.kv)
 

@@ -43,8 +43,8 @@ from .quant.algorithms import Algorithm, get_algorithm
 from .quant.head import head_hessian
 from .quant.inplace_linalg import all_finite
 from .quant.kv import check_layout, kv_observer, layer_scales, observed_absmax
-from .quant.kv_rotation import resolve_kv_search, rotate_layer
-from .quant.kv_search import apply_layer_search, layer_recorder, search_warnings
+from .quant.kv_rotation import apply_layer_search, resolve_kv_search, rotate_layer
+from .quant.kv_search import layer_recorder, search_warnings
 from .quant.layer import LayerContext, LinearQuantizer, QuantizedLinear, recompute_layer
 from .recipe import Recipe, resolve_group_size
 from .gc_policy import frozen_gc

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import InputError
 from .files import read_limited
+from .kv_schemes import make_spec
 
 if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotations are strings at run time
     from importlib.resources.abc import Traversable
@@ -216,7 +217,7 @@ class Override(_Strict):
 
 
 class KVCacheOptions(_Strict):
-    """KV-cache scheme (see :mod:`compressor.quant.kv`): ``fp8`` (strategy ``tensor`` or
+    """KV-cache scheme (see :mod:`compressor.kv_schemes`): ``fp8`` (strategy ``tensor`` or
     ``head``, static scales), ``int8`` (``token``: dynamic asymmetric per token; ``head``:
     static per head), ``int4``/``int2`` (``kivi``: keys per channel in groups of
     ``group_size`` tokens, values per token, ``residual_length`` recent tokens in full precision).
@@ -243,8 +244,6 @@ class KVCacheOptions(_Strict):
 
     @model_validator(mode="after")
     def _valid(self):
-        from .quant.kv import make_spec
-
         try:
             spec = make_spec(self.scheme, self.strategy, self.group_size, self.residual_length)
         except InputError as e:
@@ -273,9 +272,7 @@ class KVCacheOptions(_Strict):
         return data
 
     def spec(self):
-        """The resolved :class:`compressor.quant.kv.KVSpec`."""
-        from .quant.kv import make_spec
-
+        """The resolved :class:`compressor.kv_schemes.KVSpec`."""
         return make_spec(self.scheme, self.strategy, self.group_size, self.residual_length)
 
 

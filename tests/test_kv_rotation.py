@@ -245,7 +245,7 @@ def test_the_cache_turns_keys_into_a_basis_and_back():
     """Keys written through a cache with a key basis come back in the model's own basis, rounded
     in the other one (equal to rounding the turned keys and turning them back)."""
     from compressor.quant.kv import quantized_cache
-    from compressor.quant.kv_rotation import turn_keys
+    from compressor.kv_layout import turn_keys
 
     spec = make_spec("fp8", "tensor")
     torch.manual_seed(0)

@@ -393,7 +393,7 @@ def write_carried(packed: PackedSource, out: Path, spec, scales: dict, fields: d
     """Write the artifact ``out`` atomically and return its manifest.
 
     Args:
-        spec: the new KV scheme (:class:`compressor.quant.kv_schemes.KVSpec`).
+        spec: the new KV scheme (:class:`compressor.kv_schemes.KVSpec`).
         scales: ``{checkpoint name: tensor}`` of the KV scale tensors (``[1]`` or
             ``[kv_heads, 1, 1]``, storage dtype); empty for a dynamic scheme. A source's
             own ``k_scale``/``v_scale`` tensors are replaced (a warning in ``fields``' quality says so).

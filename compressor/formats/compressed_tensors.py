@@ -232,7 +232,7 @@ def kv_cache_scheme(spec) -> dict | None:
         return None
     from compressed_tensors.quantization import QuantizationArgs
 
-    # the KV scheme object declares its field (compressor.quant.kv_schemes); the library validates it
+    # the KV scheme object declares its field (compressor.kv_schemes); the library validates it
     args = QuantizationArgs(**spec.codec.config_field())
     return _dump(args, _KV_ARGS_KEYS)
 

@@ -1,8 +1,8 @@
 """KV-cache quantization: layouts, calibration observers, a quantized transformers cache, accounting.
 
 The arithmetic of each scheme (encode/decode, static scale rule, bytes, config field) is
-one class in :mod:`compressor.quant.kv_schemes`, re-exported here and shared with the
-runtime cache (:mod:`compressor.runtime.kv_cache`).
+one class in :mod:`compressor.kv_schemes` and the layouts are in :mod:`compressor.kv_layout`, both
+re-exported here and shared with the runtime cache (:mod:`compressor.runtime.kv_cache`).
 
 Keys and values are ``[batch, kv_heads, tokens, head_dim]`` tensors, keys **after RoPE**
 (what a runtime stores). Schemes:
@@ -63,102 +63,17 @@ qk_rope_head_dim)`` elements per layer, not ``2 * num_heads * head_dim``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..errors import InputError
-from .kv_rotation import turn_keys
-from .kv_schemes import (  # noqa: F401  (re-exported: the scheme classes and the tensor quantizers live there)
+from ..kv_layout import (  # noqa: F401  (re-exported: the layouts live there)
+    KVComponent, KVLayout, check_layout, gqa_layout, kv_layout, mla_layout, turn_keys,
+)
+from ..kv_schemes import (  # noqa: F401  (re-exported: the scheme classes and the tensor quantizers live there)
     BITS, DEFAULT_STRATEGY, FP8_MAX, KV_SCHEMES, SCHEMES, VALID_STRATEGIES, FP8HeadScheme, FP8TensorScheme,
     Int8HeadScheme, Int8TokenScheme, KIVIScheme, KVScheme, KVSpec, dequantize_asym, dequantize_fp8,
     dequantize_int_static, make_spec, quantize_asym, quantize_fp8, quantize_int_static,
 )
-
-
-@dataclass(frozen=True)
-class KVComponent:
-    """One of the two tensors a cache layer stores per token: ``heads x width`` elements;
-    ``kind`` ``k`` (KIVI: per channel, groups of tokens) or ``v`` (per token, groups of channels)."""
-
-    name: str
-    heads: int
-    width: int
-    kind: str
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What the KV cache of one model holds per token and layer.
-
-    ``components``: the two tensors transformers passes to ``Cache.update`` (GQA: keys
-    ``[B, kv_heads, T, head_dim]`` and values; MLA: the latent ``[B, 1, T, kv_lora_rank]``
-    and the RoPE key ``[B, 1, T, qk_rope_head_dim]``). ``shared_scale``: one static scale
-    covers both (MLA, as vLLM's MLA cache).
-    """
-
-    attention: str
-    n_layers: int
-    components: tuple[KVComponent, KVComponent]
-    shared_scale: bool = False
-
-    @property
-    def kinds(self) -> tuple[str, str]:
-        """KIVI grouping of the two cache slots: ``k`` per channel, ``v`` per token."""
-        return self.components[0].kind, self.components[1].kind
-
-    def describe(self) -> str:
-        """One line, e.g. ``mla: 61 layers x (latent 1x512 + rope key 1x64) per token``."""
-        parts = " + ".join(f"{c.name} {c.heads}x{c.width}" for c in self.components)
-        return f"{self.attention}: {self.n_layers} layers x ({parts}) per token"
-
-    def as_dict(self) -> dict:
-        """JSON form for the manifest's ``kv_cache.layout`` and verify's report."""
-        return {"attention": self.attention, "layers": self.n_layers, "shared_scale": self.shared_scale,
-                "components": [{"name": c.name, "heads": c.heads, "width": c.width,
-                                "kivi_grouping": "per channel" if c.kind == "k" else "per token"}
-                               for c in self.components]}
-
-
-def gqa_layout(n_layers: int, kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> KVLayout:
-    """Keys and values per KV head (MHA/GQA/MQA)."""
-    return KVLayout("gqa", int(n_layers), (KVComponent("key", int(kv_heads), int(head_dim), "k"),
-                                           KVComponent("value", int(kv_heads), int(v_head_dim or head_dim), "v")))
-
-
-def mla_layout(n_layers: int, kv_lora_rank: int, qk_rope_head_dim: int) -> KVLayout:
-    """Multi-head latent attention: the latent and the decoupled RoPE key (module docstring)."""
-    return KVLayout("mla", int(n_layers), (KVComponent("latent", 1, int(kv_lora_rank), "k"),
-                                           KVComponent("rope key", 1, int(qk_rope_head_dim), "k")), shared_scale=True)
-
-
-def kv_layout(config, attention: str = "gqa") -> KVLayout:
-    """The :class:`KVLayout` of a transformers config (``attention``: the arch row's ``kv``).
-
-    Raises:
-        InputError: the config lacks the fields the layout needs.
-    """
-    try:
-        n = int(config.num_hidden_layers)
-        if attention == "mla":
-            return mla_layout(n, config.kv_lora_rank, config.qk_rope_head_dim)
-        heads = int(config.num_attention_heads)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        return gqa_layout(n, kv_heads, head_dim)
-    except (AttributeError, TypeError, ValueError) as e:
-        raise InputError(f"config lacks a field the KV-cache layout needs ({e})") from None
-
-
-def check_layout(spec: KVSpec, layout: KVLayout) -> None:
-    """Refuse a scheme the layout cannot hold.
-
-    Raises:
-        InputError: a per-head strategy on an MLA cache (it has no KV heads).
-    """
-    if layout.attention == "mla" and spec.codec.per_head:
-        raise InputError(f"KV scheme {spec.describe()}: multi-head latent attention caches one latent shared by all "
-                         "heads, so per-head scales do not apply; use fp8 (tensor), int8 (token) or int4/int2 (kivi)")
 
 
 def layer_scales(k_absmax: torch.Tensor, v_absmax: torch.Tensor, spec: KVSpec, layout: KVLayout | None = None):
@@ -188,7 +103,7 @@ def fake_quantize_kv(x: torch.Tensor, spec: KVSpec, kind: str, scale: torch.Tens
 
 def static_scales(absmax: torch.Tensor, spec: KVSpec) -> torch.Tensor:
     """Scale from observed absmax (``[kv_heads]`` per head, reduced to ``[1]`` for ``tensor``);
-    the scheme's rule (:meth:`~compressor.quant.kv_schemes.KVScheme.scale_from_absmax`)."""
+    the scheme's rule (:meth:`~compressor.kv_schemes.KVScheme.scale_from_absmax`)."""
     return spec.codec.scale_from_absmax(absmax)
 
 
@@ -255,12 +170,12 @@ def make_quantized_layer_class():
 
     class KVQuantizedLayer(base):
         """One layer of :func:`quantized_cache`: quantizes on write, dequantizes on read,
-        through the scheme's :class:`~compressor.quant.kv_schemes.KVScheme` (``spec.codec``).
+        through the scheme's :class:`~compressor.kv_schemes.KVScheme` (``spec.codec``).
 
         Per-token schemes quantize every written token. KIVI appends to a full-precision
         residual and, whenever it holds more than ``residual_length`` tokens, moves its
         oldest tokens, in whole groups of ``group_size``, into the quantized store
-        (:meth:`~compressor.quant.kv_schemes.KIVIScheme.quantized_length`, the rule the
+        (:meth:`~compressor.kv_schemes.KIVIScheme.quantized_length`, the rule the
         runtime cache follows), so between ``residual_length - group_size + 1`` and
         ``residual_length`` recent tokens stay in full precision.
         """
@@ -338,7 +253,7 @@ def quantized_cache(spec: KVSpec, n_layers: int, scales: dict[int, tuple[torch.T
             latent and the RoPE key, both grouped per channel by KIVI (module docstring).
         key_basis: layer index -> complex ``[kv_heads, d/2]``: keys are turned into that basis
             before they are quantized and back after (an artifact's ``kv_cache.key_rotation:
-            pairs`` applied to the reference model; :func:`compressor.quant.kv_rotation.turn_keys`).
+            pairs`` applied to the reference model; :func:`compressor.kv_layout.turn_keys`).
 
     Raises:
         InputError: a static scheme without scales for some layer; a per-head scheme on MLA;

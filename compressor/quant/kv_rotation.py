@@ -50,6 +50,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..arch import get_module
+from ..errors import InputError
+from .kv_search import AttentionRecorder, resolve_scale_search, search_kv_ranges
+from .layer import StopForward, layer_forward, stored_dequantize
+
 #: model types whose attention rotates whole heads in the ``rotate_half`` layout, with
 #: separate q_proj/k_proj and no q/k norm (what the exactness argument needs)
 ARCHS = frozenset({"llama", "mistral", "mixtral", "qwen2"})
@@ -80,8 +85,6 @@ def resolve_key_rotation(kv_options, config, scale_search: str) -> str:
     Raises:
         InputError: ``pairs`` asked for where it cannot apply (names why).
     """
-    from ..errors import InputError
-
     mode = "none" if kv_options is None else kv_options.key_rotation
     if mode == "none":
         return "none"
@@ -100,8 +103,6 @@ def resolve_kv_search(kv_options, layout, config) -> tuple[str, str]:
     Raises:
         InputError: either asks for what cannot apply.
     """
-    from .kv_search import resolve_scale_search
-
     search = resolve_scale_search(kv_options, layout)
     return search, resolve_key_rotation(kv_options, config, search)
 
@@ -138,7 +139,7 @@ def choose_factors(q: torch.Tensor, k: torch.Tensor, codec, k_scale: torch.Tenso
     keys ``c k`` are rounded by ``codec`` at ``k_scale`` and the queries divided by ``c``.
 
     ``q [b, heads, T, d]``, ``k [b, kv_heads, T, d]`` post-RoPE (float32); ``codec``: the KV
-    scheme (:class:`~compressor.quant.kv_schemes.KVScheme`); ``k_scale [kv_heads]`` float32, the
+    scheme (:class:`~compressor.kv_schemes.KVScheme`); ``k_scale [kv_heads]`` float32, the
     static key scales as stored; ``scaling``: the attention's logit scale (``d^-0.5``).
     """
     b, heads, t, d = q.shape
@@ -202,10 +203,6 @@ def rotate_layer(i: int, layer, hidden: list, kw: dict, ctx) -> dict:
     when the recipe quantizes ``q_proj`` or ``k_proj``: a turn mixes a pair's two rows before
     rounding, and a small row mixed with a large one takes the large one's group scales, which
     cost the W4 model more than the angles gain the cache; the factors of step 2 still apply)."""
-    from ..arch import get_module
-    from .kv_search import AttentionRecorder
-    from .layer import StopForward, layer_forward
-
     if ctx.kv_key_rotation != "pairs" or not hidden:
         return {}
     prefix = f"{ctx.arch.layers}.{i}.{ctx.arch.attention}."
@@ -240,8 +237,6 @@ def rotate_layer(i: int, layer, hidden: list, kw: dict, ctx) -> dict:
 def _scale_rows(name: str, lin: torch.nn.Linear, rows: torch.Tensor, ctx) -> None:
     """Multiply ``lin``'s output rows by ``rows [out]``: a quantized linear's stored group scales
     (its integer codes unchanged; the weight re-dequantized from them), else the weight."""
-    from .layer import stored_dequantize
-
     record = ctx.modules.get(name)
     if record is not None:
         scale = record.scale.float() * rows.view(-1, 1).to(record.scale.device)
@@ -299,11 +294,25 @@ def undo_pairs(w_ref: torch.Tensor, w_hat: torch.Tensor, head_dim: int, z: torch
     return torch.cat([back.real, back.imag], 1).reshape(w_hat.shape)
 
 
-def turn_keys(k: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Keys ``k [B, kv_heads, T, d]`` (post-RoPE) with each head's pair ``p`` multiplied by
-    ``z [kv_heads, d/2]`` (complex), computed in float32 and returned in ``k``'s dtype: the
-    reference model's keys in an artifact's key basis (``kvq verify``'s KV-only figures)."""
-    p = k.shape[-1] // 2
-    zr, zi = z.real.float().view(1, -1, 1, p).to(k.device), z.imag.float().view(1, -1, 1, p).to(k.device)
-    a, b = k[..., :p].float(), k[..., p:].float()
-    return torch.cat([zr * a - zi * b, zi * a + zr * b], -1).to(k.dtype)
+def apply_layer_search(i: int, rec: AttentionRecorder, ctx, rotation: dict | None = None) -> dict:
+    """Layer ``i``'s search (:func:`~compressor.quant.kv_search.search_kv_ranges`) on what ``rec`` recorded during its
+    recompute; the observer's ranges for the layer become ``absmax x m``. With
+    ``ctx.kv_key_rotation == "pairs"`` the key pairs' factors follow at the searched scales
+    (:func:`scale_layer_pairs`). Returns the layer's figure
+    ``{"k": [m per KV head, or one for per-tensor scales], "v": [...], "sequences": n}``
+    (``n``: calibration sequences the search used; ``{}`` when the observer saw nothing), plus
+    ``"key_pairs"``: ``rotation`` (the layer's angle figure) and the factors' figure."""
+    obs = ctx.observer.layers[i]
+    if obs.k_absmax is None:
+        return {}
+    spec = ctx.recipe.kv_cache.spec()
+    k_range, v_range, mk, mv = search_kv_ranges(rec, spec, obs.k_absmax, obs.v_absmax, ctx.quantizer.dtype)
+    obs.k_absmax, obs.v_absmax = k_range, v_range
+    pairs = {}
+    if ctx.kv_key_rotation == "pairs" and rec.records:
+        pairs = {"key_pairs": {**(rotation or {}), **scale_layer_pairs(i, rec, ctx, k_range)}}
+    rec.records.clear()
+    if spec.codec.per_tensor:  # one multiplier for the layer
+        mk, mv = mk[:1], mv[:1]
+    return {"k": [round(x, 4) for x in mk.tolist()], "v": [round(x, 4) for x in mv.tolist()], "sequences": rec.seen,
+            **pairs}

@@ -34,7 +34,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .kv_schemes import KVSpec
+from ..arch import get_module
+from ..errors import InputError
+from ..kv_schemes import KVSpec
 
 #: scale multipliers tried (applied to the observed absmax): one binade in 16 steps and two below 1
 GRID = tuple(2 ** (j / 16) for j in range(-2, 16))
@@ -168,8 +170,6 @@ def resolve_scale_search(kv_options, layout) -> str:
     Raises:
         InputError: ``attention`` asked for on an MLA cache.
     """
-    from ..errors import InputError
-
     if kv_options is None or not kv_options.spec().static or kv_options.scale_search == "absmax":
         return "absmax"
     if layout.shared_scale:
@@ -183,37 +183,9 @@ def resolve_scale_search(kv_options, layout) -> str:
 def layer_recorder(layer, ctx) -> AttentionRecorder | None:
     """The recorder of decoder layer ``layer``'s attention when the run searches its KV scales
     (``ctx.kv_scale_search == "attention"``, observers on), else ``None``."""
-    from ..arch import get_module
-
     if ctx.observer is None or ctx.kv_scale_search != "attention":
         return None
     return AttentionRecorder(get_module(layer, ctx.arch.attention), ctx.recipe.kv_cache.scale_search_samples)
-
-
-def apply_layer_search(i: int, rec: AttentionRecorder, ctx, rotation: dict | None = None) -> dict:
-    """Layer ``i``'s search (:func:`search_kv_ranges`) on what ``rec`` recorded during its
-    recompute; the observer's ranges for the layer become ``absmax x m``. With
-    ``ctx.kv_key_rotation == "pairs"`` the key pairs' factors follow at the searched scales
-    (:func:`compressor.quant.kv_rotation.scale_layer_pairs`). Returns the layer's figure
-    ``{"k": [m per KV head, or one for per-tensor scales], "v": [...], "sequences": n}``
-    (``n``: calibration sequences the search used; ``{}`` when the observer saw nothing), plus
-    ``"key_pairs"``: ``rotation`` (the layer's angle figure) and the factors' figure."""
-    obs = ctx.observer.layers[i]
-    if obs.k_absmax is None:
-        return {}
-    spec = ctx.recipe.kv_cache.spec()
-    k_range, v_range, mk, mv = search_kv_ranges(rec, spec, obs.k_absmax, obs.v_absmax, ctx.quantizer.dtype)
-    obs.k_absmax, obs.v_absmax = k_range, v_range
-    pairs = {}
-    if ctx.kv_key_rotation == "pairs" and rec.records:
-        from .kv_rotation import scale_layer_pairs
-
-        pairs = {"key_pairs": {**(rotation or {}), **scale_layer_pairs(i, rec, ctx, k_range)}}
-    rec.records.clear()
-    if spec.codec.per_tensor:  # one multiplier for the layer
-        mk, mv = mk[:1], mv[:1]
-    return {"k": [round(x, 4) for x in mk.tolist()], "v": [round(x, 4) for x in mv.tolist()], "sequences": rec.seen,
-            **pairs}
 
 
 def search_warnings(layers: list[dict], kv_options) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from ..errors import InputError
-from ..quant.kv_schemes import KVSpec, make_spec
+from ..kv_schemes import KVSpec, make_spec
 from .kv_cache import KVCache
 from .loader import load_decoder
 from .model import Decoder, LoadInfo
@@ -94,7 +94,7 @@ class Runtime:
             kv: ``"artifact"`` (the artifact's KV scheme and static scales, float when it
                 has none or is a plain model folder), ``None``/``"none"`` (float cache),
                 a scheme name (``fp8``, ``int8``, ``int4``, ``int2`` with default
-                strategy) or a :class:`~compressor.quant.kv_schemes.KVSpec`.
+                strategy) or a :class:`~compressor.kv_schemes.KVSpec`.
             dtype: compute dtype (default: :func:`~compressor.runtime.loader.compute_dtype`'s
                 ``auto``: bfloat16 for a bfloat16 artifact, else float32 on CPU, float16 on CUDA).
             kv_scales: ``layer -> (k_scale, v_scale)`` for a static scheme the artifact

@@ -11,7 +11,7 @@ attention reads; then :meth:`KVCache.commit` advances ``lengths``. Slots past a 
 length hold stale or padding data that the attention mask hides.
 
 Every quantized cache encodes and decodes through the scheme object ``spec.codec``
-(:class:`~compressor.quant.kv_schemes.KVScheme`), the same one
+(:class:`~compressor.kv_schemes.KVScheme`), the same one
 :func:`~compressor.quant.kv.quantized_cache` calls, so the runtime serves exactly what
 ``kvq verify`` measures:
 
@@ -31,12 +31,12 @@ class                         storage per layer (``B, H, Lmax, D``)
 
 KIVI (Liu et al., 2024, arXiv:2402.02750) boundary: after ``T`` tokens a sequence has its
 first ``f(T) = max(0, ceil((T - R) / g)) * g`` tokens quantized and the rest (between
-``R - g + 1`` and ``R``) in float (:meth:`~compressor.quant.kv_schemes.KIVIScheme.quantized_length`,
+``R - g + 1`` and ``R``) in float (:meth:`~compressor.kv_schemes.KIVIScheme.quantized_length`,
 the rule :func:`~compressor.quant.kv.make_quantized_layer_class` follows too), whatever the
 chunking, so it is derived from ``lengths`` alone (what a prefill
 chunk's queries read does depend on the chunking: tokens quantized within the chunk are
 read back dequantized, as in the reference). Scales and zero
-points are float32 (as :func:`~compressor.quant.kv_schemes.quantize_asym` returns them), so
+points are float32 (as :func:`~compressor.kv_schemes.quantize_asym` returns them), so
 bytes/token here are a little above :func:`~compressor.quant.kv.kv_bytes_per_token`'s
 fp16 accounting; :meth:`KVCache.bytes_per_token` reports what is actually stored.
 """
@@ -48,7 +48,7 @@ import math
 import torch
 
 from ..errors import InputError
-from ..quant.kv_schemes import (
+from ..kv_schemes import (
     FP8_MAX, FP8TensorScheme, Int8HeadScheme, Int8TokenScheme, KIVIScheme, KVScheme, KVSpec, make_spec,
 )
 
@@ -228,7 +228,7 @@ class FP8KVCache(QuantKVCache):
 
     Decoding reads a scaled lookup table instead of converting each code: one float32
     table ``[H or 1, 256]`` per (layer, kind) holding ``e4m3(byte) * scale``, the very
-    float32 product :func:`~compressor.quant.kv_schemes.dequantize_fp8` computes, so the
+    float32 product :func:`~compressor.kv_schemes.dequantize_fp8` computes, so the
     result is bit-identical to ``spec.codec.decode``. On this torch a CPU float8 -> float32
     conversion runs element by element (measured on a 2-core Xeon, 3 heads x 100 tokens x 64:
     71 us per read against 18 us for the gather), and decode reads the whole prefix of every
@@ -346,7 +346,7 @@ class KIVICache(KVCache):
 
     def quantized_length(self, length: torch.Tensor) -> torch.Tensor:
         """``f(T)``: tokens in the quantized store after ``T`` tokens (multiple of ``group_size``),
-        the scheme's rule (:meth:`~compressor.quant.kv_schemes.KIVIScheme.quantized_length`)."""
+        the scheme's rule (:meth:`~compressor.kv_schemes.KIVIScheme.quantized_length`)."""
         return self.codec.quantized_length(length)
 
     def _quantize_into(self, layer: int, row: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:

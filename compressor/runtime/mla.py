@@ -5,7 +5,7 @@ Per layer and token the cache stores ``c_kv`` (``kv_a_proj_with_mqa`` output aft
 ``kv_a_layernorm``, ``kv_lora_rank`` wide) and ``k_rope`` (``qk_rope_head_dim`` wide, after
 RoPE, shared by all heads): exactly the two tensors transformers' ``DeepseekV3Attention``
 passes to ``cache.update``, so the runtime cache quantizes them with the same
-:class:`~compressor.quant.kv_schemes.KVScheme` calls as ``kvq verify``'s
+:class:`~compressor.kv_schemes.KVScheme` calls as ``kvq verify``'s
 :func:`~compressor.quant.kv.quantized_cache` with :func:`~compressor.quant.kv.mla_layout`
 (fp8 ``tensor``: one static scale per layer shared by both parts; int8 ``token``: a dynamic
 scale and zero point per token and part; int4/int2 KIVI: both parts per channel in groups of
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..quant.kv import check_layout, mla_layout
-from ..quant.kv_schemes import KIVIScheme, KVSpec
+from ..kv_schemes import KIVIScheme, KVSpec
 from .attention import attention_dtype
 from .blocks import RMSNorm, apply_rope
 from .kv_cache import CACHE_CLASSES, KIVICache, KVCache, QuantKVCache, _pack_codes, _unpack_codes

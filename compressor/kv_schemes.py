@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import torch
 
-from ..errors import InputError
+from .errors import InputError
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
