@@ -4,8 +4,8 @@ with the row's own transformers classes (Gemma 3's ``Gemma3TextScaledWordEmbeddi
 (:func:`compressor.streaming.open_lazy` returns a model, not a reason), and once its layers are
 read the streamed model's logits equal the whole-loaded model's (and Gemma 3's streamed GPTQ run
 writes the whole-model run's tensors). A buffer the second build cannot compute sends the source
-down the whole-model path, naming it. The README's streaming table (*Models larger than memory*)
-is checked against the rows that stream here."""
+down the whole-model path, naming it. The streaming table of docs/streaming.md (*Models larger than
+memory*) is checked against the rows that stream here."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import test_arch
 import test_frontier
 from test_kimi_k25 import make_k25
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+STREAMING_DOC = Path(__file__).resolve().parents[1] / "docs" / "streaming.md"
 IDS = torch.randint(1, 300, (2, 16), generator=torch.Generator().manual_seed(3))
 
 
@@ -138,9 +138,9 @@ def test_a_buffer_its_class_fills_from_weight_storage_is_loaded_whole(sources, m
     assert model is None and "model.embed_tokens.embed_scale" in reason, reason
 
 
-def readme_stream_table() -> dict[str, str]:
-    """The README's streaming table (*Models larger than memory*): row -> its ``streamed`` cell."""
-    lines = README.read_text().splitlines()
+def doc_stream_table() -> dict[str, str]:
+    """docs/streaming.md's streaming table (*Models larger than memory*): row -> its ``streamed`` cell."""
+    lines = STREAMING_DOC.read_text().splitlines()
     start = next(i for i, ln in enumerate(lines) if re.match(r"\|\s*rows\s*\|\s*streamed\s*\|", ln))
     out = {}
     for ln in lines[start + 2:]:
@@ -148,13 +148,13 @@ def readme_stream_table() -> dict[str, str]:
             break
         cells = [c.strip() for c in ln.strip().strip("|").split("|")]
         for row in re.findall(r"`([a-z0-9_]+)`", cells[0]):
-            assert row not in out, f"README: {row} is in two lines of the streaming table"
+            assert row not in out, f"docs/streaming.md: {row} is in two lines of the streaming table"
             out[row] = cells[1]
     return out
 
 
-def test_readme_streaming_table_is_the_rows_that_stream(opened):
-    table = readme_stream_table()
+def test_doc_streaming_table_is_the_rows_that_stream(opened):
+    table = doc_stream_table()
     assert set(table) == set(ARCHITECTURES)
     says = {row for row, cell in table.items() if cell.startswith("yes")}
     streams = {row for row, lazy in opened.items() if lazy[0] is not None}
