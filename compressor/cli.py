@@ -18,9 +18,12 @@ from pathlib import Path
 import click
 
 from .commands.common import fail_unless_passed
-from .commands.options import OptionError, QuantizeOptions, SmokeOptions, VerifyOptions, bounds
-from .console import make_console as _console
+from .cli_help import HELP
+from .cli_options import (FILE, RegistryChoice, algorithm_names, bounded, build_options, format_names, kv_scheme_names,
+                          resolve_device, signature_options, verify_keys)
 from .cli_sizes import parse_size
+from .commands.options import QuantizeOptions, SmokeOptions, VerifyOptions
+from .console import make_console as _console
 from .errors import InputError, KvqError, resource_problem
 
 
@@ -36,7 +39,7 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported (calibration files)
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported (calib files)
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
     with interrupts.deferred(), gc_policy.settled_gc():
         import torch  # noqa: F401
@@ -46,47 +49,13 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def _range(options, flat: str, kind=int):
-    """The click type of option ``flat`` of ``options``: its range as the options object
-    declares it (shown in ``--help`` and checked while parsing), else plain ``kind``."""
-    b = bounds(options, flat)
-    if b["min"] is None and b["max"] is None:
-        return kind
-    return (click.IntRange if kind is int else click.FloatRange)(**b)
-
-
-#: options whose flag is not ``--`` + the option's name with dashes
-_FLAGS = {"digest_algorithm": "--digest", "shard_bytes": "--shard-size", "eval_text": "--eval"}
-
-
-def _options(cls, **flat):
-    """``cls(**flat)``; an :class:`OptionError` becomes click's usage error, named by flag."""
-    try:
-        return cls(**flat)
-    except OptionError as e:
-        hint = e.hint
-        if hint is None and e.option is not None:
-            hint = f"'{_FLAGS.get(e.option, '--' + e.option.replace('_', '-'))}'"
-        raise click.BadParameter(e.reason, param_hint=hint) from None
-
-
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda given but no CUDA device is available; use --device cpu")
-    return name
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="kvq-compressor", prog_name="kvq")
 def cli():
     """kvq: compress an LLM's weights, prove the result is still the same model.
 
     \b
-    kvq quantize MODEL -o OUT     calibrate and quantize weights (AWQ / GPTQ / AWQ+GPTQ / RTN), KV cache, LM head; write the artifact
+    kvq quantize MODEL -o OUT     calibrate and quantize weights, KV cache, LM head; write the artifact
     kvq verify OUT                check the signature and every tensor digest, compare with the original, gate
     kvq sign OUT                  sign the artifact (OpenSSF model_signing; model.sig)
     kvq serve-smoke OUT           run the artifact in the bundled runtime, compare with the original, gate
@@ -97,70 +66,60 @@ def cli():
     """
 
 
-_SIGNATURE_OPTIONS = (
-    click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Check model.sig with this EC public key (PEM) before anything else."),
-    click.option("--certificate-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="Check model.sig against this certificate chain (PEM, repeatable)."),
-    click.option("--identity", default=None, help="Sigstore keyless: the expected signer identity (e.g. an e-mail or workflow URL); needs --issuer and network."),
-    click.option("--issuer", default=None, help="Sigstore keyless: the expected OIDC issuer, e.g. https://token.actions.githubusercontent.com."),
-)
-
-
-_NO_MANIFEST_SERVE = ("ARTIFACT was written by another tool and has no kvq-manifest.json: serve it unchecked (one line "
-                      "says so; model.sig is still checked when key material is given).")
-
-
-def _signature_options(f):
-    """--public-key / --certificate-chain / --identity + --issuer (verify, serve-smoke, serve):
-    the command receives ``public_key``, ``certificate_chain``, ``identity``, ``issuer``."""
-    for option in reversed(_SIGNATURE_OPTIONS):
-        f = option(f)
-    return f
-
-
-def _verify_keys(public_key, certificate_chain, identity, issuer):
-    """The :class:`~compressor.signing.VerifyKeys` of :func:`_signature_options`' values."""
-    from .signing import VerifyKeys
-
-    return VerifyKeys(public_key=public_key, certificate_chain=tuple(certificate_chain), identity=identity, issuer=issuer)
-
-
 @cli.command()
 @click.argument("model")
-@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Artifact folder to create (must not exist unless --overwrite).")
-@click.option("--recipe", "recipes_", multiple=True, default=("w4a16-awq",), show_default=True, help="Bundled recipe name (see `kvq recipes`) or path to a YAML recipe; repeatable: later ones add to or override earlier ones (--recipe w4a16-awq --recipe kv-fp8).")
-@click.option("--kv-scheme", type=click.Choice(["fp8", "int8", "int4", "int2"]), default=None, help="Shortcut for a KV-cache scheme with its defaults (fp8 per tensor with scales searched on the attention output, as the kv-fp8 recipe; int8 per token; int4/int2 KIVI group 32 residual 128). Change them with --set: kv_cache.strategy=head (per-head fp8 scales), kv_cache.scale_search=absmax|attention|auto (absmax / 448, the search, or the search where the cache has KV heads and absmax on MLA), kv_cache.scale_search_samples=N (calibration sequences the search uses, default 4), kv_cache.key_rotation=pairs (static scales searched: exact per-RoPE-pair factors in q_proj/k_proj chosen for the cache's grid, fp8 or int8 per head; angles only where q/k stay float; README 'KV-cache quantization').")
-@click.option("--algorithm", type=click.Choice(["awq", "gptq", "awq-gptq", "rtn", "none"]), default=None, help="Override the recipe's algorithm (none: weights stay float, e.g. a KV-only artifact).")
-@click.option("--bits", type=_range(QuantizeOptions, "bits"), default=None, help="Override weights.num_bits (2-8).")
-@click.option("--group-size", default=None, help="Override weights.group_size: any size dividing every targeted in_features (32, 64 and 128 are the usual), -1 (per channel) or auto (the largest of 128/64/32 that divides).")
-@click.option("--symmetric/--asymmetric", default=None, help="Override weights.symmetric (the bundled 4/3-bit recipes are asymmetric, w8a16-rtn symmetric).")
-@click.option("--act-order/--no-act-order", default=None, help="Override gptq.act_order (GPTQ: visit columns by descending Hessian diagonal).")
-@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Override any recipe field by its dotted key, e.g. --set gptq.damp=0.02, --set gptq.clip=true (GPTQ's range search), --set gptq.gptaq_alpha=0.25 (GPTQ's float target), --set kv_cache.scale_search=absmax (see --kv-scheme), --set head=null (repeatable; VALUE is parsed as YAML, null included).")
-@click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "awq", "gptq"]), default="compressed-tensors", show_default=True, help="On-disk layout: compressed-tensors (vLLM/transformers), awq (AutoAWQ GEMM, 4-bit only) or gptq (AutoGPTQ/GPTQModel; g_idx for act-order).")
-@click.option("--calib", default="embedded", show_default=True, help="Calibration text: a .txt/.jsonl/.parquet file, 'embedded' (offline CPython prose), or wikitext2/c4/pileval (online); or a .safetensors file with one integer tensor input_ids [samples, seqlen] of pre-tokenized windows (used as they are; --calib-samples/--calib-seqlen/--seed do not apply).")
-@click.option("--calib-field", default="text", show_default=True, help="Text column of a .jsonl/.parquet calibration file.")
-@click.option("--calib-samples", type=_range(QuantizeOptions, "calib_samples"), default=128, show_default=True, help="Number of calibration sequences.")
-@click.option("--calib-seqlen", type=_range(QuantizeOptions, "calib_seqlen"), default=512, show_default=True, help="Tokens per calibration sequence.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for drawing calibration windows.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where each layer is processed.")
-@click.option("--dtype", type=click.Choice(["auto", "float16", "bfloat16", "float32"]), default="auto", show_default=True, help="Storage and declared dtype of scales and unquantized tensors (config.json's dtype). auto: the source's (bfloat16 or float16 checkpoints keep theirs; float32, FP8 and GGUF sources get bfloat16). float16 is refused when a layer's calibration activations exceed 65,504.")
-@click.option("--allow-float16-overflow", is_flag=True, help="Keep --dtype float16 although some layer's activations exceed float16's range (recorded in the manifest's warnings).")
-@click.option("--overwrite", is_flag=True, help="Replace an earlier artifact (a folder holding kvq-manifest.json) or an empty folder, atomically at the end; any other folder is refused.")
-@click.option("--digest", "digest_algorithm", type=click.Choice(["sha256", "blake3"]), default="sha256", show_default=True, help="Digest of files and tensors in kvq-manifest.json.")
-@click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Sign the artifact as the last step with this EC private key (PEM), through model_signing; writes OUT/model.sig.")
-@click.option("--sign-password", default=None, envvar="KVQ_SIGN_PASSWORD", help="Password of an encrypted --sign-key (or env KVQ_SIGN_PASSWORD).")
-@click.option("--sign-certificate", type=click.Path(dir_okay=False, path_type=Path), default=None, help="With --sign-key: the key's signing certificate (PEM), for certificate-based signing.")
-@click.option("--sign-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="With --sign-certificate: a certificate of its chain (repeatable).")
-@click.option("--stream/--no-stream", default=True, show_default=True, help="Read a safetensors MODEL one decoder layer at a time (peak memory about one layer plus calibration activations); --no-stream loads it whole. A GGUF file is converted whole once, then streamed from kvq's cache (whole on every run when the cache folder cannot be written).")
-@click.option("--shard-size", default="5GB", show_default=True, callback=lambda c, p, v: parse_size(v, p), help="Maximum size of one output weights file (e.g. 500MB, 2GiB; at least 1MB); several files get model-0000k-of-0000N names and model.safetensors.index.json.")
-@click.option("--matmul-precision", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True, help="CPU matmuls of the calibration pass (layer forwards, Hessians, AWQ's search, KV observers): bfloat16 runs each linear as one bfloat16 matmul (inputs and weight rounded to bfloat16, float32 accumulation, output rounded to bfloat16; a SmolLM2 linear 2.5x faster on an AVX512-BF16 CPU) and the other matmuls with bfloat16 inputs where oneDNN does so (AMX); Hessians keep float32 products. GPTQ's solve, packing, verify and serve-smoke stay float32. auto: bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, float32 otherwise and on CUDA. The two give different integer codes of the same quality (each deterministic; BENCHMARKS.md); the manifest's provenance records which ran.")
-@click.option("--threads", type=_range(QuantizeOptions, "threads"), default=None, help="CPU threads of torch's operations (default: one per usable CPU). On a machine shared with other jobs --threads 1 is usually faster: each of GPTQ's thousands of short parallel steps otherwise waits for a descheduled thread (a note says so when other jobs already keep the CPUs busy: load average at least the CPU count minus 0.5; another when --threads exceeds the usable CPUs; both in --json as busy_note). A calibrated artifact's integer codes depend on the thread count (BLAS reductions): the manifest's provenance records it and --resume keeps it.")
-@click.option("--activation-budget-gib", type=_range(QuantizeOptions, "activation_budget_gib", float), default=8.0, show_default=True, help="Calibration activations above this size move to memory-mapped files in the staging folder; GPTQ also keeps finished sub-layers' outputs for reuse only within it (0: spill everything, keep nothing; the artifact is the same).")
-@click.option("--memory-budget-gib", type=_range(QuantizeOptions, "memory_budget_gib", float), default=4.0, show_default=True, help="Weights of one decoder layer held at once (5 bytes a weight: float32 and its int8 codes) by a streamed run without calibration (RTN, KV-only with float weights): a larger layer's routed experts are read, quantized, written and released in groups of at most this size. Calibrated runs (AWQ, GPTQ, static KV scales) hold one whole layer; GPTQ accumulates and solves the routed experts' Hessians (12 bytes per input feature squared each) in chunks within this budget.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted run of the same command from its last finished layer (kept in .OUTPUT.kvq-partial beside OUTPUT); refused if the inputs changed.")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout; no progress bar.")
-def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, symmetric, act_order, settings, fmt, calib, calib_field,
-             calib_samples, calib_seqlen, seed, device, dtype, allow_float16_overflow, overwrite, digest_algorithm, sign_key, sign_password,
-             sign_certificate, sign_chain, stream, shard_size, matmul_precision, threads, activation_budget_gib, memory_budget_gib, resume, as_json):
+@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help=HELP["quantize.output"])
+@click.option("--recipe", "recipes_", multiple=True, default=("w4a16-awq",), show_default=True,
+              help=HELP["quantize.recipe"])
+@click.option("--kv-scheme", type=RegistryChoice(kv_scheme_names), default=None,
+              help=HELP["quantize.kv-scheme"])
+@click.option("--algorithm", type=RegistryChoice(algorithm_names), default=None,
+              help=HELP["quantize.algorithm"])
+@click.option("--bits", type=bounded(QuantizeOptions, "bits"), default=None, help=HELP["quantize.bits"])
+@click.option("--group-size", default=None, help=HELP["quantize.group-size"])
+@click.option("--symmetric/--asymmetric", default=None, help=HELP["quantize.symmetric"])
+@click.option("--act-order/--no-act-order", default=None, help=HELP["quantize.act-order"])
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help=HELP["quantize.set"])
+@click.option("--format", "fmt", type=RegistryChoice(format_names), default="compressed-tensors",
+              show_default=True, help=HELP["quantize.format"])
+@click.option("--calib", default="embedded", show_default=True, help=HELP["quantize.calib"])
+@click.option("--calib-field", default="text", show_default=True, help=HELP["quantize.calib-field"])
+@click.option("--calib-samples", type=bounded(QuantizeOptions, "calib_samples"), default=128, show_default=True,
+              help=HELP["quantize.calib-samples"])
+@click.option("--calib-seqlen", type=bounded(QuantizeOptions, "calib_seqlen"), default=512, show_default=True,
+              help=HELP["quantize.calib-seqlen"])
+@click.option("--seed", type=int, default=0, show_default=True, help=HELP["quantize.seed"])
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help=HELP["quantize.device"])
+@click.option("--dtype", type=click.Choice(["auto", "float16", "bfloat16", "float32"]), default="auto",
+              show_default=True, help=HELP["quantize.dtype"])
+@click.option("--allow-float16-overflow", is_flag=True, help=HELP["quantize.allow-float16-overflow"])
+@click.option("--overwrite", is_flag=True, help=HELP["quantize.overwrite"])
+@click.option("--digest", "digest_algorithm", type=click.Choice(["sha256", "blake3"]), default="sha256",
+              show_default=True, help=HELP["quantize.digest"])
+@click.option("--sign-key", type=FILE, default=None,
+              help=HELP["quantize.sign-key"])
+@click.option("--sign-password", default=None, envvar="KVQ_SIGN_PASSWORD", help=HELP["quantize.sign-password"])
+@click.option("--sign-certificate", type=FILE, default=None,
+              help=HELP["quantize.sign-certificate"])
+@click.option("--sign-chain", type=FILE, multiple=True,
+              help=HELP["quantize.sign-chain"])
+@click.option("--stream/--no-stream", default=True, show_default=True, help=HELP["quantize.stream"])
+@click.option("--shard-size", default="5GB", show_default=True, callback=lambda c, p, v: parse_size(v, p),
+              help=HELP["quantize.shard-size"])
+@click.option("--matmul-precision", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True, help=HELP["quantize.matmul-precision"])
+@click.option("--threads", type=bounded(QuantizeOptions, "threads"), default=None, help=HELP["quantize.threads"])
+@click.option("--activation-budget-gib", type=bounded(QuantizeOptions, "activation_budget_gib", float), default=8.0,
+              show_default=True, help=HELP["quantize.activation-budget-gib"])
+@click.option("--memory-budget-gib", type=bounded(QuantizeOptions, "memory_budget_gib", float), default=4.0,
+              show_default=True, help=HELP["quantize.memory-budget-gib"])
+@click.option("--resume", is_flag=True, help=HELP["quantize.resume"])
+@click.option("--json", "as_json", is_flag=True, help=HELP["quantize.json"])
+def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, symmetric, act_order, settings, fmt,
+             calib, calib_field, calib_samples, calib_seqlen, seed, device, dtype, allow_float16_overflow, overwrite,
+             digest_algorithm, sign_key, sign_password, sign_certificate, sign_chain, stream, shard_size,
+             matmul_precision, threads, activation_budget_gib, memory_budget_gib, resume, as_json):
     """Quantize MODEL's linear weights and write an artifact to OUTPUT.
 
     MODEL is a Hugging Face folder (safetensors), a .gguf file, or the alias
@@ -214,9 +173,11 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     if (sign_certificate or sign_chain) and not sign_key:
         raise click.BadParameter("needs --sign-key", param_hint="--sign-certificate/--sign-chain")
     if sign_password is not None and not sign_key and _from_command_line("sign_password"):
-        raise click.BadParameter("needs --sign-key (without it the artifact is not signed)", param_hint="--sign-password")
+        raise click.BadParameter("needs --sign-key (without it the artifact is not signed)",
+                                 param_hint="--sign-password")
     sign = None if sign_key is None else SignOptions(private_key=sign_key, password=sign_password,
-                                                     signing_certificate=sign_certificate, certificate_chain=tuple(sign_chain))
+                                                     signing_certificate=sign_certificate,
+                                                     certificate_chain=tuple(sign_chain))
 
     parsed = []
     for item in settings:
@@ -229,13 +190,15 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
             parsed.append((key.strip(), yaml.safe_load(value)))
         except yaml.YAMLError:
             raise click.BadParameter(f"cannot parse the value of {item!r}", param_hint="--set") from None
-    opts = _options(
-        QuantizeOptions, model=model, output=output, recipe=tuple(recipes_), kv_scheme=kv_scheme, algorithm=algorithm, bits=bits, group_size=group_size,
-        symmetric=symmetric, act_order=act_order, settings=tuple(parsed), format=fmt, calib=calib, calib_field=calib_field, calib_samples=calib_samples,
-        calib_seqlen=calib_seqlen, seed=seed, device=_device(device), dtype=dtype,
+    opts = build_options(
+        QuantizeOptions, model=model, output=output, recipe=tuple(recipes_), kv_scheme=kv_scheme, algorithm=algorithm,
+        bits=bits, group_size=group_size, symmetric=symmetric, act_order=act_order, settings=tuple(parsed), format=fmt,
+        calib=calib, calib_field=calib_field, calib_samples=calib_samples,
+        calib_seqlen=calib_seqlen, seed=seed, device=resolve_device(device), dtype=dtype,
         allow_float16_overflow=allow_float16_overflow, overwrite=overwrite,
         digest_algorithm=digest_algorithm, sign=sign, stream=stream, shard_bytes=shard_size, resume=resume,
-        matmul_precision=matmul_precision, threads=threads, activation_budget_gib=activation_budget_gib, memory_budget_gib=memory_budget_gib,
+        matmul_precision=matmul_precision, threads=threads, activation_budget_gib=activation_budget_gib,
+        memory_budget_gib=memory_budget_gib,
     )
     summary = api.run_quantize(opts, console=None if as_json else _console(),
                                on_committed=_record_committed)
@@ -247,36 +210,54 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 
 @cli.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--reference", default=None, help="Original model to compare with (default: the source recorded in the manifest).")
-@click.option("--eval", "eval_text", default="embedded", show_default=True, help="Evaluation text: a .txt/.raw/.jsonl/.parquet file or 'embedded' (held-out CPython prose).")
-@click.option("--seqlen", type=_range(VerifyOptions, "seqlen"), default=2048, show_default=True, help="Tokens per evaluation window.")
-@click.option("--max-windows", type=_range(VerifyOptions, "max_windows"), default=None, help="Evaluate only the first N windows (default: all).")
-@click.option("--max-ppl-increase", type=_range(VerifyOptions, "max_ppl_increase", float), default=None, help="Gate: maximum perplexity increase in percent (default: the recipe's gates.max_ppl_increase_pct).")
-@click.option("--hashes-only", is_flag=True, help="Only recheck file and tensor digests against the manifest.")
-@click.option("--kv-scheme", type=click.Choice(["fp8", "int8", "int4", "int2"]), default=None, help="Evaluate with this KV-cache scheme (its defaults) instead of the artifact's; works on any artifact. Static scales (fp8) are calibrated on --kv-calib as absmax / 448, without the attention-output search that kvq quantize --kv-scheme fp8 and the kv-fp8 recipe run, so an artifact quantized with those usually does a little better.")
-@click.option("--kv-budget-gib", type=_range(VerifyOptions, "kv_budget_gib", float), default=16.0, show_default=True, help="KV-cache memory budget for the accounting line (max tokens, max batch per context).")
-@click.option("--kv-chunk", type=_range(VerifyOptions, "kv_chunk"), default=128, show_default=True, help="With a quantized KV cache, tokens per prefill chunk (each chunk reads the cache after writing).")
-@click.option("--kv-calib", default="embedded", show_default=True, help="Calibration text for --kv-scheme static scales (fp8, int8 per head): 16 x 512 tokens of it, seed 0; recorded in the report.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where perplexity is computed.")
-@click.option("--weights-only", is_flag=True, help="Weight statistics only (per tensor error, SQNR, original vs artifact mean/std/absmax/kurtosis): no eval text, no perplexity; fast CI check.")
-@click.option("--max-mean-kl", type=_range(VerifyOptions, "max_mean_kl", float), default=None, help="Gate: maximum mean KL(reference || artifact) per token, nats (default: the recipe's gates.max_mean_kl).")
-@click.option("--max-p99-kl", type=_range(VerifyOptions, "max_p99_kl", float), default=None, help="Gate: maximum 99th-percentile token KL, nats.")
-@click.option("--min-top1", type=_range(VerifyOptions, "min_top1", float), default=None, help="Gate: minimum top-1 agreement with the reference, percent of predicted tokens.")
-@click.option("--min-sqnr-db", type=_range(VerifyOptions, "min_sqnr_db", float), default=None, help="Gate: minimum weight SQNR in dB over every quantized tensor (failing tensors are named).")
-@click.option("--max-hidden-error", type=_range(VerifyOptions, "max_hidden_error", float), default=None, help="Gate: maximum relative hidden-state error after the last decoder layer (0.05 = 5 %).")
-@click.option("--min-median-divergence", type=_range(VerifyOptions, "min_median_divergence"), default=None, help="Gate: minimum median position where greedy generations first differ.")
-@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Prompts for the greedy-drift check: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: 8 built-in prompts.")
-@click.option("--max-new-tokens", type=_range(VerifyOptions, "max_new_tokens"), default=32, show_default=True, help="Tokens generated per prompt for the greedy-drift check.")
-@click.option("--eval-dtype", type=click.Choice(["auto", "float32"]), default="auto", show_default=True, help="Evaluate the artifact in the dtype its config.json declares (auto: what transformers and vLLM load it in, so the figures describe the model users serve) or in float32. The reference is float32; the report's evaluated_in says which.")
-@click.option("--hidden-batches", type=_range(VerifyOptions, "hidden_batches"), default=2, show_default=True, help="Eval windows (first 512 tokens each) for the per-layer hidden-state error.")
-@click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write report.md (PR comment), report.html, report.json and PNG plots into this folder.")
-@click.option("--threads", type=_range(VerifyOptions, "threads"), default=None, help="CPU threads of torch's operations (default: one per usable CPU; on a machine shared with other jobs --threads 1 is usually faster, and a note, also in the JSON report's busy_note, says when the CPUs are already busy or --threads exceeds them).")
-@click.option("--stream", is_flag=True, help="Read both models one decoder layer at a time: every eval window advances through layer i of the reference and of the artifact, then the layer is released (memory: one layer of each model, the windows' hidden states, at the end both heads). Same statistics as the whole-model path; greedy drift is skipped (the report says so). Chosen by itself when the two models do not fit whole in --memory-budget-gib (default: the memory this machine has available).")
-@click.option("--memory-budget-gib", type=_range(VerifyOptions, "memory_budget_gib", float), default=None, help="Memory verify may use, GiB: models that do not fit whole are streamed (--stream), and a streamed plan that does not fit is refused before any weight is read. The plan (what is held at peak) is printed first.")
-@_signature_options
-@click.option("--no-manifest", is_flag=True, help="ARTIFACT was written by another tool (e.g. llm-compressor) and has no kvq-manifest.json: skip the digest step (the signature is still checked when keys are given) and compare with --reference, which is then required.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON report to this file.")
+@click.option("--reference", default=None, help=HELP["verify.reference"])
+@click.option("--eval", "eval_text", default="embedded", show_default=True, help=HELP["verify.eval"])
+@click.option("--seqlen", type=bounded(VerifyOptions, "seqlen"), default=2048, show_default=True,
+              help=HELP["verify.seqlen"])
+@click.option("--max-windows", type=bounded(VerifyOptions, "max_windows"), default=None,
+              help=HELP["verify.max-windows"])
+@click.option("--max-ppl-increase", type=bounded(VerifyOptions, "max_ppl_increase", float), default=None,
+              help=HELP["verify.max-ppl-increase"])
+@click.option("--hashes-only", is_flag=True, help=HELP["verify.hashes-only"])
+@click.option("--kv-scheme", type=RegistryChoice(kv_scheme_names), default=None,
+              help=HELP["verify.kv-scheme"])
+@click.option("--kv-budget-gib", type=bounded(VerifyOptions, "kv_budget_gib", float), default=16.0, show_default=True,
+              help=HELP["verify.kv-budget-gib"])
+@click.option("--kv-chunk", type=bounded(VerifyOptions, "kv_chunk"), default=128, show_default=True,
+              help=HELP["verify.kv-chunk"])
+@click.option("--kv-calib", default="embedded", show_default=True, help=HELP["verify.kv-calib"])
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help=HELP["verify.device"])
+@click.option("--weights-only", is_flag=True, help=HELP["verify.weights-only"])
+@click.option("--max-mean-kl", type=bounded(VerifyOptions, "max_mean_kl", float), default=None,
+              help=HELP["verify.max-mean-kl"])
+@click.option("--max-p99-kl", type=bounded(VerifyOptions, "max_p99_kl", float), default=None,
+              help=HELP["verify.max-p99-kl"])
+@click.option("--min-top1", type=bounded(VerifyOptions, "min_top1", float), default=None, help=HELP["verify.min-top1"])
+@click.option("--min-sqnr-db", type=bounded(VerifyOptions, "min_sqnr_db", float), default=None,
+              help=HELP["verify.min-sqnr-db"])
+@click.option("--max-hidden-error", type=bounded(VerifyOptions, "max_hidden_error", float), default=None,
+              help=HELP["verify.max-hidden-error"])
+@click.option("--min-median-divergence", type=bounded(VerifyOptions, "min_median_divergence"), default=None,
+              help=HELP["verify.min-median-divergence"])
+@click.option("--prompts", "prompts_file", type=FILE, default=None,
+              help=HELP["verify.prompts"])
+@click.option("--max-new-tokens", type=bounded(VerifyOptions, "max_new_tokens"), default=32, show_default=True,
+              help=HELP["verify.max-new-tokens"])
+@click.option("--eval-dtype", type=click.Choice(["auto", "float32"]), default="auto", show_default=True,
+              help=HELP["verify.eval-dtype"])
+@click.option("--hidden-batches", type=bounded(VerifyOptions, "hidden_batches"), default=2, show_default=True,
+              help=HELP["verify.hidden-batches"])
+@click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help=HELP["verify.report"])
+@click.option("--threads", type=bounded(VerifyOptions, "threads"), default=None, help=HELP["verify.threads"])
+@click.option("--stream", is_flag=True, help=HELP["verify.stream"])
+@click.option("--memory-budget-gib", type=bounded(VerifyOptions, "memory_budget_gib", float), default=None,
+              help=HELP["verify.memory-budget-gib"])
+@signature_options
+@click.option("--no-manifest", is_flag=True, help=HELP["verify.no-manifest"])
+@click.option("--json", "as_json", is_flag=True, help=HELP["verify.json"])
+@click.option("--json-out", type=FILE, default=None, help=HELP["verify.json-out"])
 def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, kv_scheme, kv_budget_gib,
            kv_chunk, kv_calib, device, weights_only, max_mean_kl, max_p99_kl, min_top1, min_sqnr_db, max_hidden_error,
            min_median_divergence, prompts_file, max_new_tokens, eval_dtype, hidden_batches, report_dir, threads, stream,
@@ -318,9 +299,10 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     """
     if json_out is not None and not json_out.resolve().parent.is_dir():
         raise InputError(f"cannot write --json-out {json_out}: its folder does not exist")
-    keys = _verify_keys(public_key, certificate_chain, identity, issuer)
-    opts = _options(
-        VerifyOptions, artifact=artifact, reference=reference, eval_text=eval_text, seqlen=seqlen, max_windows=max_windows,
+    keys = verify_keys(public_key, certificate_chain, identity, issuer)
+    opts = build_options(
+        VerifyOptions, artifact=artifact, reference=reference, eval_text=eval_text, seqlen=seqlen,
+        max_windows=max_windows,
         max_ppl_increase=max_ppl_increase, hashes_only=hashes_only, device=device, kv_scheme=kv_scheme,
         kv_budget_gib=kv_budget_gib, kv_chunk=kv_chunk, kv_calib=kv_calib, keys=keys, weights_only=weights_only,
         max_mean_kl=max_mean_kl, max_p99_kl=max_p99_kl, min_top1=min_top1, min_sqnr_db=min_sqnr_db,
@@ -343,7 +325,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
         _quiet_libraries()
         from . import api
 
-        full = api.run_verify(opts.model_copy(update={"device": _device(device)}), console=console)
+        full = api.run_verify(opts.model_copy(update={"device": resolve_device(device)}), console=console)
     from .report import json_safe
 
     report = json_safe({k: v for k, v in full.items() if not k.startswith("_")})
@@ -365,13 +347,16 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
 
 @cli.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--private-key", type=click.Path(dir_okay=False, path_type=Path), default=None, help="EC private key (PEM) to sign with, e.g. from `openssl ecparam -name prime256v1 -genkey -noout -out key.pem`.")
-@click.option("--password", default=None, envvar="KVQ_SIGN_PASSWORD", help="Password of an encrypted --private-key (or env KVQ_SIGN_PASSWORD).")
-@click.option("--signing-certificate", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Certificate of --private-key (PEM): sign with a certificate instead of a bare key.")
-@click.option("--certificate-chain", type=click.Path(dir_okay=False, path_type=Path), multiple=True, help="With --signing-certificate: intermediate/root certificates (PEM, repeatable).")
-@click.option("--sigstore", is_flag=True, help="Sigstore keyless signing (needs network and an OIDC identity; in CI, ambient credentials).")
-@click.option("--identity-token", default=None, envvar="KVQ_SIGSTORE_TOKEN", help="With --sigstore: an OIDC identity token (or env KVQ_SIGSTORE_TOKEN).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@click.option("--private-key", type=FILE, default=None,
+              help=HELP["sign.private-key"])
+@click.option("--password", default=None, envvar="KVQ_SIGN_PASSWORD", help=HELP["sign.password"])
+@click.option("--signing-certificate", type=FILE, default=None,
+              help=HELP["sign.signing-certificate"])
+@click.option("--certificate-chain", type=FILE, multiple=True,
+              help=HELP["sign.certificate-chain"])
+@click.option("--sigstore", is_flag=True, help=HELP["sign.sigstore"])
+@click.option("--identity-token", default=None, envvar="KVQ_SIGSTORE_TOKEN", help=HELP["sign.identity-token"])
+@click.option("--json", "as_json", is_flag=True, help=HELP["sign.json"])
 def sign(artifact, private_key, password, signing_certificate, certificate_chain, sigstore, identity_token, as_json):
     """Sign ARTIFACT with OpenSSF model_signing; writes ARTIFACT/model.sig.
 
@@ -405,23 +390,32 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
 
 @cli.command("serve-smoke")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Prompts: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: 8 built-in prompts.")
-@click.option("--max-new-tokens", type=_range(SmokeOptions, "max_new_tokens"), default=32, show_default=True, help="Tokens generated per prompt (greedy).")
-@click.option("--reference", default=None, help="Original model to compare with (default: the source recorded in the manifest).")
-@click.option("--backend", type=click.Choice(["auto", "aten", "dequant", "triton"]), default="auto", show_default=True, help="Weight kernels: auto (CPU: PyTorch int4/int8 weight-only ops, else dequantize; CUDA: Triton W4A16), or one of them.")
-@click.option("--dtype", "compute", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True, help="Compute dtype. auto: bfloat16 for an artifact that declares it (kvq's default; what transformers, vLLM and verify --eval-dtype auto use), else float32 on CPU, float16 on CUDA. float32: full-precision activations (slower).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the runtime and the reference run.")
-@click.option("--http", is_flag=True, help="Also start the OpenAI-compatible server on a free 127.0.0.1 port, send --http-requests concurrent requests (completions and chat), check the answers, stop it.")
-@click.option("--http-requests", type=_range(SmokeOptions, "http_requests"), default=8, show_default=True, help="Concurrent requests for --http.")
-@click.option("--threads", type=_range(SmokeOptions, "threads"), default=None, help="CPU threads of torch's operations, runtime and reference (default: one per usable CPU; the decode tokens/s depend on it; a note, also in --json's busy_note, says when other jobs already keep the CPUs busy or --threads exceeds them).")
-@click.option("--min-top1", type=_range(SmokeOptions, "min_top1", float), default=None, help="Gate: minimum top-1 agreement with the reference over generated positions, percent (default: recipe gates.serve_min_top1_pct, else 70).")
-@click.option("--max-kl", type=_range(SmokeOptions, "max_kl", float), default=None, help="Gate: maximum mean KL(reference || runtime) over prompt positions, nats (default: recipe gates.serve_max_prompt_kl, else 0.5).")
-@click.option("--min-first-divergence", type=_range(SmokeOptions, "min_first_divergence"), default=None, help="Gate: minimum median first generated position where the reference would pick another token.")
-@_signature_options
-@click.option("--no-manifest", is_flag=True, help=_NO_MANIFEST_SERVE + " --reference is then required.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, compute, device, http, http_requests, threads, min_top1, max_kl,
-                min_first_divergence, public_key, certificate_chain, identity, issuer, no_manifest, as_json):
+@click.option("--prompts", "prompts_file", type=FILE, default=None,
+              help=HELP["serve-smoke.prompts"])
+@click.option("--max-new-tokens", type=bounded(SmokeOptions, "max_new_tokens"), default=32, show_default=True,
+              help=HELP["serve-smoke.max-new-tokens"])
+@click.option("--reference", default=None, help=HELP["serve-smoke.reference"])
+@click.option("--backend", type=click.Choice(["auto", "aten", "dequant", "triton"]), default="auto", show_default=True,
+              help=HELP["serve-smoke.backend"])
+@click.option("--dtype", "compute", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True, help=HELP["serve-smoke.dtype"])
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help=HELP["serve-smoke.device"])
+@click.option("--http", is_flag=True, help=HELP["serve-smoke.http"])
+@click.option("--http-requests", type=bounded(SmokeOptions, "http_requests"), default=8, show_default=True,
+              help=HELP["serve-smoke.http-requests"])
+@click.option("--threads", type=bounded(SmokeOptions, "threads"), default=None, help=HELP["serve-smoke.threads"])
+@click.option("--min-top1", type=bounded(SmokeOptions, "min_top1", float), default=None,
+              help=HELP["serve-smoke.min-top1"])
+@click.option("--max-kl", type=bounded(SmokeOptions, "max_kl", float), default=None, help=HELP["serve-smoke.max-kl"])
+@click.option("--min-first-divergence", type=bounded(SmokeOptions, "min_first_divergence"), default=None,
+              help=HELP["serve-smoke.min-first-divergence"])
+@signature_options
+@click.option("--no-manifest", is_flag=True, help=HELP["serve-smoke.no-manifest"])
+@click.option("--json", "as_json", is_flag=True, help=HELP["serve-smoke.json"])
+def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, compute, device, http, http_requests,
+                threads, min_top1, max_kl, min_first_divergence, public_key, certificate_chain, identity, issuer,
+                no_manifest, as_json):
     """Serve ARTIFACT with the bundled runtime and check it answers like the original.
 
     The runtime serves llama, mistral, qwen2, qwen3, gemma3_text, glm4, and the MoE rows mixtral, qwen3_moe,
@@ -458,11 +452,12 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, comp
     _quiet_libraries()
     from .commands.serve_smoke import run_serve_smoke
 
-    opts = _options(SmokeOptions, artifact=artifact, prompts=str(prompts_file) if prompts_file else None,
-                    max_new_tokens=max_new_tokens, reference=reference, device=_device(device), backend=backend,
-                    dtype=compute, http=http, http_requests=http_requests, threads=threads, min_top1=min_top1, max_kl=max_kl,
-                    min_first_divergence=min_first_divergence, no_manifest=no_manifest,
-                    keys=_verify_keys(public_key, certificate_chain, identity, issuer))
+    opts = build_options(SmokeOptions, artifact=artifact, prompts=str(prompts_file) if prompts_file else None,
+                         max_new_tokens=max_new_tokens, reference=reference, device=resolve_device(device),
+                         backend=backend,
+                         dtype=compute, http=http, http_requests=http_requests, threads=threads, min_top1=min_top1,
+                         max_kl=max_kl, min_first_divergence=min_first_divergence, no_manifest=no_manifest,
+                         keys=verify_keys(public_key, certificate_chain, identity, issuer))
     report = run_serve_smoke(opts, console=None if as_json else _console())
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True, default=str))
@@ -471,18 +466,21 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, comp
 
 @cli.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback unless --allow-remote).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port (0: any free port).")
-@click.option("--allow-remote", is_flag=True, help="Allow a non-loopback --host (the server has no authentication).")
-@click.option("--backend", type=click.Choice(["auto", "aten", "dequant", "triton"]), default="auto", show_default=True, help="Weight kernels (see serve-smoke).")
-@click.option("--dtype", "compute", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True, help="Compute dtype (see serve-smoke).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where the runtime runs.")
-@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help="Concurrent requests batched into one generation.")
-@click.option("--max-queue", type=click.IntRange(1, 65536), default=64, show_default=True, help="Sequences (prompts) allowed to wait; a request that does not fit gets 429.")
-@_signature_options
-@click.option("--no-manifest", is_flag=True, help=_NO_MANIFEST_SERVE)
-def serve(artifact, host, port, allow_remote, backend, compute, device, max_batch, max_queue, public_key, certificate_chain,
-          identity, issuer, no_manifest):
+@click.option("--host", default="127.0.0.1", show_default=True, help=HELP["serve.host"])
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help=HELP["serve.port"])
+@click.option("--allow-remote", is_flag=True, help=HELP["serve.allow-remote"])
+@click.option("--backend", type=click.Choice(["auto", "aten", "dequant", "triton"]), default="auto", show_default=True,
+              help=HELP["serve.backend"])
+@click.option("--dtype", "compute", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True, help=HELP["serve.dtype"])
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help=HELP["serve.device"])
+@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help=HELP["serve.max-batch"])
+@click.option("--max-queue", type=click.IntRange(1, 65536), default=64, show_default=True, help=HELP["serve.max-queue"])
+@signature_options
+@click.option("--no-manifest", is_flag=True, help=HELP["serve.no-manifest"])
+def serve(artifact, host, port, allow_remote, backend, compute, device, max_batch, max_queue, public_key,
+          certificate_chain, identity, issuer, no_manifest):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API until Ctrl-C.
 
     Routes: GET /health, POST /v1/completions, POST /v1/chat/completions (greedy when
@@ -504,11 +502,11 @@ def serve(artifact, host, port, allow_remote, backend, compute, device, max_batc
     from .runtime.server import ServeOptions, check_host, run_server
 
     check_host(host, allow_remote)  # refuse before loading anything
-    keys = _verify_keys(public_key, certificate_chain, identity, issuer)
+    keys = verify_keys(public_key, certificate_chain, identity, issuer)
     if keys.conflict():
         raise click.UsageError(keys.conflict())
     _quiet_libraries()
-    run_server(ServeOptions(artifact, host, port, allow_remote, backend, _device(device), max_batch, max_queue,
+    run_server(ServeOptions(artifact, host, port, allow_remote, backend, resolve_device(device), max_batch, max_queue,
                             keys=keys, no_manifest=no_manifest, dtype=compute),
                announce=lambda line: click.echo(line, err=True))
 
@@ -583,7 +581,8 @@ def _dispatch(argv) -> None:
         problem = resource_problem(e)
         if problem is not None:
             fix = ("ask for less (--calib-samples, --calib-seqlen, --activation-budget-gib) or use a machine with more"
-                   if "memory" in problem else "nothing half-written was left; free space (or raise the limit) and run again")
+                   if "memory" in problem else
+                   "nothing half-written was left; free space (or raise the limit) and run again")
             click.echo(f"kvq: error: {problem}: {fix}", err=True)
             sys.exit(2)
         if os.environ.get("KVQ_DEBUG"):

@@ -138,7 +138,7 @@ class KVSpec:
         return self.codec.static
 
     def describe(self) -> str:
-        extra = f", group {self.group_size}, residual {self.residual_length}" if self.strategy == "kivi" else ""
+        extra = f", group {self.group_size}, residual {self.residual_length}" if self.codec.residual_window else ""
         return f"{self.scheme} ({self.strategy}{extra})"
 
 
@@ -180,6 +180,7 @@ class KVScheme:
     scale_max: float = 127.0  # static scale = absmax / scale_max
     per_tensor: bool = False  # static scale reduced to one value per layer
     config_type: str | None = None  # compressed-tensors "type" of a static scheme
+    residual_window: bool = False  # the last ``residual_length`` tokens stay float (KIVI); sizes checked by make_spec
 
     def __init__(self, spec: KVSpec):
         self.spec = spec
@@ -238,6 +239,10 @@ class KVScheme:
             "observer": "minmax",
             "observer_kwargs": {},
         }
+
+    def record_fields(self) -> dict:
+        """The scheme's own entries in the manifest's ``kv_cache`` block, after the common ones; none by default."""
+        return {}
 
 
 @register("fp8", "tensor")
@@ -302,6 +307,13 @@ class KIVIScheme(KVScheme):
     groups of ``group_size`` channels, both asymmetric min-max; a full-precision window of
     recent tokens (:meth:`quantized_length`)."""
 
+    residual_window = True
+
+    def record_fields(self) -> dict:
+        return {"group_size": self.spec.group_size, "residual_length": self.spec.residual_length,
+                "keys": "per channel, groups of group_size tokens",
+                "values": "per token, groups of group_size channels"}
+
     def dim(self, kind: str) -> int:
         """The grouped dimension: tokens (-2) for ``kind='k'``, channels (-1) for ``'v'``."""
         return -2 if kind == "k" else -1
@@ -357,25 +369,36 @@ class KIVI2Scheme(KIVIScheme):
     bits = 2
 
 
-SCHEMES = tuple(dict.fromkeys(s for s, _ in KV_SCHEMES))
-VALID_STRATEGIES = {s: tuple(st for sc, st in KV_SCHEMES if sc == s) for s in SCHEMES}
-DEFAULT_STRATEGY = {s: v[0] for s, v in VALID_STRATEGIES.items()}
-BITS = {s: KV_SCHEMES[(s, DEFAULT_STRATEGY[s])].bits for s in SCHEMES}
+def scheme_names() -> tuple[str, ...]:
+    """The registered schemes (``fp8``, ``int8``, ...), in registration order (the command line's choices)."""
+    return tuple(dict.fromkeys(s for s, _ in KV_SCHEMES))
+
+
+def strategies(scheme: str) -> tuple[str, ...]:
+    """The strategies registered for ``scheme``, its default first."""
+    return tuple(st for sc, st in KV_SCHEMES if sc == scheme)
+
+
+def strategy_names() -> tuple[str, ...]:
+    """Every registered strategy, in registration order."""
+    return tuple(dict.fromkeys(st for _, st in KV_SCHEMES))
 
 
 def make_spec(scheme: str, strategy: str | None = None, group_size: int = 32, residual_length: int = 128) -> KVSpec:
     """Validate and complete a scheme.
 
     Raises:
-        InputError: unknown scheme, a strategy the scheme does not have, or KIVI sizes
-            that do not fit (``group_size`` >= 1, ``residual_length`` a multiple of it).
+        InputError: unknown scheme, a strategy the scheme does not have, or residual-window
+            sizes that do not fit (KIVI: ``group_size`` >= 1, ``residual_length`` a multiple of it).
     """
-    if scheme not in SCHEMES:
-        raise InputError(f"unknown KV-cache scheme '{scheme}'; choose one of {', '.join(SCHEMES)}")
-    strategy = strategy or DEFAULT_STRATEGY[scheme]
-    if strategy not in VALID_STRATEGIES[scheme]:
-        raise InputError(f"KV-cache scheme {scheme} has strategies {', '.join(VALID_STRATEGIES[scheme])}, not '{strategy}'")
-    if strategy == "kivi":
+    if scheme not in scheme_names():
+        raise InputError(f"unknown KV-cache scheme '{scheme}'; choose one of {', '.join(scheme_names())}")
+    valid = strategies(scheme)
+    strategy = strategy or valid[0]
+    if strategy not in valid:
+        raise InputError(f"KV-cache scheme {scheme} has strategies {', '.join(valid)}, not '{strategy}'")
+    if KV_SCHEMES[(scheme, strategy)].residual_window:
         if group_size < 1 or residual_length < 0 or residual_length % group_size:
-            raise InputError(f"KIVI needs group_size >= 1 and residual_length a multiple of it (got {group_size}, {residual_length})")
+            raise InputError(f"KIVI needs group_size >= 1 and residual_length a multiple of it "
+                             f"(got {group_size}, {residual_length})")
     return KVSpec(scheme, strategy, int(group_size), int(residual_length))

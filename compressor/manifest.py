@@ -94,7 +94,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     schema_version: Literal["kvq.manifest/2"] = SCHEMA_VERSION
     digest_algorithm: Literal["sha256", "blake3"] = "sha256"
-    format: Literal["compressed-tensors", "awq", "gptq"] = "compressed-tensors"
+    format: str = "compressed-tensors"  # a registered --format (compressor.registry.FORMATS)
     tool: dict[str, Any]
     source: dict[str, Any]
     recipe: dict[str, Any]

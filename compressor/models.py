@@ -17,6 +17,7 @@ import torch
 from .errors import InputError, first_line
 from .gguf_cache import (GGUF_CACHE_INDEX, _write_gguf_cache, cache_root, cache_writable,  # noqa: F401 (public here)
                          cached_gguf_folder, stale_cache_notes, take_cache_notes)
+from .registry import FORMATS
 from .safetensors_io import file_digest, read_header
 
 #: alias -> (python package, file inside it, install hint)
@@ -208,8 +209,9 @@ def storage_dtype(source: ModelSource, requested: str, fmt: str = "compressed-te
     """
     if requested != "auto":
         return requested, "--dtype"
-    if fmt in ("awq", "gptq"):
-        return "float16", f"--format {fmt}: its kernels read float16 scales"
+    need = FORMATS.get(fmt).scale_dtype
+    if need is not None:
+        return need, f"--format {fmt}: its kernels read {need} scales"
     found = source_float_dtype(source)
     if found in ("bfloat16", "float16"):
         return found, f"the source's weights are {found}"

@@ -1,6 +1,6 @@
 """The sequential, layer-by-layer quantization driver.
 
-Data flow (DESIGN.md): capture the inputs of decoder layer 0 once; for each layer, run
+Data flow (docs/architecture.md): capture the inputs of decoder layer 0 once; for each layer, run
 the recipe's algorithm -- a registered per-layer handler (:mod:`compressor.quant.algorithms`:
 RTN, AWQ, GPTQ, or ``none``) that observes the layer's inputs and quantizes its linears --,
 then recompute the layer's outputs *with the quantized weights* (the KV observers run on

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import InputError
 from .files import read_limited
-from .kv_schemes import make_spec
+from .kv_schemes import make_spec, scheme_names, strategy_names
+from .registry import ALGORITHMS
 
 if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotations are strings at run time
     from importlib.resources.abc import Traversable
@@ -56,6 +57,16 @@ FULL_DUMP = {"full": True}
 
 def _full(info) -> bool:
     return bool(info.context and info.context.get("full"))
+
+
+def _one_of(value: str, names) -> str:
+    """``value`` when it is one of the registered ``names``, else pydantic's Literal message (ValueError)."""
+    names = list(names)
+    if value not in names:
+        quoted = [f"'{n}'" for n in names]
+        listed = ", ".join(quoted[:-1]) + " or " + quoted[-1] if len(quoted) > 1 else quoted[0]
+        raise ValueError("Input should be " + listed)
+    return value
 
 
 class WeightScheme(_Strict):
@@ -234,13 +245,23 @@ class KVCacheOptions(_Strict):
     (:mod:`compressor.quant.kv_rotation`; refused where the layout does not commute with it),
     ``auto`` (``pairs`` for fp8 where it applies, else ``none``) or ``none``."""
 
-    scheme: Literal["fp8", "int8", "int4", "int2"]
-    strategy: Optional[Literal["tensor", "head", "token", "kivi"]] = None
+    scheme: str  # a registered scheme (compressor.kv_schemes.scheme_names)
+    strategy: Optional[str] = None  # a registered strategy of it (compressor.kv_schemes.strategies)
     group_size: int = Field(32, ge=1)
     residual_length: int = Field(128, ge=0)
     scale_search: Literal["absmax", "attention", "auto"] = "absmax"
     scale_search_samples: int = Field(4, ge=1, le=1024, strict=True)
     key_rotation: Literal["none", "pairs", "auto"] = "none"
+
+    @field_validator("scheme")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        return _one_of(v, scheme_names())
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, v: Optional[str]) -> Optional[str]:
+        return v if v is None else _one_of(v, strategy_names())
 
     @model_validator(mode="after")
     def _valid(self):
@@ -304,7 +325,7 @@ class Recipe(_Strict):
 
     name: str = "custom"
     description: str = ""
-    algorithm: Literal["rtn", "awq", "gptq", "awq-gptq", "none"] = "awq"
+    algorithm: str = "awq"  # a registered algorithm (compressor.registry.ALGORITHMS)
     weights: WeightScheme = WeightScheme()
     targets: list[str] = Field(default_factory=lambda: ["re:.*"], description="decoder linears to quantize: names or 're:' regexes")
     ignore: list[str] = Field(default_factory=list, description="module names or 're:' regexes left in float")
@@ -316,6 +337,11 @@ class Recipe(_Strict):
     head: Optional[HeadScheme] = Field(None, description="LM-head scheme; null keeps lm_head in float")
     embedding: Optional[EmbeddingScheme] = Field(None, description="input embedding scheme; null keeps it in float")
     gates: Gates = Gates()
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, v: str) -> str:
+        return _one_of(v, ALGORITHMS.names())
 
     @model_serializer(mode="wrap")
     def _omit_float_head(self, handler, info):

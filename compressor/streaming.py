@@ -1,31 +1,18 @@
-"""Quantizing models larger than memory: lazy source weights, per-layer output parts, resume.
+"""Reading a source larger than memory: lazy source weights, a model built on ``meta``.
 
-``kvq quantize`` on a Hugging Face safetensors folder builds the model on the ``meta``
-device (no weight memory), reads the embedding, final norm and head from the source
-shards (:class:`LazyCheckpoint`, plain reads: nothing stays mapped), and materializes one decoder layer at a
-time just before the pipeline processes it (:class:`LayerWriter`, the pipeline's per-layer
-hooks). When the layer is done its packed tensors and remaining float tensors are written to
-a part file in the staging folder and the layer's weights go back to ``meta``; at the end the parts are concatenated
-into the artifact's shards (:func:`compressor.safetensors_io.write_shards`). Peak memory
-is therefore about one decoder layer plus the calibration activations, independent of
-depth. Buffers no checkpoint stores (rotary ``inv_freq``, Gemma 3's ``embed_scale``) are
-computed by the model's own classes from its config (:func:`_real_buffers`). GGUF sources,
-and folders whose tensor names do not map onto the model (a layout kvq cannot address
-tensor by tensor), are loaded whole instead, and the summary says so.
+A Hugging Face safetensors folder becomes a model on the ``meta`` device (no weight memory)
+whose embedding, final norm and head are read from the source shards
+(:class:`LazyCheckpoint`, plain reads: nothing stays mapped; block-FP8 weights dequantized per
+tensor) and whose decoder layers are materialized one at a time by the caller
+(:func:`load_into`, :func:`layer_names`) and sent back to ``meta`` (:func:`to_meta`). Buffers no
+checkpoint stores (rotary ``inv_freq``, Gemma 3's ``embed_scale``) are computed by the model's
+own classes from its config (:func:`_real_buffers`). GGUF sources, and folders whose tensor names
+do not map onto the model (a layout kvq cannot address tensor by tensor), are loaded whole
+instead (:func:`load_whole`). MTP layers and carried (vision) tensors are kept as they are
+(:func:`kept_tensor_names`, :func:`copy_kept_tensors`).
 
-Calibration activations (``[samples, seqlen, hidden]`` float32, plus the next layer's)
-move to memory-mapped files in the staging folder when they exceed
-``activation_budget`` bytes (:func:`spill`): the page cache holds them, so they are
-reclaimable rather than anonymous memory.
-
-Resume: the staging folder ``.<OUT>.kvq-partial`` beside the output holds the finished
-layers' part files and ``resume.json`` (what was done, the SHA-256 of every part and of
-the saved activations, and a key over the source files, recipe, calibration and output
-options); after each layer the next layer's input activations are saved too. A resumed
-run rehashes the parts and refuses any that changed, so a damaged checkpoint never
-reaches the manifest. ``kvq quantize ... --resume`` continues after the last
-finished layer when the key matches; without ``--resume`` a stale staging folder is
-replaced.
+The staging folder (per-layer parts, resume checkpoints, activation spill) is
+:mod:`compressor.staging`'s.
 """
 
 from __future__ import annotations
@@ -325,11 +312,8 @@ def outer_names(model, arch) -> list[str]:
 
 def _meta_model(source, dtype: torch.dtype, tokenizer_dir, ckpt: LazyCheckpoint | None = None):
     """``(model on meta, tokenizer, checkpoint)`` of a Hugging Face folder, eval mode, no gradients."""
-    import transformers
-
     from .models import check_buildable, load_config, load_tokenizer, register_for
 
-    transformers.logging.set_verbosity_error()
     register_for(source.path)
     ckpt = ckpt if ckpt is not None else LazyCheckpoint(source.path)  # reads (and checks) the source's quantization_config
     try:

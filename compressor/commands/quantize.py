@@ -40,7 +40,7 @@ from ..tokens import bos_rule, check_vocabulary
 from ..config_check import read_config, text_config
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
-from ..formats import check_format, check_shapes, format_config, pack_modules
+from ..formats import check_format, check_shapes, format_config, get_format, pack_modules
 from ..models import ALIASES, float32_bytes, load_model, peek_model_type, resolve_source, stale_cache_notes, storage_dtype, take_cache_notes
 from ..pipeline import check_group_sizes, quantize_model
 from ..precision import resolve_matmul_precision
@@ -178,7 +178,7 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
         recipe = kv_only.check_carry(packed, recipe, opts)
     else:  # before the source is read: --format awq/gptq with auto is float16 whatever the source
         check_format(fmt, recipe, opts.write.dtype if opts.write.dtype != "auto" else
-                     ("float16" if fmt in ("awq", "gptq") else "bfloat16"))
+                     (get_format(fmt).scale_dtype or "bfloat16"))
     source = resolve_source(opts.model)
     dtype, dtype_reason = ((packed.declared_dtype(), "the source's float tensors, carried as they are") if packed
                            else storage_dtype(source, opts.write.dtype, fmt))

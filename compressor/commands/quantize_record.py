@@ -30,9 +30,7 @@ def kv_record(kv, result, arch, model, packed: dict) -> Optional[dict]:
     if kv is None:
         return None
     record = {"scheme": kv.scheme, "strategy": kv.strategy, "bits": kv.bits, "static_scales": kv.static}
-    if kv.strategy == "kivi":
-        record.update({"group_size": kv.group_size, "residual_length": kv.residual_length,
-                       "keys": "per channel, groups of group_size tokens", "values": "per token, groups of group_size channels"})
+    record.update(kv.codec.record_fields())
     if kv.static:
         layers = checkpoint_name(arch, arch.layers)  # the checkpoint's (a wrapper's text model: under its prefix)
         for name, t in kv_scale_tensors(result.kv_scales, layers, arch.attention, kv.strategy).items():

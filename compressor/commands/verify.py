@@ -395,7 +395,7 @@ def _cache_factory(model, kv_info, seqlen: int, report: dict):
     if kv_info is None:
         return None
     spec, scales = kv_info
-    if spec.strategy == "kivi" and seqlen <= spec.residual_length:
+    if spec.codec.residual_window and seqlen <= spec.residual_length:
         report["warnings"].append(
             f"--seqlen {seqlen} <= KIVI residual_length {spec.residual_length}: no token is ever quantized, "
             "the KV figures measure nothing; use a longer --seqlen")

@@ -24,10 +24,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .awq import AwqFormat
+from ..registry import FORMATS as _FORMATS
 from .base import QuantWeight, WeightFormat, dynamic_act_order, recipe_schemes
-from .compressed_tensors import CompressedTensorsFormat
-from .gptq import GptqFormat, gptq_checkpoint_format
+from .compressed_tensors import CompressedTensorsFormat  # noqa: F401  (registered first: the default)
+from .awq import AwqFormat  # noqa: F401,I001
+from .gptq import GptqFormat, gptq_checkpoint_format  # noqa: F401
 
 __all__ = [
     "FORMATS", "GPTQ_BITS", "MARKER", "PACKED_LEAVES", "QuantWeight", "WeightFormat", "check_format", "check_shapes",
@@ -35,15 +36,13 @@ __all__ = [
     "read_quant_weight", "reader_for",
 ]
 
-_REGISTRY: dict[str, WeightFormat] = {f.name: f for f in (CompressedTensorsFormat(), AwqFormat(), GptqFormat())}
-_BY_METHOD: dict[str, WeightFormat] = {f.quant_method: f for f in _REGISTRY.values()}
-
-FORMATS = tuple(_REGISTRY)
+#: the built-in formats' names, the default first (the registry, :data:`compressor.registry.FORMATS`, has every one)
+FORMATS = tuple(f.name for f in _FORMATS.entries())
 GPTQ_BITS = (2, 3, 4, 8)
 #: tensor leaves of a packed Linear, per ``quantization_config.quant_method``
-PACKED_LEAVES = {m: f.leaves for m, f in _BY_METHOD.items()}
+PACKED_LEAVES = {f.quant_method: f.leaves for f in _FORMATS.entries()}
 #: the leaf whose presence marks a module as packed
-MARKER = {m: f.marker for m, f in _BY_METHOD.items()}
+MARKER = {f.quant_method: f.marker for f in _FORMATS.entries()}
 
 _recipe_schemes = recipe_schemes  # the historical private name
 
@@ -54,15 +53,15 @@ def get_format(name: str) -> WeightFormat:
     Raises:
         InputError: unknown format (the message lists the known ones).
     """
-    fmt = _REGISTRY.get(name)
+    fmt = _FORMATS.find(name)
     if fmt is None:
-        raise InputError(f"unknown format '{name}'; choose one of {', '.join(FORMATS)}")
+        raise InputError(f"unknown format '{name}'; choose one of {', '.join(f.name for f in _FORMATS.entries())}")
     return fmt
 
 
 def reader_for(method: str | None) -> WeightFormat | None:
     """The format object that reads ``quantization_config.quant_method == method``, or None."""
-    return _BY_METHOD.get(method) if method is not None else None
+    return next((f for f in _FORMATS.entries() if f.quant_method == method), None) if method is not None else None
 
 
 def read_quant_weight(method: str, qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
@@ -81,7 +80,8 @@ def read_quant_weight(method: str, qc: dict, module: str, t: dict[str, torch.Ten
     try:
         fmt = reader_for(method)
         if fmt is None:
-            raise InputError(f"quant_method {method!r} is not one the runtime reads (compressed-tensors, awq, gptq)")
+            methods = ", ".join(f.quant_method for f in _FORMATS.entries())
+            raise InputError(f"quant_method {method!r} is not one the runtime reads ({methods})")
         return fmt.read(qc, module, t)
     except InputError as e:
         raise InputError(f"module {module}: {e}") from None

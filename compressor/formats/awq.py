@@ -238,6 +238,7 @@ class AwqFormat(WeightFormat):
 
     name = "awq"
     quant_method = "awq"
+    scale_dtype = "float16"
     leaves = ("qweight", "qzeros", "scales")
     marker = "qweight"
 
@@ -245,7 +246,7 @@ class AwqFormat(WeightFormat):
         """Refuse KV-only and static-KV recipes, a dtype other than float16, and what
         :func:`check_awq_compatible` refuses (bits other than 4, per-channel groups, a
         ``g_idx``, mixed precision). Raises InputError."""
-        check_float16_weight_format(self.name, recipe, dtype_name)
+        check_float16_weight_format(self, recipe, dtype_name)
         for s in recipe_schemes(recipe):
             check_awq_compatible(s.num_bits, s.group_size if s.group_size != "auto" else 128, [8],
                                  dynamic_act_order(recipe), recipe.is_mixed)

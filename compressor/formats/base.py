@@ -33,6 +33,7 @@ import torch
 
 from ..errors import InputError
 from ..quant.primitives import dequantize
+from ..registry import ALGORITHMS, FORMATS
 
 
 @dataclass
@@ -106,26 +107,35 @@ def recipe_schemes(recipe) -> list:
 def dynamic_act_order(recipe) -> bool:
     """True when the recipe's GPTQ act-order needs a stored ``g_idx`` (no static groups)."""
     grouped = any(s.group_size != -1 for s in recipe_schemes(recipe))  # per channel: one group, no g_idx
-    return recipe.algorithm in ("gptq", "awq-gptq") and recipe.gptq.act_order and not recipe.gptq.static_groups and grouped
+    return act_order(recipe) and not recipe.gptq.static_groups and grouped
 
 
-def check_float16_weight_format(name: str, recipe, dtype_name: str) -> None:
-    """The refusals shared by the older toolchains' formats (AWQ, GPTQ), in this order.
+def act_order(recipe) -> bool:
+    """True when the recipe's algorithm solves GPTQ-style (:attr:`compressor.quant.algorithms.Algorithm.act_order`)
+    with ``gptq.act_order`` on."""
+    algorithm = ALGORITHMS.find(recipe.algorithm)
+    return algorithm is not None and algorithm.act_order and recipe.gptq.act_order
+
+
+def check_float16_weight_format(fmt: "WeightFormat", recipe, dtype_name: str) -> None:
+    """The refusals shared by the older toolchains' formats (AWQ, GPTQ: ``scale_dtype`` float16), in this order.
 
     Raises:
         InputError: a KV-only recipe (``algorithm: none``: nothing to pack); a static
             KV-cache scheme (no field for ``k_scale``/``v_scale``); a storage dtype other
             than float16 (their kernels read fp16 scales).
     """
-    if recipe.algorithm == "none":
+    name = fmt.name
+    if not ALGORITHMS.get(recipe.algorithm).quantizes_weights:
         raise InputError(f"--format {name} stores quantized weights; a KV-only recipe (algorithm none) needs --format compressed-tensors")
     if recipe.kv_cache is not None and recipe.kv_cache.spec().static:
         raise InputError(
             f"--format {name} has no field for static KV-cache scales ({recipe.kv_cache.spec().describe()}); "
             "use --format compressed-tensors (kv_cache_scheme + k_scale/v_scale, read by vLLM)"
         )
-    if dtype_name != "float16":
-        raise InputError(f"--format {name} stores float16 scales; use --dtype float16 (got {dtype_name})")
+    if dtype_name != fmt.scale_dtype:
+        raise InputError(f"--format {name} stores {fmt.scale_dtype} scales; use --dtype {fmt.scale_dtype} "
+                         f"(got {dtype_name})")
 
 
 class WeightFormat:
@@ -139,12 +149,31 @@ class WeightFormat:
         quant_method: ``config.json["quantization_config"]["quant_method"]`` it writes and reads.
         leaves: tensor suffixes a packed Linear may store (``<module>.<leaf>``).
         marker: the leaf whose presence marks a module as packed.
+        scale_dtype: the storage dtype its readers' kernels need (``float16`` for AWQ and GPTQ), or
+            ``None`` for any; ``--dtype auto`` picks it.
+        carries_head: it can hold a quantized ``lm_head`` or embedding table (recipe ``head:``,
+            ``embedding:``); the others' loaders keep them in float.
+
+    A subclass that sets ``name`` registers one instance of itself in
+    :data:`compressor.registry.FORMATS` when it is defined.
     """
 
     name: str = ""
     quant_method: str = ""
     leaves: tuple[str, ...] = ()
     marker: str = ""
+    scale_dtype: str | None = None
+    carries_head: bool = False
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.__dict__.get("name"):
+            FORMATS.add(cls.name, cls())
+
+    def summary_fields(self, recipe) -> dict:
+        """This format's entries in the manifest's ``quantization`` block, which a GPTQ-style algorithm
+        records after its own (:meth:`compressor.quant.algorithms.Algorithm.summary_fields`); none by default."""
+        return {}
 
     def check(self, recipe, dtype_name: str) -> None:
         """Refuse, before any work, a recipe this format cannot represent (InputError)."""

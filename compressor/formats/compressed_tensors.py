@@ -26,7 +26,7 @@ import torch
 
 from ..errors import InputError
 from ..quant.primitives import qrange
-from .base import QuantWeight, WeightFormat, dynamic_act_order, require_leaves, symmetric_zero
+from .base import QuantWeight, WeightFormat, act_order, dynamic_act_order, require_leaves, symmetric_zero
 from .packing import n_words, pack_rows, row_blocks, unpack_rows
 
 
@@ -280,6 +280,7 @@ class CompressedTensorsFormat(WeightFormat):
 
     name = "compressed-tensors"
     quant_method = "compressed-tensors"
+    carries_head = True
     leaves = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
     marker = "weight_packed"
 
@@ -328,7 +329,7 @@ class CompressedTensorsFormat(WeightFormat):
         kv_cfg = kv_cache_scheme(kv) if kv is not None else None
         if not schemes and not embeddings and kv_cfg is None:
             return None  # nothing compressed-tensors can describe (KV scheme lives in the manifest)
-        actorder = "weight" if recipe.algorithm in ("gptq", "awq-gptq") and recipe.gptq.act_order else None
+        actorder = "weight" if act_order(recipe) else None
         head = [] if any(n.rsplit(".", 1)[-1] == "lm_head" for n in schemes) else ["lm_head"]  # recipe head: quantized
         return quantization_config(schemes, head + ignored, versions["compressed-tensors"], actorder, kv_cfg, embeddings)
 

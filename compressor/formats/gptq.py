@@ -368,15 +368,20 @@ class GptqFormat(WeightFormat):
 
     name = "gptq"
     quant_method = "gptq"
+    scale_dtype = "float16"
     leaves = ("qweight", "qzeros", "scales", "g_idx")
     marker = "qweight"
 
     def check(self, recipe, dtype_name: str) -> None:
         """Refuse KV-only and static-KV recipes, a dtype other than float16, bits outside
         2/3/4/8 and mixed precision (InputError, see :func:`check_gptq_compatible`)."""
-        check_float16_weight_format(self.name, recipe, dtype_name)
+        check_float16_weight_format(self, recipe, dtype_name)
         for s in recipe_schemes(recipe):
             check_gptq_compatible(s.num_bits, recipe.is_mixed)
+
+    def summary_fields(self, recipe) -> dict:
+        """``gptq_checkpoint_format``: ``gptq`` (v1) for a symmetric recipe, else ``gptq_v2``."""
+        return {"gptq_checkpoint_format": gptq_checkpoint_format(recipe.weights.symmetric)}
 
     def pack(self, rec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """:func:`gptq_module_tensors` of the record, scales in float16 whatever ``dtype``."""

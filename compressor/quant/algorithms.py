@@ -20,7 +20,10 @@ algorithm:
 
 Handlers: ``rtn`` and ``none`` here, ``awq`` in :mod:`compressor.quant.awq_layer`, ``gptq``
 in :mod:`compressor.quant.gptq_layer` (each beside its math module), ``awq-gptq`` (AWQ's
-scaling, then GPTQ) in :mod:`compressor.quant.awq_gptq_layer`.
+scaling, then GPTQ) in :mod:`compressor.quant.awq_gptq_layer`. This module is their base: they
+import it, it imports none of them; the registry (:data:`compressor.registry.ALGORITHMS`) finds
+them by importing every module of :mod:`compressor.quant` on its first lookup, so a new
+algorithm is one new module there.
 """
 
 from __future__ import annotations
@@ -30,10 +33,8 @@ from typing import ClassVar
 from ..arch import layer_linears
 from ..errors import InputError
 from ..recipe import AWQOptions, GPTQOptions
+from ..registry import ALGORITHMS
 from .layer import LayerContext, LayerOutcome
-
-_REGISTRY: dict[str, "Algorithm"] = {}
-
 
 class Algorithm:
     """One weight-quantization algorithm (subclass it and decorate with :func:`register_algorithm`)."""
@@ -50,6 +51,9 @@ class Algorithm:
     folds_input_scales: ClassVar[bool] = False
     #: the recipe sections (``awq``, ``gptq``) its step reads; a changed one it does not read earns a warning
     reads: ClassVar[tuple[str, ...]] = ()
+    #: GPTQ-style column order: ``gptq.act_order`` solves columns by decreasing Hessian diagonal, which a
+    #: format records (compressed-tensors ``actorder: weight``, a stored ``g_idx`` without static groups)
+    act_order: ClassVar[bool] = False
 
     def quantize_layer(self, i: int, layer, hidden: list | None, kw: dict | None, ctx: LayerContext) -> LayerOutcome:
         """Quantize decoder layer ``i``'s targeted linears in place.
@@ -98,10 +102,12 @@ class Algorithm:
 
 
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator: register one instance of ``cls`` under ``cls.name``."""
-    if not cls.name or cls.name in _REGISTRY:
-        raise ValueError(f"algorithm handler {cls.__name__}: name {cls.name!r} is empty or already registered")
-    _REGISTRY[cls.name] = cls()
+    """Class decorator: register one instance of ``cls`` under ``cls.name`` (:data:`compressor.registry.ALGORITHMS`).
+
+    Raises:
+        ValueError: the name is empty or already registered.
+    """
+    ALGORITHMS.add(cls.name, cls())
     return cls
 
 
@@ -111,20 +117,17 @@ def get_algorithm(name: str) -> Algorithm:
     Raises:
         InputError: no algorithm of that name (lists the registered ones).
     """
-    handler = _REGISTRY.get(name)
-    if handler is None:
-        raise InputError(f"unknown algorithm {name!r} (choose from {', '.join(algorithm_names())})")
-    return handler
+    return ALGORITHMS.get(name)
 
 
 def find_algorithm(name: str) -> Algorithm | None:
     """The handler registered for ``name``, or ``None`` (e.g. ``"unknown"`` for a foreign artifact)."""
-    return _REGISTRY.get(name)
+    return ALGORITHMS.find(name)
 
 
 def algorithm_names() -> list[str]:
     """The registered algorithm names, sorted."""
-    return sorted(_REGISTRY)
+    return ALGORITHMS.names()
 
 
 #: the recipe sections one algorithm may read, with their defaults
@@ -209,6 +212,3 @@ class NoWeights(Algorithm):
             out.append(f"--act-order/--no-act-order has no effect with algorithm {self.name} (GPTQ only)")
         return out + unread_warnings(self, recipe, skip=("act_order",) if flags.get("act_order") is not None else ())
 
-
-# the handlers living beside their math modules register themselves on import
-from . import awq_gptq_layer, awq_layer, gptq_layer  # noqa: E402,F401

@@ -48,6 +48,7 @@ class AWQGPTQ(GPTQ):
 
     name = "awq-gptq"
     reads = ("awq", "gptq")
+    act_order = True
     folds_input_scales = AWQ.folds_input_scales
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):

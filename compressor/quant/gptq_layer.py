@@ -18,6 +18,7 @@ import torch
 
 from ..arch import expand, expert_index, get_module, is_expert, layer_fused_sets, layer_linears, num_experts
 from ..distributed import deal, world
+from ..registry import FORMATS
 from .algorithms import Algorithm, odd_bits_warnings, register_algorithm, unread_warnings
 from .gptq import CrossAccumulator, HessianAccumulator, float_target, gptq_quantize
 from .layer import LayerContext, LayerOutcome, StopForward, layer_forward
@@ -365,21 +366,18 @@ class GPTQ(Algorithm):
     name = "gptq"
     reads = ("gptq",)
     needs_calibration = True
+    act_order = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return gptq_layer(i, layer, hidden, kw, ctx)
 
     def summary_fields(self, recipe, fmt):
-        from ..formats import gptq_checkpoint_format
-
         out = {"act_order": recipe.gptq.act_order, "static_groups": recipe.gptq.static_groups}
         if recipe.gptq.clip:  # the range search; left out while off (earlier manifests keep their bytes)
             out.update(clip=True, clip_grid=recipe.gptq.clip_grid, clip_max_shrink=recipe.gptq.clip_max_shrink)
         if recipe.gptq.gptaq_alpha:  # the float target; left out while off, as the range search
             out["gptaq_alpha"] = recipe.gptq.gptaq_alpha
-        if fmt == "gptq":
-            out["gptq_checkpoint_format"] = gptq_checkpoint_format(recipe.weights.symmetric)
-        return out
+        return {**out, **FORMATS.get(fmt).summary_fields(recipe)}
 
     def flag_warnings(self, flags, recipe, fmt):
         return odd_bits_warnings(recipe, fmt) + unread_warnings(self, recipe)

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import InputError, QuantizationError
 from .layer import QuantizedLinear, stored_dequantize
+from ..registry import FORMATS
 from .rtn import rtn_quantize
 
 #: rows quantized at once: a ``[ROWS, hidden]`` float32 block (128 MiB at hidden 7168)
@@ -81,10 +82,11 @@ def check_untie(recipe, tied: bool, vocab: int, hidden: int, scale_bytes: int) -
 
 def compressed_tensors_only(section: str, fmt: str, module: str) -> None:
     """Raises InputError naming the recipe ``section`` (``head``, ``embedding``) when ``fmt`` is
-    not compressed-tensors: AutoAWQ's and GPTQ's loaders keep ``module`` in float."""
-    if fmt != "compressed-tensors":
-        raise InputError(f"recipe {section}: {fmt} artifacts keep {module} in float; quantize it with "
-                         "--format compressed-tensors")
+    cannot carry it (:attr:`compressor.formats.base.WeightFormat.carries_head`: AutoAWQ's and GPTQ's loaders
+    keep ``module`` in float)."""
+    if not FORMATS.get(fmt).carries_head:
+        able = " or ".join(f"--format {f.name}" for f in FORMATS.entries() if f.carries_head)
+        raise InputError(f"recipe {section}: {fmt} artifacts keep {module} in float; quantize it with {able}")
 
 
 def check_head(recipe, fmt: str, model=None, arch=None, scale_bytes: int = 2) -> str | None:

@@ -70,9 +70,8 @@ from ..kv_layout import (  # noqa: F401  (re-exported: the layouts live there)
     KVComponent, KVLayout, check_layout, gqa_layout, kv_layout, mla_layout, turn_keys,
 )
 from ..kv_schemes import (  # noqa: F401  (re-exported: the scheme classes and the tensor quantizers live there)
-    BITS, DEFAULT_STRATEGY, FP8_MAX, KV_SCHEMES, SCHEMES, VALID_STRATEGIES, FP8HeadScheme, FP8TensorScheme,
-    Int8HeadScheme, Int8TokenScheme, KIVIScheme, KVScheme, KVSpec, dequantize_asym, dequantize_fp8,
-    dequantize_int_static, make_spec, quantize_asym, quantize_fp8, quantize_int_static,
+    FP8_MAX, KV_SCHEMES, FP8HeadScheme, FP8TensorScheme, Int8HeadScheme, Int8TokenScheme, KIVIScheme, KVScheme, KVSpec,
+    dequantize_asym, dequantize_fp8, dequantize_int_static, make_spec, quantize_asym, quantize_fp8, quantize_int_static,
 )
 
 
@@ -316,7 +315,7 @@ def kv_budget(spec: KVSpec | None, n_layers: int, kv_heads: int, head_dim: int, 
     per_tok = layout_bytes_per_token(spec, layout)
     fp_tok = layout_bytes_per_token(None, layout)
     budget = budget_gib * 2**30
-    residual = spec.residual_length if spec is not None and spec.strategy == "kivi" else 0
+    residual = spec.residual_length if spec is not None and spec.codec.residual_window else 0
     max_batch = {}
     for ctx in contexts:
         r = min(residual, ctx)

@@ -108,7 +108,7 @@ class Runtime:
                 it open to read the tokenizer from its ``files_folder``, then closes it.
 
         Raises:
-            InputError: see :func:`~compressor.runtime.model.load_decoder`; a static KV
+            InputError: see :func:`~compressor.runtime.loader.load_decoder`; a static KV
                 scheme without scales; a bad ``kv`` value.
             ArtifactMismatch: with a checking ``reads``, any file or tensor that differs
                 from the manifest (named).

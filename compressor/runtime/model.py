@@ -244,12 +244,3 @@ def check_servable_folder(folder: str | Path) -> None:
         return
     if isinstance(raw, dict):
         check_servable(str(raw.get("model_type")))
-
-
-def load_decoder(folder: str | Path, device: str | torch.device = "cpu", backend: str = "auto",
-                 dtype: torch.dtype | None = None, act_dtype: torch.dtype | None = None,
-                 reads=None) -> tuple[Decoder, LoadInfo]:
-    """Build a :class:`Decoder` from an artifact; see :func:`compressor.runtime.loader.load_decoder`."""
-    from .loader import load_decoder as _load
-
-    return _load(folder, device, backend, dtype, act_dtype, reads)
