@@ -247,6 +247,7 @@ def artifacts(tmp_path_factory, model_dirs):
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_quantize_then_verify(model_type, artifacts, model_dirs):
     art = artifacts[model_type]
     summary = artifacts[model_type + ":summary"]
@@ -277,6 +278,7 @@ def load_model_float(path):
 
 
 @pytest.mark.parametrize("model_type", SERVED)
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_serve_smoke_where_the_runtime_serves(model_type, artifacts, capsys):
     code, out, err = run(["serve-smoke", artifacts[model_type], "--max-new-tokens", "4", "--json"], capsys)
     assert code == 0, err
@@ -301,6 +303,7 @@ def test_runtime_refuses_a_row_it_does_not_serve(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("model_type", MOE)
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_moe_artifact_uses_the_checkpoint_layout(model_type, artifacts, model_dirs):
     """Per-expert tensors under the names the source checkpoint (and vLLM) uses, routers in
     float and listed as ignored, routed-token counts in the manifest."""
@@ -324,6 +327,7 @@ def test_moe_artifact_uses_the_checkpoint_layout(model_type, artifacts, model_di
         assert sum(layer["expert_tokens"]) == 8 * 48 * 2  # every calibration token, top-2
 
 
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_kv_only_moe_artifact_equals_transformers_save(tmp_path, model_dirs):
     """With float weights the artifact's tensor names are exactly what transformers'
     save_pretrained writes (its reverse conversion of fused experts), and it loads back."""
@@ -336,6 +340,7 @@ def test_kv_only_moe_artifact_equals_transformers_save(tmp_path, model_dirs):
 
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq", "awq"])
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_moe_formats_round_trip(fmt, tmp_path, model_dirs):
     """Every format writes per-expert tensors that load_artifact stacks back into
     transformers' fused experts: the loaded weights are RTN of the source, expert by expert."""
@@ -392,6 +397,7 @@ def test_cold_expert_is_quantized_with_rtn_and_flagged(alg):
     assert any("quantized with RTN" in w for w in res.warnings)
 
 
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_min_tokens_threshold_flags_every_expert_in_the_manifest(tmp_path, model_dirs):
     out = tmp_path / "mix"
     summary = run_quantize(QuantizeOptions(model=str(model_dirs["mixtral"]), output=out, algorithm="gptq", group_size=32,
@@ -440,6 +446,7 @@ def test_mla_cache_holds_the_latent_and_rope_key():
         quantized_cache(make_spec("fp8", "head"), 2, {0: (torch.ones(1),) * 2, 1: (torch.ones(1),) * 2}, layout)
 
 
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_mla_fp8_artifact_shared_scale_and_accounting(artifacts):
     art = artifacts["deepseek_v3"]
     rec = load_manifest(art).kv_cache

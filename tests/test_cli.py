@@ -144,6 +144,7 @@ def test_bad_recipe(tmp_path, tiny_model_dir, capsys):
     assert_clean_error(code, err, 2, "neither a file nor a bundled recipe", tmp_path)
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_verify_exit_codes(tmp_path, tiny_model_dir, capsys):
     code, _, err = run(["verify", tmp_path], capsys)
     assert_clean_error(code, err, 2, "no kvq-manifest.json")
@@ -236,6 +237,7 @@ def test_pattern_matching_nothing_is_refused(tmp_path, tiny_model_dir, capsys):
     assert_clean_error(code, err, 2, "'re:.*downproj' matches no decoder linear", tmp_path)
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_verify_detects_a_changed_source(tmp_path, tokenizer, capsys):
     from conftest import make_model_dir
 

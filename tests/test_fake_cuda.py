@@ -72,6 +72,7 @@ CPU_AS_CUDA = "float32"
 
 @pytest.mark.parametrize("row,algorithm", [("llama", a) for a in ("awq", "gptq", "awq-gptq", "rtn")]
                          + [(r, a) for r in ROWS[1:] for a in ("awq", "gptq")])
+@pytest.mark.slow  # whole runs on the faked CUDA device against the CPU's (make test-fast leaves it out)
 def test_quantize_on_cuda_equals_cpu(row, algorithm, sources, tmp_path, monkeypatch):
     """``quantize --device cuda`` runs on the fake device and writes the CPU run's artifact,
     byte for byte (every tensor digest), with an fp8 KV cache whose scales are searched."""
@@ -93,6 +94,7 @@ def test_quantize_on_cuda_equals_cpu(row, algorithm, sources, tmp_path, monkeypa
     (["w4a16-gptq"], {"settings": (("gptq.static_groups", False),), "format": "gptq"}),
     (["w4a16-awq"], {"format": "awq"}),
 ])
+@pytest.mark.slow  # whole runs on the faked CUDA device against the CPU's (make test-fast leaves it out)
 def test_recipes_on_cuda_equal_cpu(recipes, kw, sources, tmp_path):
     """The bundled recipes' other paths (KIVI KV, GPTAQ at 3 bits, mixed precision, a quantized
     LM head, GPTQ and AutoAWQ formats) on the fake device: the CPU run's digests."""
@@ -106,6 +108,7 @@ def test_recipes_on_cuda_equal_cpu(recipes, kw, sources, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["rtn_memory_budget", "gptq_memory_budget", "awq_spilled_activations", "kv_only"])
+@pytest.mark.slow  # whole runs on the faked CUDA device against the CPU's (make test-fast leaves it out)
 def test_bounded_memory_paths_on_cuda_equal_cpu(case, sources, tmp_path):
     """Kimi K2 (block FP8, MoE) through the paths that hold less than a layer: routed experts read
     and written in groups (RTN), Hessians in chunked passes (GPTQ), calibration activations in
@@ -141,6 +144,7 @@ def artifacts(sources, tmp_path_factory):
 
 
 @pytest.mark.parametrize("row", ROWS)
+@pytest.mark.slow  # whole runs on the faked CUDA device against the CPU's (make test-fast leaves it out)
 def test_verify_and_serve_smoke_on_cuda(row, artifacts, monkeypatch):
     """``verify --device cuda`` gives the CPU run's figures; ``serve-smoke --device cuda`` serves
     with the Triton layers (their kernels replaced by the numerics they are tested against) and

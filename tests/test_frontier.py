@@ -235,6 +235,7 @@ def artifacts(tmp_path_factory, sources):
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
+@pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_streamed_equals_whole_model(model_type, artifacts):
     (s_dir, s), (w_dir, w) = artifacts[(model_type, True)], artifacts[(model_type, False)]
     assert s["source_loading"] == "streamed: one decoder layer at a time", s["source_loading"]
@@ -244,6 +245,7 @@ def test_streamed_equals_whole_model(model_type, artifacts):
 
 
 @pytest.mark.parametrize("model_type", NEW)
+@pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_quantize_then_verify(model_type, artifacts, sources):
     art, summary = artifacts[(model_type, True)]
     arch = get_arch(model_type)
@@ -264,6 +266,7 @@ def test_quantize_then_verify(model_type, artifacts, sources):
     assert rep["perplexity"]["increase_pct"] < 20 and rep["distribution"]["top1_agreement_pct"] > 50
 
 
+@pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_kimi_k2_artifact_keeps_the_published_config(artifacts, sources):
     """Built with DeepSeek-V3's classes (no repository code), written back as Kimi K2."""
     art, _ = artifacts[("kimi_k2", True)]
@@ -295,6 +298,7 @@ def test_glm5_capture_needs_no_patch(sources, tmp_path, monkeypatch):
     run_quantize(QuantizeOptions(model=str(sources["glm_moe_dsa"]), output=tmp_path / "o", algorithm="gptq", **FAST))
 
 
+@pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_kv_scheme_on_sparse_attention(sources, tmp_path, capsys):
     """The indexer's key cache is not a kvq KV scheme (kept as transformers keeps it); the
     MLA latent is quantized as on DeepSeek-V3."""
@@ -360,6 +364,7 @@ def test_mtp_layer_is_found_and_copied_in_float(model_type, sources):
         assert got[k].dtype == torch.float16 and torch.equal(got[k], stored[k].half())
 
 
+@pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_mtp_layer_is_kept_in_the_artifact(artifacts):
     art, summary = artifacts[("deepseek_v3", True)]
     hdr = read_header(art / "model.safetensors")
@@ -392,6 +397,7 @@ def test_block_fp8_reader_is_exact_with_ragged_blocks(tmp_path):
 
 
 @pytest.mark.parametrize("model_type", ["kimi_k2", "glm4_moe_lite"])
+@pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_block_fp8_source_equals_its_exact_float_copy(model_type, sources, tmp_path):
     """Streamed and whole-model runs on the FP8 release, and a run on a float32 folder holding
     exactly ``weight_fp8.float() * scale_inv``, write the same tensors."""
@@ -517,6 +523,7 @@ def test_kimi_tiktoken_tokenizer_is_read_without_its_code(tmp_path):
     assert "<|im_end|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
 
 
+@pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_kimi_k2_with_its_tiktoken_tokenizer_quantizes(tmp_path, tokenizer):
     from compressor.models import KIMI_RESERVED
 
@@ -552,6 +559,7 @@ def test_other_custom_tokenizers_are_refused_in_one_line(tmp_path, sources, caps
 
 
 @pytest.mark.parametrize("model_type", NEW)
+@pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_serve_smoke_on_published_rows(model_type, tmp_path, tokenizer):
     """kvq serve-smoke agrees with the reference on every published row. The sparse-attention
     rows (deepseek_v32, glm_moe_dsa) are built with index_topk = max_position_embeddings, so
@@ -573,6 +581,7 @@ def test_serve_smoke_on_published_rows(model_type, tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("model_type", NEW)
+@pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_runtime_logits_equal_verify_on_published_rows(model_type, tmp_path, tokenizer):
     """The runtime's logits equal verify's dequantized model (same int8 KV cache) on each
     published MLA row; their configs publish rms_norm_eps 1e-5 (GLM) where transformers
@@ -626,6 +635,7 @@ def test_runtime_logits_equal_verify_on_published_rows(model_type, tmp_path, tok
     ("kimi_k2", "rtn", {}),
     ("glm4_moe", "rtn", {"kv_scheme": "int8"}),  # int8 per-token KV: dynamic, no calibration pass
 ])
+@pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_expert_groups_bound_the_layer_and_write_the_same_tensors(model_type, algorithm, kw, sources, tmp_path):
     """An FP8 release, streamed with a budget below one MoE layer: each routed-expert group
     is read, quantized and written before the next; tensors equal the whole-model run's."""
@@ -668,6 +678,7 @@ def test_expert_groups_bound_the_layer_and_write_the_same_tensors(model_type, al
 # calibrated: routed experts' Hessians accumulated and solved in bounded chunks
 
 
+@pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_gptq_expert_hessians_in_chunks_give_the_same_artifact(sources, tmp_path, monkeypatch):
     """GPTQ on a MoE layer with a budget below its experts' Hessians: each chunk is accumulated
     in a pass of its own and solved before the next (never more than the budget held); the
@@ -698,6 +709,7 @@ def test_gptq_expert_hessians_in_chunks_give_the_same_artifact(sources, tmp_path
     assert b["output"] and u["output"]
 
 
+@pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_gptq_replays_the_attention_in_expert_passes(sources, tmp_path, monkeypatch):
     """DeepSeek-V3 layout (MLA attention, routed + shared experts, expert Hessians in bounded
     chunks): once the attention's last pass is solved, the later passes (each chunk's) and the

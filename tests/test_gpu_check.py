@@ -243,6 +243,7 @@ def cpu_run(tmp_path_factory, tiny_model_dir):
     return rep, work
 
 
+@pytest.mark.slow  # the GPU check's CPU twin or a Triton step in a subprocess (make test-fast leaves it out)
 def test_cpu_twin_quantize_and_serve(cpu_run):
     rep, work = cpu_run
     q, s = rep["steps"]["quantize"], rep["steps"]["serve"]
@@ -255,6 +256,7 @@ def test_cpu_twin_quantize_and_serve(cpu_run):
     assert s["batch_1"]["decode_tokens_per_s"] > 0 and s["batch_8"]["decode_tokens_per_s"] > 0 and s["kernels"]
 
 
+@pytest.mark.slow  # the GPU check's CPU twin or a Triton step in a subprocess (make test-fast leaves it out)
 def test_cpu_twin_agreement(cpu_run):
     rep, work = cpu_run
     a = rep["steps"]["agreement"]
@@ -266,6 +268,7 @@ def test_cpu_twin_agreement(cpu_run):
     assert "digests equal" in "\n".join(gc.summary_lines(rep))
 
 
+@pytest.mark.slow  # the GPU check's CPU twin or a Triton step in a subprocess (make test-fast leaves it out)
 def test_compare_artifacts_sqnr_and_manifest_only(cpu_run, tmp_path):
     _, work = cpu_run
     # AWQ vs GPTQ artifacts of the same model: same tensor names, other weights -> finite SQNR per Linear
@@ -285,6 +288,7 @@ def test_compare_artifacts_sqnr_and_manifest_only(cpu_run, tmp_path):
     assert c3["digests_equal"] == c["digests_equal"] and "time budget" in c3["weight_sqnr_db"]["note"]
 
 
+@pytest.mark.slow  # the GPU check's CPU twin or a Triton step in a subprocess (make test-fast leaves it out)
 def test_agreement_skips_and_uses_given_cpu_artifacts(cpu_run):
     _, work = cpu_run
     args = gc.parse_args(["--work", str(work), "--skip-cpu"])
@@ -329,6 +333,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is an optional extra")
+@pytest.mark.slow  # the GPU check's CPU twin or a Triton step in a subprocess (make test-fast leaves it out)
 def test_triton_step_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], capture_output=True, text=True, env=env,
@@ -398,6 +403,7 @@ _SWEEP_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is an optional extra")
+@pytest.mark.slow  # the GPU check's CPU twin or a Triton step in a subprocess (make test-fast leaves it out)
 def test_sweep_step_under_interpreter():
     """The config sweep runs every candidate (and the chosen one first) through the kernel, checks
     each against the reference and names the fastest."""

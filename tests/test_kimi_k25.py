@@ -137,6 +137,7 @@ def test_tiny_layout_is_what_transformers_reads_as_kimi_k25(k25):
         assert torch.equal(ref.eval()(input_ids=ids).logits, ours(ids).logits)
 
 
+@pytest.mark.slow  # Kimi K2.5 quantized, verified or served end to end (make test-fast leaves it out)
 def test_streamed_equals_whole_model(runs):
     (s_dir, s), (w_dir, w) = runs[True], runs[False]
     assert s["source_loading"] == "streamed: one decoder layer at a time", s["source_loading"]
@@ -145,6 +146,7 @@ def test_streamed_equals_whole_model(runs):
     assert s["quantization"]["modules"] == 5 + 3 + 5 + 3 * 4 + 3  # as kimi_k2: MLA + dense, MLA + 4 experts + shared
 
 
+@pytest.mark.slow  # Kimi K2.5 quantized, verified or served end to end (make test-fast leaves it out)
 def test_artifact_names_are_the_source_names(runs, k25):
     """Every source tensor is in the artifact under its own name (packed ones as
     ``<module>.weight_packed``), and the KV scales sit under the text model's prefix."""
@@ -161,6 +163,7 @@ def test_artifact_names_are_the_source_names(runs, k25):
     assert not any(n.startswith(("model.", "lm_head")) for n in art)
 
 
+@pytest.mark.slow  # Kimi K2.5 quantized, verified or served end to end (make test-fast leaves it out)
 def test_vision_tower_and_projector_are_carried_untouched(runs, k25):
     art, src = stored(runs[True][0]), stored(k25)
     carried = sorted(n for n in src if n.startswith(CARRIED))
@@ -175,6 +178,7 @@ def test_vision_tower_and_projector_are_carried_untouched(runs, k25):
     assert rec["tensors"] == 35 and rec["prefixes"] == list(CARRIED) and rec["dequantized_fp8"] == []
 
 
+@pytest.mark.slow  # Kimi K2.5 quantized, verified or served end to end (make test-fast leaves it out)
 def test_config_keeps_the_published_wrapper(runs, k25):
     cfg = json.loads((runs[True][0] / "config.json").read_text())
     src = json.loads((k25 / "config.json").read_text())
@@ -192,6 +196,7 @@ def test_config_keeps_the_published_wrapper(runs, k25):
     assert not any(i.startswith("model.") for i in ignore)
 
 
+@pytest.mark.slow  # Kimi K2.5 quantized, verified or served end to end (make test-fast leaves it out)
 def test_verify_compares_the_text_model_and_checks_the_vision_tower_by_digest(runs, tmp_path):
     art = runs[True][0]
     rep = run_verify(VerifyOptions(artifact=art, seqlen=64, max_windows=2, max_new_tokens=4, hidden_batches=1))
@@ -211,6 +216,7 @@ def test_verify_compares_the_text_model_and_checks_the_vision_tower_by_digest(ru
     assert not rep["passed"] and "vision_tower.encoder.blocks.0.wo.weight" in rep["hashes"]["modified_tensors"]
 
 
+@pytest.mark.slow  # Kimi K2.5 quantized, verified or served end to end (make test-fast leaves it out)
 def test_hashes_only_says_what_it_checked(runs, capsys):
     code, out, err = run(["verify", runs[True][0], "--hashes-only", "--json"], capsys)
     assert code == 0 and json.loads(out)["carried"]["checked"] == "digest only"
@@ -218,6 +224,7 @@ def test_hashes_only_says_what_it_checked(runs, capsys):
     assert code == 0 and "checked by digest only" in " ".join(err.split())
 
 
+@pytest.mark.slow  # Kimi K2.5 quantized, verified or served end to end (make test-fast leaves it out)
 def test_serve_smoke_serves_the_text_model(runs):
     from compressor.commands.options import SmokeOptions
     from compressor.commands.serve_smoke import run_serve_smoke
@@ -227,6 +234,7 @@ def test_serve_smoke_serves_the_text_model(runs):
     assert "not served" in rep["carried"]
 
 
+@pytest.mark.slow  # Kimi K2.5 quantized, verified or served end to end (make test-fast leaves it out)
 def test_runtime_logits_equal_verify_dequantized_model(k25, tmp_path):
     """The runtime's text model (packed aten and dequantize kernels, fp8 MLA cache) gives
     the logits of kvq verify's dequantized model through the same cache, in one pass and
@@ -275,6 +283,7 @@ def to_block_fp8_k25(src, dst, where: str = "top", block=(16, 24)):
     return exact
 
 
+@pytest.mark.slow  # Kimi K2.5 quantized, verified or served end to end (make test-fast leaves it out)
 def test_block_fp8_k25_source(k25, tmp_path):
     """Text projections dequantized as they stream (as for Kimi K2), streamed == whole
     model whichever level of config.json holds quantization_config; an FP8 vision weight is
@@ -298,6 +307,7 @@ def test_block_fp8_k25_source(k25, tmp_path):
 
 
 @pytest.mark.parametrize("where", ["top", "text_config"])
+@pytest.mark.slow  # Kimi K2.5 quantized, verified or served end to end (make test-fast leaves it out)
 def test_int4_k25_release_gets_its_kv_cache_calibrated(where, k25, tmp_path):
     """K2.5 as Moonshot ships it: weights already packed (compressed-tensors), no kvq
     manifest, ``quantization_config`` at the top of config.json or in ``text_config``. A

@@ -239,6 +239,7 @@ def test_kv_only_artifact_has_float_weights_and_manifest_scheme(kv_artifacts):
     assert read_kv_cache(b)[1] is None
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_verify_reports_weights_kv_both(kv_artifacts):
     a, b = kv_artifacts
     rep = run_verify(VerifyOptions(artifact=a, seqlen=128, max_windows=2, kv_chunk=32))
@@ -255,6 +256,7 @@ def test_verify_reports_weights_kv_both(kv_artifacts):
     assert rep["perplexity_breakdown"]["KV only"]["increase_pct"] > rep["perplexity_breakdown"]["weights only"]["increase_pct"] - 100
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_verify_measures_a_kv_only_artifact_as_served(kv_artifacts):
     """A KV-only artifact's figures are the artifact's own weights, in the dtype it declares
     (bfloat16), with its quantized cache (not the float32 reference with the cache), and the
@@ -291,6 +293,7 @@ def test_verify_measures_a_kv_only_artifact_as_served(kv_artifacts):
     assert rows["weights only"] == "the artifact's weights in bfloat16 with a float KV cache"
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_verify_kv_scheme_static_calibrates(tiny_model_dir, tmp_path):
     out = tmp_path / "w8"
     run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, recipe="w8a16-rtn"))

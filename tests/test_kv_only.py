@@ -125,6 +125,7 @@ def test_manifest_records_the_source(sources, fp8):
     assert summary["quantization"] == q
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_verify_and_serve_smoke(sources, fp8, tiny_model_dir, capsys):
     out, _ = fp8
     code, stdout, err = run(["verify", out, "--seqlen", "128", "--max-windows", "2", "--json"], capsys)
@@ -162,6 +163,7 @@ def test_refusals(argv, pattern, sources, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_awq_and_gptq_sources(fmt, sources, tmp_path, capsys):
     """No field for static KV scales in these formats (vLLM reads k_scale/v_scale only with
     compressed-tensors): fp8 is refused; the dynamic int8 scheme is carried in the manifest."""
@@ -183,6 +185,7 @@ def test_awq_and_gptq_sources(fmt, sources, tmp_path, capsys):
     assert json.loads(stdout)["kv_cache"]["scheme"].startswith("int8")
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_foreign_source_and_recalibration(sources, fp8, tmp_path, capsys):
     """Another tool's artifact (no kvq manifest) is carried and is verify's reference; a
     carried artifact given another scheme loses its old scales and declaration."""
@@ -246,6 +249,7 @@ def test_signed_carried_artifact(sources, tmp_path, capsys):
     assert code == 0, err
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_kimi_k2_thinking_like_source(tmp_path, tokenizer, capsys):
     """Kimi K2 Thinking as published: DeepSeek-V3 MLA under model_type kimi_k2, INT4
     compressed-tensors weights written by another tool (no kvq manifest) and Kimi's

@@ -164,6 +164,7 @@ def test_a_kv_only_artifact_with_changed_pairs_computes_the_source_function(tiny
     assert code == 0 and "key pairs: q_proj/k_proj are the reference's rows changed per RoPE pair" in " ".join(err.split()), err
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_weight_statistics_undo_the_pairs_of_a_quantized_artifact(tiny_model_dir, tmp_path):
     """RTN W4 + fp8 KV with the pairs changed: verify's weight statistics (factors divided out)
     give q_proj/k_proj errors of the size the unchanged run has; without the undo they are wrong."""
@@ -207,6 +208,7 @@ def test_weight_statistics_undo_the_pairs_of_a_quantized_artifact(tiny_model_dir
     assert own["tensors"] == []  # every tensor byte for byte: nothing to list, no fit noise on q/k
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_verify_measures_the_kv_only_row_in_the_artifacts_key_basis(tmp_path):
     """A KV-only artifact's row runs the artifact as served, its keys in the basis its scales were
     chosen in: verify's row equals the artifact's own model with its cache; the reference with the
@@ -262,6 +264,7 @@ def test_the_cache_turns_keys_into_a_basis_and_back():
         quantized_cache(make_spec("int8", "token"), 1, key_basis={0: z})
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_quantize_says_what_it_did_to_the_cache(tiny_model_dir, tmp_path, capsys):
     """The console and the JSON summary name the KV scheme, the scale search and the key pairs."""
     from conftest import kvq_run

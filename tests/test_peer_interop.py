@@ -88,6 +88,7 @@ def foreign(gptq_pair):
     return f
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_verify_foreign_artifact_matches_manifest_verify(gptq_pair, foreign, tiny_model_dir, capsys):
     d, _ = gptq_pair
     code, out, _ = run(["verify", d / "from-ids", "--reference", tiny_model_dir, "--eval", "embedded", *EVAL, "--json"], capsys)
@@ -146,6 +147,7 @@ def test_foreign_kv_cache_scheme_read_from_config(foreign, tmp_path):
         foreign_manifest(f)
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_foreign_awq_artifact_scales_inferred(tmp_path, tiny_model_dir, capsys):
     """An AWQ artifact without a manifest: verify sees the rescaled norms and undoes the folded scales."""
     from compressor.api import QuantizeOptions, run_quantize

@@ -65,6 +65,7 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("alg", ["gptq", "awq-gptq"])
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_replay_gives_the_same_quantization_and_figures(monkeypatch, alg):
     on, made, logits_on = _run(monkeypatch, True, _recipe(alg))
     off, none, logits_off = _run(monkeypatch, False, _recipe(alg))
@@ -82,6 +83,7 @@ def test_replay_gives_the_same_quantization_and_figures(monkeypatch, alg):
         assert r.peak > 0
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_replay_with_kv_observers_leaves_the_attention_to_the_recompute(monkeypatch):
     """The KV observers read the attention's keys and values in the recompute: it runs there."""
     on, made, _ = _run(monkeypatch, True, _recipe(), kv=True)

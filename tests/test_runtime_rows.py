@@ -107,6 +107,7 @@ def test_every_row_is_served():
 
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
 @pytest.mark.parametrize("model_type", SERVED)
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_logits_equal_verify_dequantized_model(model_type, kv, row_artifacts):
     folder = row_artifacts[model_type][kv]
     model, _ = load_artifact(folder)
@@ -130,6 +131,7 @@ def test_logits_equal_verify_dequantized_model(model_type, kv, row_artifacts):
 
 
 @pytest.mark.parametrize("model_type", SERVED)
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_serve_smoke_exits_0_on_every_row(model_type, row_artifacts):
     from compressor.commands.serve_smoke import SmokeOptions, run_serve_smoke
 
@@ -244,6 +246,7 @@ def test_moe_runs_each_expert_once_per_step():
 # MLA: the cache holds the latent and the RoPE key, as verify's layout counts them
 
 
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_mla_cache_bytes_and_refusals(row_artifacts):
     rt = Runtime.from_artifact(row_artifacts["deepseek_v3"]["fp8"])
     cfg = rt.info.config
@@ -268,6 +271,7 @@ def test_mla_cache_bytes_and_refusals(row_artifacts):
 
 
 @pytest.mark.parametrize("bits,residual", [(4, 16), (2, 8)])
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_mla_kivi_cache_equals_verify(bits, residual, row_artifacts):
     """KIVI on MLA: latent and RoPE key both per channel in groups of tokens, the residual window rule."""
     from transformers import AutoModelForCausalLM
@@ -286,6 +290,7 @@ def test_mla_kivi_cache_equals_verify(bits, residual, row_artifacts):
 
 
 @pytest.mark.parametrize("kv", [None, "int8", make_spec("int4", group_size=8, residual_length=16)])
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_mla_moe_batched_generation_equals_one_by_one(kv, row_artifacts):
     # float32 activations in the aten ops: with bf16 ones a layer's numerics depend on how many rows
     # reach it (DEQUANT_MIN_M), and batching changes the rows routed to each expert
@@ -335,6 +340,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is an optional extra")
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_grouped_moe_kernel_under_interpreter(row_artifacts):
     folders = [str(row_artifacts[mt]["fp8"]) for mt in ("mixtral", "deepseek_v3")]
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -353,6 +359,7 @@ def test_grouped_moe_kernel_under_interpreter(row_artifacts):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "deepseek_v3"])
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_cpu_attention_runs_in_float32_whatever_the_compute_dtype(model_type, row_artifacts, monkeypatch):
     """GQA and MLA alike: bfloat16 compute keeps attention (and the quantized cache's decode) in float32 on CPU."""
     import compressor.runtime.attention as gqa

@@ -51,6 +51,7 @@ def _assert_same(got: dict, want: dict):
 
 
 @pytest.mark.parametrize("kv", [False, True], ids=["float-kv", "fp8-kv"])
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_streamed_figures_equal_the_whole_model(tiny_pair, kv):
     src, art = tiny_pair
     ref_whole = load_model(resolve_source(str(src)))[0]
@@ -155,6 +156,7 @@ def _same_report(got: dict, want: dict):
     assert [g["name"] for g in got["gates"]] == [g["name"] for g in want["gates"] if g["name"] != "min_median_divergence"]
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_verify_stream_reports_the_whole_model_figures(tiny_pair, capsys):
     _, art = tiny_pair
     want, _ = _verify_json(capsys, art)
@@ -169,6 +171,7 @@ def test_verify_stream_reports_the_whole_model_figures(tiny_pair, capsys):
     assert weights_only["weights"]["tensors"] == got["weights"]["tensors"]
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_verify_streams_by_itself_when_the_models_do_not_fit(tiny_pair, capsys, monkeypatch):
     import compressor.commands.verify_streamed as vs
 
@@ -195,6 +198,7 @@ def test_verify_refuses_a_budget_below_the_smallest_unit(tiny_pair, capsys):
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "glm4", "glm4_moe",
                                         "deepseek_v3", "mixtral", "qwen3_moe"])
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_every_tiny_row_streams_to_the_whole_model_report(model_type, tmp_path, tokenizer):
     """Each architecture row with its tiny model (tests/test_arch.py), RTN W4 with an fp8 KV cache:
     the streamed report's statistics are the whole-model report's."""

@@ -175,6 +175,7 @@ def test_resume_after_a_simulated_crash(tmp_path, deep_dir, whole, monkeypatch, 
     assert not staging.exists() and not (out / "resume.json").exists()
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_resume_with_the_float_target_equals_an_uninterrupted_run(tmp_path, deep_dir, monkeypatch):
     """GPTQ's float target (``gptq.gptaq_alpha``) keeps a float stream beside the quantized one:
     the checkpoint holds both, so a resumed run writes the very tensors of an uninterrupted one."""

@@ -74,6 +74,7 @@ def test_every_row_has_a_tiny_checkpoint():
 
 
 @pytest.mark.parametrize("row", ROWS)
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_row_streams_with_the_whole_models_logits(row, sources, opened):
     if row not in sources:
         pytest.skip(f"this transformers has no {_transformers_type(row)} classes")
@@ -107,6 +108,7 @@ def test_an_embedding_keeping_a_non_persistent_buffer_streams(sources, opened):
     assert got.dtype == torch.float32 and float(got) == math.sqrt(meta.config.hidden_size)
 
 
+@pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_gemma3_streamed_quantize_equals_whole_model(sources, tmp_path):
     """``kvq quantize`` on the Gemma 3 row streams (it was loaded whole) and writes the tensors
     of the whole-model run."""

@@ -175,6 +175,7 @@ def test_verify_report_schema_in_docs_is_current():
             "distribution", "per_window", "weights", "hidden_state_error", "drift", "kv_cache", "seconds"} <= props
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_gates_pass_and_fail_each_named(awq_art, capsys):
     code, out, err = run(["verify", awq_art, *FAST, "--json", "--max-mean-kl", "0", "--min-top1", "100.0",
                           "--min-sqnr-db", "99", "--max-hidden-error", "0", "--min-median-divergence", "6",
@@ -324,6 +325,7 @@ def test_report_and_json_out_inside_the_artifact_are_refused(awq_art, capsys):
     assert not (awq_art / "report").exists() and not (awq_art / "v.json").exists()
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_nan_in_artifact_fails_every_way(awq_art, tmp_path, capsys):
     """A NaN scale (manifest rewritten, so digests pass) fails verify, names the tensor, and the JSON stays valid."""
     from safetensors.torch import load_file, save_file
@@ -350,6 +352,7 @@ def test_nan_in_artifact_fails_every_way(awq_art, tmp_path, capsys):
     VerifyReport.model_validate(json.loads((tmp_path / "rep" / "report.json").read_text()))
 
 
+@pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_reference_may_be_an_artifact(awq_art, capsys):
     """An artifact verified against itself: zero error everywhere."""
     code, out, err = run(["verify", awq_art, *FAST, "--reference", awq_art, "--json"], capsys)
