@@ -41,10 +41,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	  transformers==$(CONSUMER_TRANSFORMERS)
 	touch $@
 
+# everything, `integration` and `slow` included
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-# the fast lane: unit tests only (no real-model `integration` tests, no `slow` ones such as the wheel build)
+# the fast lane: a unit test of every module on tiny models; leaves out the real-model `integration` tests and the
+# `slow` end-to-end ones (a run per architecture row, published layouts, faked CUDA, the wheel): docs/testing.md
 test-fast: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration and not slow"
 
