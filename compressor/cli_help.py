@@ -15,7 +15,7 @@ HELP = {
         " has KV heads and absmax on MLA), kv_cache.scale_search_samples=N (calibration sequences the search "
         "uses, default 4), kv_cache.key_rotation=pairs (static scales searched: exact per-RoPE-pair factors "
         "in q_proj/k_proj chosen for the cache's grid, fp8 or int8 per head; angles only where q/k stay "
-        "float; README 'KV-cache quantization')."
+        "float; docs/kv-cache.md)."
     ),
     "quantize.algorithm": "Override the recipe's algorithm (none: weights stay float, e.g. a KV-only artifact).",
     "quantize.bits": "Override weights.num_bits (2-8).",

@@ -203,7 +203,7 @@ class EmbeddingScheme(_Strict):
     of a divisor of the hidden size. Under ``tie_word_embeddings`` the table is also the LM
     head, so the head reads the quantized table too and the artifact stays tied. Stored as a
     compressed-tensors ``pack-quantized`` module with a config group of its own; kvq's readers
-    (verify, serve-smoke, serve) load it; transformers and vLLM do not load a tied one (README
+    (verify, serve-smoke, serve) load it; transformers and vLLM do not load a tied one (docs/recipes.md,
     'LM head and embedding'), which the quantize run says in a warning."""
 
     num_bits: int = Field(8, ge=2, le=8)

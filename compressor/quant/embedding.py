@@ -27,7 +27,7 @@ import torch
 from ..errors import InputError
 from .head import compressed_tensors_only, megabytes, packed_bytes, quantize_rows
 
-#: who reads a packed embedding, as the quantize warning and the README say it
+#: who reads a packed embedding, as the quantize warning and docs/recipes.md say it
 READERS = ("kvq verify, serve-smoke and serve read it; transformers 5.25 with compressed-tensors 0.20.1 fails to "
            "load a quantized Embedding, and vLLM's compressed-tensors embedding method (PR #44340) serves lookups "
            "only, not a tied LM head (PR #45535, open)")

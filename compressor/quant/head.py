@@ -76,7 +76,7 @@ def check_untie(recipe, tied: bool, vocab: int, hidden: int, scale_bytes: int) -
         raise InputError(f"recipe head: the model ties lm_head to its embedding (tie_word_embeddings); quantizing the "
                          f"head unties it and stores {what}; accept that with --set head.untie=true (recipe "
                          "head.untie: true), keep the head float with --set head=null, or make the shared table "
-                         "smaller with --set embedding.num_bits=8 (README 'LM head and embedding')")
+                         "smaller with --set embedding.num_bits=8 (docs/recipes.md, 'LM head and embedding')")
     return f"recipe head.untie: the tied head is stored on its own: {what}"
 
 
