@@ -1,5 +1,8 @@
-"""Shared fixtures and helpers: tiny random-init models built in the test (no downloads), and
-the in-process CLI runner every CLI test uses (``from conftest import kvq_run as run``)."""
+"""Shared fixtures and helpers, the one place test modules import helpers from (a test module never
+imports another test module: tests/test_test_layout.py): the in-process CLI runner every CLI test uses
+(``from conftest import kvq_run as run``), the tiny tokenizer and Llama folder, artifact and folder
+helpers, the runtime's parity contract. Every tiny model is built by tests/tiny_models.py (its
+``tiny_config`` and ``make_model_dir`` are importable from here too)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tiny_models import make_model_dir, tiny_config  # noqa: F401 (imported from here by test modules)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,18 +47,6 @@ def assert_clean_error(code, err, expected_code, pattern, parent: Path | None = 
         assert not [p for p in parent.iterdir() if "kvq-tmp" in p.name], "temp folder left behind"
 
 
-def tiny_config(**kw):
-    from transformers import LlamaConfig
-
-    base = dict(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=True, rms_norm_eps=1e-5,
-    )
-    base.update(kw)
-    return LlamaConfig(**base)
-
-
 def tiny_tokenizer(vocab_size: int = 320):
     """A byte-level BPE tokenizer trained on the embedded corpus (deterministic, offline)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -76,24 +69,23 @@ def tokenizer():
     return tiny_tokenizer()
 
 
-def make_model_dir(path: Path, tokenizer, seed: int = 0, **cfg_kw) -> Path:
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = tiny_config(vocab_size=len(tokenizer), **cfg_kw)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # give the norms some spread so AWQ has something to fold
-        for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight"):
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("tiny") / "model", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory, tokenizer) -> Path:
+    """A tiny Llama folder of the test module (:func:`make_model_dir`); the hostile-input tests read it, and a
+    module may define its own ``src``."""
+    return make_model_dir(tmp_path_factory.mktemp("src") / "model", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> tuple[Path, Path]:
+    """An EC P-256 key pair of the test module (:func:`keypair`): (private key file, public key file); a module
+    may define its own ``keys``."""
+    return keypair(tmp_path_factory.mktemp("keys"), "k")
 
 
 def quantize_tiny(out: Path, model_dir: Path, **kw) -> Path:
@@ -104,3 +96,104 @@ def quantize_tiny(out: Path, model_dir: Path, **kw) -> Path:
     run_quantize(QuantizeOptions(model=str(model_dir), output=out, algorithm="rtn", group_size=32, calib_samples=4,
                                  calib_seqlen=32, **kw))
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# artifacts and folders
+
+#: quantize settings for a tiny model: W4 g32, calibrated on 4 windows of 32 tokens
+FAST = dict(group_size=32, calib_samples=4, calib_seqlen=32)
+
+
+def digests(folder) -> dict[str, str]:
+    """An artifact's tensor digests from its manifest: tensor name -> digest."""
+    from compressor.manifest import load_manifest
+
+    return {n: t.digest for n, t in load_manifest(folder).tensors.items()}
+
+
+def copy_folder(src: Path, dst: Path, **config_changes) -> Path:
+    """``src`` copied to ``dst`` (a new folder), with ``config_changes`` written over its config.json's
+    fields; returns ``dst``."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    if config_changes:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(config_changes)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def keypair(folder: Path, name: str) -> tuple[Path, Path]:
+    """A new EC P-256 key pair written to ``folder``: (``name.pem`` PKCS#8 private key, ``name.pub.pem`` public key)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    priv, pub = folder / f"{name}.pem", folder / f"{name}.pub.pem"
+    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
+    return priv, pub
+
+
+def gptq_recipe(**kw):
+    """The ``w4a16-gptq`` recipe with group size 32 (``kw``: dotted recipe settings over it)."""
+    from compressor.recipe import load_recipe, with_overrides
+
+    return with_overrides(load_recipe("w4a16-gptq"), **{"weights.group_size": 32, **kw})
+
+
+def unwrap(err: str) -> str:
+    """stderr with rich's line wrapping undone (it wraps at the console's width)."""
+    return " ".join(err.split())
+
+
+def run_probe(tmp_path: Path, body: str, module: bool = False):
+    """Run ``body`` as ``tmp_path/probe.py`` in a new Python (``python -m probe`` with ``module``), the repository
+    and ``tmp_path`` on its path, SIGINT at its default; returns the ``subprocess.CompletedProcess`` (text output)."""
+    import signal
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "probe.py").write_text(body)
+    argv = [sys.executable, "-m", "probe"] if module else [sys.executable, str(tmp_path / "probe.py")]
+    # the probe starts as from a terminal: SIGINT at its default even when this test run was
+    # started in the background (``cmd &`` ignores SIGINT, and kvq leaves an ignored SIGINT alone)
+    return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"},
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+# ---------------------------------------------------------------------------------------
+# the runtime's parity contract (tests/test_runtime_rows.py)
+
+#: the runtime's logits against verify's model, on CPU in float32 (absolute; observed at most ~6e-7)
+PARITY_TOL = 1e-4
+#: the prompts parity is checked on: 2 x 24 token ids in [1, 300)
+PARITY_IDS = torch.randint(1, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def verify_logits(model, ids, spec, scales, chunk=None):
+    """verify's numbers: the dequantized ``model``'s logits on ``ids`` [batch, tokens] through kvq's
+    quantized cache of ``spec`` and ``scales`` (no cache with ``spec`` None), fed ``chunk`` tokens at a time."""
+    from compressor.arch import get_arch
+    from compressor.quant.kv import cache_kwarg, quantized_cache
+
+    layout = get_arch(model.config.model_type).kv_layout(model.config)
+    with torch.no_grad():
+        if spec is None:
+            return model(ids).logits
+        cache = quantized_cache(spec, model.config.num_hidden_layers, scales, layout=layout)
+        kw, c = cache_kwarg(model), chunk or ids.shape[1]
+        return torch.cat([model(ids[:, a:a + c], use_cache=True, **{kw: cache}).logits
+                          for a in range(0, ids.shape[1], c)], dim=1)
+
+
+def max_err(a, b) -> float:
+    """The largest absolute difference of two tensors, in float32."""
+    return float((a.float() - b.float()).abs().max())

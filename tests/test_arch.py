@@ -29,77 +29,23 @@ from compressor.recipe import load_recipe, with_overrides
 from compressor.safetensors_io import read_header
 
 from conftest import assert_clean_error, kvq_run as run
+from tiny_models import ARCH_ROWS, CONFIGS, NEW, WRAPPED, make_dir, tiny
 
-_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
-_TOP2 = dict(num_experts_per_tok=2)
-#: model_type -> tiny config (hidden 64, 2 layers, 4 experts); every in_features a multiple of 32
-CONFIGS = {
-    "llama": {},
-    "qwen2": {},  # q/k/v biases
-    "qwen3": dict(head_dim=16),  # q/k norms
-    "mistral": dict(sliding_window=32),  # calibration windows of 48 tokens cross the window
-    "gemma3_text": dict(head_dim=16, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-                        final_logit_softcapping=30.0, query_pre_attn_scalar=16, tie_word_embeddings=True),
-    "glm4": dict(head_dim=16),  # fused gate_up_proj, partial rotary, post-sublayer norms
-    "glm4_moe": dict(head_dim=16, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
-                     first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=True, **_TOP2),
-    "deepseek_v3": dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
-                        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
-                        qk_nope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1, **_TOP2),
-    "mixtral": dict(intermediate_size=64, num_local_experts=4, **_TOP2),
-    "qwen3_moe": dict(head_dim=16, moe_intermediate_size=32, num_experts=4, mlp_only_layers=[0], **_TOP2),
-}
 MOE = ("glm4_moe", "deepseek_v3", "mixtral", "qwen3_moe")
 SERVED = ("llama", "mistral", "qwen2", "qwen3")  # serve-smoke here; every row: tests/test_runtime_rows.py
 
 
 def test_every_row_has_a_tiny_model():
-    from test_frontier import NEW  # the published Kimi/GLM/DeepSeek-V3.2 layouts (issue #15)
-
-    import test_kimi_k25  # noqa: F401 - Kimi K2.5's wrapper layout is built there
-
-    assert set(CONFIGS) | set(NEW) | {"kimi_k25"} == set(ARCHITECTURES)
+    """Every row of the table has a tiny model (tests/tiny_models.py): here, as published (the
+    Kimi/GLM/DeepSeek-V3.2 layouts of issue #15, tests/test_frontier.py), or wrapped (Kimi K2.5)."""
+    assert set(ARCH_ROWS) | set(NEW) == set(CONFIGS) and set(CONFIGS) | set(WRAPPED) == set(ARCHITECTURES)
     assert {k for k, a in ARCHITECTURES.items() if a.runtime} >= set(SERVED) | {"gemma3_text", "glm4", *MOE}
-
-
-def tiny(model_type: str, seed: int = 0, vocab_size: int = 320, **kw):
-    """A random-init model of ``model_type``; norms and routers get spread so AWQ and routing have work."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-
-    cfg = CONFIG_MAPPING[model_type](**{**_BASE, "vocab_size": vocab_size, **CONFIGS[model_type], **kw})
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):  # Gemma's norms are (1 + weight): keep the factor positive
-                p.uniform_(-0.5, 0.5) if model_type.startswith("gemma") else p.uniform_(0.5, 1.5)
-            elif n.endswith("mlp.gate.weight"):  # routers: random, not transformers' zero init
-                p.normal_(0, 0.5)
-            elif p.ndim == 3:  # fused experts
-                p.normal_(0, 0.05)
-    return m
-
-
-def make_dir(path, tokenizer, model_type, seed=0, prepare=lambda m: m, **kw):
-    """``tiny(model_type)`` (passed through ``prepare``) and ``tokenizer`` saved in ``path``, with
-    an embedding row for every id the tokenizer gives as the row's folder loads it (Qwen2's
-    class adds ``<|endoftext|>`` after the tokenizer's 320 ids; kvq refuses a tokenizer beyond
-    the embedding)."""
-    from compressor.models import load_tokenizer
-
-    prepare(tiny(model_type, seed, len(tokenizer), **kw)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    loaded = len(load_tokenizer(path))
-    if loaded > len(tokenizer):
-        prepare(tiny(model_type, seed, loaded, **kw)).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("arch")
-    return {mt: make_dir(root / mt, tokenizer, mt) for mt in CONFIGS}
+    return {mt: make_dir(root / mt, tokenizer, mt) for mt in ARCH_ROWS}
 
 
 IDS = torch.randint(1, 300, (8, 48), generator=torch.Generator().manual_seed(1))
@@ -150,7 +96,7 @@ def test_captured_layer_inputs_reproduce_the_model(model_type):
 # AWQ scaling groups fold exactly
 
 
-@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(ARCH_ROWS))
 def test_awq_groups_fold_exactly(model_type):
     """Every scaling group of every layer, folded with random scales (norm /= s, Gemma's
     (1 + w) norms included; the up half of GLM's gate_up_proj; routers absorbing s), leaves
@@ -246,7 +192,7 @@ def artifacts(tmp_path_factory, model_dirs):
     return out
 
 
-@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(ARCH_ROWS))
 @pytest.mark.slow  # one quantize -> verify / serve per architecture row (make test-fast leaves it out)
 def test_quantize_then_verify(model_type, artifacts, model_dirs):
     art = artifacts[model_type]

@@ -81,7 +81,7 @@ def test_awq_bf16_artifact_keeps_its_quality_with_a_zero_gemma_norm_channel(tmp_
     """Gemma-style (1 + w) norms with one channel at w = -1 in every folded norm: the bf16
     artifact's KL to the float model stays within 25 % of the float32 artifact's (it was
     3.5x worse before dead channels were left out of the scale normalisation)."""
-    from test_arch import tiny
+    from tiny_models import tiny
 
     from compressor.api import QuantizeOptions, run_quantize
     from compressor.artifact import load_artifact

@@ -7,8 +7,8 @@ import torch
 from compressor.pipeline import quantize_model
 from conftest import kvq_run
 from compressor.quant.primitives import dequantize
-from test_gptq import _gptq_recipe
-from test_pipeline import _model
+from conftest import gptq_recipe
+from tiny_models import tiny_llama
 
 IDS = torch.randint(0, 320, (8, 48), generator=torch.Generator().manual_seed(1))
 
@@ -22,8 +22,9 @@ def _kl(m, ref):
 def test_unit_scales_give_exactly_gptq():
     """With one grid point and no duo scaling AWQ's scales are all 1: the folds change nothing
     and the result is GPTQ's, integer for integer (float32 storage: a folded norm is not rounded)."""
-    plain = quantize_model(_model(), _gptq_recipe(), IDS, batch_size=4, dtype=torch.float32)
-    both = quantize_model(_model(), _gptq_recipe(algorithm="awq-gptq", **{"awq.n_grid": 1, "awq.duo_scaling": False}),
+    plain = quantize_model(tiny_llama(), gptq_recipe(), IDS, batch_size=4, dtype=torch.float32)
+    both = quantize_model(tiny_llama(),
+                          gptq_recipe(algorithm="awq-gptq", **{"awq.n_grid": 1, "awq.duo_scaling": False}),
                           IDS, batch_size=4, dtype=torch.float32)
     assert plain.modules.keys() == both.modules.keys()
     for name, r in plain.modules.items():
@@ -32,13 +33,13 @@ def test_unit_scales_give_exactly_gptq():
 
 
 def test_scales_are_folded_then_gptq_rounds():
-    ref_model = _model()
+    ref_model = tiny_llama()
     with torch.no_grad():
         ref = torch.log_softmax(ref_model(IDS).logits, -1)
-    rtn = _model()
-    quantize_model(rtn, _gptq_recipe(algorithm="rtn"), None)
-    m = _model()
-    res = quantize_model(m, _gptq_recipe(algorithm="awq-gptq"), IDS, batch_size=4)
+    rtn = tiny_llama()
+    quantize_model(rtn, gptq_recipe(algorithm="rtn"), None)
+    m = tiny_llama()
+    res = quantize_model(m, gptq_recipe(algorithm="awq-gptq"), IDS, batch_size=4)
     assert len(res.modules) == 14
     layer = res.layers[0]
     assert layer["awq_ratios"] and layer["gptq"]["damp_retries"] == 0
@@ -121,8 +122,8 @@ def test_gptq_takes_the_float_reference_it_is_given(monkeypatch):
     rows = []  # rows of every decoder-layer forward gptq_layer runs
     real = gl.layer_forward
     monkeypatch.setattr(gl, "layer_forward", lambda layer, h, kw, *a: (rows.append(h.shape[0]), real(layer, h, kw, *a))[1])
-    quantize_model(_model(), _gptq_recipe(algorithm="awq-gptq"), IDS, batch_size=4)
+    quantize_model(tiny_llama(), gptq_recipe(algorithm="awq-gptq"), IDS, batch_size=4)
     assert rows and set(rows) == {4}  # calibration batches only: AWQ's observe pass gave the reference
     rows.clear()
-    quantize_model(_model(), _gptq_recipe(), IDS, batch_size=4)
-    assert gl.REF_SEQUENCES == 2 and rows.count(2) == len(_model().model.layers)  # once a layer
+    quantize_model(tiny_llama(), gptq_recipe(), IDS, batch_size=4)
+    assert gl.REF_SEQUENCES == 2 and rows.count(2) == len(tiny_llama().model.layers)  # once a layer

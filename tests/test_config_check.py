@@ -17,7 +17,7 @@ from compressor.config_check import check_folder
 from compressor.errors import InputError
 from compressor.models import resolve_source
 
-from test_cli import assert_clean_error, run
+from conftest import assert_clean_error, kvq_run as run
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_a_bogus_activation_is_refused_by_the_cli(src, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory, tokenizer):
-    from test_arch import make_dir
+    from tiny_models import make_dir
 
     root = tmp_path_factory.mktemp("layouts")
     return {mt: make_dir(root / mt, tokenizer, mt) for mt in ("qwen3_moe", "deepseek_v3", "llama")}

@@ -14,15 +14,7 @@ import torch
 from compressor.evaluate import LOGIT_CHUNK, LogitHead, compare, perplexity, window_logits
 from compressor.stats import kl_and_top1
 
-
-def _tiny(vocab: int, seed: int, **kw):
-    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
-
-    cfg = CONFIG_MAPPING[kw.pop("model_type", "llama")](
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True, **kw)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg).eval()
+from tiny_models import tiny_lm
 
 
 def _reference_figures(ref, cand, wins):
@@ -43,7 +35,7 @@ def _reference_figures(ref, cand, wins):
                                            ("gemma3_text", dict(head_dim=16, final_logit_softcapping=5.0,
                                                                  query_pre_attn_scalar=16, sliding_window=64))])
 def test_chunked_statistics_equal_whole_window(model_type, kw):
-    ref, cand = _tiny(500, 0, model_type=model_type, **kw), _tiny(500, 1, model_type=model_type, **kw)
+    ref, cand = tiny_lm(500, 0, model_type=model_type, **kw), tiny_lm(500, 1, model_type=model_type, **kw)
     wins = torch.randint(0, 500, (2, 3 * LOGIT_CHUNK + 5), generator=torch.Generator().manual_seed(0))
     assert LogitHead(ref, wins[:1, :8]).usable  # softcapping (Gemma) is reproduced
     got = compare(ref, {"c": (cand, None)}, wins)
@@ -59,8 +51,8 @@ def test_chunked_statistics_equal_whole_window(model_type, kw):
 def test_head_with_unknown_scaling_falls_back_to_whole_logits():
     """A head kvq cannot reproduce (here: logits scaled after lm_head) is detected by the
     probe, and the statistics use the model's own logits."""
-    ref = _tiny(300, 0)
-    cand = _tiny(300, 1)
+    ref = tiny_lm(300, 0)
+    cand = tiny_lm(300, 1)
     orig = type(cand).forward
 
     class Scaled(type(cand)):
@@ -80,10 +72,10 @@ def test_head_with_unknown_scaling_falls_back_to_whole_logits():
 _MEMORY = r"""
 import json, resource, sys, torch
 sys.path.insert(0, sys.argv[1])
-from test_eval_memory import _tiny
+from tiny_models import tiny_lm
 from compressor.evaluate import compare
 vocab, seqlen = 131072, 512
-ref, cand = _tiny(vocab, 0), _tiny(vocab, 1)
+ref, cand = tiny_lm(vocab, 0), tiny_lm(vocab, 1)
 wins = torch.randint(0, vocab, (1, seqlen), generator=torch.Generator().manual_seed(0))
 compare(ref, {"c": (cand, None)}, wins[:, :16])  # warm-up: allocator, kernels
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -18,9 +18,9 @@ import torch
 
 from compressor.api import QuantizeOptions, run_quantize
 
-from conftest import make_model_dir
+from conftest import digests, make_model_dir
 from fake_cuda import FakeCudaTensor, fake_cuda, reference_triton_kernels
-from test_frontier import digests
+from tiny_models import make_published, to_block_fp8
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -54,14 +54,12 @@ def test_the_fake_device_refuses_what_a_gpu_refuses(monkeypatch):
 def sources(tmp_path_factory, tokenizer):
     """One tiny model per row: llama (GQA), Kimi K2 as published (block FP8, MLA, MoE),
     GLM-4.5 (GQA, qk-norm, MoE), GLM-5 (MLA, sparse attention, MoE)."""
-    import test_frontier as tf
-
     root, out = tmp_path_factory.mktemp("fake_cuda"), {}
     out["llama"] = make_model_dir(root / "llama", tokenizer)
-    tf.to_block_fp8(tf.make_published(root / "kimi_bf16", tokenizer, "kimi_k2"), root / "kimi_k2")
+    to_block_fp8(make_published(root / "kimi_bf16", tokenizer, "kimi_k2"), root / "kimi_k2")
     out["kimi_k2"] = root / "kimi_k2"
-    out["glm4_moe"] = tf.make_published(root / "glm4_moe", tokenizer, "glm4_moe")
-    out["glm_moe_dsa"] = tf.make_published(root / "glm_moe_dsa", tokenizer, "glm_moe_dsa", index_topk=256)
+    out["glm4_moe"] = make_published(root / "glm4_moe", tokenizer, "glm4_moe")
+    out["glm_moe_dsa"] = make_published(root / "glm_moe_dsa", tokenizer, "glm_moe_dsa", index_topk=256)
     return out
 
 

@@ -6,7 +6,6 @@ to the whole-model run."""
 
 from __future__ import annotations
 
-import base64
 import json
 import shutil
 
@@ -26,145 +25,24 @@ from compressor.streaming import (
     LazyCheckpoint, copy_kept_tensors, kept_modules, kept_tensor_names, open_lazy,
 )
 
-from test_cli import assert_clean_error, run
+from conftest import assert_clean_error, digests, kvq_run as run
+from tiny_models import (
+    KIMI_AUTO_MAP, NEW, PUBLISHED, ROW_FAST as FAST, make_published, quantize_block_fp8, tiktoken_folder,
+    tiny_published, to_block_fp8,
+)
 
-_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-             max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
-_MLA = dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-            moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-            first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True)
-_DSA = dict(_MLA, index_topk=16, index_head_dim=16, index_n_heads=4)  # top-16 of 48 tokens: sparse
-_KIMI_AUTO_MAP = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
-                  "AutoModel": "modeling_deepseek.DeepseekV3Model",
-                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
-#: published model_type -> (transformers model_type that builds it, tiny published-like fields)
-CONFIGS = {
-    # Kimi K2: DeepSeek-V3 fields under model_type kimi_k2 with custom code (auto_map), no MTP, YaRN
-    "kimi_k2": ("deepseek_v3", dict(_MLA, routed_scaling_factor=2.827, num_nextn_predict_layers=0, rope_theta=50000.0,
-                                    rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
-                                                      beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))),
-    "glm4_moe_lite": ("glm4_moe_lite", dict(_MLA, routed_scaling_factor=1.8, num_nextn_predict_layers=1)),
-    "deepseek_v32": ("deepseek_v32", dict(_DSA, n_group=2, num_nextn_predict_layers=1)),
-    "glm_moe_dsa": ("glm_moe_dsa", dict(_DSA, num_nextn_predict_layers=1)),
-    # the rows that existed, now streamed, with the MTP layer their releases carry
-    "deepseek_v3": ("deepseek_v3", dict(_MLA, n_group=2, num_nextn_predict_layers=1)),
-    "glm4_moe": ("glm4_moe", dict(head_dim=16, num_key_value_heads=2, moe_intermediate_size=32, n_routed_experts=4,
-                                  n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-                                  use_qk_norm=True, num_experts_per_tok=2, num_nextn_predict_layers=1)),
-}
-NEW = ("kimi_k2", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
 IDS = torch.randint(1, 300, (8, 48), generator=torch.Generator().manual_seed(1))
-FAST = dict(group_size=32, calib_samples=4, calib_seqlen=48)
 
 
 def test_every_new_row_has_a_tiny_model():
-    assert set(NEW) <= set(ARCHITECTURES) and set(CONFIGS) <= set(ARCHITECTURES)
+    assert set(NEW) <= set(PUBLISHED) <= set(ARCHITECTURES)
     assert "kimi_k25" in ARCHITECTURES and "kimi_k25" not in REFUSED  # tests/test_kimi_k25.py
-
-
-def tiny(model_type: str, seed: int = 0, vocab_size: int = 320, layers: int = 2, **kw):
-    """A random-init model of the transformers class that builds ``model_type`` (``kw``: config fields)."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-
-    base, fields = CONFIGS[model_type]
-    cfg = CONFIG_MAPPING[base](**{**_BASE, "vocab_size": vocab_size, **fields, "num_hidden_layers": layers, **kw})
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif n.endswith("mlp.gate.weight"):  # routers: random, not transformers' zero init
-                p.normal_(0, 0.5)
-            elif p.ndim == 3:  # fused experts
-                p.normal_(0, 0.05)
-        for n, b in m.named_buffers():
-            if n.endswith("e_score_correction_bias"):  # a real bias, so a lost buffer shows
-                b.uniform_(-0.2, 0.2)
-    return m
-
-
-def _mtp_tensors(state: dict, n_layers: int, seed: int) -> dict:
-    """A DeepSeek-V3 / GLM multi-token-prediction layer ``n_layers``: a copy of the last
-    decoder layer's tensor names (random values) plus enorm, hnorm, eh_proj, shared_head
-    and its own embed_tokens, as the releases store it."""
-    g = torch.Generator().manual_seed(seed)
-    last, mtp = f"model.layers.{n_layers - 1}.", f"model.layers.{n_layers}."
-    out = {}
-    for k, v in state.items():
-        if k.startswith(last):
-            k = mtp + k[len(last):]
-            out[k] = (torch.rand(v.shape, generator=g) + 0.5 if "norm" in k else torch.randn(v.shape, generator=g) * 0.05)
-    h, vocab = state["model.embed_tokens.weight"].shape[1], state["model.embed_tokens.weight"].shape[0]
-    out.update({mtp + "enorm.weight": torch.ones(h), mtp + "hnorm.weight": torch.ones(h),
-                mtp + "eh_proj.weight": torch.randn(h, 2 * h, generator=g) * 0.05,
-                mtp + "shared_head.norm.weight": torch.ones(h),
-                mtp + "shared_head.head.weight": torch.randn(vocab, h, generator=g) * 0.05,
-                mtp + "embed_tokens.weight": torch.randn(vocab, h, generator=g) * 0.05})
-    return out
-
-
-def make_published(path, tokenizer, model_type: str, seed: int = 0, vocab_size: int | None = None, **kw):
-    """The tiny model saved as its release lays it out: the published config.json (model_type,
-    auto_map, architectures) and the MTP layer after the decoder layers; the embedding has
-    ``vocab_size`` rows (default: the tokenizer's)."""
-    m = tiny(model_type, seed, vocab_size or len(tokenizer), **kw)
-    m.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    cfg = json.loads((path / "config.json").read_text())
-    if model_type == "kimi_k2":
-        cfg.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], auto_map=_KIMI_AUTO_MAP)
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    if cfg.get("num_nextn_predict_layers"):
-        state = load_file(str(path / "model.safetensors"))
-        state.update(_mtp_tensors(state, cfg["num_hidden_layers"], seed + 1))
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
-
-
-def to_block_fp8(src, dst, block=(16, 24)):
-    """``src`` as a block-FP8 release: every decoder-layer projection (not routers, norms,
-    embeddings, head) stored float8_e4m3fn with a float32 ``weight_scale_inv`` per block,
-    ``scale = blockmax / 448``; returns the exact float values a reader must give back."""
-    shutil.copytree(src, dst)
-    state = load_file(str(dst / "model.safetensors"))
-    exact = {}
-    for k in list(state):
-        v = state[k]
-        if not (k.startswith("model.layers.") and k.endswith("_proj.weight") and v.ndim == 2):
-            continue
-        q, scale = _quantize_block_fp8(v.float(), block)
-        state[k], state[k + "_scale_inv"] = q, scale
-        exact[k] = q.float() * scale.repeat_interleave(block[0], 0)[: v.shape[0]].repeat_interleave(block[1], 1)[:, : v.shape[1]]
-    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block)}
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return exact
-
-
-def _quantize_block_fp8(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    bo, bi = block
-    rows, cols = -(-w.shape[0] // bo), -(-w.shape[1] // bi)
-    scale = torch.empty(rows, cols)
-    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
-    for r in range(rows):
-        for c in range(cols):
-            blk = w[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi]
-            scale[r, c] = blk.abs().max().clamp(min=1e-12) / 448.0
-            q[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi] = (blk / scale[r, c]).to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def digests(folder):
-    return {n: t.digest for n, t in load_manifest(folder).tensors.items()}
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("published")
-    return {mt: make_published(root / mt, tokenizer, mt) for mt in CONFIGS}
+    return {mt: make_published(root / mt, tokenizer, mt) for mt in PUBLISHED}
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,7 +51,7 @@ def sources(tmp_path_factory, tokenizer):
 
 @pytest.mark.parametrize("model_type", NEW)
 def test_awq_groups_fold_exactly(model_type):
-    m = tiny(model_type)
+    m = tiny_published(model_type)
     arch = get_arch(model_type)
     ref = m(IDS[:2]).logits.double()
     unfuse_experts(m, arch)
@@ -199,7 +77,7 @@ def test_awq_groups_fold_exactly(model_type):
 def test_indexer_must_absorb_the_scale():
     """The control: without scaling the indexer's wk/weights_proj, a fold into
     input_layernorm changes which tokens the sparse attention selects."""
-    m = tiny("deepseek_v32")
+    m = tiny_published("deepseek_v32")
     arch = get_arch("deepseek_v32")
     ref = m(IDS[:2]).logits
     layer = m.model.layers[0]
@@ -234,7 +112,7 @@ def artifacts(tmp_path_factory, sources):
 
 
 
-@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(PUBLISHED))
 @pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_streamed_equals_whole_model(model_type, artifacts):
     (s_dir, s), (w_dir, w) = artifacts[(model_type, True)], artifacts[(model_type, False)]
@@ -272,7 +150,7 @@ def test_kimi_k2_artifact_keeps_the_published_config(artifacts, sources):
     art, _ = artifacts[("kimi_k2", True)]
     cfg = json.loads((art / "config.json").read_text())
     src = json.loads((sources["kimi_k2"] / "config.json").read_text())
-    assert cfg["model_type"] == "kimi_k2" and cfg["auto_map"] == _KIMI_AUTO_MAP
+    assert cfg["model_type"] == "kimi_k2" and cfg["auto_map"] == KIMI_AUTO_MAP
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
     assert cfg["kv_lora_rank"] == src["kv_lora_rank"] and cfg["routed_scaling_factor"] == 2.827
     assert cfg["quantization_config"]["kv_cache_scheme"] is not None
@@ -379,7 +257,7 @@ def test_mtp_layer_is_kept_in_the_artifact(artifacts):
 def test_block_fp8_reader_is_exact_with_ragged_blocks(tmp_path):
     """128 x 128 blocks on a 300 x 200 weight (ragged last block row and column)."""
     w = torch.randn(300, 200) * torch.logspace(-2, 1, 200)
-    q, scale = _quantize_block_fp8(w, (128, 128))
+    q, scale = quantize_block_fp8(w, (128, 128))
     assert scale.shape == (3, 2)
     save_file({"l.weight": q, "l.weight_scale_inv": scale, "n.weight": torch.ones(3, dtype=torch.bfloat16)},
               str(tmp_path / "model.safetensors"))
@@ -461,37 +339,6 @@ def test_config_check_accepts_the_published_layouts(sources, tmp_path):
 # Kimi's tiktoken tokenizer, read without its code
 
 
-def _tiktoken_folder(path, text: str):
-    """A Kimi-style tokenizer folder: tiktoken.model (256 byte ranks + merges learned from
-    ``text``), tokenizer_config.json naming tokenization_kimi.TikTokenTokenizer (auto_map)
-    with added_tokens_decoder for the first reserved ids, a chat template."""
-    ranks = {bytes([b]): b for b in range(256)}
-    data = text.encode()
-    for _ in range(60):  # greedy pair merges: enough multi-byte tokens to exercise merging
-        counts = {}
-        for a, b in zip(data, data[1:]):
-            counts[(a, b)] = counts.get((a, b), 0) + 1
-        pair = max(counts, key=counts.get)
-        tok = bytes(pair)
-        if tok in ranks:
-            break
-        ranks[tok] = len(ranks)
-        data = data.replace(tok, b"\x00")  # crude: only used to pick the next pair
-    for word in ("中文", "模型", " the", "ing", "量化"):
-        ranks.setdefault(word.encode(), len(ranks))
-    path.mkdir()
-    (path / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
-    n = len(ranks)
-    added = {str(n): {"content": "[BOS]", "special": True}, str(n + 1): {"content": "[EOS]", "special": True},
-             str(n + 2): {"content": "<|im_end|>", "special": True}}
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-        "tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]",
-        "added_tokens_decoder": added, "chat_template": "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"}))
-    (path / "tokenization_kimi.py").write_text("raise SystemExit('repository code must not run')\n")
-    return ranks
-
-
 def _reference_tiktoken(ranks: dict[bytes, int], text: str) -> list[int]:
     """tiktoken's algorithm: split with the pattern, then merge the lowest-rank adjacent pair."""
     import regex
@@ -512,7 +359,7 @@ def _reference_tiktoken(ranks: dict[bytes, int], text: str) -> list[int]:
 
 def test_kimi_tiktoken_tokenizer_is_read_without_its_code(tmp_path):
     text = "the quantized model is serving the thing; 中文模型量化 2024 tokens! I'm testing THE Thing\n\n  ok"
-    ranks = _tiktoken_folder(tmp_path / "tok", text * 3)
+    ranks = tiktoken_folder(tmp_path / "tok", text * 3)
     tok = load_tokenizer(tmp_path / "tok")
     n = len(ranks)
     assert tok.encode(text, add_special_tokens=False) == _reference_tiktoken(ranks, text)
@@ -528,7 +375,7 @@ def test_kimi_k2_with_its_tiktoken_tokenizer_quantizes(tmp_path, tokenizer):
     from compressor.models import KIMI_RESERVED
 
     shutil.rmtree(tmp_path / "tok", ignore_errors=True)
-    ranks = _tiktoken_folder(tmp_path / "tok", "the model 中文 " * 20)
+    ranks = tiktoken_folder(tmp_path / "tok", "the model 中文 " * 20)
     # an embedding row for every id the tokenizer gives: its ranks, then the reserved special
     # tokens (Kimi K2: 163,584 + 256 = its vocab_size 163,840)
     src = make_published(tmp_path / "k2", tokenizer, "kimi_k2", vocab_size=len(ranks) + KIMI_RESERVED)

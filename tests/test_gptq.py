@@ -9,7 +9,8 @@ from compressor.quant.gptq import HessianAccumulator, gptq_quantize
 from compressor.quant.primitives import dequantize, fake_quantize
 from compressor.recipe import load_recipe, with_overrides
 
-from test_pipeline import _model
+from conftest import gptq_recipe
+from tiny_models import tiny_llama
 
 
 def _correlated_inputs(n=4096, d=128, rank=16, seed=0):
@@ -121,14 +122,9 @@ def test_scales_rounded_to_storage_dtype_during_search():
     assert torch.equal(r.scale, r.scale.half().float())
 
 
-def _gptq_recipe(**kw):
-    over = {"weights.group_size": 32, **kw}
-    return with_overrides(load_recipe("w4a16-gptq"), **over)
-
-
 @pytest.mark.parametrize("true_sequential,act_order,static", [(True, True, True), (False, False, False), (True, True, False)])
 def test_pipeline_gptq_beats_rtn(true_sequential, act_order, static):
-    ref_model = _model()
+    ref_model = tiny_llama()
     ids = torch.randint(0, 320, (8, 48), generator=torch.Generator().manual_seed(1))
     ref = torch.log_softmax(ref_model(ids).logits, -1)
 
@@ -136,10 +132,10 @@ def test_pipeline_gptq_beats_rtn(true_sequential, act_order, static):
         out = torch.log_softmax(m(ids).logits, -1)
         return float(torch.nn.functional.kl_div(out, ref, log_target=True, reduction="batchmean"))
 
-    m_rtn = _model()
-    quantize_model(m_rtn, _gptq_recipe(algorithm="rtn"), None)
-    m = _model()
-    recipe = _gptq_recipe(**{"gptq.true_sequential": true_sequential, "gptq.act_order": act_order,
+    m_rtn = tiny_llama()
+    quantize_model(m_rtn, gptq_recipe(algorithm="rtn"), None)
+    m = tiny_llama()
+    recipe = gptq_recipe(**{"gptq.true_sequential": true_sequential, "gptq.act_order": act_order,
                              "gptq.static_groups": static})
     res = quantize_model(m, recipe, ids, batch_size=4, matmul_precision="float32")  # the figure below is exact
     assert len(res.modules) == 14
@@ -166,17 +162,18 @@ def test_mixed_precision_schemes_and_fused_check():
     from compressor.errors import InputError
 
     ids = torch.randint(0, 320, (4, 32))
-    res = quantize_model(_model(), with_overrides(load_recipe("w4a16-mixed"), **{"weights.group_size": 32}), ids, batch_size=4)
+    res = quantize_model(tiny_llama(), with_overrides(load_recipe("w4a16-mixed"), **{"weights.group_size": 32}), ids,
+                         batch_size=4)
     down = res.modules["model.layers.0.mlp.down_proj"]
     assert down.scheme == (8, -1, True) and down.zero_point is None
     assert res.modules["model.layers.0.mlp.up_proj"].scheme == (4, 32, False)
     assert res.layers[0]["num_bits"] == [4, 8]
     bad = with_overrides(load_recipe("w4a16-mixed"), overrides=[{"targets": ["re:.*k_proj"], "weights": {"num_bits": 8}}])
     with pytest.raises(InputError, match="fused into one kernel by vLLM and must share"):
-        quantize_model(_model(), bad, ids)
+        quantize_model(tiny_llama(), bad, ids)
     partial = with_overrides(load_recipe("w4a16-rtn-g64"), ignore=["re:.*gate_proj"], **{"weights.group_size": 32})
     with pytest.raises(InputError, match="quantize all of them or none"):
-        quantize_model(_model(), partial, None)
+        quantize_model(tiny_llama(), partial, None)
 
 
 @pytest.mark.parametrize("width", [300, "wide"])
@@ -423,11 +420,11 @@ def test_pipeline_gptaq_alpha_moves_only_what_the_float_stream_changes():
     from compressor.recipe import apply_settings
 
     ids = torch.randint(0, 320, (8, 48), generator=torch.Generator().manual_seed(1))
-    base = _gptq_recipe()
+    base = gptq_recipe()
     assert "gptaq_alpha" not in base.model_dump()["gptq"]
     on = apply_settings(base, {"gptq.gptaq_alpha": 0.25})
     assert on.model_dump()["gptq"]["gptaq_alpha"] == 0.25
-    m0, m1 = _model(), _model()
+    m0, m1 = tiny_llama(), tiny_llama()
     r0 = quantize_model(m0, base, ids, batch_size=4, matmul_precision="float32")
     r1 = quantize_model(m1, on, ids, batch_size=4, matmul_precision="float32")
     for n in ("q_proj", "k_proj", "v_proj"):

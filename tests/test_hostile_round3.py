@@ -12,10 +12,8 @@ from pathlib import Path
 import pytest
 
 from compressor.manifest import MANIFEST_NAME, SIGNATURE_NAME, load_manifest
-from conftest import assert_clean_error, make_model_dir, quantize_tiny
+from conftest import assert_clean_error, copy_folder, make_model_dir, quantize_tiny, run_probe, unwrap
 from conftest import kvq_run as run
-from test_hostile_round2 import _copy, _flat, keys, src  # noqa: F401 (fixtures: a tiny model, a key pair)
-from test_runtime import _copy_model
 
 RTN = ["--algorithm", "rtn", "--group-size", "32"]
 
@@ -108,7 +106,7 @@ def _layer_removed(art: Path) -> None:
     (_layer_removed, "lists no tensor of decoder layer 1"),
 ])
 def test_a_manifest_that_covers_no_model_is_refused_by_verify_and_sign(art, keys, tmp_path, capsys, damage, pattern):
-    a = _copy(art, tmp_path / "a")
+    a = copy_folder(art, tmp_path / "a")
     damage(a)
     code, _, err = run(["verify", a, "--hashes-only"], capsys)
     assert_clean_error(code, err, 1, pattern)
@@ -125,7 +123,7 @@ def test_a_manifest_that_covers_no_model_is_refused_by_verify_and_sign(art, keys
 
 
 def test_a_complete_artifact_still_verifies_and_signs(art, keys, tmp_path, capsys):
-    a = _copy(art, tmp_path / "a")
+    a = copy_folder(art, tmp_path / "a")
     code, _, err = run(["sign", a, "--private-key", keys[0]], capsys)
     assert code == 0, err
     code, _, err = run(["verify", a, "--hashes-only", "--public-key", keys[1]], capsys)
@@ -185,7 +183,7 @@ def _signed_anyway(art: Path, monkeypatch, **sign) -> None:
 def test_a_leaf_certificate_outside_its_validity(src, art, tmp_path, monkeypatch, capsys, days, pattern):
     key_pem = tmp_path / "key.pem"
     leaf = _certificate(tmp_path / "leaf.pem", _ec_key(key_pem), "round3 leaf", days)
-    a = _copy(art, tmp_path / "a")
+    a = copy_folder(art, tmp_path / "a")
     code, _, err = run(["sign", a, "--private-key", key_pem, "--signing-certificate", leaf], capsys)
     assert_clean_error(code, err, 2, pattern)
     assert f"signing certificate {leaf}" in err and not (a / SIGNATURE_NAME).exists()
@@ -203,7 +201,7 @@ def test_a_leaf_certificate_outside_its_validity(src, art, tmp_path, monkeypatch
     assert code == 1 and sig["ok"] is False and pattern in sig["error"] and "the signing certificate (CN=round3 leaf)" \
         in sig["error"], (code, err)
     code, _, err = run(["verify", a, "--hashes-only", "--certificate-chain", leaf], capsys)
-    assert code == 1 and "signature FAILED" in err and "signature ok" not in err and pattern in _flat(err), err
+    assert code == 1 and "signature FAILED" in err and "signature ok" not in err and pattern in unwrap(err), err
 
 
 def test_a_chain_certificate_not_valid_yet_is_named(art, tmp_path, monkeypatch, capsys):
@@ -211,14 +209,14 @@ def test_a_chain_certificate_not_valid_yet_is_named(art, tmp_path, monkeypatch, 
     ca = _certificate(tmp_path / "ca.pem", ca_key, "round3 CA", (10, 400), ca=True)
     key_pem = tmp_path / "key.pem"
     leaf = _certificate(tmp_path / "leaf.pem", _ec_key(key_pem), "round3 leaf", (-1, 30), issuer=(ca_key, "round3 CA"))
-    a = _copy(art, tmp_path / "a")
+    a = copy_folder(art, tmp_path / "a")
     code, _, err = run(["sign", a, "--private-key", key_pem, "--signing-certificate", leaf, "--certificate-chain", ca],
                        capsys)
     assert_clean_error(code, err, 2, "certificate CN=round3 CA in")
     assert "is not valid yet" in err and not (a / SIGNATURE_NAME).exists()
     _signed_anyway(a, monkeypatch, private_key=key_pem, signing_certificate=leaf, certificate_chain=(ca,))
     code, _, err = run(["verify", a, "--hashes-only", "--certificate-chain", ca], capsys)
-    flat = _flat(err)
+    flat = unwrap(err)
     assert code == 1 and "certificate 2 of model.sig's chain (CN=round3 CA) is not valid yet" in flat, err
 
 
@@ -227,7 +225,7 @@ def test_certificates_within_their_validity_sign_and_verify(art, tmp_path, capsy
     ca = _certificate(tmp_path / "ca.pem", ca_key, "round3 CA", (-10, 400), ca=True)
     key_pem = tmp_path / "key.pem"
     leaf = _certificate(tmp_path / "leaf.pem", _ec_key(key_pem), "round3 leaf", (-1, 30), issuer=(ca_key, "round3 CA"))
-    a = _copy(art, tmp_path / "a")
+    a = copy_folder(art, tmp_path / "a")
     code, _, err = run(["sign", a, "--private-key", key_pem, "--signing-certificate", leaf, "--certificate-chain", ca],
                        capsys)
     assert code == 0, err
@@ -239,14 +237,14 @@ def test_certificates_within_their_validity_sign_and_verify(art, tmp_path, capsy
 
 @pytest.fixture(scope="module")
 def moe_src(tmp_path_factory, tokenizer):
-    from test_arch import make_dir
+    from tiny_models import make_dir
 
     return make_dir(tmp_path_factory.mktemp("round3-moe") / "deepseek", tokenizer, "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
 def mistral_src(tmp_path_factory, tokenizer):
-    from test_arch import make_dir
+    from tiny_models import make_dir
 
     return make_dir(tmp_path_factory.mktemp("round3-mistral") / "mistral", tokenizer, "mistral")
 
@@ -260,7 +258,7 @@ def mistral_src(tmp_path_factory, tokenizer):
     ({"num_experts_per_tok": None}, "num_experts_per_tok must be a whole number (1 .. 4), got null"),
 ])
 def test_router_fields_that_contradict_the_experts_are_refused(moe_src, tmp_path, monkeypatch, capsys, fields, pattern):
-    bad = _copy_model(moe_src, tmp_path / "m", **fields)
+    bad = copy_folder(moe_src, tmp_path / "m", **fields)
     import compressor.commands.quantize as q
 
     monkeypatch.setattr(q, "open_lazy", lambda *a, **k: pytest.fail("loaded before the refusal"))
@@ -271,7 +269,7 @@ def test_router_fields_that_contradict_the_experts_are_refused(moe_src, tmp_path
 
 @pytest.mark.parametrize("window", [-1, 0, 2.5])
 def test_a_sliding_window_that_is_no_window_is_refused(mistral_src, tmp_path, capsys, window):
-    bad = _copy_model(mistral_src, tmp_path / "m", sliding_window=window)
+    bad = copy_folder(mistral_src, tmp_path / "m", sliding_window=window)
     code, _, err = run(["quantize", bad, "-o", tmp_path / "o", *RTN], capsys)
     assert_clean_error(code, err, 2, "sliding_window", tmp_path)
     assert not (tmp_path / "o").exists()
@@ -287,7 +285,7 @@ def test_the_routing_check_runs_on_transformers_defaults_and_at_load(moe_src, tm
     from compressor.models import check_buildable
     from compressor.runtime.model import DecoderSpec
 
-    bad = _copy_model(moe_src, tmp_path / "m")
+    bad = copy_folder(moe_src, tmp_path / "m")
     cfg = json.loads((bad / "config.json").read_text())
     cfg.pop("n_group")
     (bad / "config.json").write_text(json.dumps(cfg))
@@ -309,7 +307,7 @@ def _with_added_token(folder: Path, token: str = "<round3-extra>") -> int:
 
 
 def test_a_tokenizer_beyond_the_embedding_is_refused_at_quantize_time(src, tmp_path, capsys):
-    bad = _copy(src, tmp_path / "m")
+    bad = copy_folder(src, tmp_path / "m")
     rows = json.loads((bad / "config.json").read_text())["vocab_size"]
     assert _with_added_token(bad) == rows
     code, _, err = run(["quantize", bad, "-o", tmp_path / "o", *RTN], capsys)
@@ -321,7 +319,7 @@ def test_a_tokenizer_beyond_the_embedding_is_refused_at_quantize_time(src, tmp_p
 def test_a_served_tokenizer_beyond_the_embedding_is_refused_before_the_port_opens(art, tmp_path, monkeypatch, capsys):
     import compressor.runtime.server as server
 
-    nm = _copy(art, tmp_path / "nm")
+    nm = copy_folder(art, tmp_path / "nm")
     (nm / MANIFEST_NAME).unlink()
     _with_added_token(nm)
     monkeypatch.setattr(server, "Server", lambda *a, **k: pytest.fail("the port opened"))
@@ -382,7 +380,7 @@ def test_awq_says_and_records_the_gqa_group_it_leaves_unscaled(src, tmp_path, ca
         assert "self_attn.v_proj" not in f["awq_ratios"] and "post_attention_layernorm" in f["awq_ratios"]
     code, _, err = run(["quantize", src, "-o", tmp_path / "awq2", "--algorithm", "awq", "--group-size", "32",
                         "--calib-samples", "4", "--calib-seqlen", "32"], capsys)
-    assert code == 0 and "self_attn.v_proj -> self_attn.o_proj unscaled" in _flat(err), err
+    assert code == 0 and "self_attn.v_proj -> self_attn.o_proj unscaled" in unwrap(err), err
 
 
 def test_awq_on_full_attention_scales_every_group_and_says_nothing(tmp_path, tokenizer, capsys):
@@ -567,17 +565,15 @@ def test_a_full_disk_during_the_artifact_write_is_one_line(src, tmp_path, monkey
     out = tmp_path / "o"
     code, _, err = run(["quantize", src, "-o", out, *RTN], capsys)
     assert_clean_error(code, err, 2, "no space left on the device", tmp_path)
-    assert f"cannot write the artifact {out}" in _flat(err) and "nothing was written" in err and not out.exists()
+    assert f"cannot write the artifact {out}" in unwrap(err) and "nothing was written" in err and not out.exists()
     assert "--resume" in err  # the finished layers are kept
 
 
 def test_the_file_size_limit_during_the_write_is_one_line(src, tmp_path):
     """A real RLIMIT_FSIZE (SIGXFSZ ignored, as a shell's ``ulimit -f`` leaves it for a job that
     handles it): the first write past it fails with EFBIG inside safetensors' Rust code."""
-    from test_hostile_round2 import _python
-
     out = tmp_path / "o"
-    r = _python(tmp_path, (
+    r = run_probe(tmp_path, (
         "import resource, signal, sys\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))\n"
@@ -593,9 +589,7 @@ def test_a_million_calibration_samples_under_an_address_space_limit_are_refused_
     """--calib-samples 1000000 x 32 tokens on the tiny model: 7.6 GiB a copy. Under ``ulimit -v``
     the two copies a layer holds (a spilled one is mapped, which takes address space too) are
     refused by the plan, before any work, in one line naming the limit."""
-    from test_hostile_round2 import _python
-
-    r = _python(tmp_path, (
+    r = run_probe(tmp_path, (
         "import resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
         f"sys.argv = ['kvq', 'quantize', {str(src)!r}, '-o', {str(tmp_path / 'o')!r}, '--algorithm', 'gptq',\n"
@@ -665,29 +659,29 @@ def _corpus(tmp: Path, src: Path, art: Path, moe_src: Path, mistral_src: Path, k
 
     cases: dict[str, list] = {}
     for damage in (_empty_lists, _only_manifest, _weights_removed, _layer_removed):
-        a = _copy(art, tmp / damage.__name__)
+        a = copy_folder(art, tmp / damage.__name__)
         damage(a)
         cases[damage.__name__] = [["verify", a, "--hashes-only"], ["sign", a, "--private-key", keys[0]],
                                   ["serve", a, "--port", "0"]]
     for name, days in (("expired", (-30, -1)), ("not-yet", (10, 40))):
         key_pem = tmp / f"{name}-key.pem"
         leaf = _certificate(tmp / f"{name}.pem", _ec_key(key_pem), name, days)
-        cases[f"leaf-{name}"] = [["sign", _copy(art, tmp / f"sign-{name}"), "--private-key", key_pem,
+        cases[f"leaf-{name}"] = [["sign", copy_folder(art, tmp / f"sign-{name}"), "--private-key", key_pem,
                                   "--signing-certificate", leaf],
                                  ["quantize", src, "-o", tmp / f"q-{name}", *RTN, "--sign-key", key_pem,
                                   "--sign-certificate", leaf]]
     for k, fields in enumerate(({"n_group": 3}, {"n_group": 4}, {"topk_group": 3}, {"num_experts_per_tok": 9},
                                 {"num_experts_per_tok": 3})):
-        cases[f"router-{k}"] = [["quantize", _copy_model(moe_src, tmp / f"router-{k}", **fields), "-o",
+        cases[f"router-{k}"] = [["quantize", copy_folder(moe_src, tmp / f"router-{k}", **fields), "-o",
                                  tmp / f"router-{k}-o", *RTN]]
-    cases["sliding-window"] = [["quantize", _copy_model(mistral_src, tmp / "window", sliding_window=-1), "-o",
+    cases["sliding-window"] = [["quantize", copy_folder(mistral_src, tmp / "window", sliding_window=-1), "-o",
                                 tmp / "window-o", *RTN]]
-    bad_tok = _copy(src, tmp / "tok")
+    bad_tok = copy_folder(src, tmp / "tok")
     _with_added_token(bad_tok)
-    nm = _copy(art, tmp / "nm")
+    nm = copy_folder(art, tmp / "nm")
     (nm / MANIFEST_NAME).unlink()
     _with_added_token(nm)
-    nm_window = _copy_model(art, tmp / "nm-window", sliding_window=-1)
+    nm_window = copy_folder(art, tmp / "nm-window", sliding_window=-1)
     (nm_window / MANIFEST_NAME).unlink()
     cases["tokenizer"] = [["quantize", bad_tok, "-o", tmp / "tok-o", *RTN], ["serve", nm, "--port", "0", "--no-manifest"],
                           ["verify", nm, "--no-manifest", "--reference", src, "--weights-only"],

@@ -21,69 +21,10 @@ from compressor.manifest import load_manifest
 from compressor.models import load_model, resolve_source
 from compressor.safetensors_io import read_header
 
-from test_cli import assert_clean_error, run
-from test_frontier import FAST, _quantize_block_fp8, digests, make_published
+from conftest import assert_clean_error, digests, kvq_run as run
+from tiny_models import K25_AUTO_MAP, ROW_FAST as FAST, make_k25, to_block_fp8_k25
 
-K25_AUTO_MAP = {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
-                "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
-                "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"}
-#: a tiny MoonViT: hidden 32, 2 blocks, 2 heads, MLP 64, 4 x 4 patches, 2 x 2 merge
-VISION = {"model_type": "kimi_k25_vision", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-          "intermediate_size": 64, "patch_size": 4, "pos_emb_height": 4, "pos_emb_width": 4, "pos_emb_time": 2,
-          "merge_kernel_size": [2, 2]}
 CARRIED = ("vision_tower.", "mm_projector.")
-#: rows this file builds and serves (tests/test_runtime_rows.py counts them as served)
-ROWS = ("kimi_k25",)
-
-
-def vision_tensors(text_hidden: int, seed: int = 5) -> dict[str, torch.Tensor]:
-    """The vision tower and projector under the release's names (the names transformers'
-    kimi_k25 conversion mapping reads: ``encoder.blocks.<i>.wqkv/wo/norm0/norm1/mlp.fc0/fc1``,
-    ``patch_embed.pos_emb.weight``, ``mm_projector.proj.0/2``): the tower in bfloat16, the
-    projector in float32, so a cast would show."""
-    g = torch.Generator().manual_seed(seed)
-    h, inter, p = VISION["hidden_size"], VISION["intermediate_size"], VISION["patch_size"]
-
-    def r(*shape, dtype=torch.bfloat16, base=0.0):
-        return (torch.randn(*shape, generator=g) * 0.05 + base).to(dtype)
-
-    out = {"vision_tower.patch_embed.proj.weight": r(h, 3, p, p), "vision_tower.patch_embed.proj.bias": r(h),
-           "vision_tower.patch_embed.pos_emb.weight": r(VISION["pos_emb_height"], VISION["pos_emb_width"], h),
-           "vision_tower.encoder.final_layernorm.weight": r(h, base=1.0),
-           "vision_tower.encoder.final_layernorm.bias": r(h)}
-    for i in range(VISION["num_hidden_layers"]):
-        b = f"vision_tower.encoder.blocks.{i}."
-        for norm in ("norm0", "norm1"):
-            out.update({f"{b}{norm}.weight": r(h, base=1.0), f"{b}{norm}.bias": r(h)})
-        for name, shape in (("wqkv", (3 * h, h)), ("wo", (h, h)), ("mlp.fc0", (inter, h)), ("mlp.fc1", (h, inter))):
-            out.update({f"{b}{name}.weight": r(*shape), f"{b}{name}.bias": r(shape[0])})
-    merged = 4 * h  # 2 x 2 merge kernel
-    out.update({"mm_projector.pre_norm.weight": r(h, dtype=torch.float32, base=1.0),
-                "mm_projector.pre_norm.bias": r(h, dtype=torch.float32),
-                "mm_projector.proj.0.weight": r(merged, merged, dtype=torch.float32),
-                "mm_projector.proj.0.bias": r(merged, dtype=torch.float32),
-                "mm_projector.proj.2.weight": r(text_hidden, merged, dtype=torch.float32),
-                "mm_projector.proj.2.bias": r(text_hidden, dtype=torch.float32)})
-    return out
-
-
-def make_k25(path, tokenizer, seed: int = 0):
-    """A tiny Kimi K2.5 release: the tiny Kimi K2 (published config, auto_map) as the text
-    model under ``language_model.``, the vision tower and projector beside it, and the
-    wrapper's config.json (``KimiK25ForConditionalGeneration``, its auto_map, vision_config,
-    text_config with ``model_type: kimi_k2``)."""
-    k2 = make_published(path.parent / f"{path.name}-k2", tokenizer, "kimi_k2", seed)
-    shutil.copytree(k2, path)
-    text = json.loads((path / "config.json").read_text())
-    state = {"language_model." + k: v for k, v in load_file(str(path / "model.safetensors")).items()}
-    state.update(vision_tensors(text["hidden_size"], seed + 5))
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["KimiK25ForConditionalGeneration"], "auto_map": K25_AUTO_MAP, "model_type": "kimi_k25",
-        "text_config": text, "vision_config": VISION, "projection_hidden_size": VISION["hidden_size"],
-        "media_placeholder_token_id": 300, "image_token_id": 300, "video_token_id": 301, "tie_word_embeddings": False,
-        "dtype": "float32"}, indent=2))
-    return path
 
 
 def stored(folder) -> dict[str, tuple[str, bytes]]:
@@ -242,7 +183,7 @@ def test_runtime_logits_equal_verify_dequantized_model(k25, tmp_path):
     from compressor.artifact import load_artifact, read_kv_cache
     from compressor.runtime import Runtime
 
-    from test_runtime_rows import IDS, PARITY_TOL, _err, _reference
+    from conftest import PARITY_IDS as IDS, PARITY_TOL, max_err, verify_logits
 
     art = tmp_path / "w4"
     run_quantize(QuantizeOptions(model=str(k25), output=art, algorithm="rtn", group_size=32, kv_scheme="fp8",
@@ -253,34 +194,12 @@ def test_runtime_logits_equal_verify_dequantized_model(k25, tmp_path):
     for backend in ("aten", "dequant"):
         rt = Runtime.from_artifact(art, backend=backend, act_dtype=torch.float32)
         for chunk in (None, 1):
-            assert _err(rt.logits(IDS, chunk=chunk), _reference(model, IDS, spec, scales, chunk)) < PARITY_TOL
-    assert _err(rt.logits(IDS), _reference(model, IDS, None, None)) > 10 * PARITY_TOL  # the KV scheme matters
+            assert max_err(rt.logits(IDS, chunk=chunk), verify_logits(model, IDS, spec, scales, chunk)) < PARITY_TOL
+    assert max_err(rt.logits(IDS), verify_logits(model, IDS, None, None)) > 10 * PARITY_TOL  # the KV scheme matters
 
 
 # ---------------------------------------------------------------------------------------
 # block-FP8 K2.5 sources
-
-
-def to_block_fp8_k25(src, dst, where: str = "top", block=(16, 24)):
-    """``src`` with the text model's projections and one vision weight stored block-FP8
-    (``quantization_config`` at the top of config.json, or in ``text_config``); returns the
-    exact float values a reader gives back."""
-    shutil.copytree(src, dst)
-    state = load_file(str(dst / "model.safetensors"))
-    exact = {}
-    for k in list(state):
-        v = state[k]
-        text = k.startswith("language_model.model.layers.") and k.endswith("_proj.weight") and v.ndim == 2
-        if text or k == "vision_tower.encoder.blocks.0.mlp.fc0.weight":
-            q, scale = _quantize_block_fp8(v.float(), block)
-            state[k], state[k + "_scale_inv"] = q, scale
-            exact[k] = q.float() * scale.repeat_interleave(block[0], 0)[: v.shape[0]].repeat_interleave(block[1], 1)[:, : v.shape[1]]
-    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
-    (cfg if where == "top" else cfg["text_config"])["quantization_config"] = qc
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return exact
 
 
 @pytest.mark.slow  # Kimi K2.5 quantized, verified or served end to end (make test-fast leaves it out)

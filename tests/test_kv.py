@@ -18,7 +18,7 @@ from compressor.recipe import load_recipes
 from compressor.safetensors_io import read_header
 
 from conftest import assert_clean_error, kvq_run as run
-from test_pipeline import _model
+from tiny_models import tiny_llama
 
 
 def _kv(seed=0, shape=(2, 3, 64, 16)):
@@ -137,7 +137,7 @@ def _static_scales(model, ids, spec):
 def test_chunked_prefill_with_float_cache_equals_one_pass():
     from transformers import DynamicCache
 
-    m = _model()
+    m = tiny_llama()
     wins = torch.randint(0, 320, (2, 96), generator=torch.Generator().manual_seed(0))
     one = perplexity(m, wins)
     chunked = perplexity(m, wins, make_cache=DynamicCache, kv_chunk=32)
@@ -147,7 +147,7 @@ def test_chunked_prefill_with_float_cache_equals_one_pass():
 @pytest.mark.parametrize("scheme,strategy", [("fp8", "tensor"), ("fp8", "head"), ("int8", "token"), ("int8", "head"),
                                              ("int4", "kivi"), ("int2", "kivi")])
 def test_cache_in_forward_and_generate(scheme, strategy):
-    m = _model()
+    m = tiny_llama()
     ids = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(1))
     spec = make_spec(scheme, strategy, group_size=8, residual_length=16)
     scales = _static_scales(m, ids, spec) if spec.static else None

@@ -238,9 +238,9 @@ def test_tampered_kvq_source_is_refused(sources, tmp_path, capsys):
 
 
 def test_signed_carried_artifact(sources, tmp_path, capsys):
-    from test_integrity import _keypair
+    from conftest import keypair
 
-    priv, pub = _keypair(tmp_path, "k")
+    priv, pub = keypair(tmp_path, "k")
     out = tmp_path / "signed"
     code, _, err = run(["quantize", sources["compressed-tensors"], "--recipe", "kv-int8", "-o", out,
                         "--sign-key", priv], capsys)
@@ -256,11 +256,11 @@ def test_kimi_k2_thinking_like_source(tmp_path, tokenizer, capsys):
     tiktoken tokenizer with its custom code. The MLA latent cache gets one shared fp8
     scale per layer (equal k_scale and v_scale); the tokenizer files are carried and the
     converted tokenizer.json added, so verify (and vLLM) read it without the code."""
-    from test_frontier import _tiktoken_folder, make_published
+    from tiny_models import make_published, tiktoken_folder
 
     from compressor.models import KIMI_RESERVED
 
-    ranks = _tiktoken_folder(tmp_path / "tok", "the model 中文 " * 20)
+    ranks = tiktoken_folder(tmp_path / "tok", "the model 中文 " * 20)
     w4 = tmp_path / "k2t"  # an embedding row for every id the tiktoken tokenizer gives (its ranks, 256 reserved)
     quantize(make_published(tmp_path / "kimi", tokenizer, "kimi_k2", vocab_size=len(ranks) + KIMI_RESERVED), w4,
              "w4a16-rtn-g64", group_size=32)

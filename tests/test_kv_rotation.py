@@ -12,10 +12,10 @@ from compressor.quant.kv_rotation import (FACTORS, choose_angles, choose_factors
 
 
 def _tiny(model_type: str, **kw):
-    from test_arch import CONFIGS, tiny
-    from test_frontier import tiny as tiny_frontier
+    """The row's tiny model: as transformers saves it, or with a release's router bias (the published-only rows)."""
+    from tiny_models import ARCH_ROWS, tiny, tiny_published
 
-    return (tiny if model_type in CONFIGS else tiny_frontier)(model_type, **kw)
+    return (tiny if model_type in ARCH_ROWS else tiny_published)(model_type, **kw)
 
 
 def _change_pairs(model, z_k: list[torch.Tensor]):

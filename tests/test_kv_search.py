@@ -128,7 +128,7 @@ def test_the_search_is_refused_where_it_cannot_apply(tiny_model_dir, tmp_path):
     base["kv_cache"]["scale_search"] = "auto"  # auto: nothing to search there, accepted
     assert Recipe.model_validate(base).kv_cache.scale_search == "auto"
 
-    from test_frontier import tiny
+    from tiny_models import tiny_published as tiny
 
     from compressor.pipeline import quantize_model
 

@@ -6,19 +6,7 @@ from compressor.formats import pack_modules
 from compressor.pipeline import quantize_model
 from compressor.recipe import load_recipe, resolve_group_size, with_overrides
 
-from conftest import tiny_config
-
-
-def _model(seed=0, **kw):
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    m = LlamaForCausalLM(tiny_config(**kw)).eval().requires_grad_(False)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("layernorm.weight"):
-                p.uniform_(0.5, 1.5)
-    return m
+from tiny_models import tiny_llama
 
 
 def _recipe(alg, **kw):
@@ -27,12 +15,12 @@ def _recipe(alg, **kw):
 
 
 def test_sequential_awq_better_than_rtn_and_modules_complete():
-    ref_model = _model()
+    ref_model = tiny_llama()
     ids = torch.randint(0, 320, (8, 48), generator=torch.Generator().manual_seed(1))
     ref = torch.log_softmax(ref_model(ids).logits, -1)
     kls = {}
     for alg in ("rtn", "awq"):
-        m = _model()
+        m = tiny_llama()
         res = quantize_model(m, _recipe(alg), ids, batch_size=4)
         assert len(res.modules) == 2 * 7
         assert all(f["mean_rel_error"] > 0 for f in res.layers)
@@ -46,32 +34,32 @@ def test_sequential_awq_better_than_rtn_and_modules_complete():
 
 def test_awq_preserves_float_function_before_quantization():
     """With 8-bit weights the AWQ-folded model is (nearly) the float model: folding is exact."""
-    ref_model = _model()
+    ref_model = tiny_llama()
     ids = torch.randint(0, 320, (4, 32))
-    m = _model()
+    m = tiny_llama()
     quantize_model(m, _recipe("awq", **{"weights.num_bits": 8}), ids, batch_size=4)
     torch.testing.assert_close(m(ids).logits, ref_model(ids).logits, atol=0.05, rtol=0.05)
 
 
 def test_awq_needs_calibration_and_ignore_list():
     with pytest.raises(InputError, match="calibration"):
-        quantize_model(_model(), _recipe("awq"), None)
+        quantize_model(tiny_llama(), _recipe("awq"), None)
     r = _recipe("rtn", ignore=["re:.*mlp\\.down_proj"])
-    res = quantize_model(_model(), r, None)
+    res = quantize_model(tiny_llama(), r, None)
     assert len(res.modules) == 2 * 6 and not any("down_proj" in n for n in res.modules)
     with pytest.raises(InputError, match="exclude every linear"):
-        quantize_model(_model(), _recipe("rtn", ignore=["re:.*"]), None)
+        quantize_model(tiny_llama(), _recipe("rtn", ignore=["re:.*"]), None)
 
 
 def test_group_size_refused_before_work_with_suggestion():
-    m = _model(hidden_size=96, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2)
+    m = tiny_llama(hidden_size=96, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(InputError, match=r"group_size 64 does not divide .*use --group-size 32"):
         quantize_model(m, _recipe("rtn", **{"weights.group_size": 64}), None)
     assert resolve_group_size(_recipe("rtn", **{"weights.group_size": "auto"}), {"a": 576, "b": 1536}) == 64
 
 
 def test_nan_in_source_is_refused():
-    m = _model()
+    m = tiny_llama()
     with torch.no_grad():
         m.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
     with pytest.raises(InputError, match="model.layers.1.mlp.up_proj.weight"):
@@ -79,7 +67,7 @@ def test_nan_in_source_is_refused():
 
 
 def test_unsupported_architecture_lists_supported():
-    m = _model()
+    m = tiny_llama()
     m.config.model_type = "gpt2"
     with pytest.raises(InputError, match="unsupported architecture 'gpt2'; supported: .*llama"):
         quantize_model(m, _recipe("rtn"), None)
@@ -87,7 +75,7 @@ def test_unsupported_architecture_lists_supported():
 
 @pytest.mark.parametrize("bits,gs,sym", [(2, 32, False), (3, 64, True), (8, -1, True)])
 def test_bit_widths_and_groups(bits, gs, sym):
-    m = _model()
+    m = tiny_llama()
     res = quantize_model(m, _recipe("rtn", **{"weights.num_bits": bits, "weights.group_size": gs, "weights.symmetric": sym}), None)
     t = pack_modules(res.modules, "compressed-tensors", torch.float16)["model.layers.0.mlp.down_proj"]
     n_groups = 1 if gs == -1 else 128 // gs

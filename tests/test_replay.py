@@ -12,19 +12,11 @@ from compressor.quant import replay as rp
 from compressor.quant.replay import ModuleReplay
 from compressor.recipe import load_recipe, with_overrides
 
-from conftest import tiny_config
+from tiny_models import tiny_llama
 
 
 def _model(seed=0):
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    m = LlamaForCausalLM(tiny_config(num_hidden_layers=3)).eval().requires_grad_(False)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("layernorm.weight"):
-                p.uniform_(0.5, 1.5)
-    return m
+    return tiny_llama(seed, num_hidden_layers=3)
 
 
 def _recipe(alg="gptq", **kw):

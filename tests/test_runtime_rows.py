@@ -35,23 +35,18 @@ from compressor.runtime.mla import make_mla_cache
 from compressor.runtime.moe import MoE, SigmoidRouter, SoftmaxRouter, make_router
 from compressor.runtime.triton_kernels import triton_available
 
-from test_arch import CONFIGS, make_dir, tiny
+from conftest import PARITY_IDS as IDS, PARITY_TOL, max_err, verify_logits
+from tiny_models import ARCH_ROWS, NEW, WRAPPED, make_dir, spread_router_bias, tiny
 
 REPO = Path(__file__).resolve().parents[1]
-PARITY_TOL = 1e-4
 #: rows served and built here; the published Kimi/GLM rows are served in tests/test_frontier.py
-SERVED = sorted(k for k, a in ARCHITECTURES.items() if a.runtime and k in CONFIGS)
+SERVED = sorted(k for k, a in ARCHITECTURES.items() if a.runtime and k in ARCH_ROWS)
 NEW_ROWS = ("deepseek_v3", "gemma3_text", "glm4", "glm4_moe", "mixtral", "qwen3_moe")
-IDS = torch.randint(1, 300, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
 def _spread_router_bias(model):
-    """Random init leaves e_score_correction_bias at zero: give it values so the test sees it."""
-    with torch.no_grad():
-        for n, b in model.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.3)
-    return model
+    """Random init leaves e_score_correction_bias at zero: give it values (N(0, 0.3)) so the test sees it."""
+    return spread_router_bias(model, normal=True)
 
 
 @pytest.fixture(scope="module")
@@ -80,28 +75,9 @@ def row_artifacts(tmp_path_factory, tokenizer):
     return out
 
 
-def _reference(model, ids, spec, scales, chunk=None):
-    """verify's numbers: the dequantized model through kvq's quantized cache (fed in chunks)."""
-    layout = get_arch(model.config.model_type).kv_layout(model.config)
-    with torch.no_grad():
-        if spec is None:
-            return model(ids).logits
-        cache = quantized_cache(spec, model.config.num_hidden_layers, scales, layout=layout)
-        kw, c = cache_kwarg(model), chunk or ids.shape[1]
-        return torch.cat([model(ids[:, a:a + c], use_cache=True, **{kw: cache}).logits
-                          for a in range(0, ids.shape[1], c)], dim=1)
-
-
-def _err(a, b):
-    return float((a.float() - b.float()).abs().max())
-
-
 def test_every_row_is_served():
-    from test_frontier import NEW
-    from test_kimi_k25 import ROWS as WRAPPED
-
     served = {k for k, a in ARCHITECTURES.items() if a.runtime}
-    assert set(NEW_ROWS) <= set(SERVED) and served <= set(CONFIGS) | set(NEW) | set(WRAPPED)
+    assert set(NEW_ROWS) <= set(SERVED) and served <= set(ARCH_ROWS) | set(NEW) | set(WRAPPED)
     assert served == set(ARCHITECTURES)  # sparse attention: dense within index_topk (tests/test_frontier.py)
 
 
@@ -117,10 +93,10 @@ def test_logits_equal_verify_dequantized_model(model_type, kv, row_artifacts):
     assert aten.kv_spec == spec and "aten-int4" in aten.describe()["kernels"]
     deq = Runtime.from_artifact(folder, backend="dequant")
     for chunk in (None, 5, 1):  # one pass, chunked prefill, token by token (decode)
-        ref = _reference(model, IDS, spec, scales, chunk)
-        assert _err(aten.logits(IDS, chunk=chunk), ref) < PARITY_TOL, chunk
-        assert _err(deq.logits(IDS, chunk=chunk), ref) < PARITY_TOL, chunk
-    assert _err(aten.logits(IDS), _reference(model, IDS, None, None)) > 10 * PARITY_TOL  # the KV scheme matters
+        ref = verify_logits(model, IDS, spec, scales, chunk)
+        assert max_err(aten.logits(IDS, chunk=chunk), ref) < PARITY_TOL, chunk
+        assert max_err(deq.logits(IDS, chunk=chunk), ref) < PARITY_TOL, chunk
+    assert max_err(aten.logits(IDS), verify_logits(model, IDS, None, None)) > 10 * PARITY_TOL  # the KV scheme matters
     # greedy decode equals transformers' generate through the same cache
     prompt = IDS[1, :9]
     layout = get_arch(model_type).kv_layout(model.config)
@@ -172,8 +148,8 @@ def test_float_variants_match_transformers(variant, tmp_path):
     model = _spread_router_bias(tiny(mt, 1, **extra))
     model.save_pretrained(tmp_path / variant)
     rt = Runtime.from_artifact(tmp_path / variant, kv=None)
-    ref = _reference(model, IDS, None, None)
-    assert _err(rt.logits(IDS), ref) < PARITY_TOL and _err(rt.logits(IDS, chunk=1), ref) < PARITY_TOL
+    ref = verify_logits(model, IDS, None, None)
+    assert max_err(rt.logits(IDS), ref) < PARITY_TOL and max_err(rt.logits(IDS, chunk=1), ref) < PARITY_TOL
     assert set(rt.info.kernels.values()) == {"float"}
 
 
@@ -239,7 +215,7 @@ def test_moe_runs_each_expert_once_per_step():
     assert sorted(e for e, _ in calls) == sorted(set(idx.flatten().tolist()))  # once each, hit experts only
     assert sum(n for _, n in calls) == 15 * 2  # every (token, slot) routed exactly once
     ref = sum(w[:, j, None] * x.reshape(-1, 8) * (idx[:, j, None] + 1) for j in range(2))
-    assert _err(y.reshape(-1, 8), ref) < 1e-6
+    assert max_err(y.reshape(-1, 8), ref) < 1e-6
 
 
 # ---------------------------------------------------------------------------------------
@@ -282,8 +258,8 @@ def test_mla_kivi_cache_equals_verify(bits, residual, row_artifacts):
     rt = Runtime.from_artifact(src, kv=spec)
     ids = torch.randint(1, 300, (2, 40), generator=torch.Generator().manual_seed(2))
     for chunk in (None, 7, 1):
-        assert _err(rt.logits(ids, chunk=chunk), _reference(model, ids, spec, None, chunk)) < PARITY_TOL, chunk
-    assert _err(rt.logits(ids), _reference(model, ids, None, None)) > 10 * PARITY_TOL
+        assert max_err(rt.logits(ids, chunk=chunk), verify_logits(model, ids, spec, None, chunk)) < PARITY_TOL, chunk
+    assert max_err(rt.logits(ids), verify_logits(model, ids, None, None)) > 10 * PARITY_TOL
     cache = rt.new_cache(1, 64)  # codes of (32 + 8) channels, float32 scale + zero per channel every 8 tokens
     assert cache.bytes_per_token() == 2 * ((32 + 8) * bits / 8 + (32 + 8) * 2 * 4 / 8)
     assert cache.fixed_bytes_per_sequence() == 2 * (residual + 1) * (32 + 8) * 4
@@ -301,7 +277,7 @@ def test_mla_moe_batched_generation_equals_one_by_one(kv, row_artifacts):
         both = rt.generate(prompts, max_new_tokens=10, prefill_chunk=chunk, return_prompt_logits=True)
         assert both.tokens == [r.tokens[0] for r in one]
         for b, r in enumerate(one):
-            assert _err(both.prompt_logits[b], r.prompt_logits[0]) < PARITY_TOL
+            assert max_err(both.prompt_logits[b], r.prompt_logits[0]) < PARITY_TOL
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from compressor.models import ModelSource, load_model, resolve_source
 from compressor.quant.kv import quantized_cache
 from compressor.quality import weight_report, weight_summary
 from compressor.streamed_eval import memory_plan, open_model, streamed_compare
-from tests.conftest import make_model_dir, quantize_tiny
+from conftest import make_model_dir, quantize_tiny
 
 TOL = dict(rel=1e-4, abs=1e-6)
 
@@ -123,7 +123,7 @@ def test_rows_the_streamed_path_does_not_run_are_refused():
 def _verify_json(capsys, art, *extra):
     import json
 
-    from tests.conftest import kvq_run
+    from conftest import kvq_run
 
     code, out, err = kvq_run(["verify", art, "--seqlen", "96", "--max-windows", "3", "--max-new-tokens", "4",
                               "--hidden-batches", "2", "--kv-chunk", "32", "--json", *extra], capsys)
@@ -179,7 +179,7 @@ def test_verify_streams_by_itself_when_the_models_do_not_fit(tiny_pair, capsys, 
     monkeypatch.setattr(vs, "_available_bytes", lambda: 2**20)  # a machine with 1 MiB free
     got, err = _verify_json(capsys, art)
     assert "more than the 0.0 GiB this machine has available" in got["evaluated_in"]["streamed"]["why"]
-    from tests.conftest import kvq_run
+    from conftest import kvq_run
 
     code, _, err = kvq_run(["verify", art, "--seqlen", "96", "--max-windows", "1", "--weights-only"], capsys)
     assert code == 0, err
@@ -187,7 +187,7 @@ def test_verify_streams_by_itself_when_the_models_do_not_fit(tiny_pair, capsys, 
 
 
 def test_verify_refuses_a_budget_below_the_smallest_unit(tiny_pair, capsys):
-    from tests.conftest import assert_clean_error, kvq_run
+    from conftest import assert_clean_error, kvq_run
 
     _, art = tiny_pair
     code, _, err = kvq_run(["verify", art, "--stream", "--memory-budget-gib", "0.01", "--max-windows", "1"], capsys)
@@ -200,10 +200,10 @@ def test_verify_refuses_a_budget_below_the_smallest_unit(tiny_pair, capsys):
                                         "deepseek_v3", "mixtral", "qwen3_moe"])
 @pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_every_tiny_row_streams_to_the_whole_model_report(model_type, tmp_path, tokenizer):
-    """Each architecture row with its tiny model (tests/test_arch.py), RTN W4 with an fp8 KV cache:
+    """Each architecture row with its tiny model (tests/tiny_models.py), RTN W4 with an fp8 KV cache:
     the streamed report's statistics are the whole-model report's."""
     from compressor.api import QuantizeOptions, VerifyOptions, run_quantize, run_verify
-    from test_arch import make_dir
+    from tiny_models import make_dir
 
     src = make_dir(tmp_path / "src", tokenizer, model_type)
     art = tmp_path / "art"

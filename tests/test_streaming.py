@@ -13,14 +13,9 @@ from compressor.errors import InputError
 from compressor.manifest import load_manifest
 from compressor.safetensors_io import read_header, write_shards
 
-from conftest import make_model_dir
+from conftest import FAST, digests, make_model_dir
 from conftest import kvq_run as run
-
-FAST = dict(group_size=32, calib_samples=4, calib_seqlen=32)
-
-
-def digests(folder):
-    return {n: t.digest for n, t in load_manifest(folder).tensors.items()}
+from tiny_models import make_dir
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +85,6 @@ def test_embedding_and_head_are_read_again_for_the_write(tmp_path, tokenizer, ti
 
 
 def test_moe_source_is_streamed(tmp_path, tokenizer):
-    from test_arch import make_dir
-
     src = make_dir(tmp_path / "moe", tokenizer, "qwen3_moe")
     a = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "s", algorithm="gptq", **FAST))
     b = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "w", algorithm="gptq", stream=False, **FAST))

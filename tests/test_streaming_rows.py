@@ -20,9 +20,8 @@ from compressor.arch import ARCHITECTURES, PUBLISHED_AS, get_arch, get_module
 from compressor.models import load_model, resolve_source
 from compressor.streaming import layer_names, load_into, open_lazy
 
-import test_arch
-import test_frontier
-from test_kimi_k25 import make_k25
+from conftest import FAST, digests
+from tiny_models import CONFIGS, PUBLISHED, WRAPPED, make_dir, make_k25, make_published
 
 STREAMING_DOC = Path(__file__).resolve().parents[1] / "docs" / "streaming.md"
 IDS = torch.randint(1, 300, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -36,15 +35,15 @@ def _transformers_type(row: str) -> str:
 
 
 def _make(path: Path, tokenizer, row: str) -> Path:
-    """A tiny checkpoint of ``row`` as its release lays it out (published config and MTP layer
-    where the row has them: tests/test_frontier.py; Kimi K2.5's wrapper: tests/test_kimi_k25.py),
-    else tests/test_arch.py's tiny model."""
+    """A tiny checkpoint of ``row`` (tests/tiny_models.py) as its release lays it out (published
+    config and MTP layer where the row has them; Kimi K2.5's wrapper), else as transformers saves
+    the row's tiny model."""
     if row == "kimi_k25":
         return make_k25(path, tokenizer)
-    if row in test_frontier.CONFIGS:
-        test_frontier.make_published(path, tokenizer, row)
+    if row in PUBLISHED:
+        make_published(path, tokenizer, row)
         return path
-    return test_arch.make_dir(path, tokenizer, row)
+    return make_dir(path, tokenizer, row)
 
 
 def _buildable(row: str) -> bool:
@@ -70,7 +69,7 @@ def opened(sources):
 
 
 def test_every_row_has_a_tiny_checkpoint():
-    assert all(row in test_arch.CONFIGS or row in test_frontier.CONFIGS or row == "kimi_k25" for row in ROWS)
+    assert all(row in CONFIGS or row in WRAPPED for row in ROWS)
 
 
 @pytest.mark.parametrize("row", ROWS)
@@ -113,7 +112,6 @@ def test_gemma3_streamed_quantize_equals_whole_model(sources, tmp_path):
     """``kvq quantize`` on the Gemma 3 row streams (it was loaded whole) and writes the tensors
     of the whole-model run."""
     from compressor.api import QuantizeOptions, run_quantize
-    from test_streaming import FAST, digests
 
     got = {}
     for stream in (True, False):
