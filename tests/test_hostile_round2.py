@@ -7,29 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
 from compressor.manifest import MANIFEST_NAME, SIGNATURE_NAME, load_manifest
-from conftest import assert_clean_error, make_model_dir
+from conftest import assert_clean_error, copy_folder, run_probe, unwrap
 from conftest import kvq_run as run
-from test_integrity import _keypair
 
 RTN = ["--algorithm", "rtn", "--group-size", "32"]
 FAST_GPTQ = ["--algorithm", "gptq", "--group-size", "32", "--calib-samples", "4", "--calib-seqlen", "32"]
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory, tokenizer):
-    return make_model_dir(tmp_path_factory.mktemp("round2") / "model", tokenizer)
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    return _keypair(tmp_path_factory.mktemp("round2-keys"), "k")
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +30,6 @@ def signed(tmp_path_factory, src, keys):
         main(["quantize", str(src), "-o", str(out), *RTN, "--sign-key", str(keys[0]), "--json"])
     assert e.value.code == 0
     return out
-
-
-def _copy(art: Path, dst: Path) -> Path:
-    shutil.copytree(art, dst)
-    return dst
-
-
-def _flat(err: str) -> str:
-    """stderr with rich's line wrapping undone (it wraps at the console's width)."""
-    return " ".join(err.split())
 
 
 def _no_loading(monkeypatch):
@@ -103,7 +81,7 @@ def test_float_target_counts_its_second_stream(src, tmp_path, monkeypatch, capsy
     code, _, err = run(["quantize", src, "-o", tmp_path / "o", *FAST_GPTQ[:4], "--calib-samples", "1000000",
                         "--set", "gptq.gptaq_alpha=0.25"], capsys)
     assert_clean_error(code, err, 2, "of memory", tmp_path)
-    assert "244.1 GiB a copy, the float and the quantized stream" in _flat(err)
+    assert "244.1 GiB a copy, the float and the quantized stream" in unwrap(err)
 
 
 def test_calibration_that_fits_once_but_not_twice_is_spilled(src, tmp_path, monkeypatch, capsys):
@@ -119,11 +97,11 @@ def test_calibration_that_fits_once_but_not_twice_is_spilled(src, tmp_path, monk
     monkeypatch.setattr(st, "spill", lambda h, folder, tag, budget: (budgets.append(budget), real_spill(h, folder, tag, budget))[1])
     code, _, err = run(["quantize", src, "-o", tmp_path / "spilled", *FAST_GPTQ], capsys)
     assert code == 0, err
-    assert "two copies do not fit" in _flat(err) and budgets and set(budgets) == {0}
+    assert "two copies do not fit" in unwrap(err) and budgets and set(budgets) == {0}
     monkeypatch.setattr(st, "available_memory", lambda: None)
     budgets.clear()
     code, _, err = run(["quantize", src, "-o", tmp_path / "plain", *FAST_GPTQ], capsys)
-    assert code == 0 and "two copies do not fit" not in _flat(err) and set(budgets) == {8 * 2**30}
+    assert code == 0 and "two copies do not fit" not in unwrap(err) and set(budgets) == {8 * 2**30}
     assert load_manifest(tmp_path / "spilled").tensors == load_manifest(tmp_path / "plain").tensors
 
 
@@ -152,7 +130,7 @@ def _add_tensors(art: Path, n: int) -> None:
 
 
 def test_long_lists_of_differences_are_summarised(signed, tmp_path, capsys):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     _add_tensors(art, 1000)
     code, out, err = run(["verify", art, "--hashes-only"], capsys)
     lines = [ln for ln in err.splitlines() if ln.startswith("missing tensor")]
@@ -163,11 +141,11 @@ def test_long_lists_of_differences_are_summarised(signed, tmp_path, capsys):
 
 
 def test_signature_differences_are_summarised(signed, keys, tmp_path, capsys):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     for i in range(50):
         (art / f"extra-{i:02d}.txt").write_text("x")
     code, _, err = run(["verify", art, "--hashes-only", "--public-key", keys[1]], capsys)
-    flat = _flat(err)
+    flat = unwrap(err)
     names = ", ".join(f"extra-{i:02d}.txt" for i in range(20))
     assert code == 1 and f"added since signing: {names}, ... and 30 more" in flat, err
     assert flat.count("added since signing") == 1 and "extra-20.txt" not in flat.split("added since signing")[1]
@@ -177,7 +155,7 @@ def test_signature_differences_are_summarised(signed, keys, tmp_path, capsys):
 def test_manifest_entry_count_and_size_are_bounded(signed, tmp_path, monkeypatch, capsys):
     import compressor.manifest as mf
 
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     n = len(load_manifest(art).tensors) + len(load_manifest(art).files)
     monkeypatch.setattr(mf, "MAX_MANIFEST_ENTRIES", n + 10)
     assert run(["verify", art, "--hashes-only"], capsys)[0] == 0
@@ -185,7 +163,7 @@ def test_manifest_entry_count_and_size_are_bounded(signed, tmp_path, monkeypatch
     code, _, err = run(["verify", art, "--hashes-only"], capsys)
     assert_clean_error(code, err, 2, f"{n + 11:,} files and tensors listed, above the {n + 10:,}")
     monkeypatch.undo()
-    big = _copy(signed, tmp_path / "big")
+    big = copy_folder(signed, tmp_path / "big")
     with open(big / MANIFEST_NAME, "r+b") as f:  # sparse: past the real bound without writing 512 MiB
         f.truncate(mf.MAX_MANIFEST_BYTES + 1)
     for argv in (["verify", big, "--hashes-only"], ["sign", big, "--private-key", tmp_path / "none.pem"]):
@@ -200,7 +178,7 @@ def test_manifest_entry_count_and_size_are_bounded(signed, tmp_path, monkeypatch
 @pytest.mark.parametrize("dangling", [True, False])
 def test_symlinked_output_is_refused_up_front(src, signed, tmp_path, monkeypatch, capsys, dangling):
     _no_loading(monkeypatch)
-    target = tmp_path / "nowhere" if dangling else _copy(signed, tmp_path / "existing")
+    target = tmp_path / "nowhere" if dangling else copy_folder(signed, tmp_path / "existing")
     before = None if dangling else sorted(p.name for p in target.iterdir())
     link = tmp_path / "out"
     os.symlink(target, link)
@@ -213,7 +191,7 @@ def test_symlinked_output_is_refused_up_front(src, signed, tmp_path, monkeypatch
 # --- 4. an artifact path given through a symlink ----------------------------------------
 
 def test_artifact_through_a_symlink_verifies_and_signs(signed, keys, tmp_path, capsys):
-    art = _copy(signed, tmp_path / "real")
+    art = copy_folder(signed, tmp_path / "real")
     link = tmp_path / "link"
     os.symlink(art, link)
     for given in (link, f"{link}/"):
@@ -273,7 +251,7 @@ def test_certificate_without_a_signing_usage_is_refused_at_sign_time(src, signed
     key_pem.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                           serialization.NoEncryption()))
     cert = _cert(tmp_path / "cert.pem", key, digital_signature, code_signing, ca)
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     before = (art / SIGNATURE_NAME).read_bytes()
     code, _, err = run(["sign", art, "--private-key", key_pem, "--signing-certificate", cert], capsys)
     assert_clean_error(code, err, 2, "is not for signing")
@@ -321,7 +299,7 @@ def test_staging_killed_before_the_first_checkpoint_starts_over(src, signed, tmp
     staging = _killed_before_first_checkpoint(src, out, monkeypatch)
     code, _, err = run(["quantize", src, "-o", out, *RTN, *(["--resume"] if resume else [])], capsys)
     assert code == 0, err
-    err = _flat(err)
+    err = unwrap(err)
     assert ("nothing to resume; starting over" in err) == resume
     assert ("an interrupted run that finished no layer" in err) == (not resume)
     assert not staging.exists() and load_manifest(out).tensors == load_manifest(signed).tensors
@@ -341,12 +319,12 @@ def test_a_folder_kvq_did_not_write_is_still_refused(src, tmp_path, capsys):
 # --- 7. no signature, no key material ---------------------------------------------------
 
 def test_missing_signature_is_noted_without_key_material(signed, tmp_path, capsys):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     (art / SIGNATURE_NAME).unlink()
     code, out, err = run(["verify", art, "--hashes-only"], capsys)
-    assert code == 0 and f"no signature ({SIGNATURE_NAME} is missing)" in _flat(err), err
+    assert code == 0 and f"no signature ({SIGNATURE_NAME} is missing)" in unwrap(err), err
     code, _, err = run(["verify", signed, "--hashes-only"], capsys)
-    assert code == 0 and "no signature" not in err and "present but not checked" in _flat(err)
+    assert code == 0 and "no signature" not in err and "present but not checked" in unwrap(err)
 
 
 # --- 8. an interruption while a resumed run loads ---------------------------------------
@@ -376,7 +354,7 @@ def test_interruption_while_a_resumed_run_loads_names_the_staging_folder(src, tm
     assert code == 130 and f"kept in {staging}" in err and "--resume to continue" in err, err
     assert json.loads((staging / "resume.json").read_text()) == state  # untouched
     code, _, err = run(["quantize", src, "-o", out, *RTN, "--resume"], capsys)
-    assert code == 0 and "resuming: 1 layer(s) already done" in _flat(err), err
+    assert code == 0 and "resuming: 1 layer(s) already done" in unwrap(err), err
 
 
 # --- 8b. signals that were lost, or that land inside torch's import ---------------------
@@ -404,25 +382,11 @@ def test_an_interruption_whose_exception_was_lost_stops_the_run(src, tmp_path, m
     assert not list(tmp_path.iterdir())  # no artifact, no staging folder
 
 
-def _python(tmp_path: Path, body: str, module: bool = False):
-    import subprocess
-    import sys
-
-    repo = Path(__file__).resolve().parents[1]
-    (tmp_path / "probe.py").write_text(body)
-    argv = [sys.executable, "-m", "probe"] if module else [sys.executable, str(tmp_path / "probe.py")]
-    # the probe starts as from a terminal: SIGINT at its default even when this test run was
-    # started in the background (``cmd &`` ignores SIGINT, and kvq leaves an ignored SIGINT alone)
-    return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"},
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-
-
 def test_an_interruption_raised_inside_pyrun_code_keeps_kvqs_exit_code(tmp_path):
     """An exact KeyboardInterrupt leaving code run through PyRun_* (pybind11's py::exec in
     torch's import) makes a ``python -m`` process kill itself with SIGINT at exit, whatever
     exit code it chose; kvq raises a subclass, so ``python -m compressor`` exits 143."""
-    r = _python(tmp_path, (
+    r = run_probe(tmp_path, (
         "import ctypes, signal, sys\n"
         "from compressor import interrupts\n"
         "interrupts.install()\n"
@@ -434,7 +398,7 @@ def test_an_interruption_raised_inside_pyrun_code_keeps_kvqs_exit_code(tmp_path)
 def test_a_signal_during_the_torch_import_is_held_until_it_is_done(tmp_path):
     """SIGTERM while torch is being imported: raised only once torch (and transformers) are
     imported, never inside torch's initialisation (where it can abort the process)."""
-    r = _python(tmp_path, (
+    r = run_probe(tmp_path, (
         "import signal, sys\n"
         "from compressor import cli, interrupts\n"
         "class Hook:\n"
@@ -458,7 +422,7 @@ def test_a_signal_while_the_cli_is_imported_ends_in_one_line(tmp_path):
     before the command runs: kvq's handler is already installed by the entry point, so the
     process prints one line and exits 130 (143), no traceback."""
     for sig, code, word in (("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")):
-        r = _python(tmp_path, (
+        r = run_probe(tmp_path, (
             "import signal, sys\n"
             "class Hook:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
@@ -476,5 +440,5 @@ def test_a_signal_while_the_cli_is_imported_ends_in_one_line(tmp_path):
 
 def test_the_entry_point_runs_the_cli(tmp_path):
     """``compressor.entry:main`` (the console script) hands over to the CLI: usage errors keep exit 2."""
-    r = _python(tmp_path, "import sys\nsys.argv = ['kvq', 'nosuch']\nfrom compressor.entry import main\nmain()\n")
+    r = run_probe(tmp_path, "import sys\nsys.argv = ['kvq', 'nosuch']\nfrom compressor.entry import main\nmain()\n")
     assert r.returncode == 2 and r.stderr.startswith("kvq: error:"), (r.returncode, r.stderr)

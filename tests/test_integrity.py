@@ -18,7 +18,7 @@ from compressor.cli import main
 from compressor.errors import InputError
 from compressor.manifest import MANIFEST_NAME, SIGNATURE_NAME, json_schema, load_manifest
 from compressor.safetensors_io import file_digest, read_header
-from conftest import kvq_run as run
+from conftest import copy_folder, keypair, kvq_run as run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,23 +29,10 @@ def one_line_error(code, err, expected, pattern):
     assert pattern in err, err
 
 
-def _keypair(folder: Path, name: str) -> tuple[Path, Path]:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    priv, pub = folder / f"{name}.pem", folder / f"{name}.pub.pem"
-    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
-    return priv, pub
-
-
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     d = tmp_path_factory.mktemp("keys")
-    return {"a": _keypair(d, "a"), "b": _keypair(d, "b"), "dir": d}
+    return {"a": keypair(d, "a"), "b": keypair(d, "b"), "dir": d}
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +49,6 @@ def signed(tmp_path_factory, tiny_model_dir, keys):
     return out
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
 def _flip(path: Path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -79,7 +61,7 @@ def _flip(path: Path, offset: int) -> None:
 
 @pytest.mark.parametrize("seed,k", [(0, 1), (1, 3), (2, 7)])
 def test_flip_one_byte_in_k_random_tensors_names_exactly_those(signed, tmp_path, seed, k, capsys):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     entries = [e for e in read_header(art / "model.safetensors").values() if e.end > e.start]
     rng = random.Random(seed)
     chosen = rng.sample(entries, k)
@@ -107,7 +89,7 @@ def test_clean_artifact_hashes_ok_and_reports_throughput(signed):
 
 
 def test_header_edit_is_a_modified_file(signed, tmp_path):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     raw = (art / "model.safetensors").read_bytes()
     n = int.from_bytes(raw[:8], "little")
     header = raw[8:8 + n].replace(b'"format":"pt"', b'"format":"PT"')
@@ -118,7 +100,7 @@ def test_header_edit_is_a_modified_file(signed, tmp_path):
 
 
 def test_added_removed_renamed_files(signed, tmp_path):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     (art / "notes.txt").write_text("added later")
     os.rename(art / "tokenizer.json", art / "tok.json")
     (art / "generation_config.json").unlink()
@@ -130,7 +112,7 @@ def test_added_removed_renamed_files(signed, tmp_path):
 
 
 def test_renamed_weights_file_is_reported_as_a_rename_not_as_modified_tensors(signed, tmp_path):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     os.rename(art / "model.safetensors", art / "weights.safetensors")
     rep = check_hashes(art)
     assert rep["renamed_files"] == ["model.safetensors -> weights.safetensors"]
@@ -138,7 +120,7 @@ def test_renamed_weights_file_is_reported_as_a_rename_not_as_modified_tensors(si
 
 
 def test_symlink_pointing_outside_is_refused_and_not_followed(signed, tmp_path):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     secret = tmp_path / "secret.txt"
     secret.write_text("outside")
     (art / "config.json").unlink()
@@ -166,7 +148,7 @@ def test_blake3_manifest_round_trip_and_tamper(tiny_model_dir, tmp_path):
 
 def test_v1_manifest_is_read(signed, tmp_path):
     """Artifacts written before schema 2 (digests named sha256, whole-file digests) still verify."""
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     (art / SIGNATURE_NAME).unlink()
     data = json.loads((art / MANIFEST_NAME).read_text())
     data["schema_version"] = "kvq.manifest/1"
@@ -213,7 +195,7 @@ def _rename_key(d: dict, old: str, new: str) -> None:
     (lambda d: d.update(unexpected=1), "unexpected"),
 ])
 def test_hostile_manifest_is_a_one_line_input_error(signed, tmp_path, capsys, edit, msg):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     _edit_manifest(art, edit)
     with pytest.raises(InputError, match=msg):
         load_manifest(art)
@@ -224,7 +206,7 @@ def test_hostile_manifest_is_a_one_line_input_error(signed, tmp_path, capsys, ed
 
 @pytest.mark.parametrize("text", ["", "[]", "{", "\x00\x01", '{"schema_version": "kvq.manifest/2"}', "1e999"])
 def test_broken_manifest_text(signed, tmp_path, text):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     (art / MANIFEST_NAME).write_text(text)
     with pytest.raises(InputError):
         load_manifest(art)
@@ -303,7 +285,7 @@ def test_safetensors_holes_are_refused(tmp_path, extra, msg):
 
 
 def test_appended_bytes_to_weights_fail_the_check(signed, tmp_path):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     with open(art / "model.safetensors", "ab") as f:
         f.write(b"hidden payload")
     rep = check_hashes(art)
@@ -327,7 +309,7 @@ def test_stock_model_signing_cli_verifies_kvq_signature(signed, keys, tmp_path):
     p = subprocess.run([*cmd, "verify", "key", "--signature", str(signed / SIGNATURE_NAME),
                         "--public_key", str(keys["a"][1]), str(signed)], capture_output=True, text=True)
     assert p.returncode == 0 and "Verification succeeded" in p.stdout + p.stderr, p.stdout + p.stderr
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     (art / "extra.txt").write_text("x")
     p = subprocess.run([*cmd, "verify", "key", "--signature", str(art / SIGNATURE_NAME),
                         "--public_key", str(keys["a"][1]), str(art)], capture_output=True, text=True)
@@ -342,7 +324,7 @@ def test_signature_from_another_key_fails(signed, keys, capsys):
 
 
 def test_missing_signature_fails_when_a_key_is_given(signed, keys, tmp_path, capsys):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     (art / SIGNATURE_NAME).unlink()
     code, out, err = run(["verify", art, "--hashes-only", "--public-key", keys["a"][1], "--json"], capsys)
     assert code == 1 and "missing" in json.loads(out)["signature"]["error"]
@@ -362,7 +344,7 @@ def test_signature_over_a_different_manifest_fails(signed, keys, tmp_path, tiny_
 
 
 def test_file_added_after_signing_is_named(signed, keys, tmp_path, capsys):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     (art / "backdoor.py").write_text("import os\n")
     code, out, err = run(["verify", art, "--hashes-only", "--public-key", keys["a"][1]], capsys)
     assert code == 1
@@ -373,7 +355,7 @@ def test_rehashed_manifest_without_resigning_is_caught(signed, keys, tmp_path, c
     """An attacker edits a tensor and rewrites the manifest's digests: hashes agree, the signature does not."""
     from compressor.artifact import build_manifest
 
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     e = read_header(art / "model.safetensors")["model.layers.0.self_attn.q_proj.weight_scale"]
     _flip(art / "model.safetensors", e.start)
     old = load_manifest(art)
@@ -390,7 +372,7 @@ def test_rehashed_manifest_without_resigning_is_caught(signed, keys, tmp_path, c
 
 
 def test_kvq_sign_resigns_and_refuses_a_tampered_artifact(signed, keys, tmp_path, capsys):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     code, out, err = run(["sign", art, "--private-key", keys["b"][0], "--json"], capsys)
     assert code == 0, err
     assert not [p for p in art.iterdir() if p.name.startswith(".")], "temporary signature left behind"
@@ -421,7 +403,7 @@ def test_bad_key_files_are_usage_errors(signed, keys, tmp_path, capsys, tiny_mod
                                         serialization.NoEncryption()))
     elif what == "public_as_private":
         shutil.copy(keys["a"][1], bad)
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     before = (art / SIGNATURE_NAME).read_bytes()
     code, _, err = run(["sign", art, "--private-key", bad], capsys)
     one_line_error(code, err, 2, "bad.pem")
@@ -446,7 +428,7 @@ def test_certificate_chain_signing(signed, tmp_path, capsys):
     key_pem = tmp_path / "leaf.key"
     key_pem.write_bytes(leaf_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                serialization.NoEncryption()))
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     code, _, err = run(["sign", art, "--private-key", key_pem, "--signing-certificate", leaf_pem,
                         "--certificate-chain", ca_pem], capsys)
     assert code == 0, err
@@ -554,7 +536,7 @@ def cert_signed(tmp_path_factory, signed):
     key = _ec_key()
     key_pem = _write_key(d / "leaf.key", key)
     cert = _write_cert(d / "self.pem", key, key, "kvq self-signed", "kvq self-signed", False)
-    art = _copy(signed, d / "art")
+    art = copy_folder(signed, d / "art")
     try:
         main(["sign", str(art), "--private-key", str(key_pem), "--signing-certificate", str(cert)])
     except SystemExit as e:
@@ -569,7 +551,7 @@ def test_encrypted_private_key_signs_and_a_wrong_password_is_a_usage_error(signe
     key = _ec_key()
     enc = _write_key(tmp_path / "enc.pem", key, b"s3cret", traditional)
     pub = _write_pub(tmp_path / "enc.pub.pem", key)
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     code, _, err = run(["sign", art, "--private-key", enc, "--password", "s3cret"], capsys)
     assert code == 0, err
     code, out, err = run(["verify", art, "--hashes-only", "--public-key", pub, "--json"], capsys)
@@ -593,7 +575,7 @@ def test_certificate_signing_without_a_chain(cert_signed, signed, tmp_path, caps
     ca_key, leaf_key = _ec_key(), _ec_key()
     ca = _write_cert(tmp_path / "ca.pem", ca_key, ca_key, "kvq CA", "kvq CA", True)
     leaf = _write_cert(tmp_path / "leaf.pem", leaf_key, ca_key, "kvq release", "kvq CA", False)
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     code, _, err = run(["sign", art, "--private-key", _write_key(tmp_path / "leaf.key", leaf_key),
                         "--signing-certificate", leaf], capsys)
     assert code == 0, err
@@ -608,7 +590,7 @@ def test_certificate_of_another_key_or_with_a_password_is_refused_up_front(signe
     key, other = _ec_key(), _ec_key()
     key_pem = _write_key(tmp_path / "k.pem", key)
     cert = _write_cert(tmp_path / "other.pem", other, other, "other", "other", False)
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     before = (art / SIGNATURE_NAME).read_bytes()
     code, _, err = run(["sign", art, "--private-key", key_pem, "--signing-certificate", cert], capsys)
     one_line_error(code, err, 2, "does not match private key")
@@ -625,7 +607,7 @@ def test_certificate_of_another_key_or_with_a_password_is_refused_up_front(signe
 
 
 def test_signature_differences_are_short_lines(signed, keys, tmp_path, capsys):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     (art / "b.txt").write_text("b")
     (art / "a.txt").write_text("a")
     (art / "generation_config.json").unlink()
@@ -653,7 +635,7 @@ def test_signature_checked_with_the_wrong_kind_of_key_material(signed, cert_sign
                                   '{"verificationMaterial": {"publicKey": {"hint": 5}}, "dsseEnvelope": {"payload": 1}}',
                                   "[" * 100000])
 def test_broken_model_sig_is_not_a_valid_bundle(signed, keys, tmp_path, capsys, text):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     (art / SIGNATURE_NAME).write_text(text)
     code, out, err = run(["verify", art, "--hashes-only", "--public-key", keys["a"][1], "--json"], capsys)
     assert code == 1 and "Traceback" not in err, err
@@ -666,7 +648,7 @@ def test_broken_model_sig_is_not_a_valid_bundle(signed, keys, tmp_path, capsys, 
 def test_tampered_bundle_signature_does_not_verify_with_this_key(signed, keys, tmp_path, capsys):
     import base64
 
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     bundle = json.loads((art / SIGNATURE_NAME).read_text())
     sig = bytearray(base64.b64decode(bundle["dsseEnvelope"]["signatures"][0]["sig"]))
     sig[10] ^= 1
@@ -677,7 +659,7 @@ def test_tampered_bundle_signature_does_not_verify_with_this_key(signed, keys, t
 
 
 def test_symlinked_model_sig_is_refused_not_missing(signed, keys, tmp_path, capsys):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     shutil.copy(art / SIGNATURE_NAME, tmp_path / "elsewhere.sig")
     (art / SIGNATURE_NAME).unlink()
     os.symlink(tmp_path / "elsewhere.sig", art / SIGNATURE_NAME)
@@ -694,7 +676,7 @@ def test_sigstore_offline_is_one_clear_line(signed, tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(model_signing.verifying.Config, "use_sigstore_verifier", offline)
     monkeypatch.setattr(model_signing.signing.Config, "use_sigstore_signer", offline)
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     (art / SIGNATURE_NAME).write_text(json.dumps({"verificationMaterial": {"certificate": {"rawBytes": ""}},
                                                   "dsseEnvelope": {}}))
     code, out, err = run(["verify", art, "--hashes-only", "--identity", "me@example.com",
@@ -716,7 +698,7 @@ def test_sigstore_offline_is_one_clear_line(signed, tmp_path, capsys, monkeypatc
     lambda d: d["tensors"][next(iter(d["tensors"]))].update(shape=[-1]),
 ], ids=["size-str", "size-float", "size-bool", "shape-float", "shape-str", "shape-negative"])
 def test_manifest_sizes_and_shapes_must_be_non_negative_integers(signed, tmp_path, capsys, edit):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     _edit_manifest(art, edit)
     with pytest.raises(InputError, match=r"size|shape"):
         load_manifest(art)
@@ -725,7 +707,7 @@ def test_manifest_sizes_and_shapes_must_be_non_negative_integers(signed, tmp_pat
 
 
 def test_duplicate_key_in_manifest_is_refused(signed, tmp_path, capsys):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     text = (signed / MANIFEST_NAME).read_text()
     assert '"digest_algorithm": "sha256"' in text
     (art / MANIFEST_NAME).write_text(text.replace('"digest_algorithm": "sha256"',
@@ -740,7 +722,7 @@ def test_duplicate_key_in_manifest_is_refused(signed, tmp_path, capsys):
 def test_deeply_nested_manifest_or_header_is_an_input_error(signed, tmp_path, capsys, text):
     import struct
 
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     (art / MANIFEST_NAME).write_text(text)
     with pytest.raises(InputError, match="nested too deeply"):
         load_manifest(art)
@@ -753,7 +735,7 @@ def test_deeply_nested_manifest_or_header_is_an_input_error(signed, tmp_path, ca
 
 
 def test_unknown_version_names_the_versions_read(signed, tmp_path):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     _edit_manifest(art, lambda d: d.update(schema_version="kvq.manifest/3"))
     with pytest.raises(InputError, match="reads kvq.manifest/1 and kvq.manifest/2"):
         load_manifest(art)
@@ -786,7 +768,7 @@ def _two_dim_tensor(header: dict, dtype: str) -> str:
 
 @pytest.mark.parametrize("what", ["dtype", "shape"])
 def test_header_dtype_or_shape_edit_names_the_tensor(signed, tmp_path, capsys, what):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     f = art / "model.safetensors"
     name = _two_dim_tensor(json.loads(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")]), "BF16")
 
@@ -803,7 +785,7 @@ def test_header_dtype_or_shape_edit_names_the_tensor(signed, tmp_path, capsys, w
 
 
 def test_tensor_renamed_in_header_is_a_rename(signed, tmp_path, capsys):
-    art = _copy(signed, tmp_path / "a")
+    art = copy_folder(signed, tmp_path / "a")
     old, new = "model.norm.weight", "model.norm.weight_renamed"
     _edit_header(art / "model.safetensors", lambda h: h.__setitem__(new, h.pop(old)))
     rep = check_hashes(art)
@@ -827,7 +809,7 @@ def test_overwrite_refuses_a_folder_that_is_not_a_kvq_artifact(signed, tiny_mode
     assert (out / "important.txt").read_text() == "keep me"
     (tmp_path / "empty").mkdir()
     check_output(tmp_path / "empty", overwrite=True)  # an empty folder may be replaced
-    check_output(_copy(signed, tmp_path / "old-artifact"), overwrite=True)  # so may an earlier artifact
+    check_output(copy_folder(signed, tmp_path / "old-artifact"), overwrite=True)  # so may an earlier artifact
 
 
 def test_artifact_path_that_is_a_file_is_named_as_such(signed, keys, tmp_path, capsys):

@@ -4,7 +4,6 @@ the aten int4/int8 ops, and the Triton W4A16 kernels under Triton's CPU interpre
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,8 @@ from compressor.runtime.triton_kernels import (
     GEMV_MAX_M, check_launch, choose_config, pack_w4, triton_available, unpack_w4, w4a16_reference,
 )
 from compressor.runtime.weights import QuantWeight
+
+from conftest import copy_folder
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -453,14 +454,6 @@ def test_triton_kernels_under_interpreter(artifacts):
 # refusals: one-line InputErrors
 
 
-def _copy_model(src: Path, dst: Path, **config_changes) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config_changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def test_refusals(tiny_model_dir, tmp_path):
     def refused(pattern, fn):
         with pytest.raises(InputError, match=pattern) as e:
@@ -468,11 +461,11 @@ def test_refusals(tiny_model_dir, tmp_path):
         assert "\n" not in str(e.value)
 
     refused("not found", lambda: Runtime.from_artifact(tmp_path / "nope"))
-    gpt2 = _copy_model(tiny_model_dir, tmp_path / "gpt2", model_type="gpt2")
+    gpt2 = copy_folder(tiny_model_dir, tmp_path / "gpt2", model_type="gpt2")
     refused("unsupported architecture 'gpt2'", lambda: Runtime.from_artifact(gpt2))
-    bnb = _copy_model(tiny_model_dir, tmp_path / "bnb", quantization_config={"quant_method": "bitsandbytes"})
+    bnb = copy_folder(tiny_model_dir, tmp_path / "bnb", quantization_config={"quant_method": "bitsandbytes"})
     refused("quant_method 'bitsandbytes'", lambda: Runtime.from_artifact(bnb))
-    dyn = _copy_model(tiny_model_dir, tmp_path / "dyn", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+    dyn = copy_folder(tiny_model_dir, tmp_path / "dyn", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                         "rope_theta": 10000.0})
     refused("RoPE type 'dynamic'", lambda: Runtime.from_artifact(dyn))
     refused("needs calibrated k_scale/v_scale", lambda: Runtime.from_artifact(tiny_model_dir, kv="fp8"))
@@ -490,6 +483,6 @@ def test_refusals(tiny_model_dir, tmp_path):
     cache = rt.new_cache(1, 4)
     refused("KV cache full", lambda: rt.decoder.forward(torch.zeros(1, 5, dtype=torch.long), cache))
     (tmp_path / "gpt2" / "model.safetensors").unlink()
-    noweights = _copy_model(tiny_model_dir, tmp_path / "noweights")
+    noweights = copy_folder(tiny_model_dir, tmp_path / "noweights")
     (noweights / "model.safetensors").unlink()
     refused("no .safetensors", lambda: Runtime.from_artifact(noweights))

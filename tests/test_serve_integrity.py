@@ -18,7 +18,7 @@ from compressor import load_integrity
 from compressor.artifact import check_hashes
 from compressor.manifest import MANIFEST_NAME, load_manifest
 from compressor.safetensors_io import read_header
-from conftest import assert_clean_error, quantize_tiny
+from conftest import assert_clean_error, copy_folder, keypair, quantize_tiny
 from conftest import kvq_run as run
 
 FAST = ["--max-new-tokens", "4"]
@@ -33,10 +33,8 @@ def art(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
-    from test_integrity import _keypair
-
     d = tmp_path_factory.mktemp("keys")
-    return {"a": _keypair(d, "a"), "b": _keypair(d, "b")}
+    return {"a": keypair(d, "a"), "b": keypair(d, "b")}
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +98,6 @@ def hook(monkeypatch):
     return install
 
 
-def _copy(src, dst):
-    return shutil.copytree(src, dst)
-
-
 def _flip_tensor(folder, name, value=None):
     """Change tensor ``name``'s stored bytes in place (same inode): xor its first byte, or fill it with ``value``."""
     e = read_header(folder / "model.safetensors")[name]
@@ -154,7 +148,7 @@ def _serve_cmd(command, folder, *extra, http=True):
 @pytest.mark.parametrize("command", ["serve", "serve-smoke"])
 @pytest.mark.parametrize("kind", ["tensor", "header", "config", "extra"])
 def test_a_change_is_refused_by_name_before_the_port_opens(art, tmp_path, command, kind, fake_server, capsys):
-    bad = _copy(art, tmp_path / "a")
+    bad = copy_folder(art, tmp_path / "a")
     named = _change(kind, bad)
     code, out, err = run(_serve_cmd(command, bad), capsys)
     if command == "serve":
@@ -166,7 +160,7 @@ def test_a_change_is_refused_by_name_before_the_port_opens(art, tmp_path, comman
 
 
 def test_serve_smoke_json_names_every_difference(art, tmp_path, fake_server, capsys):
-    bad = _copy(art, tmp_path / "a")
+    bad = copy_folder(art, tmp_path / "a")
     _change("tensor", bad)
     _change("extra", bad)
     code, out, _err = run(["serve-smoke", bad, *FAST, "--json"], capsys)
@@ -181,7 +175,7 @@ def test_serve_smoke_json_names_every_difference(art, tmp_path, fake_server, cap
 @pytest.mark.parametrize("command", ["serve", "serve-smoke"])
 def test_a_tensor_overwritten_during_the_load_is_refused(art, tmp_path, command, hook, fake_server, capsys):
     """The hook overwrites (same inode) a tensor not yet read, once the first tensor is read."""
-    bad = _copy(art, tmp_path / "a")
+    bad = copy_folder(art, tmp_path / "a")
 
     def overwrite(file, tensor):
         if tensor is not None and tensor != LAST_READ and not overwrite.done:
@@ -224,7 +218,7 @@ SWAPS = {"model.safetensors": _boost_norm, "config.json": _one_layer}
 @pytest.mark.parametrize("swapped", list(SWAPS))
 def test_serve_a_file_replaced_after_it_was_read_is_not_what_is_served(art, tmp_path, swapped, hook, fake_server,
                                                                          clean_logits, capsys):
-    folder = _copy(art, tmp_path / "a")
+    folder = copy_folder(art, tmp_path / "a")
 
     def swap(file, tensor):
         if file == swapped and not swap.done:
@@ -249,7 +243,7 @@ def test_serve_smoke_a_shard_replaced_after_it_was_opened_is_not_what_is_served(
     code, out, err = run(["serve-smoke", art, *FAST, "--json"], capsys)
     assert code == 0, err
     clean = [p["generated"] for p in json.loads(out)["comparison"]["per_prompt"]]
-    folder = _copy(art, tmp_path / "a")
+    folder = copy_folder(art, tmp_path / "a")
 
     def swap(file, tensor):
         if file == "model.safetensors" and tensor is None and not swap.done:
@@ -320,7 +314,7 @@ def test_signature_binds_the_manifest_that_is_used(signed, keys, tmp_path, monke
     the signed file is back on disk by the time the signature is checked."""
     import compressor.load_integrity as li
 
-    folder = _copy(signed, tmp_path / "a")
+    folder = copy_folder(signed, tmp_path / "a")
     signed_bytes = (folder / MANIFEST_NAME).read_bytes()
     m = json.loads(signed_bytes)
     m["recipe"]["description"] = "not the signed manifest"
@@ -339,7 +333,7 @@ def test_signature_binds_the_manifest_that_is_used(signed, keys, tmp_path, monke
 
 
 def test_no_manifest_says_nothing_was_checked(art, tmp_path, fake_server, capsys):
-    nm = _copy(art, tmp_path / "nm")
+    nm = copy_folder(art, tmp_path / "nm")
     (nm / MANIFEST_NAME).unlink()
     code, _out, err = run(["serve", nm, "--port", "0", "--no-manifest"], capsys)
     assert code == 0, err

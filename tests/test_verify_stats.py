@@ -216,7 +216,7 @@ def test_corrupted_but_hash_valid_resigned_artifact_is_caught_by_statistics(awq_
     from compressor.manifest import load_manifest
     from compressor.signing import SignOptions, sign_folder
 
-    from test_integrity import _keypair
+    from conftest import keypair
 
     art = shutil.copytree(awq_art, tmp_path / "a")
     t = load_file(str(art / "model.safetensors"))
@@ -227,7 +227,7 @@ def test_corrupted_but_hash_valid_resigned_artifact_is_caught_by_statistics(awq_
     fields = {k: v for k, v in old.model_dump().items()
               if k not in ("files", "tensors", "provenance", "digest_algorithm", "schema_version")}
     (art / "kvq-manifest.json").write_text(build_manifest(art, fields).to_json())
-    priv, pub = _keypair(tmp_path, "insider")
+    priv, pub = keypair(tmp_path, "insider")
     sign_folder(art, SignOptions(private_key=priv))
     code, out, err = run(["verify", art, *FAST, "--public-key", pub, "--json", "--min-sqnr-db", "12",
                           "--max-mean-kl", "0.05"], capsys)
