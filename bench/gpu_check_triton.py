@@ -64,10 +64,10 @@ def fp16_bytes(m: int, n: int, k: int) -> int:
 
 
 def random_weight(n: int, k: int, group_size: int, device, gen):
-    """A random asymmetric 4-bit :class:`~compressor.runtime.weights.QuantWeight` ``[n, k]`` on ``device``."""
+    """A random asymmetric 4-bit :class:`~compressor.formats.base.QuantWeight` ``[n, k]`` on ``device``."""
     import torch
 
-    from compressor.runtime.weights import QuantWeight
+    from compressor.formats.base import QuantWeight
 
     g = k // group_size
     q = torch.randint(-8, 8, (n, k), dtype=torch.int8, device=device, generator=gen)
@@ -80,7 +80,7 @@ def case_numerics(w, m: int, seed: int = 0) -> tuple[dict, dict]:
     """Errors of the Triton layer vs torch (dequantize, float16 matmul) and vs the reference contract.
 
     Args:
-        w: a 4-bit :class:`~compressor.runtime.weights.QuantWeight` ``[N, K]`` on CUDA, or on
+        w: a 4-bit :class:`~compressor.formats.base.QuantWeight` ``[N, K]`` on CUDA, or on
             CPU under ``TRITON_INTERPRET=1`` (tiny shapes only).
         m: activation rows; ``x`` is float16 ``[m, K]`` drawn with ``seed``.
 

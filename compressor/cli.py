@@ -167,7 +167,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     checkpoint; the artifact appears only when complete (atomic rename).
     """
     _quiet_libraries()
-    from . import api
+    from .commands.quantize import run_quantize
     from .signing import SignOptions
 
     if (sign_certificate or sign_chain) and not sign_key:
@@ -200,8 +200,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
         matmul_precision=matmul_precision, threads=threads, activation_budget_gib=activation_budget_gib,
         memory_budget_gib=memory_budget_gib,
     )
-    summary = api.run_quantize(opts, console=None if as_json else _console(),
-                               on_committed=_record_committed)
+    summary = run_quantize(opts, console=None if as_json else _console(), on_committed=_record_committed)
     if summary.get("rank", 0) != 0:  # torchrun: rank 0 reports for the group
         return
     if as_json:
@@ -323,9 +322,9 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
         full = verify_integrity(artifact, keys, console, print_warnings=True)
     else:
         _quiet_libraries()
-        from . import api
+        from .commands.verify import run_verify
 
-        full = api.run_verify(opts.model_copy(update={"device": resolve_device(device)}), console=console)
+        full = run_verify(opts.model_copy(update={"device": resolve_device(device)}), console=console)
     from .report import json_safe
 
     report = json_safe({k: v for k, v in full.items() if not k.startswith("_")})

@@ -504,12 +504,12 @@ class LayerWriter:
 
     def _write_group(self, i: int, k: int, names: list[str], modules: list[str], result) -> None:
         from .artifact import state_tensors
-        from .formats import pack_modules
+        from .formats import get_format
 
         recs = {n: result.modules.pop(n) for n in modules if n in result.modules}
         self.schemes.update({n: r.scheme for n, r in recs.items()})
         if self.staging is not None:
-            packed = {self.rename(n): t for n, t in pack_modules(recs, self.fmt, self.dtype).items()}
+            packed = {self.rename(n): t for n, t in get_format(self.fmt).pack_all(recs, self.dtype).items()}
             self.staging.save_part(f"layer-{i:05d}-e{k:04d}", state_tensors(
                 self.model, packed, self.dtype, rename=self.rename, names=set(names)))
         self._written.update(names)
@@ -521,7 +521,7 @@ class LayerWriter:
         """Write decoder layer ``i`` (``result``: the pipeline's ``QuantizeResult`` so far;
         ``hidden``: the next layer's inputs, ``None`` without a calibration pass)."""
         from .artifact import state_tensors
-        from .formats import pack_modules
+        from .formats import get_format
 
         prefix = f"{self.arch.layers}.{i}."
         recs = {n: result.modules.pop(n) for n in [n for n in result.modules if n.startswith(prefix)]}
@@ -529,7 +529,7 @@ class LayerWriter:
         if self.staging is None:  # not rank 0: nothing to write
             to_meta(layer)
             return
-        packed = {self.rename(n): t for n, t in pack_modules(recs, self.fmt, self.dtype).items()}
+        packed = {self.rename(n): t for n, t in get_format(self.fmt).pack_all(recs, self.dtype).items()}
         self.staging.save_part(f"layer-{i:05d}", state_tensors(self.model, packed, self.dtype, rename=self.rename,
                                                                prefix=prefix, exclude=self._written))
         self._written = set()

@@ -90,8 +90,9 @@ def keys(tmp_path_factory) -> tuple[Path, Path]:
 
 def quantize_tiny(out: Path, model_dir: Path, **kw) -> Path:
     """A tiny RTN W4 (group 32) artifact of ``model_dir`` at ``out``, calibrated on 4 x 32 tokens; ``kw`` adds
-    :class:`~compressor.api.QuantizeOptions` fields (``kv_scheme="fp8"``, ``digest_algorithm="blake3"``)."""
-    from compressor.api import QuantizeOptions, run_quantize
+    :class:`~compressor.commands.options.QuantizeOptions` fields (``kv_scheme="fp8"``, ``digest_algorithm="blake3"``)."""
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
 
     run_quantize(QuantizeOptions(model=str(model_dir), output=out, algorithm="rtn", group_size=32, calib_samples=4,
                                  calib_seqlen=32, **kw))

@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compressor.api import QuantizeOptions, VerifyOptions, run_quantize, run_verify
+from compressor.commands.options import QuantizeOptions, VerifyOptions
+from compressor.commands.quantize import run_quantize
+from compressor.commands.verify import run_verify
 from compressor.artifact import check_hashes, load_artifact
 from compressor.errors import InputError
 from compressor.manifest import load_manifest

@@ -83,7 +83,8 @@ def test_awq_bf16_artifact_keeps_its_quality_with_a_zero_gemma_norm_channel(tmp_
     3.5x worse before dead channels were left out of the scale normalisation)."""
     from tiny_models import tiny
 
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
     from compressor.artifact import load_artifact
 
     m = tiny("gemma3_text", 0, len(tokenizer))

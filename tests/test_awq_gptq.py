@@ -54,7 +54,8 @@ def test_scales_are_folded_then_gptq_rounds():
 
 
 def test_artifact_records_gptq_actorder_and_loads(tmp_path, tiny_model_dir, capsys):
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
     from compressor.artifact import load_artifact
 
     out = tmp_path / "art"
@@ -77,7 +78,8 @@ def test_artifact_records_gptq_actorder_and_loads(tmp_path, tiny_model_dir, caps
 def test_bundled_recipe_runs_awq_gptq_with_its_grid(tmp_path, tiny_model_dir):
     """``--recipe w4a16-awq-gptq``: the algorithm and the 10-point scale grid come from the
     recipe, and the float reference is AWQ's (GPTQ's passes do not run a batch to the end for it)."""
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
 
     out = tmp_path / "art"
     run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, recipe="w4a16-awq-gptq",
@@ -97,7 +99,8 @@ def test_the_layer_table_says_what_the_output_error_compares(tmp_path, tiny_mode
     its float reference); the table's caption says so, and says what '-' means without a calibration pass."""
     from rich.console import Console
 
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
     from compressor.console import layer_table
 
     out = tmp_path / "g"

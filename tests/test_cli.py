@@ -324,7 +324,7 @@ def test_a_recipe_that_is_not_utf8_is_an_input_error(tmp_path, capsys):
 
 def test_options_take_flat_keywords_and_refuse_in_one_place():
     """Library callers get the command line's refusals (OptionError, exit 2), named by option."""
-    from compressor.api import OptionError, QuantizeOptions, VerifyOptions
+    from compressor.commands.options import OptionError, QuantizeOptions, VerifyOptions
 
     q = QuantizeOptions(model="m", output="o", calib_samples=8, group_size="64", recipe="w4a16-gptq")
     assert (q.calibration.samples, q.scheme.group_size, q.scheme.recipes) == (8, 64, ("w4a16-gptq",))

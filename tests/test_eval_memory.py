@@ -105,7 +105,9 @@ def test_a_quantized_head_is_applied_chunk_by_chunk(tmp_path, tokenizer, monkeyp
     import compressor.evaluate as evaluate
     from conftest import make_model_dir
 
-    from compressor.api import QuantizeOptions, VerifyOptions, run_quantize, run_verify
+    from compressor.commands.options import QuantizeOptions, VerifyOptions
+    from compressor.commands.quantize import run_quantize
+    from compressor.commands.verify import run_verify
     from compressor.artifact import load_artifact
 
     src = make_model_dir(tmp_path / "src", tokenizer, tie_word_embeddings=False)

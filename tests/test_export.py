@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 
-from compressor.api import QuantizeOptions, VerifyOptions, run_quantize, run_verify
+from compressor.commands.options import QuantizeOptions, VerifyOptions
+from compressor.commands.quantize import run_quantize
+from compressor.commands.verify import run_verify
 from compressor.artifact import load_artifact
 from compressor.manifest import load_manifest
 from compressor.safetensors_io import read_header
@@ -163,7 +165,8 @@ def test_a_source_without_architectures_gets_the_class_name(tmp_path, tokenizer)
 
     from conftest import make_model_dir
 
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
 
     src = make_model_dir(tmp_path / "src", tokenizer)
     cfg = json.loads((src / "config.json").read_text())

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compressor.api import QuantizeOptions, run_quantize
+from compressor.commands.options import QuantizeOptions
+from compressor.commands.quantize import run_quantize
 
 from conftest import digests, make_model_dir
 from fake_cuda import FakeCudaTensor, fake_cuda, reference_triton_kernels

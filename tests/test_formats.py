@@ -493,16 +493,15 @@ def test_row_blocking_gives_identical_bytes(monkeypatch):
 # ================================================================ format objects, config, packer memory
 
 def test_registry_and_import_direction():
-    from compressor.runtime import weights
+    from compressor.registry import FORMATS
 
-    assert formats.FORMATS == ("compressed-tensors", "awq", "gptq")
-    for name in formats.FORMATS:
+    assert [f.name for f in FORMATS.entries()][:3] == ["compressed-tensors", "awq", "gptq"]
+    for name in ("compressed-tensors", "awq", "gptq"):
         f = formats.get_format(name)
-        assert f.name == f.quant_method == name and f.marker in f.leaves
-        assert formats.PACKED_LEAVES[name] == f.leaves and formats.reader_for(name) is f
+        assert f.name == f.quant_method == name and f.marker in f.leaves and formats.reader_for(name) is f
+    assert formats.reader_for("marlin") is None and formats.reader_for(None) is None
     with pytest.raises(InputError, match="unknown format 'marlin'; choose one of compressed-tensors, awq, gptq"):
         formats.get_format("marlin")
-    assert weights.QuantWeight is formats.QuantWeight and weights.read_quant_weight is formats.read_quant_weight
     root = Path(formats.__file__).parent.parent
     for path in [root / "artifact.py", *sorted((root / "formats").glob("*.py"))]:  # runtime -> formats, never back
         for node in ast.walk(ast.parse(path.read_text())):
@@ -541,8 +540,8 @@ def test_compressed_tensors_config_is_built_by_the_library_and_unchanged():
     names = [f"model.layers.{i}.{m}" for i in range(2)
              for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
     schemes = {n: (8, -1, True) if "down_proj" in n else (4, 64, False) for n in names}
-    cfg = formats.format_config("compressed-tensors", recipe, schemes, ["model.layers.1.mlp.gate_proj"],
-                        {"compressed-tensors": "0.20.1", "kvq": "0.1.0"})
+    cfg = formats.get_format("compressed-tensors").config(recipe, schemes, ["model.layers.1.mlp.gate_proj"],
+                                                          {"compressed-tensors": "0.20.1", "kvq": "0.1.0"})
     golden = Path(__file__).parent / "golden" / "ct-mixed-quantization_config.json"
     assert json.dumps(cfg, indent=2) + "\n" == golden.read_text()
     parsed = QuantizationConfig.model_validate(cfg)  # the library reads it back

@@ -13,7 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from compressor.api import QuantizeOptions, VerifyOptions, run_quantize, run_verify
+from compressor.commands.options import QuantizeOptions, VerifyOptions
+from compressor.commands.quantize import run_quantize
+from compressor.commands.verify import run_verify
 from compressor.arch import ARCHITECTURES, REFUSED, get_arch, get_module, layer_groups, mtp_layer
 from compressor.errors import InputError
 from compressor.manifest import load_manifest

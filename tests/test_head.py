@@ -12,7 +12,8 @@ from conftest import assert_clean_error, make_model_dir
 from conftest import kvq_run as run
 from safetensors import safe_open
 
-from compressor.api import QuantizeOptions, run_quantize
+from compressor.commands.options import QuantizeOptions
+from compressor.commands.quantize import run_quantize
 from compressor.artifact import load_artifact
 from compressor.manifest import load_manifest
 
@@ -91,7 +92,8 @@ def test_head_4bit_grouped_runtime_and_verify(tmp_path, tokenizer, capsys):
     torch.testing.assert_close(dec.lm_head.dequantized(torch.float32), ours.lm_head.weight, atol=1e-3, rtol=1e-3)
     code, _, err = run(["verify", out, "--weights-only"], capsys)
     assert code == 0, err
-    from compressor.api import VerifyOptions, run_verify
+    from compressor.commands.options import VerifyOptions
+    from compressor.commands.verify import run_verify
 
     w = run_verify(VerifyOptions(artifact=out, weights_only=True))["weights"]
     head = [t for t in w["tensors"] if t["name"] == "lm_head.weight"]

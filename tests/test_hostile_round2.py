@@ -275,7 +275,8 @@ def _killed_before_first_checkpoint(src, out: Path, monkeypatch) -> Path:
     """The state a kill -9 leaves after layer 0's part file is written and before the first
     checkpoint: the part, no resume.json, and no clean-up (a SIGKILL runs none)."""
     import compressor.staging as st
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
 
     class Killed(BaseException):
         pass

@@ -24,7 +24,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from compressor.api import QuantizeOptions, run_quantize
+from compressor.commands.options import QuantizeOptions
+from compressor.commands.quantize import run_quantize
 from compressor.runtime.server import Engine, Server
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from compressor.api import QuantizeOptions, VerifyOptions, run_quantize, run_verify
+from compressor.commands.options import QuantizeOptions, VerifyOptions
+from compressor.commands.quantize import run_quantize
+from compressor.commands.verify import run_verify
 from compressor.arch import ARCHITECTURES, REFUSED, checkpoint_name, get_arch, memory_name, mtp_layer
 from compressor.manifest import load_manifest
 from compressor.models import load_model, resolve_source

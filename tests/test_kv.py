@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 
-from compressor.api import QuantizeOptions, VerifyOptions, run_quantize, run_verify
+from compressor.commands.options import QuantizeOptions, VerifyOptions
+from compressor.commands.quantize import run_quantize
+from compressor.commands.verify import run_verify
 from compressor.artifact import load_artifact, read_kv_cache
 from compressor.errors import InputError
 from compressor.evaluate import perplexity

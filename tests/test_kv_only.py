@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from compressor.api import QuantizeOptions, run_quantize
+from compressor.commands.options import QuantizeOptions
+from compressor.commands.quantize import run_quantize
 from compressor.artifact import load_artifact, read_kv_cache
 from compressor.formats.compressed_tensors import kv_cache_scheme
 from compressor.manifest import load_manifest

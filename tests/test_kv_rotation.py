@@ -120,7 +120,8 @@ def test_resolution_and_refusals():
 
 
 def _quantize(model_dir, out, *extra, algorithm="none", dtype="float32"):
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
 
     return run_quantize(QuantizeOptions(model=str(model_dir), output=out, recipe=("kv-fp8",), algorithm=algorithm,
                                         group_size=32, dtype=dtype, calib_samples=4, calib_seqlen=32,
@@ -170,7 +171,9 @@ def test_weight_statistics_undo_the_pairs_of_a_quantized_artifact(tiny_model_dir
     give q_proj/k_proj errors of the size the unchanged run has; without the undo they are wrong."""
     from transformers import AutoModelForCausalLM
 
-    from compressor.api import QuantizeOptions, VerifyOptions, run_quantize, run_verify
+    from compressor.commands.options import QuantizeOptions, VerifyOptions
+    from compressor.commands.quantize import run_quantize
+    from compressor.commands.verify import run_verify
     from compressor.artifact import load_artifact
     from compressor.manifest import load_manifest
     from compressor.quality import weight_report
@@ -215,7 +218,8 @@ def test_verify_measures_the_kv_only_row_in_the_artifacts_key_basis(tmp_path):
     plain cache (the keys in another basis) differs."""
     from transformers import AutoModelForCausalLM
 
-    from compressor.api import VerifyOptions, run_verify
+    from compressor.commands.options import VerifyOptions
+    from compressor.commands.verify import run_verify
     from compressor.artifact import load_artifact, read_kv_cache
     from compressor.arch import get_arch
     from compressor.calib import load_text, tokenize

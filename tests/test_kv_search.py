@@ -88,7 +88,8 @@ def test_search_with_nothing_recorded_keeps_absmax():
 
 
 def test_quantize_with_the_search_stores_the_searched_scales(tiny_model_dir, tmp_path):
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
     from compressor.artifact import read_kv_cache
     from compressor.manifest import load_manifest
 
@@ -144,7 +145,8 @@ def test_the_search_is_refused_where_it_cannot_apply(tiny_model_dir, tmp_path):
 
 
 def test_the_fp8_shortcut_searches_like_the_recipe(tiny_model_dir, tmp_path):
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
     from compressor.manifest import load_manifest
 
     out = tmp_path / "shortcut"

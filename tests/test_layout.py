@@ -59,7 +59,6 @@ LAYERS = [
                   "compressor.quality", "compressor.evaluate", "compressor.streamed_eval"]),
     ("runtime", ["compressor.runtime", "compressor.runtime.*"]),
     ("commands", ["compressor.commands", "compressor.commands.*"]),
-    ("api", ["compressor.api"]),
     ("cli", ["compressor.cli_help", "compressor.cli_sizes", "compressor.cli_options", "compressor.cli",
              "compressor.entry", "compressor.__main__"]),
 ]

@@ -25,7 +25,8 @@ def calib_ids(tokenizer):
 @pytest.fixture(scope="module")
 def gptq_pair(tmp_path_factory, tiny_model_dir, calib_ids):
     """The same GPTQ quantization fed text (kvq samples the windows) and the same windows as token ids."""
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
 
     d = tmp_path_factory.mktemp("peer")
     ids_file = d / "calib.safetensors"
@@ -150,7 +151,8 @@ def test_foreign_kv_cache_scheme_read_from_config(foreign, tmp_path):
 @pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_foreign_awq_artifact_scales_inferred(tmp_path, tiny_model_dir, capsys):
     """An AWQ artifact without a manifest: verify sees the rescaled norms and undoes the folded scales."""
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
 
     own = tmp_path / "awq"
     run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=own, algorithm="awq", group_size=32,

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from compressor.errors import InputError
-from compressor.formats import pack_modules
+from compressor.formats import get_format
 from compressor.pipeline import quantize_model
 from compressor.recipe import load_recipe, resolve_group_size, with_overrides
 
@@ -77,7 +77,7 @@ def test_unsupported_architecture_lists_supported():
 def test_bit_widths_and_groups(bits, gs, sym):
     m = tiny_llama()
     res = quantize_model(m, _recipe("rtn", **{"weights.num_bits": bits, "weights.group_size": gs, "weights.symmetric": sym}), None)
-    t = pack_modules(res.modules, "compressed-tensors", torch.float16)["model.layers.0.mlp.down_proj"]
+    t = get_format("compressed-tensors").pack_all(res.modules, torch.float16)["model.layers.0.mlp.down_proj"]
     n_groups = 1 if gs == -1 else 128 // gs
     assert t["weight_scale"].shape == (64, n_groups)
     assert t["weight_packed"].shape == (64, -(-128 * bits // 32))
@@ -134,7 +134,8 @@ def test_a_3bit_artifact_is_read_by_the_readers_its_warning_names(tmp_path, tiny
 
     from conftest import kvq_run
 
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
     from compressor.artifact import load_artifact
     from compressor.runtime.generate import Runtime
 

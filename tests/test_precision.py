@@ -156,7 +156,8 @@ def test_cli_records_the_precision_and_refuses_bfloat16_on_cuda(tmp_path, tiny_m
     code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "b", "--matmul-precision", "fp16"], capsys)
     assert code == 2 and "fp16" in err and "Traceback" not in err
     if not torch.cuda.is_available():  # --device cuda is refused first without a GPU: the API meets the check
-        from compressor.api import QuantizeOptions, run_quantize
+        from compressor.commands.options import QuantizeOptions
+        from compressor.commands.quantize import run_quantize
 
         with pytest.raises(InputError, match="CPU setting"):
             run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=tmp_path / "c", device="cuda",

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compressor.api import QuantizeOptions, run_quantize
+from compressor.commands.options import QuantizeOptions
+from compressor.commands.quantize import run_quantize
 from compressor.artifact import load_artifact
 from compressor.errors import InputError
 from compressor.quant.kv import cache_kwarg, kv_observer, make_spec, observed_absmax, quantized_cache, static_scales
@@ -23,7 +24,7 @@ from compressor.runtime.linear import AtenInt8Linear, DequantLinear, check_backe
 from compressor.runtime.triton_kernels import (
     GEMV_MAX_M, check_launch, choose_config, pack_w4, triton_available, unpack_w4, w4a16_reference,
 )
-from compressor.runtime.weights import QuantWeight
+from compressor.formats.base import QuantWeight
 
 from conftest import copy_folder
 

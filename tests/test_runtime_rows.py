@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compressor.api import QuantizeOptions, run_quantize
+from compressor.commands.options import QuantizeOptions
+from compressor.commands.quantize import run_quantize
 from compressor.arch import ARCHITECTURES, get_arch
 from compressor.artifact import load_artifact, read_kv_cache
 from compressor.errors import InputError

@@ -202,7 +202,9 @@ def test_verify_refuses_a_budget_below_the_smallest_unit(tiny_pair, capsys):
 def test_every_tiny_row_streams_to_the_whole_model_report(model_type, tmp_path, tokenizer):
     """Each architecture row with its tiny model (tests/tiny_models.py), RTN W4 with an fp8 KV cache:
     the streamed report's statistics are the whole-model report's."""
-    from compressor.api import QuantizeOptions, VerifyOptions, run_quantize, run_verify
+    from compressor.commands.options import QuantizeOptions, VerifyOptions
+    from compressor.commands.quantize import run_quantize
+    from compressor.commands.verify import run_verify
     from tiny_models import make_dir
 
     src = make_dir(tmp_path / "src", tokenizer, model_type)

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compressor.api import QuantizeOptions, run_quantize
+from compressor.commands.options import QuantizeOptions
+from compressor.commands.quantize import run_quantize
 from compressor.artifact import load_artifact
 from compressor.errors import InputError
 from compressor.manifest import load_manifest
@@ -293,7 +294,8 @@ def _rank_main(rank, world, port, src, out, result_file):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
     import compressor.distributed as d
     import compressor.quant.gptq_layer as pl
 
@@ -366,9 +368,9 @@ def test_resume_refuses_a_damaged_checkpoint(tmp_path, deep_dir, monkeypatch, ca
 
 
 def test_json_only_from_rank_0(tmp_path, deep_dir, monkeypatch, capsys):
-    import compressor.api as api
+    import compressor.commands.quantize as quantize_command
 
-    monkeypatch.setattr(api, "run_quantize", lambda opts, console=None, **kw: {"rank": 1, "world_size": 2, "output": None})
+    monkeypatch.setattr(quantize_command, "run_quantize", lambda opts, console=None, **kw: {"rank": 1, "world_size": 2, "output": None})
     code, out, _ = run(["quantize", deep_dir, "-o", tmp_path / "o", "--json"], capsys)
     assert code == 0 and out == ""
 

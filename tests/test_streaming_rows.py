@@ -111,7 +111,8 @@ def test_an_embedding_keeping_a_non_persistent_buffer_streams(sources, opened):
 def test_gemma3_streamed_quantize_equals_whole_model(sources, tmp_path):
     """``kvq quantize`` on the Gemma 3 row streams (it was loaded whole) and writes the tensors
     of the whole-model run."""
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
 
     got = {}
     for stream in (True, False):

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compressor.api import VerifyOptions, run_verify
+from compressor.commands.options import VerifyOptions
+from compressor.commands.verify import run_verify
 from compressor.errors import InputError
 from compressor.evaluate import hidden_state_errors
 from compressor.prompts import BUILTIN_PROMPTS, load_prompts
@@ -121,7 +122,8 @@ def test_hidden_state_errors_by_hand(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def awq_art(tmp_path_factory, tiny_model_dir):
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
 
     out = tmp_path_factory.mktemp("v") / "awq"
     run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, algorithm="awq", group_size=32,
@@ -242,7 +244,8 @@ def test_corrupted_but_hash_valid_resigned_artifact_is_caught_by_statistics(awq_
 
 
 def test_kv_artifact_reports_breakdown(tiny_model_dir, tmp_path, capsys):
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
 
     out = tmp_path / "kv"
     run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, algorithm="rtn", group_size=32, kv_scheme="int4",
@@ -310,7 +313,8 @@ def test_gate_flags_that_cannot_be_evaluated_are_refused(awq_art, capsys, argv, 
 
 
 def test_kv_only_artifact_refuses_weight_gates(tiny_model_dir, tmp_path, capsys):
-    from compressor.api import QuantizeOptions, run_quantize
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
 
     out = tmp_path / "kvonly"
     run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=out, recipe="kv-int8"))

@@ -70,7 +70,7 @@ def in_background(fn):
 @contextmanager
 def threads_restored():
     """torch's intra-op thread count as it was on entry, restored on exit: ``--threads`` is one
-    command's (:func:`cpu_threads`), an in-process caller (``compressor.api``) keeps its own."""
+    command's (:func:`cpu_threads`), an in-process caller (docs/python.md) keeps its own."""
     import torch
 
     threads = torch.get_num_threads()

@@ -40,7 +40,7 @@ from ..tokens import bos_rule, check_vocabulary
 from ..config_check import read_config, text_config
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
-from ..formats import check_format, check_shapes, format_config, get_format, pack_modules
+from ..formats import get_format
 from ..models import ALIASES, float32_bytes, load_model, peek_model_type, resolve_source, stale_cache_notes, storage_dtype, take_cache_notes
 from ..pipeline import check_group_sizes, quantize_model
 from ..precision import resolve_matmul_precision
@@ -177,8 +177,10 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     if packed is not None:
         recipe = kv_only.check_carry(packed, recipe, opts)
     else:  # before the source is read: --format awq/gptq with auto is float16 whatever the source
-        check_format(fmt, recipe, opts.write.dtype if opts.write.dtype != "auto" else
-                     (get_format(fmt).scale_dtype or "bfloat16"))
+        get_format(fmt).check(recipe, opts.write.dtype if opts.write.dtype != "auto" else
+                              (get_format(fmt).scale_dtype or "bfloat16"))
+        check_head(recipe, fmt)
+        check_embedding(recipe, fmt)
     source = resolve_source(opts.model)
     dtype, dtype_reason = ((packed.declared_dtype(), "the source's float tensors, carried as they are") if packed
                            else storage_dtype(source, opts.write.dtype, fmt))
@@ -306,7 +308,7 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
     show.note(console, f"source weights: {loading}", highlight=False)
     if plan.activation_budget_gib is None:  # a GGUF source: its hidden size is known now
         _check_activations(plan, opts, getattr(model.config, "hidden_size", None), console)
-    check_shapes(opts.write.format, {n: m.out_features for n, m in model.named_modules()
+    get_format(opts.write.format).check_shapes({n: m.out_features for n, m in model.named_modules()
                                      if isinstance(m, torch.nn.Linear) and not plan.recipe.is_ignored(n) and n != "lm_head"})
     check_group_sizes(model, plan.recipe)  # before the calibration text is tokenized
     arch, scale_bytes = get_arch(model.config.model_type), DTYPES[plan.dtype].itemsize
@@ -457,10 +459,11 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
     ignored = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in schemes)
     ignored = [rename(n) for n in ignored + routers(arch, model) if n != "lm_head" or rename(n) != n]
     kept, carried = _keep_tensors(plan, src, staging, warnings, console)
-    qcfg = format_config(w.format, recipe, {rename(n): v for n, v in schemes.items()}, ignored + kept,
-                         {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]},
-                         {rename(n): v for n, v in embedding_scheme(recipe, arch).items()})
-    packed = {rename(n): t for n, t in pack_modules(result.modules, w.format, DTYPES[plan.dtype]).items()}
+    fmt = get_format(w.format)
+    qcfg = fmt.config(recipe, {rename(n): v for n, v in schemes.items()}, ignored + kept,
+                      {"compressed-tensors": compressed_tensors.__version__, "kvq": tool_info()["version"]},
+                      {rename(n): v for n, v in embedding_scheme(recipe, arch).items()})
+    packed = {rename(n): t for n, t in fmt.pack_all(result.modules, DTYPES[plan.dtype]).items()}
     result.modules.clear()
     kv_record = blocks.kv_record(plan.kv, result, arch, model, packed)
     float_bytes = float32_bytes(model)
@@ -471,7 +474,7 @@ def _write(plan: _Plan, src: _Source, result, writer: LayerWriter, staging, sour
     if opts.model not in ALIASES:  # record paths absolutely so verify finds the reference from anywhere
         source_fp["spec"] = str(Path(opts.model).resolve()) if Path(opts.model).exists() else opts.model
     writer.load_outer()  # released after layer 0's inputs were captured (streamed sources)
-    pack = partial(pack_modules, fmt=w.format, dtype=DTYPES[plan.dtype])
+    pack = partial(fmt.pack_all, dtype=DTYPES[plan.dtype])
     if (table := add_embedding(recipe, arch, model, packed, pack, rename, DTYPES[plan.dtype])) is not None:
         quality["embedding"] = table  # before add_head, which unties a tied model's config
     if (head := add_head(recipe, arch, model, packed, pack, rename,

@@ -186,6 +186,11 @@ class WeightFormat:
         """Stored tensors (suffix -> tensor) of one pipeline record (``QuantizedLinear``)."""
         raise NotImplementedError
 
+    def pack_all(self, modules: dict, dtype: torch.dtype) -> dict[str, dict[str, torch.Tensor]]:
+        """:meth:`pack` for each record: module name -> {tensor suffix -> tensor} (``weight_packed``,
+        ``qweight``, ...); ``dtype`` is the storage dtype of compressed-tensors scales."""
+        return {name: self.pack(rec, dtype) for name, rec in modules.items()}
+
     def read(self, qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
         """A :class:`QuantWeight` from one module's stored tensors (InputError if inconsistent)."""
         raise NotImplementedError

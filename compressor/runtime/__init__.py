@@ -18,7 +18,6 @@ module                 contents
                        W4A16 experts
 ``linear``             weight-only Linear kernels (float, dequant, aten int4/int8, Triton)
                        and the backend rule
-``weights``            :class:`~compressor.runtime.weights.QuantWeight`, artifact readers
 ``kv_cache``           preallocated KV caches: float, fp8, int8 (head/token), KIVI int4/int2
 ``triton_kernels``     W4A16 Triton GEMV/GEMM and grouped MoE kernel, launchers, layout,
                        torch references

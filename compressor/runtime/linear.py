@@ -1,7 +1,7 @@
 """Weight-only quantized Linear layers, one class per kernel, and the rule that picks one.
 
 Every class computes ``y [..., N] = x [..., K] @ W.T (+ bias)`` for ``W ≈ (q - zero_point)
-* scale`` (:class:`~compressor.runtime.weights.QuantWeight`), keeping the integer codes
+* scale`` (:class:`~compressor.formats.base.QuantWeight`), keeping the integer codes
 and never a float copy of the weight:
 
 ================  ==================================================  =======================
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from .weights import QuantWeight
+from ..formats.base import QuantWeight
 
 BACKENDS = ("auto", "aten", "dequant", "triton")
 AT_INT4_GROUPS = (32, 64, 128, 256)

@@ -10,7 +10,7 @@ What a layer is follows what it stores: a router (``<moe.router>.weight``) makes
 mixture of experts (dense-first layers of DeepSeek-V3/GLM-4.5, Qwen3-MoE's
 ``mlp_only_layers`` have none), shared experts are used when stored, ``q_norm``/``k_norm``
 when stored, the norm layout by the norms stored (:data:`~compressor.runtime.model.NORM_LAYOUTS`).
-Packed Linears become :class:`~compressor.runtime.weights.QuantWeight` codes handed to
+Packed Linears become :class:`~compressor.formats.base.QuantWeight` codes handed to
 :func:`~compressor.runtime.linear.make_linear`; float tensors become compute-dtype tensors.
 """
 
@@ -30,7 +30,7 @@ from .linear import FloatLinear, Linear, check_backend, make_linear
 from .mla import MLAttention, mla_scale
 from .model import NORM_LAYOUTS, Decoder, DecoderLayer, DecoderSpec, LoadInfo, check_servable
 from .moe import MoE, make_router
-from .weights import MARKER, PACKED_LEAVES, read_quant_weight
+from ..formats import read_quant_weight, reader_for
 
 #: eps of MLA's q_a_layernorm / kv_a_layernorm: transformers' DeepSeek-V3, GLM-4.7-Flash,
 #: DeepSeek-V3.2 and GLM-5 modules build them with their RMSNorm's default, whatever
@@ -116,7 +116,8 @@ class _Builder:
     def __init__(self, tensors: Tensors, arch: ArchSpec, cfg, spec: DecoderSpec, method, qc: dict,
                  backend: str, device: torch.device, dtype: torch.dtype, act_dtype):
         self.t, self.arch, self.cfg, self.spec = tensors, arch, cfg, spec
-        self.method, self.qc, self.marker = method, qc, MARKER.get(method)
+        self.method, self.qc, self.fmt = method, qc, reader_for(method)
+        self.marker = self.fmt.marker if self.fmt is not None else None
         self.backend, self.device, self.dtype, self.act_dtype = backend, device, dtype, act_dtype
         self.kernels: dict[str, str] = {}
         self.fallbacks: dict[str, str] = {}
@@ -143,7 +144,7 @@ class _Builder:
         t = self.t
         bias = t.get(f"{name}.bias") if f"{name}.bias" in t else None
         if self.marker and f"{name}.{self.marker}" in t:
-            w = read_quant_weight(self.method, self.qc, name, t.leaves(name, PACKED_LEAVES[self.method]))
+            w = read_quant_weight(self.method, self.qc, name, t.leaves(name, self.fmt.leaves))
         else:
             w = t.get(f"{name}.weight")
         lin = make_linear(w, bias, self.backend, self.device, self.dtype, self.act_dtype)
@@ -157,7 +158,7 @@ class _Builder:
         (recipe ``embedding:``) and dequantized here, once (a tied head then reads it too)."""
         if not (self.marker and f"{name}.{self.marker}" in self.t):
             return _float(self.t.get(f"{name}.weight"), self.device, self.dtype)
-        w = read_quant_weight(self.method, self.qc, name, self.t.leaves(name, PACKED_LEAVES[self.method]))
+        w = read_quant_weight(self.method, self.qc, name, self.t.leaves(name, self.fmt.leaves))
         return w.dequantize(self.dtype).to(self.device)
 
     def norm(self, name: str, offset: float | None = None, eps: float | None = None) -> RMSNorm:
@@ -272,7 +273,7 @@ def _grouped(experts: list[GatedMLP], act):
 
 def _check_method(folder: Path, qc: dict) -> str | None:
     method = qc.get("quant_method")
-    if qc and method not in PACKED_LEAVES:
+    if qc and reader_for(method) is None:
         raise InputError(f"{folder}: quant_method {method!r} is not one the runtime reads (compressed-tensors, awq, gptq)")
     if method == "compressed-tensors" and qc.get("format") not in ("pack-quantized", "dense"):
         raise InputError(f"{folder}: only compressed-tensors pack-quantized artifacts can be served (format {qc.get('format')!r})")
