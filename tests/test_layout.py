@@ -66,7 +66,6 @@ LAYERS = [
 #: import cycles not yet untied (issue #42 leaves them); this list may only shrink
 KNOWN_CYCLES = [
     {"compressor.models", "compressor.streaming"},
-    {"compressor.commands.verify", "compressor.commands.verify_streamed"},
 ]
 
 
@@ -178,7 +177,7 @@ MAX_LINE = 120
 LONG_LINES = {
     "activations.py": 2, "artifact.py": 7, "calib.py": 7, "cli_sizes.py": 1, "commands/common.py": 1,
     "commands/kv_only.py": 6, "commands/options.py": 5, "commands/quantize.py": 20, "commands/quantize_record.py": 4,
-    "commands/serve_smoke.py": 3, "commands/verify.py": 13, "commands/verify_streamed.py": 16, "config_check.py": 5,
+    "commands/serve_smoke.py": 3, "commands/verify.py": 10, "commands/verify_streamed.py": 16, "config_check.py": 5,
     "console.py": 14, "evaluate.py": 5, "files.py": 1, "formats/awq.py": 1, "formats/base.py": 2,
     "formats/compressed_tensors.py": 3, "formats/gptq.py": 1, "formats/packing.py": 2, "integrity.py": 4,
     "layer_inputs.py": 1, "load_integrity.py": 5, "manifest.py": 1, "models.py": 7, "moe.py": 1, "pipeline.py": 7,

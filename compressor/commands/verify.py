@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,9 +38,13 @@ from ..evaluate import windows
 from ..integrity import check_artifact_folder, foreign_integrity, verify_integrity
 from ..manifest import load_manifest
 from ..models import resolve_source
-from ..quant.kv import kv_budget, make_spec, quantized_cache
+from ..quant.kv import make_spec
 from . import verify_streamed
 from .common import cpu_threads, load_reference, threads_restored
+from .verify_common import (
+    Models, cache_factory, candidate_rows, check_same_architecture, distribution_sections, eval_dtype, head_is_packed,
+    kv_report, measured_rows,
+)
 from .options import VerifyOptions
 
 #: gates appear in the report in the order of the sections their statistics come from
@@ -61,15 +64,6 @@ class _Plan:
     text: object  # eval text (compressor.calib), None unless full mode
     kv_info: Optional[tuple]  # (KV spec, static scales or None), None: no KV scheme
     kv_source: Optional[str]  # "artifact" or "--kv-scheme"
-
-
-@dataclass
-class _Models:
-    artifact: torch.nn.Module
-    tokenizer: object
-    reference: torch.nn.Module
-    #: the artifact's key basis per layer (``kv_cache.key_rotation: pairs``), ``None`` without one
-    key_basis: dict | None = None
 
 
 def run_verify(opts: VerifyOptions, console=None) -> dict:
@@ -227,7 +221,7 @@ def _thresholds(manifest, opts: VerifyOptions, mode: str, weights_quantized: boo
 # ---------------------------------------------------------------------------------------
 # 3. load
 
-def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
+def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> Models:
     """Both models on ``opts.device``, checked comparable and finite; the weight statistics.
 
     Raises:
@@ -237,10 +231,10 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
     """
     from ..quality import KEY_PAIRS_TOLERANCE, key_basis, key_pairs_residual, weight_report
 
-    dtype, report["evaluated_in"] = _eval_dtype(plan.folder, opts.evaluation.dtype)
+    dtype, report["evaluated_in"] = eval_dtype(plan.folder, opts.evaluation.dtype)
     model, tokenizer = load_artifact(plan.folder, dtype=dtype)
     ref_model = load_reference(plan.ref_spec, plan.ref_source, dtype)
-    _check_same_architecture(model, ref_model, plan.ref_spec)
+    check_same_architecture(model, ref_model, plan.ref_spec)
     bad_ref = _nonfinite_parameters(ref_model)
     if bad_ref:
         raise InputError(f"reference model tensor {bad_ref[0]} contains NaN or Inf; it cannot serve as the reference")
@@ -260,9 +254,9 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
             algorithm = "awq" if _norms_rescaled(ref_model, model) else "unknown"
             report["warnings"].append(f"foreign artifact: weight statistics assume {'AWQ-folded' if algorithm == 'awq' else 'unscaled'} "
                                       "weights (inferred from the norm weights)")
-        report["weights"] = weight_report(ref_model, model, algorithm, quantized_head=_head_is_packed(plan.folder, model),
+        report["weights"] = weight_report(ref_model, model, algorithm, quantized_head=head_is_packed(plan.folder, model),
                                           key_pairs=key_pairs, basis=basis,
-                                          quantized_embedding=_head_is_packed(plan.folder, model, "embed_tokens"))
+                                          quantized_embedding=head_is_packed(plan.folder, model, "embed_tokens"))
     elif key_pairs:  # KV-only: its figures run the reference in the artifact's key basis; the q/k rows must be exactly that
         worst, name = key_pairs_residual(ref_model, model)
         if not worst <= KEY_PAIRS_TOLERANCE:
@@ -271,62 +265,8 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> _Models:
         show.note(console, f"key pairs: q_proj/k_proj are the reference's rows changed per RoPE pair (largest relative "
                            f"residual {worst:.2g}, {name})", highlight=False)
     # the key basis serves the reference's KV-only row of a weight artifact; a KV-only artifact's row runs the artifact
-    return _Models(model, tokenizer, ref_model,
+    return Models(model, tokenizer, ref_model,
                    (basis or key_basis(ref_model, model, algorithm)) if key_pairs and plan.weights_quantized else None)
-
-
-def _head_is_packed(folder: Path, model, module: str = "lm_head") -> bool:
-    """True when the artifact stores its LM head (``module="embed_tokens"``: its input
-    embedding) quantized (``<name>.weight_packed`` or ``<name>.qweight``, a compressed-tensors
-    or GPTQ-style layout), from the safetensors headers."""
-    from ..arch import checkpoint_name
-    from ..safetensors_io import read_header
-
-    arch = get_arch(model.config.model_type)
-    name = checkpoint_name(arch, getattr(arch, module))
-    return any(f"{name}.{leaf}" in read_header(s) for s in sorted(folder.glob("*.safetensors"))
-               for leaf in ("weight_packed", "qweight"))
-
-
-def _eval_dtype(folder: Path, requested: str) -> tuple[torch.dtype, dict]:
-    """The dtype the artifact is evaluated in: the one its ``config.json`` declares (what
-    transformers and vLLM load it in by default), or float32 with ``--eval-dtype float32``.
-    The reference model is always float32."""
-    from ..artifact import DTYPES
-
-    try:
-        cfg = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        cfg = {}
-    declared = cfg.get("dtype") or cfg.get("torch_dtype")
-    declared = declared if declared in DTYPES else None
-    if requested == "float32" or declared is None:
-        why = "--eval-dtype float32" if requested == "float32" else "config.json declares no dtype kvq evaluates"
-        return torch.float32, {"dtype": "float32", "declared": declared, "why": why}
-    return DTYPES[declared], {"dtype": declared, "declared": declared, "why": "the dtype config.json declares"}
-
-
-def _check_same_architecture(artifact, reference, ref_spec: str) -> None:
-    """Refuse a reference that is not the same architecture: another ``model_type``, or
-    parameters that differ in name or shape (depth, width, vocabulary).
-
-    Raises:
-        InputError: names the first difference.
-    """
-    a, r = artifact.config, reference.config
-    if a.model_type != r.model_type:
-        raise InputError(f"reference {ref_spec} is a {r.model_type} model, the artifact a {a.model_type} model: "
-                         "nothing comparable")
-    # tied parameters listed under every name: an artifact whose quantized head was untied
-    # (recipe ``head:``) still matches its tied reference
-    pa = {n: tuple(p.shape) for n, p in artifact.named_parameters(remove_duplicate=False)}
-    pr = {n: tuple(p.shape) for n, p in reference.named_parameters(remove_duplicate=False)}
-    if pa != pr:
-        only_a, only_r = sorted(set(pa) - set(pr)), sorted(set(pr) - set(pa))
-        shape = next((n for n in sorted(pa) if n in pr and pa[n] != pr[n]), None)
-        what = (f"{only_a[0]} is missing from the reference" if only_a else f"the reference has an extra {only_r[0]}" if only_r
-                else f"{shape} is {list(pa[shape])} in the artifact but {list(pr[shape])} in the reference")
-        raise InputError(f"reference {ref_spec} does not have the artifact's architecture: {what}")
 
 
 def _norms_rescaled(reference, artifact) -> bool:
@@ -347,7 +287,7 @@ def _nonfinite_parameters(model) -> list[str]:
 # ---------------------------------------------------------------------------------------
 # 4. evaluate
 
-def _evaluate(plan: _Plan, models: _Models, prompts: list[str], opts: VerifyOptions, report: dict,
+def _evaluate(plan: _Plan, models: Models, prompts: list[str], opts: VerifyOptions, report: dict,
               console) -> tuple[str, dict]:
     """Full mode: the statistics on the eval text and the prompts, into ``report``.
 
@@ -369,100 +309,28 @@ def _evaluate(plan: _Plan, models: _Models, prompts: list[str], opts: VerifyOpti
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos and ev.seqlen > max_pos:
         report["warnings"].append(f"--seqlen {ev.seqlen} exceeds the model's max_position_embeddings {max_pos}")
-    make_cache = _cache_factory(model, kv_info, ev.seqlen, report)
+    make_cache = cache_factory(model, kv_info, ev.seqlen, report)
     ref_cache = make_cache  # the KV-only figures: the reference's keys in the artifact's key basis, if it has one
     if make_cache is not None and models.key_basis is not None and kv_info[0].static:
         ref_cache = lambda: make_cache(models.key_basis)  # noqa: E731
-    candidates, served = _candidates(models, plan.weights_quantized, make_cache, ref_cache)
-    report["evaluated_in"]["rows"] = _measured_rows(models, candidates, kv_info)
+    candidates, served = candidate_rows(models, plan.weights_quantized, make_cache, ref_cache)
+    report["evaluated_in"]["rows"] = measured_rows(models, candidates, kv_info)
     with show.progress(console, "windows") as bar:
         task = bar.add_task(f"reference + {len(candidates)} configuration(s)", total=len(wins))
         t_eval = time.perf_counter()
         results = compare(ref_model, candidates, wins, opts.device, opts.kv.chunk,
                           lambda i, n: show.window_done(console, bar, task, i, n, time.perf_counter() - t_eval))
-    _distribution_sections(report, results, served, wins, plan.text, ev.seqlen)
+    distribution_sections(report, results, served, wins, plan.text, ev.seqlen)
     report["eval"]["bos_token_id"] = bos
     report["eval"]["bos_rule"] = rule["rule"] + ("; evaluation windows, drift prompts and KV calibration follow it"
                                                  " (llama.cpp's perplexity convention)")
     _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts, make_cache, served, opts)
     if kv_info is not None:
-        report["kv_cache"] = _kv_report(kv_info[0], plan.kv_source, plan.ref_source, opts)
+        report["kv_cache"] = kv_report(kv_info[0], plan.kv_source, plan.ref_source, opts)
     return served, results
 
 
-def _cache_factory(model, kv_info, seqlen: int, report: dict):
-    """A function making the quantized KV cache to evaluate with, or ``None`` without a KV scheme."""
-    if kv_info is None:
-        return None
-    spec, scales = kv_info
-    if spec.codec.residual_window and seqlen <= spec.residual_length:
-        report["warnings"].append(
-            f"--seqlen {seqlen} <= KIVI residual_length {spec.residual_length}: no token is ever quantized, "
-            "the KV figures measure nothing; use a longer --seqlen")
-    layout = get_arch(model.config.model_type).kv_layout(model.config)
-    n_layers = model.config.num_hidden_layers
-    return lambda basis=None: quantized_cache(spec, n_layers, scales, layout, key_basis=basis)
-
-
-def _candidates(models: _Models, weights_quantized: bool, make_cache, ref_cache=None) -> tuple[dict, str]:
-    """The configurations compared with the reference, and the one the gates judge.
-
-    ``KV only`` is the artifact as served when its weights are not quantized (its stored
-    weights, in the dtype it is evaluated in, with the quantized cache); beside a weight
-    artifact's rows it isolates the cache's cost on the reference model (``ref_cache``: that
-    row's cache, keys in the artifact's basis when it has one)."""
-    candidates = {}
-    if weights_quantized:
-        candidates["weights only"] = (models.artifact, None)
-        if make_cache:
-            candidates["weights + KV"] = (models.artifact, make_cache)
-    if make_cache:
-        candidates["KV only"] = (models.reference, ref_cache or make_cache) if weights_quantized else (models.artifact, make_cache)
-    if not candidates:
-        candidates["weights only"] = (models.artifact, None)
-    served = ("weights + KV" if weights_quantized and make_cache
-              else ("weights only" if weights_quantized or not make_cache else "KV only"))
-    return candidates, served
-
-
-def _measured_rows(models: _Models, candidates: dict, kv_info) -> dict[str, str]:
-    """What each row of the report ran: ``{label: "the artifact's weights in bfloat16 with the fp8
-    per-tensor KV cache"}``, the reference included (the report's ``evaluated_in.rows``)."""
-    def what(model, cache) -> str:
-        whose = "the artifact's" if model is models.artifact else "the reference's"
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        return f"{whose} weights in {dtype} with " + (f"the {kv_info[0].describe()} KV cache" if cache else "a float KV cache")
-
-    return {"reference": what(models.reference, None), **{label: what(m, c) for label, (m, c) in candidates.items()}}
-
-
-def _distribution_sections(report: dict, results: dict, served: str, wins, text, seqlen: int) -> None:
-    """The report's ``eval``, ``perplexity``, ``perplexity_breakdown``, ``distribution`` and
-    ``per_window`` sections (and the KL values for the histogram)."""
-    ref, art = results["reference"], results[served]
-    increase = (art["ppl"] / ref["ppl"] - 1.0) * 100.0
-    report["eval"] = {**text.provenance(), "seqlen": seqlen, "windows": art["windows"],
-                      "predicted_tokens": art["predicted_tokens"]}
-    report["perplexity"] = {"artifact": round(art["ppl"], 4), "reference": round(ref["ppl"], 4),
-                            "increase_pct": round(increase, 4), "measured_on": served,
-                            "per_window_artifact": art["per_window_ppl"], "per_window_reference": ref["per_window_ppl"]}
-    report["perplexity_breakdown"] = {
-        label: {"ppl": round(r["ppl"], 4), "increase_pct": round((r["ppl"] / ref["ppl"] - 1) * 100, 4)}
-        for label, r in results.items() if label not in ("seconds",)
-    }
-    report["distribution"] = {
-        "measured_on": served, "kl": art["kl"], "top1_agreement_pct": 100.0 * art["top1_agreement"],
-        "breakdown": {label: {"kl": r["kl"], "top1_agreement_pct": 100.0 * r["top1_agreement"]}
-                      for label, r in results.items() if label not in ("reference", "seconds")},
-    }
-    report["per_window"] = [
-        {"window": i, "ppl_artifact": art["per_window_ppl"][i], "ppl_reference": ref["per_window_ppl"][i],
-         "kl_mean": art["per_window_kl_mean"][i], "top1_pct": round(100.0 * art["per_window_top1"][i], 4)}
-        for i in range(len(wins))]
-    report["_kl_values"] = art["kl_values"]
-
-
-def _hidden_and_drift(report: dict, models: _Models, weights_quantized: bool, wins, prompts, make_cache,
+def _hidden_and_drift(report: dict, models: Models, weights_quantized: bool, wins, prompts, make_cache,
                       served: str, opts: VerifyOptions) -> None:
     """The report's ``hidden_state_error`` (quantized weights only) and ``drift`` sections."""
     from ..evaluate import hidden_state_errors
@@ -494,30 +362,6 @@ def _calibrate_kv(model, tokenizer, spec, opts: VerifyOptions, console) -> dict:
     layout = get_arch(model.config.model_type).kv_layout(model.config)
     return {i: tuple(x.half().float() for x in layer_scales(k, v, spec, layout))
             for i, (k, v) in observed_absmax(obs).items()}
-
-
-def _kv_report(spec, source, ref_source, opts: VerifyOptions) -> dict:
-    """Scheme plus memory accounting for the model's shape (bytes/token, what a budget holds)."""
-    from ..models import load_config
-
-    kv = opts.kv
-    cfg = load_config(Path(opts.artifact))  # a multimodal wrapper's text model (Kimi K2.5)
-    layout = get_arch(cfg.model_type).kv_layout(cfg)
-    shape = (layout.n_layers, layout.components[0].heads, layout.components[0].width)
-    max_pos = getattr(cfg, "max_position_embeddings", None) or 32768
-    contexts = tuple(sorted({c for c in (2048, 8192, 32768) if c <= max_pos} | {max_pos}))
-    q = kv_budget(spec, *shape, kv.budget_gib, contexts, layout=layout)
-    fp = kv_budget(None, *shape, kv.budget_gib, contexts, layout=layout)
-    return {
-        "scheme": spec.describe(), "source": source, "kv_chunk": kv.chunk,
-        "calibration": ({"text": kv.calib, "samples": kv.calib_samples, "seqlen": 512, "seed": 0}
-                        if source == "--kv-scheme" and spec.static else None),
-        "layers_kv_heads_head_dim": list(shape) if layout.attention == "gqa" else None, "layout": layout.as_dict(),
-        "budget_gib": kv.budget_gib,
-        "bytes_per_token": q["bytes_per_token"], "fp16_bytes_per_token": fp["bytes_per_token"],
-        "max_tokens": q["max_tokens"], "fp16_max_tokens": fp["max_tokens"],
-        "max_batch": q["max_batch"], "fp16_max_batch": fp["max_batch"],
-    }
 
 
 # ---------------------------------------------------------------------------------------

@@ -43,13 +43,13 @@ def _whole_bytes(plan, opts) -> int | None:
     import torch
 
     from ..streaming import LazyCheckpoint
-    from .verify import _eval_dtype
+    from .verify_common import eval_dtype
 
     if plan.ref_source.kind != "hf":
         return None
     ckpt = LazyCheckpoint(plan.ref_source.path, block_fp8=None)
     n = sum(int(torch.Size(e.shape).numel()) for name, (_, e) in ckpt.where.items() if not name.endswith("_scale_inv"))
-    dtype = _eval_dtype(plan.folder, opts.evaluation.dtype)[0]
+    dtype = eval_dtype(plan.folder, opts.evaluation.dtype)[0]
     return n * (4 + torch.empty((), dtype=dtype).element_size()) + BASELINE_BYTES
 
 
@@ -112,11 +112,11 @@ class Streamed:
         from ..tokens import check_vocabulary
         from .common import peak_rss_mib
         from .kv_only import packed_method
-        from .verify import _check_same_architecture, _eval_dtype
+        from .verify_common import check_same_architecture, eval_dtype
 
         plan, opts, report = self.plan, self.opts, self.report
         self._refusals()
-        dtype, report["evaluated_in"] = _eval_dtype(plan.folder, opts.evaluation.dtype)
+        dtype, report["evaluated_in"] = eval_dtype(plan.folder, opts.evaluation.dtype)
         art, tokenizer = open_model(ModelSource(str(plan.folder), "hf", plan.folder), dtype, "artifact", _reader(plan.folder))
         # as load_artifact: a router its experts contradict, a tokenizer id beyond the embedding
         check_routing(text_config(art.model.config.to_dict()), f"{plan.folder}/config.json")
@@ -126,7 +126,7 @@ class Streamed:
         # as load_reference: an artifact serving as the reference is read in the artifact's dtype
         ref, _ = open_model(plan.ref_source, dtype if is_artifact else torch.float32, "reference",
                             _reader(ref_path) if is_artifact else None)
-        _check_same_architecture(art.model, ref.model, plan.ref_spec)
+        check_same_architecture(art.model, ref.model, plan.ref_spec)
         self.art, self.ref, self.tokenizer = art, ref, tokenizer
         wins, candidates, served, make_cache = self._windows_and_candidates() if opts.mode == "full" else (None, {}, "weights only", None)
         owners = [] if wins is None else ["reference", *[o for o, _ in candidates.values()]]
@@ -176,7 +176,7 @@ class Streamed:
         from ..calib import tokenize
         from ..evaluate import windows
         from ..tokens import bos_rule
-        from .verify import _cache_factory, _candidates, _measured_rows, _Models
+        from .verify_common import Models, cache_factory, candidate_rows, measured_rows
 
         plan, ev, report = self.plan, self.opts.evaluation, self.report
         self.rule = bos_rule(self.tokenizer)
@@ -184,14 +184,14 @@ class Streamed:
         max_pos = getattr(self.art.model.config, "max_position_embeddings", None)
         if max_pos and ev.seqlen > max_pos:
             report["warnings"].append(f"--seqlen {ev.seqlen} exceeds the model's max_position_embeddings {max_pos}")
-        make_cache = _cache_factory(self.art.model, plan.kv_info, ev.seqlen, report)
+        make_cache = cache_factory(self.art.model, plan.kv_info, ev.seqlen, report)
         self.basis: dict = {}  # the k_proj pair factors, filled layer by layer before the layer's windows run
         ref_cache = make_cache
         if make_cache is not None and self._key_pairs and plan.weights_quantized and plan.kv_info[0].static:
             ref_cache = lambda: make_cache(self.basis)  # noqa: E731
-        models = _Models(self.art.model, self.tokenizer, self.ref.model)
-        found, served = _candidates(models, plan.weights_quantized, make_cache, ref_cache)
-        report["evaluated_in"]["rows"] = _measured_rows(models, found, plan.kv_info)
+        models = Models(self.art.model, self.tokenizer, self.ref.model)
+        found, served = candidate_rows(models, plan.weights_quantized, make_cache, ref_cache)
+        report["evaluated_in"]["rows"] = measured_rows(models, found, plan.kv_info)
         roles = {label: ("artifact" if m is self.art.model else "reference", mc) for label, (m, mc) in found.items()}
         return wins, roles, served, make_cache
 
@@ -204,7 +204,7 @@ class Streamed:
         key-pair check of a KV-only artifact) computed on each layer pair as it is read."""
         from ..quality import KEY_PAIRS_TOLERANCE, key_pairs_residual, weight_report, weight_summary
         from ..streamed_eval import streamed_compare
-        from .verify import _head_is_packed
+        from .verify_common import head_is_packed
 
         plan, report = self.plan, self.report
         ref, art = self.ref, self.art
@@ -227,7 +227,7 @@ class Streamed:
                 worst[:] = max(worst, [w, name])
 
         def on_heads(rm, am):
-            if plan.weights_quantized and _head_is_packed(plan.folder, am):
+            if plan.weights_quantized and head_is_packed(plan.folder, am):
                 tensors.extend(weight_report(rm, am, algorithm, quantized_head=True, layers=[])["tensors"])
 
         ev = self.opts.evaluation
@@ -254,10 +254,10 @@ class Streamed:
 
     def _sections(self, out: dict, wins, served: str, make_cache) -> None:
         """The report's evaluation sections from the streamed results (drift: ``None``, said in a warning)."""
-        from .verify import _distribution_sections, _kv_report
+        from .verify_common import distribution_sections, kv_report
 
         plan, ev, report = self.plan, self.opts.evaluation, self.report
-        _distribution_sections(report, out["results"], served, wins, plan.text, ev.seqlen)
+        distribution_sections(report, out["results"], served, wins, plan.text, ev.seqlen)
         report["eval"]["bos_token_id"] = self.rule["bos_token_id"]
         report["eval"]["bos_rule"] = self.rule["rule"] + ("; evaluation windows follow it (llama.cpp's perplexity "
                                                           "convention); streamed: no drift prompts")
@@ -268,4 +268,4 @@ class Streamed:
         report["drift"] = None
         report["warnings"].append(f"greedy drift not measured ({self.why}): {DRIFT_SKIPPED}")
         if plan.kv_info is not None:
-            report["kv_cache"] = _kv_report(plan.kv_info[0], plan.kv_source, plan.ref_source, self.opts)
+            report["kv_cache"] = kv_report(plan.kv_info[0], plan.kv_source, plan.ref_source, self.opts)
