@@ -6,7 +6,7 @@ int64 token ids (``bench/work/peer/eval-ids.safetensors``), so tokenization, win
 and the loss are identical; only the loader differs:
 
 * ``--loader kvq``: kvq's own reader (``compressor.artifact.load_artifact`` for any
-  compressed-tensors/AWQ/GPTQ folder, ``compressor.models.load_model`` for a float one);
+  compressed-tensors/AWQ/GPTQ folder, ``compressor.source.open.load_model`` for a float one);
 * ``--loader transformers``: ``AutoModelForCausalLM.from_pretrained`` -- the loading path
   of transformers + compressed-tensors (run in the peer's virtual environment).
 
@@ -67,7 +67,8 @@ def load(model: str, loader: str):
     """Load ``model`` (a folder) with the named loader; returns a float32 causal LM in eval mode."""
     if loader == "kvq":
         from compressor.artifact import load_artifact
-        from compressor.models import load_model, resolve_source
+        from compressor.source.open import load_model
+        from compressor.source.resolve import resolve_source
 
         folder = Path(model)
         cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}

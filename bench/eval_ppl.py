@@ -17,7 +17,8 @@ import torch
 from compressor.artifact import load_artifact
 from compressor.calib import load_text, tokenize
 from compressor.evaluate import perplexity, windows
-from compressor.models import load_model, resolve_source
+from compressor.source.open import load_model
+from compressor.source.resolve import resolve_source
 
 ap = argparse.ArgumentParser()
 ap.add_argument("model")

@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT))
 from transformers.cache_utils import DynamicCache
 from compressor.calib import load_text, sample_windows, tokenize
 from compressor.evaluate import perplexity, windows
-from compressor.models import load_model, resolve_source
+from compressor.source.open import load_model
+from compressor.source.resolve import resolve_source
 from compressor.quant.kv import cache_kwarg, kv_observer, make_spec, observed_absmax, static_scales, fake_quantize_kv
 torch.set_grad_enabled(False)
 D = ROOT.parent / "shared" / "data"

@@ -52,7 +52,8 @@ from transformers.cache_utils import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from compressor.calib import load_text, sample_windows, tokenize
 from compressor.evaluate import compare, windows
-from compressor.models import load_model, resolve_source
+from compressor.source.open import load_model
+from compressor.source.resolve import resolve_source
 
 torch.set_grad_enabled(False)
 D = ROOT.parent / "shared" / "data"

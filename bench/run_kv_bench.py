@@ -70,7 +70,8 @@ def main():
     from compressor.artifact import load_artifact
     from compressor.calib import load_text, sample_windows, tokenize
     from compressor.evaluate import perplexity, windows
-    from compressor.models import load_model, resolve_source
+    from compressor.source.open import load_model
+    from compressor.source.resolve import resolve_source
     from compressor.quant.kv import (cache_kwarg, kv_bytes_per_token, kv_observer, make_spec, observed_absmax,
                                      quantized_cache, static_scales)
 

@@ -184,7 +184,9 @@ def generate(folder: Path, model_type: str, kw: dict) -> int:
 def write_tokenizer() -> None:
     """SmolLM2's tokenizer files into ``TOKENIZER`` (from kvq's GGUF conversion, made once)."""
     sys.path.insert(0, str(ROOT))
-    from compressor.models import cached_gguf_folder, load_model, resolve_source
+    from compressor.source.gguf_cache import cached_gguf_folder
+    from compressor.source.open import load_model
+    from compressor.source.resolve import resolve_source
 
     source = resolve_source("smollm2-135m")
     folder = cached_gguf_folder(source)

@@ -84,7 +84,8 @@ def one(engine: str, batch: int) -> dict:
     from transformers import AutoTokenizer
 
     from compressor.manifest import load_manifest
-    from compressor.models import load_model, resolve_source
+    from compressor.source.open import load_model
+    from compressor.source.resolve import resolve_source
 
     model, _ = load_model(resolve_source(load_manifest(ART).source["spec"]))
     model.eval()

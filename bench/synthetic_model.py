@@ -31,7 +31,8 @@ def prepare(spec: str, out: Path) -> Path:
     Raises:
         compressor.errors.InputError: ``spec`` cannot be read.
     """
-    from compressor.models import load_model, resolve_source
+    from compressor.source.open import load_model
+    from compressor.source.resolve import resolve_source
 
     model, tokenizer = load_model(resolve_source(spec))
     out = Path(out)

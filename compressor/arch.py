@@ -332,7 +332,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 #: ``model_type`` whose config and model classes compute it (same fields, same tensor
 #: names). kvq builds it with those classes and never runs the repository's own code
 #: (``auto_map``); the artifact's ``config.json`` keeps the published ``model_type`` and
-#: fields (:func:`compressor.models.register_published_types`).
+#: fields (:func:`compressor.source.resolve.register_published_types`).
 PUBLISHED_AS: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 
 #: model_type -> why kvq refuses it (said in the one-line error)

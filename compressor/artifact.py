@@ -21,7 +21,7 @@ import torch
 
 from . import __version__, interrupts
 from .arch import get_arch, is_text_tensor, mtp_layer, state_from_checkpoint
-from .config_check import check_routing, quantization_config, text_config
+from .source.config_check import check_routing, quantization_config, text_config
 from .errors import InputError, resource_problem
 from .formats import read_quant_weight, reader_for
 from .integrity import build_manifest, check_hashes  # noqa: F401  (re-exported)
@@ -342,7 +342,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from .models import load_config, load_tokenizer
+    from .source.resolve import load_config, load_tokenizer
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
@@ -488,7 +488,7 @@ def read_kv_cache(folder: str | Path, manifest=None, tensors=None, n_layers: int
         if idx:
             scales.setdefault(int(idx[0]), [None, None])[0 if leaf == "k_scale" else 1] = get().float().flatten()
     if n_layers is None:
-        from .config_check import text_config  # a multimodal wrapper's text model (Kimi K2.5)
+        from .source.config_check import text_config  # a multimodal wrapper's text model (Kimi K2.5)
 
         n_layers = int(text_config(json.loads((folder / "config.json").read_text())).get("num_hidden_layers", len(scales)))
     missing = [i for i in range(n_layers) if i not in scales or None in scales[i]]

@@ -37,7 +37,7 @@ def allocator_defaults(environ=os.environ) -> dict:
 #: for every layer and batch) were faulted in page by page again and again: GPTQ W4 on
 #: SmolLM2, 32 x 512, 1.07 M minor faults and 19.1 s of system time in a 52.3 s run; with these
 #: settings 0.72 M, 8.7 s and 41.3 s, the same artifact bytes, peak RSS +46 MiB (BENCHMARKS.md).
-#: kvq's own heap trims between layers (:func:`compressor.streaming.trim_heap`) still bound
+#: kvq's own heap trims between layers (:func:`compressor.source.lazy.trim_heap`) still bound
 #: the memory of large models.
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": (-3, 32 << 20),  # M_MMAP_THRESHOLD: glibc's largest (64-bit)
                    "MALLOC_TRIM_THRESHOLD_": (-1, (1 << 31) - 1),  # M_TRIM_THRESHOLD: an int's largest

@@ -34,7 +34,7 @@ def settled_gc():
 @contextmanager
 def frozen_gc():
     """Within the block, the objects alive on entry are left out of garbage collection
-    (:func:`gc.freeze`): the collection :func:`compressor.streaming.to_meta` runs before each
+    (:func:`gc.freeze`): the collection :func:`compressor.source.lazy.to_meta` runs before each
     heap trim then only looks at what the layer loop made (on SmolLM2 0.29 s a call otherwise,
     8.5 of an RTN run's 9.4 s of quantization). On exit the loop's own garbage is collected
     (a short walk: the rest is frozen), then the objects are unfrozen -- unless something was

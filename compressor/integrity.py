@@ -191,7 +191,7 @@ def coverage_problem(folder: Path, manifest: Manifest) -> str | None:
     :func:`listing_problem`, then, from the (already checked) ``config.json``, an embedding
     (``embed_tokens``) and at least one tensor of each of its ``num_hidden_layers`` decoder
     layers. Reads only ``config.json``; no torch."""
-    from .config_check import read_config, text_config
+    from .source.config_check import read_config, text_config
 
     problem = listing_problem(manifest)
     if problem is not None:

@@ -86,7 +86,7 @@ class QuantizeResult:
 
 @dataclass
 class LayerHooks:
-    """Streaming and resume around the per-layer loop (see :mod:`compressor.streaming`).
+    """Streaming and resume around the per-layer loop (see :mod:`compressor.source.lazy`).
 
     ``load(i, layer)`` materializes decoder layer ``i`` before it is processed;
     ``done(i, layer, result, hidden)`` runs after it (``hidden``: the next layer's input

@@ -32,7 +32,7 @@ import torch
 from . import interrupts
 from .errors import InputError, KvqError
 from .safetensors_io import file_digest
-from .streaming import ARTIFACT_DIR, HIDDEN_PREFIX, RESUME_NAME, LazyCheckpoint, layer_names, load_into, to_meta
+from .source.lazy import ARTIFACT_DIR, HIDDEN_PREFIX, LazyCheckpoint, RESUME_NAME, layer_names, load_into, to_meta
 
 
 def _tensor(model, name: str) -> torch.Tensor:
@@ -425,7 +425,7 @@ class LayerWriter:
         cast, as both are one rounding of the source's value."""
         if self.ckpt is None:
             return
-        from .streaming import outer_names
+        from .source.lazy import outer_names
 
         meta = [n for n in outer_names(self.model, self.arch) if _tensor(self.model, n).is_meta]
         load_into(self.model, self.ckpt, self.arch, meta, self.dtype)

@@ -2,12 +2,12 @@
 
 ``kvq verify --stream`` compares an artifact with its reference without either model ever
 being whole in memory. Both are built with their decoder layers on ``meta``
-(:func:`compressor.streaming.open_lazy`: embedding, final norm and RoPE buffers loaded, an
+(:func:`compressor.source.open.open_lazy`: embedding, final norm and RoPE buffers loaded, an
 untied head left on ``meta``); every evaluation window is embedded once, then the models
 advance together one decoder layer at a time:
 
 1. layer ``i`` of each model is read from its files (the reference through
-   :class:`~compressor.streaming.LazyCheckpoint`, block-FP8 dequantized per tensor; the
+   :class:`~compressor.source.lazy.LazyCheckpoint`, block-FP8 dequantized per tensor; the
    artifact's packed linears dequantized per tensor by the format's reader);
 2. every configuration (the reference, and each candidate: the artifact or the reference,
    with or without a quantized KV cache) runs all its windows through its model's layer ``i``,
@@ -57,14 +57,14 @@ BASELINE_BYTES = GIB // 2
 class LazyModel:
     """A causal LM whose decoder layers are read one at a time.
 
-    ``model``: built by :func:`compressor.streaming.open_lazy` (decoder layers on ``meta``;
+    ``model``: built by :func:`compressor.source.open.open_lazy` (decoder layers on ``meta``;
     ``defer_head=True`` leaves an untied head there until the statistics need it);
     ``ckpt``: the reader of its tensors; ``dtype``: what they are read and run in;
     ``role``: ``reference`` or ``artifact`` (in messages).
     """
 
     model: torch.nn.Module
-    ckpt: object  # compressor.streaming.LazyCheckpoint (or a subclass dequantizing packed linears)
+    ckpt: object  # compressor.source.lazy.LazyCheckpoint (or a subclass dequantizing packed linears)
     dtype: torch.dtype
     role: str
 
@@ -87,7 +87,7 @@ class LazyModel:
         Raises:
             InputError: a tensor is missing, unreadable, or holds NaN/Inf without ``on_nonfinite``.
         """
-        from .streaming import layer_names, load_into
+        from .source.lazy import layer_names, load_into
 
         load_into(self.model, self.ckpt, self.arch, layer_names(self.model, self.arch, i), self.dtype,
                   on_nonfinite or self._refuse_nonfinite)
@@ -98,7 +98,7 @@ class LazyModel:
 
     def release_layer(self, i: int) -> None:
         """Decoder layer ``i``'s weights back to ``meta``."""
-        from .streaming import to_meta
+        from .source.lazy import to_meta
 
         to_meta(self.layers[i])
 
@@ -109,7 +109,7 @@ class LazyModel:
 
     def release_embedding(self) -> None:
         """The input embedding back to ``meta`` (kept when the head is tied to it)."""
-        from .streaming import to_meta
+        from .source.lazy import to_meta
 
         if not self.tied:
             to_meta(self.model.get_submodule(self.arch.embed_tokens))
@@ -120,7 +120,7 @@ class LazyModel:
         Raises:
             InputError: unreadable, or NaN/Inf without ``on_nonfinite``.
         """
-        from .streaming import load_into
+        from .source.lazy import load_into
 
         name = f"{self.arch.lm_head}.weight"
         if not self.tied and self.model.get_parameter(name).is_meta:
@@ -129,16 +129,16 @@ class LazyModel:
 
 def open_model(source, dtype: torch.dtype, role: str, ckpt=None):
     """``(LazyModel, tokenizer)`` of a Hugging Face folder (``source``: a
-    :class:`compressor.models.ModelSource`), read through ``ckpt`` (default: the folder's
-    :class:`~compressor.streaming.LazyCheckpoint`; a packed artifact's dequantizing reader).
+    :class:`compressor.source.resolve.ModelSource`), read through ``ckpt`` (default: the folder's
+    :class:`~compressor.source.lazy.LazyCheckpoint`; a packed artifact's dequantizing reader).
     A GGUF file is read from kvq's cache of its conversion (made once, whole, when missing:
-    :func:`compressor.streaming.open_lazy`'s ``convert_gguf``).
+    :func:`compressor.source.open.open_lazy`'s ``convert_gguf``).
 
     Raises:
         InputError: the folder cannot be read one layer at a time (the reason named), or
             :func:`check_streamable` refuses its row.
     """
-    from .streaming import open_lazy
+    from .source.open import open_lazy
 
     lazy = open_lazy(source, dtype, ckpt=ckpt, defer_head=True, convert_gguf=True)
     if lazy[0] is None:

@@ -66,7 +66,8 @@ def test_determinism(tmp_path, tiny_model_dir, artifact):
 
 def test_round_trip_equals_quantized_model(artifact, tiny_model_dir):
     """load_artifact (dequantize) reproduces the in-memory quantized model's logits."""
-    from compressor.models import load_model, resolve_source
+    from compressor.source.open import load_model
+    from compressor.source.resolve import resolve_source
     from compressor.pipeline import quantize_model
     from compressor.recipe import load_recipe, with_overrides
     from compressor.calib import load_text, sample_windows, tokenize

@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compressor.config_check import check_folder
+from compressor.source.config_check import check_folder
 from compressor.errors import InputError
-from compressor.models import resolve_source
+from compressor.source.resolve import resolve_source
 
 from conftest import assert_clean_error, kvq_run as run
 

@@ -19,13 +19,12 @@ from compressor.commands.verify import run_verify
 from compressor.arch import ARCHITECTURES, REFUSED, get_arch, get_module, layer_groups, mtp_layer
 from compressor.errors import InputError
 from compressor.manifest import load_manifest
-from compressor.models import load_tokenizer, resolve_source
+from compressor.source.resolve import load_tokenizer, resolve_source
 from compressor.moe import unfuse_experts
 from compressor.quant.awq_layer import fold_scales as _fold
 from compressor.safetensors_io import read_header
-from compressor.streaming import (
-    LazyCheckpoint, copy_kept_tensors, kept_modules, kept_tensor_names, open_lazy,
-)
+from compressor.source.lazy import LazyCheckpoint, copy_kept_tensors, kept_modules, kept_tensor_names
+from compressor.source.open import open_lazy
 
 from conftest import assert_clean_error, digests, kvq_run as run
 from tiny_models import (
@@ -162,7 +161,7 @@ def test_router_bias_is_read_from_the_checkpoint(sources):
     """The score-correction bias is a persistent buffer: streamed, it comes from the shards."""
     src = resolve_source(str(sources["glm4_moe_lite"]))
     model, _, ckpt = open_lazy(src)
-    from compressor.streaming import layer_names, load_into
+    from compressor.source.lazy import layer_names, load_into
 
     arch = get_arch("glm4_moe_lite")
     names = layer_names(model, arch, 1)
@@ -345,7 +344,7 @@ def _reference_tiktoken(ranks: dict[bytes, int], text: str) -> list[int]:
     """tiktoken's algorithm: split with the pattern, then merge the lowest-rank adjacent pair."""
     import regex
 
-    from compressor.models import KIMI_PATTERN
+    from compressor.source.resolve import KIMI_PATTERN
 
     ids = []
     for piece in regex.findall(KIMI_PATTERN, text, flags=regex.V1):
@@ -374,7 +373,7 @@ def test_kimi_tiktoken_tokenizer_is_read_without_its_code(tmp_path):
 
 @pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_kimi_k2_with_its_tiktoken_tokenizer_quantizes(tmp_path, tokenizer):
-    from compressor.models import KIMI_RESERVED
+    from compressor.source.resolve import KIMI_RESERVED
 
     shutil.rmtree(tmp_path / "tok", ignore_errors=True)
     ranks = tiktoken_folder(tmp_path / "tok", "the model 中文 " * 20)

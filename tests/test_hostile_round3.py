@@ -282,7 +282,7 @@ def test_the_routing_check_runs_on_transformers_defaults_and_at_load(moe_src, tm
     from transformers import AutoConfig
 
     from compressor.errors import InputError
-    from compressor.models import check_buildable
+    from compressor.source.resolve import check_buildable
     from compressor.runtime.model import DecoderSpec
 
     bad = copy_folder(moe_src, tmp_path / "m")
@@ -472,7 +472,7 @@ def _poison(entry: Path) -> None:
     in the entry's index."""
     from safetensors.torch import load_file, save_file
 
-    from compressor.gguf_cache import GGUF_CACHE_INDEX
+    from compressor.source.gguf_cache import GGUF_CACHE_INDEX
     from compressor.safetensors_io import file_digest
 
     weights = entry / "model.safetensors"
@@ -509,8 +509,9 @@ def test_a_poisoned_gguf_cache_entry_is_never_read_as_the_gguf(gguf_file, cache,
 def test_the_cache_key_lives_outside_the_cache_and_is_checked(gguf_file, cache, tmp_path, monkeypatch):
     import os
 
-    from compressor.gguf_cache import CACHE_KEY_BYTES, cache_key_file, cached_gguf_folder, take_cache_notes
-    from compressor.models import load_model, resolve_source
+    from compressor.source.gguf_cache import CACHE_KEY_BYTES, cache_key_file, cached_gguf_folder, take_cache_notes
+    from compressor.source.open import load_model
+    from compressor.source.resolve import resolve_source
 
     src = resolve_source(str(gguf_file))
     take_cache_notes()

@@ -92,8 +92,10 @@ def test_gguf_conversion_is_cached_and_checked(tmp_path, monkeypatch):
     streams one layer at a time, and an edited cache entry is ignored."""
     import torch
 
-    from compressor.models import GGUF_CACHE_INDEX, cached_gguf_folder, load_model, resolve_source
-    from compressor.streaming import open_lazy
+    from compressor.source.gguf_cache import GGUF_CACHE_INDEX, cached_gguf_folder
+    from compressor.source.open import load_model
+    from compressor.source.resolve import resolve_source
+    from compressor.source.open import open_lazy
 
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("KVQ_CACHE_KEY_FILE", str(tmp_path / "cache-key"))  # the key kept outside the cache
@@ -118,7 +120,8 @@ def test_gguf_conversion_is_cached_and_checked(tmp_path, monkeypatch):
 def test_first_run_on_a_gguf_converts_it_then_streams(tmp_path, monkeypatch, capsys):
     """A GGUF file met for the first time is converted whole once, then released: the run
     streams from kvq's cache (the layer loop's memory does not sit on top of the whole model)."""
-    from compressor.models import cached_gguf_folder, resolve_source
+    from compressor.source.gguf_cache import cached_gguf_folder
+    from compressor.source.resolve import resolve_source
 
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("KVQ_CACHE_KEY_FILE", str(tmp_path / "cache-key"))  # the key kept outside the cache

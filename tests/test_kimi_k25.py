@@ -20,7 +20,8 @@ from compressor.commands.quantize import run_quantize
 from compressor.commands.verify import run_verify
 from compressor.arch import ARCHITECTURES, REFUSED, checkpoint_name, get_arch, memory_name, mtp_layer
 from compressor.manifest import load_manifest
-from compressor.models import load_model, resolve_source
+from compressor.source.open import load_model
+from compressor.source.resolve import resolve_source
 from compressor.safetensors_io import read_header
 
 from conftest import assert_clean_error, digests, kvq_run as run

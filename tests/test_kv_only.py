@@ -86,7 +86,7 @@ def test_kv_scales_are_calibrated_on_the_dequantized_weights(sources, fp8, tiny_
         torch.testing.assert_close(k, want.to(torch.bfloat16).float().reshape(1), rtol=1e-2, atol=0)
     # the float path's pass over the source dequantized gives exactly these scales; over the float original, others
     from compressor.calib import load_text, sample_windows, tokenize
-    from compressor.models import load_tokenizer
+    from compressor.source.resolve import load_tokenizer
     from compressor.pipeline import quantize_model
     from compressor.recipe import load_recipes
 
@@ -259,7 +259,7 @@ def test_kimi_k2_thinking_like_source(tmp_path, tokenizer, capsys):
     converted tokenizer.json added, so verify (and vLLM) read it without the code."""
     from tiny_models import make_published, tiktoken_folder
 
-    from compressor.models import KIMI_RESERVED
+    from compressor.source.resolve import KIMI_RESERVED
 
     ranks = tiktoken_folder(tmp_path / "tok", "the model 中文 " * 20)
     w4 = tmp_path / "k2t"  # an embedding row for every id the tiktoken tokenizer gives (its ranks, 256 reserved)

@@ -13,7 +13,8 @@ from compressor.calib import load_text, tokenize
 from compressor.commands.kv_only import PackedCheckpoint, find_packed
 from compressor.errors import InputError
 from compressor.evaluate import compare, hidden_state_errors, windows
-from compressor.models import ModelSource, load_model, resolve_source
+from compressor.source.open import load_model
+from compressor.source.resolve import ModelSource, resolve_source
 from compressor.quant.kv import quantized_cache
 from compressor.quality import weight_report, weight_summary
 from compressor.streamed_eval import memory_plan, open_model, streamed_compare

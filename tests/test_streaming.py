@@ -483,9 +483,10 @@ def test_gguf_conversion_for_streaming_needs_a_writable_cache(tmp_path, monkeypa
     """``open_lazy(convert_gguf=True)`` converts a GGUF file not cached yet only when kvq's cache
     can hold the result (else it is loaded whole, converted once, as before); a conversion whose
     cache entry still fails its check is not streamed either."""
-    import compressor.models as cm
-    from compressor.models import ModelSource, cache_writable
-    from compressor.streaming import open_lazy
+    import compressor.source.open as cm
+    from compressor.source.gguf_cache import cache_writable
+    from compressor.source.resolve import ModelSource
+    from compressor.source.open import open_lazy
 
     calls = []
     monkeypatch.setattr(cm, "load_model", lambda source, *a, **k: calls.append(source))
@@ -627,9 +628,10 @@ def test_gguf_cache_entry_damaged_or_blocked_by_a_file_is_named_and_replaced(tmp
     """A cache entry that fails its check (a file where the folder belongs, a file whose BLAKE3
     changed) is not used and is named in a note the commands print as a warning; the next
     conversion replaces it; a cache that cannot be stored is named too."""
-    from compressor.gguf_cache import (_gguf_key, _write_gguf_cache, cache_root, cached_gguf_folder, stale_cache_notes,
-                                       take_cache_notes)
-    from compressor.models import ModelSource
+    from compressor.source.gguf_cache import (
+        _gguf_key, _write_gguf_cache, cache_root, cached_gguf_folder, stale_cache_notes, take_cache_notes,
+    )
+    from compressor.source.resolve import ModelSource
 
     class Saved:  # stands for the converted model and tokenizer
         def save_pretrained(self, folder, **kw):
@@ -651,7 +653,7 @@ def test_gguf_cache_entry_damaged_or_blocked_by_a_file_is_named_and_replaced(tmp
     assert len(notes) == 1 and "failed its check: its index cannot be read" in notes[0] and "converted again" in notes[0]
     _write_gguf_cache(src, Saved(), Saved())
     assert cached_gguf_folder(src) == entry and take_cache_notes() == []
-    import compressor.gguf_cache as gc_mod
+    import compressor.source.gguf_cache as gc_mod
 
     hashed = []
     real = gc_mod.file_digest

@@ -1,7 +1,7 @@
 """Every row of the architecture table streams (issue #41): a tiny checkpoint of each row, built
 with the row's own transformers classes (Gemma 3's ``Gemma3TextScaledWordEmbedding``, whose
 ``embed_scale`` is a non-persistent buffer, included), opens with its decoder layers on ``meta``
-(:func:`compressor.streaming.open_lazy` returns a model, not a reason), and once its layers are
+(:func:`compressor.source.open.open_lazy` returns a model, not a reason), and once its layers are
 read the streamed model's logits equal the whole-loaded model's (and Gemma 3's streamed GPTQ run
 writes the whole-model run's tensors). A buffer the second build cannot compute sends the source
 down the whole-model path, naming it. The streaming table of docs/streaming.md (*Models larger than
@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from compressor.arch import ARCHITECTURES, PUBLISHED_AS, get_arch, get_module
-from compressor.models import load_model, resolve_source
-from compressor.streaming import layer_names, load_into, open_lazy
+from compressor.source.open import load_model
+from compressor.source.resolve import resolve_source
+from compressor.source.lazy import layer_names, load_into
+from compressor.source.open import open_lazy
 
 from conftest import FAST, digests
 from tiny_models import CONFIGS, PUBLISHED, WRAPPED, make_dir, make_k25, make_published
@@ -97,7 +99,7 @@ def test_an_embedding_keeping_a_non_persistent_buffer_streams(sources, opened):
     """The case of issue #41: Gemma 3's embedding multiplies by ``embed_scale`` (sqrt(hidden)),
     a non-persistent buffer transformers computes in ``__init__`` and never stores; built on
     ``meta`` it holds no value, and kvq computes it from the config."""
-    from compressor.streaming import _meta_model
+    from compressor.source.lazy import _meta_model
 
     meta, _, _ = _meta_model(resolve_source(str(sources["gemma3_text"])), torch.float32, None)
     emb = meta.model.embed_tokens

@@ -177,7 +177,7 @@ def make_dir(path, tokenizer, row, seed=0, prepare=lambda m: m, **kw):
     an embedding row for every id the tokenizer gives as the row's folder loads it (Qwen2's
     class adds ``<|endoftext|>`` after the tokenizer's 320 ids; kvq refuses a tokenizer beyond
     the embedding)."""
-    from compressor.models import load_tokenizer
+    from compressor.source.resolve import load_tokenizer
 
     prepare(tiny(row, seed, len(tokenizer), **kw)).save_pretrained(path)
     tokenizer.save_pretrained(path)

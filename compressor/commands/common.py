@@ -20,7 +20,7 @@ def load_reference(spec: str, source, artifact_dtype=None):
 
     Args:
         spec: what the user named (``--reference`` or the manifest's source spec).
-        source: ``spec`` resolved by :func:`compressor.models.resolve_source`.
+        source: ``spec`` resolved by :func:`compressor.source.resolve.resolve_source`.
 
     Returns:
         A ``PreTrainedModel``: a kvq artifact (a folder with a manifest) or another
@@ -35,7 +35,7 @@ def load_reference(spec: str, source, artifact_dtype=None):
     """
     from ..artifact import load_artifact
     from ..manifest import MANIFEST_NAME
-    from ..models import load_model
+    from ..source.open import load_model
     from .kv_only import packed_method
 
     if Path(spec).is_dir() and ((Path(spec) / MANIFEST_NAME).is_file() or packed_method(Path(spec)) is not None):

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..config_check import PACKED_SOURCES, quantization_config, read_config
+from ..source.config_check import PACKED_SOURCES, quantization_config, read_config
 from ..errors import CheckFailed, InputError
-from ..streaming import LazyCheckpoint
+from ..source.lazy import LazyCheckpoint
 
 #: files of the source that the artifact rewrites (config.json) or must not inherit
 _NOT_COPIED = ("config.json", "kvq-manifest.json", "model.sig")
@@ -104,7 +104,7 @@ class PackedSource:
         """The float dtype its config declares (``dtype``, older ``torch_dtype``), else the
         dtype most of its float bytes are stored in; ``bfloat16`` when neither says."""
         from ..artifact import DTYPES
-        from ..models import ModelSource, source_float_dtype
+        from ..source.resolve import ModelSource, source_float_dtype
 
         for key in ("dtype", "torch_dtype"):
             if self.config.get(key) in DTYPES:
@@ -115,7 +115,7 @@ class PackedSource:
 
 def find_packed(spec: str) -> Optional[PackedSource]:
     """The :class:`PackedSource` at ``spec``, or ``None`` for a float source (or an alias,
-    a GGUF file, a path that does not exist: :func:`compressor.models.resolve_source` judges those).
+    a GGUF file, a path that does not exist: :func:`compressor.source.resolve.resolve_source` judges those).
 
     Raises:
         InputError: the folder's ``kvq-manifest.json`` is invalid.
@@ -252,9 +252,9 @@ def load_packed(packed: PackedSource, source, stream: bool, spill_dir: Path, bud
     """The float model the KV scales are calibrated on: the source's weights dequantized.
 
     Args:
-        source: ``packed`` resolved (:class:`compressor.models.ModelSource`).
+        source: ``packed`` resolved (:class:`compressor.source.resolve.ModelSource`).
         stream: read one decoder layer at a time (released after it); ``False`` or a
-            layout :func:`compressor.streaming.open_lazy` cannot address: whole.
+            layout :func:`compressor.source.open.open_lazy` cannot address: whole.
 
     Returns:
         ``(model, tokenizer, hooks, loading)``: a float32 model (decoder layers on ``meta``
@@ -268,7 +268,8 @@ def load_packed(packed: PackedSource, source, stream: bool, spill_dir: Path, bud
     from ..arch import get_arch
     from ..artifact import load_artifact
     from ..pipeline import LayerHooks
-    from ..streaming import layer_names, load_into, open_lazy, to_meta
+    from ..source.lazy import layer_names, load_into, to_meta
+    from ..source.open import open_lazy
     from ..tokens import check_vocabulary
 
     budget = int(budget_gib * 2**30)
@@ -371,7 +372,7 @@ def _copy_files(packed: PackedSource, tmp: Path, tokenizer, warnings: list[str])
     """Every plain file of the source except its weights, index, config, manifest and
     signature, copied as it is (links followed); folders are skipped (an artifact holds
     plain files only), with a warning. A tokenizer that needs the repository's code is
-    saved converted too (:func:`compressor.models.load_tokenizer`), as the float path does."""
+    saved converted too (:func:`compressor.source.resolve.load_tokenizer`), as the float path does."""
     from ..artifact import save_tokenizer
 
     skipped = []

@@ -167,7 +167,7 @@ class WriteOptions(_Section):
     """The artifact written: on-disk format, storage dtype, digests, shards, signature."""
 
     format: str = "compressed-tensors"
-    #: storage and declared dtype; ``auto`` follows the source (compressor.models.storage_dtype)
+    #: storage and declared dtype; ``auto`` follows the source (compressor.source.resolve.storage_dtype)
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
     #: keep --dtype float16 although a layer's activations exceed float16's range (said in the manifest)
     allow_float16_overflow: bool = False
@@ -193,7 +193,7 @@ class ExecutionOptions(_Section):
     #: the calibration pass's CPU matmuls (compressor.precision): auto is bfloat16 where the CPU multiplies it in hardware
     matmul_precision: Literal["auto", "float32", "bfloat16"] = "auto"
     threads: Optional[int] = Field(None, ge=1, le=4096)  # torch's intra-op threads; None: one per usable CPU
-    stream: bool = True  # read a safetensors source one decoder layer at a time (compressor.streaming)
+    stream: bool = True  # read a safetensors source one decoder layer at a time (compressor.source.lazy)
     resume: bool = False  # continue an interrupted run from its staging folder
     activation_budget_gib: float = _finite(8.0, ge=0, le=MAX_GIB)  # activations above this go to memory-mapped files
     #: bytes of one decoder layer's weights held at once (float32 + int8 codes) by an uncalibrated streamed run (RTN, float

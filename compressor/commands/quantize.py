@@ -6,7 +6,7 @@
    inputs, the effective recipe (recipes, ``--kv-scheme``, ``--set``, flags), the format,
    the model source and its architecture, the calibration text;
 2. :func:`_load` -- the model (streamed one decoder layer at a time where it can be, see
-   :mod:`compressor.streaming`) and the calibration windows;
+   :mod:`compressor.source.lazy`) and the calibration windows;
 3. :func:`_quantize` -- the staging folder (resumable) and the sequential pipeline
    (:func:`compressor.pipeline.quantize_model`) with a :class:`~compressor.staging.LayerWriter`
    writing each finished layer;
@@ -37,11 +37,13 @@ from ..arch import checkpoint_name, get_arch, mtp_layer, routers
 from ..artifact import DTYPES, check_output, tool_info, write_artifact
 from ..calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
 from ..tokens import bos_rule, check_vocabulary
-from ..config_check import read_config, text_config
+from ..source.config_check import read_config, text_config
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import get_format
-from ..models import ALIASES, float32_bytes, load_model, peek_model_type, resolve_source, stale_cache_notes, storage_dtype, take_cache_notes
+from ..source.gguf_cache import stale_cache_notes, take_cache_notes
+from ..source.open import load_model
+from ..source.resolve import ALIASES, float32_bytes, peek_model_type, resolve_source, storage_dtype
 from ..pipeline import check_group_sizes, quantize_model
 from ..precision import resolve_matmul_precision
 from ..quant.algorithms import get_algorithm
@@ -53,7 +55,7 @@ from ..activations import plan_activations
 from ..staging import (
     LayerWriter, input_digests, keep_checkpoint, name_kept_checkpoint, open_staging, refuse_if_in_use, resume_key,
 )
-from ..streaming import open_lazy
+from ..source.open import open_lazy
 from . import kv_only
 from .common import check_resumable, cpu_threads, in_background, peak_rss_mib, threads_restored
 from . import quantize_record as blocks
@@ -66,12 +68,12 @@ class _Plan:
 
     out: Path
     recipe: Recipe
-    source: object  # compressor.models.ModelSource
+    source: object  # compressor.source.resolve.ModelSource
     kv: object  # the recipe's KV spec (compressor.quant.kv), None without a KV scheme
     token_file: bool  # calibration given as pre-tokenized ids
     text: object  # calibration text (compressor.calib), None when not needed or token ids
     warnings: list[str]  # grows as the run goes: the manifest's quality.warnings
-    dtype: str = "float16"  # storage and declared dtype (compressor.models.storage_dtype)
+    dtype: str = "float16"  # storage and declared dtype (compressor.source.resolve.storage_dtype)
     dtype_reason: str = "--dtype"
     calib_shape: Optional[tuple[int, int]] = None  # (samples, seqlen) of the calibration windows, None without
     activation_budget_gib: Optional[float] = None  # in effect (0: spill all); None until the activations are checked
@@ -95,7 +97,7 @@ class _Source:
 
     model: torch.nn.Module
     tokenizer: object
-    ckpt: object  # compressor.streaming.LazyCheckpoint of a streamed source, else None
+    ckpt: object  # compressor.source.lazy.LazyCheckpoint of a streamed source, else None
     loading: str  # how the source weights were read (for the summary)
     calib_ids: Optional[torch.Tensor]  # [samples, seqlen] token ids, None without calibration
     calibration: Optional[dict]  # provenance record for the manifest
@@ -214,7 +216,7 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
                  matmul_precision=resolve_matmul_precision(opts.execution.matmul_precision, opts.execution.device),
                  threads=threads, busy=busy)
     if source.kind == "hf":  # config.json was checked against the weights: its hidden size is the model's
-        from ..config_check import hidden_size
+        from ..source.config_check import hidden_size
 
         _check_activations(plan, opts, hidden_size(read_config(source.path / "config.json")), console)
     return plan
@@ -506,7 +508,7 @@ def _keep_tensors(plan: _Plan, src: _Source, staging, warnings: list[str], conso
         ``(checkpoint names of the copied linears, for the ignore list; the manifest's
         ``quality.carried`` record, ``None`` without carried tensors)``.
     """
-    from ..streaming import LazyCheckpoint, carried_tensor_names, copy_kept_tensors, kept_modules, kept_tensor_names
+    from ..source.lazy import LazyCheckpoint, carried_tensor_names, copy_kept_tensors, kept_modules, kept_tensor_names
 
     ckpt = src.ckpt if src.ckpt is not None else (LazyCheckpoint(plan.source.path) if plan.source.kind == "hf" else None)
     if ckpt is None:

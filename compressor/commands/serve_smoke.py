@@ -76,7 +76,8 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
 
 def _run(opts: SmokeOptions, console) -> dict:
     from ..load_integrity import ArtifactMismatch, SignatureFailed
-    from ..models import resolve_source, take_cache_notes
+    from ..source.gguf_cache import take_cache_notes
+    from ..source.resolve import resolve_source
 
     t0 = time.perf_counter()
     plan = _plan(opts)  # refusals first: a refused run's stderr is its one error line

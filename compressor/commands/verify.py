@@ -37,7 +37,7 @@ from ..errors import CheckFailed, InputError
 from ..evaluate import windows
 from ..integrity import check_artifact_folder, foreign_integrity, verify_integrity
 from ..manifest import load_manifest
-from ..models import resolve_source
+from ..source.resolve import resolve_source
 from ..quant.kv import make_spec
 from . import verify_streamed
 from .common import cpu_threads, load_reference, threads_restored
@@ -60,7 +60,7 @@ class _Plan:
     weights_quantized: bool
     thresholds: dict[str, float]
     ref_spec: str
-    ref_source: object  # compressor.models.ModelSource
+    ref_source: object  # compressor.source.resolve.ModelSource
     text: object  # eval text (compressor.calib), None unless full mode
     kv_info: Optional[tuple]  # (KV spec, static scales or None), None: no KV scheme
     kv_source: Optional[str]  # "artifact" or "--kv-scheme"
@@ -81,7 +81,7 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
         InputError: not an artifact, bad manifest/header, reference, eval text or prompts not found.
         CheckFailed: the recorded source model changed since quantization.
     """
-    from ..models import take_cache_notes
+    from ..source.gguf_cache import take_cache_notes
     from ..prompts import load_prompts
     from ..report import validate
 

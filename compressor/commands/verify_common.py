@@ -160,7 +160,7 @@ def distribution_sections(report: dict, results: dict, served: str, wins, text, 
 
 def kv_report(spec, source, ref_source, opts: VerifyOptions) -> dict:
     """Scheme plus memory accounting for the model's shape (bytes/token, what a budget holds)."""
-    from ..models import load_config
+    from ..source.resolve import load_config
 
     kv = opts.kv
     cfg = load_config(Path(opts.artifact))  # a multimodal wrapper's text model (Kimi K2.5)

@@ -42,7 +42,7 @@ def _whole_bytes(plan, opts) -> int | None:
     headers), ``None`` for a source that is not a safetensors folder."""
     import torch
 
-    from ..streaming import LazyCheckpoint
+    from ..source.lazy import LazyCheckpoint
     from .verify_common import eval_dtype
 
     if plan.ref_source.kind != "hf":
@@ -72,7 +72,7 @@ def choose(plan, opts, report: dict, console) -> "Streamed | None":
 def _reader(folder: Path):
     """The tensor reader of a kvq (or packed) artifact folder: packed linears dequantized per
     tensor, float tensors as stored."""
-    from ..streaming import LazyCheckpoint
+    from ..source.lazy import LazyCheckpoint
     from .kv_only import PackedCheckpoint, find_packed
 
     packed = find_packed(str(folder))
@@ -105,9 +105,9 @@ class Streamed:
         """
         import torch
 
-        from ..config_check import check_routing, text_config
+        from ..source.config_check import check_routing, text_config
         from ..manifest import MANIFEST_NAME
-        from ..models import ModelSource
+        from ..source.resolve import ModelSource
         from ..streamed_eval import memory_plan, open_model
         from ..tokens import check_vocabulary
         from .common import peak_rss_mib

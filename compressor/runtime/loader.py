@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..arch import ArchSpec, checkpoint_name, get_arch
-from ..config_check import quantization_config
+from ..source.config_check import quantization_config
 from ..errors import InputError
 from .attention import Attention
 from .blocks import FusedGatedMLP, GatedMLP, RMSNorm, Rotary, rope_frequencies, row_traits
@@ -43,7 +43,7 @@ GROUPED_KERNEL = "triton-moe-w4a16"
 
 def _read_config(folder: Path, shown: Path | None = None) -> tuple[dict, object]:
     """``(raw dict, transformers config)`` of ``folder/config.json``; errors name ``shown`` (the artifact)."""
-    from ..models import load_config
+    from ..source.resolve import load_config
 
     shown = shown or folder
     if not (folder / "config.json").is_file():

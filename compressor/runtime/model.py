@@ -71,8 +71,8 @@ class DecoderSpec:
     @classmethod
     def from_config(cls, cfg, kv: str = "gqa", dense_field: str | None = None) -> "DecoderSpec":
         """Raises InputError: a missing field, GQA heads that do not divide, router or
-        sliding-window fields that contradict the experts (:func:`compressor.config_check.check_routing`)."""
-        from ..config_check import check_routing, text_config
+        sliding-window fields that contradict the experts (:func:`compressor.source.config_check.check_routing`)."""
+        from ..source.config_check import check_routing, text_config
 
         if hasattr(cfg, "to_dict"):
             check_routing(text_config(cfg.to_dict()))

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .errors import InputError, first_line
-from .quant.inplace_linalg import all_finite
-from .safetensors_io import read_header
+from ..errors import InputError, first_line
+from ..quant.inplace_linalg import all_finite
+from ..safetensors_io import read_header
 
 RESUME_NAME = "resume.json"
 HIDDEN_PREFIX = "resume-hidden-"  # + layers done + .safetensors: a new file per checkpoint
@@ -48,7 +48,7 @@ class LazyCheckpoint:
     e4m3 -> float32 conversion is exact; the product is one float32 rounding), then cast
     to the dtype asked for (round to nearest even) -- the arithmetic of DeepSeek's own
     ``weight_dequant``. ``block_fp8`` is ``(bo, bi)``; by default it is read from the
-    folder's ``config.json`` (:func:`compressor.config_check.source_quantization`).
+    folder's ``config.json`` (:func:`compressor.source.config_check.source_quantization`).
 
     Raises:
         InputError: a shard with a bad header; a tensor name in two shards; a
@@ -209,9 +209,11 @@ def _real_buffers(model, dtype: torch.dtype) -> str | None:
     return None
 
 
-def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None,
-              ckpt: LazyCheckpoint | None = None, defer_head: bool = False, convert_gguf: bool = False):
-    """Build ``(model, tokenizer, checkpoint)`` with decoder layers on ``meta`` and the rest loaded.
+def open_folder(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None,
+                ckpt: LazyCheckpoint | None = None, defer_head: bool = False):
+    """Build ``(model, tokenizer, checkpoint)`` from a Hugging Face folder (``source.kind == "hf"``)
+    with decoder layers on ``meta`` and the rest loaded: what :func:`compressor.source.open.open_lazy`
+    (the entry point, which also takes a GGUF file through kvq's cache) returns.
 
     MoE experts are unfused (:func:`compressor.moe.unfuse_experts`) so parameter names are
     the per-expert ones; each maps to a checkpoint tensor through
@@ -220,43 +222,25 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
     read (:class:`LazyCheckpoint`); published model types transformers has no class for
     (``kimi_k2``) are built with the classes of the architecture they publish
     (:data:`compressor.arch.PUBLISHED_AS`); the tokenizer comes from
-    :func:`compressor.models.load_tokenizer` (``tokenizer_dir`` overrides the model's).
+    :func:`compressor.source.resolve.load_tokenizer` (``tokenizer_dir`` overrides the model's).
     Multi-token-prediction layers stored after the decoder layers have no module: see
     :func:`kept_tensor_names`. ``ckpt`` replaces the folder's default reader (e.g. one that
     dequantizes packed linears: :class:`compressor.commands.kv_only.PackedCheckpoint`).
     ``defer_head``: leave an untied ``lm_head`` on ``meta`` (nothing before the write needs
-    it; :func:`outer_names` / :func:`load_into` read it then). ``convert_gguf``: a GGUF file
-    not in kvq's cache yet is converted whole once (:func:`compressor.models.load_model`
-    stores it there), released, and streamed from the cache (when the cache folder is
-    writable; otherwise ``(None, reason)`` as without it).
+    it; :func:`outer_names` / :func:`load_into` read it then).
 
     Returns:
         ``(model, tokenizer, checkpoint)``, or ``(None, reason)`` when the folder cannot be
-        streamed (GGUF file, tensor names that do not map, a non-persistent buffer its class
-        does not compute without its weights: :func:`_real_buffers`).
+        streamed (tensor names that do not map, a non-persistent buffer its class does not
+        compute without its weights: :func:`_real_buffers`).
 
     Raises:
         InputError: unreadable config/tokenizer, bad shard headers.
     """
-    from .arch import checkpoint_name, get_arch
+    from ..arch import checkpoint_name, get_arch
+    from ..moe import unfuse_experts
     from .layout_check import check_layout
-    from .moe import unfuse_experts
 
-    if source.kind == "gguf":  # a GGUF converted once before streams from kvq's cache
-        from .models import ModelSource, cache_root, cache_writable, cached_gguf_folder, load_model
-
-        cached = cached_gguf_folder(source)
-        if cached is None and convert_gguf:
-            if not cache_writable():
-                return None, f"kvq's cache folder {cache_root()} cannot be written: the GGUF file is converted whole on every run"
-            load_model(source)  # converted and stored in kvq's cache; the whole model is released here
-            trim_heap()
-            cached = cached_gguf_folder(source)
-        if cached is None:
-            return None, "a GGUF file is dequantized whole by transformers' GGUF loader the first time (cached for later runs)"
-        source = ModelSource(source.spec, "hf", cached)
-    elif source.kind != "hf":
-        return None, f"{source.kind} sources are loaded whole"
     model, tokenizer, ckpt = _meta_model(source, dtype, tokenizer_dir, ckpt)
     cfg = model.config
     arch = get_arch(cfg.model_type)
@@ -279,18 +263,18 @@ def open_lazy(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | P
 
 
 def check_source_layout(source, tokenizer_dir=None):
-    """:func:`compressor.layout_check.check_layout` for a Hugging Face folder loaded whole
+    """:func:`compressor.source.layout_check.check_layout` for a Hugging Face folder loaded whole
     (``--no-stream``, or a folder that does not stream): the model its config describes is
     built on the meta device and compared with the shards' headers before transformers reads
     any weight (transformers would keep a tensor the shards lack at its random init).
-    Returns the tokenizer loaded with it (:func:`compressor.models.load_tokenizer`).
+    Returns the tokenizer loaded with it (:func:`compressor.source.resolve.load_tokenizer`).
 
     Raises:
-        InputError: see :func:`~compressor.layout_check.check_layout`.
+        InputError: see :func:`~compressor.source.layout_check.check_layout`.
     """
-    from .arch import get_arch
+    from ..arch import get_arch
     from .layout_check import check_layout
-    from .moe import unfuse_experts
+    from ..moe import unfuse_experts
 
     model, tokenizer, ckpt = _meta_model(source, torch.float32, tokenizer_dir)
     arch = get_arch(model.config.model_type)
@@ -312,7 +296,7 @@ def outer_names(model, arch) -> list[str]:
 
 def _meta_model(source, dtype: torch.dtype, tokenizer_dir, ckpt: LazyCheckpoint | None = None):
     """``(model on meta, tokenizer, checkpoint)`` of a Hugging Face folder, eval mode, no gradients."""
-    from .models import check_buildable, load_config, load_tokenizer, register_for
+    from .resolve import check_buildable, load_config, load_tokenizer, register_for
 
     register_for(source.path)
     ckpt = ckpt if ckpt is not None else LazyCheckpoint(source.path)  # reads (and checks) the source's quantization_config
@@ -340,7 +324,7 @@ def _from_config(cfg, dtype: torch.dtype):
 
 
 def _load_one(model, ckpt: LazyCheckpoint, arch, name: str, dtype: torch.dtype, on_nonfinite=None) -> None:
-    from .arch import checkpoint_name
+    from ..arch import checkpoint_name
 
     t = ckpt.get(checkpoint_name(arch, name), dtype)
     if t.is_floating_point() and not all_finite(t):
@@ -373,13 +357,13 @@ def load_whole(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | 
     """``(model, tokenizer)`` with every weight read through :class:`LazyCheckpoint`: the
     whole-model path for block-FP8 sources (transformers' own FP8 loader dequantizes
     differently, or not at all on CPU), giving the tensors a streamed run reads, in
-    transformers' module layout (fused experts, as :func:`compressor.models.load_model`
+    transformers' module layout (fused experts, as :func:`compressor.source.open.load_model`
     returns). Multi-token-prediction layers are not read (no module holds them).
 
     Raises:
         InputError: a tensor of the model is not stored in the folder, or holds NaN/Inf.
     """
-    from .arch import checkpoint_name, get_arch, is_text_tensor, mtp_layer, state_from_checkpoint
+    from ..arch import checkpoint_name, get_arch, is_text_tensor, mtp_layer, state_from_checkpoint
 
     model, tokenizer, ckpt = _meta_model(source, dtype, tokenizer_dir)
     cfg = model.config
@@ -416,7 +400,7 @@ def kept_tensor_names(ckpt: LazyCheckpoint, arch, num_hidden_layers: int) -> lis
     artifact in float (block-FP8 ones dequantized; each ``_scale_inv`` is consumed by its
     weight), unquantized, so a serving engine's speculative decoding still finds them.
     """
-    from .arch import mtp_layer
+    from ..arch import mtp_layer
 
     return sorted(n for n in ckpt.where if mtp_layer(arch, num_hidden_layers, n) is not None
                   and not (n.endswith("_scale_inv") and n[: -len("_scale_inv")] in ckpt.where))
@@ -426,7 +410,7 @@ def carried_tensor_names(ckpt: LazyCheckpoint, arch) -> list[str]:
     """Checkpoint names of the tensors a multimodal wrapper carries untouched (Kimi K2.5's
     vision tower and projector, :class:`compressor.arch.Wrapper`), sorted; a block-FP8
     weight's ``_scale_inv`` is consumed by its weight. Empty for a text-only row."""
-    from .arch import is_carried
+    from ..arch import is_carried
 
     return sorted(n for n in ckpt.where if is_carried(arch, n)
                   and not (n.endswith("_scale_inv") and n[: -len("_scale_inv")] in ckpt.where))

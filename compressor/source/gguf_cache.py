@@ -1,7 +1,7 @@
 """kvq's cache of converted GGUF files (issue #19: start-up under 5 s on a second command).
 
 transformers converts a GGUF file (metadata, tokenizer, dequantization) on every load, which
-takes tens of seconds; :func:`compressor.models.load_model` stores the converted float32
+takes tens of seconds; :func:`compressor.source.open.load_model` stores the converted float32
 model once, as an ordinary Hugging Face folder, keyed by the GGUF file's SHA-256 and the
 transformers version, with each file's BLAKE3 digest checked on every use.
 
@@ -24,11 +24,11 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import resource_problem
-from .safetensors_io import file_digest
+from ..errors import resource_problem
+from ..safetensors_io import file_digest
 
 if TYPE_CHECKING:
-    from .models import ModelSource
+    from .resolve import ModelSource
 
 #: file in a GGUF cache entry recording what it was made from and each file's BLAKE3 digest
 GGUF_CACHE_INDEX = "kvq-gguf-cache.json"
@@ -176,7 +176,7 @@ def cached_gguf_folder(source: ModelSource) -> Path | None:
     file's BLAKE3 digest (a damaged or edited entry is ignored, rebuilt, and named in a
     note: :func:`take_cache_notes`). The folder is an ordinary Hugging Face folder, so a
     cached GGUF source also streams one decoder layer at a time
-    (:func:`compressor.streaming.open_lazy`).
+    (:func:`compressor.source.open.open_lazy`).
     """
     if source.kind != "gguf":
         return None

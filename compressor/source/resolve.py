@@ -1,8 +1,8 @@
 """Model sources: a Hugging Face folder (safetensors), a GGUF file, or an alias.
 
-``resolve_source`` only locates and checks; ``load_model`` builds the float
-``(model, tokenizer)`` pair on CPU. GGUF files go through transformers' GGUF loader
-(weights dequantized to float32).
+``resolve_source`` only locates and checks; configs, tokenizers and storage dtypes are read
+here too. Opening the weights is :mod:`compressor.source.open`'s (``load_model``: the float
+``(model, tokenizer)`` pair on CPU; ``open_lazy``: streamed).
 """
 
 from __future__ import annotations
@@ -12,13 +12,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from .errors import InputError, first_line
-from .gguf_cache import (GGUF_CACHE_INDEX, _write_gguf_cache, cache_root, cache_writable,  # noqa: F401 (public here)
-                         cached_gguf_folder, stale_cache_notes, take_cache_notes)
-from .registry import FORMATS
-from .safetensors_io import file_digest, read_header
+from ..errors import InputError, first_line
+from ..registry import FORMATS
+from ..safetensors_io import file_digest, read_header
 
 #: alias -> (python package, file inside it, install hint)
 ALIASES = {
@@ -50,7 +46,7 @@ def resolve_source(spec: str) -> ModelSource:
     Raises:
         InputError: missing path, alias whose package is not installed, a folder with only
             pickle weights (``.bin``/``.pt``), or without ``config.json``; a ``config.json``
-            that contradicts the weights (:mod:`compressor.config_check`).
+            that contradicts the weights (:mod:`compressor.source.config_check`).
     """
     if spec in ALIASES:
         package, filename, hint = ALIASES[spec]
@@ -105,78 +101,6 @@ def peek_model_type(source: ModelSource) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None):
-    """Load ``(model, tokenizer)`` in ``dtype`` on CPU, eval mode, no gradients.
-
-    For GGUF the quantization marker transformers sets (``quant_method: gguf``) is removed,
-    since the weights are plain float once loaded; the converted model is cached
-    (:func:`cached_gguf_folder`) and later loads read the cache. A block-FP8 folder is read
-    through kvq's own dequantizing reader (:func:`compressor.streaming.load_whole`, the
-    tensors a streamed run reads). Published model types transformers has no class for
-    are built with the classes they publish (:func:`register_published_types`); the
-    tokenizer comes from :func:`load_tokenizer` (``tokenizer_dir`` overrides).
-
-    Raises:
-        InputError: the files cannot be parsed by transformers.
-    """
-    from transformers import AutoModelForCausalLM
-
-    if source.kind == "hf":
-        register_for(source.path)
-    cached = cached_gguf_folder(source)
-    if cached is not None:
-        model, tokenizer = load_model(ModelSource(source.spec, "hf", cached), dtype)
-        return model, tokenizer
-    if source.kind == "hf" and (_block_fp8(source.path) is not None or wrapper_of(source.path) is not None):
-        from .streaming import load_whole
-
-        return load_whole(source, dtype, tokenizer_dir)
-    from transformers import AutoTokenizer
-
-    try:
-        if source.kind == "gguf":
-            kw = {"gguf_file": source.path.name}
-            folder = str(source.path.parent)
-            tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
-            for obj in (model.config,):
-                if hasattr(obj, "quantization_config"):
-                    del obj.quantization_config
-            model.hf_quantizer = None
-            model.is_quantized = False
-            if dtype == torch.float32:
-                _write_gguf_cache(source, model, tokenizer)
-        else:
-            from .streaming import check_source_layout
-
-            tokenizer = check_source_layout(source, tokenizer_dir)  # a config describing other tensors: refused first
-            model, info = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, use_safetensors=True,
-                                                               output_loading_info=True)
-            check_buildable(model.config, source.spec)
-            _refuse_missing(model, info, source.spec)
-    except InputError:
-        raise
-    except Exception as e:  # transformers raises many types for unreadable files
-        first = first_line(e)
-        raise InputError(f"cannot load model {source.spec}: {first}") from None
-    model.eval()
-    model.requires_grad_(False)
-    return model, tokenizer
-
-
-def _refuse_missing(model, info: dict, spec: str) -> None:
-    """Tensors transformers' loader did not find (it leaves them at their random init) or
-    found with another shape: refused, named (a tied head is not missing)."""
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    missing = [k for k in info.get("missing_keys") or [] if not (tied and k == "lm_head.weight")]
-    if missing:
-        raise InputError(f"{spec}: the checkpoint does not store {missing[0]} ({len(missing)} tensor(s) the model "
-                         "its config.json describes needs); check config.json against the shards")
-    if info.get("mismatched_keys"):
-        raise InputError(f"{spec}: tensor {info['mismatched_keys'][0][0]} has another shape in the checkpoint than "
-                         "config.json describes")
-
-
 #: safetensors dtype names of floating weights -> torch dtype names
 _FLOAT_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
@@ -228,7 +152,7 @@ def check_buildable(cfg, spec: str) -> None:
     carried from layer to layer, which the sequential pipeline does not do.
 
     The router and sliding-window fields are checked against each other as transformers
-    completed them with its defaults (:func:`compressor.config_check.check_routing`: the
+    completed them with its defaults (:func:`compressor.source.config_check.check_routing`: the
     runtime and verify read those values).
 
     Raises:
@@ -252,7 +176,7 @@ def _block_fp8(folder: Path) -> tuple[int, int] | None:
 def wrapper_of(folder: str | Path):
     """The :class:`compressor.arch.Wrapper` of a folder whose ``config.json`` is a multimodal
     wrapper kvq reads (Kimi K2.5), else ``None`` (also for an unreadable config: its loader says why)."""
-    from .arch import ARCHITECTURES
+    from ..arch import ARCHITECTURES
 
     try:
         import json
@@ -303,7 +227,7 @@ def wrapped_text_config(raw: dict, where: str = "config.json"):
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from .arch import PUBLISHED_AS
+    from ..arch import PUBLISHED_AS
     from .config_check import wrapper_text
 
     mt = raw.get("model_type")
@@ -351,7 +275,7 @@ def register_published_types(only: set[str] | None = None) -> None:
     names to it and changes nothing else. ``only``: register just these model types (the
     others are not imported).
     """
-    from .arch import PUBLISHED_AS
+    from ..arch import PUBLISHED_AS
 
     if only is not None and not set(only) & set(PUBLISHED_AS):
         return  # a type transformers knows: nothing to import (transformers.conversion_mapping costs ~2 s)

@@ -35,7 +35,7 @@ import json
 import re
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 
 #: the largest width kvq accepts for any size field (the largest published is ~10^6 vocab)
 MAX_DIM = 1 << 24
@@ -58,7 +58,7 @@ def read_config(path: str | Path) -> dict:
         InputError: unreadable, not a regular file, larger than :data:`MAX_CONFIG_BYTES`, not
             JSON, nested too deeply to parse, or not an object.
     """
-    from .files import read_limited
+    from ..files import read_limited
 
     path = Path(path)
     try:  # bounded, and a FIFO or device is refused rather than waited on
@@ -361,7 +361,7 @@ def check_folder(folder: str | Path, model_type: str | None = None) -> dict:
     Raises:
         InputError: see :func:`read_config` and :func:`check_config`.
     """
-    from .safetensors_io import read_header
+    from ..safetensors_io import read_header
 
     folder = Path(folder)
     cfg = read_config(folder / "config.json")
@@ -369,7 +369,7 @@ def check_folder(folder: str | Path, model_type: str | None = None) -> dict:
     shapes: dict[str, list[int]] = {}
     for shard in sorted(folder.glob("*.safetensors")):
         shapes.update({n: list(e.shape) for n, e in read_header(shard).items()})
-    from .arch import ARCHITECTURES
+    from ..arch import ARCHITECTURES
 
     where = f"{folder / 'config.json'}"
     outer = ARCHITECTURES.get(cfg.get("model_type")) if isinstance(cfg.get("model_type"), str) else None
@@ -393,7 +393,7 @@ def wrapper_text(cfg: dict, where: str = "config.json") -> tuple[dict, str]:
     Raises:
         InputError: no text config object, or a text ``model_type`` the row does not name.
     """
-    from .arch import get_arch
+    from ..arch import get_arch
 
     mt = cfg.get("model_type")
     w = get_arch(mt).wrapper

@@ -1,6 +1,6 @@
 """The model ``config.json`` describes against the tensors the checkpoint stores.
 
-:mod:`compressor.config_check` reads sizes; this module builds the model the config
+:mod:`compressor.source.config_check` reads sizes; this module builds the model the config
 describes (on the meta device: no memory) and compares its tensor names and shapes with the
 safetensors headers, before any weight is read. A config that describes another layout
 would otherwise be built anyway: a tensor the checkpoint does not store would keep its
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import InputError
+from ..errors import InputError
 
 #: config fields that decide which tensors a decoder layer holds, named in the refusal
 LAYOUT_FIELDS = ("num_hidden_layers", "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step",
@@ -49,7 +49,7 @@ def check_layout(model, arch, ckpt, names: list[str], spec: str) -> list[str]:
 
     Args:
         model: the model the config describes. arch: its architecture row.
-        ckpt: a :class:`compressor.streaming.LazyCheckpoint` (``where``: name -> (shard, entry)).
+        ckpt: a :class:`compressor.source.lazy.LazyCheckpoint` (``where``: name -> (shard, entry)).
         names: the in-memory tensor names the model reads from the checkpoint.
         spec: how to name the source in messages.
 
@@ -63,7 +63,7 @@ def check_layout(model, arch, ckpt, names: list[str], spec: str) -> list[str]:
             use; a stored separate ``lm_head.weight`` under ``tie_word_embeddings`` that is
             not the embedding.
     """
-    from .arch import checkpoint_name
+    from ..arch import checkpoint_name
 
     cfg = model.config
     state = model.state_dict()
@@ -95,7 +95,7 @@ def check_layout(model, arch, ckpt, names: list[str], spec: str) -> list[str]:
 
 def _unused_layer_tensors(arch, ckpt, used: set[str], cfg) -> list[str]:
     """Stored tensors of decoder layers ``< num_hidden_layers`` that no model tensor reads."""
-    from .arch import checkpoint_name
+    from ..arch import checkpoint_name
 
     prefix = checkpoint_name(arch, f"{arch.layers}.0.")[:-2]  # e.g. "model.layers." or "language_model.model.layers."
     pat = re.compile(re.escape(prefix) + r"(\d+)\.")
@@ -111,7 +111,7 @@ def _unused_layer_tensors(arch, ckpt, used: set[str], cfg) -> list[str]:
 def _check_tied_head(model, arch, ckpt, spec: str) -> None:
     """Under ``tie_word_embeddings`` a stored ``lm_head.weight`` must be the embedding (same
     shape, dtype and bytes): otherwise the config would drop the checkpoint's own head."""
-    from .arch import checkpoint_name
+    from ..arch import checkpoint_name
 
     if not getattr(model.config, "tie_word_embeddings", False):
         return
