@@ -52,10 +52,10 @@ def check_output(out: Path, overwrite: bool) -> None:
         state = "a dangling symlink" if not out.exists() else "a symlink"
         raise InputError(f"output path {out} is {state} (to {target}); kvq renames the finished artifact into "
                          "place and does not write through links: give the real path as -o")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output path {out} exists and is not a folder; choose another -o")
     if out.exists() and not overwrite:
         raise InputError(f"output folder {out} exists; choose another -o or pass --overwrite")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"output path {out} exists and is not a folder")
     if out.exists():
         try:
             empty = next(out.iterdir(), None) is None

@@ -476,9 +476,10 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, comp
               help=HELP["serve.device"])
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help=HELP["serve.max-batch"])
 @click.option("--max-queue", type=click.IntRange(1, 65536), default=64, show_default=True, help=HELP["serve.max-queue"])
+@click.option("--threads", type=bounded(SmokeOptions, "threads"), default=None, help=HELP["serve.threads"])
 @signature_options
 @click.option("--no-manifest", is_flag=True, help=HELP["serve.no-manifest"])
-def serve(artifact, host, port, allow_remote, backend, compute, device, max_batch, max_queue, public_key,
+def serve(artifact, host, port, allow_remote, backend, compute, device, max_batch, max_queue, threads, public_key,
           certificate_chain, identity, issuer, no_manifest):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API until Ctrl-C.
 
@@ -505,6 +506,11 @@ def serve(artifact, host, port, allow_remote, backend, compute, device, max_batc
     if keys.conflict():
         raise click.UsageError(keys.conflict())
     _quiet_libraries()
+    from .commands.common import cpu_threads
+
+    _, note = cpu_threads(threads)
+    if note:
+        click.echo(f"note: {note}", err=True)
     run_server(ServeOptions(artifact, host, port, allow_remote, backend, resolve_device(device), max_batch, max_queue,
                             keys=keys, no_manifest=no_manifest, dtype=compute),
                announce=lambda line: click.echo(line, err=True))

@@ -212,6 +212,10 @@ HELP = {
         "requests (completions and chat), check the answers, stop it."
     ),
     "serve-smoke.http-requests": "Concurrent requests for --http.",
+    "serve.threads": (
+        "CPU threads of torch's operations in the server (default: one per usable CPU; a note says when other jobs "
+        "already keep the CPUs busy or --threads exceeds them)."
+    ),
     "serve-smoke.threads": (
         "CPU threads of torch's operations, runtime and reference (default: one per usable CPU; the decode "
         "tokens/s depend on it; a note, also in --json's busy_note, says when other jobs already keep the "

@@ -103,6 +103,9 @@ def message(sig: int | None, argv) -> str:
                 "the summary was not printed)")
     if kept:
         return f"kvq: {word} {kept[-1]}; no artifact was written: rerun the same command with --resume to continue"
+    if command == "quantize":  # stopped before the first checkpoint: its staging folder is gone
+        return (f"kvq: {word}; no artifact was written and no layer was finished "
+                "(nothing to resume: rerun without --resume)")
     return f"kvq: {word}; no artifact was written"
 
 

@@ -435,7 +435,8 @@ def test_a_signal_while_the_cli_is_imported_ends_in_one_line(tmp_path):
             "from compressor.entry import main\n"
             "main()\n"))
         assert r.returncode == code, (sig, r.returncode, r.stderr)
-        assert r.stderr.strip() == f"kvq: {word}; no artifact was written", (sig, r.stderr)
+        assert r.stderr.strip() == (f"kvq: {word}; no artifact was written and no layer was finished (nothing to "
+                                    "resume: rerun without --resume)"), (sig, r.stderr)
         assert "compressor.cli" not in r.stdout
 
 

@@ -374,7 +374,8 @@ def test_sigterm_stops_serve_with_its_own_message(art, monkeypatch, capsys):
 @pytest.mark.parametrize("argv,line", [
     (["serve", "a"], "kvq: interrupted; the server stopped"),
     (["verify", "a", "--hashes-only"], "kvq: interrupted"),
-    (["--verbose", "quantize", "m", "-o", "x"], "kvq: interrupted; no artifact was written"),
+    (["--verbose", "quantize", "m", "-o", "x"], "kvq: interrupted; no artifact was written and no layer was finished (nothing to resume: rerun without --resume)"),
+    (["sign", "a", "--private-key", "k"], "kvq: interrupted; no artifact was written"),
 ])
 def test_the_interruption_line_follows_the_command(argv, line):
     from compressor.interrupts import message

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +154,7 @@ def _plan(opts: VerifyOptions, folder: Path, manifest, report: dict, console) ->
                                   "original float model to measure weights + KV")
     text = None
     if opts.mode == "full":
+        _check_seqlen(folder, opts.evaluation.seqlen)
         text = load_text(opts.evaluation.text, part="eval")
         if text.note:
             show.note(console, f"[yellow]eval text:[/] {text.note}")
@@ -161,6 +163,24 @@ def _plan(opts: VerifyOptions, folder: Path, manifest, report: dict, console) ->
     if opts.kv.scheme:
         kv_info, kv_source = (make_spec(opts.kv.scheme), None), "--kv-scheme"
     return _Plan(folder, manifest, weights_quantized, thresholds, ref_spec, ref_source, text, kv_info, kv_source)
+
+
+def _check_seqlen(folder: Path, seqlen: int) -> None:
+    """Refuse evaluation windows longer than the artifact's context (``max_position_embeddings`` of
+    its ``config.json``, or of the text model's config in a wrapped one) before any model loads.
+
+    Raises:
+        InputError: ``seqlen`` exceeds that context.
+    """
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the artifact's own checks name a missing or broken config.json
+    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    max_pos = cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings")
+    if isinstance(max_pos, int) and seqlen > max_pos > 0:
+        raise InputError(f"--seqlen {seqlen} exceeds the model's context (max_position_embeddings {max_pos}); "
+                         f"use --seqlen {max_pos} or less")
 
 
 def _check_reference_is_source(opts: VerifyOptions, manifest, ref_spec: str, ref_source, report: dict) -> None:
@@ -306,9 +326,6 @@ def _evaluate(plan: _Plan, models: Models, prompts: list[str], opts: VerifyOptio
     if kv_info is not None and kv_info[0].static and kv_info[1] is None:
         # --kv-scheme with static scales on a model that has none: calibrate them now
         kv_info = (kv_info[0], _calibrate_kv(model, models.tokenizer, kv_info[0], opts, console))
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos and ev.seqlen > max_pos:
-        report["warnings"].append(f"--seqlen {ev.seqlen} exceeds the model's max_position_embeddings {max_pos}")
     make_cache = cache_factory(model, kv_info, ev.seqlen, report)
     ref_cache = make_cache  # the KV-only figures: the reference's keys in the artifact's key basis, if it has one
     if make_cache is not None and models.key_basis is not None and kv_info[0].static:

@@ -181,9 +181,6 @@ class Streamed:
         plan, ev, report = self.plan, self.opts.evaluation, self.report
         self.rule = bos_rule(self.tokenizer)
         wins = windows(tokenize(self.tokenizer, plan.text.text), ev.seqlen, ev.max_windows, bos_id=self.rule["bos_token_id"])
-        max_pos = getattr(self.art.model.config, "max_position_embeddings", None)
-        if max_pos and ev.seqlen > max_pos:
-            report["warnings"].append(f"--seqlen {ev.seqlen} exceeds the model's max_position_embeddings {max_pos}")
         make_cache = cache_factory(self.art.model, plan.kv_info, ev.seqlen, report)
         self.basis: dict = {}  # the k_proj pair factors, filled layer by layer before the layer's windows run
         ref_cache = make_cache
