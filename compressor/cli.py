@@ -522,10 +522,11 @@ def recipes():
 
     A recipe is a YAML file validated field by field; pass a path to use your own.
     """
+    from .quant.algorithms import get_algorithm
     from .recipe import bundled_recipes, load_recipes
 
     rows = [(name, load_recipes([name])) for name in bundled_recipes()]
-    kinds = ["kv" if r.algorithm == "none" else r.algorithm for _, r in rows]
+    kinds = [r.algorithm if get_algorithm(r.algorithm).quantizes_weights else "kv" for _, r in rows]
     wide = max(map(len, kinds))
     for (name, r), kind in zip(rows, kinds):
         click.echo(f"{name:18s} {kind:{wide}s}  {r.description}")

@@ -181,6 +181,8 @@ class KVScheme:
     per_tensor: bool = False  # static scale reduced to one value per layer
     config_type: str | None = None  # compressed-tensors "type" of a static scheme
     residual_window: bool = False  # the last ``residual_length`` tokens stay float (KIVI); sizes checked by make_spec
+    #: ``kv_cache.scale_search`` that ``kvq quantize --kv-scheme`` sets (fp8: ``auto``, the attention-output search)
+    flag_scale_search: str = "absmax"
 
     def __init__(self, spec: KVSpec):
         self.spec = spec
@@ -250,6 +252,7 @@ class FP8TensorScheme(KVScheme):
     """float8 e4m3 codes with one static scale per layer (``absmax / 448``)."""
 
     static, per_tensor, scale_max, config_type = True, True, FP8_MAX, "float"
+    flag_scale_search = "auto"
 
     def encode(self, x, scale=None, kind="k"):
         return (quantize_fp8(x, scale),)

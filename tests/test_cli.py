@@ -39,6 +39,8 @@ def test_help_mentions_every_command(capsys):
         assert cmd in out
     code, out, _ = run(["recipes"], capsys)
     assert code == 0 and "w4a16-awq" in out
+    kinds = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.strip()}
+    assert kinds["kv-fp8"] == kinds["kv-int8"] == "kv" and kinds["w4a16-rtn-g64"] == "rtn"  # Algorithm.quantizes_weights
 
 
 def test_missing_model(tmp_path, capsys):

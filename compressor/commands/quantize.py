@@ -41,6 +41,7 @@ from ..source.config_check import read_config, text_config
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import get_format
+from ..kv_schemes import make_spec
 from ..source.gguf_cache import stale_cache_notes, take_cache_notes
 from ..source.open import load_model
 from ..source.resolve import ALIASES, float32_bytes, peek_model_type, resolve_source, storage_dtype
@@ -271,7 +272,8 @@ def _effective_recipe(opts: QuantizeOptions) -> Recipe:
     s = opts.scheme
     recipe = load_recipes(s.recipes)
     if s.kv_scheme is not None:
-        recipe = with_overrides(recipe, kv_cache=KVCacheOptions(scheme=s.kv_scheme, scale_search="auto" if s.kv_scheme == "fp8" else "absmax").model_dump())
+        search = make_spec(s.kv_scheme).codec.flag_scale_search
+        recipe = with_overrides(recipe, kv_cache=KVCacheOptions(scheme=s.kv_scheme, scale_search=search).model_dump())
     if s.settings:
         if s.kv_scheme is not None and any(k == "kv_cache" and v is None for k, v in s.settings):
             raise InputError(f"--kv-scheme {s.kv_scheme} and --set kv_cache=null contradict each other; drop one")
