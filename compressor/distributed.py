@@ -1,39 +1,70 @@
 """Several processes quantizing one model together, through ``torch.distributed``.
 
 Launch ``kvq quantize`` under ``torchrun`` (it sets ``RANK``/``WORLD_SIZE``/
-``MASTER_ADDR``/``MASTER_PORT``)::
+``MASTER_ADDR``/``MASTER_PORT``); docs/distributed.md has the command lines for one
+machine and for several::
 
     torchrun --nproc-per-node 2 .venv/bin/kvq quantize MODEL --recipe w4a16-gptq -o OUT
 
 Every rank runs the same layer-by-layer pass (same calibration activations, same
 Hessians); the GPTQ solves of each pass -- one per linear, experts included, the part
-whose cost grows with width and expert count -- are dealt round-robin to the ranks, and
-the results are exchanged with ``all_gather_object`` before any rank moves on, so every
-rank holds the same quantized layer and the artifact is bit-identical to a
-single-process run. Rank 0 writes the artifact; the others write nothing. Backend:
-``gloo`` on CPU (the tested path), ``nccl`` with ``--device cuda`` (one GPU per rank,
-``LOCAL_RANK``). RTN, AWQ's search and KV observers run on every rank unchanged.
+whose cost grows with width and expert count -- are dealt round-robin to the ranks (:func:`deal`),
+and each rank's results are broadcast from it as flat tensors (no pickling) before any rank
+moves on, so every rank holds the same quantized layer and the artifact is bit-identical to a
+single-process run. Rank 0 writes the artifact and the resume checkpoint; a ``--resume`` run
+takes the checkpoint's activations from rank 0 (:func:`share`), whatever the number of ranks
+that wrote it. Backend: ``gloo`` on CPU (the tested path), ``nccl`` with ``--device cuda``
+(one GPU per rank, ``LOCAL_RANK``). RTN, AWQ's search and KV observers run on every rank
+unchanged.
+
+Faults (:class:`Watch`): every rank beats a counter in the rendezvous store (the TCPStore that
+``torchrun``'s agent, or rank 0 without it, keeps at ``MASTER_ADDR:MASTER_PORT``) once a
+second and reads the others'. A rank whose counter stops for :data:`PEER_TIMEOUT_S` seconds
+(``KVQ_PEER_TIMEOUT_S``), or for :data:`SUSPECT_S` once a collective has failed or a signal
+came, is dead; one that stopped on its own error or interruption says so in the store. Either
+way every other rank prints one line naming it and exits 1 (:data:`FAULT_EXIT`) -- from the
+watch thread itself, as the main thread may be blocked inside a collective that only a timeout
+of 30 minutes would end. This is the one place outside ``cli.py`` that ends the process.
 """
 
 from __future__ import annotations
 
 import os
+import struct
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
 from typing import Callable
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, KvqError, first_line
+
+#: seconds without a heartbeat after which a running rank is declared lost (``KVQ_PEER_TIMEOUT_S`` overrides)
+PEER_TIMEOUT_S = 30.0
+#: once a collective failed or a signal came: a rank whose heartbeat stops this long is dead
+SUSPECT_S = 5.0
+#: how long a collective may wait for a live peer (torch's own default for gloo)
+COLLECTIVE_TIMEOUT_S = 1800
+#: what a rank exits with when another rank was lost or stopped
+FAULT_EXIT = 1
+
+#: a rank's state in the store: still running, past its last collective, or stopped
+RUNNING, FINISHED, ERROR, INTERRUPTED, PEER_STOPPED = 0, 1, 2, 3, 4
 
 
 def setup(device: str) -> tuple[int, int, str]:
-    """Join the process group that ``torchrun`` describes (if any).
+    """Join the process group that ``torchrun`` describes (if any) and start the
+    :class:`Watch` of the other ranks.
 
     Returns:
         ``(rank, world_size, device)``; ``(0, 1, device)`` outside ``torchrun``. With CUDA
         the device becomes ``cuda:<LOCAL_RANK>``.
 
     Raises:
-        InputError: a malformed ``WORLD_SIZE``/``RANK``, or the process group cannot form.
+        InputError: a malformed ``WORLD_SIZE``/``RANK``/``KVQ_PEER_TIMEOUT_S``, or the process
+            group cannot form.
     """
     import torch.distributed as dist
 
@@ -44,18 +75,41 @@ def setup(device: str) -> tuple[int, int, str]:
         raise InputError("WORLD_SIZE and RANK must be integers (launch with torchrun)") from None
     if world <= 1:
         return 0, 1, device
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), device
+    timeout = peer_timeout()
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
-    try:
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
-    except Exception as e:  # connection, rendezvous or backend errors
-        raise InputError(f"cannot join the torch.distributed group (rank {rank} of {world}, {backend}): {e}") from None
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        except Exception as e:  # connection, rendezvous or backend errors
+            raise InputError(f"cannot join the torch.distributed group (rank {rank} of {world}, {backend}): "
+                             f"{first_line(e)}") from None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if _watch.get("now") is None:
+        _watch["now"] = Watch.connect(rank, world, timeout)
     return rank, world, device
+
+
+def peer_timeout() -> float:
+    """:data:`PEER_TIMEOUT_S`, or ``KVQ_PEER_TIMEOUT_S`` (seconds, 1 to 600).
+
+    Raises:
+        InputError: ``KVQ_PEER_TIMEOUT_S`` is not a number in that range.
+    """
+    text = os.environ.get("KVQ_PEER_TIMEOUT_S", "")
+    if not text:
+        return PEER_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 1 <= value <= 600:
+        raise InputError(f"KVQ_PEER_TIMEOUT_S must be a number of seconds from 1 to 600, not {text!r}")
+    return value
 
 
 def world() -> tuple[int, int]:
@@ -67,19 +121,383 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def deal(tasks: list, solve: Callable[[object], object]) -> list:
-    """Solve ``tasks`` across the ranks: task ``j`` on rank ``j % world_size``; returns
-    every task's result, in order, on every rank (``all_gather_object``; tensors are
-    pickled, which is what gloo carries). Without a process group: ``[solve(t) ...]``."""
+# ---------------------------------------------------------------------------------------
+# results as flat tensors
+
+#: dtypes a packed tensor may have, by code
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
+           torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+_NONE, _BOOL, _INT, _FLOAT, _STR, _TUPLE, _LIST, _DICT, _TENSOR = range(9)
+
+
+def pack(obj) -> tuple[list[int], list[torch.Tensor]]:
+    """``obj`` as int64 codes and byte tensors (what :func:`unpack` reads back): nested tuples,
+    lists and dicts of tensors (the dtypes of :data:`_DTYPES`, any device), ``str``, ``int``
+    (64-bit), ``float`` (its bits), ``bool`` and ``None``. Each tensor's bytes are its own
+    uint8 tensor, on its device.
+
+    Raises:
+        TypeError: another type, an int past 64 bits or a tensor dtype not listed.
+    """
+    codes: list[int] = []
+    chunks: list[torch.Tensor] = []
+
+    def walk(x):
+        if x is None:
+            codes.append(_NONE)
+        elif isinstance(x, bool):
+            codes.extend((_BOOL, int(x)))
+        elif isinstance(x, int):
+            if not -2**63 <= x < 2**63:
+                raise TypeError(f"cannot send an int past 64 bits: {x}")
+            codes.extend((_INT, x))
+        elif isinstance(x, float):
+            codes.extend((_FLOAT, struct.unpack("<q", struct.pack("<d", x))[0]))
+        elif isinstance(x, str):
+            data = x.encode()
+            codes.extend((_STR, len(data)))
+            chunks.append(torch.tensor(list(data), dtype=torch.uint8))
+        elif isinstance(x, (tuple, list)):
+            codes.extend((_TUPLE if isinstance(x, tuple) else _LIST, len(x)))
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict):
+            codes.extend((_DICT, len(x)))
+            for k, v in x.items():
+                walk(k)
+                walk(v)
+        elif isinstance(x, torch.Tensor):
+            if x.dtype not in _DTYPES:
+                raise TypeError(f"cannot send a {x.dtype} tensor")
+            codes.extend((_TENSOR, _DTYPES.index(x.dtype), int(x.device.type != "cpu"), x.dim(), *x.shape))
+            chunks.append(x.detach().contiguous().reshape(-1).view(torch.uint8))
+        else:
+            raise TypeError(f"cannot send a {type(x).__name__}")
+
+    walk(obj)
+    return codes, chunks
+
+
+def unpack(codes: list[int], payload: torch.Tensor):
+    """The object :func:`pack` gave ``codes`` for, its tensors and strings read in order from
+    ``payload`` (the chunks joined: uint8, 1-D). Every tensor gets storage of its own, on the
+    CPU or on ``payload``'s device as the packed one was."""
+    pos, off = 0, 0
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal off
+        off += n
+        return payload[off - n:off]
+
+    def walk():
+        nonlocal pos
+        tag = codes[pos]
+        pos += 1
+        if tag == _NONE:
+            return None
+        if tag in (_BOOL, _INT, _FLOAT, _STR):
+            v = codes[pos]
+            pos += 1
+            if tag == _BOOL:
+                return bool(v)
+            if tag == _FLOAT:
+                return struct.unpack("<d", struct.pack("<q", v))[0]
+            return bytes(take(v).cpu().numpy()).decode() if tag == _STR else v
+        if tag in (_TUPLE, _LIST, _DICT):
+            n = codes[pos]
+            pos += 1
+            if tag == _DICT:
+                return {walk(): walk() for _ in range(n)}
+            items = [walk() for _ in range(n)]
+            return tuple(items) if tag == _TUPLE else items
+        dtype, on_device, ndim = _DTYPES[codes[pos]], codes[pos + 1], codes[pos + 2]
+        shape = codes[pos + 3:pos + 3 + ndim]
+        pos += 3 + ndim
+        numel = 1
+        for s in shape:
+            numel *= s
+        t = take(numel * dtype.itemsize).clone().view(dtype).reshape(shape)
+        return t if on_device or t.device.type == "cpu" else t.cpu()
+
+    return walk()
+
+
+def _comm_device() -> torch.device:
+    """Where collectives take their tensors: the current GPU under nccl, else the CPU."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def share(obj, src: int = 0):
+    """``obj`` of rank ``src`` on every rank (the others pass anything, e.g. ``None``), sent as
+    three broadcasts of flat tensors (:func:`pack`: sizes, codes, bytes); ``obj`` itself
+    without a process group.
+
+    Raises:
+        TypeError: ``obj`` holds what :func:`pack` cannot send.
+    """
     import torch.distributed as dist
 
     rank, size = world()
     if size == 1:
+        return obj
+    dev = _comm_device()
+    if rank == src:
+        codes, chunks = pack(obj)
+        payload = torch.cat([c.to(dev) for c in chunks]) if chunks else torch.empty(0, dtype=torch.uint8, device=dev)
+        sizes = torch.tensor([len(codes), payload.numel()], dtype=torch.int64, device=dev)
+    else:
+        sizes = torch.empty(2, dtype=torch.int64, device=dev)
+    _collective(dist.broadcast, sizes, src)
+    if rank != src:
+        codes_t = torch.empty(int(sizes[0]), dtype=torch.int64, device=dev)
+        payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=dev)
+    else:
+        codes_t = torch.tensor(codes, dtype=torch.int64, device=dev)
+    _collective(dist.broadcast, codes_t, src)
+    if payload.numel():
+        _collective(dist.broadcast, payload, src)
+    return obj if rank == src else unpack(codes_t.tolist(), payload)
+
+
+def deal(tasks: list, solve: Callable[[object], object]) -> list:
+    """Solve ``tasks`` across the ranks: task ``j`` on rank ``j % world_size``; returns every
+    task's result, in order, on every rank, each rank's results broadcast from it as flat
+    tensors (:func:`share`), bit for bit. Without a process group: ``[solve(t) ...]``.
+
+    Raises:
+        TypeError: a result holds what :func:`pack` cannot send.
+    """
+    rank, size = world()
+    if size == 1:
         return [solve(t) for t in tasks]
     mine = {j: solve(t) for j, t in enumerate(tasks) if j % size == rank}
-    gathered: list = [None] * size
-    dist.all_gather_object(gathered, mine)
     merged: dict = {}
-    for part in gathered:
-        merged.update(part)
+    for src in range(size):
+        merged.update(share(mine if src == rank else None, src))
     return [merged[j] for j in range(len(tasks))]
+
+
+def _collective(op, tensor: torch.Tensor, src: int) -> None:
+    """``op(tensor, src)``; a failure (a peer's connection closed) waits for the watch to name
+    the rank at fault (:meth:`Watch.settle`, which then ends the process) before it is raised."""
+    try:
+        op(tensor, src)
+    except Exception:
+        w = _watch.get("now")
+        if w is not None:
+            w.settle(own=False)
+        raise
+
+
+# ---------------------------------------------------------------------------------------
+# faults
+
+_watch: dict = {}  # "now": the running Watch, if any
+
+
+class Watch:
+    """The heartbeat of this rank and the watch over the others, in a daemon thread.
+
+    Keys in the rendezvous store, under a prefix of the run (torchrun's run id and restart
+    count, and how many watches this rank started before): ``hb/<r>`` (a counter rank ``r``
+    raises every ``interval`` seconds), ``state/<r>`` (:data:`RUNNING` ... :data:`PEER_STOPPED`)
+    and ``lost/<r>`` (raised by the rank that found ``r`` dead, so the others name the same
+    rank). ``stop(line)`` ends the process (:func:`_stop_process`); tests pass their own.
+    """
+
+    def __init__(self, store, rank: int, size: int, timeout: float, prefix: str, where: str = "",
+                 stop: Callable[[str], None] | None = None):
+        self.store, self.rank, self.size, self.timeout = store, rank, size, timeout
+        self.prefix, self.where = prefix, where
+        self.interval = min(1.0, timeout / 10)
+        self.suspect_after = min(timeout, max(SUSPECT_S, 3 * self.interval))
+        self.stop_fn = stop or _stop_process
+        self.note: Callable[[], str] | None = None  # rank 0: where the finished layers are kept
+        self.suspect = False  # a collective failed or a signal came: a short silence is death
+        self.own_stop = False  # stopping for a reason of its own: the others' stops are not news
+        self.settled = threading.Event()
+        self._marks: dict | None = None  # heartbeats at the first read after settle() began
+        self._io = threading.Lock()  # one store request at a time
+        self._done = threading.Event()
+        self._fired = False
+        self._peers = [p for p in range(size) if p != rank]
+        self._keys = [self._key(k, p) for p in range(size) for k in ("hb", "state", "lost")]
+        with self._io:
+            for k in self._keys:  # every key exists before anyone reads it (multi_get waits for missing ones)
+                self.store.add(k, 0)
+        self._thread = threading.Thread(target=self._loop, name="kvq-watch", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def connect(cls, rank: int, size: int, timeout: float) -> "Watch":
+        """A watch on a new connection to the store at ``MASTER_ADDR:MASTER_PORT``.
+
+        Raises:
+            InputError: the store does not answer.
+        """
+        import torch.distributed as dist
+
+        host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
+                                  wait_for_workers=False)
+            env = os.environ
+            run = f"kvq/watch/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            generation = store.add(f"{run}/gen/{rank}", 1)
+        except Exception as e:
+            raise InputError(f"cannot reach the rendezvous store at {host}:{port} (rank {rank} of {size}): "
+                             f"{first_line(e)}") from None
+        return cls(store, rank, size, timeout, f"{run}/{generation}", f"{host}:{port}")
+
+    def _key(self, kind: str, r: int) -> str:
+        return f"{self.prefix}/{kind}/{r}"
+
+    def _loop(self) -> None:
+        last = {p: (-1, time.monotonic()) for p in self._peers}
+        while not self._done.is_set():
+            try:
+                with self._io:
+                    self.store.add(self._key("hb", self.rank), 1)
+                    values = [int(v) for v in self.store.multi_get(self._keys)]
+            except Exception:
+                if not self._done.is_set():
+                    self._fire(self._store_lost(last))
+                return
+            line = self._judge({r: values[3 * r:3 * r + 3] for r in range(self.size)}, last)
+            if line:
+                self._fire(line)
+                return
+            self._done.wait(self.interval)
+
+    def _store_lost(self, last: dict) -> str:
+        """The line when the store stops answering: it lives in rank 0 (or in torchrun's agent
+        on rank 0's machine), unless a running rank had gone silent first."""
+        now = time.monotonic()
+        silent = {p: now - t for p, (_, t) in last.items()}
+        p = max(silent, key=silent.get, default=0)
+        if p != 0 and silent[p] > 2 * self.interval + 1:
+            return (f"kvq: rank {p} of {self.size} died: no heartbeat for {silent[p]:.0f} s, then the rendezvous "
+                    f"store at {self.where} stopped answering; rank {self.rank} stops too")
+        return (f"kvq: rank 0 of {self.size} is gone (the rendezvous store at {self.where} that it, or torchrun on "
+                f"its machine, keeps stopped answering); rank {self.rank} stops too")
+
+    def _judge(self, seen: dict, last: dict) -> str | None:
+        """The line to stop with, from every rank's ``[hb, state, lost]``; None while all is well."""
+        now = time.monotonic()
+        of = f"of {self.size}"
+        lost = [r for r in self._peers if seen[r][2]]
+        if lost:
+            return f"kvq: rank {lost[0]} {of} died (its heartbeat stopped); rank {self.rank} stops too"
+        for p in self._peers:
+            hb, state, _ = seen[p]
+            if state in (ERROR, INTERRUPTED) and not self.own_stop:
+                why = "stopped on an error (its own line says which)" if state == ERROR else "was interrupted"
+                return f"kvq: rank {p} {of} {why}; rank {self.rank} stops too"
+            if state != RUNNING:
+                last.pop(p, None)  # finished, or stopping: its silence says nothing
+                continue
+            if hb != last[p][0]:
+                last[p] = (hb, now)
+                continue
+            silent = now - last[p][1]
+            if silent > (self.suspect_after if self.suspect else self.timeout):
+                with self._io:
+                    self.store.add(self._key("lost", p), 1)
+                how = ("died" if self.suspect else
+                       "stopped responding (it died, hangs, or its machine is unreachable)")
+                return f"kvq: rank {p} {of} {how}: no heartbeat for {silent:.0f} s; rank {self.rank} stops too"
+        if self._marks is None and self.suspect:
+            self._marks = {p: seen[p][0] for p in self._peers}
+        elif self._marks is not None and all(seen[p][0] > self._marks[p] or seen[p][1] != RUNNING
+                                             for p in self._peers):
+            self.settled.set()  # every other rank is alive or has said why it stopped
+        return None
+
+    def _fire(self, line: str) -> None:
+        if self._fired or self._done.is_set():
+            return
+        self._fired = True
+        try:
+            with self._io:
+                self.store.add(self._key("state", self.rank), PEER_STOPPED)
+        except Exception:
+            pass  # the store is what was lost
+        note = self.note() if self.note is not None else ""
+        self.stop_fn(line + note)
+
+    def settle(self, own: bool) -> None:
+        """After a failed collective or a signal (``own``: this rank stops for a reason of its
+        own, an error or a signal): wait until every other rank is seen alive -- its heartbeat
+        moved after the first read since the call -- or has said why it stopped; a rank silent
+        for ``suspect_after`` seconds meanwhile is dead and the watch ends the process. Returns
+        (then this rank's own reason goes on) when none is, or after ``suspect_after`` plus three
+        heartbeats."""
+        self.own_stop = own
+        self._marks = None
+        self.suspect = True
+        self.settled.wait(self.suspect_after + 3 * self.interval)
+
+    def say(self, state: int, linger: float = 0.0) -> None:
+        """Record this rank's ``state`` (:data:`FINISHED` ...) and end the watch; then wait up to
+        ``linger`` seconds until every other rank has stopped running (rank 0 keeps the store
+        without torchrun: the others read why before it goes)."""
+        self._done.set()
+        deadline = time.monotonic() + linger
+        try:
+            with self._io:
+                self.store.add(self._key("state", self.rank), state)
+            while time.monotonic() < deadline:
+                with self._io:
+                    states = [int(v) for v in self.store.multi_get([self._key("state", p) for p in self._peers])]
+                if all(v != RUNNING for v in states):
+                    return
+                time.sleep(self.interval / 4)
+        except Exception:
+            pass  # a store already gone: the others find out by themselves
+
+
+def _stop_process(line: str) -> None:
+    """Print ``line`` on stderr and end the process with :data:`FAULT_EXIT` at once: the main
+    thread may be blocked in a collective, and the run cannot go on without the lost rank."""
+    if os.isatty(2):
+        os.write(2, b"\n\x1b[?25h")  # past a progress bar, cursor shown again
+    os.write(2, (line + "\n").encode())
+    os._exit(FAULT_EXIT)
+
+
+def on_stop(note: Callable[[], str]) -> None:
+    """``note()`` is appended to the line a lost rank makes this rank stop with (rank 0: where
+    the finished layers are kept for ``--resume``)."""
+    w = _watch.get("now")
+    if w is not None:
+        w.note = note
+
+
+def finished() -> None:
+    """This rank is past its last collective: it says so and its watch ends (rank 0, which
+    keeps the store without torchrun, may exit while the others finish)."""
+    w = _watch.pop("now", None)
+    if w is not None:
+        w.say(FINISHED)
+
+
+@contextmanager
+def watched():
+    """Around a command under several ranks: an exception or a signal leaving it first lets the
+    watch find a rank that died meanwhile (:meth:`Watch.settle`: then the process ends with the
+    line naming it), then tells the other ranks why this one stops; no-op without a watch."""
+    try:
+        yield
+    except BaseException as e:
+        w = _watch.pop("now", None)
+        if w is not None:
+            w.settle(own=isinstance(e, (KvqError, KeyboardInterrupt)))
+            keeps_store = w.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            w.say(INTERRUPTED if isinstance(e, KeyboardInterrupt) else ERROR,
+                  linger=w.suspect_after if keeps_store else 0.0)
+        raise
+    finished()

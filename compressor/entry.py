@@ -30,6 +30,23 @@ def allocator_defaults(environ=os.environ) -> dict:
     return added
 
 
+#: Under torchrun (``WORLD_SIZE`` above 1), torch's C++ log from errors up: a store or gloo
+#: connection whose peer died logs a warning with a 20-frame C++ stack on stderr before it
+#: raises, where kvq says in one line which rank was lost (:mod:`compressor.distributed`). Read
+#: when torch loads; a value the user set is kept.
+RANKS_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def ranks_defaults(environ=os.environ) -> dict:
+    """Set :data:`RANKS_ENV` in ``environ`` where the user has not, under several ranks only;
+    returns what was set."""
+    if environ.get("WORLD_SIZE", "1") in ("", "0", "1"):
+        return {}
+    added = {k: v for k, v in RANKS_ENV.items() if k not in environ}
+    environ.update(added)
+    return added
+
+
 #: glibc malloc settings (``mallopt`` parameter number, value), applied by :func:`malloc_defaults`.
 #: By default glibc serves blocks above a moving threshold (128 KiB at first) with their own
 #: ``mmap`` and hands the heap's free top back to the system past 2x that threshold, so the
@@ -67,6 +84,7 @@ def main(argv=None) -> None:
     from . import interrupts
 
     allocator_defaults()
+    ranks_defaults()
     malloc_defaults()
     previous = interrupts.install()
     try:

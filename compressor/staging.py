@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from . import interrupts
+from .distributed import share
 from .errors import InputError, KvqError
 from .safetensors_io import file_digest
 from .source.lazy import ARTIFACT_DIR, HIDDEN_PREFIX, LazyCheckpoint, RESUME_NAME, layer_names, load_into, to_meta
@@ -356,6 +357,16 @@ def keep_checkpoint(staging: Staging | None, n_layers: int, drop_on_error: bool)
         _release(staging)
 
 
+def kept_note(staging: Staging, n_layers: int) -> str:
+    """What a run stopped by a lost torchrun rank keeps (appended to its one line): the
+    finished layers and how to continue, or that none was finished."""
+    done = staging.state.get("layers_done") or 0
+    if not done:
+        return "; no layer was finished"
+    return (f"; {done} of {n_layers} layers are kept in {staging.path}: rerun the same command with --resume "
+            "(with any number of ranks) to continue")
+
+
 def _release(staging: Staging | None) -> None:
     """Close the staging folder's claim (:func:`_claim`), if held."""
     if staging is not None and staging.lock is not None:
@@ -438,13 +449,16 @@ class LayerWriter:
         from .arch import get_module
 
         st = self.staging.state if self.staging is not None else {}
+        hidden, floats = self.staging.load_hidden(device) if st.get("layers_done") else (None, None)
+        st, hidden, floats = share((st, hidden, floats))  # torchrun: rank 0's checkpoint, to every rank
         if not st.get("layers_done"):
             return
         self.start = int(st["layers_done"])
         self.layers, self.moe, self.moe_fallback = st["layers"], st["moe"], st["moe_fallback"]
         self.schemes.update({n: tuple(v) for n, v in st["schemes"].items()})
         self.kv_absmax = {int(j): (torch.tensor(k), torch.tensor(v)) for j, (k, v) in st["kv_absmax"].items()}
-        self.hidden, self.float_hidden = self.staging.load_hidden(device)
+        self.hidden = None if hidden is None else [h.to(device) for h in hidden]
+        self.float_hidden = None if floats is None else [h.to(device) for h in floats]
         for i in range(self.start):
             to_meta(get_module(self.model, self.arch.layers)[i])
 

@@ -336,13 +336,6 @@ def test_gloo_two_processes_split_the_gptq_solves(tmp_path, deep_dir, whole):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dist", "res.0", "res.1"]
 
 
-def test_resume_refused_under_several_ranks(tmp_path, deep_dir, monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    code, _, err = run(["quantize", deep_dir, "--algorithm", "gptq", "-o", tmp_path / "o", "--resume"], capsys)
-    assert code == 2 and "not available under torchrun" in err
-
-
 def test_resume_refuses_a_damaged_checkpoint(tmp_path, deep_dir, monkeypatch, capsys):
     """A part or the saved activations changed after the checkpoint: --resume refuses (it
     would otherwise bake the damage into a manifest that then verifies)."""

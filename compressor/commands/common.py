@@ -135,18 +135,6 @@ def runnable_now() -> int | None:
         return None
 
 
-def check_resumable() -> None:
-    """Refuse ``--resume`` where a resumed run could not equal an uninterrupted one.
-
-    Raises:
-        InputError: several ranks (torchrun).
-    """
-    from ..errors import InputError
-
-    if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
-        raise InputError("--resume is not available under torchrun (several ranks); resume with one process")
-
-
 def fail_unless_passed(report: dict, as_json: bool) -> None:
     """Return when ``report["passed"]``; else exit 1, and with ``--json`` (no console report on
     the terminal) say on stderr in one line what failed: the signature, the digests, the gates.

@@ -38,6 +38,7 @@ from ..artifact import DTYPES, check_output, tool_info, write_artifact
 from ..calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
 from ..tokens import bos_rule, check_vocabulary
 from ..source.config_check import read_config, text_config
+from ..distributed import finished, on_stop, watched
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import get_format
@@ -54,11 +55,12 @@ from ..recipe import KVCacheOptions, Recipe, apply_settings, load_recipes, with_
 from ..signing import check_sign_options, sign_folder
 from ..activations import plan_activations
 from ..staging import (
-    LayerWriter, input_digests, keep_checkpoint, name_kept_checkpoint, open_staging, refuse_if_in_use, resume_key,
+    LayerWriter, input_digests, keep_checkpoint, kept_note, name_kept_checkpoint, open_staging, refuse_if_in_use,
+    resume_key,
 )
 from ..source.open import open_lazy
 from . import kv_only
-from .common import check_resumable, cpu_threads, in_background, peak_rss_mib, threads_restored
+from .common import cpu_threads, in_background, peak_rss_mib, threads_restored
 from . import quantize_record as blocks
 from .options import QuantizeOptions
 
@@ -116,7 +118,7 @@ def run_quantize(opts: QuantizeOptions, console=None, on_committed=None) -> dict
     Raises:
         InputError: bad usage or input; QuantizationError: non-finite values produced.
     """
-    with threads_restored():  # --threads is this run's
+    with threads_restored(), watched():  # --threads is this run's; under torchrun a lost rank stops the others
         return _run(opts, console, on_committed)
 
 
@@ -139,6 +141,8 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
                   "format": opts.write.format, "dtype": plan.dtype, "kvq": tool_info()["version"]}
         key = resume_key({**inputs, **named})
         staging = open_staging(plan.out, key, opts.execution.resume, console, named, input_digests(inputs)) if rank == 0 else None
+        if staging is not None:
+            on_stop(partial(kept_note, staging, n_layers))  # torchrun: a lost rank's line says where the layers are
     with keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume
         interrupts.check()  # a signal whose exception was lost while loading stops the run here
         writer = LayerWriter(src.model, arch, src.ckpt, staging, opts.write.format, DTYPES[plan.dtype],
@@ -146,6 +150,7 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
                              opts.execution.memory_budget_gib)
         writer.restore(device)
         result = _quantize(plan, src, writer, opts, device, console)
+        finished()  # torchrun: this rank's last collective is behind it
     with keep_checkpoint(staging, n_layers, drop_on_error=False):  # every layer is done: keep them whatever happens
         interrupts.check()
         src.calib_ids = None  # freed by its count; the layer loop's own garbage was collected at its end
@@ -208,8 +213,6 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     text = load_text(calib.source, calib.field, part="calib") if needs_calib and not token_file else None
     if text is not None and text.note:
         show.note(console, f"[yellow]calibration:[/] {text.note}")
-    if opts.execution.resume:
-        check_resumable()  # not under torchrun
     if packed is not None:
         kv_only.check_source_integrity(packed)
     threads, busy = cpu_threads(opts.execution.threads, console)

@@ -1,0 +1,346 @@
+"""Several ranks (issue #44): results exchanged as flat tensors, a lost rank stopping the others
+in one line, ``--resume`` across rank counts (compressor/distributed.py).
+
+The process tests start each rank as its own ``kvq`` process (tests/rank_faults.py, with the
+environment torchrun would set, or under torchrun itself) on a 4-layer tiny llama with gloo.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from compressor import distributed as d
+from compressor.api import QuantizeOptions, run_quantize
+from compressor.entry import RANKS_ENV, ranks_defaults
+from compressor.errors import InputError
+from compressor.staging import Staging, kept_note
+
+from test_streaming import deep_dir as model, digests  # noqa: F401 (model: the 4-layer tiny llama fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "rank_faults.py"
+FAST = dict(group_size=32, calib_samples=4, calib_seqlen=32, threads=1)
+ARGS = ["--algorithm", "gptq", "--group-size", "32", "--calib-samples", "4", "--calib-seqlen", "32", "--threads", "1",
+        "--json"]
+#: what a test waits for a process before calling it hung (not a figure: the fault itself is bounded by the watch)
+HANG_S = 240
+
+
+def same_bits(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+# ---------------------------------------------------------------------------------------
+# flat tensors
+
+def _roundtrip(obj):
+    codes, chunks = d.pack(obj)
+    payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    return d.unpack(codes, payload)
+
+
+def test_pack_round_trips_bit_for_bit():
+    """Every dtype a GPTQ result or a checkpoint holds, odd shapes, floats by their bits."""
+    w = torch.randn(6, 8)
+    tensors = [w.to(dt) for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn)]
+    tensors += [torch.randint(-8, 8, (3, 5), dtype=torch.int8), torch.arange(7, dtype=torch.int32),
+                torch.tensor(3, dtype=torch.int64), torch.zeros(0, 4), torch.tensor([True, False]), w.t()[2:5]]
+    obj = {"t": tensors, 3: (None, True, 0, -2**63, 2**63 - 1, float("nan"), -0.0, 1e-300, float("inf")),
+           "s": ["", "äµ layer.0", {"nested": [1.5, None]}]}
+    got = _roundtrip(obj)
+    assert all(same_bits(a, b) for a, b in zip(got["t"], tensors)) and len(got["t"]) == len(tensors)
+    assert all(g.untyped_storage().data_ptr() != w.untyped_storage().data_ptr() for g in got["t"])
+    f = got[3]
+    assert f[:5] == (None, True, 0, -2**63, 2**63 - 1) and type(f[1]) is bool and type(f[2]) is int
+    assert f[5] != f[5] and str(f[6]) == "-0.0" and f[7] == 1e-300 and f[8] == float("inf")
+    assert got["s"] == obj["s"]
+    assert _roundtrip([]) == [] and _roundtrip(None) is None
+
+
+@pytest.mark.parametrize("bad", [object(), 2**63, torch.zeros(2, dtype=torch.complex64), {1, 2}])
+def test_pack_refuses_what_it_cannot_send(bad):
+    with pytest.raises(TypeError, match="cannot send"):
+        d.pack({"x": [bad]})
+
+
+def test_deal_and_share_without_a_group_are_plain_calls():
+    assert d.deal([1, 2, 3], lambda t: t * 10) == [10, 20, 30]
+    x = {"a": torch.ones(2)}
+    assert d.share(x) is x
+
+
+# ---------------------------------------------------------------------------------------
+# the watch, on an in-process store
+
+class Ranks:
+    """Rank 0's watch over ranks 1 and 2 whose heartbeats the test moves by hand."""
+
+    def __init__(self, timeout=0.6, store=None):
+        self.store = store or dist.HashStore()
+        self.lines: list[str] = []
+        self.stopped = threading.Event()
+        self.watch = d.Watch(self.store, 0, 3, timeout, "t", "127.0.0.1:1", stop=self._stop)
+
+    def _stop(self, line):
+        self.lines.append(line)
+        self.stopped.set()
+
+    def beat(self, *ranks):
+        for r in ranks:
+            self.store.add(f"t/hb/{r}", 1)
+
+    def state(self, r, state):
+        self.store.add(f"t/state/{r}", state)
+
+    def beat_for(self, seconds, *ranks):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not self.stopped.is_set():
+            self.beat(*ranks)
+            time.sleep(0.02)
+
+
+def test_a_silent_rank_is_named_and_marked_lost():
+    r = Ranks()
+    r.beat_for(0.5, 1, 2)  # both alive a while
+    r.beat_for(3, 1)  # rank 2 goes silent
+    assert r.stopped.is_set() and len(r.lines) == 1
+    assert r.lines[0].startswith("kvq: rank 2 of 3 stopped responding") and r.lines[0].endswith("rank 0 stops too")
+    assert int(r.store.get("t/lost/2")) == 1 and int(r.store.get("t/state/0")) == d.PEER_STOPPED
+
+
+def test_a_rank_found_lost_by_another_is_named_as_it_did():
+    r = Ranks(timeout=30)
+    r.store.add("t/lost/1", 1)
+    r.beat_for(3, 1, 2)
+    assert r.lines and r.lines[0].startswith("kvq: rank 1 of 3 died")
+
+
+def test_a_rank_stopped_on_its_own_error_is_named_unless_this_one_stops_too():
+    r = Ranks(timeout=30)
+    r.watch.own_stop = True  # stopping for a reason of its own: the others' stops are not news
+    r.state(2, d.ERROR)
+    r.beat_for(1, 1)
+    assert not r.lines
+    r.watch.own_stop = False
+    r.beat_for(3, 1)
+    assert r.lines == ["kvq: rank 2 of 3 stopped on an error (its own line says which); rank 0 stops too"]
+
+
+def test_a_finished_rank_may_go_silent():
+    r = Ranks()
+    r.state(1, d.FINISHED)
+    r.beat_for(2, 2)
+    assert not r.lines
+    r.watch.say(d.FINISHED)
+    assert int(r.store.get("t/state/0")) == d.FINISHED
+
+
+def test_settle_returns_once_every_rank_is_seen_alive():
+    r = Ranks(timeout=30)
+    beating = threading.Thread(target=r.beat_for, args=(20, 1, 2), daemon=True)
+    beating.start()
+    r.watch.settle(own=True)
+    r.stopped.set()  # ends the beating thread
+    assert not r.lines and r.watch.settled.is_set()  # returned as both were seen alive, not at its time limit
+
+
+def test_settle_names_a_rank_that_died_meanwhile():
+    r = Ranks(timeout=30)
+    r.watch.note = lambda: "; 2 of 4 layers are kept"
+    beating = threading.Thread(target=r.beat_for, args=(30, 1), daemon=True)
+    beating.start()
+    r.watch.settle(own=False)  # after a failed collective: rank 2 never beats again
+    assert r.stopped.wait(5)
+    assert r.lines[0].startswith("kvq: rank 2 of 3 died: no heartbeat for ") and r.lines[0].endswith(
+        "rank 0 stops too; 2 of 4 layers are kept")
+
+
+class _Gone:
+    """A store whose server went away after ``ok`` requests."""
+
+    def __init__(self, ok):
+        self.inner, self.ok = dist.HashStore(), ok
+
+    def __getattr__(self, name):
+        def call(*a):
+            self.ok -= 1
+            if self.ok < 0:
+                raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+            return getattr(self.inner, name)(*a)
+        return call
+
+
+def test_a_store_that_stops_answering_names_rank_0():
+    r = Ranks(store=_Gone(12))
+    assert r.stopped.wait(5)
+    assert r.lines[0].startswith("kvq: rank 0 of 3 is gone (the rendezvous store at 127.0.0.1:1")
+
+
+def test_peer_timeout_from_the_environment(monkeypatch):
+    assert d.peer_timeout() == d.PEER_TIMEOUT_S
+    monkeypatch.setenv("KVQ_PEER_TIMEOUT_S", "12.5")
+    assert d.peer_timeout() == 12.5
+    for bad in ("0", "x", "601"):
+        monkeypatch.setenv("KVQ_PEER_TIMEOUT_S", bad)
+        with pytest.raises(InputError, match="KVQ_PEER_TIMEOUT_S must be a number of seconds from 1 to 600"):
+            d.peer_timeout()
+
+
+def test_cpp_warnings_are_quieted_under_several_ranks_only():
+    assert ranks_defaults({"WORLD_SIZE": "1"}) == {}
+    env = {"WORLD_SIZE": "2"}
+    assert ranks_defaults(env) == RANKS_ENV and env["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    env = {"WORLD_SIZE": "2", "TORCH_CPP_LOG_LEVEL": "INFO"}
+    assert ranks_defaults(env) == {} and env["TORCH_CPP_LOG_LEVEL"] == "INFO"
+
+
+def test_kept_note(tmp_path):
+    st = Staging(tmp_path / ".o.kvq-partial", "k")
+    assert kept_note(st, 4) == "; no layer was finished"
+    st.state = {"layers_done": 2}
+    assert kept_note(st, 4) == (f"; 2 of 4 layers are kept in {st.path}: rerun the same command with --resume "
+                                "(with any number of ranks) to continue")
+
+
+# ---------------------------------------------------------------------------------------
+# ranks as processes
+
+#: the single-process references: GPTQ symmetric, and asymmetric with act-order (zero points, g_idx)
+VARIANTS = {"sym": {}, "asym": dict(symmetric=False, act_order=True, format="gptq")}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, model):
+    """Each of :data:`VARIANTS`' digests from one process."""
+    where = tmp_path_factory.mktemp("ref")
+    return {name: digests(run_quantize(QuantizeOptions(model=str(model), output=where / name, algorithm="gptq",
+                                                       **kw, **FAST))["output"])
+            for name, kw in VARIANTS.items()}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVQ_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", KVQ_PEER_TIMEOUT_S="8", **extra)
+    return env
+
+
+def ranks(n: int, args: list, **env) -> list[subprocess.Popen]:
+    """``n`` kvq ranks as torchrun would start them (rank 0 keeps the store), without torchrun."""
+    port = str(_port())
+    return [subprocess.Popen([sys.executable, str(DRIVER), "quantize", *map(str, args)], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=_env(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=port, **env))
+            for r in range(n)]
+
+
+def ends(procs) -> list[tuple[int, str, str]]:
+    """Each process's exit code, stdout and stderr; a process still running after :data:`HANG_S` is a hang."""
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=HANG_S)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"a rank still runs after {HANG_S} s: {' '.join(p.args)}") from None
+        out.append((p.returncode, o, e))
+    return out
+
+
+@pytest.mark.slow  # starts processes
+def test_tensor_collectives_give_the_single_process_artifact(tmp_path, model, reference):
+    """Two ranks with torch.distributed's object collectives made to raise: the results travel as
+    tensors, and the artifact equals the single-process one digest by digest (zero points, g_idx)."""
+    out = tmp_path / "asym"
+    got = ends(ranks(2, [model, "-o", out, *ARGS, "--asymmetric", "--act-order", "--format", "gptq"], KVQ_NO_PICKLE="1"))
+    assert [g[0] for g in got] == [0, 0], got
+    assert digests(out) == reference["asym"]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_other_and_the_run_resumes_with_any_rank_count(tmp_path, model, reference):
+    """Rank 1 killed in the middle of layer 2: rank 0 exits 1 with one line naming it and where
+    the two finished layers are; the checkpoint resumed by two ranks and, copied, by one gives
+    the uninterrupted artifact."""
+    out = tmp_path / "a" / "r"
+    (rc0, _, err0), (rc1, _, _) = ends(ranks(2, [model, "-o", out, *ARGS], KVQ_FAULT="1:2:kill"))
+    assert rc1 == -signal.SIGKILL and rc0 == 1
+    assert len(err0.strip().splitlines()) == 1 and re.fullmatch(
+        r"kvq: rank 1 of 2 died: no heartbeat for \d+ s; rank 0 stops too; 2 of 4 layers are kept in "
+        + re.escape(str(tmp_path / "a" / ".r.kvq-partial")) + r": rerun the same command with --resume \(with any "
+        r"number of ranks\) to continue", err0.strip()), err0
+    one = tmp_path / "b" / "r"
+    shutil.copytree(tmp_path / "a" / ".r.kvq-partial", tmp_path / "b" / ".r.kvq-partial")
+    got = ends(ranks(2, [model, "-o", out, *ARGS, "--resume"]))
+    assert [g[0] for g in got] == [0, 0], got
+    assert json.loads(got[0][1])["resumed_from_layer"] == 2 and digests(out) == reference["sym"]
+    s = run_quantize(QuantizeOptions(model=str(model), output=one, algorithm="gptq", resume=True, **FAST))
+    assert s["resumed_from_layer"] == 2 and digests(one) == reference["sym"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, line", [
+    ("0:1:kill", "kvq: rank 0 of 2 is gone (the rendezvous store at 127.0.0.1:"),
+    ("1:1:stop", "kvq: rank 1 of 2 stopped responding (it died, hangs, or its machine is unreachable): no heartbeat"),
+    ("0:1:error", "kvq: rank 0 of 2 stopped on an error (its own line says which); rank 1 stops too"),
+], ids=["rank-0-killed", "rank-1-hung", "rank-0-error"])
+def test_a_lost_rank_is_named_in_one_line(tmp_path, model, fault, line):
+    """Rank 0 (which keeps the store without torchrun) killed; rank 1 hung (SIGSTOP: as an
+    unreachable machine, its connections stay open); rank 0 stopped by an error of its own."""
+    lost, _, how = fault.split(":")
+    procs = ranks(2, [model, "-o", tmp_path / "o", *ARGS], KVQ_FAULT=fault)
+    try:
+        rc, _, err = ends([procs[1 - int(lost)]])[0]
+    finally:
+        if how == "stop":
+            procs[int(lost)].kill()
+        lost_rc, _, lost_err = ends([procs[int(lost)]])[0]
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and err.startswith(line), err
+    if how == "error":  # the rank at fault says its own error
+        assert lost_rc == 2 and lost_err.strip() == "kvq: error: a simulated input error on rank 0", lost_err
+
+
+def _torchrun(launch: list, args: list, **env) -> subprocess.Popen:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    return subprocess.Popen([str(torchrun), *launch, str(DRIVER), "quantize", *map(str, args)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(**env))
+
+
+@pytest.mark.slow
+def test_under_torchrun_one_node_and_two(tmp_path, model):
+    """Rank 1 killed mid-layer under torchrun: on one machine (torchrun stops rank 0 with SIGTERM)
+    and as two nodes on this one (rank 0 finds out by itself); rank 0's line names rank 1."""
+    one = _torchrun(["--nproc-per-node", "2", "--master-port", str(_port())], [model, "-o", tmp_path / "one", *ARGS],
+                    KVQ_FAULT="1:2:kill")
+    rc, _, err = ends([one])[0]
+    assert rc != 0 and [ln for ln in err.splitlines() if ln.startswith("kvq:")] == [
+        ln for ln in err.splitlines() if ln.startswith("kvq: rank 1 of 2 died: no heartbeat for")] != [], err
+    port = str(_port())
+    nodes = [_torchrun(["--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t44"],
+                       [model, "-o", tmp_path / "two", *ARGS], KVQ_FAULT="1:2:kill")
+             for n in (0, 1)]
+    (rc0, _, err0), (rc1, _, _) = ends(nodes)
+    assert rc0 != 0 and rc1 != 0
+    assert [ln for ln in err0.splitlines() if ln.startswith("kvq:")] == [
+        ln for ln in err0.splitlines() if ln.startswith("kvq: rank 1 of 2 died")] != [], err0
