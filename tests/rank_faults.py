@@ -6,7 +6,8 @@ place of ``kvq`` (``torchrun ... tests/rank_faults.py quantize ...``).
 layer ``LAYER``, does ``HOW``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: a hung
 process or an unreachable machine) or ``error`` (an input error of its own). ``KVQ_FAULT_STAMP``:
 a file that gets ``time.time()`` just before. ``KVQ_NO_PICKLE=1``: torch.distributed's object
-collectives raise (results must travel as tensors).
+collectives raise (results must travel as tensors). ``KVQ_CODE``: the checkout whose
+``compressor`` runs (default: this one).
 """
 
 import os
@@ -15,11 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, os.environ.get("KVQ_CODE") or str(Path(__file__).resolve().parents[1]))
 
-from compressor.entry import ranks_defaults  # noqa: E402
-
-ranks_defaults()  # as kvq's entry point does before torch loads
+try:
+    from compressor.entry import ranks_defaults  # noqa: E402
+except ImportError:  # KVQ_CODE: a checkout from before it (bench/dist_faults.py BEFORE=)
+    pass
+else:
+    ranks_defaults()  # as kvq's entry point does before torch loads
 
 import compressor.quant.algorithms  # noqa: E402,F401 (registers the layer algorithms)
 import compressor.quant.gptq_layer as pl  # noqa: E402

@@ -272,7 +272,8 @@ def test_tensor_collectives_give_the_single_process_artifact(tmp_path, model, re
     """Two ranks with torch.distributed's object collectives made to raise: the results travel as
     tensors, and the artifact equals the single-process one digest by digest (zero points, g_idx)."""
     out = tmp_path / "asym"
-    got = ends(ranks(2, [model, "-o", out, *ARGS, "--asymmetric", "--act-order", "--format", "gptq"], KVQ_NO_PICKLE="1"))
+    args = [model, "-o", out, *ARGS, "--asymmetric", "--act-order", "--format", "gptq"]
+    got = ends(ranks(2, args, KVQ_NO_PICKLE="1"))
     assert [g[0] for g in got] == [0, 0], got
     assert digests(out) == reference["asym"]
 
