@@ -82,6 +82,13 @@ def src(tmp_path_factory, tokenizer) -> Path:
 
 
 @pytest.fixture(scope="module")
+def deep_dir(tmp_path_factory, tokenizer) -> Path:
+    """A 4-layer tiny Llama folder of the test module: enough depth to see one layer at a time (streaming,
+    resume, a rank lost in the middle of a run)."""
+    return make_model_dir(tmp_path_factory.mktemp("deep") / "model", tokenizer, num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> tuple[Path, Path]:
     """An EC P-256 key pair of the test module (:func:`keypair`): (private key file, public key file); a module
     may define its own ``keys``."""

@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from compressor import distributed as d
-from compressor.api import QuantizeOptions, run_quantize
+from compressor.commands.options import QuantizeOptions
+from compressor.commands.quantize import run_quantize
 from compressor.entry import RANKS_ENV, ranks_defaults
 from compressor.errors import InputError
 from compressor.staging import Staging, kept_note
 
-from test_streaming import deep_dir as model, digests  # noqa: F401 (model: the 4-layer tiny llama fixture)
+from conftest import digests
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "rank_faults.py"
@@ -223,10 +224,10 @@ VARIANTS = {"sym": {}, "asym": dict(symmetric=False, act_order=True, format="gpt
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, model):
+def reference(tmp_path_factory, deep_dir):
     """Each of :data:`VARIANTS`' digests from one process."""
     where = tmp_path_factory.mktemp("ref")
-    return {name: digests(run_quantize(QuantizeOptions(model=str(model), output=where / name, algorithm="gptq",
+    return {name: digests(run_quantize(QuantizeOptions(model=str(deep_dir), output=where / name, algorithm="gptq",
                                                        **kw, **FAST))["output"])
             for name, kw in VARIANTS.items()}
 
@@ -268,23 +269,23 @@ def ends(procs) -> list[tuple[int, str, str]]:
 
 
 @pytest.mark.slow  # starts processes
-def test_tensor_collectives_give_the_single_process_artifact(tmp_path, model, reference):
+def test_tensor_collectives_give_the_single_process_artifact(tmp_path, deep_dir, reference):
     """Two ranks with torch.distributed's object collectives made to raise: the results travel as
     tensors, and the artifact equals the single-process one digest by digest (zero points, g_idx)."""
     out = tmp_path / "asym"
-    args = [model, "-o", out, *ARGS, "--asymmetric", "--act-order", "--format", "gptq"]
+    args = [deep_dir, "-o", out, *ARGS, "--asymmetric", "--act-order", "--format", "gptq"]
     got = ends(ranks(2, args, KVQ_NO_PICKLE="1"))
     assert [g[0] for g in got] == [0, 0], got
     assert digests(out) == reference["asym"]
 
 
 @pytest.mark.slow
-def test_a_killed_rank_stops_the_other_and_the_run_resumes_with_any_rank_count(tmp_path, model, reference):
+def test_a_killed_rank_stops_the_other_and_the_run_resumes_with_any_rank_count(tmp_path, deep_dir, reference):
     """Rank 1 killed in the middle of layer 2: rank 0 exits 1 with one line naming it and where
     the two finished layers are; the checkpoint resumed by two ranks and, copied, by one gives
     the uninterrupted artifact."""
     out = tmp_path / "a" / "r"
-    (rc0, _, err0), (rc1, _, _) = ends(ranks(2, [model, "-o", out, *ARGS], KVQ_FAULT="1:2:kill"))
+    (rc0, _, err0), (rc1, _, _) = ends(ranks(2, [deep_dir, "-o", out, *ARGS], KVQ_FAULT="1:2:kill"))
     assert rc1 == -signal.SIGKILL and rc0 == 1
     assert len(err0.strip().splitlines()) == 1 and re.fullmatch(
         r"kvq: rank 1 of 2 died: no heartbeat for \d+ s; rank 0 stops too; 2 of 4 layers are kept in "
@@ -292,10 +293,10 @@ def test_a_killed_rank_stops_the_other_and_the_run_resumes_with_any_rank_count(t
         r"number of ranks\) to continue", err0.strip()), err0
     one = tmp_path / "b" / "r"
     shutil.copytree(tmp_path / "a" / ".r.kvq-partial", tmp_path / "b" / ".r.kvq-partial")
-    got = ends(ranks(2, [model, "-o", out, *ARGS, "--resume"]))
+    got = ends(ranks(2, [deep_dir, "-o", out, *ARGS, "--resume"]))
     assert [g[0] for g in got] == [0, 0], got
     assert json.loads(got[0][1])["resumed_from_layer"] == 2 and digests(out) == reference["sym"]
-    s = run_quantize(QuantizeOptions(model=str(model), output=one, algorithm="gptq", resume=True, **FAST))
+    s = run_quantize(QuantizeOptions(model=str(deep_dir), output=one, algorithm="gptq", resume=True, **FAST))
     assert s["resumed_from_layer"] == 2 and digests(one) == reference["sym"]
 
 
@@ -305,11 +306,11 @@ def test_a_killed_rank_stops_the_other_and_the_run_resumes_with_any_rank_count(t
     ("1:1:stop", "kvq: rank 1 of 2 stopped responding (it died, hangs, or its machine is unreachable): no heartbeat"),
     ("0:1:error", "kvq: rank 0 of 2 stopped on an error (its own line says which); rank 1 stops too"),
 ], ids=["rank-0-killed", "rank-1-hung", "rank-0-error"])
-def test_a_lost_rank_is_named_in_one_line(tmp_path, model, fault, line):
+def test_a_lost_rank_is_named_in_one_line(tmp_path, deep_dir, fault, line):
     """Rank 0 (which keeps the store without torchrun) killed; rank 1 hung (SIGSTOP: as an
     unreachable machine, its connections stay open); rank 0 stopped by an error of its own."""
     lost, _, how = fault.split(":")
-    procs = ranks(2, [model, "-o", tmp_path / "o", *ARGS], KVQ_FAULT=fault)
+    procs = ranks(2, [deep_dir, "-o", tmp_path / "o", *ARGS], KVQ_FAULT=fault)
     try:
         rc, _, err = ends([procs[1 - int(lost)]])[0]
     finally:
@@ -328,10 +329,10 @@ def _torchrun(launch: list, args: list, **env) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_under_torchrun_one_node_and_two(tmp_path, model):
+def test_under_torchrun_one_node_and_two(tmp_path, deep_dir):
     """Rank 1 killed mid-layer under torchrun: on one machine (torchrun stops rank 0 with SIGTERM)
     and as two nodes on this one (rank 0 finds out by itself); rank 0's line names rank 1."""
-    one = _torchrun(["--nproc-per-node", "2", "--master-port", str(_port())], [model, "-o", tmp_path / "one", *ARGS],
+    one = _torchrun(["--nproc-per-node", "2", "--master-port", str(_port())], [deep_dir, "-o", tmp_path / "one", *ARGS],
                     KVQ_FAULT="1:2:kill")
     rc, _, err = ends([one])[0]
     assert rc != 0 and [ln for ln in err.splitlines() if ln.startswith("kvq:")] == [
@@ -339,7 +340,7 @@ def test_under_torchrun_one_node_and_two(tmp_path, model):
     port = str(_port())
     nodes = [_torchrun(["--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t44"],
-                       [model, "-o", tmp_path / "two", *ARGS], KVQ_FAULT="1:2:kill")
+                       [deep_dir, "-o", tmp_path / "two", *ARGS], KVQ_FAULT="1:2:kill")
              for n in (0, 1)]
     (rc0, _, err0), (rc1, _, _) = ends(nodes)
     assert rc0 != 0 and rc1 != 0

@@ -20,12 +20,6 @@ from tiny_models import make_dir
 
 
 @pytest.fixture(scope="module")
-def deep_dir(tmp_path_factory, tokenizer):
-    """A 4-layer tiny llama: enough depth to see one layer at a time."""
-    return make_model_dir(tmp_path_factory.mktemp("deep") / "model", tokenizer, num_hidden_layers=4)
-
-
-@pytest.fixture(scope="module")
 def whole(tmp_path_factory, deep_dir):
     """GPTQ and AWQ artifacts from the whole-model path (--no-stream): the reference."""
     d = tmp_path_factory.mktemp("whole")
