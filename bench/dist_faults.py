@@ -60,6 +60,23 @@ def _launch_args(nodes: int, rdzv: str, node: int, port: int) -> list[str]:
     return ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", *where]
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, children first (from /proc's parent ids)."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(stat.parent.name)] = int(fields[1])
+    out, todo = [], [pid]
+    while todo:
+        kids = [c for c, pp in parent.items() if pp == todo[0]]
+        out += kids
+        todo = todo[1:] + kids
+    return out
+
+
 def run_once(model: Path, work: Path, nodes: int, rdzv: str, fault: str, code_root: Path, hang_s: float) -> dict:
     """One scenario: each launcher's exit code, seconds from the fault to its exit (None: still
     running after ``hang_s``, then killed) and the ``kvq:`` lines of its stderr."""
@@ -71,8 +88,7 @@ def run_once(model: Path, work: Path, nodes: int, rdzv: str, fault: str, code_ro
     driver = str(ROOT / "tests" / "rank_faults.py")
     procs = [subprocess.Popen([str(TORCHRUN), *_launch_args(nodes, rdzv, n, port), driver,
                                "quantize", str(model), "-o", str(work / "out"), *QUANTIZE],
-                              env=env, cwd=code_root, stdout=subprocess.DEVNULL, stderr=open(work / f"err{n}", "w"),
-                              start_new_session=True)
+                              env=env, cwd=code_root, stdout=subprocess.DEVNULL, stderr=open(work / f"err{n}", "w"))
              for n in range(nodes)]
     ended: dict[int, float] = {}
     deadline = None
@@ -86,8 +102,12 @@ def run_once(model: Path, work: Path, nodes: int, rdzv: str, fault: str, code_ro
             break
         time.sleep(0.05)
     for n, p in enumerate(procs):
-        if n not in ended:
-            os.killpg(p.pid, signal.SIGKILL)  # the launcher and its stopped or hung workers
+        if n not in ended:  # the launcher and its stopped or hung workers (torchrun gives each a session of its own)
+            for pid in [*_descendants(p.pid), p.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             p.wait()
     t0 = float(stamp.read_text())
     return {"nodes": [{"exit": p.returncode if n in ended else None,
