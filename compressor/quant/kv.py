@@ -191,6 +191,8 @@ def make_quantized_layer_class():
             self.qv: list = []
             self.n_quantized = 0
             self.cumulative_length = 0
+            self.read: list = []  # the chunks decoded so far, [keys, values] (decode is per chunk: done once)
+            self.n_read = 0  # chunks of qk/qv in self.read
 
         def lazy_initialization(self, key_states, value_states):
             super().lazy_initialization(key_states, value_states)
@@ -220,13 +222,25 @@ def make_quantized_layer_class():
                 self.keys = torch.cat([self.keys, key_states], dim=-2) if self.keys.numel() else key_states
                 self.values = torch.cat([self.values, value_states], dim=-2) if self.values.numel() else value_states
                 self._flush()
-            ks = [self.codec.decode(c, self.k_scale, self.kinds[0], self.dtype) for c in self.qk]
-            vs = [self.codec.decode(c, self.v_scale, self.kinds[1], self.dtype) for c in self.qv]
+            ks, vs = self._decoded()
             if kivi and self.keys.numel():
                 ks.append(self.keys)
                 vs.append(self.values)
             keys = torch.cat(ks, dim=-2)
             return keys if self.key_basis is None else turn_keys(keys, 1 / self.key_basis), torch.cat(vs, dim=-2)
+
+        def _decoded(self) -> tuple[list, list]:
+            """``([keys], [values])`` of every quantized chunk (empty lists before the first), decoding only the
+            chunks written since the last read (a decode step writes one token: no re-decoding the whole cache)."""
+            new = [(self.codec.decode(c, self.k_scale, self.kinds[0], self.dtype),
+                    self.codec.decode(d, self.v_scale, self.kinds[1], self.dtype))
+                   for c, d in zip(self.qk[self.n_read:], self.qv[self.n_read:])]
+            if new:
+                parts = ([self.read[0]], [self.read[1]]) if self.read else ([], [])
+                self.read = [torch.cat(parts[0] + [k for k, _ in new], dim=-2),
+                             torch.cat(parts[1] + [v for _, v in new], dim=-2)]
+                self.n_read = len(self.qk)
+            return ([self.read[0]], [self.read[1]]) if self.read else ([], [])
 
         def get_seq_length(self) -> int:
             return self.cumulative_length
@@ -236,6 +250,7 @@ def make_quantized_layer_class():
 
         def reset(self) -> None:
             self.qk, self.qv, self.n_quantized, self.cumulative_length = [], [], 0, 0
+            self.read, self.n_read = [], 0
             self.keys = self.values = None
             self.is_initialized = False
 
