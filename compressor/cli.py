@@ -21,6 +21,7 @@ from .commands.common import fail_unless_passed
 from .cli_help import HELP
 from .cli_options import (FILE, RegistryChoice, algorithm_names, bounded, build_options, format_names, kv_scheme_names,
                           resolve_device, signature_options, verify_keys)
+from .cli_service import service_options
 from .cli_sizes import parse_size
 from .commands.options import QuantizeOptions, SmokeOptions, VerifyOptions
 from .console import make_console as _console
@@ -243,6 +244,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
               help=HELP["verify.prompts"])
 @click.option("--max-new-tokens", type=bounded(VerifyOptions, "max_new_tokens"), default=32, show_default=True,
               help=HELP["verify.max-new-tokens"])
+@service_options
 @click.option("--eval-dtype", type=click.Choice(["auto", "float32"]), default="auto", show_default=True,
               help=HELP["verify.eval-dtype"])
 @click.option("--hidden-batches", type=bounded(VerifyOptions, "hidden_batches"), default=2, show_default=True,
@@ -259,7 +261,8 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.option("--json-out", type=FILE, default=None, help=HELP["verify.json-out"])
 def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, kv_scheme, kv_budget_gib,
            kv_chunk, kv_calib, device, weights_only, max_mean_kl, max_p99_kl, min_top1, min_sqnr_db, max_hidden_error,
-           min_median_divergence, prompts_file, max_new_tokens, eval_dtype, hidden_batches, report_dir, threads, stream,
+           min_median_divergence, prompts_file, max_new_tokens, long_tokens, turns, min_long_agreement, eval_dtype,
+           hidden_batches, report_dir, threads, stream,
            memory_budget_gib, public_key,
            certificate_chain, identity, issuer, no_manifest, as_json, json_out):
     """Check ARTIFACT's integrity and quality against the original model.
@@ -280,7 +283,9 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
        decoder layer; greedy-generation drift (first differing position) on a prompt set.
        With a KV-cache scheme (the artifact's, or --kv-scheme) it reports weights only,
        KV only and both (the gates use both), plus KV bytes per token and what
-       --kv-budget-gib holds for fp16 and for the scheme;
+       --kv-budget-gib holds for fp16 and for the scheme, the figures per bucket of
+       positions, a long greedy generation (--long-tokens) and a multi-turn chat
+       (--turns) with the quantized cache against the float one;
     4. gates: every threshold set by a flag or by the recipe's `gates` block (stored in
        the manifest; trust it only with a signature check); exit 1 names each failed gate.
 
@@ -306,6 +311,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
         kv_budget_gib=kv_budget_gib, kv_chunk=kv_chunk, kv_calib=kv_calib, keys=keys, weights_only=weights_only,
         max_mean_kl=max_mean_kl, max_p99_kl=max_p99_kl, min_top1=min_top1, min_sqnr_db=min_sqnr_db,
         max_hidden_error=max_hidden_error, min_median_divergence=min_median_divergence,
+        long_tokens=long_tokens, turns=turns, min_long_agreement=min_long_agreement,
         prompts=prompts_file, max_new_tokens=max_new_tokens, hidden_batches=hidden_batches, no_manifest=no_manifest,
         eval_dtype=eval_dtype, threads=threads, stream=stream, memory_budget_gib=memory_budget_gib)
     for path, flag in ((report_dir, "--report"), (json_out, "--json-out")):

@@ -153,6 +153,18 @@ HELP = {
         "built-in prompts."
     ),
     "verify.max-new-tokens": "Tokens generated per prompt for the greedy-drift check.",
+    "verify.long-tokens": (
+        "With a KV scheme: greedy tokens of the long generation (float cache vs quantized cache, after 128 tokens "
+        "of the eval text); 0: none."
+    ),
+    "verify.turns": (
+        "With a KV scheme: user turns (paragraphs of the eval text) of the multi-turn chat through the tokenizer's "
+        "chat template, both caches kept across turns; 0: none."
+    ),
+    "verify.min-long-agreement": (
+        "Gate: minimum top-1 agreement, percent, of the quantized KV cache teacher-forced on the float cache's long "
+        "generation."
+    ),
     "verify.eval-dtype": (
         "Evaluate the artifact in the dtype its config.json declares (auto: what transformers and vLLM load "
         "it in, so the figures describe the model users serve) or in float32. The reference is float32; the "

@@ -206,6 +206,13 @@ def _verify_rows(t, report: dict, results: dict) -> None:
                 f"median {dr['median']:g}, min {dr['min']:g} of {dr['max_new_tokens']} generated", "min_median_divergence")
         else:
             row("greedy drift", "not measured (streamed)")
+        lg = report.get("long_generation")
+        if lg:
+            row(f"long generation, KV only: top-1 ({lg['tokens']} tokens)",
+                f"{lg['top1_agreement_pct']:.2f} %, first divergence {lg['first_divergence']}",
+                "min_long_agreement_pct")
+        for turn in (report.get("multi_turn") or {}).get("turns", []):
+            row(f"multi-turn, KV only: turn {turn['turn']} reply top-1", f"{turn['reply']['top1_pct']:.2f} %")
         if report.get("hidden_state_error"):
             row("hidden-state error, last layer", f"{100 * report['hidden_state_error']['last']:.4g} %", "max_hidden_error")
     w = report.get("weights")

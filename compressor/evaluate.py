@@ -190,19 +190,24 @@ def _window_statistics(target: torch.Tensor, ref_at, cand_at: dict, acc: dict, l
     nll = {label: 0.0 for label in acc}
     kls = {label: [] for label in cand_at}
     same = {label: 0 for label in cand_at}
+    pos = {label: (torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.int64)) for label in acc}
     for a in range(0, n, logit_chunk):
         b = min(a + logit_chunk, n)
         ref_logits = ref_at(a, b)
-        nll["reference"] += torch.nn.functional.cross_entropy(ref_logits, target[a:b], reduction="sum").double().item()
+        nll["reference"] += _token_nll(ref_logits, target[a:b], pos["reference"][0][a:b])
         for label, at in cand_at.items():
             logits = at(a, b)
-            nll[label] += torch.nn.functional.cross_entropy(logits, target[a:b], reduction="sum").double().item()
+            nll[label] += _token_nll(logits, target[a:b], pos[label][0][a:b])
             kl, s = kl_and_top1(ref_logits, logits)
             kls[label].append(kl.cpu())
             same[label] += int(s.sum())
+            pos[label][1][a:b] = s.cpu().long()
             del logits
         del ref_logits
     for label, a in acc.items():
+        # per-position sums over windows (compressor.positions reads them into position buckets)
+        a["pos_nll"] = pos[label][0] + a.get("pos_nll", 0)
+        a["pos_same"] = pos[label][1] + a.get("pos_same", 0)
         a["nll"] += nll[label]
         a["per"].append(math.exp(nll[label] / n))
         if label in cand_at:
@@ -213,11 +218,19 @@ def _window_statistics(target: torch.Tensor, ref_at, cand_at: dict, acc: dict, l
             a["w_top1"].append(same[label] / n)
 
 
+def _token_nll(logits: torch.Tensor, target: torch.Tensor, out: torch.Tensor) -> float:
+    """NLL of each position (``logits [n, vocab]``, ``target [n]``) into ``out [n]`` float64; returns their sum."""
+    per = torch.nn.functional.cross_entropy(logits, target, reduction="none").double().cpu()
+    out.copy_(per)
+    return float(per.sum())
+
+
 def _summary(label: str, a: dict, wins: torch.Tensor, count: int) -> dict:
     from .stats import summarize
 
     r = {"ppl": math.exp(a["nll"] / count), "nll": a["nll"] / count, "windows": int(wins.shape[0]),
-         "seqlen": int(wins.shape[1]), "predicted_tokens": count, "per_window_ppl": [round(p, 4) for p in a["per"]]}
+         "seqlen": int(wins.shape[1]), "predicted_tokens": count, "per_window_ppl": [round(p, 4) for p in a["per"]],
+         "pos_nll": a.get("pos_nll"), "pos_same": a.get("pos_same") if label != "reference" else None}
     if label != "reference":
         values = torch.cat(a["kl"]).numpy()
         r.update(kl=summarize(values), kl_values=values, top1_agreement=a["same"] / count,

@@ -18,6 +18,7 @@ min_top1_agreement_pct  verify       min    distribution.top1_agreement_pct   fu
 min_sqnr_db             verify       min    weights.min_sqnr_db               quantized weights
 max_hidden_error        verify       max    hidden_state_error.last           quantized weights, full
 min_median_divergence   verify       min    drift.median                      full evaluation
+min_long_agreement_pct  verify       min    long_generation.top1_agreem._pct  a KV scheme, --long-tokens
 serve_min_top1_pct      serve-smoke  min    comparison.top1_agreement_pct     -
 serve_max_prompt_kl     serve-smoke  max    comparison.prompt_kl.mean         -
 serve_min_median_div.   serve-smoke  min    comparison.median_first_diverg.   -
@@ -106,6 +107,8 @@ GATES: tuple[GateSpec, ...] = (
              needs_full=True, needs_quantized=True, measured_on="weights only"),
     GateSpec("min_median_divergence", VERIFY, "min", " tokens", "drift.median", "min_median_divergence",
              needs_full=True),
+    GateSpec("min_long_agreement_pct", VERIFY, "min", " %", "long_generation.top1_agreement_pct",
+             "min_long_agreement", needs_full=True, measured_on="KV only"),
     GateSpec("serve_min_top1_pct", SERVE_SMOKE, "min", " %", "comparison.top1_agreement_pct", "min_top1",
              default=70.0),
     GateSpec("serve_max_prompt_kl", SERVE_SMOKE, "max", " nats", "comparison.prompt_kl.mean", "max_kl", default=0.5),

@@ -314,6 +314,8 @@ class Gates(_Strict):
     min_sqnr_db: Optional[float] = None
     max_hidden_error: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
     min_median_divergence: Optional[int] = Field(None, ge=0)
+    #: top-1 agreement (percent) of the quantized KV cache teacher-forced on the float cache's long greedy generation
+    min_long_agreement_pct: Optional[float] = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)
     # kvq serve-smoke (runtime vs reference; None: the command's defaults 80 % / 0.5 nats / ungated)
     serve_min_top1_pct: Optional[float] = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)
     serve_max_prompt_kl: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)

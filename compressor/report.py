@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict
 
 from .errors import InputError
+from . import report_service as service
 from .gates import gate
 
 REPORT_SCHEMA = "kvq.verify-report/1"
@@ -136,6 +137,12 @@ class VerifyReport(_M):
     weights: Optional[Weights] = None
     hidden_state_error: Optional[Hidden] = None
     drift: Optional[Drift] = None
+    #: the window figures per bucket of query positions (issue #47; compressor.positions)
+    by_position: Optional[service.ByPosition] = None
+    #: long greedy generation, float vs quantized KV cache (compressor.service_eval)
+    long_generation: Optional[service.LongGeneration] = None
+    #: multi-turn chat through the chat template, caches kept across turns
+    multi_turn: Optional[service.MultiTurn] = None
     kv_cache: Optional[dict[str, Any]] = None
     #: a multimodal wrapper's tensors carried untouched (Kimi K2.5's vision tower and projector):
     #: the manifest's quality.carried record plus "checked": "digest only"
@@ -181,17 +188,10 @@ def _fmt(v, spec=".4f") -> str:
     return format(v, spec)
 
 
-PNG_NAMES = ("perplexity_per_window.png", "kl_histogram.png", "layer_errors.png")
+PNG_NAMES = ("perplexity_per_window.png", "kl_histogram.png", "layer_errors.png", service.PNG)
 
 
-def _figure(*grid, figsize, dpi, **kw):
-    """``(figure, axes)`` like ``pyplot.subplots``, on a private Agg canvas (nothing global)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize, dpi=dpi)
-    FigureCanvasAgg(fig)
-    return fig, fig.subplots(*grid, **kw)
+_figure = service.figure  # (figure, axes) on a private Agg canvas
 
 
 def plots(report: dict, folder: Path) -> list[Path]:
@@ -204,7 +204,7 @@ def plots(report: dict, folder: Path) -> list[Path]:
     gates = {g["name"]: g for g in report.get("gates", [])}
     out: list[Path] = []
     for png, draw in (("perplexity_per_window.png", _plot_perplexity), ("kl_histogram.png", _plot_kl),
-                      ("layer_errors.png", _plot_layers)):
+                      ("layer_errors.png", _plot_layers), (service.PNG, service.plot)):
         fig = draw(report, name, gates)
         if fig is not None:
             fig.tight_layout()
@@ -375,6 +375,7 @@ def markdown(report: dict, images: list[Path] | None = None) -> str:
         hs = report.get("hidden_state_error")
         if hs:
             lines.append(f"| hidden-state error after the last layer | {_fmt(None if hs['last'] is None else 100 * hs['last'], '.2f')} % |")
+    lines += service.markdown_lines(report)
     w = report.get("weights")
     if w and w["tensors"]:
         worst = sorted(w["tensors"], key=lambda t: t["sqnr_db"] if t["sqnr_db"] is not None and not math.isnan(t["sqnr_db"]) else -math.inf)[:5]

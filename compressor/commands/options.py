@@ -246,6 +246,8 @@ class EvalOptions(_Section):
     hidden_batches: int = Field(2, ge=1, le=64)
     prompts: Optional[Text] = None  # greedy-drift prompt file (default: built-in set)
     max_new_tokens: int = Field(32, ge=1, le=4096)
+    long_tokens: int = Field(256, ge=0, le=32768)  # long greedy generation, float vs quantized KV cache (0: none)
+    turns: int = Field(4, ge=0, le=64)  # multi-turn chat through the chat template (0: none)
     #: ``auto``: evaluate the artifact in the dtype its config.json declares (what users load); ``float32`` on request
     dtype: Literal["auto", "float32"] = "auto"
 
@@ -270,6 +272,7 @@ class VerifyGateOptions(_Section):
     min_sqnr_db: Optional[float] = _finite(None)
     max_hidden_error: Optional[float] = _finite(None, ge=0)
     min_median_divergence: Optional[int] = Field(None, ge=0)
+    min_long_agreement: Optional[float] = _finite(None, ge=0, le=100)
 
 
 class VerifyOptions(_Options):
@@ -285,7 +288,8 @@ class VerifyOptions(_Options):
         "eval_text": ("evaluation", "text"), "seqlen": ("evaluation", "seqlen"),
         "max_windows": ("evaluation", "max_windows"), "hidden_batches": ("evaluation", "hidden_batches"),
         "prompts": ("evaluation", "prompts"), "max_new_tokens": ("evaluation", "max_new_tokens"),
-        "eval_dtype": ("evaluation", "dtype"),
+        "eval_dtype": ("evaluation", "dtype"), "long_tokens": ("evaluation", "long_tokens"),
+        "turns": ("evaluation", "turns"),
         "kv_scheme": ("kv", "scheme"), "kv_budget_gib": ("kv", "budget_gib"), "kv_chunk": ("kv", "chunk"),
         "kv_calib": ("kv", "calib"), "kv_calib_samples": ("kv", "calib_samples"),
         **{g.option: ("gates", g.option) for g in gates_of("verify", configurable=True)},

@@ -40,7 +40,7 @@ from ..integrity import check_artifact_folder, foreign_integrity, verify_integri
 from ..manifest import load_manifest
 from ..source.resolve import resolve_source
 from ..quant.kv import make_spec
-from . import verify_streamed
+from . import verify_service, verify_streamed
 from .common import cpu_threads, load_reference, threads_restored
 from .verify_common import (
     Models, cache_factory, candidate_rows, check_same_architecture, distribution_sections, eval_dtype, head_is_packed,
@@ -49,7 +49,8 @@ from .verify_common import (
 from .options import VerifyOptions
 
 #: gates appear in the report in the order of the sections their statistics come from
-_SECTIONS = ("nonfinite_tensors", "perplexity", "distribution", "drift", "hidden_state_error", "weights")
+_SECTIONS = ("nonfinite_tensors", "perplexity", "distribution", "drift", "long_generation", "hidden_state_error",
+             "weights")
 
 
 @dataclass
@@ -162,6 +163,7 @@ def _plan(opts: VerifyOptions, folder: Path, manifest, report: dict, console) ->
     kv_source = "artifact" if kv_info else None
     if opts.kv.scheme:
         kv_info, kv_source = (make_spec(opts.kv.scheme), None), "--kv-scheme"
+    verify_service.check_gate(thresholds, opts, kv_info if opts.mode == "full" else None, report)
     return _Plan(folder, manifest, weights_quantized, thresholds, ref_spec, ref_source, text, kv_info, kv_source)
 
 
@@ -342,6 +344,7 @@ def _evaluate(plan: _Plan, models: Models, prompts: list[str], opts: VerifyOptio
     report["eval"]["bos_rule"] = rule["rule"] + ("; evaluation windows, drift prompts and KV calibration follow it"
                                                  " (llama.cpp's perplexity convention)")
     _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts, make_cache, served, opts)
+    verify_service.sections(report, results, served, candidates, models.tokenizer, wins, plan.text, opts, console)
     if kv_info is not None:
         report["kv_cache"] = kv_report(kv_info[0], plan.kv_source, plan.ref_source, opts)
     return served, results

@@ -166,6 +166,13 @@ class Streamed:
             del plan.thresholds["min_median_divergence"]
             self.report["warnings"].append(f"recipe gate min_median_divergence not evaluated: streamed verify's greedy drift is "
                                            f"{DRIFT_SKIPPED}")
+        if "min_long_agreement_pct" in plan.thresholds:  # the long generation runs on the whole model only
+            if opts.gates.min_long_agreement is not None:
+                raise InputError(f"--min-long-agreement cannot be evaluated by streamed verify ({self.why}): the long "
+                                 "generation needs the whole model")
+            del plan.thresholds["min_long_agreement_pct"]
+            self.report["warnings"].append("recipe gate min_long_agreement_pct not evaluated: streamed verify runs no "
+                                           "long generation")
         kv = plan.kv_info
         if opts.mode == "full" and kv is not None and kv[0].static and kv[1] is None:
             raise InputError(f"--kv-scheme {kv[0].describe()} needs static scales calibrated on the whole model, which "
@@ -251,6 +258,7 @@ class Streamed:
 
     def _sections(self, out: dict, wins, served: str, make_cache) -> None:
         """The report's evaluation sections from the streamed results (drift: ``None``, said in a warning)."""
+        from ..positions import window_buckets
         from .verify_common import distribution_sections, kv_report
 
         plan, ev, report = self.plan, self.opts.evaluation, self.report
@@ -264,5 +272,9 @@ class Streamed:
                                             "seqlen": min(ev.seqlen, 512), "per_layer": per_layer, "last": per_layer[-1]}
         report["drift"] = None
         report["warnings"].append(f"greedy drift not measured ({self.why}): {DRIFT_SKIPPED}")
+        report["by_position"] = window_buckets(out["results"], served)
+        if ev.long_tokens or ev.turns:
+            report["warnings"].append(f"long generation and multi-turn not measured ({self.why}): they need the whole "
+                                      "model")
         if plan.kv_info is not None:
             report["kv_cache"] = kv_report(plan.kv_info[0], plan.kv_source, plan.ref_source, self.opts)

@@ -1,0 +1,25 @@
+"""``kvq verify``'s options of the service checks (issue #47): the long generation, the
+multi-turn chat and the long generation's gate, as one click decorator (:func:`service_options`);
+help texts in :mod:`compressor.cli_help`, ranges from :class:`~compressor.commands.options.VerifyOptions`."""
+
+from __future__ import annotations
+
+import click
+
+from .cli_help import HELP
+from .cli_options import bounded
+from .commands.options import VerifyOptions
+
+
+def service_options(f):
+    """Add ``--long-tokens``, ``--turns`` and ``--min-long-agreement`` to a click command."""
+    for decorate in reversed((
+        click.option("--long-tokens", type=bounded(VerifyOptions, "long_tokens"), default=256, show_default=True,
+                     help=HELP["verify.long-tokens"]),
+        click.option("--turns", type=bounded(VerifyOptions, "turns"), default=4, show_default=True,
+                     help=HELP["verify.turns"]),
+        click.option("--min-long-agreement", type=bounded(VerifyOptions, "min_long_agreement", float), default=None,
+                     help=HELP["verify.min-long-agreement"]),
+    )):
+        f = decorate(f)
+    return f
