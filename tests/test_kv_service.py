@@ -87,6 +87,7 @@ def test_repeated_4grams_and_user_turns_by_hand():
 
 # --- verify end to end ------------------------------------------------------------------------
 
+@pytest.mark.slow  # a 1024-token window and 256 generated tokens, twice (make test-fast leaves it out)
 def test_a_good_cache_passes_and_its_figures_add_up(kv_art, tmp_path):
     rep = run_verify(VerifyOptions(artifact=kv_art, min_long_agreement=90, **FAST))
     bp = rep["by_position"]
@@ -116,6 +117,7 @@ def test_a_good_cache_passes_and_its_figures_add_up(kv_art, tmp_path):
     VerifyReport.model_validate(json.loads((tmp_path / "r" / "report.json").read_text()))
 
 
+@pytest.mark.slow  # a 1024-token window and 256 generated tokens, twice (make test-fast leaves it out)
 def test_a_cache_drifting_with_position_is_caught(kv_art, monkeypatch, capsys):
     """The position buckets show the error growing, the long generation diverges and its gate
     fails (exit 1, named); the JSON report validates against the schema."""
