@@ -185,6 +185,9 @@ def _plot_long(ax, lg: dict, gates: dict) -> None:
     xs = np.arange(kl.size) + lg["first_position"]
     ax.plot(xs, np.clip(kl, 1e-7, None), lw=0.8, color="#1f77b4", label="KL per token")
     ax.set_yscale("log")
+    finite = kl[np.isfinite(kl)]
+    if finite.size:
+        ax.set_ylim(max(float(finite.min()), 1e-7) / 2, max(float(finite.max()), 1e-6) * 2)
     ax.set_xlabel("query position (prompt + generated tokens)")
     ax.set_ylabel("KL(float cache || quantized), nats")
     if lg["first_divergence"] is not None:
@@ -204,5 +207,5 @@ def _plot_long(ax, lg: dict, gates: dict) -> None:
     ax.set_title(f"Long generation ({lg['measured_on']}): {lg['tokens']} greedy tokens, quantized cache teacher-forced")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower left")
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="best")
     ax.grid(alpha=0.3)
