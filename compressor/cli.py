@@ -21,7 +21,7 @@ from .commands.common import fail_unless_passed
 from .cli_help import HELP
 from .cli_options import (FILE, RegistryChoice, algorithm_names, bounded, build_options, format_names, kv_scheme_names,
                           resolve_device, signature_options, verify_keys)
-from .cli_service import service_options
+from .cli_service import service_options, smoke_long_option
 from .cli_sizes import parse_size
 from .commands.options import QuantizeOptions, SmokeOptions, VerifyOptions
 from .console import make_console as _console
@@ -399,6 +399,7 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
               help=HELP["serve-smoke.prompts"])
 @click.option("--max-new-tokens", type=bounded(SmokeOptions, "max_new_tokens"), default=32, show_default=True,
               help=HELP["serve-smoke.max-new-tokens"])
+@smoke_long_option
 @click.option("--reference", default=None, help=HELP["serve-smoke.reference"])
 @click.option("--backend", type=click.Choice(["auto", "aten", "dequant", "triton"]), default="auto", show_default=True,
               help=HELP["serve-smoke.backend"])
@@ -418,9 +419,9 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
 @signature_options
 @click.option("--no-manifest", is_flag=True, help=HELP["serve-smoke.no-manifest"])
 @click.option("--json", "as_json", is_flag=True, help=HELP["serve-smoke.json"])
-def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, compute, device, http, http_requests,
-                threads, min_top1, max_kl, min_first_divergence, public_key, certificate_chain, identity, issuer,
-                no_manifest, as_json):
+def serve_smoke(artifact, prompts_file, max_new_tokens, long_tokens, reference, backend, compute, device, http,
+                http_requests, threads, min_top1, max_kl, min_first_divergence, public_key, certificate_chain, identity,
+                issuer, no_manifest, as_json):
     """Serve ARTIFACT with the bundled runtime and check it answers like the original.
 
     The runtime serves llama, mistral, qwen2, qwen3, gemma3_text, glm4, and the MoE rows mixtral, qwen3_moe,
@@ -459,7 +460,7 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, reference, backend, comp
 
     opts = build_options(SmokeOptions, artifact=artifact, prompts=str(prompts_file) if prompts_file else None,
                          max_new_tokens=max_new_tokens, reference=reference, device=resolve_device(device),
-                         backend=backend,
+                         backend=backend, long_tokens=long_tokens,
                          dtype=compute, http=http, http_requests=http_requests, threads=threads, min_top1=min_top1,
                          max_kl=max_kl, min_first_divergence=min_first_divergence, no_manifest=no_manifest,
                          keys=verify_keys(public_key, certificate_chain, identity, issuer))

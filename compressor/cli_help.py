@@ -153,6 +153,10 @@ HELP = {
         "built-in prompts."
     ),
     "verify.max-new-tokens": "Tokens generated per prompt for the greedy-drift check.",
+    "serve-smoke.long-tokens": (
+        "Greedy tokens of a long generation of the first prompt through the runtime as served, against the "
+        "reference teacher-forced on it (top-1, first divergence, KL by position, repeated 4-grams); 0: none."
+    ),
     "verify.long-tokens": (
         "With a KV scheme: greedy tokens of the long generation (float cache vs quantized cache, after 128 tokens "
         "of the eval text); 0: none."

@@ -8,7 +8,13 @@ import click
 
 from .cli_help import HELP
 from .cli_options import bounded
-from .commands.options import VerifyOptions
+from .commands.options import SmokeOptions, VerifyOptions
+
+
+def smoke_long_option(f):
+    """Add serve-smoke's ``--long-tokens`` to a click command."""
+    return click.option("--long-tokens", type=bounded(SmokeOptions, "long_tokens"), default=0, show_default=True,
+                        help=HELP["serve-smoke.long-tokens"])(f)
 
 
 def service_options(f):

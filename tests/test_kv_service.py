@@ -155,3 +155,17 @@ def test_the_long_agreement_gate_needs_a_long_generation(kv_art, tiny_model_dir,
                                  calib_samples=4, calib_seqlen=32))
     with pytest.raises(InputError, match="no KV scheme"):
         run_verify(VerifyOptions(artifact=w4, min_long_agreement=90, **{**FAST, "seqlen": 64}))
+
+
+def test_serve_smoke_long_generation_through_the_runtime(kv_art, capsys):
+    """``kvq serve-smoke --long-tokens``: the runtime's greedy continuation against the reference
+    teacher-forced on it; a good KV cache agrees, and the figures are per generated position."""
+    code, out, err = run(["serve-smoke", kv_art, "--max-new-tokens", 4, "--threads", 1, "--long-tokens", 96, "--json"],
+                         capsys)
+    assert code == 0, err
+    lg = json.loads(out)["long_generation"]
+    assert lg["tokens"] == len(lg["kl_per_token"]) == 96 and lg["first_position"] == lg["prompt_tokens"] - 1
+    assert lg["top1_agreement_pct"] >= 90 and lg["kl"]["max"] < 0.05
+    assert lg["top1_agreement_pct"] == pytest.approx(100 * (1 - len(lg["disagreements"]) / 96))
+    assert [b["bucket"] for b in lg["by_position"]] == ["0-512"] and lg["by_position"][0]["tokens"] == 96
+    assert set(lg["repeated_4gram_pct"]) == {"reference", "runtime"}

@@ -367,6 +367,7 @@ class SmokeOptions(_Options):
     artifact: Path
     prompts: Optional[Text] = None
     max_new_tokens: int = Field(32, ge=1, le=4096)
+    long_tokens: int = Field(0, ge=0, le=32768)  # long greedy generation of the first prompt vs the reference (0: none)
     reference: Optional[Text] = None
     device: str = "cpu"
     backend: str = "auto"

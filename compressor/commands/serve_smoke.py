@@ -48,6 +48,7 @@ class _Served:
     ids: list[list[int]]
     batch: object
     tokenizer: object
+    runtime: object = None  # compressor.runtime.generate.Runtime (the long generation runs it again)
 
 
 def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
@@ -98,7 +99,14 @@ def _run(opts: SmokeOptions, console) -> dict:
         report["carried"] = f"{carried.get('what')} ({carried['tensors']} tensors): carried in the artifact, not served"
         show.note(console, f"served the text model with text prompts; {report['carried']}", highlight=False)
     report["reference"] = ref_spec
-    report["comparison"] = _compare(load_reference(ref_spec, ref_source), served, plan.prompts, opts)
+    ref_model = load_reference(ref_spec, ref_source)
+    report["comparison"] = _compare(ref_model, served, plan.prompts, opts)
+    if opts.long_tokens:
+        from .smoke_service import long_generation
+
+        report["long_generation"] = long_generation(served.runtime, ref_model, served.ids[0], opts.long_tokens,
+                                                    opts.device, console)
+    del ref_model
     report["warnings"] = take_cache_notes() + report["tokenizer"].pop("warnings")  # + a missing chat template
     show.warnings(console, report["warnings"])
     report["gates"] = _gates(report, plan.thresholds, opts)
@@ -207,7 +215,7 @@ def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
             report["http"] = _http_smoke(eng, plan.prompts, ids, batch.tokens, opts, console)
     finally:
         eng.close()
-    return _Served(ids, batch, tok)
+    return _Served(ids, batch, tok, rt)
 
 
 def _compare(ref_model, served: _Served, prompts: list[str], opts: SmokeOptions) -> dict:
