@@ -148,11 +148,17 @@ def long_generation(model, make_cache: Callable[[], object], prompt: torch.Tenso
 
 
 def user_turns(text: str, n: int, chars: int = TURN_CHARS) -> list[str]:
-    """``n`` user messages from an evaluation text: its paragraphs (blank-line separated;
-    wikitext's ``= heading =`` lines skipped) of at least 40 characters, whitespace
-    collapsed, each cut to ``chars`` at a word boundary; fewer when the text has fewer."""
+    """``n`` user messages from an evaluation text: its paragraphs (blank-line separated; its
+    lines when that gives fewer than ``n``, as in wikitext read by :func:`compressor.calib.load_text`;
+    ``= heading =`` lines skipped) of at least 40 characters, whitespace collapsed, each cut to
+    ``chars`` at a word boundary; fewer when the text has fewer."""
+    out = _turns(re.split(r"\n\s*\n", text), n, chars)
+    return out if len(out) == n else _turns(text.splitlines(), n, chars)
+
+
+def _turns(paragraphs: list[str], n: int, chars: int) -> list[str]:
     out = []
-    for para in re.split(r"\n\s*\n", text):
+    for para in paragraphs:
         p = " ".join(para.split())
         if len(p) < 40 or p.startswith("= "):
             continue

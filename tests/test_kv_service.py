@@ -83,6 +83,10 @@ def test_repeated_4grams_and_user_turns_by_hand():
     turns = user_turns(text, 5, chars=50)
     assert len(turns) == 2 and len(turns[0]) <= 50 and turns[0].startswith("word") and not turns[0].endswith(" ")
     assert turns[1] == "Second paragraph, long enough to be a turn."
+    wiki = (" = Title = \n First paragraph of the article , long enough to be a turn .\n = = Part = = \n"
+            " Second one , also a line of its own in the text .\n")  # one paragraph a line, no blank lines
+    assert user_turns(wiki, 2) == ["First paragraph of the article , long enough to be a turn .",
+                                   "Second one , also a line of its own in the text ."]
 
 
 # --- verify end to end ------------------------------------------------------------------------
