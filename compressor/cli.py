@@ -261,10 +261,8 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
 @click.option("--json-out", type=FILE, default=None, help=HELP["verify.json-out"])
 def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase, hashes_only, kv_scheme, kv_budget_gib,
            kv_chunk, kv_calib, device, weights_only, max_mean_kl, max_p99_kl, min_top1, min_sqnr_db, max_hidden_error,
-           min_median_divergence, prompts_file, max_new_tokens, long_tokens, turns, min_long_agreement, eval_dtype,
-           hidden_batches, report_dir, threads, stream,
-           memory_budget_gib, public_key,
-           certificate_chain, identity, issuer, no_manifest, as_json, json_out):
+           min_median_divergence, prompts_file, max_new_tokens, eval_dtype, hidden_batches, report_dir, threads, stream,
+           memory_budget_gib, public_key, certificate_chain, identity, issuer, no_manifest, as_json, json_out, service):
     """Check ARTIFACT's integrity and quality against the original model.
 
     \b
@@ -283,9 +281,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
        decoder layer; greedy-generation drift (first differing position) on a prompt set.
        With a KV-cache scheme (the artifact's, or --kv-scheme) it reports weights only,
        KV only and both (the gates use both), plus KV bytes per token and what
-       --kv-budget-gib holds for fp16 and for the scheme, the figures per bucket of
-       positions, a long greedy generation (--long-tokens) and a multi-turn chat
-       (--turns) with the quantized cache against the float one;
+       --kv-budget-gib holds for fp16 and for the scheme;
     4. gates: every threshold set by a flag or by the recipe's `gates` block (stored in
        the manifest; trust it only with a signature check); exit 1 names each failed gate.
 
@@ -311,9 +307,8 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
         kv_budget_gib=kv_budget_gib, kv_chunk=kv_chunk, kv_calib=kv_calib, keys=keys, weights_only=weights_only,
         max_mean_kl=max_mean_kl, max_p99_kl=max_p99_kl, min_top1=min_top1, min_sqnr_db=min_sqnr_db,
         max_hidden_error=max_hidden_error, min_median_divergence=min_median_divergence,
-        long_tokens=long_tokens, turns=turns, min_long_agreement=min_long_agreement,
         prompts=prompts_file, max_new_tokens=max_new_tokens, hidden_batches=hidden_batches, no_manifest=no_manifest,
-        eval_dtype=eval_dtype, threads=threads, stream=stream, memory_budget_gib=memory_budget_gib)
+        eval_dtype=eval_dtype, threads=threads, stream=stream, memory_budget_gib=memory_budget_gib, **service)
     for path, flag in ((report_dir, "--report"), (json_out, "--json-out")):
         if path is not None and Path(artifact).is_dir() and path.resolve().is_relative_to(Path(artifact).resolve()):
             raise InputError(f"{flag} {path} is inside the artifact; writing there would change what was signed")

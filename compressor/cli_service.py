@@ -4,6 +4,8 @@ help texts in :mod:`compressor.cli_help`, ranges from :class:`~compressor.comman
 
 from __future__ import annotations
 
+import functools
+
 import click
 
 from .cli_help import HELP
@@ -18,7 +20,13 @@ def smoke_long_option(f):
 
 
 def service_options(f):
-    """Add ``--long-tokens``, ``--turns`` and ``--min-long-agreement`` to a click command."""
+    """Add ``--long-tokens``, ``--turns`` and ``--min-long-agreement`` to a click command, which receives
+    them as one ``service`` dict of :class:`~compressor.commands.options.VerifyOptions` keywords."""
+    @functools.wraps(f)
+    def command(*args, long_tokens, turns, min_long_agreement, **kw):
+        return f(*args, service={"long_tokens": long_tokens, "turns": turns, "min_long_agreement": min_long_agreement},
+                 **kw)
+
     for decorate in reversed((
         click.option("--long-tokens", type=bounded(VerifyOptions, "long_tokens"), default=256, show_default=True,
                      help=HELP["verify.long-tokens"]),
@@ -27,5 +35,5 @@ def service_options(f):
         click.option("--min-long-agreement", type=bounded(VerifyOptions, "min_long_agreement", float), default=None,
                      help=HELP["verify.min-long-agreement"]),
     )):
-        f = decorate(f)
-    return f
+        command = decorate(command)
+    return command
