@@ -97,7 +97,9 @@ class LayerHooks:
     ``activation_budget`` bytes move to memory-mapped files in ``spill_dir``. Optional:
     ``expert_groups(i)`` (``None`` or the layer's tensor names in bounded groups) and
     ``load_groups(i, result, groups)`` (reads, yields and writes those groups), used instead of
-    ``load`` for uncalibrated steps that quantize each linear on its own, and
+    ``load`` for uncalibrated steps that quantize each linear on its own and, with a calibration
+    pass, for handlers that quantize each routed expert from its own tokens
+    (:mod:`compressor.moe_stream`), and
     ``release_outer()``, called once layer 0's inputs are captured (see
     :class:`compressor.staging.LayerWriter`).
     """
@@ -380,10 +382,14 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
             if i < start:
                 continue
             t1 = time.perf_counter()
-            groups = (hooks.expert_groups(i) if hidden is None and algorithm.per_linear and hooks is not None
-                      and getattr(hooks, "expert_groups", None) is not None else None)
-            if groups is not None:
+            groups = (hooks.expert_groups(i) if hooks is not None and getattr(hooks, "expert_groups", None) is not None
+                      and (algorithm.per_linear if hidden is None else algorithm.streams_experts) else None)
+            if groups is not None and hidden is None:
                 fig = _quantize_layer_grouped(i, layer, ctx, algorithm, result, hooks, groups)
+            elif groups is not None:
+                hidden, fig = _quantize_streamed_moe(i, layer, hidden, layer_kwargs[i], ctx, algorithm, result, hooks,
+                                                     groups, device)
+                hidden = _spill(hidden, hooks, f"{i % 2}")
             elif hidden is None:
                 if hooks is not None:
                     hooks.load(i, layer)
@@ -437,12 +443,32 @@ def _quantize_layer_grouped(i, layer, ctx: LayerContext, algorithm: Algorithm, r
     return _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", errs, None, 0.0, weight_groups=len(groups))
 
 
-def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: Algorithm, result: QuantizeResult):
-    """Layer ``i`` inside the calibration pass: the algorithm's step, then the layer's outputs
-    recomputed with its quantized weights (the next layer's inputs; the KV observers run here).
-    Returns ``(new_hidden, figures)``."""
+def _quantize_streamed_moe(i, layer, hidden, kw, ctx: LayerContext, algorithm: Algorithm, result: QuantizeResult,
+                           hooks, groups: list[list[str]], device: str):
+    """Layer ``i`` inside the calibration pass, its routed experts read in groups
+    (:mod:`compressor.moe_stream`): the non-expert tensors are read and held, the step and the
+    recompute run with the experts' module answered by a tap. Returns ``(new_hidden, figures)``."""
+    from .moe_stream import ExpertTap, move_loaded, quantize_layer_streamed
+
+    loads = hooks.load_groups(i, result, groups)
+    next(loads)  # the non-expert tensors
+    move_loaded(layer, device)
+    tap = ExpertTap(ctx.experts(layer))
+    with tap.active():
+        step = lambda i, layer, hidden, kw, ctx: quantize_layer_streamed(  # noqa: E731
+            i, layer, hidden, kw, ctx, algorithm, loads, tap, device)
+        out = _quantize_and_recompute(i, layer, hidden, kw, ctx, algorithm, result, step)
+    move_loaded(layer, "cpu")
+    return out
+
+
+def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: Algorithm, result: QuantizeResult,
+                            step=None):
+    """Layer ``i`` inside the calibration pass: the algorithm's step (``step``, when given, in its
+    place: same call), then the layer's outputs recomputed with its quantized weights (the next
+    layer's inputs; the KV observers run here). Returns ``(new_hidden, figures)``."""
     rotation = rotate_layer(i, layer, hidden, kw, ctx)  # kv_cache.key_rotation: pairs (float rows turned)
-    outcome = algorithm.quantize_layer(i, layer, hidden, kw, ctx)
+    outcome = (step or algorithm.quantize_layer)(i, layer, hidden, kw, ctx)
     experts = ctx.experts(layer)
     counts = outcome.counts
     recount = experts is not None and counts is None  # the step did not count routing: count it on the recompute
@@ -455,6 +481,7 @@ def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: 
     with recorder.active() if recorder is not None else nullcontext():
         new_hidden = recompute_layer(i, layer, hidden, kw, ctx.observer, peak, outcome.replay if ctx.observer is None else None)
     outcome.replay = None
+    peak[0] = max(peak[0], outcome.linear_peak)
     kv_multipliers = apply_layer_search(i, recorder, ctx, rotation) if recorder is not None else {}
     counts = experts.counts.tolist() if recount else counts
     _record_moe(i, layer, ctx, algorithm, result, counts)

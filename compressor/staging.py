@@ -395,7 +395,9 @@ class LayerWriter:
     Layers larger than ``memory_budget_gib`` (:data:`HELD_BYTES_PER_WEIGHT` per weight: the
     float32 weight and its int8 codes): :meth:`load_groups`
     materializes a streamed layer in bounded groups of routed experts instead of
-    :meth:`load`, for steps that quantize each linear on its own (RTN, float weights).
+    :meth:`load`, for steps that quantize each linear on its own (RTN, float weights) and for
+    calibrated steps that quantize each routed expert from its own tokens (GPTQ, GPTAQ, static
+    KV scales: :mod:`compressor.moe_stream`).
     """
 
     def __init__(self, model, arch, ckpt: LazyCheckpoint | None, staging: Staging | None, fmt: str,

@@ -110,14 +110,15 @@ def test_recipes_on_cuda_equal_cpu(recipes, kw, sources, tmp_path):
 @pytest.mark.slow  # whole runs on the faked CUDA device against the CPU's (make test-fast leaves it out)
 def test_bounded_memory_paths_on_cuda_equal_cpu(case, sources, tmp_path):
     """Kimi K2 (block FP8, MoE) through the paths that hold less than a layer: routed experts read
-    and written in groups (RTN), Hessians in chunked passes (GPTQ), calibration activations in
-    memory-mapped files (AWQ), and a KV-only run on a packed source: the CPU run's digests."""
+    and written in groups (RTN; GPTQ, each expert calibrated on its routed tokens, its tensors moved
+    to the device group by group), calibration activations in memory-mapped files (AWQ), and a
+    KV-only run on a packed source: the CPU run's digests."""
     import compressor.quant.gptq_layer as gl
 
     src, kw = sources["kimi_k2"], {}
     if case == "rtn_memory_budget":  # one routed expert's float32 + int8 codes, x1.5
         kw = dict(algorithm="rtn", memory_budget_gib=1.5 * 3 * 64 * 32 * 5 / 2**30)
-    elif case == "gptq_memory_budget":  # below the experts' Hessians
+    elif case == "gptq_memory_budget":  # below one expert's Hessians and weights
         kw = dict(algorithm="gptq", memory_budget_gib=int(1.5 * gl.HESSIAN_BYTES * 64 ** 2) / 2**30)
     elif case == "awq_spilled_activations":
         kw = dict(algorithm="awq", activation_budget_gib=0)

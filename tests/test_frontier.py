@@ -528,9 +528,11 @@ def test_expert_groups_bound_the_layer_and_write_the_same_tensors(model_type, al
 
 @pytest.mark.slow  # a published layout quantized, verified or served end to end (make test-fast leaves it out)
 def test_gptq_expert_hessians_in_chunks_give_the_same_artifact(sources, tmp_path, monkeypatch):
-    """GPTQ on a MoE layer with a budget below its experts' Hessians: each chunk is accumulated
-    in a pass of its own and solved before the next (never more than the budget held); the
-    tensors equal the unbounded run's (the experts' Hessians do not depend on each other)."""
+    """GPTQ on a MoE layer held whole (not streamed: a streamed layer above the budget reads its
+    experts in groups, tests/test_moe_stream.py) with a budget below its experts' Hessians: each
+    chunk is accumulated in a pass of its own and solved before the next (never more than the
+    budget held); the tensors equal the unbounded run's (the experts' Hessians do not depend on
+    each other)."""
     import compressor.quant.gptq_layer as gl
 
     held: list[int] = []  # Hessian bytes of each conditional (expert) pass
@@ -545,10 +547,11 @@ def test_gptq_expert_hessians_in_chunks_give_the_same_artifact(sources, tmp_path
     one_set = gl.HESSIAN_BYTES * 64 ** 2  # an expert's gate/up pair reads the 64-wide hidden state
     budget = int(1.5 * one_set)
     b = run_quantize(QuantizeOptions(model=str(sources["deepseek_v3"]), output=tmp_path / "b", algorithm="gptq",
-                                     memory_budget_gib=budget / 2**30, **FAST))
+                                     memory_budget_gib=budget / 2**30, stream=False, **FAST))
     bounded = list(held)
     held.clear()
-    u = run_quantize(QuantizeOptions(model=str(sources["deepseek_v3"]), output=tmp_path / "u", algorithm="gptq", **FAST))
+    u = run_quantize(QuantizeOptions(model=str(sources["deepseek_v3"]), output=tmp_path / "u", algorithm="gptq",
+                                     stream=False, **FAST))
     assert digests(tmp_path / "b") == digests(tmp_path / "u")
     assert max(bounded) <= budget < max(held), (bounded, held)
     layers = {f["layer"]: f for f in load_manifest(tmp_path / "b").quality["layers"]}
@@ -574,7 +577,8 @@ def test_gptq_replays_the_attention_in_expert_passes(sources, tmp_path, monkeypa
 
     monkeypatch.setattr(gl, "layer_replay", spy)
     budget = int(1.5 * gl.HESSIAN_BYTES * 64 ** 2)  # below the experts' Hessians: chunked passes
-    opts = dict(model=str(sources["deepseek_v3"]), algorithm="gptq", memory_budget_gib=budget / 2**30, **FAST)
+    opts = dict(model=str(sources["deepseek_v3"]), algorithm="gptq", memory_budget_gib=budget / 2**30, stream=False,
+                **FAST)  # held whole: a streamed layer above the budget reads its experts in groups
     run_quantize(QuantizeOptions(output=tmp_path / "r", **opts))
     monkeypatch.setattr(gl, "layer_replay", lambda layer, passes, ctx: (None, {}))
     run_quantize(QuantizeOptions(output=tmp_path / "n", **opts))

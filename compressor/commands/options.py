@@ -196,8 +196,8 @@ class ExecutionOptions(_Section):
     stream: bool = True  # read a safetensors source one decoder layer at a time (compressor.source.lazy)
     resume: bool = False  # continue an interrupted run from its staging folder
     activation_budget_gib: float = _finite(8.0, ge=0, le=MAX_GIB)  # activations above this go to memory-mapped files
-    #: bytes of one decoder layer's weights held at once (float32 + int8 codes) by an uncalibrated streamed run (RTN, float
-    #: weights): a larger layer's routed experts are read, quantized, written and released in groups
+    #: bytes of one decoder layer's weights held at once (float32 + int8 codes) by a streamed run: a larger MoE layer's
+    #: routed experts are read, quantized, written and released in groups (AWQ holds the layer: compressor.moe_stream)
     memory_budget_gib: float = _finite(4.0, gt=0, le=MAX_GIB)
 
 

@@ -11,6 +11,9 @@ algorithm:
 ``quantizes_weights``     ``False`` for ``none`` (float weights; a KV-only artifact)
 ``per_linear``            each linear is quantized from its own weight alone (RTN, ``none``): a
                           large layer may be read and written in groups of routed experts
+``streams_experts``       with a calibration pass, a streamed MoE layer above the memory budget
+                          runs with its routed experts read in groups, each quantized from its
+                          own routed tokens (``quantize_expert``; :mod:`compressor.moe_stream`)
 ``folds_input_scales``    the artifact's weights carry folded input scales that weight
                           statistics must undo (AWQ; :func:`compressor.quality.weight_report`)
 ``summary_fields``        the algorithm's part of the manifest's ``quantization`` block
@@ -47,6 +50,9 @@ class Algorithm:
     quantizes_weights: ClassVar[bool] = True
     #: each targeted linear is quantized from its own weight alone, whatever else is loaded
     per_linear: ClassVar[bool] = False
+    #: with a calibration pass, a routed expert is quantized from its own routed tokens alone
+    #: (:meth:`quantize_expert`): a streamed MoE layer's experts may be read in groups
+    streams_experts: ClassVar[bool] = False
     #: the artifact's weights are ``diag(1/s_row) W diag(s_col)`` (AWQ's folded scales)
     folds_input_scales: ClassVar[bool] = False
     #: the recipe sections (``awq``, ``gptq``) its step reads; a changed one it does not read earns a warning
@@ -73,6 +79,36 @@ class Algorithm:
             QuantizationError: a non-finite value was produced (names the module).
         """
         raise NotImplementedError
+
+    def quantize_expert(self, i: int, layer, rels: list[str], inputs: list, cold: bool,
+                        ctx: LayerContext) -> LayerOutcome:
+        """Quantize routed expert ``rels`` (its linears, relative names) of decoder layer ``i`` in
+        place, from ``inputs``: the hidden states routed to it, ``[n_j, H]`` float32 per
+        calibration batch (batches without one left out), as its module receives them in the
+        whole layer's forward. ``cold``: fewer than ``moe.min_tokens`` routings (RTN fallback).
+        Only for handlers with :attr:`streams_experts`.
+
+        Returns:
+            A :class:`LayerOutcome` with ``errs`` and ``figures`` (merged by :meth:`merge_expert_figures`).
+        """
+        raise NotImplementedError
+
+    def merge_expert_figures(self, figures: dict, parts: list[dict]) -> dict:
+        """The layer's figures (from its non-expert step) with those of its experts' :meth:`quantize_expert` added."""
+        return figures
+
+    def reference_sequences(self, ctx: LayerContext) -> int:
+        """How many leading calibration sequences the step's float reference (``LayerOutcome.float_out``) covers."""
+        return 0
+
+    def experts_read_float_layer(self, ctx: LayerContext) -> bool:
+        """Whether :meth:`quantize_expert`'s inputs are those of the float layer (GPTQ without
+        ``true_sequential``: one pass before any solve) rather than those after the non-expert linears are quantized."""
+        return False
+
+    def keeps_float_stream(self, ctx: LayerContext) -> bool:
+        """Whether the step advances ``ctx.float_hidden`` (GPTAQ's float model activations)."""
+        return False
 
     def summary_fields(self, recipe, fmt: str) -> dict:
         """The algorithm-specific entries of the manifest's ``quantization`` block.
@@ -166,8 +202,14 @@ def odd_bits_warnings(recipe, fmt: str) -> list[str]:
 
 def rtn_layer(i: int, layer, ctx: LayerContext) -> list[float]:
     """Round-to-nearest quantization of decoder layer ``i``'s targeted linears; returns their relative errors."""
+    return rtn_linears(i, layer, layer_linears(ctx.arch, layer), ctx)
+
+
+def rtn_linears(i: int, layer, rels: list[str], ctx: LayerContext) -> list[float]:
+    """Round-to-nearest quantization of those of ``rels`` (relative names) that decoder layer ``i``
+    targets; returns their relative errors."""
     errs = []
-    for rel in layer_linears(ctx.arch, layer):
+    for rel in rels:
         name = f"{ctx.arch.layers}.{i}.{rel}"
         if name in ctx.targets:
             ctx.modules[name], e = ctx.quantizer.quantize_linear(name, ctx.targets[name])
@@ -185,9 +227,13 @@ class RTN(Algorithm):
 
     name = "rtn"
     per_linear = True
+    streams_experts = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return LayerOutcome(rtn_layer(i, layer, ctx))
+
+    def quantize_expert(self, i, layer, rels, inputs, cold, ctx):
+        return LayerOutcome(rtn_linears(i, layer, rels, ctx))
 
 
 @register_algorithm
@@ -197,9 +243,13 @@ class NoWeights(Algorithm):
     name = "none"
     quantizes_weights = False
     per_linear = True
+    streams_experts = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return LayerOutcome(rtn_layer(i, layer, ctx))  # no targets: nothing is quantized
+
+    def quantize_expert(self, i, layer, rels, inputs, cold, ctx):
+        return LayerOutcome([])
 
     def summary_fields(self, recipe, fmt):
         return {"num_bits": None, "group_size": None, "symmetric": None}

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..arch import expand, expert_index, get_module, is_expert, layer_fused_sets, layer_linears, num_experts
+from ..arch import EXPERT, expand, expert_index, get_module, is_expert, layer_fused_sets, layer_linears, num_experts
 from ..distributed import deal, world
 from ..registry import FORMATS
 from .algorithms import Algorithm, odd_bits_warnings, register_algorithm, unread_warnings
@@ -327,6 +327,47 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
     return LayerOutcome(errs, float_out, counts, figures, phases, replay)
 
 
+def gptq_expert(i: int, layer, rels: list[str], inputs: list, cold: bool, ctx: LayerContext) -> LayerOutcome:
+    """GPTQ of one routed expert of decoder layer ``i`` (its linears ``rels``) from ``inputs``, the
+    hidden states routed to it (``[n_j, H]`` per calibration batch), for a streamed MoE layer
+    (:mod:`compressor.moe_stream`). Per pass of :func:`_passes` restricted to the expert (its
+    gate/up, then its down_proj with gate/up quantized; one pass without ``true_sequential``), the
+    expert runs on each batch's tokens with input hooks on its reader sets and the pass is solved
+    (:func:`solve_pass`): the hooks see the tensors the whole layer's passes give them, in the same
+    order, so the Hessians and the integers are the same. ``cold``: RTN fallback. Figures as
+    :func:`gptq_layer`'s ``gptq`` entry (merged by :meth:`GPTQ.merge_expert_figures`)."""
+    arch = ctx.arch
+    prefix = f"{arch.layers}.{i}."
+    e = expert_index(arch, rels[0])
+    mine = {r for r in rels if prefix + r in ctx.targets}
+    stages = [[r for pat in st for r in [pat.replace(EXPERT, str(e))] if r in mine] for st in arch.sequential]
+    stages = [st for st in stages if st]
+    passes = stages if ctx.recipe.gptq.true_sequential else [[r for st in stages for r in st]]
+    fused = [tuple(r for r in (f.replace(EXPERT, str(e)) for f in fs) if r in mine)
+             for fs in arch.fused if any(EXPERT in f for f in fs)]
+    module = get_module(layer, rels[0].rsplit(".", 1)[0])
+    errs, damps, retries, dead = [], [], 0, 0
+    for group in passes:
+        sets = reader_sets(group, [f for f in fused if f])
+        device = inputs[0].device if inputs else "cpu"
+        accs = {st[0]: HessianAccumulator(get_module(layer, st[0]).in_features, device=device) for st in sets}
+        handles = [get_module(layer, key).register_forward_pre_hook(lambda _m, args, key=key: accs[key].add(args[0]))
+                   for key in accs] if not cold else []
+        try:
+            for x in inputs if not cold else ():
+                module(x)
+        finally:
+            for hd in handles:
+                hd.remove()
+        p_errs, p_damps, p_retries, p_dead = solve_pass(i, layer, sets, accs, {e} if cold else set(), ctx)
+        errs += p_errs
+        damps += p_damps
+        retries += p_retries
+        dead += p_dead
+    return LayerOutcome(errs, figures={"gptq": {"max_damp": max(damps) if damps else None, "damp_retries": retries,
+                                                "dead_channels": dead}})
+
+
 def float_stream(layer, hidden: list, kw: dict, ctx: LayerContext, keys: list[str]) -> dict | None:
     """With ``gptq.gptaq_alpha > 0``: run the layer, still float, on the float model's
     activations (``ctx.float_hidden``; the quantized stream's at the first layer, where the two
@@ -367,9 +408,30 @@ class GPTQ(Algorithm):
     reads = ("gptq",)
     needs_calibration = True
     act_order = True
+    streams_experts = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return gptq_layer(i, layer, hidden, kw, ctx)
+
+    def quantize_expert(self, i, layer, rels, inputs, cold, ctx):
+        return gptq_expert(i, layer, rels, inputs, cold, ctx)
+
+    def merge_expert_figures(self, figures, parts):
+        g = dict(figures.get("gptq", {}))
+        damps = [d for d in [g.get("max_damp")] + [p["gptq"]["max_damp"] for p in parts] if d is not None]
+        g.update(max_damp=max(damps) if damps else None,
+                 damp_retries=g.get("damp_retries", 0) + sum(p["gptq"]["damp_retries"] for p in parts),
+                 dead_channels=g.get("dead_channels", 0) + sum(p["gptq"]["dead_channels"] for p in parts))
+        return {**figures, "gptq": g}
+
+    def reference_sequences(self, ctx):
+        return REF_SEQUENCES
+
+    def experts_read_float_layer(self, ctx):
+        return not ctx.recipe.gptq.true_sequential
+
+    def keeps_float_stream(self, ctx):
+        return ctx.recipe.gptq.gptaq_alpha != 0.0
 
     def summary_fields(self, recipe, fmt):
         out = {"act_order": recipe.gptq.act_order, "static_groups": recipe.gptq.static_groups}

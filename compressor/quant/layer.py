@@ -171,6 +171,8 @@ class LayerOutcome:
     phase (the driver adds ``recompute``), or ``None`` for no ``phase_seconds``.
     ``replay``: the step's :class:`~compressor.quant.replay.ModuleReplay` (outputs of the
     layer's final children), which the driver's recompute reuses; or ``None``.
+    ``linear_peak``: the largest ``|output|`` of linears the recompute does not run (a streamed
+    MoE layer's routed experts, :mod:`compressor.moe_stream`), for ``max_abs_activation``.
     """
 
     errs: list[float]
@@ -179,6 +181,7 @@ class LayerOutcome:
     figures: dict = field(default_factory=dict)
     phases: dict | None = None
     replay: object = None
+    linear_peak: float = 0.0
 
 
 class StopForward(Exception):

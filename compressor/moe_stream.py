@@ -1,0 +1,227 @@
+"""One streamed forward for a mixture-of-experts decoder layer larger than ``--memory-budget-gib``.
+
+A Kimi K2 MoE layer holds 384 routed experts of 3 x 7168 x 2048 weights: 68 GB in float32. A
+streamed quantize (:class:`compressor.staging.LayerWriter`) never holds it whole; with a
+calibration pass (GPTQ, GPTAQ, RTN or float weights beside static KV scales) the layer runs as:
+
+1. the non-expert tensors (attention, norms, router, shared experts, the layer's other
+   parts) are read and held; the routed experts stay on ``meta``, and their module's call is
+   answered by an :class:`ExpertTap` (zeros, the call's arguments recorded, or outputs
+   replayed);
+2. the algorithm's step runs on the non-expert linears alone (the tap answers zeros: nothing
+   upstream of the routed experts, nor beside them, reads their output inside the layer);
+3. one recording forward with those linears quantized gives, per calibration batch, the
+   routed experts' input ``x [N, H]`` (the post-attention hidden states), the router's
+   ``top_k_index`` / ``top_k_weights``: routing is computed once, by the held router, and
+   gives the routed (token, slot) counts and the cold experts (``moe.min_tokens``);
+4. the routed experts are read in groups (:meth:`compressor.staging.LayerWriter.load_groups`):
+   each expert of a group is quantized from the tokens routed to it
+   (:meth:`compressor.quant.algorithms.Algorithm.quantize_expert`: GPTQ's Hessians and
+   solves, stage by stage, on the expert's own tokens), its output with the quantized
+   weights is weighted by the router and added into the routed output of each batch, and
+   the group is packed, written and released before the next is read;
+5. the driver's recompute (:func:`compressor.pipeline._quantize_and_recompute`) runs the
+   layer once more with the tap replaying the accumulated routed output: the next layer's
+   input is the layer's own sum of shared and routed outputs, the KV observers run there.
+
+Exactness: an expert's hooks see the same tensors as in the whole layer's passes (``x`` with
+the same rows gathered, in batch order), the experts are added into each batch's routed
+output in ascending index order as :class:`compressor.moe.UnfusedExperts` adds them, and
+the layer's own code combines that output with the residual and shared experts: the
+artifact's tensors and the next layer's inputs equal the whole-layer path's, bit for bit,
+for every grouping (``tests/test_moe_stream.py``). Two figures are computed another way:
+the float reference of ``output_rel_error`` and GPTAQ's float stream (``gptq.gptaq_alpha``)
+are the float layer's output without its routed part plus the routed part
+(``residual + shared`` then ``+ routed``, where the layer adds ``residual + (routed +
+shared)``), equal to the whole layer's to float32 rounding (a relative 1e-7 of the
+activations); the float stream then feeds GPTAQ's target of the next layers, whose integers
+may differ from the whole-layer path's where a weight sits on a rounding boundary.
+
+AWQ (and ``awq-gptq``) is not streamed this way: kvq's AWQ folds one scale ``s`` into the
+``post_attention_layernorm`` that feeds every routed expert, the shared experts and the
+router (:func:`compressor.arch._mlp_groups`), and its grid search compares the output of the
+whole MoE block per candidate. In bounded memory it would take three reads of the experts:
+a first pass over the groups summing each expert's ``weight_mean`` term (its rows' group-
+normalized ``|w|``; ``x_mean`` is the block input's, known from the held part), a second
+accumulating, for every grid candidate, the routed part of the block's output error on the
+loss tokens (``n_grid x loss tokens x H`` float32 held, summed expert by expert), and a third
+folding the chosen ``s`` and quantizing. Until that exists, an AWQ layer above the budget is
+read whole (:attr:`compressor.quant.algorithms.Algorithm.streams_experts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from .arch import expert_index, is_expert
+from .quant.layer import LayerOutcome, layer_forward
+from .quant.primitives import abs_max
+
+__all__ = ["ExpertTap", "move_loaded", "add_expert", "quantize_layer_streamed"]
+
+
+def move_loaded(module: torch.nn.Module, device) -> None:
+    """Move ``module``'s materialized parameters and buffers to ``device``; ``meta`` ones stay
+    (``Module.to`` refuses a module holding any)."""
+    dev = torch.device(device)
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            for k, t in list(store.items()):
+                if t is None or t.is_meta or t.device == dev:
+                    continue
+                moved = t.detach().to(dev)
+                is_param = isinstance(t, torch.nn.Parameter)
+                store[k] = torch.nn.Parameter(moved, requires_grad=False) if is_param else moved
+
+
+class ExpertTap:
+    """Stands in for a decoder layer's routed experts (:class:`compressor.moe.UnfusedExperts`)
+    while their weights are on ``meta``. The experts' call ``(hidden [N, H] float32,
+    top_k_index int64 [N, k], top_k_weights [N, k])`` is answered, by :attr:`mode`:
+
+    * ``zero``: with zeros ``[N, H]``;
+    * ``record``: with zeros, its three arguments appended to :attr:`calls`;
+    * ``replay``: with :attr:`outputs` ``[c]`` for the ``c``-th call since the mode was set.
+    """
+
+    def __init__(self, experts: torch.nn.Module):
+        self.experts = experts
+        self.mode = "zero"
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.outputs: list[torch.Tensor] = []
+        self._c = 0
+
+    def set(self, mode: str, outputs: list[torch.Tensor] | None = None) -> list:
+        """Switch to ``mode`` (``record`` starts a new :attr:`calls`, which is returned)."""
+        self.mode, self._c = mode, 0
+        if mode == "record":
+            self.calls = []
+        if outputs is not None:
+            self.outputs = outputs
+        return self.calls
+
+    @contextmanager
+    def active(self):
+        """Within the block the experts' module calls the tap instead of its experts."""
+        self.experts.forward = self._forward
+        try:
+            yield self
+        finally:
+            del self.experts.forward  # the class's forward again
+
+    def _forward(self, hidden_states, top_k_index, top_k_weights):
+        if self.mode == "replay":
+            out = self.outputs[self._c]
+            self._c += 1
+            return out
+        if self.mode == "record":
+            self.calls.append((hidden_states.detach(), top_k_index.detach(), top_k_weights.detach()))
+        return torch.zeros_like(hidden_states)
+
+
+def add_expert(expert: torch.nn.Module, e: int, calls: list, outs: list[torch.Tensor],
+               peak: list | None = None) -> None:
+    """Add routed expert ``e``'s weighted output to ``outs`` (``[N, H]`` per recorded call of
+    ``calls``), as :class:`compressor.moe.UnfusedExperts` computes it; with ``peak``,
+    ``peak[0]`` becomes the largest ``|output|`` of the expert's linears on the way."""
+    handles = []
+    if peak is not None:
+        def track(_m, _inp, out):
+            if out.numel():
+                peak[0] = max(peak[0], abs_max(out))
+        handles = [m.register_forward_hook(track) for m in expert.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        for (x, idx, w), out in zip(calls, outs):
+            token_idx, slot = torch.where(idx == e)
+            if token_idx.numel():
+                y = expert(x[token_idx]) * w[token_idx, slot, None]
+                out.index_add_(0, token_idx, y.to(out.dtype))
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _routed_counts(calls: list, n: int) -> list[int]:
+    """Routed (token, slot) pairs per expert over ``calls`` (indices outside ``[0, n)`` dropped)."""
+    counts = torch.zeros(n, dtype=torch.int64)
+    for _x, idx, _w in calls:
+        flat = idx.reshape(-1)
+        counts += torch.bincount(flat[(flat >= 0) & (flat < n)], minlength=n)[:n].cpu()
+    return counts.tolist()
+
+
+def _record(layer, tap: ExpertTap, hidden: list, kw: dict, replay=None) -> tuple[list, list]:
+    """One forward over ``hidden`` with the tap recording: ``(the tap's calls, the layer's
+    outputs without the routed part)``; ``replay``: a ModuleReplay whose kept outputs stand in."""
+    calls = tap.set("record")
+    outs = []
+    with replay.active(record=False) if replay is not None else nullcontext():
+        for j, h in enumerate(hidden):
+            if replay is not None:
+                replay.start_batch(j)
+            outs.append(layer_forward(layer, h, kw))
+    tap.set("zero")
+    return calls, outs
+
+
+def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorithm, groups, tap: ExpertTap,
+                            device) -> LayerOutcome:
+    """Decoder layer ``i``'s step with its routed experts streamed (the module docstring's steps
+    1-4), for :func:`compressor.pipeline._quantize_and_recompute`. ``groups``: the generator of
+    :meth:`compressor.staging.LayerWriter.load_groups`, its first group (the non-expert tensors)
+    already read; ``tap``: active on the layer's experts. Leaves the tap replaying the routed
+    output of each batch for the driver's recompute.
+
+    Returns:
+        The algorithm's :class:`LayerOutcome` over the whole layer (errors of every linear,
+        routed counts, figures with ``weight_groups``, the float reference with its routed part).
+    """
+    arch = ctx.arch
+    ref_calls = ref_base = float_calls = None
+    n_ref = algorithm.reference_sequences(ctx)
+    if n_ref:  # the float layer on the step's first sequences (their batch shape too): output_rel_error's reference
+        ref_calls, ref_base = _record(layer, tap, [hidden[0][:n_ref]], kw)
+    if algorithm.keeps_float_stream(ctx):  # GPTAQ: the float model's expert inputs, before anything is quantized
+        float_calls, _ = _record(layer, tap, ctx.float_hidden if ctx.float_hidden is not None else hidden, kw)
+    float_layer = _record(layer, tap, hidden, kw)[0] if algorithm.experts_read_float_layer(ctx) else None
+    sub = dataclasses.replace(ctx, targets={n: m for n, m in ctx.targets.items()
+                                            if not is_expert(arch, n[len(f"{arch.layers}.{i}."):])})
+    outcome = algorithm.quantize_layer(i, layer, hidden, kw, sub)  # the non-expert linears; the tap answers zeros
+    ctx.float_hidden = sub.float_hidden
+    calls, _ = _record(layer, tap, hidden, kw, outcome.replay)
+    inputs_from = float_layer if float_layer is not None else calls  # what the expert's step reads
+    del float_layer
+    counts = _routed_counts(inputs_from, len(tap.experts))
+    cold = ctx.cold(counts)
+    routed = [torch.zeros_like(x) for x, _, _ in calls]
+    ref_routed = [torch.zeros_like(x) for x, _, _ in ref_calls or []]
+    float_routed = [torch.zeros_like(x) for x, _, _ in float_calls or []]
+    errs, parts, peak, n_groups = list(outcome.errs), [], [0.0], 1
+    for modules in groups:
+        n_groups += 1
+        for e in sorted({expert_index(arch, m[len(f"{arch.layers}.{i}."):]) for m in modules}):
+            expert = tap.experts[e]
+            move_loaded(expert, device)
+            add_expert(expert, e, ref_calls or [], ref_routed)
+            add_expert(expert, e, float_calls or [], float_routed)
+            rels = [f"{arch.moe.experts}.{e}.{n}" for n, m in expert.named_modules() if isinstance(m, torch.nn.Linear)]
+            inputs = [x[torch.where(idx == e)[0]] for x, idx, _ in inputs_from]
+            part = algorithm.quantize_expert(i, layer, rels, [x for x in inputs if x.shape[0]], e in cold, ctx)
+            errs += part.errs
+            parts.append(part.figures)
+            add_expert(expert, e, calls, routed, peak)
+    outcome.errs, outcome.counts, outcome.linear_peak = errs, counts, peak[0]
+    outcome.figures = {**algorithm.merge_expert_figures(outcome.figures, parts), "weight_groups": n_groups}
+    if outcome.float_out is not None:
+        rows = outcome.float_out.shape[0]
+        full = ref_base[0] + ref_routed[0].view_as(ref_base[0])
+        outcome.float_out = full[:rows] if rows <= full.shape[0] else None
+    if float_calls is not None:
+        fh = [f + r.view_as(f) for f, r in zip(ctx.float_hidden, float_routed)]
+        ctx.float_hidden = ctx.spill(fh, "float") if ctx.spill is not None else fh
+    tap.set("replay", routed)
+    return outcome
+
