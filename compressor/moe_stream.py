@@ -153,9 +153,10 @@ def _routed_counts(calls: list, n: int) -> list[int]:
     return counts.tolist()
 
 
-def _record(layer, tap: ExpertTap, hidden: list, kw: dict, replay=None) -> tuple[list, list]:
+def _record(layer, tap: ExpertTap, hidden: list, kw: dict, replay=None, spill=None, tag: str = "") -> tuple[list, list]:
     """One forward over ``hidden`` with the tap recording: ``(the tap's calls, the layer's
-    outputs without the routed part)``; ``replay``: a ModuleReplay whose kept outputs stand in."""
+    outputs without the routed part)``; ``replay``: a ModuleReplay whose kept outputs stand in;
+    ``spill``: ``LayerContext.spill``, applied to the recorded expert inputs (tagged ``tag``)."""
     calls = tap.set("record")
     outs = []
     with replay.active(record=False) if replay is not None else nullcontext():
@@ -164,7 +165,16 @@ def _record(layer, tap: ExpertTap, hidden: list, kw: dict, replay=None) -> tuple
                 replay.start_batch(j)
             outs.append(layer_forward(layer, h, kw))
     tap.set("zero")
+    if spill is not None and calls:
+        xs = spill([x for x, _, _ in calls], f"moe-{tag}")
+        calls = [(x, idx, w) for x, (_, idx, w) in zip(xs, calls)]
     return calls, outs
+
+
+def _zeros(calls: list, spill, tag: str) -> list[torch.Tensor]:
+    """One zero ``[N, H]`` accumulator per recorded call (through ``spill`` when given)."""
+    out = [torch.zeros_like(x) for x, _, _ in calls]
+    return spill(out, f"moe-{tag}") if spill is not None and out else out
 
 
 def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorithm, groups, tap: ExpertTap,
@@ -185,20 +195,23 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
     if n_ref:  # the float layer on the step's first sequences (their batch shape too): output_rel_error's reference
         ref_calls, ref_base = _record(layer, tap, [hidden[0][:n_ref]], kw)
     if algorithm.keeps_float_stream(ctx):  # GPTAQ: the float model's expert inputs, before anything is quantized
-        float_calls, _ = _record(layer, tap, ctx.float_hidden if ctx.float_hidden is not None else hidden, kw)
-    float_layer = _record(layer, tap, hidden, kw)[0] if algorithm.experts_read_float_layer(ctx) else None
+        float_calls, _ = _record(layer, tap, ctx.float_hidden if ctx.float_hidden is not None else hidden, kw,
+                                 None, ctx.spill, "s")
+    float_layer = None  # GPTQ without true_sequential: the experts read the float layer's hidden states
+    if algorithm.experts_read_float_layer(ctx):
+        float_layer = _record(layer, tap, hidden, kw, None, ctx.spill, "f")[0]
     sub = dataclasses.replace(ctx, targets={n: m for n, m in ctx.targets.items()
                                             if not is_expert(arch, n[len(f"{arch.layers}.{i}."):])})
     outcome = algorithm.quantize_layer(i, layer, hidden, kw, sub)  # the non-expert linears; the tap answers zeros
     ctx.float_hidden = sub.float_hidden
-    calls, _ = _record(layer, tap, hidden, kw, outcome.replay)
+    calls, _ = _record(layer, tap, hidden, kw, outcome.replay, ctx.spill, "q")
     inputs_from = float_layer if float_layer is not None else calls  # what the expert's step reads
     del float_layer
     counts = _routed_counts(inputs_from, len(tap.experts))
     cold = ctx.cold(counts)
-    routed = [torch.zeros_like(x) for x, _, _ in calls]
-    ref_routed = [torch.zeros_like(x) for x, _, _ in ref_calls or []]
-    float_routed = [torch.zeros_like(x) for x, _, _ in float_calls or []]
+    routed = _zeros(calls, ctx.spill, "routed")
+    ref_routed = _zeros(ref_calls or [], None, "")
+    float_routed = _zeros(float_calls or [], ctx.spill, "float-routed")
     errs, parts, peak, n_groups = list(outcome.errs), [], [0.0], 1
     for modules in groups:
         n_groups += 1

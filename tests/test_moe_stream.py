@@ -20,6 +20,7 @@ CASES = {
     "gptq": dict(algorithm="gptq"),
     "gptq-no-true-sequential": dict(algorithm="gptq", settings=(("gptq.true_sequential", False),)),
     "gptaq": dict(algorithm="gptq", settings=(("gptq.gptaq_alpha", 0.25),)),
+    "gptq-spilled": dict(algorithm="gptq", activation_budget_gib=0),  # expert inputs, routed outputs memory-mapped
     "rtn+fp8-static": dict(algorithm="rtn", kv_scheme="fp8"),
     "cold-experts": dict(algorithm="gptq", settings=(("moe.min_tokens", 60),)),
 }
