@@ -22,6 +22,7 @@ CASES = {
     "gptaq": dict(algorithm="gptq", settings=(("gptq.gptaq_alpha", 0.25),)),
     "gptq-spilled": dict(algorithm="gptq", activation_budget_gib=0),  # expert inputs, routed outputs memory-mapped
     "rtn+fp8-static": dict(algorithm="rtn", kv_scheme="fp8"),
+    "float+fp8-static": dict(algorithm="none", kv_scheme="fp8"),  # a KV-only artifact: experts written float
     "cold-experts": dict(algorithm="gptq", settings=(("moe.min_tokens", 60),)),
 }
 
