@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from compressor.api import QuantizeOptions, run_quantize
+from compressor.commands.options import QuantizeOptions
+from compressor.commands.quantize import run_quantize
 from compressor.manifest import load_manifest
 from compressor.staging import LayerWriter
 
-from test_frontier import FAST, digests, make_published
+from conftest import digests
+from tiny_models import ROW_FAST as FAST, make_published
 
 #: one routed expert held: float32 + int8 codes (hidden 64, moe_intermediate 32)
 EXPERT_BYTES = 3 * 64 * 32 * 5
@@ -30,7 +32,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def moe_sources(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("moe-stream")
-    return {mt: make_published(root / mt, tokenizer, mt, layers=3) for mt in ("deepseek_v3", "glm4_moe")}
+    return {mt: make_published(root / mt, tokenizer, mt, num_hidden_layers=3) for mt in ("deepseek_v3", "glm4_moe")}
 
 
 @pytest.fixture
