@@ -23,6 +23,17 @@ def test_verify_refuses_windows_beyond_the_context_before_loading(artifact, tmp_
     assert "use --seqlen 256 or less" in err
 
 
+def test_the_default_seqlen_beyond_a_short_context_is_a_warning(artifact, tmp_path, capsys):
+    """The default 2048 on the tiny model (context 256) is evaluated, and the report says so."""
+    import json
+
+    code, _, err = kvq_run(["verify", artifact, "--eval", "embedded", "--max-windows", "1", "--max-new-tokens", "2",
+                            "--json-out", tmp_path / "r.json"], capsys)
+    assert code in (0, 1) and "Traceback" not in err, err
+    warnings = json.loads((tmp_path / "r.json").read_text())["warnings"]
+    assert any("--seqlen 2048 (the default) exceeds the model's max_position_embeddings 256" in w for w in warnings)
+
+
 def test_output_path_that_is_a_file_is_named_first(tiny_model_dir, tmp_path, capsys):
     """A file at -o is named as such, with or without --overwrite (not 'pass --overwrite', which cannot help)."""
     f = tmp_path / "file"

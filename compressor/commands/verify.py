@@ -46,7 +46,7 @@ from .verify_common import (
     Models, cache_factory, candidate_rows, check_same_architecture, distribution_sections, eval_dtype, head_is_packed,
     kv_report, measured_rows,
 )
-from .options import VerifyOptions
+from .options import EvalOptions, VerifyOptions
 
 #: gates appear in the report in the order of the sections their statistics come from
 _SECTIONS = ("nonfinite_tensors", "perplexity", "distribution", "drift", "long_generation", "hidden_state_error",
@@ -155,7 +155,7 @@ def _plan(opts: VerifyOptions, folder: Path, manifest, report: dict, console) ->
                                   "original float model to measure weights + KV")
     text = None
     if opts.mode == "full":
-        _check_seqlen(folder, opts.evaluation.seqlen)
+        _check_seqlen(folder, opts.evaluation.seqlen, report)
         text = load_text(opts.evaluation.text, part="eval")
         if text.note:
             show.note(console, f"[yellow]eval text:[/] {text.note}")
@@ -167,12 +167,13 @@ def _plan(opts: VerifyOptions, folder: Path, manifest, report: dict, console) ->
     return _Plan(folder, manifest, weights_quantized, thresholds, ref_spec, ref_source, text, kv_info, kv_source)
 
 
-def _check_seqlen(folder: Path, seqlen: int) -> None:
+def _check_seqlen(folder: Path, seqlen: int, report: dict) -> None:
     """Refuse evaluation windows longer than the artifact's context (``max_position_embeddings`` of
-    its ``config.json``, or of the text model's config in a wrapped one) before any model loads.
+    its ``config.json``, or of the text model's config in a wrapped one) before any model loads;
+    the default length (2048) on a model with a shorter context is evaluated with a warning.
 
     Raises:
-        InputError: ``seqlen`` exceeds that context.
+        InputError: a ``seqlen`` other than the default exceeds that context.
     """
     try:
         cfg = json.loads((folder / "config.json").read_text())
@@ -180,9 +181,12 @@ def _check_seqlen(folder: Path, seqlen: int) -> None:
         return  # the artifact's own checks name a missing or broken config.json
     text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     max_pos = cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings")
-    if isinstance(max_pos, int) and seqlen > max_pos > 0:
+    if not (isinstance(max_pos, int) and seqlen > max_pos > 0):
+        return
+    if seqlen != EvalOptions.model_fields["seqlen"].default:
         raise InputError(f"--seqlen {seqlen} exceeds the model's context (max_position_embeddings {max_pos}); "
                          f"use --seqlen {max_pos} or less")
+    report["warnings"].append(f"--seqlen {seqlen} (the default) exceeds the model's max_position_embeddings {max_pos}")
 
 
 def _check_reference_is_source(opts: VerifyOptions, manifest, ref_spec: str, ref_source, report: dict) -> None:
