@@ -299,13 +299,10 @@ class KVCacheOptions(_Strict):
 
 class Gates(_Strict):
     """Verification thresholds used by ``kvq verify`` when no flag overrides them.
-
-    ``None`` leaves a statistic ungated (it is still reported). KL in nats per token,
-    KL(P_reference || P_artifact); top-1 agreement in percent of predicted positions;
-    SQNR in dB, the minimum over quantized tensors; hidden-state error is the relative
-    error after the last decoder layer; divergence is the median first position where
-    greedy generations differ (see :mod:`compressor.stats`).
-    """
+    ``None``: ungated (still reported). KL in nats per token, KL(P_reference || P_artifact); top-1 agreement in
+    percent of predicted positions; SQNR in dB (minimum over quantized tensors); hidden-state error relative, after
+    the last layer; divergence the median first differing position of greedy generations (:mod:`compressor.stats`);
+    long agreement the top-1 % of the quantized KV cache teacher-forced on the float cache's long generation."""
 
     max_ppl_increase_pct: float = Field(20.0, ge=0.0, allow_inf_nan=False)
     max_mean_kl: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
@@ -314,12 +311,19 @@ class Gates(_Strict):
     min_sqnr_db: Optional[float] = None
     max_hidden_error: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
     min_median_divergence: Optional[int] = Field(None, ge=0)
-    #: top-1 agreement (percent) of the quantized KV cache teacher-forced on the float cache's long greedy generation
     min_long_agreement_pct: Optional[float] = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)
     # kvq serve-smoke (runtime vs reference; None: the command's defaults 80 % / 0.5 nats / ungated)
     serve_min_top1_pct: Optional[float] = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)
     serve_max_prompt_kl: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
     serve_min_median_divergence: Optional[int] = Field(None, ge=0)
+
+    @model_serializer(mode="wrap")
+    def _omit_new_gates(self, handler, info):
+        """``min_long_agreement_pct: null`` left out of dumps: digests as before the gate existed."""
+        data = handler(self)
+        if isinstance(data, dict) and not _full(info) and data.get("min_long_agreement_pct", 0) is None:
+            del data["min_long_agreement_pct"]
+        return data
 
 
 class Recipe(_Strict):
