@@ -8,7 +8,8 @@ SmolLM2 tokenizer's 49,152-token vocabulary, tied embeddings) and differ only in
 are N(0, 0.02) (norms 1), generated tensor by tensor and written shard by shard, so the
 generator itself never holds a model.
 
-Kimi K2 sizes (issue #15): ``kimi-fp8`` has Kimi K2's widths (DeepSeek-V3 layout, MLA,
+Kimi K2 and GLM-5 sizes (issues #15, #43): ``kimi-k2`` and ``glm5`` are the published layer widths
+with every routed expert (384 and 256), three layers, the first dense. ``kimi-fp8`` has Kimi K2's widths (DeepSeek-V3 layout, MLA,
 hidden 7168, routed experts 2048 wide, a dense first layer 18432 wide) stored as a
 block-FP8 release (``float8_e4m3fn`` projections with a float32 ``weight_scale_inv`` per
 128 x 128 block, ``quantization_config.quant_method: fp8``) with 150 routed experts, so
@@ -48,6 +49,14 @@ KIMI = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=204
             n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827, scoring_func="sigmoid",
             topk_method="noaux_tc", num_nextn_predict_layers=0, vocab_size=VOCAB, tie_word_embeddings=True,
             max_position_embeddings=4096, rope_theta=50000.0, _fp8=True)
+#: GLM-5's widths (transformers' glm_moe_dsa defaults are GLM-5's), block FP8 as its FP8 release
+GLM5 = dict(hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048, first_k_dense_replace=1,
+            mlp_layer_types=["dense", "sparse", "sparse"], layer_types=["indexed_attention"] * 3,
+            indexer_types=["full"] * 3, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048,
+            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, n_shared_experts=1,
+            num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+            num_nextn_predict_layers=0, vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=4096,
+            _fp8=True)
 SIZES = {
     "0.5b": ("llama", dict(DENSE, num_hidden_layers=15)),
     "1b": ("llama", dict(DENSE, num_hidden_layers=33)),
@@ -62,6 +71,14 @@ SIZES = {
     "kimi-fp8": ("deepseek_v3", dict(KIMI, n_routed_experts=150)),
     # the same widths with 16 routed experts, for a calibrated (GPTQ/AWQ) run that holds one layer whole
     "kimi-fp8-16e": ("deepseek_v3", dict(KIMI, n_routed_experts=16)),
+    # Kimi K2 at its full layer width (issue #43): 384 routed experts + 1 shared, a dense first layer, two MoE
+    # layers of 384 x 3 x 7168 x 2048 weights (68 GB each in float32, 17 GB on disk in block FP8)
+    "kimi-k2": ("deepseek_v3", dict(KIMI, n_routed_experts=384, num_hidden_layers=3)),
+    # Kimi K2's widths with 64 routed experts, three layers (issue #44's ranks)
+    "kimi-fp8-64e": ("deepseek_v3", dict(KIMI, n_routed_experts=64, num_hidden_layers=3)),
+    # GLM-5 at its full layer width (glm_moe_dsa: MLA with the DSA indexer, 256 routed experts of width 2048 at
+    # hidden 6144, one shared), a dense first layer and two MoE layers (38.6 GB each in float32)
+    "glm5": ("glm_moe_dsa", dict(GLM5, n_routed_experts=256, num_hidden_layers=3)),
     # a tiny MoE + MLA model (DeepSeek-V3 layout) for the runtime's decode benchmark (bench/serve_bench.py)
     "tiny-mla": ("deepseek_v3", dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
                                      first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,
