@@ -184,14 +184,17 @@ HELP = {
     "verify.stream": (
         "Read both models one decoder layer at a time: every eval window advances through layer i of the "
         "reference and of the artifact, then the layer is released (memory: one layer of each model, the "
-        "windows' hidden states, at the end both heads). Same statistics as the whole-model path; greedy "
+        "windows' hidden states, at the end both heads; an MoE layer above --memory-budget-gib is read in "
+        "groups of routed experts, each released before the next). Same statistics as the whole-model path; greedy "
         "drift is skipped (the report says so). Chosen by itself when the two models do not fit whole in "
         "--memory-budget-gib (default: the memory this machine has available)."
     ),
     "verify.memory-budget-gib": (
-        "Memory verify may use, GiB: models that do not fit whole are streamed (--stream), and a streamed "
-        "plan that does not fit is refused before any weight is read. The plan (what is held at peak) is "
-        "printed first."
+        "Memory verify may use besides the process itself (torch and transformers, about 0.5 GiB), GiB: "
+        "models that do not fit whole are streamed (--stream), an MoE layer that does not fit is read in groups "
+        "of routed experts sized to it, and a streamed plan whose smallest unit (one expert and the rest of a "
+        "layer of each model, the hidden states) does not fit is refused before any weight is read. The plan "
+        "(what is held at peak) is printed first."
     ),
     "verify.no-manifest": (
         "ARTIFACT was written by another tool (e.g. llm-compressor) and has no kvq-manifest.json: skip the "

@@ -47,6 +47,10 @@ accumulating, for every grid candidate, the routed part of the block's output er
 loss tokens (``n_grid x loss tokens x H`` float32 held, summed expert by expert), and a third
 folding the chosen ``s`` and quantizing. Until that exists, an AWQ layer above the budget is
 read whole (:attr:`compressor.quant.algorithms.Algorithm.streams_experts`).
+
+``kvq verify --stream`` runs an MoE layer of the reference and of the artifact the same way
+(:func:`forward_grouped`, from :mod:`compressor.streamed_eval`): the tap records, the groups
+of experts are added in, the tap replays; nothing is quantized there.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from .arch import expert_index, is_expert
 from .quant.layer import LayerOutcome, layer_forward
 from .quant.primitives import abs_max
 
-__all__ = ["ExpertTap", "move_loaded", "add_expert", "quantize_layer_streamed"]
+__all__ = ["ExpertTap", "move_loaded", "add_expert", "forward_grouped", "quantize_layer_streamed"]
 
 
 def move_loaded(module: torch.nn.Module, device) -> None:
@@ -142,6 +146,46 @@ def add_expert(expert: torch.nn.Module, e: int, calls: list, outs: list[torch.Te
     finally:
         for h in handles:
             h.remove()
+
+
+def forward_grouped(passes: list, groups) -> None:
+    """Run decoder layers whose routed experts are read in groups, as their whole-layer forward
+    would: a streamed verify's step for one MoE layer of each model (:mod:`compressor.streamed_eval`).
+
+    Args:
+        passes: ``(tap, forward)`` pairs: ``tap`` an :class:`ExpertTap` active on the routed
+            experts of a layer whose non-expert tensors are read; ``forward(keep)`` runs every
+            input of one configuration through that layer, storing the outputs (its next
+            inputs) when ``keep`` is true. Several passes may share a tap (one layer).
+        groups: an iterator yielding the expert indices of each group once they are read into
+            every tapped layer, and releasing them when resumed (one group materialized at a time).
+
+    Each pass runs once with its tap recording (the layer's routing computed by its own
+    router; outputs dropped), then every group's experts add their weighted outputs into each
+    recorded call's routed output (:func:`add_expert`: experts in ascending index order, as
+    :class:`compressor.moe.UnfusedExperts` adds them), and each pass runs again with its tap
+    replaying those outputs: the layer's own code adds them to its residual and shared experts,
+    so the outputs equal the whole layer's (same tensors, same order of additions). Memory
+    beyond the layer: the experts' inputs and routed outputs of every call (two copies of the
+    configurations' hidden states, the first released before the replay).
+    """
+    calls, routed = [], []
+    for tap, forward in passes:
+        calls.append(tap.set("record"))
+        forward(False)
+        tap.set("zero")
+        tap.calls = []  # held in ``calls`` only: released with it
+        routed.append(_zeros(calls[-1], None, ""))
+    for experts in groups:
+        for e in experts:
+            for (tap, _), c, r in zip(passes, calls, routed):
+                add_expert(tap.experts[e], e, c, r)
+    calls.clear()  # the experts' inputs: not needed by the replay
+    for (tap, forward), r in zip(passes, routed):
+        tap.set("replay", r)
+        forward(True)
+        tap.set("zero")
+        r.clear()
 
 
 def _routed_counts(calls: list, n: int) -> list[int]:

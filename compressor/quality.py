@@ -50,6 +50,8 @@ def _awq_equivalent_scales(reference, artifact, arch, layers=None) -> dict[str, 
             else:
                 p = linear_weight(arch, lr, group.prev_op).detach().double()
                 p_hat = linear_weight(arch, la, group.prev_op).detach().double()
+                if p.is_meta or p_hat.is_meta:
+                    continue  # a routed expert not read yet (a streamed verify reads them in groups)
                 if group.prev_rows is not None:
                     k, n = group.prev_rows
                     step = p.shape[0] // n
@@ -144,7 +146,8 @@ def _head_dim(cfg) -> int:
 
 @torch.no_grad()
 def weight_report(reference, artifact, algorithm: str, quantized_head: bool = False, key_pairs: bool = False,
-                  basis: dict | None = None, layers: list | None = None, quantized_embedding: bool = False) -> dict:
+                  basis: dict | None = None, layers: list | None = None, quantized_embedding: bool = False,
+                  select=None) -> dict:
     """Per quantized linear: relative Frobenius error, SQNR (dB) and original-vs-artifact
     statistics; plus a per-decoder-layer summary.
 
@@ -162,7 +165,11 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
             factors fitted here), so ``kvq verify`` does not fit them twice.
         layers: ``(i, reference layer, artifact layer)`` triples to compare (default: every
             decoder layer; a streamed verify passes one layer at a time and joins the tensors
-            with :func:`weight_summary`).
+            with :func:`weight_summary`). Linears whose weight is on ``meta`` in either layer
+            are left out (routed experts a streamed verify has not read yet: it passes an MoE
+            layer once per group of experts).
+        select: ``select(rel)`` true for the linears to compare (relative names such as
+            ``mlp.experts.3.up_proj``; default: all): a streamed verify's group of experts.
 
     Every linear of the architecture row is compared, routed experts one by one (named
     ``<layers>.<i>.mlp.experts.<e>.gate_proj.weight`` etc., sliced from transformers'
@@ -188,9 +195,13 @@ def weight_report(reference, artifact, algorithm: str, quantized_head: bool = Fa
     pair_rows = {f"{arch.attention}.q_proj", f"{arch.attention}.k_proj"} if key_pairs else set()
     for i, lr, la in layers:
         for rel in layer_linears(arch, lr):
+            if select is not None and not select(rel):
+                continue
             name = f"{arch.layers}.{i}.{rel}"
             w = linear_weight(arch, lr, rel).detach().double()
             w_hat = linear_weight(arch, la, rel).detach().double()
+            if w.is_meta or w_hat.is_meta:
+                continue  # a routed expert not read yet: a streamed verify reads the experts in groups
             row, col = scales.get(name, (None, None))
             # AWQ scales undone: W_hat -> diag(s_row) W_hat diag(1/s_col), in the original's space,
             # where the error acts on the original activations (what the served function sees)

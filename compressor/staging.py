@@ -48,6 +48,35 @@ HELD_BYTES_PER_WEIGHT = 5
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 
+def expert_groups(model, arch, i: int, limit: int, bytes_per_weight: int) -> list[list[str]] | None:
+    """Decoder layer ``i``'s tensor names (:func:`compressor.source.lazy.layer_names`) in groups:
+    the non-expert tensors first, then routed experts (whole experts, in index order) in groups
+    of at most ``limit`` bytes held (``bytes_per_weight`` per weight; at least one expert each).
+    ``None`` for a layer without routed experts. Used by a streamed quantize
+    (:meth:`LayerWriter.expert_groups`) and a streamed verify (:mod:`compressor.streamed_eval`).
+    """
+    prefix = f"{arch.layers}.{i}."
+    names = layer_names(model, arch, i)
+    params = dict(model.get_submodule(prefix[:-1]).named_parameters(prefix=prefix[:-1]))
+    sizes = {n: params[n].numel() * bytes_per_weight if n in params else 0 for n in names}
+    experts: dict[int, list[str]] = {}
+    rest = []
+    for n in names:
+        m = _EXPERT.search(n[len(prefix):])
+        (experts.setdefault(int(m.group(1)), []) if m else rest).append(n)
+    if not experts:
+        return None
+    groups, cur, cur_bytes = [rest], [], 0
+    for e in sorted(experts):
+        b = sum(sizes[n] for n in experts[e])
+        if cur and cur_bytes + b > limit:
+            groups.append(cur)
+            cur, cur_bytes = [], 0
+        cur += experts[e]
+        cur_bytes += b
+    return groups + [cur]
+
+
 @contextmanager
 def _atomic_write(path: Path):
     tmp = path.with_name(path.name + ".tmp")
@@ -470,35 +499,15 @@ class LayerWriter:
             load_into(self.model, self.ckpt, self.arch, layer_names(self.model, self.arch, i))
 
     def expert_groups(self, i: int) -> list[list[str]] | None:
-        """Decoder layer ``i``'s tensor names in groups: the non-expert tensors first, then
-        routed experts (whole experts, in index order) in groups of at most
-        ``memory_budget`` bytes held (:data:`HELD_BYTES_PER_WEIGHT` per weight; at least one
-        expert each). ``None`` when the layer
-        is not streamed or fits the budget whole (it is then loaded at once)."""
+        """Decoder layer ``i``'s tensor names in groups (:func:`expert_groups`, ``memory_budget``
+        bytes a group at :data:`HELD_BYTES_PER_WEIGHT` per weight). ``None`` when the layer is
+        not streamed or fits the budget whole (it is then loaded at once)."""
         if self.ckpt is None:
             return None
-        names = layer_names(self.model, self.arch, i)
-        params = dict(self.model.get_submodule(f"{self.arch.layers}.{i}").named_parameters(prefix=f"{self.arch.layers}.{i}"))
-        sizes = {n: params[n].numel() * HELD_BYTES_PER_WEIGHT if n in params else 0 for n in names}
-        if sum(sizes.values()) <= self.memory_budget:
+        params = dict(self.model.get_submodule(f"{self.arch.layers}.{i}").named_parameters())
+        if sum(p.numel() for p in params.values()) * HELD_BYTES_PER_WEIGHT <= self.memory_budget:
             return None
-        prefix = f"{self.arch.layers}.{i}."
-        experts: dict[int, list[str]] = {}
-        rest = []
-        for n in names:
-            m = _EXPERT.search(n[len(prefix):])
-            (experts.setdefault(int(m.group(1)), []) if m else rest).append(n)
-        if not experts:
-            return None
-        groups, cur, cur_bytes = [rest], [], 0
-        for e in sorted(experts):
-            b = sum(sizes[n] for n in experts[e])
-            if cur and cur_bytes + b > self.memory_budget:
-                groups.append(cur)
-                cur, cur_bytes = [], 0
-            cur += experts[e]
-            cur_bytes += b
-        return groups + [cur]
+        return expert_groups(self.model, self.arch, i, self.memory_budget, HELD_BYTES_PER_WEIGHT)
 
     def load_groups(self, i: int, result, groups: list[list[str]]):
         """Materialize streamed decoder layer ``i`` group by group (``groups``, from :meth:`expert_groups`),
@@ -530,8 +539,7 @@ class LayerWriter:
                 self.model, packed, self.dtype, rename=self.rename, names=set(names)))
         self._written.update(names)
         experts = {m.rsplit(".", 1)[0] for m in modules}  # ...experts.<e>.gate_proj -> ...experts.<e>
-        for m in sorted(experts):
-            to_meta(self.model.get_submodule(m))
+        to_meta(*[self.model.get_submodule(m) for m in sorted(experts)])
 
     def done(self, i: int, layer: torch.nn.Module, result, hidden: list[torch.Tensor] | None) -> None:
         """Write decoder layer ``i`` (``result``: the pipeline's ``QuantizeResult`` so far;

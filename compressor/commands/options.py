@@ -305,7 +305,8 @@ class VerifyOptions(_Options):
     threads: Optional[int] = Field(None, ge=1, le=4096)  # torch's intra-op threads; None: one per usable CPU
     #: both models one decoder layer at a time (compressor.streamed_eval); also chosen when they do not fit whole
     stream: bool = False
-    #: memory verify may hold (GiB): above it the models are streamed; a streamed plan above it is refused
+    #: memory verify may hold besides the process itself (GiB): above it the models are streamed, an MoE layer in
+    #: groups of routed experts; a streamed plan whose smallest unit is above it is refused
     memory_budget_gib: Optional[float] = _finite(None, gt=0, le=MAX_GIB)
     evaluation: EvalOptions = Field(default_factory=EvalOptions)
     kv: KVEvalOptions = Field(default_factory=KVEvalOptions)

@@ -37,9 +37,9 @@ def _available_bytes() -> int | None:
 
 
 def _whole_bytes(plan, opts) -> int | None:
-    """About what the whole-model path holds: the reference in float32 and the artifact
-    dequantized to its evaluation dtype (parameter count from the reference's shard
-    headers), ``None`` for a source that is not a safetensors folder."""
+    """About what the whole-model path holds besides the process itself: the reference in
+    float32 and the artifact dequantized to its evaluation dtype (parameter count from the
+    reference's shard headers), ``None`` for a source that is not a safetensors folder."""
     import torch
 
     from ..source.lazy import LazyCheckpoint
@@ -50,7 +50,17 @@ def _whole_bytes(plan, opts) -> int | None:
     ckpt = LazyCheckpoint(plan.ref_source.path, block_fp8=None)
     n = sum(int(torch.Size(e.shape).numel()) for name, (_, e) in ckpt.where.items() if not name.endswith("_scale_inv"))
     dtype = eval_dtype(plan.folder, opts.evaluation.dtype)[0]
-    return n * (4 + torch.empty((), dtype=dtype).element_size()) + BASELINE_BYTES
+    return n * (4 + torch.empty((), dtype=dtype).element_size())
+
+
+def budget_bytes(opts) -> int | None:
+    """Bytes a streamed verify may hold, the process's own :data:`BASELINE_BYTES` included:
+    ``--memory-budget-gib`` (what the evaluation holds besides the process, as quantize's budget
+    counts weights, not the interpreter) plus the baseline, else ``MemAvailable``; ``None``
+    where neither is known."""
+    if opts.memory_budget_gib is not None:
+        return int(opts.memory_budget_gib * GIB) + BASELINE_BYTES
+    return _available_bytes()
 
 
 def choose(plan, opts, report: dict, console) -> "Streamed | None":
@@ -61,8 +71,8 @@ def choose(plan, opts, report: dict, console) -> "Streamed | None":
     if opts.stream:
         return Streamed(plan, opts, report, console, "--stream")
     need = _whole_bytes(plan, opts)
-    budget = opts.memory_budget_gib * GIB if opts.memory_budget_gib is not None else _available_bytes()
-    if need is None or budget is None or need <= budget:
+    budget = budget_bytes(opts)
+    if need is None or budget is None or need + BASELINE_BYTES <= budget:
         return None
     where = (f"--memory-budget-gib {opts.memory_budget_gib:g}" if opts.memory_budget_gib is not None
              else f"the {budget / GIB:.1f} GiB this machine has available")
@@ -131,11 +141,12 @@ class Streamed:
         wins, candidates, served, make_cache = self._windows_and_candidates() if opts.mode == "full" else (None, {}, "weights only", None)
         owners = [] if wins is None else ["reference", *[o for o, _ in candidates.values()]]
         mem = memory_plan(ref, art, 0 if wins is None else wins.shape[0], 0 if wins is None else wins.shape[1], owners,
-                          weight_stats=plan.weights_quantized)
+                          weight_stats=plan.weights_quantized, budget=budget_bytes(opts))
         budget = opts.memory_budget_gib
-        if budget is not None and mem.peak > budget * GIB:
+        if budget is not None and mem.peak > budget * GIB + BASELINE_BYTES:
             raise InputError(f"--memory-budget-gib {budget:g} cannot hold streamed verify's smallest unit: {mem.describe()}; "
                              "raise it, or lower --max-windows / --seqlen")
+        self.expert_group = mem.expert_group_limit
         show.note(self.console, f"streamed verify ({self.why}): {mem.describe()}", highlight=False)
         if opts.device != "cpu":
             show.note(self.console, f"note: streamed verify runs on the CPU (--device {opts.device} applies to the whole-model path)",
@@ -206,6 +217,7 @@ class Streamed:
     def _evaluate(self, wins, candidates: dict) -> dict:
         """:func:`compressor.streamed_eval.streamed_compare` with the weight statistics (and the
         key-pair check of a KV-only artifact) computed on each layer pair as it is read."""
+        from ..arch import checkpoint_name, expert_index, layer_linears
         from ..quality import KEY_PAIRS_TOLERANCE, key_pairs_residual, weight_report, weight_summary
         from ..streamed_eval import streamed_compare
         from .verify_common import head_is_packed
@@ -217,6 +229,7 @@ class Streamed:
         undone = [False]
         worst = [0.0, ""]
         basis = getattr(self, "basis", {})
+        order: dict[int, dict[str, int]] = {}  # MoE layers read in groups: each linear's place in the layer
 
         def on_layer(i, lr, la):
             if plan.weights_quantized:
@@ -229,6 +242,16 @@ class Streamed:
                     raise CheckFailed(f"{name} is not the reference's rows changed per RoPE pair (relative residual {w:.3g} > "
                                       f"{KEY_PAIRS_TOLERANCE:g}): the artifact is not its source with kv_cache.key_rotation pairs")
                 worst[:] = max(worst, [w, name])
+
+        def on_experts(i, lr, la, experts):  # a group of routed experts of an MoE layer read in groups
+            if plan.weights_quantized:
+                chosen = set(experts)
+                r = weight_report(ref.model, art.model, algorithm, layers=[(i, lr, la)],
+                                  select=lambda rel: expert_index(ref.arch, rel) in chosen)
+                tensors.extend(r["tensors"])
+                undone[0] = undone[0] or r["awq_scales_undone"]
+                order.setdefault(i, {f"{checkpoint_name(ref.arch, f'{ref.arch.layers}.{i}.{rel}')}.weight": k
+                                     for k, rel in enumerate(layer_linears(ref.arch, lr))})
 
         def on_heads(rm, am):
             if plan.weights_quantized and head_is_packed(plan.folder, am):
@@ -248,8 +271,10 @@ class Streamed:
             out = streamed_compare(ref, art, candidates, wins, self.opts.kv.chunk,
                                    hidden_of="weights only" if plan.weights_quantized and wins is not None else None,
                                    hidden_rows=(ev.hidden_batches, min(ev.seqlen, 512)), on_layer=on_layer,
-                                   on_heads=on_heads, on_progress=progress)
-        if plan.weights_quantized:
+                                   on_heads=on_heads, on_progress=progress, expert_group=self.expert_group,
+                                   on_experts=on_experts)
+        if plan.weights_quantized:  # the whole layer's order: its non-expert linears were reported before its experts
+            tensors.sort(key=lambda t: (t["layer"], order.get(t["layer"], {}).get(t["name"], 0)))
             report["weights"] = weight_summary(tensors, undone[0], self._key_pairs)
         elif self._key_pairs:
             show.note(self.console, f"key pairs: q_proj/k_proj are the reference's rows changed per RoPE pair (largest "

@@ -452,15 +452,16 @@ def copy_kept_tensors(ckpt: LazyCheckpoint, names: list[str], dtype: torch.dtype
     return n
 
 
-def to_meta(module: torch.nn.Module) -> None:
-    """Release ``module``'s parameters (replaced by ``meta`` tensors of the same shape) and
+def to_meta(*modules: torch.nn.Module) -> None:
+    """Release the parameters of ``modules`` (replaced by ``meta`` tensors of the same shape) and
     hand the freed heap back to the OS once it holds :data:`HEAP_SLACK` free (glibc keeps freed
     blocks of up to 32 MB in its heap, where fragmentation would otherwise let RSS grow layer
-    after layer)."""
-    for m in module.modules():
-        for k, p in list(m._parameters.items()):
-            if p is not None and not p.is_meta:
-                m._parameters[k] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+    after layer); one trim for all of them (a group of routed experts)."""
+    for module in modules:
+        for m in module.modules():
+            for k, p in list(m._parameters.items()):
+                if p is not None and not p.is_meta:
+                    m._parameters[k] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
     trim_heap(HEAP_SLACK)
 
 
