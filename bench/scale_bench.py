@@ -17,6 +17,11 @@ its MoE layer is 25.2 GiB in float32: more than a 24 GiB machine holds. ``kimi-f
 is the same with 16 routed experts (3.2 GiB a layer) for a calibrated run, which holds
 one whole layer.
 
+GLM-4.5's layout (issue #43): ``glm45`` is a ``glm4_moe`` of 3 MoE layers with 64 routed
+experts 1024 wide and one shared expert at hidden 1024 (2.3 GiB in float32; one layer's routed
+experts 0.75 GiB), ``glm45-tiny`` the same at the tests' tiny width; both with the tests'
+320-token byte-level BPE tokenizer, so the embedding and head stay small beside the layers.
+
 Usage: python bench/scale_bench.py [--sizes 0.5b,1b,3b,moe] [--recipe w4a16-rtn-g64]
           [--calib-samples 8] [--calib-seqlen 256] [--work DIR]
 Writes bench/results/scale_bench-<recipe>[-<tag>].json and prints a Markdown table.
@@ -57,6 +62,9 @@ GLM5 = dict(hidden_size=6144, intermediate_size=12288, moe_intermediate_size=204
             num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
             num_nextn_predict_layers=0, vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=4096,
             _fp8=True)
+GLM45 = dict(intermediate_size=4096, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=0, n_group=1,
+             topk_group=1, norm_topk_prob=True, use_qk_norm=True, num_hidden_layers=3, num_nextn_predict_layers=0,
+             vocab_size=320, tie_word_embeddings=False, max_position_embeddings=4096, _tiny_tokenizer=True)
 SIZES = {
     "0.5b": ("llama", dict(DENSE, num_hidden_layers=15)),
     "1b": ("llama", dict(DENSE, num_hidden_layers=33)),
@@ -79,6 +87,14 @@ SIZES = {
     # GLM-5 at its full layer width (glm_moe_dsa: MLA with the DSA indexer, 256 routed experts of width 2048 at
     # hidden 6144, one shared), a dense first layer and two MoE layers (38.6 GB each in float32)
     "glm5": ("glm_moe_dsa", dict(GLM5, n_routed_experts=256, num_hidden_layers=3)),
+    # GLM-4.5's layout at a width this machine holds (issue #43): 3 MoE layers of 64 routed experts 1024 wide and one
+    # shared expert at hidden 1024, top-8; a 320-token vocabulary (the tests' byte-level BPE) keeps the embedding and
+    # head out of the way of the layers' memory; 2.3 GiB in float32, one layer's routed experts 0.75 GiB
+    "glm45": ("glm4_moe", dict(GLM45, hidden_size=1024, moe_intermediate_size=1024, n_routed_experts=64,
+                               num_attention_heads=8, head_dim=128, num_key_value_heads=2)),
+    # the same layout at the tests' tiny width (hidden 64, 4 experts 32 wide, top-2): the process's own footprint
+    "glm45-tiny": ("glm4_moe", dict(GLM45, hidden_size=64, moe_intermediate_size=32, n_routed_experts=4,
+                                    num_experts_per_tok=2, num_attention_heads=4, head_dim=16, num_key_value_heads=2)),
     # a tiny MoE + MLA model (DeepSeek-V3 layout) for the runtime's decode benchmark (bench/serve_bench.py)
     "tiny-mla": ("deepseek_v3", dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
                                      first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,
@@ -136,6 +152,7 @@ def generate(folder: Path, model_type: str, kw: dict) -> int:
 
     kw = dict(kw)
     fp8 = kw.pop("_fp8", False)
+    tiny_tokenizer = kw.pop("_tiny_tokenizer", False)
     cfg = make_config(model_type, kw)
     shapes = param_shapes(cfg)
     n_params = sum(int(torch.Size(s).numel()) for s in shapes.values())
@@ -191,8 +208,14 @@ def generate(folder: Path, model_type: str, kw: dict) -> int:
         cfg.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                    "weight_block_size": list(FP8_BLOCK)}
     cfg.save_pretrained(tmp)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER / f, tmp / f)
+    if tiny_tokenizer:  # the tests' byte-level BPE of cfg.vocab_size ids, trained on the embedded corpus
+        sys.path.insert(0, str(ROOT / "tests"))
+        from conftest import tiny_tokenizer as bpe
+
+        bpe(cfg.vocab_size).save_pretrained(tmp)
+    else:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(TOKENIZER / f, tmp / f)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     return n_params
@@ -244,7 +267,8 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the results file (scale_bench-<recipe>-<tag>.json)")
     ap.add_argument("--whole", default="", help="sizes to quantize a second time with --no-stream (comparison)")
     a = ap.parse_args()
-    if not (TOKENIZER / "tokenizer.json").exists():
+    if not (TOKENIZER / "tokenizer.json").exists() and any(not SIZES[s][1].get("_tiny_tokenizer")
+                                                           for s in a.sizes.split(",")):
         write_tokenizer()
     work = Path(a.work)
     rows = []
