@@ -103,9 +103,10 @@ HELP = {
     "quantize.memory-budget-gib": (
         "Weights of one decoder layer held at once (5 bytes a weight: float32 and its int8 codes) by a "
         "streamed run: a larger MoE layer's routed experts are read, quantized, written and released in groups "
-        "of at most this size (with a calibration pass, each expert is calibrated on the tokens routed to it). "
-        "AWQ and awq-gptq hold one whole layer; GPTQ on a layer held whole accumulates and solves the routed "
-        "experts' Hessians (12 bytes per input feature squared each) in chunks within this budget."
+        "of at most this size (with a calibration pass, each expert is calibrated on the tokens routed to it; "
+        "AWQ and awq-gptq read the experts at least twice more, for the scale their norm shares, holding the "
+        "grid candidates' routed outputs within this budget). GPTQ on a layer held whole accumulates and solves "
+        "the routed experts' Hessians (12 bytes per input feature squared each) in chunks within this budget."
     ),
     "quantize.resume": (
         "Continue an interrupted run of the same command from its last finished layer (kept in "

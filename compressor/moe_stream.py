@@ -2,7 +2,7 @@
 
 A Kimi K2 MoE layer holds 384 routed experts of 3 x 7168 x 2048 weights: 68 GB in float32. A
 streamed quantize (:class:`compressor.staging.LayerWriter`) never holds it whole; with a
-calibration pass (GPTQ, GPTAQ, RTN or float weights beside static KV scales) the layer runs as:
+calibration pass (GPTQ, GPTAQ, RTN or float weights beside static KV scales; AWQ: below) the layer runs as:
 
 1. the non-expert tensors (attention, norms, router, shared experts, the layer's other
    parts) are read and held; the routed experts stay on ``meta``, and their module's call is
@@ -37,16 +37,12 @@ shared)``), equal to the whole layer's to float32 rounding (a relative 1e-7 of t
 activations); the float stream then feeds GPTAQ's target of the next layers, whose integers
 may differ from the whole-layer path's where a weight sits on a rounding boundary.
 
-AWQ (and ``awq-gptq``) is not streamed this way: kvq's AWQ folds one scale ``s`` into the
-``post_attention_layernorm`` that feeds every routed expert, the shared experts and the
-router (:func:`compressor.arch._mlp_groups`), and its grid search compares the output of the
-whole MoE block per candidate. In bounded memory it would take three reads of the experts:
-a first pass over the groups summing each expert's ``weight_mean`` term (its rows' group-
-normalized ``|w|``; ``x_mean`` is the block input's, known from the held part), a second
-accumulating, for every grid candidate, the routed part of the block's output error on the
-loss tokens (``n_grid x loss tokens x H`` float32 held, summed expert by expert), and a third
-folding the chosen ``s`` and quantizing. Until that exists, an AWQ layer above the budget is
-read whole (:attr:`compressor.quant.algorithms.Algorithm.streams_experts`).
+AWQ and ``awq-gptq`` run through :mod:`compressor.moe_stream_awq`: kvq's AWQ folds one scale
+``s`` into the ``post_attention_layernorm`` that feeds every routed expert, the shared experts and
+the router (:func:`compressor.arch._mlp_groups`), searched on the whole MoE block's output, so
+the experts are read at least twice before this step (their ``weight_mean`` terms and float
+reference, then the grid's candidates) and this step's read folds and quantizes them: the same
+tensors as the whole layer's, bit for bit.
 
 ``kvq verify --stream`` runs an MoE layer of the reference and of the artifact the same way
 (:func:`forward_grouped`, from :mod:`compressor.streamed_eval`): the tap records, the groups

@@ -455,8 +455,14 @@ def _quantize_streamed_moe(i, layer, hidden, kw, ctx: LayerContext, algorithm: A
     move_loaded(layer, device)
     tap = ExpertTap(ctx.experts(layer))
     with tap.active():
-        step = lambda i, layer, hidden, kw, ctx: quantize_layer_streamed(  # noqa: E731
-            i, layer, hidden, kw, ctx, algorithm, loads, tap, device)
+        if algorithm.folds_input_scales:  # AWQ's scale spans every expert: two more reads (moe_stream_awq)
+            from .moe_stream_awq import quantize_layer_streamed_awq
+
+            step = lambda i, layer, hidden, kw, ctx: quantize_layer_streamed_awq(  # noqa: E731
+                i, layer, hidden, kw, ctx, algorithm, loads, tap, device, lambda: hooks.read_groups(groups[1:]))
+        else:
+            step = lambda i, layer, hidden, kw, ctx: quantize_layer_streamed(  # noqa: E731
+                i, layer, hidden, kw, ctx, algorithm, loads, tap, device)
         out = _quantize_and_recompute(i, layer, hidden, kw, ctx, algorithm, result, step)
     move_loaded(layer, "cpu")
     return out

@@ -426,7 +426,8 @@ class LayerWriter:
     materializes a streamed layer in bounded groups of routed experts instead of
     :meth:`load`, for steps that quantize each linear on its own (RTN, float weights) and for
     calibrated steps that quantize each routed expert from its own tokens (GPTQ, GPTAQ, static
-    KV scales: :mod:`compressor.moe_stream`).
+    KV scales: :mod:`compressor.moe_stream`); AWQ reads the groups before that with
+    :meth:`read_groups` (:mod:`compressor.moe_stream_awq`).
     """
 
     def __init__(self, model, arch, ckpt: LazyCheckpoint | None, staging: Staging | None, fmt: str,
@@ -527,6 +528,28 @@ class LayerWriter:
             if k:
                 self._write_group(i, k, names, modules, result)
 
+    def read_groups(self, groups: list[list[str]]):
+        """Materialize routed-expert ``groups`` (of :meth:`expert_groups`, the non-expert one left out)
+        one at a time, yielding each group's module names after it is read and returning its
+        weights to ``meta`` before the next is read; nothing is written (AWQ's statistics and
+        scale search before :meth:`load_groups` quantizes the layer: :mod:`compressor.moe_stream_awq`).
+
+        Raises:
+            InputError: a tensor holds NaN or Inf (named).
+        """
+        for names in groups:
+            load_into(self.model, self.ckpt, self.arch, names)
+            modules = sorted({n.rsplit(".", 1)[0] for n in names})
+            try:
+                yield modules
+            finally:
+                self._release(modules)
+
+    def _release(self, modules: list[str]) -> None:
+        """Return the experts holding ``modules`` (``...experts.<e>.gate_proj``) to ``meta``."""
+        for m in sorted({m.rsplit(".", 1)[0] for m in modules}):
+            to_meta(self.model.get_submodule(m))
+
     def _write_group(self, i: int, k: int, names: list[str], modules: list[str], result) -> None:
         from .artifact import state_tensors
         from .formats import get_format
@@ -538,8 +561,7 @@ class LayerWriter:
             self.staging.save_part(f"layer-{i:05d}-e{k:04d}", state_tensors(
                 self.model, packed, self.dtype, rename=self.rename, names=set(names)))
         self._written.update(names)
-        experts = {m.rsplit(".", 1)[0] for m in modules}  # ...experts.<e>.gate_proj -> ...experts.<e>
-        to_meta(*[self.model.get_submodule(m) for m in sorted(experts)])
+        self._release(modules)
 
     def done(self, i: int, layer: torch.nn.Module, result, hidden: list[torch.Tensor] | None) -> None:
         """Write decoder layer ``i`` (``result``: the pipeline's ``QuantizeResult`` so far;

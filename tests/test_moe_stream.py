@@ -26,6 +26,10 @@ CASES = {
     "rtn+fp8-static": dict(algorithm="rtn", kv_scheme="fp8"),
     "float+fp8-static": dict(algorithm="none", kv_scheme="fp8"),  # a KV-only artifact: experts written float
     "cold-experts": dict(algorithm="gptq", settings=(("moe.min_tokens", 60),)),
+    # AWQ's block scale spans every expert: two more reads of the experts (compressor.moe_stream_awq)
+    "awq": dict(algorithm="awq"),
+    "awq-gptq": dict(algorithm="awq-gptq"),
+    "awq-cold-fp8": dict(algorithm="awq", kv_scheme="fp8", settings=(("moe.min_tokens", 60),)),
 }
 
 
@@ -37,18 +41,29 @@ def moe_sources(tmp_path_factory, tokenizer):
 
 @pytest.fixture
 def reads(monkeypatch):
-    """(layer, routed experts materialized) each time LayerWriter.load_groups hands out a group."""
+    """(layer, routed experts materialized) each time LayerWriter.load_groups hands out a group; the
+    same, with the layer negated, each time LayerWriter.read_groups does (AWQ's reads before it)."""
     seen: list[tuple[int, int]] = []
-    real = LayerWriter.load_groups
+    real_load, real_read = LayerWriter.load_groups, LayerWriter.read_groups
 
-    def spy(self, i, result, groups):
-        for modules in real(self, i, result, groups):
-            layer = self.model.get_submodule(f"model.layers.{i}")
-            seen.append((i, sum(1 for n, p in layer.named_parameters()
-                                if ".experts." in n and not p.is_meta and n.endswith("down_proj.weight"))))
+    def held(model, i):
+        layer = model.get_submodule(f"model.layers.{i}")
+        return sum(1 for n, p in layer.named_parameters()
+                   if ".experts." in n and not p.is_meta and n.endswith("down_proj.weight"))
+
+    def load(self, i, result, groups):
+        for modules in real_load(self, i, result, groups):
+            seen.append((i, held(self.model, i)))
             yield modules
 
-    monkeypatch.setattr(LayerWriter, "load_groups", spy)
+    def read(self, groups):
+        for modules in real_read(self, groups):
+            i = int(modules[0].split(".")[2])
+            seen.append((-i, held(self.model, i)))
+            yield modules
+
+    monkeypatch.setattr(LayerWriter, "load_groups", load)
+    monkeypatch.setattr(LayerWriter, "read_groups", read)
     return seen
 
 
@@ -85,9 +100,15 @@ def test_grouped_calibration_is_exact(model_type, case, moe_sources, reads, tmp_
               "of", sum(n.startswith("model.layers.2.") for n in one))
         return
     assert one == whole
+    awq = kw["algorithm"].startswith("awq")
     for i in (1, 2):  # layer 0 is dense
         assert [n for j, n in one_reads if j == i] == [0, 1, 1, 1, 1], one_reads
         assert [n for j, n in all_reads if j == i] == [0, 4], all_reads
+        # AWQ reads the experts before: its weight_mean terms and float reference, then the grid's 20 candidates, as
+        # many at once as the budget holds their routed parts (4 x 192 loss tokens x 64 bytes each): 1 (one expert's
+        # budget), 2 (four experts'): 1 + 20 and 1 + 10 more reads
+        assert [n for j, n in one_reads if j == -i] == ([1] * 4 * 21 if awq else []), one_reads
+        assert [n for j, n in all_reads if j == -i] == ([4] * 11 if awq else []), all_reads
     layers = {f["layer"]: f for f in load_manifest(tmp_path / "one").quality["layers"]}
     whole = {f["layer"]: f for f in load_manifest(tmp_path / "whole").quality["layers"]}
     assert layers[1]["weight_groups"] == 5 and "weight_groups" not in whole[1]
@@ -96,10 +117,14 @@ def test_grouped_calibration_is_exact(model_type, case, moe_sources, reads, tmp_
         assert layers[i]["max_abs_activation"] == whole[i]["max_abs_activation"]
         if whole[i]["output_rel_error"] is None:  # no float reference (RTN)
             assert layers[i]["output_rel_error"] is None
+        elif awq:  # AWQ's float reference is the layer's own forward with its routed part replayed: exact
+            assert layers[i]["output_rel_error"] == whole[i]["output_rel_error"]
+            assert layers[i]["awq_ratios"] == whole[i]["awq_ratios"] and layers[i]["awq_expert_reads"] == 22
+            assert list(layers[i]["awq_ratios"]) == list(whole[i]["awq_ratios"])  # the layer's group order
         else:  # the reference's routed part is added after its shared part (moe_stream's docstring)
             assert layers[i]["output_rel_error"] == pytest.approx(whole[i]["output_rel_error"], rel=1e-4, abs=1e-6)
         assert layers[i].get("gptq", {}).get("max_damp") == whole[i].get("gptq", {}).get("max_damp")
     moe = load_manifest(tmp_path / "one").quality["moe"]
     assert moe == load_manifest(tmp_path / "whole").quality["moe"]
-    if case == "cold-experts":
+    if "cold" in case:
         assert moe["fallback"], moe

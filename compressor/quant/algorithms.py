@@ -13,9 +13,11 @@ algorithm:
                           large layer may be read and written in groups of routed experts
 ``streams_experts``       with a calibration pass, a streamed MoE layer above the memory budget
                           runs with its routed experts read in groups, each quantized from its
-                          own routed tokens (``quantize_expert``; :mod:`compressor.moe_stream`)
+                          own routed tokens (``quantize_expert``; :mod:`compressor.moe_stream`;
+                          AWQ, its scale spanning every expert: :mod:`compressor.moe_stream_awq`)
 ``folds_input_scales``    the artifact's weights carry folded input scales that weight
-                          statistics must undo (AWQ; :func:`compressor.quality.weight_report`)
+                          statistics must undo (AWQ; :func:`compressor.quality.weight_report`);
+                          a streamed MoE layer then takes :mod:`compressor.moe_stream_awq`
 ``summary_fields``        the algorithm's part of the manifest's ``quantization`` block
 ``flag_warnings``         command-line flags the effective recipe makes meaningless
 ``run_warnings``          warnings drawn from all layers' figures after the run
@@ -51,7 +53,8 @@ class Algorithm:
     #: each targeted linear is quantized from its own weight alone, whatever else is loaded
     per_linear: ClassVar[bool] = False
     #: with a calibration pass, a routed expert is quantized from its own routed tokens alone
-    #: (:meth:`quantize_expert`): a streamed MoE layer's experts may be read in groups
+    #: (:meth:`quantize_expert`; AWQ: :mod:`compressor.moe_stream_awq`): a streamed MoE layer's experts may be
+    #: read in groups
     streams_experts: ClassVar[bool] = False
     #: the artifact's weights are ``diag(1/s_row) W diag(s_col)`` (AWQ's folded scales)
     folds_input_scales: ClassVar[bool] = False

@@ -17,7 +17,7 @@ Everything runs in float32: half-precision activations produced NaN/zero scales 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -26,21 +26,34 @@ from .primitives import fake_quantize, fake_quantize_grouped, resolve_group_size
 
 
 @torch.no_grad()
+def weight_row_sum(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Sum over the output rows of ``w [out, in]`` of ``|w| / max|w| in its group``; ``[in]`` float32."""
+    in_f = w.shape[1]
+    gs = resolve_group_size(group_size, in_f)
+    wg = w.float().abs().reshape(w.shape[0], in_f // gs, gs)
+    wg = wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    return wg.reshape(w.shape[0], in_f).sum(0)
+
+
+@torch.no_grad()
+def mean_of_rows(sums: Iterable[torch.Tensor], rows: int) -> torch.Tensor:
+    """``sum(sums) / rows``, the ``[in]`` terms added one at a time in the order given (the order
+    :func:`weight_mean` adds them: a caller holding the terms gets its bits)."""
+    total = None
+    for t in sums:
+        total = torch.zeros_like(t) if total is None else total
+        total += t
+    return total / rows
+
+
+@torch.no_grad()
 def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
     """Mean over output rows of ``|w| / max|w| in its group``; ``[in]`` float32.
 
     ``weights``: list of ``[out_i, in]`` tensors sharing ``in`` (summed one at a time, no
-    concatenated copy).
+    concatenated copy: an MoE group holds every expert's gate/up).
     """
-    in_f = weights[0].shape[1]
-    gs = resolve_group_size(group_size, in_f)
-    total, rows = torch.zeros(in_f, dtype=torch.float32, device=weights[0].device), 0
-    for x in weights:  # one weight at a time: an MoE group holds every expert's gate/up
-        wg = x.float().abs().reshape(x.shape[0], in_f // gs, gs)
-        wg = wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-12)
-        total += wg.reshape(x.shape[0], in_f).sum(0)
-        rows += x.shape[0]
-    return total / rows
+    return mean_of_rows((weight_row_sum(x, group_size) for x in weights), sum(x.shape[0] for x in weights))
 
 
 @torch.no_grad()
@@ -109,26 +122,46 @@ def search_scales(
     Raises:
         QuantizationError: every candidate gave a non-finite loss or the scales are not finite.
     """
-    n = len(weights)
-    bits = num_bits if isinstance(num_bits, list) else [num_bits] * n
-    sizes = group_size if isinstance(group_size, list) else [group_size] * n
-    syms = symmetric if isinstance(symmetric, list) else [symmetric] * n
-    w_mean = weight_mean(weights, sizes[0]) if duo_scaling else None
-    best = (float("inf"), None, None)
-    losses = []
+    bits, sizes, syms = per_weight(len(weights), num_bits, group_size, symmetric)
+    grid = scale_grid(x_mean, weight_mean(weights, sizes[0]) if duo_scaling else None, n_grid, tie)
+    losses = [float(loss_fn(candidate_weights(weights, s, bits, sizes, syms))) for _, s in grid]
+    s, ratio = best_scale(grid, losses, name)
+    return s, ratio, losses
+
+
+def per_weight(n: int, num_bits, group_size, symmetric) -> tuple[list, list, list]:
+    """The weight scheme of :func:`search_scales` as one ``(bits, group sizes, symmetric)`` list each, ``n`` long."""
+    return tuple(v if isinstance(v, list) else [v] * n for v in (num_bits, group_size, symmetric))
+
+
+def scale_grid(x_mean: torch.Tensor, w_mean: torch.Tensor | None, n_grid: int,
+               tie: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[tuple[float, torch.Tensor]]:
+    """The candidates of :func:`search_scales`: ``(ratio, s [in] float32)`` for ``ratio = i / n_grid``."""
+    out = []
     for i in range(n_grid):
-        ratio = i / n_grid
-        s = candidate_scales(x_mean, w_mean, ratio)
-        if tie is not None:
-            s = tie(s)
-        cand = [fake_quantize(w.float() * s, b, g, y) / s for w, b, g, y in zip(weights, bits, sizes, syms)]
-        loss = float(loss_fn(cand))
-        losses.append(loss)
+        s = candidate_scales(x_mean, w_mean, i / n_grid)
+        out.append((i / n_grid, tie(s) if tie is not None else s))
+    return out
+
+
+def candidate_weights(weights: list[torch.Tensor], s: torch.Tensor, bits: list, sizes: list, syms: list) -> list:
+    """Each ``[out, in]`` weight scaled by ``s``, fake-quantized with its scheme, unscaled (float32)."""
+    return [fake_quantize(w.float() * s, b, g, y) / s for w, b, g, y in zip(weights, bits, sizes, syms)]
+
+
+def best_scale(grid: list[tuple[float, torch.Tensor]], losses: list[float], name: str) -> tuple[torch.Tensor, float]:
+    """``(s, ratio)`` of the first candidate with the smallest loss.
+
+    Raises:
+        QuantizationError: every loss is non-finite, or the chosen scales are not finite.
+    """
+    best = (float("inf"), None, None)
+    for (ratio, s), loss in zip(grid, losses):
         if loss < best[0]:
             best = (loss, ratio, s)
     if best[2] is None or not torch.isfinite(best[2]).all():
         raise QuantizationError(f"AWQ scale search for {name} produced no finite loss/scale (NaN or Inf in activations?)")
-    return best[2], best[1], losses
+    return best[2], best[1]
 
 
 @torch.no_grad()

@@ -49,7 +49,6 @@ class AWQGPTQ(GPTQ):
     name = "awq-gptq"
     reads = ("awq", "gptq")
     act_order = True
-    streams_experts = False  # AWQ's scale over every expert (compressor.moe_stream)
     folds_input_scales = AWQ.folds_input_scales
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):

@@ -19,6 +19,7 @@ clipping: RTN, still sharing the layer's input scaling.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,56 +63,85 @@ def fold_scales(prev, s: torch.Tensor, prev_rows, norm_offset: float,
     return None
 
 
-def observe(layer, hidden, kw, watched: dict, loss_n: int):
-    """Run the float layer over ``hidden`` with input hooks on ``watched`` (key -> module).
+class InputStats:
+    """Input hooks on ``watched`` (key -> module) while :meth:`hooked` is entered: per key the sum
+    of ``|x|`` per input channel (``abs_sum``, ``[in]`` float32, ``None`` if never called), the
+    rows seen (``n_rows``) and, of the calls made while :attr:`keep` is true, the inputs
+    (``stored``: float32 ``[b, T, in]`` or, for routed experts, ``[n, in]``)."""
 
-    Returns ``(abs_sum, n_rows, stored, float_out)``: per key the sum of ``|x|`` per input
-    channel ``[in]`` (``None`` if never called) and the rows seen; the inputs of the first
-    ``loss_n`` sequences (float32, a list of ``[b, T, in]`` or, for routed experts, ``[n, in]``);
-    the float layer's output on those sequences (a list of ``[b, T, H]``).
-    """
-    abs_sum = {k: None for k in watched}
-    n_rows = {k: 0 for k in watched}
-    stored: dict[str, list[torch.Tensor]] = {k: [] for k in watched}
-    keep = [True]
+    def __init__(self, watched: dict):
+        self.watched = watched
+        self.abs_sum: dict[str, torch.Tensor | None] = {k: None for k in watched}
+        self.n_rows = {k: 0 for k in watched}
+        self.stored: dict[str, list[torch.Tensor]] = {k: [] for k in watched}
+        self.keep = True
 
-    def make_hook(key):
+    def _hook(self, key):
         def hook(_mod, args):
             x = args[0].detach()
             flat = x.abs().float().reshape(-1, x.shape[-1])
-            abs_sum[key] = flat.sum(0) if abs_sum[key] is None else abs_sum[key] + flat.sum(0)
-            n_rows[key] += flat.shape[0]
-            if keep[0]:
-                stored[key].append(x.float())
+            self.abs_sum[key] = flat.sum(0) if self.abs_sum[key] is None else self.abs_sum[key] + flat.sum(0)
+            self.n_rows[key] += flat.shape[0]
+            if self.keep:
+                self.stored[key].append(x.float())
         return hook
 
-    handles = [m.register_forward_pre_hook(make_hook(k)) for k, m in watched.items()]
+    @contextmanager
+    def hooked(self):
+        """The hooks, registered on entry and removed on exit."""
+        handles = [m.register_forward_pre_hook(self._hook(k)) for k, m in self.watched.items()]
+        try:
+            yield self
+        finally:
+            for hd in handles:
+                hd.remove()
+
+    def x_mean(self) -> dict:
+        """Per key the mean ``|x|`` per input channel, ``[in]`` float32 (``None`` if never called)."""
+        return {k: (s / max(self.n_rows[k], 1)) if s is not None else None for k, s in self.abs_sum.items()}
+
+    def loss_inputs(self, linears: dict, hidden: list, loss_n: int) -> dict[str, torch.Tensor]:
+        """Per key the inputs the losses use: ``[loss_n, T, in]`` (``[n, in]`` for routed experts: their
+        first ``loss_n * T`` tokens); an empty ``[0, in]`` for a key never called while kept."""
+        x_loss = {}
+        for k, v in self.stored.items():
+            if not v:
+                width = self.watched[k].in_features if k in linears else hidden[0].shape[-1]
+                x_loss[k] = torch.zeros(0, width, device=hidden[0].device)
+            elif v[0].ndim == 2:  # routed tokens of one expert
+                x_loss[k] = torch.cat(v)[: loss_n * hidden[0].shape[1]]
+            else:
+                x_loss[k] = torch.cat(v)[:loss_n]
+        return x_loss
+
+
+def loss_batches(hidden: list, loss_n: int) -> list[bool]:
+    """Per batch of ``hidden``, whether it holds some of the first ``loss_n`` sequences (its inputs are kept)."""
+    out, seen = [], 0
+    for h in hidden:
+        out.append(seen < loss_n)
+        seen += h.shape[0]
+    return out
+
+
+def observe(layer, hidden, kw, watched: dict, loss_n: int) -> tuple[InputStats, list[torch.Tensor]]:
+    """Run the float layer over ``hidden`` with input hooks on ``watched`` (key -> module).
+
+    Returns ``(stats, float_out)``: the :class:`InputStats` of every calibration token, the inputs
+    kept for the first ``loss_n`` sequences; the float layer's output on those sequences (a
+    list of ``[b, T, H]``).
+    """
+    stats = InputStats(watched)
     float_out = []
     seen = 0
-    try:
-        for h in hidden:
-            keep[0] = seen < loss_n
+    with stats.hooked():
+        for h, keep in zip(hidden, loss_batches(hidden, loss_n)):
+            stats.keep = keep
             y = layer_forward(layer, h, kw)
-            if seen < loss_n:
+            if keep:
                 float_out.append(y[: loss_n - seen])
             seen += h.shape[0]
-    finally:
-        for hd in handles:
-            hd.remove()
-    return abs_sum, n_rows, stored, float_out
-
-
-def _loss_inputs(stored, watched, linears, hidden, loss_n) -> dict[str, torch.Tensor]:
-    """Per watched key, the inputs the losses use: ``[loss_n, T, in]`` (``[n, in]`` for routed experts)."""
-    x_loss = {}
-    for k, v in stored.items():
-        if not v:
-            x_loss[k] = torch.zeros(0, watched[k].in_features if k in linears else hidden[0].shape[-1], device=hidden[0].device)
-        elif v[0].ndim == 2:  # routed tokens of one expert
-            x_loss[k] = torch.cat(v)[: loss_n * hidden[0].shape[1]]
-        else:
-            x_loss[k] = torch.cat(v)[:loss_n]
-    return x_loss
+    return stats, float_out
 
 
 #: apply the v_proj -> o_proj group under GQA (scales tied per KV head, :func:`kv_repeat`). Off:
@@ -180,6 +210,12 @@ def search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw,
 LOSS_CHUNK_TOKENS = 1024
 
 
+def loss_step(x: torch.Tensor, is_attention: bool) -> int:
+    """Rows of ``x`` (sequences, or routed tokens) per forward of :func:`forward_loss`'s loss."""
+    per_row = x.shape[1] if x.ndim == 3 else 1
+    return x.shape[0] if is_attention else max(1, LOSS_CHUNK_TOKENS // per_row)
+
+
 def forward_loss(inspect, lins, weights, quantized, x, kw, is_attention: bool):
     """The scale search's loss for one scaling group: the mean squared difference between the
     inspected module's output with candidate weights and its float output on ``x``
@@ -187,8 +223,7 @@ def forward_loss(inspect, lins, weights, quantized, x, kw, is_attention: bool):
     any other module in chunks of about :data:`LOSS_CHUNK_TOKENS` tokens (whole sequences),
     the squares summed in float64."""
     ref = inspect_forward(inspect, x, kw, is_attention)
-    per_row = x.shape[1] if x.ndim == 3 else 1
-    step = x.shape[0] if is_attention else max(1, LOSS_CHUNK_TOKENS // per_row)
+    step = loss_step(x, is_attention)
 
     def loss_fn(cands):
         for m, c, w, q in zip(lins, cands, weights, quantized):
@@ -326,6 +361,29 @@ class ScaledLayer:
         return {"awq_ratios": self.ratios, **({"awq_skipped": self.skipped} if self.skipped else {})}
 
 
+def watched_modules(layer, linears: dict, groups: list) -> dict:
+    """What :func:`observe` hooks: ``linears`` and each group's ``inputs_at`` module (an MoE block)."""
+    watched = dict(linears)
+    for g in groups:
+        if g.inputs_at:
+            watched[g.inputs_at] = get_module(layer, g.inputs_at)
+    return watched
+
+
+def scale_group(layer, group, prefix: str, sl: ScaledLayer, x_mean: dict, kw: dict, ctx: LayerContext) -> None:
+    """Search one scaling group's scales and fold them (:func:`search_group_scales`, :func:`fold_group`)
+    on ``sl``'s linears and loss inputs, recording in ``sl`` the ratio and the scales folded, or why a
+    targeted group was left unscaled."""
+    found = search_group_scales(layer, group, prefix, sl.linears, sl.x_loss, x_mean, sl.cold, kw, ctx)
+    if isinstance(found, str):
+        sl.skipped[group_name(group)] = found
+    if found is None or isinstance(found, str):
+        return
+    s, sl.ratios[group.prev_op], key = found
+    fold_group(layer, group, s, key, sl.linears, sl.x_loss, sl.col_scale, sl.row_scale, ctx.arch.norm_offset,
+               ctx.quantizer.dtype)
+
+
 def awq_scale_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> ScaledLayer:
     """AWQ's steps 1-3 for decoder layer ``i``: observe, then search and fold each scaling group's scales
     (the layer's float function is unchanged; no weight is quantized yet)."""
@@ -333,38 +391,23 @@ def awq_scale_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) ->
     prefix = f"{arch.layers}.{i}."
     linears = {rel: get_module(layer, rel) for rel in layer_linears(arch, layer)}
     groups = layer_groups(arch, layer)
-    watched = dict(linears)
-    for g in groups:
-        if g.inputs_at:
-            watched[g.inputs_at] = get_module(layer, g.inputs_at)
-
     phases = {}
     tp = time.perf_counter()
     experts = ctx.experts(layer)
     if experts is not None:
         experts.counts.zero_()
-    abs_sum, n_rows, stored, float_out = observe(layer, hidden, kw, watched, loss_n)
+    stats, float_out = observe(layer, hidden, kw, watched_modules(layer, linears, groups), loss_n)
     counts = experts.counts.tolist() if experts is not None else None
-    cold = ctx.cold(counts)
-    x_loss = _loss_inputs(stored, watched, linears, hidden, loss_n)
-    x_mean = {k: (s / max(n_rows[k], 1)) if s is not None else None for k, s in abs_sum.items()}
-    originals = {rel: m.weight.detach().clone() for rel, m in linears.items()}
-    col_scale: dict[str, torch.Tensor] = {}
-    row_scale: dict[str, torch.Tensor] = {}
-    ratios, skipped = {}, {}
+    sl = ScaledLayer(linears, stats.loss_inputs(linears, hidden, loss_n), ctx.cold(counts), {}, {},
+                     {rel: m.weight.detach().clone() for rel, m in linears.items()}, {}, torch.cat(float_out), counts,
+                     phases, {})
+    x_mean = stats.x_mean()
+    del stats
     phases["observe"], tp = time.perf_counter() - tp, time.perf_counter()
-
     for group in groups:  # one scaling group at a time: later groups see the earlier folds
-        found = search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw, ctx)
-        if isinstance(found, str):
-            skipped[group_name(group)] = found
-        if found is None or isinstance(found, str):
-            continue
-        s, ratios[group.prev_op], key = found
-        fold_group(layer, group, s, key, linears, x_loss, col_scale, row_scale, arch.norm_offset, ctx.quantizer.dtype)
+        scale_group(layer, group, prefix, sl, x_mean, kw, ctx)
     phases["scale_search"] = time.perf_counter() - tp
-    return ScaledLayer(linears, x_loss, cold, col_scale, row_scale, originals, ratios, torch.cat(float_out), counts, phases,
-                       skipped)
+    return sl
 
 
 def awq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> LayerOutcome:
@@ -406,6 +449,8 @@ class AWQ(Algorithm):
     name = "awq"
     reads = ("awq",)
     needs_calibration = True
+    #: a streamed MoE layer's experts are read in groups, three times (compressor.moe_stream_awq)
+    streams_experts = True
     folds_input_scales = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):

@@ -327,14 +327,16 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
     return LayerOutcome(errs, float_out, counts, figures, phases, replay)
 
 
-def gptq_expert(i: int, layer, rels: list[str], inputs: list, cold: bool, ctx: LayerContext) -> LayerOutcome:
+def gptq_expert(i: int, layer, rels: list[str], inputs: list, cold: bool, ctx: LayerContext,
+                folds=None) -> LayerOutcome:
     """GPTQ of one routed expert of decoder layer ``i`` (its linears ``rels``) from ``inputs``, the
     hidden states routed to it (``[n_j, H]`` per calibration batch), for a streamed MoE layer
     (:mod:`compressor.moe_stream`). Per pass of :func:`_passes` restricted to the expert (its
     gate/up, then its down_proj with gate/up quantized; one pass without ``true_sequential``), the
     expert runs on each batch's tokens with input hooks on its reader sets and the pass is solved
     (:func:`solve_pass`): the hooks see the tensors the whole layer's passes give them, in the same
-    order, so the Hessians and the integers are the same. ``cold``: RTN fallback. Figures as
+    order, so the Hessians and the integers are the same. ``cold``: RTN fallback; ``folds``: see
+    :func:`solve_pass` (``awq-gptq``: the expert's AWQ scales, :mod:`compressor.moe_stream_awq`). Figures as
     :func:`gptq_layer`'s ``gptq`` entry (merged by :meth:`GPTQ.merge_expert_figures`)."""
     arch = ctx.arch
     prefix = f"{arch.layers}.{i}."
@@ -359,7 +361,7 @@ def gptq_expert(i: int, layer, rels: list[str], inputs: list, cold: bool, ctx: L
         finally:
             for hd in handles:
                 hd.remove()
-        p_errs, p_damps, p_retries, p_dead = solve_pass(i, layer, sets, accs, {e} if cold else set(), ctx)
+        p_errs, p_damps, p_retries, p_dead = solve_pass(i, layer, sets, accs, {e} if cold else set(), ctx, folds)
         errs += p_errs
         damps += p_damps
         retries += p_retries
