@@ -4,8 +4,8 @@
 HELP = {
     "quantize.output": "Artifact folder to create (must not exist unless --overwrite).",
     "quantize.recipe": (
-        "Bundled recipe name (see `kvq recipes`) or path to a YAML recipe; repeatable: later ones add to or "
-        "override earlier ones (--recipe w4a16-awq --recipe kv-fp8)."
+        "Bundled recipe name (see `kvq recipes`; an unknown one gets the closest names) or path to a YAML recipe; "
+        "repeatable: later ones add to or override earlier ones (--recipe w4a16-awq --recipe kv-fp8)."
     ),
     "quantize.kv-scheme": (
         "Shortcut for a KV-cache scheme with its defaults (fp8 per tensor with scales searched on the "
