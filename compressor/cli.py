@@ -191,7 +191,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
         matmul_precision=matmul_precision, threads=threads, activation_budget_gib=activation_budget_gib,
         memory_budget_gib=memory_budget_gib,
     )
-    summary = run_quantize(opts, console=None if as_json else _console(), on_committed=_record_committed)
+    summary = run_quantize(opts, console=_console(progress_only=as_json), on_committed=_record_committed)
     if summary.get("rank", 0) != 0:  # torchrun: rank 0 reports for the group
         return
     if as_json:
@@ -304,7 +304,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
             raise InputError(f"{flag} {path} is inside the artifact; writing there would change what was signed")
     if report_dir is not None and report_dir.exists() and not report_dir.is_dir():
         raise InputError(f"--report {report_dir} exists and is not a folder")
-    console = None if as_json else _console()
+    console = _console(progress_only=as_json)
     if hashes_only:  # integrity only: no torch, starts in about a second
         if device != "auto":
             click.echo(f"note: --hashes-only runs no model: --device {device} is not used", err=True)
@@ -449,7 +449,7 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, long_tokens, reference, 
                          dtype=compute, http=http, http_requests=http_requests, threads=threads, min_top1=min_top1,
                          max_kl=max_kl, min_first_divergence=min_first_divergence, no_manifest=no_manifest,
                          keys=verify_keys(public_key, certificate_chain, identity, issuer))
-    report = run_serve_smoke(opts, console=None if as_json else _console())
+    report = run_serve_smoke(opts, console=_console(progress_only=as_json))
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True, default=str))
     fail_unless_passed(report, as_json)

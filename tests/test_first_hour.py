@@ -142,3 +142,72 @@ def test_recipes_marks_the_default(capsys):
     code, out, _ = kvq_run(["quantize", "--help"], capsys)
     assert f"[default: {DEFAULT_RECIPE}]" in " ".join(out.split())  # click wraps to the terminal's width
 
+
+def test_json_modes_keep_stdout_json_and_show_progress_on_stderr(artifact, tiny_model_dir, tmp_path, capsys):
+    """--json: stdout is the JSON alone; stderr carries the progress lines (a line per layer, per window, per drift
+    prompt, and one as each long step starts), not the notes, warnings and tables the JSON holds."""
+    import json
+
+    code, out, err = kvq_run(["quantize", tiny_model_dir, "--algorithm", "rtn", "--group-size", "32", "--json",
+                              "-o", tmp_path / "q"], capsys)
+    assert code == 0 and json.loads(out)["output"] == str(tmp_path / "q"), err
+    assert "loading " in err and "layer 2/2 done" in err and f"writing {tmp_path / 'q'}" in err, err
+    assert "warning:" not in err and "wrote" not in err  # the summary is the JSON's
+    code, out, err = kvq_run(["verify", artifact, "--eval", "embedded", "--seqlen", "64", "--max-windows", "1",
+                              "--max-new-tokens", "2", "--json"], capsys)
+    assert code in (0, 1) and json.loads(out)["mode"] == "full", err
+    for line in ("loading the artifact and the reference", "window 1/1 evaluated", "hidden-state error per layer",
+                 "greedy drift:", "drift prompt 1/"):
+        assert line in err, (line, err)
+    assert "hashes ok" not in err  # a note: in the JSON
+    code, out, err = kvq_run(["serve-smoke", artifact, "--max-new-tokens", "2", "--json"], capsys)
+    assert code in (0, 1) and json.loads(out)["prompts"] > 0, err
+    assert "into the runtime" in err and "generating 2 tokens" in err and "reference " in err, err
+
+
+def test_serve_smoke_says_a_carried_reference_is_the_quantized_source():
+    from types import SimpleNamespace
+
+    from compressor.commands.serve_smoke import _carried_reference
+    from compressor.commands.options import SmokeOptions
+
+    carried = SimpleNamespace(manifest=SimpleNamespace(quantization={"carried_from": "/w4"}))
+    opts = SmokeOptions(artifact="a")
+    (line,) = _carried_reference(carried, opts, "/w4")
+    assert "/w4 is the quantized source" in line and "KV cache and the runtime only" in line
+    assert _carried_reference(carried, opts.model_copy(update={"reference": "float"}), "float") == []
+    assert _carried_reference(SimpleNamespace(manifest=SimpleNamespace(quantization={})), opts, "/src") == []
+
+
+def test_report_html_renders_inline_code_and_a_single_window_plot_ticks_windows():
+    from compressor.report import _plot_perplexity, html_page
+
+    md = "## kvq verify: PASSED — `art`\n- reference: `/m`\n\n| tensor | x |\n|---|---|\n| `model.layers.0.q` | **FAIL** |\n"
+    page = html_page({}, md, [])
+    assert "`" not in page and "**" not in page
+    assert "<code>model.layers.0.q</code>" in page and "<strong>FAIL</strong>" in page and "<code>art</code>" in page
+    one = {"per_window": [{"window": 0, "ppl_reference": 10.0, "ppl_artifact": 11.0}],
+           "distribution": {"measured_on": "weights only"}}
+    fig = _plot_perplexity(one, "art", {})
+    assert list(fig.axes[0].get_xticks()) == [0]  # not -0.045 ... 0.045
+    three = {**one, "per_window": [{**one["per_window"][0], "window": w} for w in (0, 5, 9)]}
+    assert list(_plot_perplexity(three, "art", {}).axes[0].get_xticks()) == [0, 5, 9]
+
+
+def test_verify_table_wraps_tensor_names_in_a_narrow_console():
+    """A CI log is 80 columns wide: the lowest-SQNR tensor's name is wrapped in the table, never cut with '…'."""
+    from rich.console import Console
+
+    from compressor.console import verify_table
+
+    name = "model.layers.11.self_attn.q_proj.weight"
+    report = {"warnings": [], "artifact": "out/a-long-artifact-name", "mode": "weights-only",
+              "hashes": {"checked": True, "tensors_checked": 211}, "gates": [],
+              "weights": {"tensors": [{}] * 211, "min_sqnr_db": 10.12, "min_sqnr_tensor": name}}
+    console = Console(width=80, record=True, force_terminal=False)
+    verify_table(console, report, {}, 16.0)
+    text = console.export_text()
+    assert "…" not in text
+    values = "".join(line.split("│")[2].strip() for line in text.splitlines() if line.count("│") == 5)
+    assert name in values, text
+

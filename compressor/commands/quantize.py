@@ -157,6 +157,8 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
         src.calib_ids = None  # freed by its count; the layer loop's own garbage was collected at its end
         if rank != 0:
             return {"rank": rank, "world_size": world_size, "output": None, "quantize_seconds": round(result.seconds, 2)}
+        signing = ", signature" if opts.write.sign else ""
+        show.step(console, f"writing {plan.out}: packing, digests, manifest{signing} ...")
         written = _write(plan, src, result, writer, staging, source_fp, opts, console, on_committed)
     summary = _summary(plan, src, written, writer, world_size, opts, t0)
     show.quantize_done(console, summary, result.layers, result.moe)
@@ -302,7 +304,8 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
             calibration token ids outside the vocabulary.
     """
     source = plan.source
-    show.note(console, f"loading {source.spec} ({source.kind}) ..." + (f" (rank 0 of {world_size})" if world_size > 1 else ""))
+    ranks = f" (rank 0 of {world_size})" if world_size > 1 else ""
+    show.step(console, f"loading {source.spec} ({source.kind}) ...{ranks}")
     plan.warnings += (early := stale_cache_notes(source))  # said now: the conversion's wait follows
     show.warnings(console, early, "note")  # a warning in the run's summary
     model, ckpt, loading = None, None, "whole model (--no-stream)"
@@ -365,7 +368,7 @@ def _calibration(plan: _Plan, opts: QuantizeOptions, model, tokenizer, console) 
             f"{tokens.numel() // c.seqlen} windows of {c.seqlen} would not); give more text or fewer --calib-samples")
     calibration = {**plan.text.provenance(), "samples": c.samples, "seqlen": c.seqlen, "seed": c.seed,
                    "bos_token_id": rule["bos_token_id"], "bos_rule": rule["rule"]}
-    show.note(console, f"calibration: {c.samples} x {c.seqlen} tokens from {plan.text.name} (seed {c.seed}); "
+    show.step(console, f"calibration: {c.samples} x {c.seqlen} tokens from {plan.text.name} (seed {c.seed}); "
                        f"matmuls in {plan.matmul_precision}")
     return calib_ids, calibration
 
