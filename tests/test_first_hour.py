@@ -211,3 +211,16 @@ def test_verify_table_wraps_tensor_names_in_a_narrow_console():
     values = "".join(line.split("│")[2].strip() for line in text.splitlines() if line.count("│") == 5)
     assert name in values, text
 
+
+def test_triton_is_installed_only_where_it_runs():
+    """The [test] extra leaves Triton (about 1 GB) out; make install adds it with a CUDA torch or TRITON=1, and CI
+    asks for it (the kernel tests run under its CPU interpreter there)."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")
+    repo = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not [d for d in extras["test"] if d.startswith("triton")] and extras["triton"] == ["triton>=3.0"]
+    make = (repo / "Makefile").read_text()
+    assert "TRITON ?= auto" in make and "'.[test,triton]'" in make and "torch.version.cuda" in make
+    assert "make test TRITON=1" in (repo / ".ci" / "run").read_text()
