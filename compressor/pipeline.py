@@ -30,12 +30,13 @@ import dataclasses
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
-from .arch import (ArchSpec, checkpoint_name, expert_index, get_arch, get_module, layer_fused_sets, layer_linears,
-                   num_experts)
+from .arch import (ArchSpec, checkpoint_name, expert_index, find_module, get_arch, get_module, layer_fused_sets,
+                   layer_linears, linear_weight, num_experts)
 from .errors import InputError, QuantizationError
 from .moe import unfuse_experts
 from .precision import calibration_matmuls, resolve_matmul_precision
@@ -174,9 +175,10 @@ def _group_sizes(recipe: Recipe, targets: dict[str, torch.nn.Linear]) -> dict[st
 
 
 def check_group_sizes(model, recipe: Recipe) -> None:
-    """The group-size refusal of :func:`resolve_schemes`, run before calibration (the shapes
-    are known once the model is built, on the meta device too). Layers whose experts are
-    still fused (not Linear yet) are left to :func:`resolve_schemes`.
+    """The group-size refusal of :func:`resolve_schemes`, run before calibration: the shapes
+    are known once the model is built, on the meta device too (``kvq quantize`` runs it on the
+    model built from the configuration alone, before loading it). Routed experts still fused
+    into 3-D parameters are checked by their slices (:func:`compressor.arch.linear_weight`).
 
     Raises:
         InputError: a group size does not divide some targeted module's in_features.
@@ -187,13 +189,14 @@ def check_group_sizes(model, recipe: Recipe) -> None:
     targets = {}
     for i, layer in enumerate(get_module(model, arch.layers)):
         for rel in layer_linears(arch, layer):
-            try:
-                mod = get_module(layer, rel)
-            except AttributeError:
-                continue  # routed experts still fused into 3-D parameters: checked once unfused
             name = f"{arch.layers}.{i}.{rel}"
-            if isinstance(mod, torch.nn.Linear) and not recipe.is_ignored(name):
+            if recipe.is_ignored(name):
+                continue
+            mod = find_module(layer, rel)
+            if isinstance(mod, torch.nn.Linear):
                 targets[name] = mod
+            elif mod is None:  # an expert of fused experts: its [out, in] slice
+                targets[name] = SimpleNamespace(in_features=linear_weight(arch, layer, rel).shape[1])
     _group_sizes(recipe, targets)
 
 

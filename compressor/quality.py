@@ -253,14 +253,15 @@ def weight_summary(tensors: list[dict], awq_scales_undone: bool, key_pairs_undon
 
 @torch.no_grad()
 def greedy_drift(reference, artifact, tokenizer, prompts: list[str], max_new_tokens: int = 32,
-                 make_cache=None, device: str = "cpu") -> dict:
+                 make_cache=None, device: str = "cpu", on_prompt=None) -> dict:
     """Greedy generations of both models from each prompt and where they first diverge.
 
     Returns ``{"prompts", "max_new_tokens", "first_divergence": [int|None per prompt],
     "median", "min", "identical"}``; ``None`` (all ``max_new_tokens`` equal) counts as
     ``max_new_tokens`` in the median and min. ``make_cache`` gives the artifact a
     quantized KV cache (as served). Prompts are encoded by the tokenizer's own rule
-    (:func:`compressor.tokens.encode`: its BOS first when it adds one).
+    (:func:`compressor.tokens.encode`: its BOS first when it adds one). ``on_prompt(i, n)``
+    is called after the i-th prompt (1-based) of ``n``.
     """
     from .quant.kv import cache_kwarg
 
@@ -277,6 +278,8 @@ def greedy_drift(reference, artifact, tokenizer, prompts: list[str], max_new_tok
         r = gen(reference, ids, None)
         a = gen(artifact, ids, make_cache() if make_cache else None)
         firsts.append(first_divergence(r, a))
+        if on_prompt is not None:
+            on_prompt(len(firsts), len(prompts))
     eff = [max_new_tokens if f is None else f for f in firsts]
     s = summarize(eff)
     return {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "first_divergence": firsts,

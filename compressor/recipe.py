@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import InputError
 from .files import read_limited
+from .suggest import did_you_mean, dotted_keys
 from .kv_schemes import make_spec, scheme_names, strategy_names
 from .registry import ALGORITHMS
 
@@ -453,9 +454,8 @@ def _read_recipe(name_or_path: str) -> tuple[dict, Path | Traversable]:
         if name_or_path in bundled:
             path = bundled[name_or_path]
         else:
-            raise InputError(
-                f"recipe '{name_or_path}' is neither a file nor a bundled recipe ({', '.join(bundled)})"
-            )
+            raise InputError(f"recipe '{name_or_path}' is neither a file nor a bundled recipe ({', '.join(bundled)})"
+                             + did_you_mean(name_or_path, bundled))
     try:  # a file the user names is read bounded (a FIFO or /dev/zero is refused, not waited on)
         data = yaml.safe_load(read_limited(path, "recipe", MAX_RECIPE_BYTES).decode("utf-8")
                               if isinstance(path, Path) else path.read_text())
@@ -561,11 +561,11 @@ def apply_settings(recipe: Recipe, settings) -> Recipe:
                 node[p] = _SECTIONS[p]().model_dump(context=FULL_DUMP)  # defaults (8 bit per channel), then the key
             if p in node and node[p] is None:
                 raise InputError(f"command-line options: {key}: the recipe has no {p} section (null); set it first (e.g. --kv-scheme)")
-            if not isinstance(node.get(p), dict):
-                raise InputError(f"command-line options: {key}: unknown recipe key")
-            node = node[p]
-        if parts[-1] not in node:
-            raise InputError(f"command-line options: {key}: unknown recipe key")
+            node = node.get(p)
+            if not isinstance(node, dict):
+                break
+        if not isinstance(node, dict) or parts[-1] not in node:
+            raise InputError(f"command-line options: {key}: unknown recipe key" + did_you_mean(key, dotted_keys(data)))
         node[parts[-1]] = value
     return parse_recipe(data, "command-line options")
 

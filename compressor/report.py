@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import html
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -229,7 +230,12 @@ def _plot_perplexity(report: dict, name: str, gates: dict):
     ax.plot(xs, [_fin(r["ppl_reference"]) for r in pw], "o-", label="reference (original model)", color="#555555")
     ax.plot(xs, [_fin(r["ppl_artifact"]) for r in pw], "o-", label=f"artifact ({report['distribution']['measured_on']})",
             color="#d62728")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(xs) <= 12:  # a tick at each window (MaxNLocator falls back to fractions around a single one)
+        ax.set_xticks(xs)
+        if len(xs) == 1:
+            ax.set_xlim(xs[0] - 1, xs[0] + 1)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("evaluation window (index into the eval text)")
     ax.set_ylabel("perplexity (lower is better)")
     ax.set_title(f"Perplexity per window: {name}")
@@ -390,8 +396,16 @@ def markdown(report: dict, images: list[Path] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _inline(text: str) -> str:
+    """One Markdown line's text as HTML: escaped, then its inline marks (a span in backquotes as
+    ``<code>``, ``**bold**`` as ``<strong>``)."""
+    out = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+    return re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", out)
+
+
 def html_page(report: dict, md_text: str, images: list[Path]) -> str:
-    """``report.html``: the Markdown content as simple HTML with the PNGs embedded (base64)."""
+    """``report.html``: the Markdown content as simple HTML (tables, headings, list items, inline
+    code and bold; :func:`_inline`) with the PNGs embedded (base64)."""
     body = []
     in_table = False
     for line in md_text.splitlines():
@@ -402,21 +416,21 @@ def html_page(report: dict, md_text: str, images: list[Path]) -> str:
             if not in_table:
                 body.append("<table>")
                 in_table = True
-                body.append("<tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cells) + "</tr>")
+                body.append("<tr>" + "".join(f"<th>{_inline(c)}</th>" for c in cells) + "</tr>")
             else:
-                body.append("<tr>" + "".join(f"<td>{html.escape(c).replace('**', '')}</td>" for c in cells) + "</tr>")
+                body.append("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in cells) + "</tr>")
             continue
         if in_table:
             body.append("</table>")
             in_table = False
         if line.startswith("## "):
-            body.append(f"<h2>{html.escape(line[3:])}</h2>")
+            body.append(f"<h2>{_inline(line[3:])}</h2>")
         elif line.startswith("- "):
-            body.append(f"<p>• {html.escape(line[2:])}</p>")
+            body.append(f"<p>• {_inline(line[2:])}</p>")
         elif line.startswith("!["):
             continue
         elif line.strip():
-            body.append(f"<p>{html.escape(line)}</p>")
+            body.append(f"<p>{_inline(line)}</p>")
     if in_table:
         body.append("</table>")
     for p in images:
@@ -424,7 +438,7 @@ def html_page(report: dict, md_text: str, images: list[Path]) -> str:
         body.append(f'<figure><img alt="{p.stem}" src="data:image/png;base64,{data}"><figcaption>{p.name}</figcaption></figure>')
     style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#222}"
              "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left}"
-             "img{max-width:100%}")
+             "img{max-width:100%}code{font-family:monospace;background:#f3f3f3;padding:0 .2em}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>kvq verify report</title><style>{style}</style>"
             f"</head><body>{''.join(body)}</body></html>\n")
 

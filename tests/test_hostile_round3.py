@@ -13,6 +13,7 @@ import pytest
 
 from compressor.manifest import MANIFEST_NAME, SIGNATURE_NAME, load_manifest
 from conftest import assert_clean_error, copy_folder, make_model_dir, quantize_tiny, run_probe, unwrap
+from tiny_models import tiny_gguf
 from conftest import kvq_run as run
 
 RTN = ["--algorithm", "rtn", "--group-size", "32"]
@@ -394,60 +395,6 @@ def test_awq_on_full_attention_scales_every_group_and_says_nothing(tmp_path, tok
 
 
 # --- 1. a second copy of the source is trusted as the source ----------------------------
-
-def tiny_gguf(path: Path, tokenizer, seed: int = 0) -> Path:
-    """A tiny Llama GGUF file (float32 tensors, a GPT-2 style BPE tokenizer: the test tokenizer's
-    tokens and merges) that transformers' GGUF loader converts as it converts SmolLM2's."""
-    import gguf
-    import numpy as np
-
-    cfg = json.loads(tokenizer.backend_tokenizer.to_str())
-    vocab = cfg["model"]["vocab"]
-    # the special token named as GPT-2's: transformers' GGUF converter adds an <|endoftext|> when none is there
-    tokens = ["<|endoftext|>" if t == "<eos>" else t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in cfg["model"]["merges"]]
-    hidden, inter, layers, heads, kv = 64, 128, 2, 4, 2
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(256)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(inter)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_rope_dimension_count(hidden // heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t == "<|endoftext|>" else gguf.TokenType.NORMAL for t in tokens])
-    w.add_token_merges(merges)
-    w.add_eos_token_id(vocab["<eos>"])
-    w.add_bos_token_id(vocab["<eos>"])
-    w.add_add_bos_token(False)
-    rng = np.random.default_rng(seed)
-
-    def t(name, *shape, norm=False):
-        w.add_tensor(name, (rng.uniform(0.5, 1.5, shape) if norm else rng.normal(0, 0.05, shape)).astype(np.float32))
-
-    t("token_embd.weight", len(tokens), hidden)
-    for i in range(layers):
-        t(f"blk.{i}.attn_norm.weight", hidden, norm=True)
-        t(f"blk.{i}.attn_q.weight", hidden, hidden)
-        t(f"blk.{i}.attn_k.weight", kv * hidden // heads, hidden)
-        t(f"blk.{i}.attn_v.weight", kv * hidden // heads, hidden)
-        t(f"blk.{i}.attn_output.weight", hidden, hidden)
-        t(f"blk.{i}.ffn_norm.weight", hidden, norm=True)
-        t(f"blk.{i}.ffn_gate.weight", inter, hidden)
-        t(f"blk.{i}.ffn_up.weight", inter, hidden)
-        t(f"blk.{i}.ffn_down.weight", hidden, inter)
-    t("output_norm.weight", hidden, norm=True)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory, tokenizer):

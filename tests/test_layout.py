@@ -42,7 +42,7 @@ LAYERS = [
     ("base", ["compressor", "compressor.errors", "compressor.files", "compressor.interrupts", "compressor.gc_policy",
               "compressor.precision", "compressor.distributed", "compressor.registry", "compressor.safetensors_io",
               "compressor.tokens", "compressor.activations", "compressor.calib", "compressor.prompts",
-              "compressor.stats", "compressor.positions"]),
+              "compressor.stats", "compressor.positions", "compressor.suggest"]),
     ("records", ["compressor.gates", "compressor.manifest", "compressor.signing", "compressor.console",
                  "compressor.report", "compressor.report_service"]),
     ("kv spec", ["compressor.kv_schemes", "compressor.kv_layout"]),

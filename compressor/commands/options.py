@@ -124,11 +124,15 @@ def bounds(options: type[_Options], flat: str) -> dict:
 # ---------------------------------------------------------------------------------------
 # kvq quantize
 
+#: the recipe ``kvq quantize`` uses without ``--recipe`` (marked in ``kvq recipes``)
+DEFAULT_RECIPE = "w4a16-awq"
+
+
 class SchemeOptions(_Section):
     """What to quantize: recipes (later ones override earlier ones) and flag overrides
     (``None`` keeps the recipe's value)."""
 
-    recipes: tuple[str, ...] = ("w4a16-awq",)
+    recipes: tuple[str, ...] = (DEFAULT_RECIPE,)
     kv_scheme: Optional[str] = None  # shortcut: adds kv_cache {scheme: ...} with its defaults
     algorithm: Optional[str] = None
     bits: Optional[int] = Field(None, ge=2, le=8)

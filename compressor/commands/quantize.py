@@ -4,7 +4,8 @@
 
 1. :func:`_plan` -- every refusal before any expensive work: the output folder, signing
    inputs, the effective recipe (recipes, ``--kv-scheme``, ``--set``, flags), the format,
-   the model source and its architecture, the calibration text;
+   the model source and its architecture, the shapes (group sizes against the widths of the
+   model built on ``meta`` from its configuration), the calibration text;
 2. :func:`_load` -- the model (streamed one decoder layer at a time where it can be, see
    :mod:`compressor.source.lazy`) and the calibration windows;
 3. :func:`_quantize` -- the staging folder (resumable) and the sequential pipeline
@@ -44,7 +45,7 @@ from ..errors import InputError
 from ..formats import get_format
 from ..kv_schemes import make_spec
 from ..source.gguf_cache import stale_cache_notes, take_cache_notes
-from ..source.open import load_model
+from ..source.open import load_model, meta_skeleton
 from ..source.resolve import ALIASES, float32_bytes, peek_model_type, resolve_source, storage_dtype
 from ..pipeline import check_group_sizes, quantize_model
 from ..precision import resolve_matmul_precision
@@ -156,6 +157,8 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
         src.calib_ids = None  # freed by its count; the layer loop's own garbage was collected at its end
         if rank != 0:
             return {"rank": rank, "world_size": world_size, "output": None, "quantize_seconds": round(result.seconds, 2)}
+        signing = ", signature" if opts.write.sign else ""
+        show.step(console, f"writing {plan.out}: packing, digests, manifest{signing} ...")
         written = _write(plan, src, result, writer, staging, source_fp, opts, console, on_committed)
     summary = _summary(plan, src, written, writer, world_size, opts, t0)
     show.quantize_done(console, summary, result.layers, result.moe)
@@ -167,7 +170,8 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
 
 def _plan(opts: QuantizeOptions, console) -> _Plan:
     """Every refusal before the model loads: output folder, signing inputs, recipe, format,
-    model source and architecture, calibration input; the warnings the flags earn."""
+    model source and architecture, the recipe's group sizes against the widths the model's
+    configuration gives (:func:`_check_shapes`), calibration input; the warnings the flags earn."""
     out = Path(opts.output)
     if Path(opts.model).exists():  # before check_output: name the real problem when -o is the source
         _refuse_output_in_source(Path(opts.model), out, opts.model)
@@ -219,6 +223,8 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     plan = _Plan(out, recipe, source, kv, token_file, text, warnings, dtype, dtype_reason, calib_shape, packed=packed,
                  matmul_precision=resolve_matmul_precision(opts.execution.matmul_precision, opts.execution.device),
                  threads=threads, busy=busy)
+    if packed is None and (skeleton := meta_skeleton(source)) is not None:
+        _check_shapes(plan, fmt, skeleton)  # the widths from the configuration: refused before the model loads
     if source.kind == "hf":  # config.json was checked against the weights: its hidden size is the model's
         from ..source.config_check import hidden_size
 
@@ -298,7 +304,8 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
             calibration token ids outside the vocabulary.
     """
     source = plan.source
-    show.note(console, f"loading {source.spec} ({source.kind}) ..." + (f" (rank 0 of {world_size})" if world_size > 1 else ""))
+    ranks = f" (rank 0 of {world_size})" if world_size > 1 else ""
+    show.step(console, f"loading {source.spec} ({source.kind}) ...{ranks}")
     plan.warnings += (early := stale_cache_notes(source))  # said now: the conversion's wait follows
     show.warnings(console, early, "note")  # a warning in the run's summary
     model, ckpt, loading = None, None, "whole model (--no-stream)"
@@ -315,18 +322,30 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
     show.note(console, f"source weights: {loading}", highlight=False)
     if plan.activation_budget_gib is None:  # a GGUF source: its hidden size is known now
         _check_activations(plan, opts, getattr(model.config, "hidden_size", None), console)
-    get_format(opts.write.format).check_shapes({n: m.out_features for n, m in model.named_modules()
-                                     if isinstance(m, torch.nn.Linear) and not plan.recipe.is_ignored(n) and n != "lm_head"})
-    check_group_sizes(model, plan.recipe)  # before the calibration text is tokenized
-    arch, scale_bytes = get_arch(model.config.model_type), DTYPES[plan.dtype].itemsize
-    plan.warnings += [w for w in (check_head(plan.recipe, opts.write.format, model, arch, scale_bytes),
-                                  check_embedding(plan.recipe, opts.write.format, model, arch, scale_bytes)) if w]
+    plan.warnings += _check_shapes(plan, opts.write.format, model)  # before the calibration text is tokenized
     calib_ids, calibration = _calibration(plan, opts, model, tokenizer, console)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if calib_ids is not None and max_pos and calib_ids.shape[1] > max_pos:
         plan.warnings.append(f"calibration sequences of {calib_ids.shape[1]} tokens exceed the model's "
                              f"max_position_embeddings {max_pos}")
     return _Source(model, tokenizer, ckpt, loading, calib_ids, calibration)
+
+
+def _check_shapes(plan: _Plan, fmt: str, model) -> list[str]:
+    """The refusals ``model``'s shapes decide (meta tensors suffice): the format's, each group
+    size against the widths it must divide (linears, experts, head, embedding). Run on the model
+    built from the configuration alone in :func:`_plan` (:func:`compressor.source.open.meta_skeleton`),
+    and again on the loaded one. Returns the head's and embedding's warnings.
+
+    Raises:
+        InputError: the first shape the recipe or format cannot hold, named.
+    """
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    get_format(fmt).check_shapes({n: m.out_features for n, m in linears if not plan.recipe.is_ignored(n)})
+    check_group_sizes(model, plan.recipe)
+    arch, scale_bytes = get_arch(model.config.model_type), DTYPES[plan.dtype].itemsize
+    return [w for w in (check_head(plan.recipe, fmt, model, arch, scale_bytes),
+                        check_embedding(plan.recipe, fmt, model, arch, scale_bytes)) if w]
 
 
 def _calibration(plan: _Plan, opts: QuantizeOptions, model, tokenizer, console) -> tuple:
@@ -349,7 +368,7 @@ def _calibration(plan: _Plan, opts: QuantizeOptions, model, tokenizer, console) 
             f"{tokens.numel() // c.seqlen} windows of {c.seqlen} would not); give more text or fewer --calib-samples")
     calibration = {**plan.text.provenance(), "samples": c.samples, "seqlen": c.seqlen, "seed": c.seed,
                    "bos_token_id": rule["bos_token_id"], "bos_rule": rule["rule"]}
-    show.note(console, f"calibration: {c.samples} x {c.seqlen} tokens from {plan.text.name} (seed {c.seed}); "
+    show.step(console, f"calibration: {c.samples} x {c.seqlen} tokens from {plan.text.name} (seed {c.seed}); "
                        f"matmuls in {plan.matmul_precision}")
     return calib_ids, calibration
 

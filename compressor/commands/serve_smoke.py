@@ -99,6 +99,7 @@ def _run(opts: SmokeOptions, console) -> dict:
         report["carried"] = f"{carried.get('what')} ({carried['tensors']} tensors): carried in the artifact, not served"
         show.note(console, f"served the text model with text prompts; {report['carried']}", highlight=False)
     report["reference"] = ref_spec
+    show.step(console, f"reference {ref_spec}: loading it, then reading each prompt and the runtime's continuation ...")
     ref_model = load_reference(ref_spec, ref_source)
     report["comparison"] = _compare(ref_model, served, plan.prompts, opts)
     if opts.long_tokens:
@@ -108,6 +109,7 @@ def _run(opts: SmokeOptions, console) -> dict:
                                                     opts.device, console)
     del ref_model
     report["warnings"] = take_cache_notes() + report["tokenizer"].pop("warnings")  # + a missing chat template
+    report["warnings"] += _carried_reference(plan, opts, ref_spec)
     show.warnings(console, report["warnings"])
     report["gates"] = _gates(report, plan.thresholds, opts)
     report["failed_gates"] = [g["name"] for g in report["gates"] if not g["passed"]]
@@ -116,6 +118,17 @@ def _run(opts: SmokeOptions, console) -> dict:
     if console:
         show.smoke_table(console, report, len(served.ids))
     return report
+
+
+def _carried_reference(plan: _Plan, opts: SmokeOptions, ref_spec: str) -> list[str]:
+    """The warning of a KV-only artifact made from an already-quantized source compared with that
+    source (no ``--reference``): the reference holds the same quantized weights, so the figures
+    measure the KV cache and the runtime only (``kvq verify`` says the same)."""
+    if plan.manifest is None or opts.reference is not None or not plan.manifest.quantization.get("carried_from"):
+        return []
+    return [f"the reference {ref_spec} is the quantized source this artifact's weights were carried from unchanged: "
+            "the comparison measures the KV cache and the runtime only; pass --reference with the original float "
+            "model to measure weights + KV"]
 
 
 def _refused(report: dict, e, console, t0: float) -> dict:
@@ -188,6 +201,7 @@ def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
     from ..runtime.generate import load_checked
     from ..runtime.engine import CHAT_FALLBACK_NOTE, Engine
 
+    show.step(console, f"loading {plan.folder} into the runtime, each tensor's digest checked as it is read ...")
     rt, tok, sig, manifest = load_checked(plan.folder, opts, lambda line: show.note(console, line, highlight=False))
     if manifest != plan.manifest:  # the plan's gates and reference came from the manifest the load checked against
         raise CheckFailed(f"{plan.folder}: its manifest changed while serve-smoke read it")
@@ -206,6 +220,8 @@ def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
                 raise InputError(f"prompt {i + 1}: {e}") from None
         if console:
             show.runtime_line(console, rt.describe())
+        show.step(console, f"generating {opts.max_new_tokens} tokens: the first prompt alone, then all {len(ids)} as "
+                           "one batch ...")
         rt.generate(ids[:1], max_new_tokens=2)  # warm-up (allocator, kernel selection)
         one = rt.generate(ids[:1], max_new_tokens=opts.max_new_tokens)
         batch = rt.generate(ids, max_new_tokens=opts.max_new_tokens, return_prompt_logits=True)

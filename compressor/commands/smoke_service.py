@@ -33,8 +33,8 @@ def long_generation(rt, ref_model, prompt: list[int], n_tokens: int, device: str
         InputError: prompt + ``n_tokens`` longer than the runtime's context.
     """
     rt.check_length(len(prompt) + n_tokens)
-    show.note(console, f"long generation: {n_tokens} greedy tokens through the runtime after a {len(prompt)}-token "
-                       "prompt, against the reference")
+    show.step(console, f"long generation: {n_tokens} greedy tokens through the runtime after a {len(prompt)}-token "
+                       "prompt, against the reference ...")
     gen = rt.generate([prompt], max_new_tokens=n_tokens).tokens[0]
     seq = prompt + gen
     ref_model.to(device)

@@ -258,6 +258,7 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> Models:
     from ..quality import KEY_PAIRS_TOLERANCE, key_basis, key_pairs_residual, weight_report
 
     dtype, report["evaluated_in"] = eval_dtype(plan.folder, opts.evaluation.dtype)
+    show.step(console, f"loading the artifact and the reference ({plan.ref_spec}) in {dtype} ...")
     model, tokenizer = load_artifact(plan.folder, dtype=dtype)
     ref_model = load_reference(plan.ref_spec, plan.ref_source, dtype)
     check_same_architecture(model, ref_model, plan.ref_spec)
@@ -280,6 +281,7 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> Models:
             algorithm = "awq" if _norms_rescaled(ref_model, model) else "unknown"
             report["warnings"].append(f"foreign artifact: weight statistics assume {'AWQ-folded' if algorithm == 'awq' else 'unscaled'} "
                                       "weights (inferred from the norm weights)")
+        show.step(console, "weight statistics: each tensor against the reference's ...")
         report["weights"] = weight_report(ref_model, model, algorithm, quantized_head=head_is_packed(plan.folder, model),
                                           key_pairs=key_pairs, basis=basis,
                                           quantized_embedding=head_is_packed(plan.folder, model, "embed_tokens"))
@@ -347,7 +349,7 @@ def _evaluate(plan: _Plan, models: Models, prompts: list[str], opts: VerifyOptio
     report["eval"]["bos_token_id"] = bos
     report["eval"]["bos_rule"] = rule["rule"] + ("; evaluation windows, drift prompts and KV calibration follow it"
                                                  " (llama.cpp's perplexity convention)")
-    _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts, make_cache, served, opts)
+    _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts, make_cache, served, opts, console)
     verify_service.sections(report, results, served, candidates, models.tokenizer, wins, plan.text, opts, console)
     if kv_info is not None:
         report["kv_cache"] = kv_report(kv_info[0], plan.kv_source, plan.ref_source, opts)
@@ -355,20 +357,26 @@ def _evaluate(plan: _Plan, models: Models, prompts: list[str], opts: VerifyOptio
 
 
 def _hidden_and_drift(report: dict, models: Models, weights_quantized: bool, wins, prompts, make_cache,
-                      served: str, opts: VerifyOptions) -> None:
-    """The report's ``hidden_state_error`` (quantized weights only) and ``drift`` sections."""
+                      served: str, opts: VerifyOptions, console=None) -> None:
+    """The report's ``hidden_state_error`` (quantized weights only) and ``drift`` sections, a
+    progress line as each starts and per drift prompt (minutes on a large model's CPU run)."""
     from ..evaluate import hidden_state_errors
     from ..quality import greedy_drift
 
     ev = opts.evaluation
     if weights_quantized:
         hb = wins[: ev.hidden_batches, : min(ev.seqlen, 512)]
+        show.step(console, f"hidden-state error per layer: {hb.shape[0]} x {hb.shape[1]} tokens, both models ...")
         per_layer = hidden_state_errors(models.reference, models.artifact, hb, opts.device)
         report["hidden_state_error"] = {"batches": int(hb.shape[0]), "seqlen": int(hb.shape[1]),
                                         "per_layer": per_layer, "last": per_layer[-1]}
     drift_cache = make_cache if served != "weights only" else None  # the artifact as served
+    t0 = time.perf_counter()
+    show.step(console, f"greedy drift: {len(prompts)} prompts x {ev.max_new_tokens} tokens, reference and {served} ...")
     report["drift"] = {**greedy_drift(models.reference, models.artifact, models.tokenizer, prompts, ev.max_new_tokens,
-                                      drift_cache, opts.device), "measured_on": served}
+                                      drift_cache, opts.device, on_prompt=lambda i, n: show.step(
+                                          console, f"drift prompt {i}/{n} done ({time.perf_counter() - t0:.0f} s)")),
+                       "measured_on": served}
 
 
 def _calibrate_kv(model, tokenizer, spec, opts: VerifyOptions, console) -> dict:

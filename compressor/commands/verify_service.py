@@ -50,14 +50,14 @@ def sections(report: dict, results: dict, served: str, candidates: dict, tokeniz
         if max_pos and prompt.numel() + ev.long_tokens > max_pos:
             report["warnings"].append(f"--long-tokens {ev.long_tokens} after a {prompt.numel()}-token prompt exceeds "
                                       f"the model's max_position_embeddings {max_pos}")
-        show.note(console, f"long generation: {ev.long_tokens} greedy tokens after {prompt.numel()} of the eval text, "
-                           "float cache vs quantized cache")
+        show.step(console, f"long generation: {ev.long_tokens} greedy tokens after {prompt.numel()} of the eval text, "
+                           "float cache vs quantized cache ...")
         report["long_generation"] = {"measured_on": "KV only",
                                      **long_generation(model, make_cache, prompt, ev.long_tokens, opts.kv.chunk)}
     if ev.turns:
         users = user_turns(text.text, ev.turns)
-        show.note(console, f"multi-turn: {len(users)} user turns, {REPLY_TOKENS}-token replies, caches kept across "
-                           "turns")
+        show.step(console, f"multi-turn: {len(users)} user turns, {REPLY_TOKENS}-token replies, caches kept across "
+                           "turns ...")
         chat = multi_turn(model, make_cache, tokenizer, users, REPLY_TOKENS, opts.kv.chunk)
         if len(users) < ev.turns and chat["note"] is None:
             chat["note"] = f"the evaluation text has {len(users)} paragraphs for user turns, not {ev.turns}"

@@ -266,7 +266,7 @@ class Streamed:
             def progress(i, n):
                 bar.update(task, completed=i)
                 if self.console is not None and not self.console.is_terminal:
-                    self.console.print(f"streamed step {i}/{n} done ({time.perf_counter() - t0:.0f} s)", highlight=False)
+                    show.step(self.console, f"streamed step {i}/{n} done ({time.perf_counter() - t0:.0f} s)")
 
             out = streamed_compare(ref, art, candidates, wins, self.opts.kv.chunk,
                                    hidden_of="weights only" if plan.weights_quantized and wins is not None else None,

@@ -16,8 +16,8 @@ import torch
 
 from ..errors import InputError, first_line
 from .gguf_cache import _write_gguf_cache, cache_root, cache_writable, cached_gguf_folder
-from .lazy import LazyCheckpoint, check_source_layout, load_whole, open_folder, trim_heap
-from .resolve import ModelSource, _block_fp8, check_buildable, register_for, wrapper_of
+from .lazy import LazyCheckpoint, _from_config, check_source_layout, load_whole, open_folder, trim_heap
+from .resolve import ModelSource, _block_fp8, check_buildable, load_config, register_for, wrapper_of
 
 
 def open_lazy(source: ModelSource, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None,
@@ -54,6 +54,37 @@ def open_lazy(source: ModelSource, dtype: torch.dtype = torch.float32, tokenizer
     elif source.kind != "hf":
         return None, f"{source.kind} sources are loaded whole"
     return open_folder(source, dtype, tokenizer_dir, ckpt, defer_head)
+
+
+def meta_skeleton(source: ModelSource):
+    """The model ``source``'s configuration describes, built on ``meta`` from the configuration
+    alone (no weight read, nothing allocated): the widths of every linear, for the refusals
+    that need only shapes (a group size that does not divide a width) before the model loads.
+
+    The configuration is a Hugging Face folder's ``config.json`` (a multimodal wrapper's text
+    model; a source quantization block dropped, as the streamed reader drops it), a GGUF file's
+    converted ``config.json`` from kvq's cache, or else the GGUF file's metadata (read by
+    transformers' GGUF config reader: seconds, where converting the file takes tens).
+
+    Returns:
+        the model (eval mode, no gradients; routed experts as transformers builds them, fused
+        3-D parameters), or ``None`` when the configuration does not build here: the loader then
+        reports the problem in its own words.
+    """
+    from transformers import AutoConfig
+
+    cached = cached_gguf_folder(source)
+    try:
+        if source.kind == "gguf" and cached is None:
+            cfg = AutoConfig.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+        else:
+            cfg = load_config(cached if cached is not None else source.path)
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config
+        with torch.device("meta"):
+            return _from_config(cfg, torch.float32)
+    except Exception:  # any failure here (an InputError too) is the loader's to word, as it always was
+        return None
 
 
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None):
