@@ -239,6 +239,12 @@ def _verify_rows(t, report: dict, results: dict) -> None:
                 "min_long_agreement_pct")
         for turn in (report.get("multi_turn") or {}).get("turns", []):
             row(f"multi-turn, KV only: turn {turn['turn']} reply top-1", f"{turn['reply']['top1_pct']:.2f} %")
+        us = (report.get("kv_cache") or {}).get("unit_scale")
+        if us:  # the fp8 cache at k_scale = v_scale = 1.0: what an engine runs without the scales
+            c, u = us["calibrated"], us["unit"]
+            row("KV only at unit scales (scales missing or not read): ppl, KL mean, top-1",
+                f"{u['increase_pct']:+.2f} %, {u['kl_mean']:.4g}, {u['top1_pct']:.2f} % (calibrated "
+                f"{c['increase_pct']:+.2f} %, {c['kl_mean']:.4g}, {c['top1_pct']:.2f} %)")
         if report.get("hidden_state_error"):
             row("hidden-state error, last layer", f"{100 * report['hidden_state_error']['last']:.4g} %", "max_hidden_error")
     w = report.get("weights")
@@ -261,6 +267,8 @@ def _verify_footer(console, report: dict, kv_budget_gib: float) -> None:
             f"{kv_budget_gib:g} GiB holds {k['max_tokens']:,} tokens (fp16: {k['fp16_max_tokens']:,}); "
             + ", ".join(f"context {c}: batch {b} (fp16 {k['fp16_max_batch'][c]})" for c, b in k["max_batch"].items()),
             highlight=False)
+        if (k.get("unit_scale") or {}).get("engines"):
+            console.print(f"KV cache scales: {k['unit_scale']['engines']}", highlight=False)
     for gt in report["gates"]:
         if not gt["passed"]:
             console.print(f"[red]gate failed[/]: {gt['name']} = "

@@ -95,7 +95,8 @@ def _f(v, spec: str) -> str:
 
 
 def markdown_lines(report: dict) -> list[str]:
-    """``report.md`` tables of the three sections present in ``report``."""
+    """``report.md`` tables of the service sections present in ``report`` (the unit-scale figures
+    are ``kv_cache.unit_scale``)."""
     lines: list[str] = []
     bp = report.get("by_position")
     if bp and bp["buckets"]:
@@ -121,6 +122,16 @@ def markdown_lines(report: dict) -> list[str]:
                   "| positions | tokens | KL mean | top-1 |", "|---|---|---|---|"]
         lines += [f"| {b['bucket']} ({b['first']}-{b['last']}) | {b['tokens']} | {_f(b['kl_mean'], '.4g')} | "
                   f"{_f(b['top1_pct'], '.2f')} % |" for b in lg["by_position"]]
+    us = (report.get("kv_cache") or {}).get("unit_scale")
+    if us:
+        lines += ["", "fp8 KV cache at unit scales (k_scale = v_scale = 1.0, what an engine runs when the scales are "
+                  "missing or not read) beside the calibrated scales "
+                  f"(k_scale {us['scales']['k_min']:.4g}-{us['scales']['k_max']:.4g}), {us['row']} row:"
+                  + (f" {us['engines']}." if us.get("engines") else ""), "",
+                  "| scales | ppl (increase) | KL mean / p99 | top-1 |", "|---|---|---|---|"]
+        lines += [f"| {name} | {f['ppl']:.4f} ({f['increase_pct']:+.2f} %) | {_f(f['kl_mean'], '.4g')} / "
+                  f"{_f(f['kl_p99'], '.4g')} | {f['top1_pct']:.2f} % |"
+                  for name, f in (("calibrated", us["calibrated"]), ("unit", us["unit"]))]
     mt = report.get("multi_turn")
     if mt:
         lines += ["", f"Multi-turn ({mt['measured_on']}, caches kept across turns)"

@@ -340,11 +340,15 @@ def _evaluate(plan: _Plan, models: Models, prompts: list[str], opts: VerifyOptio
         ref_cache = lambda: make_cache(models.key_basis)  # noqa: E731
     candidates, served = candidate_rows(models, plan.weights_quantized, make_cache, ref_cache)
     report["evaluated_in"]["rows"] = measured_rows(models, candidates, kv_info)
+    verify_service.add_unit_scale_row(candidates, kv_info, ev.seqlen,
+                                      models.key_basis if plan.weights_quantized and ref_cache is not make_cache
+                                      else None, report)
     with show.progress(console, "windows") as bar:
         task = bar.add_task(f"reference + {len(candidates)} configuration(s)", total=len(wins))
         t_eval = time.perf_counter()
         results = compare(ref_model, candidates, wins, opts.device, opts.kv.chunk,
                           lambda i, n: show.window_done(console, bar, task, i, n, time.perf_counter() - t_eval))
+    unit = verify_service.unit_scale_section(results, kv_info, get_arch(model.config.model_type).kv, report)
     distribution_sections(report, results, served, wins, plan.text, ev.seqlen)
     report["eval"]["bos_token_id"] = bos
     report["eval"]["bos_rule"] = rule["rule"] + ("; evaluation windows, drift prompts and KV calibration follow it"
@@ -352,7 +356,7 @@ def _evaluate(plan: _Plan, models: Models, prompts: list[str], opts: VerifyOptio
     _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts, make_cache, served, opts, console)
     verify_service.sections(report, results, served, candidates, models.tokenizer, wins, plan.text, opts, console)
     if kv_info is not None:
-        report["kv_cache"] = kv_report(kv_info[0], plan.kv_source, plan.ref_source, opts)
+        report["kv_cache"] = {**kv_report(kv_info[0], plan.kv_source, plan.ref_source, opts), "unit_scale": unit}
     return served, results
 
 

@@ -1,13 +1,17 @@
 """``kvq verify``'s service figures (issue #47): the window figures by position, a long
-greedy generation and a multi-turn chat with the quantized KV cache against the float one.
+greedy generation and a multi-turn chat with the quantized KV cache against the float one,
+and the cost of an fp8 cache run at unit scales.
 
 Hooks of :mod:`compressor.commands.verify`: :func:`check_gate` while planning,
-:func:`sections` after the window statistics. The long generation and the chat run the
+:func:`add_unit_scale_row` with the compared configurations, :func:`unit_scale_section`
+and :func:`sections` after the window statistics. The long generation and the chat run the
 ``KV only`` configuration (the model the report's ``evaluated_in.rows`` names for it),
 so they measure the cache alone; without a KV scheme they do not run.
 """
 
 from __future__ import annotations
+
+import torch
 
 from .. import console as show
 from ..errors import InputError
@@ -16,6 +20,14 @@ from ..service_eval import LONG_PROMPT_TOKENS, REPLY_TOKENS, long_generation, mu
 from .options import VerifyOptions
 
 GATE = "min_long_agreement_pct"
+
+#: the extra configuration :func:`compressor.evaluate.compare` runs for a static fp8 scheme: the
+#: ``KV only`` row's model and cache with every ``k_scale``/``v_scale`` at 1.0
+UNIT_ROW = "KV only, unit scales"
+
+#: what vLLM and SGLang do with an MLA latent cache's scale from a compressed-tensors checkpoint (docs/kv-cache.md)
+MLA_ENGINES = ("vLLM and SGLang load no KV scale for an MLA latent cache from a compressed-tensors checkpoint "
+               "(docs/kv-cache.md, 'What the engines read'): with --kv-cache-dtype fp8 they run it at unit scales")
 
 
 def check_gate(thresholds: dict, opts: VerifyOptions, kv_info, report: dict) -> None:
@@ -65,3 +77,55 @@ def sections(report: dict, results: dict, served: str, candidates: dict, tokeniz
             show.note(console, f"[yellow]multi-turn:[/] {chat['note']}")
             report["warnings"].append(f"multi-turn: {chat['note']}")
         report["multi_turn"] = {"measured_on": "KV only", "reply_tokens": REPLY_TOKENS, **chat}
+
+
+def add_unit_scale_row(candidates: dict, kv_info, seqlen: int, basis, report: dict) -> None:
+    """Add :data:`UNIT_ROW` to ``candidates`` for a static fp8 scheme with a ``KV only`` row: that
+    row's model and cache with ``k_scale = v_scale = 1.0`` (``[1]`` or ``[kv_heads]`` ones) in every
+    layer -- what vLLM and SGLang run when a checkpoint's scales are missing or not read
+    (docs/kv-cache.md). ``basis``: the key basis the ``KV only`` cache applies (a key-pairs
+    artifact's factors on the reference model), ``None`` for none. It costs one more forward per
+    evaluation window; the long generation and the chat do not run it."""
+    from .verify_common import cache_factory
+
+    if "KV only" not in candidates or kv_info is None or kv_info[0].scheme != "fp8" or not kv_info[1]:
+        return
+    model = candidates["KV only"][0]
+    ones = {i: (torch.ones_like(k), torch.ones_like(v)) for i, (k, v) in kv_info[1].items()}
+    make = cache_factory(model, (kv_info[0], ones), seqlen, report)
+    candidates[UNIT_ROW] = (model, make if basis is None else (lambda: make(basis)))
+
+
+def unit_scale_section(results: dict, kv_info, attention: str, report: dict) -> dict | None:
+    """Take :data:`UNIT_ROW` out of ``results`` (:func:`compressor.evaluate.compare`'s, so no other
+    section lists it) and return the report's ``kv_cache.unit_scale``, or ``None`` without the row.
+
+    ``calibrated`` and ``unit``: perplexity (and its increase over the reference, percent), KL
+    mean and p99 (nats) and top-1 agreement (percent) of the ``KV only`` row with the artifact's
+    scales and at unit scales, on the same windows; ``by_position``: both per bucket of query
+    positions; ``scales``: the range of the calibrated ``k_scale``/``v_scale``; ``scales_all_unit``:
+    they are all exactly 1.0 (a unit-scale artifact, also said in a warning); ``engines``: on an
+    MLA cache (``attention`` ``mla``), what vLLM and SGLang do with its scale.
+    """
+    unit = results.pop(UNIT_ROW, None)
+    if unit is None:
+        return None
+    ref, cal = results["reference"], results["KV only"]
+
+    def figures(r: dict) -> dict:
+        return {"ppl": round(r["ppl"], 4), "increase_pct": round((r["ppl"] / ref["ppl"] - 1.0) * 100.0, 4),
+                "kl_mean": r["kl"]["mean"], "kl_p99": r["kl"]["p99"], "top1_pct": round(100.0 * r["top1_agreement"], 4)}
+
+    k = torch.cat([k.flatten() for k, _ in kv_info[1].values()])
+    v = torch.cat([v.flatten() for _, v in kv_info[1].values()])
+    all_unit = bool((k == 1).all() and (v == 1).all())
+    if all_unit:
+        report["warnings"].append("every fp8 KV scale is 1.0: a unit-scale artifact (its figures are what an engine "
+                                  "without scales runs; calibrated scales are absmax / 448)")
+    buckets = window_buckets({"reference": ref, "calibrated": cal, "unit": unit}, "calibrated")["buckets"]
+    by = [{"bucket": b["bucket"], "tokens": b["tokens"], "calibrated": c["calibrated"], "unit": c["unit"]}
+          for b in buckets for c in [b["configurations"]]]
+    scales = {"k_min": float(k.min()), "k_max": float(k.max()), "v_min": float(v.min()), "v_max": float(v.max())}
+    return {"row": "KV only", "scales": scales, "scales_all_unit": all_unit, "calibrated": figures(cal),
+            "unit": figures(unit), "by_position": by,
+            "engines": MLA_ENGINES if attention == "mla" else None}
