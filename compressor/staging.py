@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -30,10 +29,12 @@ from pathlib import Path
 import torch
 
 from . import interrupts
-from .distributed import share
+from .distributed import gather, share
 from .errors import InputError, KvqError
+from .moe_ranks import ExpertShare
 from .safetensors_io import file_digest
-from .source.lazy import ARTIFACT_DIR, HIDDEN_PREFIX, LazyCheckpoint, RESUME_NAME, layer_names, load_into, to_meta
+from .source.lazy import (ARTIFACT_DIR, HIDDEN_PREFIX, ROUTED_EXPERT, LazyCheckpoint, RESUME_NAME, layer_names,
+                          load_into, to_meta)
 
 
 def _tensor(model, name: str) -> torch.Tensor:
@@ -45,7 +46,7 @@ def _tensor(model, name: str) -> torch.Tensor:
 HELD_BYTES_PER_WEIGHT = 5
 
 #: a routed expert's tensors in kvq's (unfused) names, relative to the decoder layer
-_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+_EXPERT = ROUTED_EXPERT
 
 
 @contextmanager
@@ -418,6 +419,7 @@ class LayerWriter:
         self.moe_fallback: list = []
         self.memory_budget = int(memory_budget_gib * 2**30)
         self._written: set[str] = set()  # tensors of the current layer already written by expert groups
+        self._divided, self._rounds = False, 0  # ranks own the layer's experts; the most groups a rank reads
 
     def release_outer(self) -> None:
         """Return the embedding and an untied head to ``meta`` (streamed sources only): once
@@ -469,18 +471,20 @@ class LayerWriter:
         if self.ckpt is not None:
             load_into(self.model, self.ckpt, self.arch, layer_names(self.model, self.arch, i))
 
-    def expert_groups(self, i: int) -> list[list[str]] | None:
+    def expert_groups(self, i: int, divided: bool = False) -> list[list[str]] | None:
         """Decoder layer ``i``'s tensor names in groups: the non-expert tensors first, then
         routed experts (whole experts, in index order) in groups of at most
         ``memory_budget`` bytes held (:data:`HELD_BYTES_PER_WEIGHT` per weight; at least one
-        expert each). ``None`` when the layer
-        is not streamed or fits the budget whole (it is then loaded at once)."""
+        expert each). ``None`` when the layer is not streamed, or has no routed experts, or
+        fits the budget whole (it is then loaded at once) and ``divided`` is False. With
+        ``divided`` (several ranks own the experts: :mod:`compressor.moe_ranks`) only this
+        rank's experts are grouped, whatever the budget."""
         if self.ckpt is None:
             return None
         names = layer_names(self.model, self.arch, i)
         params = dict(self.model.get_submodule(f"{self.arch.layers}.{i}").named_parameters(prefix=f"{self.arch.layers}.{i}"))
         sizes = {n: params[n].numel() * HELD_BYTES_PER_WEIGHT if n in params else 0 for n in names}
-        if sum(sizes.values()) <= self.memory_budget:
+        if sum(sizes.values()) <= self.memory_budget and not divided:
             return None
         prefix = f"{self.arch.layers}.{i}."
         experts: dict[int, list[str]] = {}
@@ -490,22 +494,31 @@ class LayerWriter:
             (experts.setdefault(int(m.group(1)), []) if m else rest).append(n)
         if not experts:
             return None
-        groups, cur, cur_bytes = [rest], [], 0
-        for e in sorted(experts):
-            b = sum(sizes[n] for n in experts[e])
+        share = ExpertShare(len(experts), divided)
+        by_rank = [self._budget_groups([experts[e] for e in sorted(experts) if e in share.of_rank(r)], sizes)
+                   for r in range(share.size)]
+        self._divided, self._rounds = share.size > 1, max(len(g) for g in by_rank)  # groups go to rank 0 in step
+        return [rest] + by_rank[share.rank]
+
+    def _budget_groups(self, experts: list[list[str]], sizes: dict[str, int]) -> list[list[str]]:
+        """``experts`` (each expert's tensor names, in order) in groups of at most ``memory_budget`` bytes."""
+        groups, cur, cur_bytes = [], [], 0
+        for names in experts:
+            b = sum(sizes[n] for n in names)
             if cur and cur_bytes + b > self.memory_budget:
                 groups.append(cur)
                 cur, cur_bytes = [], 0
-            cur += experts[e]
+            cur += names
             cur_bytes += b
-        return groups + [cur]
+        return groups + [cur] if cur else groups
 
     def load_groups(self, i: int, result, groups: list[list[str]]):
         """Materialize streamed decoder layer ``i`` group by group (``groups``, from :meth:`expert_groups`),
         yielding each group's module names after it is read; once the caller has quantized
         a group of experts (its records in ``result.modules``), that group is packed,
-        written to the part ``layer-<i>-e<k>`` and returned to ``meta`` before the next is
-        read. The non-expert group stays loaded for :meth:`done`.
+        written to the part ``layer-<i>-e<its first expert>`` and returned to ``meta`` before
+        the next is read. The non-expert group stays loaded for :meth:`done`. With experts
+        owned per rank, rank 0 writes each rank's group as it comes, the ranks in step.
 
         Raises:
             InputError: a tensor holds NaN or Inf (named).
@@ -516,22 +529,38 @@ class LayerWriter:
             modules = sorted({n.rsplit(".", 1)[0] for n in names})
             yield modules
             if k:
-                self._write_group(i, k, names, modules, result)
+                self._write_group(i, names, modules, result)
+        for _ in range(len(groups) - 1, self._rounds if self._divided else 0):  # ranks with more groups: in step
+            self._save_parts(gather(None))
 
-    def _write_group(self, i: int, k: int, names: list[str], modules: list[str], result) -> None:
+    def _write_group(self, i: int, names: list[str], modules: list[str], result) -> None:
+        """Pack and write one group of routed experts (under several ranks, rank 0 writes every
+        rank's: :func:`compressor.distributed.gather`), then return its experts to ``meta``."""
         from .artifact import state_tensors
         from .formats import get_format
 
         recs = {n: result.modules.pop(n) for n in modules if n in result.modules}
-        self.schemes.update({n: r.scheme for n, r in recs.items()})
-        if self.staging is not None:
+        schemes = {n: r.scheme for n, r in recs.items()}
+        self.schemes.update(schemes)
+        if self.staging is not None or self._divided:
             packed = {self.rename(n): t for n, t in get_format(self.fmt).pack_all(recs, self.dtype).items()}
-            self.staging.save_part(f"layer-{i:05d}-e{k:04d}", state_tensors(
-                self.model, packed, self.dtype, rename=self.rename, names=set(names)))
+            first = min(int(_EXPERT.search(n[len(f"{self.arch.layers}.{i}."):]).group(1)) for n in names)
+            group = (f"layer-{i:05d}-e{first:04d}", state_tensors(self.model, packed, self.dtype, rename=self.rename,
+                                                                  names=set(names)), schemes, names)
+            self._save_parts(gather(group) if self._divided else [group])
         self._written.update(names)
         experts = {m.rsplit(".", 1)[0] for m in modules}  # ...experts.<e>.gate_proj -> ...experts.<e>
         for m in sorted(experts):
             to_meta(self.model.get_submodule(m))
+
+    def _save_parts(self, groups: list | None) -> None:
+        """Rank 0: write each ``(part name, tensors, schemes, tensor names)`` of ``groups`` (None
+        where a rank had no group in this step); the other ranks get None."""
+        for g in groups or []:
+            if g is not None:
+                self.staging.save_part(g[0], g[1])
+                self.schemes.update({n: tuple(v) for n, v in g[2].items()})
+                self._written.update(g[3])
 
     def done(self, i: int, layer: torch.nn.Module, result, hidden: list[torch.Tensor] | None) -> None:
         """Write decoder layer ``i`` (``result``: the pipeline's ``QuantizeResult`` so far;

@@ -50,6 +50,7 @@ class AWQGPTQ(GPTQ):
     reads = ("awq", "gptq")
     act_order = True
     streams_experts = False  # AWQ's scale over every expert (compressor.moe_stream)
+    experts_per_rank = False  # not GPTQ's: AWQ's scale is chosen over every expert
     folds_input_scales = AWQ.folds_input_scales
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
