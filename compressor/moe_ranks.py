@@ -45,7 +45,7 @@ import torch
 
 from .distributed import alone, broadcast, share, world
 
-__all__ = ["bounds", "divides", "ExpertShare", "Stash"]
+__all__ = ["bounds", "budget_groups", "divides", "ExpertShare", "Stash"]
 
 
 def bounds(n: int, rank: int, size: int) -> tuple[int, int]:
@@ -59,6 +59,20 @@ def divides(algorithm) -> bool:
     handler whose :meth:`quantize_expert` needs nothing beyond the expert's own tokens
     (``experts_per_rank``)."""
     return world()[1] > 1 and getattr(algorithm, "experts_per_rank", False)
+
+
+def budget_groups(experts: list[list[str]], sizes: dict[str, int], budget: int) -> list[list[str]]:
+    """``experts`` (each expert's tensor names, in order) joined into groups of at most ``budget``
+    bytes (``sizes``: name -> bytes held; at least one expert a group)."""
+    groups, cur, cur_bytes = [], [], 0
+    for names in experts:
+        b = sum(sizes[n] for n in names)
+        if cur and cur_bytes + b > budget:
+            groups.append(cur)
+            cur, cur_bytes = [], 0
+        cur += names
+        cur_bytes += b
+    return groups + [cur] if cur else groups
 
 
 class Stash:
@@ -103,6 +117,14 @@ class ExpertShare:
     def of_rank(self, r: int) -> range:
         """The experts rank ``r`` owns."""
         return range(*bounds(self.n, r, self.size))
+
+    def groups(self, experts: dict[int, list[str]], sizes: dict[str, int], budget: int) -> tuple[list, int]:
+        """``(this rank's experts in groups, the most groups any rank has)``: each rank's experts
+        (``experts``: index -> tensor names; ``sizes``: name -> bytes held), in index order, in groups
+        of at most ``budget`` bytes (at least one expert each)."""
+        by_rank = [budget_groups([experts[e] for e in sorted(experts) if e in self.of_rank(r)], sizes, budget)
+                   for r in range(self.size)]
+        return by_rank[self.rank], max(len(g) for g in by_rank)
 
     def solo(self):
         """Around an owned expert's step: no collective inside (:func:`compressor.distributed.alone`)."""

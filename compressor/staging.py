@@ -459,7 +459,7 @@ class LayerWriter:
             return
         self.start = int(st["layers_done"])
         self.layers, self.moe, self.moe_fallback = st["layers"], st["moe"], st["moe_fallback"]
-        self.schemes.update({n: tuple(v) for n, v in st["schemes"].items()})
+        self._add_schemes(st["schemes"])
         self.kv_absmax = {int(j): (torch.tensor(k), torch.tensor(v)) for j, (k, v) in st["kv_absmax"].items()}
         self.hidden = None if hidden is None else [h.to(device) for h in hidden]
         self.float_hidden = None if floats is None else [h.to(device) for h in floats]
@@ -495,22 +495,9 @@ class LayerWriter:
         if not experts:
             return None
         share = ExpertShare(len(experts), divided)
-        by_rank = [self._budget_groups([experts[e] for e in sorted(experts) if e in share.of_rank(r)], sizes)
-                   for r in range(share.size)]
-        self._divided, self._rounds = share.size > 1, max(len(g) for g in by_rank)  # groups go to rank 0 in step
-        return [rest] + by_rank[share.rank]
-
-    def _budget_groups(self, experts: list[list[str]], sizes: dict[str, int]) -> list[list[str]]:
-        """``experts`` (each expert's tensor names, in order) in groups of at most ``memory_budget`` bytes."""
-        groups, cur, cur_bytes = [], [], 0
-        for names in experts:
-            b = sum(sizes[n] for n in names)
-            if cur and cur_bytes + b > self.memory_budget:
-                groups.append(cur)
-                cur, cur_bytes = [], 0
-            cur += names
-            cur_bytes += b
-        return groups + [cur] if cur else groups
+        groups, self._rounds = share.groups(experts, sizes, self.memory_budget)  # the ranks send them to rank 0 in step
+        self._divided = share.size > 1
+        return [rest] + groups
 
     def load_groups(self, i: int, result, groups: list[list[str]]):
         """Materialize streamed decoder layer ``i`` group by group (``groups``, from :meth:`expert_groups`),
@@ -546,7 +533,8 @@ class LayerWriter:
             packed = {self.rename(n): t for n, t in get_format(self.fmt).pack_all(recs, self.dtype).items()}
             first = min(int(_EXPERT.search(n[len(f"{self.arch.layers}.{i}."):]).group(1)) for n in names)
             group = (f"layer-{i:05d}-e{first:04d}", state_tensors(self.model, packed, self.dtype, rename=self.rename,
-                                                                  names=set(names)), schemes, names)
+                                                                  names=set(names)),
+                     {n: list(v) for n, v in schemes.items()}, names)  # schemes as the checkpoint keeps them
             self._save_parts(gather(group) if self._divided else [group])
         self._written.update(names)
         experts = {m.rsplit(".", 1)[0] for m in modules}  # ...experts.<e>.gate_proj -> ...experts.<e>
@@ -559,8 +547,12 @@ class LayerWriter:
         for g in groups or []:
             if g is not None:
                 self.staging.save_part(g[0], g[1])
-                self.schemes.update({n: tuple(v) for n, v in g[2].items()})
+                self._add_schemes(g[2])
                 self._written.update(g[3])
+
+    def _add_schemes(self, schemes: dict[str, list]) -> None:
+        """Module schemes as the resume checkpoint keeps them (lists), from it or from another rank."""
+        self.schemes.update({n: tuple(v) for n, v in schemes.items()})
 
     def done(self, i: int, layer: torch.nn.Module, result, hidden: list[torch.Tensor] | None) -> None:
         """Write decoder layer ``i`` (``result``: the pipeline's ``QuantizeResult`` so far;
