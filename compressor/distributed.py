@@ -7,15 +7,15 @@ machine and for several::
     torchrun --nproc-per-node 2 .venv/bin/kvq quantize MODEL --recipe w4a16-gptq -o OUT
 
 Every rank runs the same layer-by-layer pass (same calibration activations, same
-Hessians); the GPTQ solves of each pass -- one per linear, experts included, the part
-whose cost grows with width and expert count -- are dealt round-robin to the ranks (:func:`deal`),
-and each rank's results are broadcast from it as flat tensors (no pickling) before any rank
-moves on, so every rank holds the same quantized layer and the artifact is bit-identical to a
-single-process run. Rank 0 writes the artifact and the resume checkpoint; a ``--resume`` run
+Hessians). In a MoE layer of a streamed source each rank reads, calibrates and quantizes only
+its own block of the routed experts (:mod:`compressor.moe_ranks`: :func:`alone`, :func:`gather`,
+:func:`broadcast`); the other GPTQ solves of each pass are dealt round-robin to the ranks
+(:func:`deal`), and each rank's results are broadcast from it as flat tensors (no pickling)
+before any rank moves on, so every rank holds the same quantized layer and the artifact is
+bit-identical to a single-process run. Rank 0 writes the artifact and the resume checkpoint; a ``--resume`` run
 takes the checkpoint's activations from rank 0 (:func:`share`), whatever the number of ranks
 that wrote it. Backend: ``gloo`` on CPU (the tested path), ``nccl`` with ``--device cuda``
-(one GPU per rank, ``LOCAL_RANK``). RTN, AWQ's search and KV observers run on every rank
-unchanged.
+(one GPU per rank, ``LOCAL_RANK``). AWQ and the KV observers run on every rank unchanged.
 
 Faults (:class:`Watch`): every rank beats a counter in the rendezvous store (the TCPStore that
 ``torchrun``'s agent, or rank 0 without it, keeps at ``MASTER_ADDR:MASTER_PORT``) once a
@@ -113,12 +113,28 @@ def peer_timeout() -> float:
 
 
 def world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the current process group, ``(0, 1)`` without one."""
+    """``(rank, world_size)`` of the current process group, ``(0, 1)`` without one or inside
+    :func:`alone`."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if not _alone and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+_alone: list = []  # non-empty inside alone()
+
+
+@contextmanager
+def alone():
+    """Work this rank does by itself (a routed expert it owns, :mod:`compressor.moe_ranks`):
+    inside, :func:`world` is ``(0, 1)``, so :func:`deal` solves every task here and
+    :func:`share` sends nothing -- the same calls, in the same order, as a single process."""
+    _alone.append(True)
+    try:
+        yield
+    finally:
+        _alone.pop()
 
 
 # ---------------------------------------------------------------------------------------
@@ -246,21 +262,69 @@ def share(obj, src: int = 0):
         return obj
     dev = _comm_device()
     if rank == src:
-        codes, chunks = pack(obj)
-        payload = torch.cat([c.to(dev) for c in chunks]) if chunks else torch.empty(0, dtype=torch.uint8, device=dev)
-        sizes = torch.tensor([len(codes), payload.numel()], dtype=torch.int64, device=dev)
+        sizes, codes_t, payload = _encode(obj, dev)
     else:
         sizes = torch.empty(2, dtype=torch.int64, device=dev)
     _collective(dist.broadcast, sizes, src)
     if rank != src:
         codes_t = torch.empty(int(sizes[0]), dtype=torch.int64, device=dev)
         payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=dev)
-    else:
-        codes_t = torch.tensor(codes, dtype=torch.int64, device=dev)
     _collective(dist.broadcast, codes_t, src)
     if payload.numel():
         _collective(dist.broadcast, payload, src)
     return obj if rank == src else unpack(codes_t.tolist(), payload)
+
+
+def broadcast(tensor: torch.Tensor, src: int) -> None:
+    """Rank ``src``'s ``tensor`` into ``tensor`` on every rank, in place (a failure waits for the
+    watch to name a lost rank, as every collective here)."""
+    import torch.distributed as dist
+
+    _collective(dist.broadcast, tensor, src)
+
+
+def _encode(obj, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``obj`` as the three tensors :func:`share` and :func:`gather` send: ``int64 [2]`` (how
+    many codes, how many bytes), the codes and the bytes (:func:`pack`), on ``dev``."""
+    codes, chunks = pack(obj)
+    payload = torch.cat([c.to(dev) for c in chunks]) if chunks else torch.empty(0, dtype=torch.uint8, device=dev)
+    sizes = torch.tensor([len(codes), payload.numel()], dtype=torch.int64, device=dev)
+    return sizes, torch.tensor(codes, dtype=torch.int64, device=dev), payload
+
+
+def gather(obj, dst: int = 0) -> list | None:
+    """Every rank's ``obj`` on rank ``dst``, in rank order (the others get None), each sent to
+    it alone as flat tensors (:func:`pack`: sizes, codes, bytes; point to point); ``[obj]``
+    without a process group.
+
+    Raises:
+        TypeError: ``obj`` holds what :func:`pack` cannot send.
+    """
+    import torch.distributed as dist
+
+    rank, size = world()
+    if size == 1:
+        return [obj]
+    dev = _comm_device()
+    if rank != dst:
+        for t in _encode(obj, dev):
+            if t.numel():
+                _collective(dist.send, t, dst)
+        return None
+    out = []
+    for src in range(size):
+        if src == rank:
+            out.append(obj)
+            continue
+        sizes = torch.empty(2, dtype=torch.int64, device=dev)
+        _collective(dist.recv, sizes, src)
+        codes_t = torch.empty(int(sizes[0]), dtype=torch.int64, device=dev)
+        payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=dev)
+        _collective(dist.recv, codes_t, src)
+        if payload.numel():
+            _collective(dist.recv, payload, src)
+        out.append(unpack(codes_t.tolist(), payload))
+    return out
 
 
 def deal(tasks: list, solve: Callable[[object], object]) -> list:

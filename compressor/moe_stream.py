@@ -19,7 +19,9 @@ calibration pass (GPTQ, GPTAQ, RTN or float weights beside static KV scales; AWQ
    (:meth:`compressor.quant.algorithms.Algorithm.quantize_expert`: GPTQ's Hessians and
    solves, stage by stage, on the expert's own tokens), its output with the quantized
    weights is weighted by the router and added into the routed output of each batch, and
-   the group is packed, written and released before the next is read;
+   the group is packed, written and released before the next is read (under several
+   ``torchrun`` ranks, each rank reads and quantizes only the experts it owns, and the
+   routed output is summed across the ranks in this same order: :mod:`compressor.moe_ranks`);
 5. the driver's recompute (:func:`compressor.pipeline._quantize_and_recompute`) runs the
    layer once more with the tap replaying the accumulated routed output: the next layer's
    input is the layer's own sum of shared and routed outputs, the KV observers run there.
@@ -57,6 +59,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from .arch import expert_index, is_expert
+from .moe_ranks import ExpertShare
 from .quant.layer import LayerOutcome, layer_forward
 from .quant.primitives import abs_max
 
@@ -252,22 +255,31 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
     routed = _zeros(calls, ctx.spill, "routed")
     ref_routed = _zeros(ref_calls or [], None, "")
     float_routed = _zeros(float_calls or [], ctx.spill, "float-routed")
-    errs, parts, peak, n_groups = list(outcome.errs), [], [0.0], 1
+    share = ExpertShare.of(algorithm, len(tap.experts))  # torchrun: this rank's experts (compressor.moe_ranks)
+    accs = ((calls, routed, ctx.spill), (ref_calls or [], ref_routed, None),
+            (float_calls or [], float_routed, ctx.spill))
+    sinks = [share.sink(c, out, sp, str(k)) for k, (c, out, sp) in enumerate(accs)]  # the accumulators, on rank 0
+    parts, peak, n_groups = [], [0.0], 0
     for modules in groups:
         n_groups += 1
         for e in sorted({expert_index(arch, m[len(f"{arch.layers}.{i}."):]) for m in modules}):
             expert = tap.experts[e]
             move_loaded(expert, device)
-            add_expert(expert, e, ref_calls or [], ref_routed)
-            add_expert(expert, e, float_calls or [], float_routed)
+            add_expert(expert, e, ref_calls or [], sinks[1])
+            add_expert(expert, e, float_calls or [], sinks[2])
             rels = [f"{arch.moe.experts}.{e}.{n}" for n, m in expert.named_modules() if isinstance(m, torch.nn.Linear)]
             inputs = [x[torch.where(idx == e)[0]] for x, idx, _ in inputs_from]
-            part = algorithm.quantize_expert(i, layer, rels, [x for x in inputs if x.shape[0]], e in cold, ctx)
-            errs += part.errs
-            parts.append(part.figures)
-            add_expert(expert, e, calls, routed, peak)
-    outcome.errs, outcome.counts, outcome.linear_peak = errs, counts, peak[0]
-    outcome.figures = {**algorithm.merge_expert_figures(outcome.figures, parts), "weight_groups": n_groups}
+            with share.solo():
+                part = algorithm.quantize_expert(i, layer, rels, [x for x in inputs if x.shape[0]], e in cold, ctx)
+            parts.append((part.errs, part.figures))
+            add_expert(expert, e, calls, sinks[0], peak)
+    for (_c, out, _sp), sink in zip(accs, sinks):
+        share.combine(out, sink)
+    parts, peak[0], n_groups = share.merge(parts, peak[0], n_groups)
+    outcome.errs = list(outcome.errs) + [x for p in parts for x in p[0]]
+    outcome.counts, outcome.linear_peak = counts, peak[0]
+    outcome.figures = {**algorithm.merge_expert_figures(outcome.figures, [p[1] for p in parts]),
+                       "weight_groups": 1 + n_groups}
     if outcome.float_out is not None:
         rows = outcome.float_out.shape[0]
         full = ref_base[0] + ref_routed[0].view_as(ref_base[0])

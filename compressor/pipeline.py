@@ -39,6 +39,7 @@ from .arch import (ArchSpec, checkpoint_name, expert_index, find_module, get_arc
                    layer_linears, linear_weight, num_experts)
 from .errors import InputError, QuantizationError
 from .moe import unfuse_experts
+from .moe_ranks import ExpertShare, divides
 from .precision import calibration_matmuls, resolve_matmul_precision
 from .quant.algorithms import Algorithm, get_algorithm
 from .quant.head import head_hessian
@@ -385,7 +386,8 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
             if i < start:
                 continue
             t1 = time.perf_counter()
-            groups = (hooks.expert_groups(i) if hooks is not None and getattr(hooks, "expert_groups", None) is not None
+            groups = (hooks.expert_groups(i, divides(algorithm)) if hooks is not None
+                      and getattr(hooks, "expert_groups", None) is not None
                       and (algorithm.per_linear if hidden is None else algorithm.streams_experts) else None)
             if groups is not None and hidden is None:
                 fig = _quantize_layer_grouped(i, layer, ctx, algorithm, result, hooks, groups)
@@ -439,11 +441,14 @@ def _quantize_layer_grouped(i, layer, ctx: LayerContext, algorithm: Algorithm, r
     (``hooks.load_groups``; each group is written and released before the next is read), for
     handlers whose linears are quantized independently (``per_linear``: RTN, ``none``)."""
     errs: list[float] = []
-    for modules in hooks.load_groups(i, result, groups):
+    parts: list[list[float]] = []  # each expert group's errors (several ranks: this rank's groups)
+    for k, modules in enumerate(hooks.load_groups(i, result, groups)):
         sub = dataclasses.replace(ctx, targets={n: ctx.targets[n] for n in modules if n in ctx.targets})
-        errs += algorithm.quantize_layer(i, layer, None, None, sub).errs
+        (parts.append if k else errs.extend)(algorithm.quantize_layer(i, layer, None, None, sub).errs)
+    parts, _, n_groups = ExpertShare.of(algorithm, num_experts(ctx.arch, layer)).merge(parts, 0.0, len(groups) - 1)
     _record_moe(i, layer, ctx, algorithm, result, None)
-    return _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", errs, None, 0.0, weight_groups=len(groups))
+    return _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", errs + [e for p in parts for e in p], None,
+                    0.0, weight_groups=1 + n_groups)
 
 
 def _quantize_streamed_moe(i, layer, hidden, kw, ctx: LayerContext, algorithm: Algorithm, result: QuantizeResult,

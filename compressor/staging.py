@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -30,10 +29,12 @@ from pathlib import Path
 import torch
 
 from . import interrupts
-from .distributed import share
+from .distributed import gather, share
 from .errors import InputError, KvqError
+from .moe_ranks import ExpertShare, split_layer
 from .safetensors_io import file_digest
-from .source.lazy import ARTIFACT_DIR, HIDDEN_PREFIX, LazyCheckpoint, RESUME_NAME, layer_names, load_into, to_meta
+from .source.lazy import (ARTIFACT_DIR, HIDDEN_PREFIX, ROUTED_EXPERT, LazyCheckpoint, RESUME_NAME, layer_names,
+                          load_into, to_meta)
 
 
 def _tensor(model, name: str) -> torch.Tensor:
@@ -45,36 +46,7 @@ def _tensor(model, name: str) -> torch.Tensor:
 HELD_BYTES_PER_WEIGHT = 5
 
 #: a routed expert's tensors in kvq's (unfused) names, relative to the decoder layer
-_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
-
-
-def expert_groups(model, arch, i: int, limit: int, bytes_per_weight: int) -> list[list[str]] | None:
-    """Decoder layer ``i``'s tensor names (:func:`compressor.source.lazy.layer_names`) in groups:
-    the non-expert tensors first, then routed experts (whole experts, in index order) in groups
-    of at most ``limit`` bytes held (``bytes_per_weight`` per weight; at least one expert each).
-    ``None`` for a layer without routed experts. Used by a streamed quantize
-    (:meth:`LayerWriter.expert_groups`) and a streamed verify (:mod:`compressor.streamed_eval`).
-    """
-    prefix = f"{arch.layers}.{i}."
-    names = layer_names(model, arch, i)
-    params = dict(model.get_submodule(prefix[:-1]).named_parameters(prefix=prefix[:-1]))
-    sizes = {n: params[n].numel() * bytes_per_weight if n in params else 0 for n in names}
-    experts: dict[int, list[str]] = {}
-    rest = []
-    for n in names:
-        m = _EXPERT.search(n[len(prefix):])
-        (experts.setdefault(int(m.group(1)), []) if m else rest).append(n)
-    if not experts:
-        return None
-    groups, cur, cur_bytes = [rest], [], 0
-    for e in sorted(experts):
-        b = sum(sizes[n] for n in experts[e])
-        if cur and cur_bytes + b > limit:
-            groups.append(cur)
-            cur, cur_bytes = [], 0
-        cur += experts[e]
-        cur_bytes += b
-    return groups + [cur]
+_EXPERT = ROUTED_EXPERT
 
 
 @contextmanager
@@ -448,6 +420,7 @@ class LayerWriter:
         self.moe_fallback: list = []
         self.memory_budget = int(memory_budget_gib * 2**30)
         self._written: set[str] = set()  # tensors of the current layer already written by expert groups
+        self._divided, self._rounds = False, 0  # ranks own the layer's experts; the most groups a rank reads
 
     def release_outer(self) -> None:
         """Return the embedding and an untied head to ``meta`` (streamed sources only): once
@@ -487,7 +460,7 @@ class LayerWriter:
             return
         self.start = int(st["layers_done"])
         self.layers, self.moe, self.moe_fallback = st["layers"], st["moe"], st["moe_fallback"]
-        self.schemes.update({n: tuple(v) for n, v in st["schemes"].items()})
+        self._add_schemes(st["schemes"])
         self.kv_absmax = {int(j): (torch.tensor(k), torch.tensor(v)) for j, (k, v) in st["kv_absmax"].items()}
         self.hidden = None if hidden is None else [h.to(device) for h in hidden]
         self.float_hidden = None if floats is None else [h.to(device) for h in floats]
@@ -499,23 +472,29 @@ class LayerWriter:
         if self.ckpt is not None:
             load_into(self.model, self.ckpt, self.arch, layer_names(self.model, self.arch, i))
 
-    def expert_groups(self, i: int) -> list[list[str]] | None:
-        """Decoder layer ``i``'s tensor names in groups (:func:`expert_groups`, ``memory_budget``
+    def expert_groups(self, i: int, divided: bool = False) -> list[list[str]] | None:
+        """Decoder layer ``i``'s tensor names in groups (:func:`compressor.moe_ranks.expert_groups`, ``memory_budget``
         bytes a group at :data:`HELD_BYTES_PER_WEIGHT` per weight). ``None`` when the layer is
-        not streamed or fits the budget whole (it is then loaded at once)."""
+        not streamed, or has no routed experts, or fits the budget whole (it is then loaded at
+        once) and ``divided`` is False. With ``divided`` (several ranks own the experts:
+        :mod:`compressor.moe_ranks`) only this rank's experts are grouped, whatever the budget."""
         if self.ckpt is None:
             return None
-        params = dict(self.model.get_submodule(f"{self.arch.layers}.{i}").named_parameters())
-        if sum(p.numel() for p in params.values()) * HELD_BYTES_PER_WEIGHT <= self.memory_budget:
+        rest, experts, sizes = split_layer(self.model, self.arch, i, HELD_BYTES_PER_WEIGHT)
+        if (sum(sizes.values()) <= self.memory_budget and not divided) or not experts:
             return None
-        return expert_groups(self.model, self.arch, i, self.memory_budget, HELD_BYTES_PER_WEIGHT)
+        share = ExpertShare(len(experts), divided)
+        groups, self._rounds = share.groups(experts, sizes, self.memory_budget)  # the ranks send them to rank 0 in step
+        self._divided = share.size > 1
+        return [rest] + groups
 
     def load_groups(self, i: int, result, groups: list[list[str]]):
         """Materialize streamed decoder layer ``i`` group by group (``groups``, from :meth:`expert_groups`),
         yielding each group's module names after it is read; once the caller has quantized
         a group of experts (its records in ``result.modules``), that group is packed,
-        written to the part ``layer-<i>-e<k>`` and returned to ``meta`` before the next is
-        read. The non-expert group stays loaded for :meth:`done`.
+        written to the part ``layer-<i>-e<its first expert>`` and returned to ``meta`` before
+        the next is read. The non-expert group stays loaded for :meth:`done`. With experts
+        owned per rank, rank 0 writes each rank's group as it comes, the ranks in step.
 
         Raises:
             InputError: a tensor holds NaN or Inf (named).
@@ -526,7 +505,9 @@ class LayerWriter:
             modules = sorted({n.rsplit(".", 1)[0] for n in names})
             yield modules
             if k:
-                self._write_group(i, k, names, modules, result)
+                self._write_group(i, names, modules, result)
+        for _ in range(len(groups) - 1, self._rounds if self._divided else 0):  # ranks with more groups: in step
+            self._save_parts(gather(None))
 
     def read_groups(self, groups: list[list[str]]):
         """Materialize routed-expert ``groups`` (of :meth:`expert_groups`, the non-expert one left out)
@@ -550,18 +531,37 @@ class LayerWriter:
         for m in sorted({m.rsplit(".", 1)[0] for m in modules}):
             to_meta(self.model.get_submodule(m))
 
-    def _write_group(self, i: int, k: int, names: list[str], modules: list[str], result) -> None:
+    def _write_group(self, i: int, names: list[str], modules: list[str], result) -> None:
+        """Pack and write one group of routed experts (under several ranks, rank 0 writes every
+        rank's: :func:`compressor.distributed.gather`), then return its experts to ``meta``."""
         from .artifact import state_tensors
         from .formats import get_format
 
         recs = {n: result.modules.pop(n) for n in modules if n in result.modules}
-        self.schemes.update({n: r.scheme for n, r in recs.items()})
-        if self.staging is not None:
+        schemes = {n: r.scheme for n, r in recs.items()}
+        self.schemes.update(schemes)
+        if self.staging is not None or self._divided:
             packed = {self.rename(n): t for n, t in get_format(self.fmt).pack_all(recs, self.dtype).items()}
-            self.staging.save_part(f"layer-{i:05d}-e{k:04d}", state_tensors(
-                self.model, packed, self.dtype, rename=self.rename, names=set(names)))
+            first = min(int(_EXPERT.search(n[len(f"{self.arch.layers}.{i}."):]).group(1)) for n in names)
+            group = (f"layer-{i:05d}-e{first:04d}", state_tensors(self.model, packed, self.dtype, rename=self.rename,
+                                                                  names=set(names)),
+                     {n: list(v) for n, v in schemes.items()}, names)  # schemes as the checkpoint keeps them
+            self._save_parts(gather(group) if self._divided else [group])
         self._written.update(names)
         self._release(modules)
+
+    def _save_parts(self, groups: list | None) -> None:
+        """Rank 0: write each ``(part name, tensors, schemes, tensor names)`` of ``groups`` (None
+        where a rank had no group in this step); the other ranks get None."""
+        for g in groups or []:
+            if g is not None:
+                self.staging.save_part(g[0], g[1])
+                self._add_schemes(g[2])
+                self._written.update(g[3])
+
+    def _add_schemes(self, schemes: dict[str, list]) -> None:
+        """Module schemes as the resume checkpoint keeps them (lists), from it or from another rank."""
+        self.schemes.update({n: tuple(v) for n, v in schemes.items()})
 
     def done(self, i: int, layer: torch.nn.Module, result, hidden: list[torch.Tensor] | None) -> None:
         """Write decoder layer ``i`` (``result``: the pipeline's ``QuantizeResult`` so far;

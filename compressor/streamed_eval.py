@@ -487,7 +487,7 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
     Raises:
         InputError: a row :func:`check_streamable` refuses; a reference tensor with NaN/Inf.
     """
-    from .staging import expert_groups
+    from .moe_ranks import expert_groups
 
     t0 = time.perf_counter()
     models = {"reference": reference, "artifact": artifact}

@@ -6,8 +6,9 @@ place of ``kvq`` (``torchrun ... tests/rank_faults.py quantize ...``).
 layer ``LAYER``, does ``HOW``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: a hung
 process or an unreachable machine) or ``error`` (an input error of its own). ``KVQ_FAULT_STAMP``:
 a file that gets ``time.time()`` just before. ``KVQ_NO_PICKLE=1``: torch.distributed's object
-collectives raise (results must travel as tensors). ``KVQ_CODE``: the checkout whose
-``compressor`` runs (default: this one).
+collectives raise (results must travel as tensors). ``KVQ_READS=DIR``: each tensor name the
+rank reads from the source is appended to ``DIR/rank<RANK>.txt``. ``KVQ_CODE``: the checkout
+whose ``compressor`` runs (default: this one).
 """
 
 import os
@@ -70,8 +71,24 @@ def _no_pickle() -> None:
         setattr(dist, name, refuse)
 
 
+def _log_reads(folder: str) -> None:
+    from compressor.source.lazy import LazyCheckpoint
+
+    real = LazyCheckpoint._read
+    log = Path(folder) / f"rank{os.environ.get('RANK', '0')}.txt"
+
+    def read(self, name):
+        with open(log, "a") as f:
+            f.write(name + "\n")
+        return real(self, name)
+
+    LazyCheckpoint._read = read
+
+
 if os.environ.get("KVQ_FAULT"):
     _patch()
+if os.environ.get("KVQ_READS"):
+    _log_reads(os.environ["KVQ_READS"])
 if os.environ.get("KVQ_NO_PICKLE"):
     _no_pickle()
 

@@ -26,9 +26,14 @@ from compressor.commands.options import QuantizeOptions
 from compressor.commands.quantize import run_quantize
 from compressor.entry import RANKS_ENV, ranks_defaults
 from compressor.errors import InputError
+from compressor.manifest import load_manifest
+from compressor.moe_ranks import Stash, bounds
+from compressor.safetensors_io import read_header
+from compressor.source.lazy import ROUTED_EXPERT
 from compressor.staging import Staging, kept_note
 
 from conftest import digests
+from tiny_models import ROW_FAST, make_published
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "rank_faults.py"
@@ -346,3 +351,132 @@ def test_under_torchrun_one_node_and_two(tmp_path, deep_dir):
     assert rc0 != 0 and rc1 != 0
     assert [ln for ln in err0.splitlines() if ln.startswith("kvq:")] == [
         ln for ln in err0.splitlines() if ln.startswith("kvq: rank 1 of 2 died")] != [], err0
+
+
+# ---------------------------------------------------------------------------------------
+# routed experts owned per rank (compressor/moe_ranks.py)
+
+def test_expert_blocks_are_contiguous_and_cover_every_expert():
+    assert [bounds(4, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
+    assert [bounds(5, r, 3) for r in range(3)] == [(0, 1), (1, 3), (3, 5)]
+    assert [bounds(2, r, 3) for r in range(3)] == [(0, 0), (0, 1), (1, 2)]  # more ranks than experts: some own none
+
+
+def test_a_stash_added_after_the_ranks_before_gives_the_single_process_sum():
+    """Rank 1's kept rows added into rank 0's sum equal, bit for bit, the accumulator one process fills
+    expert after expert; adding the two ranks' partial sums does not (float addition is not associative)."""
+    g = torch.Generator().manual_seed(0)
+    n, k, tokens, hidden, lo = 8, 4, 64, 16, 3
+    idx = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(tokens)])
+    ys = {e: torch.randn(int((idx == e).sum()), hidden, generator=g) * 10.0 ** (e % 4) for e in range(n)}
+    one, first, later = torch.zeros(tokens, hidden), torch.zeros(tokens, hidden), torch.zeros(tokens, hidden)
+    stash = Stash(torch.zeros(int((idx >= lo).sum()), hidden))
+    for e in range(n):
+        rows = torch.where(idx == e)[0]
+        one.index_add_(0, rows, ys[e])
+        (first if e < lo else later).index_add_(0, rows, ys[e])
+        if e >= lo:
+            stash.index_add_(0, rows, ys[e])
+    assert not torch.equal(first + later, one)
+    stash.fold_into(first)
+    assert same_bits(first, one)
+
+
+#: one routed expert held (float32 + int8 codes at hidden 64, expert width 32): a budget of 1.5 reads them one by one
+ONE_EXPERT_GIB = 1.5 * 3 * 64 * 32 * 5 / 2**30
+MOE_ARGS = ["--group-size", "32", "--calib-samples", "4", "--calib-seqlen", "48", "--threads", "1", "--json"]
+#: name: (kvq flags, the single-process run's options)
+MOE_CASES = {
+    "gptq": (["--algorithm", "gptq"], dict(algorithm="gptq")),
+    "gptaq": (["--algorithm", "gptq", "--set", "gptq.gptaq_alpha=0.25"],
+              dict(algorithm="gptq", settings=(("gptq.gptaq_alpha", 0.25),))),
+    "rtn": (["--algorithm", "rtn"], dict(algorithm="rtn")),  # no calibration pass: the expert groups alone
+    "rtn+fp8-static": (["--algorithm", "rtn", "--kv-scheme", "fp8"], dict(algorithm="rtn", kv_scheme="fp8")),
+    # activations, the routed sums and a later rank's kept rows memory-mapped (the sums broadcast into the maps)
+    "gptq-spilled": (["--algorithm", "gptq", "--activation-budget-gib", "0"],
+                     dict(algorithm="gptq", activation_budget_gib=0)),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_rows(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("moe-ranks")
+    return {mt: make_published(root / mt, tokenizer, mt, num_hidden_layers=3) for mt in ("deepseek_v3", "glm4_moe")}
+
+
+def _expert_bytes(src: Path, layers, experts) -> int:
+    """Stored bytes of the routed experts ``experts`` of decoder ``layers`` in ``src``."""
+    total = 0
+    for shard in src.glob("*.safetensors"):
+        for name, e in read_header(shard).items():
+            m = ROUTED_EXPERT.search(name)
+            if m and int(m.group(1)) in experts and any(name.startswith(f"model.layers.{i}.") for i in layers):
+                total += e.end - e.start
+    return total
+
+
+@pytest.mark.slow  # starts processes
+@pytest.mark.parametrize("model_type,case", [(mt, c) for mt in ("deepseek_v3", "glm4_moe") for c in MOE_CASES
+                                             if mt == "deepseek_v3" or c != "gptq-spilled"])
+def test_ranks_own_the_experts_and_write_the_single_process_artifact(model_type, case, moe_rows, tmp_path):
+    """Two ranks on a tiny MoE row (layer 0 dense, layers 1-2 of 4 routed experts), the layers fitting
+    the memory budget: each rank reads from the source only its two experts of each MoE layer (and
+    the routed experts' bytes read are its half), results travel as tensors, and the artifact equals
+    the single-process one -- read in groups of one expert -- digest by digest."""
+    src = moe_rows[model_type]
+    flags, kw = MOE_CASES[case]
+    run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "one", memory_budget_gib=ONE_EXPERT_GIB,
+                                 threads=1, **ROW_FAST, **kw))
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    got = ends(ranks(2, [src, "-o", tmp_path / "two", *flags, *MOE_ARGS], KVQ_NO_PICKLE="1", KVQ_READS=str(reads)))
+    assert [g[0] for g in got] == [0, 0], got
+    assert digests(tmp_path / "two") == digests(tmp_path / "one")
+    timing = {"seconds", "phase_seconds", "weight_groups"}  # weight_groups: the groups of every rank
+    layers = [[{k: v for k, v in f.items() if k not in timing} for f in load_manifest(o).quality["layers"]]
+              for o in (tmp_path / "one", tmp_path / "two")]
+    assert layers[0] == layers[1]
+    assert load_manifest(tmp_path / "two").quality["moe"] == load_manifest(tmp_path / "one").quality["moe"]
+    per_rank = json.loads(got[0][1])["ranks"]
+    assert [r["rank"] for r in per_rank] == [0, 1]
+    for r in (0, 1):
+        names = (reads / f"rank{r}.txt").read_text().split()
+        for i in (1, 2):
+            owned = {int(m.group(1)) for n in names if n.startswith(f"model.layers.{i}.")
+                     and (m := ROUTED_EXPERT.search(n))}
+            assert owned == {2 * r, 2 * r + 1}, (r, i, owned)
+        assert per_rank[r]["routed_expert_bytes_read"] == _expert_bytes(src, (1, 2), {2 * r, 2 * r + 1}) > 0
+
+
+@pytest.mark.slow
+def test_three_ranks_with_unequal_shares(moe_rows, tmp_path):
+    """Four experts on three ranks (1, 1 and 2 experts, read one at a time): the ranks with fewer
+    groups keep in step with the one with more; the artifact is the single-process one."""
+    src = moe_rows["deepseek_v3"]
+    run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "one", algorithm="gptq", threads=1, **ROW_FAST))
+    got = ends(ranks(3, [src, "-o", tmp_path / "three", "--algorithm", "gptq", "--memory-budget-gib",
+                         str(ONE_EXPERT_GIB), *MOE_ARGS]))
+    assert [g[0] for g in got] == [0, 0, 0], got
+    assert digests(tmp_path / "three") == digests(tmp_path / "one")
+    per_rank = json.loads(got[0][1])["ranks"]
+    assert [r["routed_expert_bytes_read"] for r in per_rank] == [
+        _expert_bytes(src, (1, 2), set(range(*bounds(4, r, 3)))) for r in range(3)]
+
+
+@pytest.mark.slow
+def test_a_moe_run_killed_mid_layer_resumes_with_two_ranks_or_one(moe_rows, tmp_path):
+    """Rank 1 killed in the second MoE layer of a run whose ranks own the experts: the two finished
+    layers are kept, and resuming them with two ranks or with one gives the single-process artifact."""
+    src = moe_rows["deepseek_v3"]
+    ref = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "ref", algorithm="gptq", threads=1,
+                                       **ROW_FAST))
+    args = [src, "-o", tmp_path / "a" / "r", "--algorithm", "gptq", *MOE_ARGS]
+    (rc0, _, err0), (rc1, _, _) = ends(ranks(2, args, KVQ_FAULT="1:2:kill"))
+    assert rc1 == -signal.SIGKILL and rc0 == 1 and "2 of 3 layers are kept in" in err0, err0
+    shutil.copytree(tmp_path / "a" / ".r.kvq-partial", tmp_path / "b" / ".r.kvq-partial")
+    got = ends(ranks(2, [*args, "--resume"]))
+    assert [g[0] for g in got] == [0, 0], got
+    assert json.loads(got[0][1])["resumed_from_layer"] == 2 and digests(tmp_path / "a" / "r") == digests(ref["output"])
+    one = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "b" / "r", algorithm="gptq", resume=True,
+                                       threads=1, **ROW_FAST))
+    assert one["resumed_from_layer"] == 2 and digests(tmp_path / "b" / "r") == digests(ref["output"])

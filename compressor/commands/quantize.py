@@ -39,7 +39,7 @@ from ..artifact import DTYPES, check_output, tool_info, write_artifact
 from ..calib import is_token_file, load_text, load_token_ids, sample_windows, tokenize
 from ..tokens import bos_rule, check_vocabulary
 from ..source.config_check import read_config, text_config
-from ..distributed import finished, on_stop, watched
+from ..distributed import finished, gather, on_stop, watched
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import get_format
@@ -151,18 +151,30 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
                              opts.execution.memory_budget_gib)
         writer.restore(device)
         result = _quantize(plan, src, writer, opts, device, console)
+        ranks = gather({"rank": rank, **_reads(src)}) if world_size > 1 else None  # each rank's reads, to rank 0
         finished()  # torchrun: this rank's last collective is behind it
     with keep_checkpoint(staging, n_layers, drop_on_error=False):  # every layer is done: keep them whatever happens
         interrupts.check()
         src.calib_ids = None  # freed by its count; the layer loop's own garbage was collected at its end
         if rank != 0:
-            return {"rank": rank, "world_size": world_size, "output": None, "quantize_seconds": round(result.seconds, 2)}
+            return {"rank": rank, "world_size": world_size, "output": None, "quantize_seconds": round(result.seconds, 2),
+                    **_reads(src)}
         signing = ", signature" if opts.write.sign else ""
         show.step(console, f"writing {plan.out}: packing, digests, manifest{signing} ...")
         written = _write(plan, src, result, writer, staging, source_fp, opts, console, on_committed)
-    summary = _summary(plan, src, written, writer, world_size, opts, t0)
+    summary = {**_summary(plan, src, written, writer, world_size, opts, t0), **_reads(src)}
+    if ranks is not None:
+        summary["ranks"] = ranks
     show.quantize_done(console, summary, result.layers, result.moe)
     return summary
+
+
+def _reads(src: _Source) -> dict:
+    """What this process read of a streamed source so far, in bytes (all of it; routed experts'
+    tensors), and its peak RSS (VmHWM, MiB): the figures of each ``torchrun`` rank."""
+    ckpt = src.ckpt
+    return {"source_bytes_read": getattr(ckpt, "bytes_read", None),
+            "routed_expert_bytes_read": getattr(ckpt, "expert_bytes_read", None), "peak_rss_mib": peak_rss_mib()}
 
 
 # ---------------------------------------------------------------------------------------

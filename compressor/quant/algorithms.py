@@ -15,6 +15,9 @@ algorithm:
                           runs with its routed experts read in groups, each quantized from its
                           own routed tokens (``quantize_expert``; :mod:`compressor.moe_stream`;
                           AWQ, its scale spanning every expert: :mod:`compressor.moe_stream_awq`)
+``experts_per_rank``      ``quantize_expert`` needs nothing but the expert's own tokens: under
+                          several ``torchrun`` ranks each owns a share of the experts
+                          (:mod:`compressor.moe_ranks`)
 ``folds_input_scales``    the artifact's weights carry folded input scales that weight
                           statistics must undo (AWQ; :func:`compressor.quality.weight_report`);
                           a streamed MoE layer then takes :mod:`compressor.moe_stream_awq`
@@ -56,6 +59,9 @@ class Algorithm:
     #: (:meth:`quantize_expert`; AWQ: :mod:`compressor.moe_stream_awq`): a streamed MoE layer's experts may be
     #: read in groups
     streams_experts: ClassVar[bool] = False
+    #: :meth:`quantize_expert` reads nothing but the expert and its tokens (no collective, no other
+    #: expert): under several ranks each reads and quantizes only its own experts (:mod:`compressor.moe_ranks`)
+    experts_per_rank: ClassVar[bool] = False
     #: the artifact's weights are ``diag(1/s_row) W diag(s_col)`` (AWQ's folded scales)
     folds_input_scales: ClassVar[bool] = False
     #: the recipe sections (``awq``, ``gptq``) its step reads; a changed one it does not read earns a warning
@@ -230,7 +236,7 @@ class RTN(Algorithm):
 
     name = "rtn"
     per_linear = True
-    streams_experts = True
+    streams_experts = experts_per_rank = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return LayerOutcome(rtn_layer(i, layer, ctx))
@@ -246,7 +252,7 @@ class NoWeights(Algorithm):
     name = "none"
     quantizes_weights = False
     per_linear = True
-    streams_experts = True
+    streams_experts = experts_per_rank = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return LayerOutcome(rtn_layer(i, layer, ctx))  # no targets: nothing is quantized

@@ -410,7 +410,7 @@ class GPTQ(Algorithm):
     reads = ("gptq",)
     needs_calibration = True
     act_order = True
-    streams_experts = True
+    streams_experts = experts_per_rank = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return gptq_layer(i, layer, hidden, kw, ctx)

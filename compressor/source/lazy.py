@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import re
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ from ..safetensors_io import read_header
 RESUME_NAME = "resume.json"
 HIDDEN_PREFIX = "resume-hidden-"  # + layers done + .safetensors: a new file per checkpoint
 ARTIFACT_DIR = "artifact"  # the artifact is assembled here, renamed to OUT when complete
+#: a routed expert's tensors (``...experts.<e>.``; not ``shared_experts``), in kvq's and checkpoints' names
+ROUTED_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
@@ -50,6 +53,10 @@ class LazyCheckpoint:
     ``weight_dequant``. ``block_fp8`` is ``(bo, bi)``; by default it is read from the
     folder's ``config.json`` (:func:`compressor.source.config_check.source_quantization`).
 
+    :attr:`bytes_read` counts the bytes read from the shards so far, :attr:`expert_bytes_read`
+    those of routed experts' tensors (:data:`ROUTED_EXPERT`, their block scales included): what
+    a ``torchrun`` rank reads of the source (:mod:`compressor.moe_ranks`).
+
     Raises:
         InputError: a shard with a bad header; a tensor name in two shards; a
             ``quantization_config`` kvq does not read.
@@ -57,6 +64,7 @@ class LazyCheckpoint:
 
     def __init__(self, folder: str | Path, block_fp8: tuple[int, int] | None | str = "config"):
         self.folder = Path(folder)
+        self.bytes_read = self.expert_bytes_read = 0
         self.where: dict[str, tuple[Path, object]] = {}
         for shard in sorted(self.folder.glob("*.safetensors")):
             for name, entry in read_header(shard).items():
@@ -94,6 +102,9 @@ class LazyCheckpoint:
             got = f.readinto(memoryview(raw.numpy())) if f.seek(e.start) == e.start else 0
         if got != n:
             raise InputError(f"{shard}: truncated while reading {name}")
+        self.bytes_read += n
+        if ROUTED_EXPERT.search(name):
+            self.expert_bytes_read += n
         return raw.view(_DTYPES[e.dtype]).view(e.shape)
 
     def get(self, name: str, dtype: torch.dtype, as_stored: bool = False) -> torch.Tensor:

@@ -1,0 +1,196 @@
+"""Routed experts owned per rank: several ``torchrun`` ranks divide a MoE layer's experts.
+
+Under several ranks (:mod:`compressor.distributed`) every rank runs the same layer-by-layer
+pass, so each already holds the layer's non-expert part, its calibration tokens and their
+routing (:mod:`compressor.moe_stream` computes the routing once, from the held router). What
+grows with the model -- the routed experts' weights, their Hessians, their solves -- is
+divided: rank ``r`` of ``W`` owns the contiguous block of experts ``[n r / W, n (r + 1) / W)``
+(:func:`bounds`) of every streamed MoE layer and alone reads them from the source (in groups
+within ``--memory-budget-gib``), calibrates, solves and packs them
+(:meth:`compressor.quant.algorithms.Algorithm.quantize_expert`, inside
+:func:`compressor.distributed.alone`: no collective). It applies to handlers with
+``experts_per_rank`` (GPTQ, GPTAQ, RTN, float weights) on a streamed source, whether or not
+the layer fits the budget.
+
+The routed output. A token's routed output is the sum of its ``top_k`` experts' weighted
+outputs, added in ascending expert order (:class:`compressor.moe.UnfusedExperts`, and a
+single process's streamed layer). Float addition is not associative, so partial sums added
+afterwards would differ from that in the last bits, and the next layers' integers with them.
+Ranks own ascending blocks, so the single-process order is rank 0's experts, then rank 1's,
+...: rank 0 adds its experts into the accumulator as a single process does; a later rank
+keeps its experts' weighted rows (:class:`Stash`, ``[its routed (token, slot) pairs, H]``,
+through ``--activation-budget-gib``'s spill) and, once it receives the sum of the ranks
+before it (a broadcast), adds them in the same order (:meth:`ExpertShare.combine`). Every
+rank ends with the routed output a single process computes, bit for bit, and so does
+every later layer: the artifact's tensors equal the single-process ones for any number of
+ranks. What it costs: ``W`` broadcasts of the layer's activations ``[tokens, H]`` per
+accumulator (the quantized stream; the reference sequences; GPTAQ's float stream), and on
+each rank after the first its pairs' rows, about ``top_k / W`` times the activations.
+
+The packed experts. Rank 0 writes the staging folder and the artifact, as before: after
+each group (every rank in step, the ranks with fewer groups sending nothing) every other
+rank sends its group's packed tensors, schemes and tensor names to rank 0 alone as flat
+tensors (:func:`compressor.distributed.gather`; never pickled), and rank 0 writes them as
+parts named by the group's first expert. No shared file system is needed between machines,
+and the resume checkpoint stays rank 0's alone (``--resume`` with any number of ranks).
+Per-expert figures (errors, damping, the largest activation) reach every rank in expert
+order (:meth:`ExpertShare.merge`).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from .distributed import alone, broadcast, share, world
+from .source.lazy import ROUTED_EXPERT, layer_names
+
+__all__ = ["bounds", "budget_groups", "divides", "ExpertShare", "Stash"]
+
+
+def bounds(n: int, rank: int, size: int) -> tuple[int, int]:
+    """The experts ``[lo, hi)`` of ``n`` that rank ``rank`` of ``size`` owns: contiguous blocks
+    in rank order, sizes differing by at most one."""
+    return n * rank // size, n * (rank + 1) // size
+
+
+def divides(algorithm) -> bool:
+    """Whether ranks own routed experts for ``algorithm`` in this run: several ranks and a
+    handler whose :meth:`quantize_expert` needs nothing beyond the expert's own tokens
+    (``experts_per_rank``)."""
+    return world()[1] > 1 and getattr(algorithm, "experts_per_rank", False)
+
+
+def budget_groups(experts: list[list[str]], sizes: dict[str, int], budget: int) -> list[list[str]]:
+    """``experts`` (each expert's tensor names, in order) joined into groups of at most ``budget``
+    bytes (``sizes``: name -> bytes held; at least one expert a group)."""
+    groups, cur, cur_bytes = [], [], 0
+    for names in experts:
+        b = sum(sizes[n] for n in names)
+        if cur and cur_bytes + b > budget:
+            groups.append(cur)
+            cur, cur_bytes = [], 0
+        cur += names
+        cur_bytes += b
+    return groups + [cur] if cur else groups
+
+
+def split_layer(model, arch, i: int, bytes_per_weight: int) -> tuple[list[str], dict[int, list[str]], dict[str, int]]:
+    """Decoder layer ``i``'s tensor names split into the non-expert ones and routed experts'
+    (``{expert index: names}``), with each name's bytes held (``bytes_per_weight`` per weight)."""
+    prefix = f"{arch.layers}.{i}."
+    names = layer_names(model, arch, i)
+    params = dict(model.get_submodule(prefix[:-1]).named_parameters(prefix=prefix[:-1]))
+    sizes = {n: params[n].numel() * bytes_per_weight if n in params else 0 for n in names}
+    experts: dict[int, list[str]] = {}
+    rest = []
+    for n in names:
+        m = ROUTED_EXPERT.search(n[len(prefix):])
+        (experts.setdefault(int(m.group(1)), []) if m else rest).append(n)
+    return rest, experts, sizes
+
+
+def expert_groups(model, arch, i: int, limit: int, bytes_per_weight: int) -> list[list[str]] | None:
+    """Decoder layer ``i``'s tensor names (:func:`compressor.source.lazy.layer_names`) in groups:
+    the non-expert tensors first, then routed experts (whole experts, in index order) in groups
+    of at most ``limit`` bytes held (``bytes_per_weight`` per weight; at least one expert each).
+    ``None`` for a layer without routed experts. Used by a streamed verify
+    (:mod:`compressor.streamed_eval`); a streamed quantize takes :meth:`compressor.staging.LayerWriter.expert_groups`
+    (the same groups in one process, :class:`compressor.moe_ranks.ExpertShare`'s under ranks).
+    """
+    rest, experts, sizes = split_layer(model, arch, i, bytes_per_weight)
+    if not experts:
+        return None
+    return [rest] + budget_groups([experts[e] for e in sorted(experts)], sizes, limit)
+
+
+class Stash:
+    """Stands in, on a rank after the first, for one batch's routed-output accumulator ``[N, H]``
+    in :func:`compressor.moe_stream.add_expert`: each ``index_add_(0, index, rows)`` call (one
+    expert's weighted rows, experts in ascending order) is kept, ``rows`` copied into
+    :attr:`rows` ``[pairs, H]`` (its expected pairs, preallocated), for :meth:`fold_into`."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows, self.dtype, self._at = rows, rows.dtype, 0
+        self._adds: list[tuple[torch.Tensor, int, int]] = []
+
+    def index_add_(self, dim: int, index: torch.Tensor, source: torch.Tensor) -> None:
+        n = index.numel()
+        self.rows[self._at:self._at + n].copy_(source)
+        self._adds.append((index, self._at, n))
+        self._at += n
+
+    def fold_into(self, out: torch.Tensor) -> None:
+        """Add the kept rows into ``out`` as the calls would have: same order, same operation."""
+        for index, at, n in self._adds:
+            out.index_add_(0, index, self.rows[at:at + n])
+
+
+class ExpertShare:
+    """This rank's share of a MoE layer's ``n`` routed experts (:func:`bounds`); the whole
+    layer for a single process or a handler that does not divide them (``divided`` False)."""
+
+    def __init__(self, n: int, divided: bool = True):
+        self.rank, self.size = world() if divided else (0, 1)
+        self.n = n
+        self.lo, self.hi = bounds(n, self.rank, self.size)
+
+    @classmethod
+    def of(cls, algorithm, n: int) -> "ExpertShare":
+        """The share for ``algorithm`` in this run (:func:`divides`)."""
+        return cls(n, divides(algorithm))
+
+    def owns(self, e: int) -> bool:
+        return self.lo <= e < self.hi
+
+    def of_rank(self, r: int) -> range:
+        """The experts rank ``r`` owns."""
+        return range(*bounds(self.n, r, self.size))
+
+    def groups(self, experts: dict[int, list[str]], sizes: dict[str, int], budget: int) -> tuple[list, int]:
+        """``(this rank's experts in groups, the most groups any rank has)``: each rank's experts
+        (``experts``: index -> tensor names; ``sizes``: name -> bytes held), in index order, in groups
+        of at most ``budget`` bytes (at least one expert each)."""
+        by_rank = [budget_groups([experts[e] for e in sorted(experts) if e in self.of_rank(r)], sizes, budget)
+                   for r in range(self.size)]
+        return by_rank[self.rank], max(len(g) for g in by_rank)
+
+    def solo(self):
+        """Around an owned expert's step: no collective inside (:func:`compressor.distributed.alone`)."""
+        return alone() if self.size > 1 else nullcontext()
+
+    def sink(self, calls: list, outs: list[torch.Tensor], spill=None, tag: str = "") -> list:
+        """Where this rank adds its experts' weighted outputs for ``calls`` (``(x [N, H], top_k_index
+        [N, k], top_k_weights)`` per batch): ``outs`` itself on the first rank, else a :class:`Stash`
+        per batch sized for the batch's (token, slot) pairs routed to this rank's experts
+        (through ``spill``, tagged ``tag``, when given)."""
+        if self.rank == 0:
+            return outs
+        rows = [torch.zeros(int(((idx >= self.lo) & (idx < self.hi)).sum()), x.shape[-1], dtype=o.dtype,
+                            device=o.device) for (x, idx, _), o in zip(calls, outs)]
+        if spill is not None and rows:
+            rows = spill(rows, f"moe-stash-{tag}")
+        return [Stash(r) for r in rows]
+
+    def combine(self, outs: list[torch.Tensor], sinks: list) -> None:
+        """Make ``outs`` (every rank's accumulators for one set of calls, ``sinks`` from :meth:`sink`)
+        the routed output of every expert, added in ascending expert order: rank ``r`` receives
+        the sum of the ranks before it, adds its :class:`Stash` rows and passes it on; the last
+        rank's sum is broadcast to all."""
+        if self.size == 1:
+            return
+        for r in range(self.size):
+            if r and self.rank == r:
+                for out, stash in zip(outs, sinks):
+                    stash.fold_into(out)
+            for out in outs:
+                broadcast(out, r)
+
+    def merge(self, parts: list, peak: float, groups: int) -> tuple[list, float, int]:
+        """Every rank's per-expert ``parts`` (in its experts' order) on every rank, in expert order;
+        the largest ``peak`` and the sum of ``groups`` over the ranks (flat tensors: :func:`share`)."""
+        if self.size == 1:
+            return parts, peak, groups
+        got = [share((parts, peak, groups) if src == self.rank else None, src) for src in range(self.size)]
+        return [p for g in got for p in g[0]], max(g[1] for g in got), sum(g[2] for g in got)
