@@ -170,11 +170,9 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
 
 
 def _reads(src: _Source) -> dict:
-    """What this process read of a streamed source so far, in bytes (all of it; routed experts'
-    tensors), and its peak RSS (VmHWM, MiB): the figures of each ``torchrun`` rank."""
-    ckpt = src.ckpt
-    return {"source_bytes_read": getattr(ckpt, "bytes_read", None),
-            "routed_expert_bytes_read": getattr(ckpt, "expert_bytes_read", None), "peak_rss_mib": peak_rss_mib()}
+    """Bytes this process read of a streamed source (all; routed experts') and its VmHWM (MiB), per rank."""
+    return {"source_bytes_read": getattr(src.ckpt, "bytes_read", None),
+            "routed_expert_bytes_read": getattr(src.ckpt, "expert_bytes_read", None), "peak_rss_mib": peak_rss_mib()}
 
 
 # ---------------------------------------------------------------------------------------
