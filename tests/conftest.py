@@ -205,3 +205,46 @@ def verify_logits(model, ids, spec, scales, chunk=None):
 def max_err(a, b) -> float:
     """The largest absolute difference of two tensors, in float32."""
     return float((a.float() - b.float()).abs().max())
+
+
+# streamed and whole-model verify figures compared (tests/test_streamed_eval.py, tests/test_verify_moe_stream.py)
+STREAM_TOL = dict(rel=1e-4, abs=1e-6)
+
+
+def assert_same_eval(got: dict, want: dict):
+    for label, w in want.items():
+        if label == "seconds":
+            continue
+        g = got[label]
+        assert g["ppl"] == pytest.approx(w["ppl"], **STREAM_TOL), label
+        assert g["per_window_ppl"] == pytest.approx(w["per_window_ppl"], **STREAM_TOL), label
+        if label != "reference":
+            assert g["top1_agreement"] == pytest.approx(w["top1_agreement"], abs=1e-9), label
+            assert g["kl"]["mean"] == pytest.approx(w["kl"]["mean"], rel=1e-3, abs=1e-7), label
+            assert g["kl"]["p99"] == pytest.approx(w["kl"]["p99"], rel=1e-3, abs=1e-7), label
+            assert g["per_window_kl_mean"] == pytest.approx(w["per_window_kl_mean"], rel=1e-3, abs=1e-7), label
+
+
+def close_figures(got, want, path=""):
+    """Equal structure; numbers equal within float tolerance (the report rounds to 4 decimals)."""
+    if isinstance(want, dict):
+        assert set(got) == set(want), path
+        for k in want:
+            close_figures(got[k], want[k], f"{path}.{k}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), path
+        for k, (g, w) in enumerate(zip(got, want)):
+            close_figures(g, w, f"{path}[{k}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-4, abs=2e-4), path
+    else:
+        assert got == want, path
+
+
+def assert_same_report(got: dict, want: dict):
+    for section in ("perplexity", "perplexity_breakdown", "per_window"):
+        close_figures(got[section], want[section], section)
+    for section in ("distribution", "hidden_state_error", "weights", "kv_cache"):
+        close_figures(got[section], want[section], section)
+    assert got["nonfinite_tensors"] == want["nonfinite_tensors"] == []
+    assert [g["name"] for g in got["gates"]] == [g["name"] for g in want["gates"] if g["name"] != "min_median_divergence"]

@@ -18,9 +18,8 @@ from compressor.source.resolve import ModelSource, resolve_source
 from compressor.quant.kv import quantized_cache
 from compressor.quality import weight_report, weight_summary
 from compressor.streamed_eval import memory_plan, open_model, streamed_compare
-from conftest import make_model_dir, quantize_tiny
+from conftest import assert_same_eval, assert_same_report, close_figures, make_model_dir, quantize_tiny
 
-TOL = dict(rel=1e-4, abs=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +34,6 @@ def _streamed(src, art, dtype=torch.float32):
     ref, _ = open_model(resolve_source(str(src)), torch.float32, "reference")
     a, tok = open_model(ModelSource(str(art), "hf", art), dtype, "artifact", ckpt=PackedCheckpoint(find_packed(str(art))))
     return ref, a, tok
-
-
-def _assert_same(got: dict, want: dict):
-    for label, w in want.items():
-        if label == "seconds":
-            continue
-        g = got[label]
-        assert g["ppl"] == pytest.approx(w["ppl"], **TOL), label
-        assert g["per_window_ppl"] == pytest.approx(w["per_window_ppl"], **TOL), label
-        if label != "reference":
-            assert g["top1_agreement"] == pytest.approx(w["top1_agreement"], abs=1e-9), label
-            assert g["kl"]["mean"] == pytest.approx(w["kl"]["mean"], rel=1e-3, abs=1e-7), label
-            assert g["kl"]["p99"] == pytest.approx(w["kl"]["p99"], rel=1e-3, abs=1e-7), label
-            assert g["per_window_kl_mean"] == pytest.approx(w["per_window_kl_mean"], rel=1e-3, abs=1e-7), label
 
 
 @pytest.mark.parametrize("kv", [False, True], ids=["float-kv", "fp8-kv"])
@@ -72,7 +57,7 @@ def test_streamed_figures_equal_the_whole_model(tiny_pair, kv):
     seen = []
     got = streamed_compare(ref, a, cands, wins, kv_chunk=16, hidden_of="weights only", hidden_rows=(2, 32),
                            on_layer=lambda i, lr, la: seen.append((i, lr.self_attn.q_proj.weight.is_meta)))
-    _assert_same(got["results"], want)
+    assert_same_eval(got["results"], want)
     assert got["hidden_state_error"] == pytest.approx(want_hidden, rel=1e-4)
     assert seen == [(0, False), (1, False), (2, False)]  # each layer read when its turn came
     assert got["nonfinite_tensors"] == []
@@ -132,37 +117,12 @@ def _verify_json(capsys, art, *extra):
     return json.loads(out), err
 
 
-def _close(got, want, path=""):
-    """Equal structure; numbers equal within float tolerance (the report rounds to 4 decimals)."""
-    if isinstance(want, dict):
-        assert set(got) == set(want), path
-        for k in want:
-            _close(got[k], want[k], f"{path}.{k}")
-    elif isinstance(want, list):
-        assert len(got) == len(want), path
-        for k, (g, w) in enumerate(zip(got, want)):
-            _close(g, w, f"{path}[{k}]")
-    elif isinstance(want, float):
-        assert got == pytest.approx(want, rel=1e-4, abs=2e-4), path
-    else:
-        assert got == want, path
-
-
-def _same_report(got: dict, want: dict):
-    for section in ("perplexity", "perplexity_breakdown", "per_window"):
-        _close(got[section], want[section], section)
-    for section in ("distribution", "hidden_state_error", "weights", "kv_cache"):
-        _close(got[section], want[section], section)
-    assert got["nonfinite_tensors"] == want["nonfinite_tensors"] == []
-    assert [g["name"] for g in got["gates"]] == [g["name"] for g in want["gates"] if g["name"] != "min_median_divergence"]
-
-
 @pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_verify_stream_reports_the_whole_model_figures(tiny_pair, capsys):
     _, art = tiny_pair
     want, _ = _verify_json(capsys, art)
     got, err = _verify_json(capsys, art, "--stream")
-    _same_report(got, want)
+    assert_same_report(got, want)
     assert want["drift"] is not None and got["drift"] is None
     s = got["evaluated_in"]["streamed"]
     assert s["why"] == "--stream" and s["greedy_drift"].startswith("skipped")
@@ -218,5 +178,5 @@ def test_every_tiny_row_streams_to_the_whole_model_report(model_type, tmp_path, 
                 eval_dtype="float32")
     want = run_verify(VerifyOptions(**opts))
     got = run_verify(VerifyOptions(**opts, stream=True))
-    _same_report(got, want)
+    assert_same_report(got, want)
     assert got["passed"] == want["passed"]

@@ -22,8 +22,7 @@ from compressor.quality import weight_report, weight_summary
 from compressor.quant.kv import quantized_cache
 from compressor.source.resolve import ModelSource, resolve_source
 from compressor.streamed_eval import BASELINE_BYTES, GIB, memory_plan, open_model, streamed_compare
-from conftest import quantize_tiny
-from test_streamed_eval import _assert_same, _close, _same_report
+from conftest import assert_same_eval, assert_same_report, close_figures, quantize_tiny
 from tiny_models import make_dir, make_published, to_block_fp8
 
 ROWS = ["glm4_moe", "deepseek_v3", "qwen3_moe", "kimi_k2"]
@@ -119,7 +118,7 @@ def _check_row(src, art):
     cands = {label: ("reference" if m is ref_whole else "artifact", mc) for label, (m, mc) in whole.items()}
     for group, size in ((1, 1), (ALL, None)):
         got, weights, most, groups = _streamed(src, art, wins, group, cands)
-        _assert_same(got["results"], want)
+        assert_same_eval(got["results"], want)
         assert got["hidden_state_error"] == pytest.approx(want_hidden, rel=1e-4)
         assert [t["name"] for t in weights["tensors"]] == [t["name"] for t in want_weights["tensors"]]
         assert [t["sqnr_db"] for t in weights["tensors"]] == pytest.approx(
@@ -191,7 +190,7 @@ def test_verify_groups_experts_within_the_budget(tmp_path, tokenizer, capsys):
     assert code == 0, err
     got = json.loads(out)
     assert got["evaluated_in"]["streamed"]["memory_plan"]["experts_per_group"] == 1
-    _same_report(got, want)
+    assert_same_report(got, want)
     low = (smallest.peak - BASELINE_BYTES - smallest.expert_group // 4) / GIB
     code, _, err = kvq_run([*args, "--stream", "--memory-budget-gib", f"{low:.12f}"], capsys)
     assert_clean_error(code, err, 2, "cannot hold streamed verify's smallest unit: ")
@@ -220,4 +219,4 @@ def test_awq_weight_statistics_in_groups(tmp_path, tokenizer):
     assert got["evaluated_in"]["streamed"]["memory_plan"]["experts_per_group"] == 1
     assert want["weights"]["awq_scales_undone"] and got["weights"]["awq_scales_undone"]
     assert [t["name"] for t in got["weights"]["tensors"]] == [t["name"] for t in want["weights"]["tensors"]]
-    _close(got["weights"], want["weights"], "weights")
+    close_figures(got["weights"], want["weights"], "weights")
