@@ -24,7 +24,7 @@ from the model's forward with a cache that reports the ``c * kv_chunk`` tokens b
 
 A mixture-of-experts layer larger than the budget (``expert_group``: one Kimi K2 layer holds
 384 routed experts, 68 GB in float32) is read in groups instead
-(:func:`compressor.staging.expert_groups`, the grouping a streamed quantize uses): its
+(:func:`compressor.moe_ranks.expert_groups`, the grouping a streamed quantize uses): its
 non-expert tensors first, held, then groups of whole routed experts of both models, each read,
 used and released before the next (:func:`compressor.moe_stream.forward_grouped`). Every
 configuration runs its windows through the layer once with an
@@ -99,7 +99,7 @@ class LazyModel:
     def load_layer(self, i: int, on_nonfinite: Callable[[str], None] | None = None,
                    names: list[str] | None = None) -> torch.nn.Module:
         """Decoder layer ``i`` with its tensors read (``names``: only those, full in-memory names; a
-        group of :func:`compressor.staging.expert_groups`). ``on_nonfinite(name)`` is called for a
+        group of :func:`compressor.moe_ranks.expert_groups`). ``on_nonfinite(name)`` is called for a
         tensor holding NaN or Inf (default: refused).
 
         Raises:
@@ -385,7 +385,7 @@ def _advance(layer, i: int, stream: _Stream, kw_full: list[dict], kw_chunks: lis
 def _advance_grouped(i: int, models: dict, streams: dict, groups: list[list[str]], advance: Callable,
                      on_layer: Callable | None, on_experts: Callable | None, on_nonfinite: Callable) -> None:
     """Decoder layer ``i`` of each model with its routed experts read in ``groups``
-    (:func:`compressor.staging.expert_groups`: the non-expert tensors, then groups of whole
+    (:func:`compressor.moe_ranks.expert_groups`: the non-expert tensors, then groups of whole
     experts), every configuration's windows advanced through it by
     :func:`compressor.moe_stream.forward_grouped`; ``advance(layer, stream, keep)`` runs a
     stream's windows through a layer. ``on_layer`` is called once the non-expert part is read,
