@@ -214,7 +214,7 @@ def test_glm5_shared_top_k_layers_are_refused(stream, tmp_path, tokenizer, capsy
     cfg = json.loads((src / "config.json").read_text())
     cfg["indexer_types"] = ["full", "shared"]
     (src / "config.json").write_text(json.dumps(cfg))
-    code, _, err = run(["quantize", src, "-o", tmp_path / "out", "--algorithm", "gptq"] + ([] if stream else ["--no-stream"]), capsys)
+    code, _, err = run(["quantize", src, "-o", tmp_path / "out", "--algorithm", "gptq", "--group-size", "32"] + ([] if stream else ["--no-stream"]), capsys)
     assert_clean_error(code, err, 2, "decoder layer 1 reuses the previous layer's sparse-attention top-k", tmp_path)
 
 
