@@ -21,6 +21,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 OTHER_TOOLS = {"--nproc-per-node", "--nnodes", "--master-addr", "--master-port", "--rdzv-endpoint",  # torchrun
                "--rdzv-backend",  # torchrun (docs/distributed.md)
                "--kv-cache-dtype",  # vLLM (docs/quantize.md)
+               "--calculate-kv-scales",  # vLLM (docs/kv-cache.md)
                "--kl-divergence"}  # llama.cpp's perplexity tool (docs/verify.md)
 
 
