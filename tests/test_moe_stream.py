@@ -29,7 +29,7 @@ CASES = {
     # AWQ's block scale spans every expert: two more reads of the experts (compressor.moe_stream_awq)
     "awq": dict(algorithm="awq"),
     "awq-gptq": dict(algorithm="awq-gptq"),
-    "awq-cold-fp8": dict(algorithm="awq", kv_scheme="fp8", settings=(("moe.min_tokens", 60),)),
+    "awq-cold-fp8": dict(algorithm="awq", kv_scheme="fp8", settings=(("moe.min_tokens", 80),)),
 }
 
 
