@@ -282,7 +282,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     Examples:
       kvq verify out/smollm2-w4 --eval ../shared/data/wikitext-2-raw/wiki.test.raw --max-windows 8
       kvq verify out/smollm2-w4 --public-key pub.pem --hashes-only
-      kvq verify out/smollm2-w4 --weights-only --min-sqnr-db 15
+      kvq verify out/smollm2-w4 --weights-only --min-sqnr-db 8
       kvq verify out/smollm2-w4 --max-mean-kl 0.1 --min-top1 85 --report out/report
       kvq verify llmc-out/ --no-manifest --reference float-model/ --max-windows 4
       kvq verify out/kimi-k2-w4 --stream --memory-budget-gib 64 --max-windows 2

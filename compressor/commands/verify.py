@@ -258,7 +258,8 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> Models:
     from ..quality import KEY_PAIRS_TOLERANCE, key_basis, key_pairs_residual, weight_report
 
     dtype, report["evaluated_in"] = eval_dtype(plan.folder, opts.evaluation.dtype)
-    show.step(console, f"loading the artifact and the reference ({plan.ref_spec}) in {dtype} ...")
+    named = str(dtype).removeprefix("torch.")
+    show.step(console, f"loading the artifact and the reference ({plan.ref_spec}) in {named} ...")
     model, tokenizer = load_artifact(plan.folder, dtype=dtype)
     ref_model = load_reference(plan.ref_spec, plan.ref_source, dtype)
     check_same_architecture(model, ref_model, plan.ref_spec)
