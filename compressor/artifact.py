@@ -221,7 +221,9 @@ def write_artifact(
         save_file(tensors, str(last), metadata={"format": "pt"})
         del tensors
         parts.append(last)
-        write_shards(parts, tmp, shard_bytes)
+        # decoder-layer parts become shards by hard link when the artifact needs several shards,
+        # so the assembly needs no second copy of the artifact on disk
+        write_shards(parts, tmp, shard_bytes, link=list(staging.parts) if staging is not None else ())
         last.unlink()
         cfg = (_config_dict(model, quant_config, dtype_name) if published_config is None
                else _published_config_dict(published_config, quant_config, dtype_name))

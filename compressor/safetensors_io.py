@@ -406,7 +406,8 @@ def file_digest(path: str | os.PathLike, algorithm: str = "sha256") -> str:
 
 
 def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, shard_bytes: int,
-                 metadata: dict[str, str] | None = None, skip: dict | None = None) -> dict[str, str]:
+                 metadata: dict[str, str] | None = None, skip: dict | None = None,
+                 link: list[str | os.PathLike] = ()) -> dict[str, str]:
     """Concatenate the tensors of safetensors ``parts`` into shards of at most ``shard_bytes``
     of data each (a tensor larger than that gets a shard of its own), streaming the bytes
     (memory stays O(copy buffer), whatever the model size).
@@ -419,6 +420,12 @@ def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, sha
     header is sorted by name and the data follows in that order (safetensors spec: 8-byte
     little-endian header length, JSON header padded with spaces to 8 bytes, data buffer
     fully indexed, no holes).
+
+    ``link`` names parts (on the same file system as ``out_dir``) that become shards of their
+    own, as hard links, when the tensors do not fit one shard and nothing is skipped from them:
+    no byte is copied, so assembling an artifact of decoder-layer parts needs no second copy of
+    it on disk (a Kimi K2 artifact is hundreds of GB). Such a shard keeps the part's own
+    layout (safetensors' writer orders tensors by alignment, then name).
 
     Returns:
         ``{tensor name: shard file name}``.
@@ -439,11 +446,21 @@ def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, sha
                 raise InputError(f"tensor {e.name} written twice while assembling the shards")
             seen.add(e.name)
             entries.append((Path(p), e))
+    data_bytes = sum(e.end - e.start for _p, e in entries)
+    linked = ({Path(p) for p in link if not skip.get(Path(p))} if data_bytes > shard_bytes else set())
     groups: list[list[tuple[Path, TensorEntry]]] = [[]]
+    whole: set[int] = set()  # indices of groups that are one linked part
     size = 0
     for item in entries:
         n = item[1].end - item[1].start
-        if groups[-1] and size + n > shard_bytes:
+        if item[0] in linked:
+            if not groups[-1] or groups[-1][0][0] != item[0]:
+                if groups[-1]:
+                    groups.append([])
+                whole.add(len(groups) - 1)
+            groups[-1].append(item)
+            continue
+        if groups[-1] and (size + n > shard_bytes or len(groups) - 1 in whole):
             groups.append([])
             size = 0
         groups[-1].append(item)
@@ -451,7 +468,11 @@ def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, sha
     total = len(groups)
     names = ["model.safetensors"] if total == 1 else [f"model-{k:05d}-of-{total:05d}.safetensors" for k in range(1, total + 1)]
     weight_map: dict[str, str] = {}
-    for fname, group in zip(names, groups):
+    for k, (fname, group) in enumerate(zip(names, groups)):
+        if k in whole:  # a part placed whole: a hard link, no copy
+            os.link(group[0][0], out_dir / fname)
+            weight_map.update({e.name: fname for _p, e in group})
+            continue
         group = sorted(group, key=lambda it: it[1].name)
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         off = 0
@@ -482,7 +503,7 @@ def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, sha
                 for h in handles.values():
                     h.close()
     if total > 1:
-        index = {"metadata": {"total_size": sum(e.end - e.start for _p, e in entries)},
+        index = {"metadata": {"total_size": data_bytes},
                  "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return weight_map

@@ -101,6 +101,8 @@ def test_sharded_output(tmp_path, deep_dir, whole, capsys):
         assert all(index["weight_map"][n] == f for n in hdr)
     assert index["metadata"]["total_size"] == sum(e.end - e.start for f in files for e in read_header(out / f).values())
     assert digests(out) == digests(whole["gptq"])  # same tensors, other files
+    layer_shards = {f for f in files if {n.split(".")[2] for n in read_header(out / f) if n.startswith("model.layers.")} == {"0"}}
+    assert len(layer_shards) == 1 and all(n.startswith("model.layers.0.") for n in read_header(out / layer_shards.pop()))  # a layer's part, linked whole
     code, _, _ = run(["verify", out, "--hashes-only"], capsys)
     assert code == 0
     m, _ = load_artifact(out)
@@ -279,6 +281,46 @@ def test_write_shards_unit(tmp_path):
     assert [p.name for p in single.iterdir()] == ["model.safetensors"]
     with pytest.raises(InputError, match="written twice"):
         write_shards([tmp_path / "a.safetensors", tmp_path / "a.safetensors"], tmp_path / "out", 10**9)
+
+
+def test_write_shards_links_layer_parts(tmp_path):
+    """Parts named in ``link`` become shards by hard link (no second copy on disk) once the
+    tensors need several shards; the rest is packed as before; one shard copies as before."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for j in range(3):
+        t = {f"model.layers.{j}.w": torch.full((40,), float(j)), f"model.layers.{j}.b": torch.arange(5.0) + j}
+        save_file(t, str(tmp_path / f"part-{j}.safetensors"), metadata={"format": "pt"})
+        tensors.update(t)
+    final = {"model.embed_tokens.weight": torch.ones(30), "lm_head.weight": torch.zeros(30), "model.norm.weight": torch.ones(2)}
+    save_file(final, str(tmp_path / "part-final.safetensors"))
+    tensors.update(final)
+    layer_parts = [tmp_path / f"part-{j}.safetensors" for j in range(3)]
+    out = tmp_path / "out"
+    out.mkdir()
+    wm = write_shards([*layer_parts, tmp_path / "part-final.safetensors"], out, shard_bytes=150, link=layer_parts,
+                      skip={layer_parts[1]: {"model.layers.1.b"}})
+    files = sorted(out.glob("*.safetensors"))
+    got = {}
+    for f in files:
+        read_header(f)
+        got.update(load_file(str(f)))
+    assert set(got) == set(tensors) - {"model.layers.1.b"}
+    assert all(torch.equal(got[k], tensors[k]) for k in got)
+    inodes = {f.stat().st_ino: f.name for f in files}
+    assert layer_parts[0].stat().st_ino in inodes and layer_parts[2].stat().st_ino in inodes  # linked, not copied
+    assert layer_parts[1].stat().st_ino not in inodes  # a tensor skipped from it: copied without it
+    assert wm["model.layers.0.w"] == inodes[layer_parts[0].stat().st_ino]
+    assert wm["model.layers.1.w"] != wm["model.layers.0.w"] and wm["lm_head.weight"] not in (wm["model.layers.0.w"],
+                                                                                           wm["model.layers.2.w"])
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == dict(sorted(wm.items()))
+    one = tmp_path / "one"
+    one.mkdir()
+    write_shards([*layer_parts, tmp_path / "part-final.safetensors"], one, shard_bytes=10**9, link=layer_parts)
+    assert [f.name for f in one.iterdir()] == ["model.safetensors"]
+    assert all(f.stat().st_ino != (one / "model.safetensors").stat().st_ino for f in layer_parts)
 
 
 def _rank_main(rank, world, port, src, out, result_file):
