@@ -405,6 +405,30 @@ def file_digest(path: str | os.PathLike, algorithm: str = "sha256") -> str:
     return h.hexdigest()
 
 
+def _shard_groups(entries: list, shard_bytes: int, linked: set) -> tuple[list[list], set[int]]:
+    """``entries`` (``(part, TensorEntry)`` in order) split into shards: each part of ``linked``
+    whole, the rest packed in order into shards of at most ``shard_bytes`` data bytes (a larger
+    tensor alone). Returns the groups and the indices of those that are one linked part."""
+    groups: list[list] = [[]]
+    whole: set[int] = set()
+    size = 0
+    for item in entries:
+        n = item[1].end - item[1].start
+        if item[0] in linked:
+            if not groups[-1] or groups[-1][0][0] != item[0]:
+                if groups[-1]:
+                    groups.append([])
+                whole.add(len(groups) - 1)
+            groups[-1].append(item)
+            continue
+        if groups[-1] and (size + n > shard_bytes or len(groups) - 1 in whole):
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += n
+    return groups, whole
+
+
 def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, shard_bytes: int,
                  metadata: dict[str, str] | None = None, skip: dict | None = None,
                  link: list[str | os.PathLike] = ()) -> dict[str, str]:
@@ -448,23 +472,7 @@ def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, sha
             entries.append((Path(p), e))
     data_bytes = sum(e.end - e.start for _p, e in entries)
     linked = ({Path(p) for p in link if not skip.get(Path(p))} if data_bytes > shard_bytes else set())
-    groups: list[list[tuple[Path, TensorEntry]]] = [[]]
-    whole: set[int] = set()  # indices of groups that are one linked part
-    size = 0
-    for item in entries:
-        n = item[1].end - item[1].start
-        if item[0] in linked:
-            if not groups[-1] or groups[-1][0][0] != item[0]:
-                if groups[-1]:
-                    groups.append([])
-                whole.add(len(groups) - 1)
-            groups[-1].append(item)
-            continue
-        if groups[-1] and (size + n > shard_bytes or len(groups) - 1 in whole):
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += n
+    groups, whole = _shard_groups(entries, shard_bytes, linked)
     total = len(groups)
     names = ["model.safetensors"] if total == 1 else [f"model-{k:05d}-of-{total:05d}.safetensors" for k in range(1, total + 1)]
     weight_map: dict[str, str] = {}
