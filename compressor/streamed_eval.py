@@ -63,6 +63,7 @@ import torch
 
 from .errors import InputError
 from .evaluate import LOGIT_CHUNK, _summary, _window_statistics
+from .stats import STATS_BLOCK
 
 GIB = 2**30
 #: bytes a Python process with torch and transformers imported holds before any model (measured: about 0.5 GiB)
@@ -201,7 +202,7 @@ class MemoryPlan:
     heads: int  #: the heads at the end
     hidden: int  #: every configuration's hidden states (windows x seqlen x hidden each, twice while a layer runs)
     work: int  #: one window's activations inside a layer, or the logits of one chunk per configuration
-    weight_stats: int  #: weight statistics of the largest linear (float64 copies), before the layer's windows run
+    weight_stats: int  #: weight statistics of the largest linear (an AWQ-undone float32 copy, float64 row blocks)
     streams: int  #: configurations evaluated
     whole: int  #: both models whole (today's path), for the comparison
     expert_group: int = 0  #: one group of routed experts of both models (0: MoE layers read whole)
@@ -284,9 +285,10 @@ def memory_plan(reference: LazyModel, artifact: LazyModel | None, n_windows: int
         of ``owners`` x ``n_windows x seqlen x hidden`` (two copies while a layer runs), the
         heads and embeddings, one window's activations inside a layer (attention scores of
         every head, the MLP's ``3 x intermediate``), ``logit_chunk x vocab x 4 B x 6`` per
-        configuration at the end; with ``weight_stats``, three float64 copies of the largest
-        2-D weight (:func:`compressor.quality.weight_report`'s original, artifact and AWQ-undone
-        copies).
+        configuration at the end; with ``weight_stats``, one float32 copy of the largest 2-D
+        weight (:func:`compressor.quality.weight_report`'s AWQ-undone artifact weight; the
+        statistics read float64 blocks of rows) or three float64 copies of the largest
+        q_proj/k_proj (the RoPE-pair fit), whichever is larger.
     """
     models = [m for m in (reference, artifact) if m is not None]
     cfg = reference.model.config
@@ -301,8 +303,11 @@ def memory_plan(reference: LazyModel, artifact: LazyModel | None, n_windows: int
                len(owners) * logit_chunk * cfg.vocab_size * 4 * 6)
     whole = sum(_nbytes(m.model, m.dtype) for m in models)  # every parameter once (a tied head is the embedding)
     largest = max((p.numel() for p in reference.layers.parameters() if p.ndim == 2), default=0)
+    pairs = max((p.numel() for n, p in reference.layers.named_parameters() if p.ndim == 2
+                 and n.endswith(("q_proj.weight", "k_proj.weight"))), default=0)
+    stats = max(4 * largest, 3 * 8 * pairs) + 3 * 8 * min(STATS_BLOCK, largest)  # + the float64 blocks
     plan = MemoryPlan(layers=sum(p[0] for p in parts), outer=tied + norms, embeddings=emb, heads=head, hidden=2 * copy,
-                      work=work, weight_stats=3 * 8 * largest if weight_stats else 0, streams=len(owners),
+                      work=work, weight_stats=stats if weight_stats else 0, streams=len(owners),
                       whole=whole + BASELINE_BYTES + work)
     one, most = sum(p[2] for p in parts), parts[0][3]
     if budget is None or plan.peak <= budget or not one:
