@@ -610,3 +610,22 @@ def test_aligned_packer_leaves_its_input_alone(bits, dtype):
     fields = before.long() & ((1 << bits) - 1)  # int8 holds 128..255 as negatives: the same low bits
     assert torch.equal(unpack_rows(packed, bits, 64), fields)
     assert torch.equal(packed, per_bit_pack_int32((fields - (1 << (bits - 1))).to(torch.int8), bits))
+
+
+@pytest.mark.parametrize("num_bits", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("n", [1, 7, 9, 64, 130])
+def test_unpack_signed_fast_path_equals_the_general_one(num_bits, n):
+    """The byte-wise unpacking (2/4/8 bits) and the gather path give the same int8 values,
+    rows whose last word is partly filled included, and :func:`unpack_int32` returns them."""
+    from compressor.formats.packing import unpack_rows, unpack_signed
+
+    lo, hi = -(1 << (num_bits - 1)), 1 << (num_bits - 1)
+    q = torch.randint(lo, hi, (37, n), dtype=torch.int8, generator=torch.Generator().manual_seed(num_bits * 1000 + n))
+    q[0, 0], q[-1, -1] = lo, hi - 1  # both ends of the range
+    words = ct.pack_int32(q, num_bits)
+    general = (unpack_rows(words, num_bits, n) - hi).to(torch.int8)
+    assert torch.equal(general, q)
+    assert torch.equal(unpack_signed(words, num_bits, n), q)
+    assert torch.equal(ct.unpack_int32(words, num_bits, (37, n)), q)
+    with pytest.raises(InputError, match="words per row"):
+        unpack_signed(words[:, :0], num_bits, n)

@@ -27,7 +27,7 @@ import torch
 from ..errors import InputError
 from ..quant.primitives import qrange
 from .base import QuantWeight, WeightFormat, act_order, dynamic_act_order, require_leaves, symmetric_zero
-from .packing import n_words, pack_rows, row_blocks, unpack_rows
+from .packing import n_words, pack_rows, unpack_signed
 
 
 @torch.no_grad()
@@ -68,10 +68,7 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int], pa
         raise InputError(
             f"packed tensor has shape {tuple(packed.shape)}, expected {(rows, words)} for {num_bits}-bit {shape}"
         )
-    out = torch.empty(rows, cols, dtype=torch.int8)
-    for r0, r1 in row_blocks(rows, cols):  # int64 only one block at a time
-        out[r0:r1] = unpack_rows(packed[r0:r1], num_bits, cols) - (1 << (num_bits - 1))
-    return out
+    return unpack_signed(packed, num_bits, cols)
 
 
 def module_tensors(
