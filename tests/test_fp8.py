@@ -270,7 +270,7 @@ def qwen3_moe(tmp_path_factory, tokenizer) -> Path:
 
 @pytest.mark.parametrize("row, recipe, kv", [("llama", "w8a8-fp8", None), ("llama", "w8a8-fp8-block", "kv-fp8"),
                                              ("deepseek_v3", "w8a8-fp8-block", "kv-fp8"),
-                                             ("qwen3_moe", "w8a8-fp8", "kv-fp8")])
+                                             pytest.param("qwen3_moe", "w8a8-fp8", "kv-fp8", marks=pytest.mark.slow)])
 def test_quantize_verify_serve_smoke(row, recipe, kv, wide_llama, deepseek, qwen3_moe, tmp_path, capsys):
     """quantize -> verify -> serve-smoke exit 0, with and without an fp8 KV cache; verify's model
     quantizes every linear's input (its logits are not the weights-only ones) and the runtime's FP8
