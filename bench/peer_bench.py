@@ -132,7 +132,8 @@ def prepare() -> None:
 import torch
 from safetensors.torch import save_file
 from compressor.calib import load_text, sample_windows, tokenize
-from compressor.source.resolve import load_model, resolve_source
+from compressor.source.open import load_model
+from compressor.source.resolve import resolve_source
 model, tok = load_model(resolve_source("smollm2-135m"))
 model.save_pretrained({str(FLOAT)!r}); tok.save_pretrained({str(FLOAT)!r})
 ids = sample_windows(tokenize(tok, load_text({str(DATA / 'wikitext-2' / 'valid.txt')!r}).text), {SAMPLES}, {SEQLEN}, 0)

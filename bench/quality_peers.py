@@ -14,6 +14,12 @@ agreement. Rows (``METHODS``, comma separated, default all):
   (the range search and GPTQ's float target, ``gptq.gptaq_alpha: 0.25``);
 * ``llmc-gptq``, ``llmc-awq`` -- llm-compressor in ``bench/.peers/llmcompressor``
   (``bench/peer_llmcompressor.py --bits``);
+* ``fp8``, ``fp8-block`` -- kvq's FP8 W8A8 recipes ``w8a8-fp8`` / ``w8a8-fp8-block`` (run with
+  ``BITS=8``; ``fp8-f32``, ``fp8-block-f32``: with ``--dtype float32``, the unquantized tensors kept
+  float32 as llm-compressor keeps them), and ``llmc-fp8``, ``llmc-fp8-block`` -- llm-compressor's
+  same schemes (its presets ``FP8_DYNAMIC`` / ``FP8_BLOCK``, ``--scheme``); kvq's loader quantizes
+  every linear's input as the serving kernel does for all of them. A run of FP8 rows only writes
+  ``bench/results/quality_peers-<tag>-w8a8-fp8.json``;
 * ``autoround`` -- AutoRound in ``bench/.peers/autoround`` (``bench/peer_autoround.py``;
   ``AR_ITERS``, default 200, AutoRound's default; ``AR_LR``, default AutoRound's own:
   its "light" recipe is ``AR_ITERS=50 AR_LR=5e-3``).
@@ -49,13 +55,19 @@ AR_ITERS = int(os.environ.get("AR_ITERS", "200"))
 #: AutoRound's learning rate; its "light" recipe is iters 50 with lr 5e-3 (auto-round CLI --recipe light)
 AR_LR = os.environ.get("AR_LR")
 ALL = ("rtn", "awq", "gptq", "gptq-clip", "gptq-gptaq", "awq-gptq", "awq-gptq-g20", "llmc-gptq", "llmc-awq", "autoround")
+#: FP8 W8A8 rows (run with BITS=8): kvq's recipes and llm-compressor's presets
+FP8 = {"fp8": "w8a8-fp8", "fp8-block": "w8a8-fp8-block", "fp8-f32": "w8a8-fp8", "fp8-block-f32": "w8a8-fp8-block",
+       "llmc-fp8": "FP8_DYNAMIC", "llmc-fp8-block": "FP8_BLOCK"}
 METHODS = [m for m in os.environ.get("METHODS", ",".join(ALL)).split(",") if m]
 TAG = f"{pb.SAMPLES}x{pb.SEQLEN}-w{WINDOWS}"
 WORK = ROOT / "bench" / "work" / "quality" / TAG
 KVQ_RECIPE = {"rtn": "w4a16-rtn-g64", "awq": "w4a16-awq", "gptq": "w4a16-gptq", "gptq-clip": "w4a16-gptq",
-              "awq-gptq": "w4a16-awq-gptq", "awq-gptq-g20": "w4a16-gptq", "gptq-gptaq": "w4a16-gptaq"}
+              "awq-gptq": "w4a16-awq-gptq", "awq-gptq-g20": "w4a16-gptq", "gptq-gptaq": "w4a16-gptaq",
+              **{m: r for m, r in FP8.items() if not m.startswith("llmc-")}}
 #: extra kvq flags of a row
-KVQ_FLAGS = {"awq-gptq-g20": ["--algorithm", "awq-gptq"], "gptq-clip": ["--set", "gptq.clip=true"]}
+KVQ_FLAGS = {"awq-gptq-g20": ["--algorithm", "awq-gptq"], "gptq-clip": ["--set", "gptq.clip=true"],
+             # the float tensors (embedding, norms) stored float32, as llm-compressor saves a float32 model
+             "fp8-f32": ["--dtype", "float32"], "fp8-block-f32": ["--dtype", "float32"]}
 AR_PY = ROOT / "bench" / ".peers" / "autoround" / "bin" / "python"
 
 
@@ -74,7 +86,10 @@ def quantize(method: str, bits: int) -> dict:
         inner, rss = s["quantize_seconds"], s["peak_rss_mib"]
         art = out
     else:
-        if method.startswith("llmc-"):
+        if method in FP8:
+            cmd = [pb.PEER_PY, ROOT / "bench" / "peer_llmcompressor.py", "quantize", "--algo", "rtn", "--scheme",
+                   FP8[method], "--model", pb.FLOAT, "--calib", pb.CALIB, "--out", out, "--json", js]
+        elif method.startswith("llmc-"):
             cmd = [pb.PEER_PY, ROOT / "bench" / "peer_llmcompressor.py", "quantize", "--algo", method[5:], "--bits", bits,
                    "--model", pb.FLOAT, "--calib", pb.CALIB, "--out", out, "--json", js]
         else:
@@ -86,7 +101,8 @@ def quantize(method: str, bits: int) -> dict:
         # AutoRound writes its checkpoint into a subfolder of --out
         art = next((p.parent for p in sorted(out.rglob("config.json"))), out)
     return {"method": method, "bits": bits, "command": " ".join(map(str, cmd)), "wall_seconds": round(wall, 1),
-            "quantize_seconds": inner, "peak_rss_mib": rss, "artifact": str(art)}
+            "quantize_seconds": inner, "peak_rss_mib": rss, "artifact": str(art),
+            "artifact_bytes": sum(f.stat().st_size for f in Path(art).glob("*.safetensors"))}
 
 
 def evaluate(model: Path, name: str) -> dict:
@@ -148,7 +164,8 @@ def main() -> None:
            "inputs_sha256": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (pb.CALIB, pb.EVAL)},
            "eval_windows": WINDOWS, "eval_tokens": fl["tokens"], "float_ppl": fl["ppl"], "autoround_iters": AR_ITERS, "autoround_lr": AR_LR,
            "rows": rows, "driver_max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
-    out = ROOT / "bench" / "results" / f"quality_peers-{TAG}.json"
+    fp8 = all(m in FP8 for m in METHODS)  # the FP8 W8A8 rows have a file of their own
+    out = ROOT / "bench" / "results" / f"quality_peers-{TAG}{'-w8a8-fp8' if fp8 else ''}.json"
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(table(res))
 
@@ -156,12 +173,16 @@ def main() -> None:
 def table(r: dict) -> str:
     lines = [f"calibration {r['calibration']} token ids (every method), eval {r['eval_windows']} x 2048 windows of "
              f"wiki.test.raw ({r['eval_tokens']} predicted tokens), float32 perplexity {r['float_ppl']:.3f}", "",
-             "| bits | method | perplexity | vs float | mean KL (nats) | top-1 agreement | quantize wall (s) | peak RSS (MiB) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| bits | method | perplexity | vs float | mean KL (nats) | top-1 agreement | quantize wall (s) | peak RSS (MiB) "
+             "| artifact (MiB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for x in r["rows"]:
-        lines.append(f"| W{x['bits']} g64 | {x['method']} | {x['ppl']:.3f} | {(x['ppl'] / r['float_ppl'] - 1) * 100:+.2f} % "
+        scheme = ("W8A8 FP8 block" if "fp8-block" in x["method"] else "W8A8 FP8") if x["method"] in FP8 \
+            else f"W{x['bits']} g64"
+        size = f"{x['artifact_bytes'] / 2**20:,.1f}" if "artifact_bytes" in x else "-"
+        lines.append(f"| {scheme} | {x['method']} | {x['ppl']:.3f} | {(x['ppl'] / r['float_ppl'] - 1) * 100:+.2f} % "
                      f"| {x['mean_kl']:.4f} | {x['top1_agreement'] * 100:.2f} % | {x['wall_seconds']:.0f} "
-                     f"| {x['peak_rss_mib']:,.0f} |")
+                     f"| {x['peak_rss_mib']:,.0f} | {size} |")
     return "\n".join(lines)
 
 

@@ -20,12 +20,13 @@ from typing import Callable, Optional
 import torch
 
 from . import __version__, interrupts
-from .arch import get_arch, is_text_tensor, mtp_layer, state_from_checkpoint
+from .arch import get_arch, is_text_tensor, memory_name, mtp_layer, state_from_checkpoint
 from .source.config_check import check_routing, quantization_config, text_config
 from .errors import InputError, resource_problem
-from .formats import read_quant_weight, reader_for
+from .formats import READ_CT_FORMATS, read_quant_weight, reader_for
 from .integrity import build_manifest, check_hashes  # noqa: F401  (re-exported)
 from .manifest import MANIFEST_NAME, Manifest, load_manifest
+from .quant.fp8_inputs import install_activation_quant
 from .safetensors_io import read_header
 from .tokens import check_vocabulary
 
@@ -319,13 +320,14 @@ def check_readable(folder: Path, qc: dict) -> None:
 
     Raises:
         InputError: a ``quant_method`` other than compressed-tensors, awq, gptq; a
-            compressed-tensors ``format`` other than ``pack-quantized`` / ``dense``.
+            compressed-tensors ``format`` other than those of :data:`~compressor.formats.READ_CT_FORMATS`.
     """
     method = qc.get("quant_method")
     if qc and reader_for(method) is None:
         raise InputError(f"{folder}: quant_method {method!r} is not one kvq reads (compressed-tensors, awq, gptq)")
-    if method == "compressed-tensors" and qc.get("format") not in ("pack-quantized", "dense"):
-        raise InputError(f"{folder}: only compressed-tensors pack-quantized artifacts can be loaded (format {qc.get('format')!r})")
+    if method == "compressed-tensors" and qc.get("format") not in READ_CT_FORMATS:
+        raise InputError(f"{folder}: only compressed-tensors {', '.join(READ_CT_FORMATS[:2])} (and mixed-precision of "
+                         f"them) artifacts can be loaded (format {qc.get('format')!r})")
 
 
 def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
@@ -382,6 +384,8 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     leaves = fmt.leaves if fmt is not None else ()
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
+    acts: dict[str, tuple[str, int]] = {}  # module -> its input's dynamic quantization (FP8 W8A8)
+    marked = _packed_modules(shards, fmt)
     for s in shards:
         with safe_open(str(s), framework="pt") as f:
             for key in f.keys():
@@ -389,15 +393,18 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
                 if leaf in ("k_scale", "v_scale") or not is_text_tensor(arch, key) \
                         or mtp_layer(arch, cfg.num_hidden_layers, key) is not None:
                     continue  # KV-cache scales (read_kv_cache), carried tensors and MTP layers (no module holds them)
-                if leaf in leaves:
+                if leaf in leaves and module in marked:
                     packed.setdefault(module, {})[leaf] = f.get_tensor(key)
                 else:
                     state[key] = f.get_tensor(key).to(dtype) if f.get_slice(key).get_dtype() in ("F16", "BF16", "F32", "F64") else f.get_tensor(key)
     for module, t in packed.items():
         try:  # the format's reader (the runtime uses the same): one validation, then kvq's dequantization
-            state[f"{module}.weight"] = read_quant_weight(method, qc, module, t).dequantize(dtype)
+            w = read_quant_weight(method, qc, module, t)
         except InputError as e:
             raise InputError(f"{folder}: {e}") from None
+        state[f"{module}.weight"] = w.dequantize(dtype)
+        if w.act:
+            acts[memory_name(arch, module)] = (w.act, w.act_group)
     state = state_from_checkpoint(arch, model, state)  # MoE: per-expert tensors -> fused experts
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
@@ -407,9 +414,17 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.eval().requires_grad_(False)
+    install_activation_quant(model, arch, acts)  # FP8 W8A8: each input quantized as the serving kernel does
     tokenizer = load_tokenizer(folder)  # a tokenizer that needs repository code (Kimi's tiktoken) is converted
     check_vocabulary(tokenizer, cfg.vocab_size, f"{folder}: tokenizer")
     return model, tokenizer
+
+
+def _packed_modules(shards: list[Path], fmt) -> set[str]:
+    """Checkpoint names of the modules stored packed: those with the format's ``marker`` leaf."""
+    if fmt is None:
+        return set()
+    return {key.rpartition(".")[0] for s in shards for key in read_header(s) if key.rpartition(".")[2] == fmt.marker}
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ from .quant.kv import check_layout, kv_observer, layer_scales, observed_absmax
 from .quant.kv_rotation import apply_layer_search, resolve_kv_search, rotate_layer
 from .quant.kv_search import layer_recorder, search_warnings
 from .quant.layer import LayerContext, LinearQuantizer, QuantizedLinear, recompute_layer
+from .quant.fp8 import block_misfits
+from .quant.primitives import Scheme
 from .recipe import Recipe, resolve_group_size
 from .gc_policy import frozen_gc
 from .layer_inputs import capture_layer_inputs
@@ -162,17 +164,29 @@ def target_modules(model, recipe: Recipe, arch: ArchSpec) -> dict[str, torch.nn.
     return out
 
 
-def _group_sizes(recipe: Recipe, targets: dict[str, torch.nn.Linear]) -> dict[str, tuple[int, int, bool]]:
+def _group_sizes(recipe: Recipe, targets: dict[str, torch.nn.Linear]) -> dict[str, Scheme]:
     by_scheme: dict[tuple, dict[str, int]] = {}
     for name, mod in targets.items():
         ws = recipe.scheme_for(name)
         by_scheme.setdefault((ws.num_bits, ws.group_size, ws.symmetric), {})[name] = mod.in_features
+    float_fields = float_scheme_fields(recipe)
     out = {}
     for (bits, gs, sym), in_features in by_scheme.items():
         scheme = recipe.weights.model_copy(update={"num_bits": bits, "group_size": gs, "symmetric": sym})
-        resolved = resolve_group_size(recipe.model_copy(update={"weights": scheme}), in_features)
-        out.update({name: (bits, resolved, sym) for name in in_features})
+        # FP8 blocks at a matrix's edge are partial (as compressed-tensors pads): no width needs to divide
+        resolved = gs if recipe.weights.block_structure else resolve_group_size(
+            recipe.model_copy(update={"weights": scheme}), in_features)
+        out.update({name: Scheme(bits, resolved, sym, *float_fields) for name in in_features})
     return out
+
+
+def float_scheme_fields(recipe: Recipe) -> tuple:
+    """``(type, rows, act)`` of :class:`~compressor.quant.primitives.Scheme` for the recipe's weights:
+    ``()`` (the defaults) for integer weights, ``("float", rows, "fp8-token" | "fp8-group")`` for FP8."""
+    w, a = recipe.weights, recipe.activations
+    if w.type != "float":
+        return ()
+    return ("float", w.block_structure[0] if w.block_structure else 1, f"fp8-{a.strategy}" if a is not None else "")
 
 
 def check_group_sizes(model, recipe: Recipe) -> None:
@@ -201,8 +215,9 @@ def check_group_sizes(model, recipe: Recipe) -> None:
     _group_sizes(recipe, targets)
 
 
-def resolve_schemes(recipe: Recipe, targets: dict[str, torch.nn.Linear], arch: ArchSpec, model=None) -> dict[str, tuple[int, int, bool]]:
-    """Module name -> ``(num_bits, group_size, symmetric)`` with ``auto`` group sizes resolved.
+def resolve_schemes(recipe: Recipe, targets: dict[str, torch.nn.Linear], arch: ArchSpec,
+                    model=None) -> dict[str, Scheme]:
+    """Module name -> :class:`~compressor.quant.primitives.Scheme` with ``auto`` group sizes resolved.
 
     Modules that share a recipe scheme share one resolved group size.
 
@@ -271,6 +286,7 @@ def _plan(model, recipe: Recipe, calib_ids) -> _Plan:
     if quantize_weights and not targets:
         raise InputError("the recipe's targets/ignore lists exclude every linear module; nothing to quantize")
     schemes = resolve_schemes(recipe, targets, arch, model)
+    pattern_warnings += _block_warnings(schemes, targets, arch, model)
     base = [s for n, s in schemes.items() if not recipe.overrides or recipe.scheme_for(n) == recipe.weights]
     gs = (base[0][1] if base else next(iter(schemes.values()))[1]) if schemes else None
     check_finite(model)
@@ -279,6 +295,22 @@ def _plan(model, recipe: Recipe, calib_ids) -> _Plan:
         what = recipe.algorithm.upper() if algorithm.needs_calibration else f"static KV-cache scales ({kv.describe()})"
         raise InputError(f"{what} needs calibration data (--calib)")
     return _Plan(arch, algorithm, kv, layout, targets, schemes, gs, observe_kv, pattern_warnings)
+
+
+def _block_warnings(schemes: dict, targets: dict, arch: ArchSpec, model) -> list[str]:
+    """The warning naming FP8 block linears vLLM's kernels refuse (:func:`compressor.quant.fp8.block_misfits`)."""
+    if not any(s.is_float and s.rows > 1 for s in schemes.values()):
+        return []
+    layers = get_module(model, arch.layers)
+    fused = [[(n, targets[n].out_features) for n in (f"{arch.layers}.{i}.{r}" for r in fs) if n in targets]
+             for i in _layer_indices(targets, arch) for fs in layer_fused_sets(arch, layers[i])]
+    bad = block_misfits(schemes, {n: m.in_features for n, m in targets.items()}, fused)
+    if not bad:
+        return []
+    return [f"FP8 blocks: {len(bad)} of {len(schemes)} linears (e.g. {bad[0]}) have an input width that is not a "
+            "multiple of the activation group, or an output inside a fused q/k/v or gate/up GEMM that is not a "
+            "multiple of the block's rows; vLLM's block kernels (and transformers' loader) refuse them: kvq verify and "
+            "serve-smoke simulate zero-padded groups. Per-channel FP8 (--recipe w8a8-fp8) has no such limit"]
 
 
 @torch.no_grad()
@@ -536,8 +568,8 @@ def _record_moe(i, layer, ctx: LayerContext, algorithm: Algorithm, result: Quant
 
 def _figures(i, schemes, prefix, errs, out_err, seconds, **extra):
     layer_schemes = sorted({v for k, v in schemes.items() if k.startswith(prefix)})
-    bits = [b for b, _, _ in layer_schemes]
-    sizes = [g for _, g, _ in layer_schemes]
+    bits = [s.num_bits for s in layer_schemes]
+    sizes = [s.group_size for s in layer_schemes]
     return {
         "layer": i,
         "num_bits": (bits[0] if len(set(bits)) == 1 else sorted(set(bits))) if bits else None,

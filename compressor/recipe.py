@@ -15,15 +15,17 @@ from __future__ import annotations
 import re
 from importlib.resources import files
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import TYPE_CHECKING, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import Field, ValidationError, field_validator, model_serializer, model_validator
 
 from .errors import InputError
 from .files import read_limited
 from .suggest import did_you_mean, dotted_keys
 from .kv_schemes import make_spec, scheme_names, strategy_names
+from .recipe_schemes import (FULL_DUMP, ActivationScheme, EmbeddingScheme, HeadScheme, WeightOverride,  # noqa: F401
+                             WeightScheme, _full, _Strict, check_float_scheme)
 from .registry import ALGORITHMS
 
 if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotations are strings at run time
@@ -35,31 +37,6 @@ RECIPE_DIR: Traversable = files(__package__) / "recipes"
 STANDARD_GROUP_SIZES = (128, 64, 32)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_booleans_for_numbers(cls, v, info):
-        """A YAML ``true``/``false`` given for a number is refused (pydantic would read it as 1/0:
-        ``--set gptq.damp=true`` would otherwise be a damping of 1.0)."""
-        if isinstance(v, bool):
-            ann = cls.model_fields[info.field_name].annotation
-            args = set(getattr(ann, "__args__", ()) or (ann,))
-            if bool not in args and args & {int, float}:
-                raise ValueError("Input should be a number, not a boolean")
-        return v
-
-
-#: ``model_dump(context=FULL_DUMP)``: every field, including those a serializer leaves out of
-#: digest-stable dumps while they hold their defaults (``head: null``, GPTQ's range search off)
-FULL_DUMP = {"full": True}
-
-
-def _full(info) -> bool:
-    return bool(info.context and info.context.get("full"))
-
-
 def _one_of(value: str, names) -> str:
     """``value`` when it is one of the registered ``names``, else pydantic's Literal message (ValueError)."""
     names = list(names)
@@ -68,21 +45,6 @@ def _one_of(value: str, names) -> str:
         listed = ", ".join(quoted[:-1]) + " or " + quoted[-1] if len(quoted) > 1 else quoted[0]
         raise ValueError("Input should be " + listed)
     return value
-
-
-class WeightScheme(_Strict):
-    """Integer weight-only scheme. ``group_size``: 32/64/128/..., ``-1`` per channel, or ``auto``."""
-
-    num_bits: int = Field(4, ge=2, le=8)
-    group_size: Union[int, Literal["auto"]] = 128
-    symmetric: bool = False
-
-    @field_validator("group_size")
-    @classmethod
-    def _gs(cls, v):
-        if v != "auto" and v != -1 and (v is None or v <= 0):
-            raise ValueError("group_size must be a positive integer, -1 (per channel) or 'auto'")
-        return v
 
 
 class AWQOptions(_Strict):
@@ -147,73 +109,6 @@ class MoEOptions(_Strict):
     (``quality.moe.fallback``). Routers stay in float."""
 
     min_tokens: int = Field(128, ge=0)
-
-
-class WeightOverride(_Strict):
-    """Fields of a weight scheme to change for the modules matched by ``targets``."""
-
-    num_bits: Optional[int] = Field(None, ge=2, le=8)
-    group_size: Optional[Union[int, Literal["auto"]]] = None
-    symmetric: Optional[bool] = None
-
-    @field_validator("group_size")
-    @classmethod
-    def _gs(cls, v):
-        return WeightScheme._gs(v) if v is not None else v
-
-
-def _row_group_size(v: int) -> int:
-    if v != -1 and v <= 0:
-        raise ValueError("group_size must be a positive integer or -1 (per channel)")
-    return v
-
-
-class HeadScheme(_Strict):
-    """Integer weight-only scheme of the LM head (``lm_head``), quantized after the decoder
-    layers: GPTQ on the final norm's outputs when the run has a calibration pass, else RTN. ``group_size``: ``-1`` per output channel (one scale
-    per vocabulary row, the default: 8-bit per channel costs almost nothing) or a divisor of
-    the hidden size (4-bit grouped). Stored in compressed-tensors only (its own config group;
-    vLLM and transformers load it). A tied head (``tie_word_embeddings``) can only be quantized
-    by untying it: the embedding stays as it is and the packed head is stored beside it, which
-    adds the head's bytes to the artifact; ``untie: true`` accepts that (refused without it,
-    :func:`compressor.quant.head.check_untie`)."""
-
-    num_bits: int = Field(8, ge=2, le=8)
-    group_size: int = -1
-    symmetric: bool = True
-    untie: bool = False
-
-    @field_validator("group_size")
-    @classmethod
-    def _gs(cls, v):
-        return _row_group_size(v)
-
-    @model_serializer(mode="wrap")
-    def _omit_untie(self, handler, info):
-        """``untie: false`` is left out of dumps: a head scheme serializes (and digests) as it
-        did before the field existed (:data:`FULL_DUMP` keeps it)."""
-        data = handler(self)
-        if isinstance(data, dict) and not _full(info) and data.get("untie") is False:
-            del data["untie"]
-        return data
-
-
-class EmbeddingScheme(_Strict):
-    """Integer scheme of the input embedding table (``embed_tokens``, ``[vocab, hidden]``):
-    symmetric round-to-nearest per vocabulary row (``group_size: -1``, the default) or in groups
-    of a divisor of the hidden size. Under ``tie_word_embeddings`` the table is also the LM
-    head, so the head reads the quantized table too and the artifact stays tied. Stored as a
-    compressed-tensors ``pack-quantized`` module with a config group of its own; kvq's readers
-    (verify, serve-smoke, serve) load it; transformers and vLLM do not load a tied one (docs/recipes.md,
-    'LM head and embedding'), which the quantize run says in a warning."""
-
-    num_bits: int = Field(8, ge=2, le=8)
-    group_size: int = -1
-
-    @field_validator("group_size")
-    @classmethod
-    def _gs(cls, v):
-        return _row_group_size(v)
 
 
 class Override(_Strict):
@@ -341,6 +236,8 @@ class Recipe(_Strict):
     gptq: GPTQOptions = GPTQOptions()
     moe: MoEOptions = MoEOptions()
     kv_cache: Optional[KVCacheOptions] = Field(None, description="KV-cache scheme; null keeps the cache in float")
+    activations: Optional[ActivationScheme] = Field(None, description="dynamic activation quantization "
+                                                    "(FP8 W8A8); null keeps activations 16-bit")
     head: Optional[HeadScheme] = Field(None, description="LM-head scheme; null keeps lm_head in float")
     embedding: Optional[EmbeddingScheme] = Field(None, description="input embedding scheme; null keeps it in float")
     gates: Gates = Gates()
@@ -356,10 +253,18 @@ class Recipe(_Strict):
         serializes (and digests) as it did before the fields existed, so earlier manifests keep
         their bytes (:data:`FULL_DUMP` keeps them)."""
         data = handler(self)
-        for key in ("head", "embedding"):
+        for key in ("head", "embedding", "activations"):
             if isinstance(data, dict) and not _full(info) and data.get(key, 0) is None:
                 del data[key]
         return data
+
+    @model_validator(mode="after")
+    def _float_weights(self):
+        """The FP8 W8A8 combinations vLLM serves (:func:`check_float_scheme`)."""
+        problem = check_float_scheme(self)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @field_validator("targets", "ignore")
     @classmethod
@@ -440,7 +345,7 @@ def _format_validation(err: ValidationError, where: str) -> str:
     if len(same) > 1 and all(m.startswith("Input should be ") for m in same):
         msg = "Input should be " + " or ".join(dict.fromkeys(m.removeprefix("Input should be ").split(", ")[0] for m in same))
     msg = re.sub(r" or instance of \w+", "", msg.removeprefix("Value error, "))  # no pydantic class names
-    return f"{where}: {loc}: {msg}"
+    return f"{where}: {msg}" if loc == "<root>" else f"{where}: {loc}: {msg}"  # a whole-recipe check names its keys
 
 
 #: the largest recipe file kvq reads (the bundled ones are under 2 KiB)

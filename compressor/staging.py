@@ -32,6 +32,7 @@ from . import interrupts
 from .distributed import gather, share
 from .errors import InputError, KvqError
 from .moe_ranks import ExpertShare, split_layer
+from .quant.primitives import Scheme
 from .safetensors_io import file_digest
 from .source.lazy import (ARTIFACT_DIR, HIDDEN_PREFIX, ROUTED_EXPERT, LazyCheckpoint, RESUME_NAME, layer_names,
                           load_into, to_meta)
@@ -406,7 +407,7 @@ class LayerWriter:
                  dtype: torch.dtype, rename, activation_budget_gib: float, memory_budget_gib: float = 4.0):
         self.model, self.arch, self.ckpt, self.staging = model, arch, ckpt, staging
         self.fmt, self.dtype, self.rename = fmt, dtype, rename
-        self.schemes: dict[str, tuple] = {}  # module name -> (bits, group size, symmetric), layers written
+        self.schemes: dict[str, Scheme] = {}  # module name -> its scheme, layers written
         self.start = 0
         self.hidden: list[torch.Tensor] | None = None
         #: the float model's activations beside ``hidden`` (GPTQ's float target): restored on
@@ -560,8 +561,9 @@ class LayerWriter:
                 self._written.update(g[3])
 
     def _add_schemes(self, schemes: dict[str, list]) -> None:
-        """Module schemes as the resume checkpoint keeps them (lists), from it or from another rank."""
-        self.schemes.update({n: tuple(v) for n, v in schemes.items()})
+        """Module schemes as the resume checkpoint keeps them (lists), from it or from another rank
+        (a 3-entry list, from an earlier checkpoint: an integer scheme)."""
+        self.schemes.update({n: Scheme(*v) for n, v in schemes.items()})
 
     def done(self, i: int, layer: torch.nn.Module, result, hidden: list[torch.Tensor] | None) -> None:
         """Write decoder layer ``i`` (``result``: the pipeline's ``QuantizeResult`` so far;

@@ -20,6 +20,7 @@ from compressor import formats
 from compressor.errors import InputError
 from compressor.formats import compressed_tensors as ct
 from compressor.pipeline import QuantizedLinear
+from compressor.quant.primitives import Scheme
 from compressor.recipe import load_recipe, with_overrides
 from compressor.formats.awq import (
     awq_module_tensors, awq_quantization_config, check_awq_compatible, read_awq_module,
@@ -518,7 +519,7 @@ def test_format_objects_write_then_read(fmt, bits, gs, symmetric, act_order):
     q, scale, zp, g_idx = make_case(64, 128, bits, gs, symmetric, act_order, seed=bits + gs)
     if fmt == "gptq" and not symmetric:
         zp = zp.clamp(min=-(1 << (bits - 1)) + 1)
-    rec = QuantizedLinear(q, scale.half(), zp, g_idx, bits, gs, symmetric)
+    rec = QuantizedLinear(q, scale.half(), zp, g_idx, Scheme(bits, gs, symmetric))
     qc = {"compressed-tensors": lambda: ct.quantization_config({"m": rec.scheme}, ["lm_head"], "x"),
           "awq": lambda: awq_quantization_config(gs, None),
           "gptq": lambda: gptq_quantization_config(bits, gs, act_order, symmetric, False, True, 0.01,

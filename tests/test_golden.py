@@ -227,6 +227,8 @@ RECIPE_SHA256 = {
     "w4a16-mixed": "d9eade6dc38ff3a9d45321b1a7835700bbf102ea5985930622322d8ae2635fd4",
     "w4a16-rtn-g64": "a9e8d9a8a1e87e77bc9d31b8f4b7789201c6c515ea5424a243d6a5f353f23c7f",
     "w8a16-rtn": "4b3f27c2452bd0c061d5cfbdfaff54109d4e4ebbc429dfd23a20d2e606887d04",
+    "w8a8-fp8": "62a7faaab1ec0fb8000b0ea9feeb46a98828a25bfc0583fcef1eae011ebedfea",
+    "w8a8-fp8-block": "fdcc88c7229e1d94516801818d9d37d57535a8d2997771ca96fe433990e9feef",
 }
 
 

@@ -28,7 +28,7 @@ def test_sequential_awq_better_than_rtn_and_modules_complete():
         kls[alg] = float(torch.nn.functional.kl_div(out, ref, log_target=True, reduction="batchmean"))
         for name, r in res.modules.items():
             assert r.q.dtype == torch.int8 and r.zero_point is not None and r.g_idx is None
-            assert r.scheme == (4, 32, False) and r.scale.dtype == torch.float16
+            assert r.scheme[:3] == (4, 32, False) and r.scale.dtype == torch.float16
     assert kls["awq"] < kls["rtn"]
 
 

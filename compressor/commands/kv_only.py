@@ -232,7 +232,17 @@ class PackedCheckpoint(LazyCheckpoint):
 
     def _packed(self, name: str) -> Optional[str]:
         module = name[: -len(".weight")] if name.endswith(".weight") else None
-        return module if module in self.packed_modules and name not in self.where else None
+        return module if module in self.packed_modules else None  # an FP8 module stores its codes as weight
+
+    def activations(self) -> dict[str, tuple[str, int]]:
+        """Packed module -> ``(act, group size)`` of its input's dynamic quantization (FP8 W8A8), for
+        those whose config group declares one (compressed-tensors ``input_activations``)."""
+        from ..formats.compressed_tensors import activation_scheme, module_group
+
+        if self.method != "compressed-tensors":
+            return {}
+        acts = {m: activation_scheme(module_group(self.qc, m).get("input_activations")) for m in self.packed_modules}
+        return {m: a for m, a in acts.items() if a[0]}
 
     def __contains__(self, name: str) -> bool:
         return name in self.where or self._packed(name) is not None

@@ -9,6 +9,7 @@ from ..arch import checkpoint_name
 from ..quant.algorithms import get_algorithm
 from ..formats.compressed_tensors import kv_scale_tensors
 from ..quant.kv import layout_bytes_per_token
+from ..quant.primitives import Scheme
 from ..recipe import Recipe
 
 def quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schemes: dict) -> dict:
@@ -16,10 +17,13 @@ def quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schem
     count, storage dtype; the schemes of a mixed recipe; the algorithm's own fields."""
     quant = {"algorithm": recipe.algorithm, "format": fmt, "num_bits": recipe.weights.num_bits, "group_size": group_size,
              "symmetric": recipe.weights.symmetric, "modules": len(schemes), "storage_dtype": dtype}
+    if recipe.weights.type == "float":  # FP8 W8A8: the grid, the scale blocks and the inputs' quantization
+        quant.update(type="float", block_structure=recipe.weights.block_structure, scale_dtype="float32",
+                     activations=recipe.activations.model_dump(mode="json") if recipe.activations else None)
     if recipe.is_mixed:
-        quant["schemes"] = [{"num_bits": b, "group_size": g, "symmetric": y,
-                             "modules": sorted(n for n, v in schemes.items() if v == (b, g, y))}
-                            for b, g, y in sorted(set(schemes.values()))]
+        quant["schemes"] = [{"num_bits": s.num_bits, "group_size": s.group_size, "symmetric": s.symmetric,
+                             "modules": sorted(n for n, v in schemes.items() if tuple(v) == tuple(s))}
+                            for s in sorted({Scheme(*v) for v in schemes.values()})]
     quant.update(get_algorithm(recipe.algorithm).summary_fields(recipe, fmt))  # keys already present keep their place
     return quant
 

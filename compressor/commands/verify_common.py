@@ -13,6 +13,8 @@ import torch
 
 from ..arch import get_arch
 from ..errors import InputError
+from ..formats.compressed_tensors import input_quantization
+from ..source.config_check import quantization_config
 from ..quant.kv import kv_budget, quantized_cache
 from .options import VerifyOptions
 
@@ -45,7 +47,9 @@ def head_is_packed(folder: Path, model, module: str = "lm_head") -> bool:
 def eval_dtype(folder: Path, requested: str) -> tuple[torch.dtype, dict]:
     """The dtype the artifact is evaluated in: the one its ``config.json`` declares (what
     transformers and vLLM load it in by default), or float32 with ``--eval-dtype float32``.
-    The reference model is always float32."""
+    The reference model is always float32. With quantized inputs (FP8 W8A8) the record lists them
+    (``activations``: :func:`compressor.formats.compressed_tensors.input_quantization`), which the
+    artifact's loader simulates."""
     from ..artifact import DTYPES
 
     try:
@@ -54,10 +58,12 @@ def eval_dtype(folder: Path, requested: str) -> tuple[torch.dtype, dict]:
         cfg = {}
     declared = cfg.get("dtype") or cfg.get("torch_dtype")
     declared = declared if declared in DTYPES else None
+    acts = input_quantization(quantization_config(cfg) or {}) if isinstance(cfg, dict) else []
+    extra = {"activations": acts} if acts else {}  # FP8 W8A8: each linear's input quantized as the kernel does
     if requested == "float32" or declared is None:
         why = "--eval-dtype float32" if requested == "float32" else "config.json declares no dtype kvq evaluates"
-        return torch.float32, {"dtype": "float32", "declared": declared, "why": why}
-    return DTYPES[declared], {"dtype": declared, "declared": declared, "why": "the dtype config.json declares"}
+        return torch.float32, {"dtype": "float32", "declared": declared, "why": why, **extra}
+    return DTYPES[declared], {"dtype": declared, "declared": declared, "why": "the dtype config.json declares", **extra}
 
 
 def check_same_architecture(artifact, reference, ref_spec: str) -> None:
@@ -127,7 +133,9 @@ def measured_rows(models: Models, candidates: dict, kv_info) -> dict[str, str]:
         whose = "the artifact's" if model is models.artifact else "the reference's"
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         cache_text = f"the {kv_info[0].describe()} KV cache" if cache else "a float KV cache"
-        return f"{whose} weights in {dtype} with {cache_text}"
+        acts = getattr(model, "kvq_input_quantization", None)  # FP8 W8A8 (compressor.quant.fp8)
+        inputs = f", each linear's input quantized {', '.join(acts)} (dynamic)" if acts else ""
+        return f"{whose} weights in {dtype} with {cache_text}{inputs}"
 
     return {"reference": what(models.reference, None), **{label: what(m, c) for label, (m, c) in candidates.items()}}
 

@@ -89,6 +89,19 @@ def _reader(folder: Path):
     return PackedCheckpoint(packed) if packed is not None else LazyCheckpoint(folder, block_fp8=None)
 
 
+def _quantize_inputs(model, reader) -> None:
+    """FP8 W8A8: each packed linear's input quantized as the serving kernel does (what
+    :func:`compressor.artifact.load_artifact` does for the whole model), on the model's modules
+    before any layer is loaded (the hooks stay as the layers' weights come and go)."""
+    from ..arch import get_arch, memory_name
+    from ..quant.fp8_inputs import install_activation_quant
+
+    acts = reader.activations() if hasattr(reader, "activations") else {}
+    if acts:
+        arch = get_arch(model.config.model_type)
+        install_activation_quant(model, arch, {memory_name(arch, n): a for n, a in acts.items()})
+
+
 @dataclass
 class Streamed:
     """A streamed ``kvq verify`` run (:func:`choose`); ``why``: what chose it (for the report)."""
@@ -127,7 +140,9 @@ class Streamed:
         plan, opts, report = self.plan, self.opts, self.report
         self._refusals()
         dtype, report["evaluated_in"] = eval_dtype(plan.folder, opts.evaluation.dtype)
-        art, tokenizer = open_model(ModelSource(str(plan.folder), "hf", plan.folder), dtype, "artifact", _reader(plan.folder))
+        reader = _reader(plan.folder)
+        art, tokenizer = open_model(ModelSource(str(plan.folder), "hf", plan.folder), dtype, "artifact", reader)
+        _quantize_inputs(art.model, reader)
         # as load_artifact: a router its experts contradict, a tokenizer id beyond the embedding
         check_routing(text_config(art.model.config.to_dict()), f"{plan.folder}/config.json")
         check_vocabulary(tokenizer, art.model.config.vocab_size, f"{plan.folder}: tokenizer")

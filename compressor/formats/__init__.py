@@ -27,7 +27,11 @@ from .compressed_tensors import CompressedTensorsFormat  # noqa: F401  (register
 from .awq import AwqFormat  # noqa: F401,I001
 from .gptq import GptqFormat  # noqa: F401
 
-__all__ = ["QuantWeight", "WeightFormat", "get_format", "read_quant_weight", "reader_for"]
+__all__ = ["READ_CT_FORMATS", "QuantWeight", "WeightFormat", "get_format", "read_quant_weight", "reader_for"]
+
+#: compressed-tensors top-level ``format`` values kvq's readers load (``mixed-precision``: groups of
+#: the first two; ``dense``: no quantized weight, KV-cache scales only)
+READ_CT_FORMATS = ("pack-quantized", "float-quantized", "mixed-precision", "dense")
 
 
 def get_format(name: str) -> WeightFormat:

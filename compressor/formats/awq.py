@@ -288,5 +288,5 @@ class AwqFormat(WeightFormat):
                embeddings: dict[str, tuple[int, int, bool]] | None = None) -> dict:
         """:func:`awq_quantization_config` of the (single) scheme's group size; ``ignored``
         becomes ``modules_to_not_convert`` (``null`` when empty)."""
-        bits, gs, sym = next(iter(schemes.values()))
+        bits, gs, sym = next(iter(schemes.values()))[:3]
         return awq_quantization_config(gs, ignored or None)

@@ -16,6 +16,11 @@ field           shape                 dtype
 ``N = out_features``, ``K = in_features``, ``G = K // group_size`` (``group_size = K``
 for per-channel schemes).
 
+An FP8 weight (compressed-tensors ``float-quantized``, :mod:`compressor.quant.fp8`) has ``q``
+float8_e4m3fn ``[N, K]``, ``scale`` ``[ceil(N / rows), ceil(K / group_size)]`` (``rows`` 1 per
+channel, 128 for 128 x 128 blocks), no zero point, and ``act`` the dynamic quantization of the
+module's input the serving kernel applies (``fp8-token`` / ``fp8-group``; ``""``: none).
+
 :class:`WeightFormat` is one on-disk layout: its writer (:meth:`~WeightFormat.pack`, a
 pipeline record to stored tensors), its reader (:meth:`~WeightFormat.read`, stored tensors
 to a :class:`QuantWeight`), its ``config.json["quantization_config"]``
@@ -27,11 +32,12 @@ to a :class:`QuantWeight`), its ``config.json["quantization_config"]``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import InputError
+from ..quant.fp8 import dequantize_weight as dequantize_fp8_weight
 from ..quant.primitives import dequantize
 from ..registry import ALGORITHMS, FORMATS
 
@@ -46,6 +52,14 @@ class QuantWeight:
     num_bits: int
     group_size: int
     g_idx: torch.Tensor | None = None
+    rows: int = 1
+    act: str = ""
+    act_group: int = 0  #: columns per activation scale with ``act`` ``fp8-group``
+
+    @property
+    def is_float(self) -> bool:
+        """FP8 e4m3 codes (``q`` float8_e4m3fn) rather than integers."""
+        return self.q.dtype == torch.float8_e4m3fn
 
     @property
     def out_features(self) -> int:
@@ -61,6 +75,8 @@ class QuantWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Float ``[N, K]`` weight, bit-identical to what :func:`compressor.artifact.load_artifact` builds."""
+        if self.is_float:
+            return dequantize_fp8_weight(self.q, self.scale, self.group_size, self.rows, dtype)
         return dequantize(self.q, self.scale, self.zero_point, self.group_size, dtype=dtype, g_idx=self.g_idx)
 
     def sorted_by_group(self) -> tuple["QuantWeight", torch.Tensor | None]:
@@ -77,12 +93,12 @@ class QuantWeight:
         gi = self.g_idx.long()
         trivial = torch.arange(self.in_features) // self.group_size
         if torch.equal(gi, trivial) and self.in_features % self.group_size == 0:
-            return QuantWeight(self.q, self.scale, self.zero_point, self.num_bits, self.group_size), None
+            return replace(self, g_idx=None), None
         counts = torch.bincount(gi, minlength=self.scale.shape[1])
         if self.in_features % self.group_size or not bool((counts == self.group_size).all()):
             return self, None
         perm = torch.sort(gi, stable=True).indices
-        return QuantWeight(self.q[:, perm].contiguous(), self.scale, self.zero_point, self.num_bits, self.group_size), perm
+        return replace(self, q=self.q[:, perm].contiguous(), g_idx=None), perm
 
 
 def symmetric_zero(zp: torch.Tensor | None) -> torch.Tensor | None:
@@ -121,13 +137,17 @@ def check_float16_weight_format(fmt: "WeightFormat", recipe, dtype_name: str) ->
     """The refusals shared by the older toolchains' formats (AWQ, GPTQ: ``scale_dtype`` float16), in this order.
 
     Raises:
-        InputError: a KV-only recipe (``algorithm: none``: nothing to pack); a static
-            KV-cache scheme (no field for ``k_scale``/``v_scale``); a storage dtype other
-            than float16 (their kernels read fp16 scales).
+        InputError: a KV-only recipe (``algorithm: none``: nothing to pack); FP8 weights
+            (``weights.type: float``: integer layouts only); a static KV-cache scheme (no field
+            for ``k_scale``/``v_scale``); a storage dtype other than float16 (their kernels read
+            fp16 scales).
     """
     name = fmt.name
     if not ALGORITHMS.get(recipe.algorithm).quantizes_weights:
         raise InputError(f"--format {name} stores quantized weights; a KV-only recipe (algorithm none) needs --format compressed-tensors")
+    if recipe.weights.type != "int":
+        raise InputError(f"--format {name} stores integer weights; FP8 (weights type float) needs "
+                         "--format compressed-tensors")
     if recipe.kv_cache is not None and recipe.kv_cache.spec().static:
         raise InputError(
             f"--format {name} has no field for static KV-cache scales ({recipe.kv_cache.spec().describe()}); "

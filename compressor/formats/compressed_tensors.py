@@ -13,6 +13,11 @@ Matches vllm-project/compressed-tensors 0.20 (``compressors/pack_quantized/base.
   the signed zero points packed the same way **along dim 0**.
 * ``<module>.weight_shape`` int64 ``[2]`` = ``[out, in]``.
 
+FP8 W8A8 modules are written in the ``float-quantized`` layout (``FloatQuantizationCompressor``):
+``<module>.weight`` float8_e4m3fn ``[out, in]`` and ``<module>.weight_scale`` float32 ``[out, 1]``
+(channel) or ``[ceil(out/128), ceil(in/128)]`` (128 x 128 blocks), their config group with
+``input_activations`` (dynamic fp8 per token or per group; :mod:`compressor.quant.fp8`).
+
 :class:`CompressedTensorsFormat` is the format object (writer, reader, config, checks);
 ``quantization_config`` is built through the library's pydantic models. Layout details:
 ``docs/formats.md``.
@@ -25,7 +30,8 @@ import copy
 import torch
 
 from ..errors import InputError
-from ..quant.primitives import qrange
+from ..quant.fp8 import ACT_SCHEMES
+from ..quant.primitives import Scheme, qrange
 from .base import QuantWeight, WeightFormat, act_order, dynamic_act_order, require_leaves, symmetric_zero
 from .packing import n_words, pack_rows, unpack_signed
 
@@ -128,27 +134,53 @@ def _dump_args(args, keys: tuple[str, ...] = _WEIGHT_ARGS_KEYS) -> dict | None:
     return None if args is None else _dump(args, keys)
 
 
-def _weight_args(num_bits: int, group_size: int, symmetric: bool, actorder: str | None):
-    """compressed-tensors ``QuantizationArgs`` of an integer weight scheme (``-1``: per channel)."""
+def _weight_args(sch: Scheme, actorder: str | None):
+    """compressed-tensors ``QuantizationArgs`` of a weight scheme: integer (``-1``: per channel) or
+    FP8 (``type: float``, per channel or ``block_structure [rows, cols]``)."""
     from compressed_tensors.quantization import QuantizationArgs
 
+    if sch.is_float:
+        block = sch.rows > 1 or sch.group_size != -1
+        return QuantizationArgs(
+            num_bits=sch.num_bits, type="float", symmetric=True, strategy="block" if block else "channel",
+            group_size=None, block_structure=[sch.rows, sch.group_size] if block else None, dynamic=False,
+            actorder=None, observer="minmax", observer_kwargs={},
+        )
     return QuantizationArgs(
-        num_bits=num_bits, type="int", symmetric=symmetric,
-        strategy="channel" if group_size == -1 else "group",
-        group_size=None if group_size == -1 else group_size,
+        num_bits=sch.num_bits, type="int", symmetric=sch.symmetric,
+        strategy="channel" if sch.group_size == -1 else "group",
+        group_size=None if sch.group_size == -1 else sch.group_size,
         block_structure=None, dynamic=False, actorder=actorder, observer="minmax", observer_kwargs={},
     )
 
 
+def _input_args(sch: Scheme):
+    """compressed-tensors ``QuantizationArgs`` of a scheme's dynamic input quantization, or ``None``
+    (``fp8-token``: per token; ``fp8-group``: per token and group of the weight's columns per block)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    if not sch.act:
+        return None
+    group = sch.act == "fp8-group"
+    return QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group" if group else "token",
+                            group_size=sch.group_size if group else None, block_structure=None, dynamic=True,
+                            actorder=None, observer=None, observer_kwargs={})
+
+
+def _scheme_format(sch: Scheme) -> str:
+    """The compressed-tensors compressor of a scheme: ``float-quantized`` (FP8) or ``pack-quantized``."""
+    return "float-quantized" if sch.is_float else "pack-quantized"
+
+
 def quantization_config(
-    schemes: dict[str, tuple[int, int, bool]],
+    schemes: dict[str, tuple],
     ignore: list[str],
     ct_version: str,
     actorder: str | None = None,
     kv_cache: dict | None = None,
-    embeddings: dict[str, tuple[int, int, bool]] | None = None,
+    embeddings: dict[str, tuple] | None = None,
 ) -> dict:
-    """``config.json["quantization_config"]`` for integer weight-only schemes.
+    """``config.json["quantization_config"]`` for integer weight-only and FP8 W8A8 schemes.
 
     Built as compressed-tensors' own pydantic ``QuantizationConfig`` /
     ``QuantizationScheme`` / ``QuantizationArgs`` (so the library's validators run) and
@@ -157,7 +189,11 @@ def quantization_config(
     empty, and ``sparsity_config``/``transform_config``/``version`` are added.
 
     Args:
-        schemes: quantized module name -> ``(num_bits, group_size, symmetric)``.
+        schemes: quantized module name -> :class:`~compressor.quant.primitives.Scheme` (or its
+            first entries, ``(num_bits, group_size, symmetric)``: an integer scheme). An FP8
+            scheme's group is ``float-quantized`` with its ``input_activations`` (dynamic fp8 per
+            token or per group); groups of both kinds make the top-level ``format``
+            ``mixed-precision``, as compressed-tensors' ``infer_model_format`` names it.
         ignore: module names left in float (``lm_head`` and ignored linears).
         actorder: ``"weight"`` when GPTQ act-order with static groups was used (the
             only act-order compressed-tensors 0.20 stores; ``"group"`` was removed).
@@ -177,29 +213,30 @@ def quantization_config(
     """
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-    counts: dict[tuple, list[str]] = {}
+    counts: dict[Scheme, list[str]] = {}
     for name, sch in schemes.items():
-        counts.setdefault(tuple(sch), []).append(name)
+        counts.setdefault(Scheme(*sch), []).append(name)
     ordered = sorted(counts.items(), key=lambda kv: (-len(kv[1]), kv[0]))
     groups = {
         f"group_{k}": QuantizationScheme(
-            targets=["Linear"] if k == 0 else sorted(names), weights=_weight_args(*sch, actorder),
-            input_activations=None, output_activations=None, format="pack-quantized",
+            targets=["Linear"] if k == 0 else sorted(names), weights=_weight_args(sch, actorder),
+            input_activations=_input_args(sch), output_activations=None, format=_scheme_format(sch),
         )
         for k, (sch, names) in enumerate(ordered)
     }
-    tables: dict[tuple, list[str]] = {}
+    tables: dict[Scheme, list[str]] = {}
     for name, sch in (embeddings or {}).items():
-        tables.setdefault(tuple(sch), []).append(name)
+        tables.setdefault(Scheme(*sch), []).append(name)
     for sch, names in sorted(tables.items()):
         groups[f"group_{len(groups)}"] = QuantizationScheme(
-            targets=sorted(names), weights=_weight_args(*sch, None), input_activations=None, output_activations=None,
+            targets=sorted(names), weights=_weight_args(sch, None), input_activations=None, output_activations=None,
             format="pack-quantized")
+    formats = {g.format for g in groups.values()}
     cfg = QuantizationConfig(
         config_groups=groups, quant_method="compressed-tensors",
         kv_cache_scheme=None if kv_cache is None else QuantizationArgs(**kv_cache),
-        format="pack-quantized" if groups else "dense", quantization_status="compressed",
-        global_compression_ratio=None, ignore=sorted(ignore),
+        format=(formats.pop() if len(formats) == 1 else "mixed-precision") if groups else "dense",
+        quantization_status="compressed", global_compression_ratio=None, ignore=sorted(ignore),
     )
     return {
         "config_groups": {
@@ -245,8 +282,8 @@ def kv_scale_tensors(scales: dict[int, tuple[torch.Tensor, torch.Tensor]], layer
     return out
 
 
-def module_scheme(qc: dict, module: str) -> dict:
-    """The ``weights`` args of the config group that applies to ``module`` (exact name before class target).
+def module_group(qc: dict, module: str) -> dict:
+    """The config group that applies to ``module`` (exact name before ``re:`` regex before class target).
 
     Raises:
         InputError: no group applies.
@@ -254,22 +291,85 @@ def module_scheme(qc: dict, module: str) -> dict:
     groups = list((qc.get("config_groups") or {}).values())
     for g in groups:
         if module in (g.get("targets") or []):
-            return g["weights"]
+            return g
     for g in groups:
         for t in g.get("targets") or []:
             if t.startswith("re:"):
                 import re
 
                 if re.match(t[3:], module):  # as compressed-tensors match_name does
-                    return g["weights"]
+                    return g
     for g in groups:
         if "Linear" in (g.get("targets") or []):
-            return g["weights"]
+            return g
     raise InputError(f"no quantization config group applies to {module}")
 
 
+def module_scheme(qc: dict, module: str) -> dict:
+    """The ``weights`` args of :func:`module_group` (InputError: no group applies)."""
+    return module_group(qc, module)["weights"]
+
+
+def activation_scheme(args: dict | None) -> tuple[str, int]:
+    """``(act, group size)`` of a group's ``input_activations``: ``("", 0)`` for none, ``("fp8-token", 0)``,
+    ``("fp8-group", group_size)`` (:data:`compressor.quant.fp8.ACT_SCHEMES`).
+
+    Raises:
+        InputError: input quantization kvq does not simulate (static scales, integers, other widths).
+    """
+    if not args:
+        return "", 0
+    kind = (args.get("type"), args.get("num_bits"), args.get("strategy"), args.get("dynamic"))
+    if kind == ("float", 8, "token", True):
+        return ACT_SCHEMES[0], 0
+    if kind == ("float", 8, "group", True) and int(args.get("group_size") or 0) > 0:
+        return ACT_SCHEMES[1], int(args["group_size"])
+    raise InputError(f"input_activations {dict(args)} are not simulated by kvq (dynamic fp8 per token or group only)")
+
+
+def input_quantization(qc: dict) -> list[str]:
+    """The dynamic input quantizations a ``quantization_config`` declares (``fp8-token``,
+    ``fp8-group 128``), each once, sorted; ``[]`` for weight-only artifacts and other quant methods.
+
+    Raises:
+        InputError: input quantization kvq does not simulate (:func:`activation_scheme`).
+    """
+    if (qc or {}).get("quant_method") != "compressed-tensors":
+        return []
+    found = {activation_scheme((g or {}).get("input_activations")) for g in (qc.get("config_groups") or {}).values()}
+    return sorted(f"{a} {g}" if g else a for a, g in found if a)
+
+
+def read_float_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
+    """An FP8 ``float-quantized`` module: ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale``
+    ``[N, 1]`` (``strategy: channel``), ``[ceil(N/rows), ceil(K/cols)]`` (``block``, partial edge
+    blocks) or ``[1]`` (``tensor``), any float dtype; its group's ``input_activations`` become ``act``.
+
+    Raises:
+        InputError: a weight that is not 2-D e4m3, a scheme that is not FP8, a scale of another shape.
+    """
+    group = module_group(qc, module)
+    w = group.get("weights") or {}
+    q, scale = t["weight"], t["weight_scale"]
+    if (w.get("type"), w.get("num_bits")) != ("float", 8) or q.dtype != torch.float8_e4m3fn or q.ndim != 2:
+        raise InputError(f"weight {q.dtype} {tuple(q.shape)} with weights {w.get('type')} {w.get('num_bits')}-bit "
+                         "is not an FP8 e4m3 float-quantized weight")
+    n, k = q.shape
+    strategy = w.get("strategy")
+    rows, cols = {"channel": (1, k), "tensor": (n, k)}.get(strategy, tuple(w.get("block_structure") or (0, 0)))
+    if strategy not in ("channel", "tensor", "block") or rows < 1 or cols < 1:
+        raise InputError(f"FP8 weights with strategy {strategy!r} are not read (channel, block or tensor)")
+    expect = (-(-n // rows), -(-k // cols))
+    if scale.numel() != expect[0] * expect[1] or (strategy != "tensor" and tuple(scale.shape) != expect):
+        raise InputError(f"weight_scale shape {tuple(scale.shape)} does not match weight {(n, k)} "
+                         f"in {rows} x {cols} blocks")
+    act, act_group = activation_scheme(group.get("input_activations"))
+    return QuantWeight(q, scale.reshape(expect), None, 8, cols, rows=rows, act=act, act_group=act_group)
+
+
 class CompressedTensorsFormat(WeightFormat):
-    """``--format compressed-tensors`` (the default): ``pack-quantized``, read by vLLM and transformers.
+    """``--format compressed-tensors`` (the default): ``pack-quantized`` (integers) and ``float-quantized``
+    (FP8 W8A8), read by vLLM and transformers.
 
     Also the only format with static KV-cache scales (``kv_cache_scheme`` plus
     ``k_scale``/``v_scale`` tensors, see :func:`kv_scale_tensors`).
@@ -278,8 +378,9 @@ class CompressedTensorsFormat(WeightFormat):
     name = "compressed-tensors"
     quant_method = "compressed-tensors"
     carries_head = True
-    leaves = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
-    marker = "weight_packed"
+    #: ``weight`` is a leaf of a packed module only (an FP8 ``float-quantized`` one: e4m3 codes)
+    leaves = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight")
+    marker = "weight_scale"  # both compressors store it; a float module never does
 
     def check(self, recipe, dtype_name: str) -> None:
         """Refuse dynamic act-order (compressed-tensors 0.20 removed ``actorder: group``).
@@ -294,18 +395,28 @@ class CompressedTensorsFormat(WeightFormat):
             )
 
     def pack(self, rec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """:func:`module_tensors` of the record, scales in ``dtype``."""
+        """:func:`module_tensors` of the record, scales in ``dtype``; an FP8 record (``type float``)
+        as ``float-quantized``: ``weight`` (its e4m3 codes) and its float32 ``weight_scale``."""
+        if rec.type == "float":
+            return {"weight": rec.q.contiguous(), "weight_scale": rec.scale.to(torch.float32).contiguous()}
         return module_tensors(rec.q, rec.scale, rec.zero_point, rec.num_bits, dtype)
 
     def read(self, qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
         """Read ``weight_packed``/``weight_scale``/``weight_shape`` (+ ``weight_zero_point``,
-        ``weight_g_idx``) with the config group that applies to ``module``.
+        ``weight_g_idx``) with the config group that applies to ``module``; an FP8 module
+        (``weight`` and ``weight_scale``) through :func:`read_float_module`. The group's
+        ``input_activations`` (dynamic fp8) become the weight's ``act``.
 
         Raises:
-            InputError: a tensor missing, no config group, shapes inconsistent with the group.
+            InputError: a tensor missing, no config group, shapes inconsistent with the group,
+                input quantization kvq does not simulate.
         """
+        if "weight_packed" not in t and "weight" in t:
+            require_leaves(t, ("weight", "weight_scale"))
+            return read_float_module(qc, module, t)
         require_leaves(t, ("weight_packed", "weight_scale", "weight_shape"))
-        wargs = module_scheme(qc, module)
+        group = module_group(qc, module)
+        wargs = group["weights"]
         bits = int(wargs["num_bits"])
         q, scale, zp = read_module(t, bits)
         k = q.shape[1]
@@ -313,10 +424,12 @@ class CompressedTensorsFormat(WeightFormat):
         if k % gs or tuple(scale.shape) != (q.shape[0], k // gs):
             raise InputError(f"weight_scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)}")
         g_idx = t.get("weight_g_idx")
-        return QuantWeight(q, scale, symmetric_zero(zp), bits, gs, None if g_idx is None else g_idx.to(torch.int32))
+        act, act_group = activation_scheme(group.get("input_activations"))
+        return QuantWeight(q, scale, symmetric_zero(zp), bits, gs, None if g_idx is None else g_idx.to(torch.int32),
+                           act=act, act_group=act_group)
 
-    def config(self, recipe, schemes: dict[str, tuple[int, int, bool]], ignored: list[str], versions: dict,
-               embeddings: dict[str, tuple[int, int, bool]] | None = None) -> dict | None:
+    def config(self, recipe, schemes: dict[str, tuple], ignored: list[str], versions: dict,
+               embeddings: dict[str, tuple] | None = None) -> dict | None:
         """:func:`quantization_config` with ``lm_head`` ignored (unless the recipe quantizes
         it: then it is one of ``schemes``), ``actorder: weight`` for GPTQ
         act-order, the recipe's static ``kv_cache_scheme`` and the quantized ``embeddings``'
@@ -337,7 +450,10 @@ class CompressedTensorsFormat(WeightFormat):
             w = (g or {}).get("weights") or {}
             if w:
                 gs = -1 if w.get("strategy") == "channel" else w.get("group_size")
-                out.append({"num_bits": w.get("num_bits"), "group_size": gs, "symmetric": w.get("symmetric")})
+                if w.get("strategy") == "block":
+                    gs = (w.get("block_structure") or [None, None])[1]
+                out.append({"num_bits": w.get("num_bits"), "group_size": gs, "symmetric": w.get("symmetric")}
+                           | ({"type": w["type"], "strategy": w.get("strategy")} if w.get("type") == "float" else {}))
         return out
 
     def with_kv(self, qc: dict, spec) -> dict:

@@ -419,7 +419,7 @@ class GptqFormat(WeightFormat):
                embeddings: dict[str, tuple[int, int, bool]] | None = None) -> dict:
         """:func:`gptq_quantization_config` of the (single) scheme; ``ignored`` modules become
         GPTQModel ``dynamic`` negative overrides (``"-:^<name>$": {}``)."""
-        bits, gs, sym = next(iter(schemes.values()))
+        bits, gs, sym = next(iter(schemes.values()))[:3]
         g = recipe.gptq
         cfg = gptq_quantization_config(
             bits, gs, dynamic_act_order(recipe), sym, g.static_groups, g.true_sequential, g.damp,

@@ -21,6 +21,7 @@ algorithm:
 ``folds_input_scales``    the artifact's weights carry folded input scales that weight
                           statistics must undo (AWQ; :func:`compressor.quality.weight_report`);
                           a streamed MoE layer then takes :mod:`compressor.moe_stream_awq`
+``fp8_grid``              it quantizes FP8 e4m3 weights (``weights.type: float``; RTN)
 ``summary_fields``        the algorithm's part of the manifest's ``quantization`` block
 ``flag_warnings``         command-line flags the effective recipe makes meaningless
 ``run_warnings``          warnings drawn from all layers' figures after the run
@@ -69,6 +70,8 @@ class Algorithm:
     #: GPTQ-style column order: ``gptq.act_order`` solves columns by decreasing Hessian diagonal, which a
     #: format records (compressed-tensors ``actorder: weight``, a stored ``g_idx`` without static groups)
     act_order: ClassVar[bool] = False
+    #: quantizes FP8 e4m3 weights (recipe ``weights.type: float``, :mod:`compressor.quant.fp8`): RTN only so far
+    fp8_grid: ClassVar[bool] = False
 
     def quantize_layer(self, i: int, layer, hidden: list | None, kw: dict | None, ctx: LayerContext) -> LayerOutcome:
         """Quantize decoder layer ``i``'s targeted linears in place.
@@ -237,6 +240,7 @@ class RTN(Algorithm):
     name = "rtn"
     per_linear = True
     streams_experts = experts_per_rank = True
+    fp8_grid = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return LayerOutcome(rtn_layer(i, layer, ctx))

@@ -198,8 +198,8 @@ def search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw,
     name = prefix + group_name(group)
     specs = [quantizer.schemes.get(prefix + r, quantizer.schemes[next(iter(quantizer.schemes))]) for r in group.linears]
     s, ratio, _ = search_scales(
-        x_mean[key], weights, loss_fn, [b for b, _, _ in specs], [g for _, g, _ in specs],
-        [y for _, _, y in specs], n_grid=opts.n_grid, duo_scaling=opts.duo_scaling, name=name, tie=tie,
+        x_mean[key], weights, loss_fn, [sp.num_bits for sp in specs], [sp.group_size for sp in specs],
+        [sp.symmetric for sp in specs], n_grid=opts.n_grid, duo_scaling=opts.duo_scaling, name=name, tie=tie,
     )
     return s, ratio, key
 
@@ -322,7 +322,7 @@ def clip_and_quantize(i, linears, x_loss, cold, col_scale, row_scale, originals,
         xs = x_loss[rel].reshape(-1, lin.in_features)
         if opts.clip and rel not in arch.clip_skip and not (e is not None and e in cold) and xs.shape[0]:
             idx = torch.linspace(0, xs.shape[0] - 1, min(opts.clip_tokens, xs.shape[0])).long()
-            bits, gs, sym = quantizer.schemes[name]
+            bits, gs, sym = quantizer.schemes[name][:3]
             clip_max = search_clip(lin.weight.detach(), xs[idx], bits, gs, sym, opts.clip_grid, opts.clip_max_shrink)
         ctx.modules[name], err = quantizer.quantize_linear(
             name, lin, clip_max, col_scale.get(rel), originals[rel], row_scale.get(rel)

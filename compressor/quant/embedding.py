@@ -26,6 +26,7 @@ import torch
 
 from ..errors import InputError
 from .head import compressed_tensors_only, megabytes, packed_bytes, quantize_rows
+from .primitives import Scheme
 
 #: who reads a packed embedding, as the quantize warning and docs/recipes.md say it
 READERS = ("kvq verify, serve-smoke and serve read it; transformers 5.25 with compressed-tensors 0.20.1 fails to "
@@ -78,10 +79,10 @@ def check_embedding(recipe, fmt: str, model=None, arch=None, scale_bytes: int = 
             f"{READERS}")
 
 
-def embedding_scheme(recipe, arch) -> dict[str, tuple[int, int, bool]]:
-    """``{in-memory embedding name: (num_bits, group_size, True)}``, empty without ``embedding:``."""
+def embedding_scheme(recipe, arch) -> dict[str, Scheme]:
+    """``{in-memory embedding name: Scheme(num_bits, group_size, True)}``, empty without ``embedding:``."""
     e = recipe.embedding
-    return {} if e is None else {arch.embed_tokens: (e.num_bits, e.group_size, True)}
+    return {} if e is None else {arch.embed_tokens: Scheme(e.num_bits, e.group_size, True)}
 
 
 def add_embedding(recipe, arch, model, packed: dict, pack, rename, dtype: torch.dtype) -> dict | None:

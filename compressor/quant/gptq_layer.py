@@ -191,7 +191,7 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
 
     def solve(task):
         rels, key = task
-        bits, gs, sym = quantizer.schemes[prefix + rels[0]]
+        bits, gs, sym = quantizer.schemes[prefix + rels[0]][:3]
         if key not in built:
             acc = accs.pop(key)
             built[key] = (acc.hessian(consume=True), None if acc.cross is None else acc.cross.matrix())

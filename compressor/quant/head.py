@@ -26,6 +26,7 @@ import torch
 
 from ..errors import InputError, QuantizationError
 from .layer import QuantizedLinear, stored_dequantize
+from .primitives import Scheme
 from ..registry import FORMATS
 from .rtn import rtn_quantize
 
@@ -232,14 +233,14 @@ def quantize_rows(w: torch.Tensor, num_bits: int, gs: int, symmetric: bool, dtyp
         zps.append(zp)
     record = QuantizedLinear(q=torch.cat(qs), scale=torch.cat(scales).contiguous(),
                              zero_point=None if symmetric else torch.cat(zps), g_idx=None,
-                             num_bits=num_bits, group_size=gs, symmetric=symmetric)
+                             scheme=Scheme(num_bits, gs, symmetric))
     return record, (err2 / max(ref2, 1e-30)) ** 0.5
 
 
-def head_schemes(recipe, arch) -> dict[str, tuple[int, int, bool]]:
-    """``{in-memory head name: (num_bits, group_size, symmetric)}``, empty without ``head:``."""
+def head_schemes(recipe, arch) -> dict[str, Scheme]:
+    """``{in-memory head name: Scheme(num_bits, group_size, symmetric)}``, empty without ``head:``."""
     h = recipe.head
-    return {} if h is None else {arch.lm_head: (h.num_bits, h.group_size, h.symmetric)}
+    return {} if h is None else {arch.lm_head: Scheme(h.num_bits, h.group_size, h.symmetric)}
 
 
 def add_head(recipe, arch, model, packed: dict, pack, rename, dtype: torch.dtype,

@@ -24,7 +24,8 @@ from ..moe import UnfusedExperts, cold_experts, routed_experts
 from ..recipe import Recipe
 from .inplace_linalg import all_finite
 from .kv import cache_kwarg
-from .primitives import abs_max, check_scale_range, dequantize
+from .fp8 import dequantize_weight as dequantize_fp8_weight, quantize_weight as quantize_fp8_weight
+from .primitives import Scheme, abs_max, check_scale_range, dequantize
 from .rtn import rtn_quantize
 
 
@@ -34,20 +35,22 @@ class QuantizedLinear:
 
     ``q`` int8 ``[out, in]``; ``scale`` ``[out, G]`` in the storage dtype; ``zero_point``
     int8 ``[out, G]`` or ``None`` (symmetric); ``g_idx`` int32 ``[in]`` or ``None`` (groups
-    are contiguous, ``c // group_size``). Format writers (``compressor.formats``) pack it.
+    are contiguous, ``c // group_size``). FP8 (``type "float"``): ``q`` float8_e4m3fn
+    ``[out, in]``, ``scale`` float32 ``[ceil(out / rows), G]`` (:mod:`compressor.quant.fp8`),
+    ``act`` the input's dynamic quantization. Format writers (``compressor.formats``) pack it.
     """
 
     q: torch.Tensor
     scale: torch.Tensor
     zero_point: torch.Tensor | None
     g_idx: torch.Tensor | None
-    num_bits: int
-    group_size: int
-    symmetric: bool
+    scheme: Scheme
 
-    @property
-    def scheme(self) -> tuple[int, int, bool]:
-        return (self.num_bits, self.group_size, self.symmetric)
+    def __getattr__(self, name: str):
+        """``num_bits``, ``group_size``, ``symmetric``, ``type``, ``rows``, ``act``: the scheme's."""
+        if name.startswith("__") or name == "scheme":
+            raise AttributeError(name)
+        return getattr(self.scheme, name)
 
 
 def stored_dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group_size: int,
@@ -73,11 +76,11 @@ def stored_dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
 class LinearQuantizer:
     """Per-module schemes plus the storage dtype; turns a Linear into a :class:`QuantizedLinear`.
 
-    ``schemes``: full module name -> ``(num_bits, group_size, symmetric)`` (group sizes
-    resolved); ``dtype``: the storage dtype of scales in the artifact.
+    ``schemes``: full module name -> :class:`~compressor.quant.primitives.Scheme` (group sizes
+    resolved); ``dtype``: the storage dtype of integer scales in the artifact (FP8 scales are float32).
     """
 
-    def __init__(self, schemes: dict[str, tuple[int, int, bool]], dtype: torch.dtype):
+    def __init__(self, schemes: dict[str, Scheme], dtype: torch.dtype):
         self.schemes, self.dtype = schemes, dtype
 
     def finish(self, name, lin, q, scale, zp, g_idx, col_scale=None, original=None, row_scale=None):
@@ -90,7 +93,7 @@ class LinearQuantizer:
         Raises:
             QuantizationError: a non-finite scale or dequantized weight (names the module).
         """
-        bits, gs, sym = self.schemes[name]
+        bits, gs, sym = self.schemes[name][:3]
         scale, deq = stored_dequantize(q, scale, None if sym else zp, gs, self.dtype, name, g_idx)
         ref = (original if original is not None else lin.weight.detach()).float()
         # error in the original's space: AWQ's folded input scales (col) and, when this linear
@@ -102,15 +105,36 @@ class LinearQuantizer:
         lin.weight.data.copy_(deq.to(lin.weight.dtype))
         record = QuantizedLinear(
             q=q.cpu(), scale=scale.cpu().contiguous(), zero_point=None if sym else zp.cpu(),
-            g_idx=None if g_idx is None else g_idx.cpu().to(torch.int32), num_bits=bits, group_size=gs, symmetric=sym,
+            g_idx=None if g_idx is None else g_idx.cpu().to(torch.int32), scheme=Scheme(*self.schemes[name]),
         )
         return record, rel
 
     def quantize_linear(self, name, lin, clip_max=None, col_scale=None, original=None, row_scale=None):
         """Round-to-nearest (optionally clipped, ``clip_max [out, G]``) quantization of one Linear, in place."""
-        bits, gs, sym = self.schemes[name]
+        scheme = self.schemes[name]
+        if scheme.is_float:
+            return self.finish_float(name, lin, *quantize_fp8_weight(lin.weight.detach(), scheme.group_size,
+                                                                     scheme.rows))
+        bits, gs, sym = scheme[:3]
         q, scale, zp = rtn_quantize(lin.weight.detach(), bits, gs, sym, clip_max)
         return self.finish(name, lin, q, scale, zp, None, col_scale, original, row_scale)
+
+    def finish_float(self, name, lin, q, scale):
+        """Store FP8 ``(q float8_e4m3fn [out, in], scale float32 [ceil(out/rows), G])``, write the
+        dequantized weight into ``lin``; returns (record, relative error).
+
+        Raises:
+            QuantizationError: a non-finite scale or dequantized weight (names the module).
+        """
+        scheme = self.schemes[name]
+        deq = dequantize_fp8_weight(q, scale, scheme.group_size, scheme.rows)
+        if not (torch.isfinite(scale).all() and all_finite(deq)):
+            raise QuantizationError(f"quantizing {name} produced NaN or Inf; nothing was written")
+        ref = lin.weight.detach().float()
+        rel = float((deq - ref.to(deq.device)).norm() / ref.norm().clamp(min=1e-12))
+        lin.weight.data.copy_(deq.to(lin.weight.dtype))
+        record = QuantizedLinear(q=q.cpu(), scale=scale.cpu().contiguous(), zero_point=None, g_idx=None, scheme=scheme)
+        return record, rel
 
 
 @dataclass

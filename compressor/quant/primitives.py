@@ -26,10 +26,34 @@ All functions are ``@torch.no_grad()`` and side-effect free.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from ..errors import InputError
+
+
+class Scheme(NamedTuple):
+    """One module's weight scheme as the pipeline and the formats pass it around.
+
+    ``(num_bits, group_size, symmetric)`` is an integer scheme (``group_size -1``: per channel);
+    ``type "float"`` is FP8 e4m3 (:mod:`compressor.quant.fp8`) with scales per ``rows x
+    group_size`` block (``rows 1``: per row, ``group_size -1``: per channel); ``act`` the dynamic
+    activation quantization of the module's input (``""``: none, 16-bit activations;
+    ``fp8-token`` / ``fp8-group``, :data:`compressor.quant.fp8.ACT_SCHEMES`). Stored as a list
+    in resume checkpoints (an older three-entry list reads as an integer scheme).
+    """
+
+    num_bits: int
+    group_size: int
+    symmetric: bool
+    type: str = "int"
+    rows: int = 1
+    act: str = ""
+
+    @property
+    def is_float(self) -> bool:
+        return self.type == "float"
 
 
 def qrange(num_bits: int) -> tuple[int, int]:

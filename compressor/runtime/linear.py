@@ -1,8 +1,10 @@
-"""Weight-only quantized Linear layers, one class per kernel, and the rule that picks one.
+"""Quantized Linear layers, one class per kernel, and the rule that picks one.
 
 Every class computes ``y [..., N] = x [..., K] @ W.T (+ bias)`` for ``W ≈ (q - zero_point)
-* scale`` (:class:`~compressor.formats.base.QuantWeight`), keeping the integer codes
-and never a float copy of the weight:
+* scale`` (:class:`~compressor.formats.base.QuantWeight`), keeping the integer (or FP8) codes
+and never a float copy of the weight. A weight whose artifact quantizes its input (FP8 W8A8:
+dynamic fp8 per token or per group, ``QuantWeight.act``) has ``x`` quantized first, by the base
+class, whatever the kernel:
 
 ================  ==================================================  =======================
 kernel            what runs                                           serves
@@ -18,6 +20,8 @@ kernel            what runs                                           serves
                   zero-point correction when asymmetric)              ``K % 8 == 0``
 ``triton-w4a16``  fused W4A16 Triton kernel                           CUDA, 4 bit,
                   (:mod:`~compressor.runtime.triton_kernels`)         ``K % 8 == 0``
+``fp8-emulated``  dequantize the e4m3 codes on each call, float32     every FP8 weight, any
+                  ``F.linear`` (:class:`Fp8Linear`)                   backend and device
 ================  ==================================================  =======================
 
 The aten ops: ``_convert_weight_to_int4pack_for_cpu(u int32 [N, K], innerKTiles)`` takes
@@ -53,6 +57,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..formats.base import QuantWeight
+from ..quant.fp8 import dequantize_weight as dequantize_fp8_weight, fake_quantize_activation
 
 BACKENDS = ("auto", "aten", "dequant", "triton")
 AT_INT4_GROUPS = (32, 64, 128, 256)
@@ -62,9 +67,15 @@ DEQUANT_MIN_M = 32
 
 
 class Linear(torch.nn.Module):
-    """Base: optional input permutation (GPTQ act-order), 2-D matmul, bias."""
+    """Base: optional input quantization (FP8 W8A8: ``act``, as the serving kernel quantizes each
+    token's input, :func:`~compressor.quant.fp8.fake_quantize_activation`), optional input
+    permutation (GPTQ act-order), 2-D matmul, bias."""
 
     kernel = "base"
+    #: ``(act, group size)`` of the input's dynamic quantization; ``("", 0)``: none
+    act: tuple[str, int] = ("", 0)
+    #: the dtype a quantized input is dequantized to (None: the input's; float32 keeps it exact)
+    quantized_input_dtype: torch.dtype | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, in_perm: torch.Tensor | None):
         super().__init__()
@@ -77,9 +88,12 @@ class Linear(torch.nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if self.act[0]:
+            x = fake_quantize_activation(x, *self.act, dtype=self.quantized_input_dtype)
         if self.in_perm is not None:
             x = x.index_select(-1, self.in_perm)
-        y = self._mm(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        y = self._mm(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features).to(dtype)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -175,6 +189,36 @@ class DequantLinear(QuantLinear):
 
     def _stored(self):
         return [self.q, self.scale, self.zero_point, self.g_idx, self.bias]
+
+
+class Fp8Linear(QuantLinear):
+    """FP8 W8A8 emulated: the e4m3 codes and their float32 scales kept (one byte per weight), the
+    weight dequantized on each call and multiplied in float32 with the input quantized by the base
+    class (``act``): the numerics of vLLM's FP8 GEMMs (products of e4m3 values scaled per token or
+    group and per channel or block, accumulated in float32) up to the order of the sums. Serves every
+    FP8 weight, on any device (no FP8 tensor cores are used)."""
+
+    kernel = "fp8-emulated"
+    quantized_input_dtype = torch.float32
+
+    def __init__(self, w: QuantWeight, bias, device, in_perm=None):
+        super().__init__(w.in_features, w.out_features, bias, in_perm)
+        self.q, self.scale = w.q.to(device), w.scale.float().to(device)
+        self.group_size, self.rows = w.group_size, w.rows
+
+    @classmethod
+    def unsupported(cls, w, device):
+        return None if w.is_float else f"{w.num_bits}-bit integer weights (this kernel serves FP8 e4m3)"
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """Float ``[N, K]`` weight, bit-identical to :func:`~compressor.quant.fp8.dequantize_weight`."""
+        return dequantize_fp8_weight(self.q, self.scale, self.group_size, self.rows, dtype)
+
+    def _mm(self, x2):  # float32 out; the base casts to the input's dtype
+        return F.linear(x2.float(), self.dequantized(torch.float32))
+
+    def _stored(self):
+        return [self.q, self.scale, self.bias]
 
 
 def _op_group(group_size: int) -> int | None:
@@ -310,7 +354,8 @@ class FusedDecode:
     def of(cls, parts: list) -> "FusedDecode | None":
         """The fused set of ``parts``, or None when they cannot share one call (not all aten
         int4, an act-order input permutation, or another input width, group or act dtype)."""
-        if len(parts) < 2 or not all(type(p) is AtenInt4Linear and p.in_perm is None and p.fused is None for p in parts):
+        if len(parts) < 2 or not all(type(p) is AtenInt4Linear and p.in_perm is None and p.fused is None
+                                     and not p.act[0] for p in parts):
             return None
         first = parts[0]
         if any((p.in_features, p.op_group, p.act_dtype) != (first.in_features, first.op_group, first.act_dtype)
@@ -477,6 +522,11 @@ def make_linear(w: QuantWeight | torch.Tensor, bias: torch.Tensor | None, backen
         return FloatLinear(w.to(device=device, dtype=dtype), bias)
     w, perm = w.sorted_by_group()
     perm = None if perm is None else perm.to(device)
+    act = (w.act, w.act_group or w.group_size) if w.act else ("", 0)
+    if w.is_float:  # every backend: the one FP8 kernel
+        layer = Fp8Linear(w, bias, device, perm)
+        layer.act = act
+        return layer
     reasons = []
     for cls in CANDIDATES[backend][device.type]:
         why = cls.unsupported(w, device)
@@ -490,5 +540,6 @@ def make_linear(w: QuantWeight | torch.Tensor, bias: torch.Tensor | None, backen
             kw["act_dtype"] = act_dtype or (dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16)
         layer = cls(w, bias, device, perm, **kw)
         layer.fallback_reason = "; ".join(reasons) or None
+        layer.act = act
         return layer
     raise InputError(f"no kernel serves a {w.num_bits}-bit layer on {device.type}")  # unreachable: dequant serves all

@@ -30,7 +30,7 @@ from .linear import FloatLinear, Linear, check_backend, make_linear
 from .mla import MLAttention, mla_scale
 from .model import NORM_LAYOUTS, Decoder, DecoderLayer, DecoderSpec, LoadInfo, check_servable
 from .moe import MoE, make_router
-from ..formats import read_quant_weight, reader_for
+from ..formats import READ_CT_FORMATS, read_quant_weight, reader_for
 
 #: eps of MLA's q_a_layernorm / kv_a_layernorm: transformers' DeepSeek-V3, GLM-4.7-Flash,
 #: DeepSeek-V3.2 and GLM-5 modules build them with their RMSNorm's default, whatever
@@ -275,8 +275,9 @@ def _check_method(folder: Path, qc: dict) -> str | None:
     method = qc.get("quant_method")
     if qc and reader_for(method) is None:
         raise InputError(f"{folder}: quant_method {method!r} is not one the runtime reads (compressed-tensors, awq, gptq)")
-    if method == "compressed-tensors" and qc.get("format") not in ("pack-quantized", "dense"):
-        raise InputError(f"{folder}: only compressed-tensors pack-quantized artifacts can be served (format {qc.get('format')!r})")
+    if method == "compressed-tensors" and qc.get("format") not in READ_CT_FORMATS:
+        raise InputError(f"{folder}: only compressed-tensors {', '.join(READ_CT_FORMATS[:2])} (and mixed-precision of "
+                         f"them) artifacts can be served (format {qc.get('format')!r})")
     return method
 
 

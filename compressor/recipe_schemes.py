@@ -1,0 +1,208 @@
+"""The weight-side parts of a recipe: the strict base model, the weight, activation, override,
+LM-head and embedding schemes, and the check of the FP8 W8A8 combinations vLLM serves.
+
+:mod:`compressor.recipe` builds its :class:`~compressor.recipe.Recipe` from these (and names
+them there too); a field added here whose default must not change earlier recipes' digests is
+left out of dumps while it holds that default (:data:`FULL_DUMP` keeps every field).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from .registry import ALGORITHMS
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, v, info):
+        """A YAML ``true``/``false`` given for a number is refused (pydantic would read it as 1/0:
+        ``--set gptq.damp=true`` would otherwise be a damping of 1.0)."""
+        if isinstance(v, bool):
+            ann = cls.model_fields[info.field_name].annotation
+            args = set(getattr(ann, "__args__", ()) or (ann,))
+            if bool not in args and args & {int, float}:
+                raise ValueError("Input should be a number, not a boolean")
+        return v
+
+
+#: ``model_dump(context=FULL_DUMP)``: every field, including those a serializer leaves out of
+#: digest-stable dumps while they hold their defaults (``head: null``, GPTQ's range search off)
+FULL_DUMP = {"full": True}
+
+
+def _full(info) -> bool:
+    return bool(info.context and info.context.get("full"))
+
+
+class WeightScheme(_Strict):
+    """Weight scheme. ``group_size``: 32/64/128/..., ``-1`` per channel, or ``auto``.
+
+    ``type: int`` (the default) is an integer grid of ``num_bits``; ``type: float`` is FP8 e4m3
+    (``num_bits: 8``, symmetric, :mod:`compressor.quant.fp8`), per channel (``group_size: -1``)
+    or in ``block_structure: [rows, cols]`` blocks (``group_size`` = ``cols``), always with an
+    ``activations`` scheme (FP8 W8A8)."""
+
+    num_bits: int = Field(4, ge=2, le=8)
+    group_size: Union[int, Literal["auto"]] = 128
+    symmetric: bool = False
+    type: Literal["int", "float"] = "int"
+    block_structure: Optional[list[int]] = Field(None, min_length=2, max_length=2)
+
+    @field_validator("group_size")
+    @classmethod
+    def _gs(cls, v):
+        if v != "auto" and v != -1 and (v is None or v <= 0):
+            raise ValueError("group_size must be a positive integer, -1 (per channel) or 'auto'")
+        return v
+
+    @field_validator("block_structure")
+    @classmethod
+    def _block(cls, v):
+        if v is not None and any(x < 1 for x in v):
+            raise ValueError("block_structure must be two positive integers [rows, cols]")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _omit_new_defaults(self, handler, info):
+        """``type: int`` and ``block_structure: null`` are left out of dumps: an integer scheme
+        serializes (and digests) as it did before the fields existed (:data:`FULL_DUMP` keeps them)."""
+        data = handler(self)
+        if isinstance(data, dict) and not _full(info) and data.get("type") == "int" \
+                and data.get("block_structure", 0) is None:
+            del data["type"], data["block_structure"]
+        return data
+
+
+class ActivationScheme(_Strict):
+    """Quantization of every quantized linear's input, dynamic (scales computed by the serving
+    kernel on each call): FP8 e4m3 per token (``strategy: token``, with per-channel FP8 weights)
+    or per token and ``group_size`` columns (``strategy: group``, with block weights: the block's
+    columns), :mod:`compressor.quant.fp8`. ``kvq verify`` and the runtime simulate it."""
+
+    type: Literal["float"] = "float"
+    num_bits: Literal[8] = 8
+    strategy: Literal["token", "group"] = "token"
+    group_size: Optional[int] = Field(None, ge=1)
+    dynamic: Literal[True] = True
+
+    @model_validator(mode="after")
+    def _group(self):
+        if (self.strategy == "group") != (self.group_size is not None):
+            raise ValueError("group_size is set with strategy group (and only then)")
+        return self
+
+
+class WeightOverride(_Strict):
+    """Fields of a weight scheme to change for the modules matched by ``targets``."""
+
+    num_bits: Optional[int] = Field(None, ge=2, le=8)
+    group_size: Optional[Union[int, Literal["auto"]]] = None
+    symmetric: Optional[bool] = None
+
+    @field_validator("group_size")
+    @classmethod
+    def _gs(cls, v):
+        return WeightScheme._gs(v) if v is not None else v
+
+
+def _row_group_size(v: int) -> int:
+    if v != -1 and v <= 0:
+        raise ValueError("group_size must be a positive integer or -1 (per channel)")
+    return v
+
+
+class HeadScheme(_Strict):
+    """Integer weight-only scheme of the LM head (``lm_head``), quantized after the decoder
+    layers: GPTQ on the final norm's outputs when the run has a calibration pass, else RTN.
+    ``group_size``: ``-1`` per output channel (one scale
+    per vocabulary row, the default: 8-bit per channel costs almost nothing) or a divisor of
+    the hidden size (4-bit grouped). Stored in compressed-tensors only (its own config group;
+    vLLM and transformers load it). A tied head (``tie_word_embeddings``) can only be quantized
+    by untying it: the embedding stays as it is and the packed head is stored beside it, which
+    adds the head's bytes to the artifact; ``untie: true`` accepts that (refused without it,
+    :func:`compressor.quant.head.check_untie`)."""
+
+    num_bits: int = Field(8, ge=2, le=8)
+    group_size: int = -1
+    symmetric: bool = True
+    untie: bool = False
+
+    @field_validator("group_size")
+    @classmethod
+    def _gs(cls, v):
+        return _row_group_size(v)
+
+    @model_serializer(mode="wrap")
+    def _omit_untie(self, handler, info):
+        """``untie: false`` is left out of dumps: a head scheme serializes (and digests) as it
+        did before the field existed (:data:`FULL_DUMP` keeps it)."""
+        data = handler(self)
+        if isinstance(data, dict) and not _full(info) and data.get("untie") is False:
+            del data["untie"]
+        return data
+
+
+class EmbeddingScheme(_Strict):
+    """Integer scheme of the input embedding table (``embed_tokens``, ``[vocab, hidden]``):
+    symmetric round-to-nearest per vocabulary row (``group_size: -1``, the default) or in groups
+    of a divisor of the hidden size. Under ``tie_word_embeddings`` the table is also the LM
+    head, so the head reads the quantized table too and the artifact stays tied. Stored as a
+    compressed-tensors ``pack-quantized`` module with a config group of its own; kvq's readers
+    (verify, serve-smoke, serve) load it; transformers and vLLM do not load a tied one (docs/recipes.md,
+    'LM head and embedding'), which the quantize run says in a warning."""
+
+    num_bits: int = Field(8, ge=2, le=8)
+    group_size: int = -1
+
+    @field_validator("group_size")
+    @classmethod
+    def _gs(cls, v):
+        return _row_group_size(v)
+
+
+def check_float_scheme(recipe: "Recipe") -> str | None:
+    """What is wrong with a recipe's FP8 weights or activations (``None``: nothing, or integer weights
+    without activations). vLLM's compressed-tensors FP8 W8A8 serves per-channel weights with
+    per-token activations and ``[rows, cols]`` block weights with per-group activations of
+    ``cols``; an algorithm with :attr:`~compressor.quant.algorithms.Algorithm.fp8_grid` quantizes them (RTN;
+    GPTQ and AWQ are not implemented on the FP8 grid)."""
+    w, a = recipe.weights, recipe.activations
+    algorithm = ALGORITHMS.find(recipe.algorithm)
+    if w.type == "int":
+        if w.block_structure is not None:
+            return "weights.block_structure applies to type float (FP8) weights"
+        if a is not None and algorithm is not None and algorithm.quantizes_weights:
+            return "activations are quantized with type float (FP8) weights only; integer W4A8/W8A8 is not implemented"
+        return None
+    if w.num_bits != 8 or not w.symmetric:
+        return "weights type float (FP8 e4m3) needs num_bits 8 and symmetric true"
+    if w.block_structure is None and w.group_size != -1:
+        return ("FP8 weights are per channel (group_size -1) or in blocks (block_structure [rows, cols], "
+                f"group_size cols); vLLM serves no FP8 groups (group_size {w.group_size})")
+    if w.block_structure is not None and w.group_size != w.block_structure[1]:
+        return (f"weights.block_structure {w.block_structure} needs group_size {w.block_structure[1]} "
+                f"(got {w.group_size})")
+    if algorithm is None or not algorithm.quantizes_weights:
+        return None
+    if not algorithm.fp8_grid:
+        fits = ", ".join(n for n in ALGORITHMS.names() if ALGORITHMS.find(n).fp8_grid)
+        return f"algorithm {recipe.algorithm} is not implemented on the FP8 grid; FP8 weights are quantized with {fits}"
+    if a is None:
+        return "weights type float (FP8) needs an activations section (FP8 W8A8); FP8 weight-only is not implemented"
+    if w.block_structure is None and a.strategy != "token":
+        return "per-channel FP8 weights are served with per-token activations (activations.strategy token)"
+    if w.block_structure is not None and (a.strategy, a.group_size) != ("group", w.block_structure[1]):
+        return (f"block FP8 weights are served with per-group activations of the block's columns "
+                f"(activations.strategy group, group_size {w.block_structure[1]})")
+    if recipe.overrides:
+        return "overrides with FP8 weights (mixed schemes per module) are not implemented"
+    return None
