@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError, field_validator, model_serializer, 
 
 from .errors import InputError
 from .files import read_limited
-from .suggest import did_you_mean, dotted_keys
+from .suggest import did_you_mean, dotted_keys, format_validation
 from .kv_schemes import make_spec, scheme_names, strategy_names
 from .recipe_schemes import (FULL_DUMP, ActivationScheme, EmbeddingScheme, HeadScheme, WeightOverride,  # noqa: F401
                              WeightScheme, _full, _Strict, check_float_scheme)
@@ -99,6 +99,18 @@ class GPTQOptions(_Strict):
         if isinstance(data, dict) and not _full(info) and data.get("gptaq_alpha") == 0.0:
             del data["gptaq_alpha"]
         return data
+
+
+class RefineOptions(_Strict):
+    """Block-wise refinement of each decoder layer's GPTQ result (AutoRound's sign-gradient descent, Cheng et al.,
+    2023, arXiv:2309.05516; :mod:`compressor.quant.refine`): ``iters`` steps per layer on ``batch`` calibration
+    sequences each, step sizes decaying linearly to 0 from ``lr`` for the rounding offsets (null: ``1 / iters``)
+    and ``range_lr`` for the group ranges' factors (null: ``lr / 10``). ``null`` section: off."""
+
+    iters: int = Field(200, ge=1, le=100_000, strict=True)
+    lr: Optional[float] = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    range_lr: Optional[float] = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    batch: int = Field(8, ge=1, le=4096, strict=True)
 
 
 class MoEOptions(_Strict):
@@ -240,6 +252,7 @@ class Recipe(_Strict):
                                                     "(FP8 W8A8); null keeps activations 16-bit")
     head: Optional[HeadScheme] = Field(None, description="LM-head scheme; null keeps lm_head in float")
     embedding: Optional[EmbeddingScheme] = Field(None, description="input embedding scheme; null keeps it in float")
+    refine: Optional[RefineOptions] = Field(None, description="GPTQ's layers refined on their outputs; null: off")
     gates: Gates = Gates()
 
     @field_validator("algorithm")
@@ -249,11 +262,11 @@ class Recipe(_Strict):
 
     @model_serializer(mode="wrap")
     def _omit_float_head(self, handler, info):
-        """``head: null`` and ``embedding: null`` are left out of dumps: a recipe without them
-        serializes (and digests) as it did before the fields existed, so earlier manifests keep
+        """``head``, ``embedding`` and ``refine`` are left out of dumps while null: a recipe without
+        them serializes (and digests) as it did before the fields existed, so earlier manifests keep
         their bytes (:data:`FULL_DUMP` keeps them)."""
         data = handler(self)
-        for key in ("head", "embedding", "activations"):
+        for key in ("head", "embedding", "activations", "refine"):
             if isinstance(data, dict) and not _full(info) and data.get(key, 0) is None:
                 del data[key]
         return data
@@ -321,31 +334,6 @@ def bundled_recipes() -> dict[str, Traversable]:
         return {}
     found = [p for p in RECIPE_DIR.iterdir() if p.name.endswith(".yaml") and p.is_file()]
     return dict(sorted((p.name[: -len(".yaml")], p) for p in found))  # sorted by name, as documented
-
-
-#: the names pydantic gives the members of a union field in an error's location (``int``,
-#: ``literal['auto']``, ``function-after[...]``): not keys of the recipe
-_UNION_TAGS = {"int", "float", "str", "bool", "none"}
-
-
-def _recipe_loc(loc) -> str:
-    return ".".join(str(x) for x in loc if not (isinstance(x, str) and (x in _UNION_TAGS or "[" in x))) or "<root>"
-
-
-def _format_validation(err: ValidationError, where: str) -> str:
-    """One line for a recipe's first invalid key: ``WHERE: KEY: what it should be`` (a union's
-    members' messages joined: ``Input should be a valid integer or 'auto'``)."""
-    errors = err.errors()
-    first = errors[0]
-    loc = _recipe_loc(first["loc"])
-    msg = first["msg"]
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
-    same = [e["msg"] for e in errors if _recipe_loc(e["loc"]) == loc]
-    if len(same) > 1 and all(m.startswith("Input should be ") for m in same):
-        msg = "Input should be " + " or ".join(dict.fromkeys(m.removeprefix("Input should be ").split(", ")[0] for m in same))
-    msg = re.sub(r" or instance of \w+", "", msg.removeprefix("Value error, "))  # no pydantic class names
-    return f"{where}: {msg}" if loc == "<root>" else f"{where}: {loc}: {msg}"  # a whole-recipe check names its keys
 
 
 #: the largest recipe file kvq reads (the bundled ones are under 2 KiB)
@@ -430,7 +418,7 @@ def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        raise InputError(_format_validation(e, where)) from None
+        raise InputError(format_validation(e.errors(), where)) from None
 
 
 def with_overrides(recipe: Recipe, **overrides) -> Recipe:
@@ -444,15 +432,15 @@ def with_overrides(recipe: Recipe, **overrides) -> Recipe:
 
 
 #: optional sections a dotted ``--set`` key creates with their defaults (``--set head.num_bits=4``)
-_SECTIONS = {"head": HeadScheme, "embedding": EmbeddingScheme}
+_SECTIONS = {"head": HeadScheme, "embedding": EmbeddingScheme, "refine": RefineOptions}
 
 
 def apply_settings(recipe: Recipe, settings) -> Recipe:
     """Return a copy of ``recipe`` with dotted-key settings (``--set``: ``weights.num_bits=3``,
     ``head=null``), a dict or ``(key, value)`` pairs applied in their order (a key given twice:
     the last wins, where it stands); a ``None`` value sets the field to null, which only
-    optional sections (``kv_cache``, ``head``, ``embedding``) accept; a key inside a null
-    ``head`` or ``embedding`` section creates it with its defaults first.
+    optional sections (``kv_cache``, ``head``, ``embedding``, ``refine``) accept; a key inside a null
+    ``head``, ``embedding`` or ``refine`` section creates it with its defaults first.
 
     Raises:
         InputError: a key that is not a recipe field, or a value the field rejects.

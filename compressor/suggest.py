@@ -1,9 +1,11 @@
 """"Did you mean": the closest known names to a name kvq does not know, for one-line refusals
-(an unknown recipe name, an unknown ``--set`` key). Standard library only (:mod:`difflib`)."""
+(an unknown recipe name, an unknown ``--set`` key), and the one line naming a recipe's first
+invalid key (:func:`format_validation`). Standard library only (:mod:`difflib`)."""
 
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Iterable
 
 
@@ -27,3 +29,30 @@ def dotted_keys(mapping: dict, prefix: str = "") -> list[str]:
         if isinstance(value, dict):
             out += dotted_keys(value, f"{prefix}{key}.")
     return out
+
+
+#: the names pydantic gives the members of a union field in an error's location (``int``,
+#: ``literal['auto']``, ``function-after[...]``): not keys of the recipe
+_UNION_TAGS = {"int", "float", "str", "bool", "none"}
+
+
+def _recipe_loc(loc) -> str:
+    keys = [str(x) for x in loc if not (isinstance(x, str) and (x in _UNION_TAGS or "[" in x))]
+    return ".".join(keys) or "<root>"
+
+
+def format_validation(errors: list[dict], where: str) -> str:
+    """One line for a recipe's first invalid key: ``WHERE: KEY: what it should be`` (a union's
+    members' messages joined: ``Input should be a valid integer or 'auto'``). ``errors``: pydantic's
+    ``ValidationError.errors()``."""
+    first = errors[0]
+    loc = _recipe_loc(first["loc"])
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    same = [e["msg"] for e in errors if _recipe_loc(e["loc"]) == loc]
+    if len(same) > 1 and all(m.startswith("Input should be ") for m in same):
+        kinds = dict.fromkeys(m.removeprefix("Input should be ").split(", ")[0] for m in same)
+        msg = "Input should be " + " or ".join(kinds)
+    msg = re.sub(r" or instance of \w+", "", msg.removeprefix("Value error, "))  # no pydantic class names
+    return f"{where}: {loc}: {msg}"

@@ -88,6 +88,7 @@ def test_quantize_on_cuda_equals_cpu(row, algorithm, sources, tmp_path, monkeypa
 @pytest.mark.parametrize("recipes,kw", [
     (["w4a16-gptq"], {"kv_scheme": "int4"}),  # KIVI int4 KV, GPTQ with act-order
     (["w3a16-gptaq-g64"], {}),
+    (["w4a16-best"], {"settings": (("refine.iters", 3), ("refine.batch", 2))}),  # GPTQ's layers refined by autograd
     (["w4a16-mixed"], {}),
     (["w4a16-awq-gptq"], {"settings": (("head.num_bits", 8), ("head.untie", True))}),  # 8-bit LM head (tied source)
     (["w4a16-gptq"], {"settings": (("gptq.static_groups", False),), "format": "gptq"}),
@@ -95,8 +96,8 @@ def test_quantize_on_cuda_equals_cpu(row, algorithm, sources, tmp_path, monkeypa
 ])
 @pytest.mark.slow  # whole runs on the faked CUDA device against the CPU's (make test-fast leaves it out)
 def test_recipes_on_cuda_equal_cpu(recipes, kw, sources, tmp_path):
-    """The bundled recipes' other paths (KIVI KV, GPTAQ at 3 bits, mixed precision, a quantized
-    LM head, GPTQ and AutoAWQ formats) on the fake device: the CPU run's digests."""
+    """The bundled recipes' other paths (KIVI KV, GPTAQ at 3 bits, the refinement after GPTQ, mixed
+    precision, a quantized LM head, GPTQ and AutoAWQ formats) on the fake device: the CPU run's digests."""
     opts = dict(model=str(sources["llama"]), recipe=recipes, group_size=32, calib_samples=4, calib_seqlen=48, seed=0,
                 matmul_precision=CPU_AS_CUDA, **kw)
     run_quantize(QuantizeOptions(output=tmp_path / "cpu", **opts))

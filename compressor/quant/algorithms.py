@@ -196,6 +196,8 @@ def unread_warnings(algorithm: "Algorithm", recipe, skip: tuple[str, ...] = ()) 
         if changed:
             out.append(f"the recipe's {section} settings ({', '.join(changed)}) have no effect with algorithm "
                        f"{algorithm.name} ({section} and awq-gptq read them)")
+    if "refine" not in algorithm.reads and getattr(recipe, "refine", None) is not None:
+        out.append(f"the recipe's refine section has no effect with algorithm {algorithm.name} (gptq reads it)")
     return out
 
 

@@ -183,7 +183,10 @@ class GPTQResult:
     ``zero_point`` int8 ``[out, G]``, ``g_idx`` int32 ``[in]`` or ``None`` when groups are
     contiguous (``c // group_size``), ``loss`` the GPTQ objective ``Σ (w - ŵ)² / [H⁻¹]_cc``
     / 2 summed over the matrix, ``damp`` the relative damping used, ``retries`` how many
-    times it was increased, ``dead_channels`` the number of zero-diagonal inputs.
+    times it was increased, ``dead_channels`` the number of zero-diagonal inputs, ``target``
+    (``keep_target`` only, else ``None``) float32 ``[out, in]`` in the original column order:
+    each weight as GPTQ rounded it, the earlier columns' errors fed back (``q`` is its
+    round-to-nearest on the grid of ``scale``/``zero_point``; :mod:`compressor.quant.refine` starts there).
     """
 
     q: torch.Tensor
@@ -194,6 +197,7 @@ class GPTQResult:
     damp: float
     retries: int
     dead_channels: int
+    target: torch.Tensor | None = None
 
 
 def _inverse_cholesky(H: torch.Tensor, damp: float, damp_increment: float, max_damp: float, name: str):
@@ -359,14 +363,17 @@ def _quantize_block(W1t: torch.Tensor, U1: torch.Tensor, i1: int, col_group_list
 
 
 def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid, block_size: int, perm: torch.Tensor | None,
-                      static_qparams: tuple[torch.Tensor, torch.Tensor] | None, h_blocks: torch.Tensor | None = None):
+                      static_qparams: tuple[torch.Tensor, torch.Tensor] | None, h_blocks: torch.Tensor | None = None,
+                      keep_target: bool = False):
     """The blocked column loop of GPTQ (algorithm 1) over ``W`` ``[out, in]`` in visiting order.
 
     Blocks are widened to a multiple of the group size so a group never straddles a block;
     after each block its error is applied to the remaining columns in one matmul (``W`` is
     updated in place). With ``static_qparams`` column ``j`` belongs to group
     ``perm[j] // group_size``, otherwise to ``j // group_size`` (``h_blocks``: the Hessian's
-    blocks of those visited groups, for the range search).
+    blocks of those visited groups, for the range search). With ``keep_target`` each block's
+    columns are written back into ``W`` as they were rounded (the error fed back from the
+    columns before them), so ``W`` ends holding what GPTQ rounded.
 
     Returns ``(Q, scale, zero, col_group, losses)``: int8 ``[out, in]`` in visiting order,
     float32 and int8 ``[out, G]``, the int64 group of each visited column ``[in]``, and the
@@ -394,6 +401,8 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, grid: _Grid, block_size:
         W1t = W[:, i1:i2].t().contiguous()
         Q1t, Err1t = _quantize_block(W1t, U[i1:i2, i1:i2], i1, col_group_list, scale_t, zero_f, grid,
                                      static_qparams is not None, h_blocks)
+        if keep_target:  # each row of W1t is final once its column is rounded
+            W[:, i1:i2] = W1t.t()
         del W1t
         Q[:, i1:i2] = Q1t.t()
         losses += Err1t.double().square_().sum(0).div_(2)
@@ -437,6 +446,7 @@ def gptq_quantize(
     consume_hessian: bool = False,
     clip_grid: int | None = None,
     clip_max_shrink: float = 0.25,
+    keep_target: bool = False,
 ) -> GPTQResult:
     """Quantize one weight matrix with GPTQ (Frantar et al., 2022, algorithm 1, as the reference implementation).
 
@@ -466,6 +476,7 @@ def gptq_quantize(
             below ``clip_max_shrink``, scored by ``Δ_gᵀ H_gg Δ_g`` on the group's block of ``H``),
             made where min-max qparams are (up front for static groups, else when the loop
             reaches the group); ``clip_grid=None``: min-max, as the paper.
+        keep_target: also return the weights as GPTQ rounded them (:attr:`GPTQResult.target`).
 
     Returns:
         :class:`GPTQResult`.
@@ -493,8 +504,13 @@ def gptq_quantize(
     U, damp_used, retries = _inverse_cholesky(H, damp, damp_increment, max_damp, name)
     del H
 
-    Q, scale, zero, col_group, losses = _quantize_columns(W, U, grid, block_size, perm, static_qparams, h_blocks)
+    Q, scale, zero, col_group, losses = _quantize_columns(W, U, grid, block_size, perm, static_qparams, h_blocks,
+                                                          keep_target)
     Q, g_idx = _restore_column_order(Q, perm, col_group, static_qparams is not None)
+    target = None
+    if keep_target:
+        target = W[:, torch.argsort(perm)] if perm is not None else W
+    del W
     if torch.isinf(scale).any() and scale_dtype.itemsize < 4 and not torch.isnan(scale).any():
         raise InputError(f"the weight scales of {name} overflow {str(scale_dtype).removeprefix('torch.')} "
                          f"(largest it stores: {torch.finfo(scale_dtype).max:g}); store the artifact in bfloat16 "
@@ -503,5 +519,5 @@ def gptq_quantize(
         raise QuantizationError(f"GPTQ produced NaN or Inf for {name}")
     return GPTQResult(
         q=Q.contiguous(), scale=scale, zero_point=zero, g_idx=g_idx, loss=float(losses.sum()),
-        damp=damp_used, retries=retries, dead_channels=n_dead,
+        damp=damp_used, retries=retries, dead_channels=n_dead, target=target,
     )

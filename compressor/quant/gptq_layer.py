@@ -22,6 +22,7 @@ from ..registry import FORMATS
 from .algorithms import Algorithm, odd_bits_warnings, register_algorithm, unread_warnings
 from .gptq import CrossAccumulator, HessianAccumulator, float_target, gptq_quantize
 from .layer import LayerContext, LayerOutcome, StopForward, layer_forward
+from .refine import refined_layer
 from .replay import ModuleReplay
 
 
@@ -210,22 +211,28 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
             damp_increment=opts.damp_increment, act_order=opts.act_order,
             static_groups=opts.static_groups, scale_dtype=quantizer.dtype, name=" + ".join(prefix + x for x in rels),
             consume_hessian=last, clip_grid=opts.clip_grid if opts.clip else None, clip_max_shrink=opts.clip_max_shrink,
+            keep_target=ctx.bases is not None,
         )
         del H, w
         out, r0 = [], 0
         for rel in rels:  # each linear's rows of the stacked result
             r1 = r0 + get_module(layer, rel).out_features
             part = (r.q[r0:r1], r.scale[r0:r1], r.zero_point[r0:r1])
-            out.append((*(t.clone() if len(rels) > 1 else t for t in part), r.g_idx))  # no storage shared between records
+            out.append((*(t.clone() if len(rels) > 1 else t for t in part), r.g_idx,  # no storage shared between records
+                        None if r.target is None else r.target[r0:r1]))
             r0 = r1
         return out, r.damp, r.retries, r.dead_channels
 
     for (rels, _key), (parts, damp, r_retries, r_dead) in zip(tasks, deal(tasks, solve)):
-        for rel, (q, scale, zp, g_idx) in zip(rels, parts):
+        for rel, (q, scale, zp, g_idx, target) in zip(rels, parts):
             name = prefix + rel
-            ctx.modules[name], err = quantizer.finish(name, get_module(layer, rel), q, scale, zp, g_idx,
+            lin = get_module(layer, rel)
+            original = lin.weight.detach().float().clone() if target is not None else None
+            ctx.modules[name], err = quantizer.finish(name, lin, q, scale, zp, g_idx,
                                                       col_scale.get(rel), originals.get(rel), row_scale.get(rel))
             errs.append(err)
+            if target is not None:  # kept for the layer's refinement (compressor.quant.refine)
+                ctx.bases[name] = (target, original, err)
             damps.append(damp)
             retries += r_retries
             dead += r_dead
@@ -407,12 +414,14 @@ class GPTQ(Algorithm):
     """GPTQ with a streamed Hessian per reader set; needs calibration."""
 
     name = "gptq"
-    reads = ("gptq",)
+    reads = ("gptq", "refine")
     needs_calibration = True
     act_order = True
     streams_experts = experts_per_rank = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
+        if ctx.recipe.refine is not None:  # the layer's GPTQ result refined on its output (compressor.quant.refine)
+            return refined_layer(i, layer, hidden, kw, ctx, gptq_layer)
         return gptq_layer(i, layer, hidden, kw, ctx)
 
     def quantize_expert(self, i, layer, rels, inputs, cold, ctx):
@@ -441,6 +450,8 @@ class GPTQ(Algorithm):
             out.update(clip=True, clip_grid=recipe.gptq.clip_grid, clip_max_shrink=recipe.gptq.clip_max_shrink)
         if recipe.gptq.gptaq_alpha:  # the float target; left out while off, as the range search
             out["gptaq_alpha"] = recipe.gptq.gptaq_alpha
+        if recipe.refine is not None and "refine" in self.reads:  # the block-wise refinement; left out while off
+            out["refine"] = recipe.refine.model_dump()
         return {**out, **FORMATS.get(fmt).summary_fields(recipe)}
 
     def flag_warnings(self, flags, recipe, fmt):

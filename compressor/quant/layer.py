@@ -172,6 +172,10 @@ class LayerContext:
     kv_scale_search: str = "absmax"
     #: ``none`` or ``pairs``: the key basis changed per RoPE pair (:mod:`compressor.quant.kv_rotation`)
     kv_key_rotation: str = "none"
+    #: while a GPTQ layer is refined (:mod:`compressor.quant.refine`): full module name -> ``(target, original,
+    #: error)`` of each linear GPTQ solved: the weights as it rounded them, the float weights before, the relative
+    #: error it recorded; ``None``: not kept
+    bases: dict | None = None
 
     def experts(self, layer) -> UnfusedExperts | None:
         """The layer's unfused routed experts (``None`` for a dense layer)."""
