@@ -359,6 +359,7 @@ def quantize_model(
         result.layers.extend(hooks.layers)
         result.moe.extend(hooks.moe)
         result.moe_fallback.extend(hooks.moe_fallback)
+        result.kv_absmax.update(getattr(hooks, "kv_absmax", {}))  # checkpointed again with the new layers'
     layers = get_module(model, plan.arch.layers)
     observer = kv_observer(len(layers)) if plan.observe_kv else None
     ctx = LayerContext(plan.arch, recipe, LinearQuantizer(plan.schemes, dtype), plan.targets, result.modules, observer,
@@ -380,6 +381,10 @@ def quantize_model(
         )
     if observer is not None:
         result.kv_absmax = observed_absmax(observer)
+        missing = [i for i in range(len(layers)) if i not in result.kv_absmax]
+        if missing:  # a static KV scheme without a layer's scales: serving engines would read 1.0 there
+            raise QuantizationError(f"no KV-cache statistics for layer(s) {', '.join(map(str, missing[:8]))}"
+                                    f"{' ...' if len(missing) > 8 else ''} of {len(layers)}; nothing was written")
         for i, (k, v) in result.kv_absmax.items():
             if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
                 raise QuantizationError(f"KV-cache statistics of layer {i} are not finite; nothing was written")

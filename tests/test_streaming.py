@@ -135,6 +135,45 @@ def crash_gptq_at(monkeypatch, layer: int):
     return real
 
 
+def test_static_kv_scales_survive_two_resumes(tmp_path, deep_dir, monkeypatch):
+    """A run interrupted twice (after layer 1, then after layer 2) and resumed to the end keeps
+    every layer's fp8 k_scale/v_scale: the second checkpoint must carry the first run's KV
+    statistics too. The artifact equals an uninterrupted run's, tensor by tensor."""
+    import compressor.quant.gptq_layer as pl
+
+    opts = dict(model=str(deep_dir), algorithm="gptq", kv_scheme="fp8", **FAST)
+    straight = tmp_path / "straight"
+    run_quantize(QuantizeOptions(output=straight, **opts))
+    out = tmp_path / "twice"
+    real = crash_gptq_at(monkeypatch, 1)
+    with pytest.raises(Crash):
+        run_quantize(QuantizeOptions(output=out, **opts))
+    monkeypatch.setattr(pl, "gptq_layer", real)
+    crash_gptq_at(monkeypatch, 2)
+    with pytest.raises(Crash):
+        run_quantize(QuantizeOptions(output=out, resume=True, **opts))
+    monkeypatch.setattr(pl, "gptq_layer", real)
+    s = run_quantize(QuantizeOptions(output=out, resume=True, **opts))
+    assert s["resumed_from_layer"] == 2
+    scales = {n for n in digests(out) if n.endswith(("k_scale", "v_scale"))}
+    assert len(scales) == 2 * 4
+    assert digests(out) == digests(straight)
+
+
+def test_static_kv_scheme_refuses_a_layer_without_statistics(tmp_path, deep_dir, monkeypatch):
+    """Static KV scales missing for a layer (statistics lost) stop the run before anything is
+    written: an artifact whose own verify would refuse it is never signed."""
+    import compressor.pipeline as pipeline
+    from compressor.errors import QuantizationError
+
+    real = pipeline.observed_absmax
+    monkeypatch.setattr(pipeline, "observed_absmax", lambda obs: {i: kv for i, kv in real(obs).items() if i != 0})
+    out = tmp_path / "lost"
+    with pytest.raises(QuantizationError, match="no KV-cache statistics for layer.s. 0 of 4"):
+        run_quantize(QuantizeOptions(model=str(deep_dir), output=out, algorithm="gptq", kv_scheme="fp8", **FAST))
+    assert not out.exists()
+
+
 def test_resume_after_a_simulated_crash(tmp_path, deep_dir, whole, monkeypatch, capsys):
     import compressor.quant.gptq_layer as pl
     import compressor.staging as st  # the LayerWriter's loads
