@@ -61,6 +61,7 @@ test-fast: install
 # quantize (+ sign) -> verify (+ report) -> serve-smoke on the real default model (AWQ W4 g64 + fp8 KV cache)
 demo: install
 	@set -e; mkdir -p $(DEMO); \
+	trap 'echo "demo: interrupted: run \`make demo\` again to resume (\`make clean\` starts over)"; exit 130' INT TERM; \
 	if [ -f "$(SHARED)/wikitext-2/valid.txt" ]; then \
 	  calib="$(SHARED)/wikitext-2/valid.txt"; eval="$(SHARED)/wikitext-2-raw/wiki.test.raw"; \
 	else \
@@ -74,11 +75,14 @@ demo: install
 	if [ ! -f "$$keys/key.pem" ]; then mkdir -p "$$keys"; chmod 700 "$$keys"; $(BIN)/python -c "$$KEYGEN" "$$keys"; fi; \
 	cp "$$keys/pub.pem" $(DEMO)/signing-pub.pem; \
 	echo "demo: signing with a throwaway EC P-256 key in $$keys (kept for the demo's life, removed by make clean)"; \
-	resume=""; if [ -d $(DEMO)/.smollm2-w4a16-awq.kvq-partial ]; then resume="--resume"; \
-	  echo "demo: an interrupted quantize is resumed from its last finished layer"; fi; \
+	resume=""; qthreads="$$threads"; if [ -d $(DEMO)/.smollm2-w4a16-awq.kvq-partial ]; then resume="--resume"; \
+	  qthreads="$$(cat $(DEMO)/.quantize-threads 2>/dev/null || true)"; \
+	  echo "demo: an interrupted quantize is resumed from its last finished layer$${qthreads:+ (with its own $$qthreads)}"; fi; \
+	printf '%s' "$$qthreads" > $(DEMO)/.quantize-threads; \
 	$(BIN)/kvq quantize smollm2-135m --recipe w4a16-awq --recipe kv-fp8 --calib "$$calib" \
 	  --calib-samples $(DEMO_SAMPLES) --calib-seqlen 512 -o $(DEMO)/smollm2-w4a16-awq --overwrite \
-	  --sign-key "$$keys/key.pem" $$threads $$resume; \
+	  --sign-key "$$keys/key.pem" $$qthreads $$resume \
+	  || { rc=$$?; echo "demo: quantize did not finish (exit $$rc): run \`make demo\` again to resume from its last finished layer, \`make clean\` to start over"; exit 1; }; \
 	$(BIN)/kvq verify $(DEMO)/smollm2-w4a16-awq --public-key "$$keys/pub.pem" --eval "$$eval" --seqlen 2048 \
 	  --max-windows $(DEMO_WINDOWS) --json-out $(DEMO)/verify.json --report $(DEMO)/report $$threads \
 	  || { rc=$$?; if [ $$rc -eq 1 ]; then echo "demo: verify FAILED (a check or gate), see $(DEMO)/report/report.md"; \
