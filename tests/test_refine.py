@@ -58,7 +58,7 @@ def test_the_first_iterate_is_gptqs_rounding(act_order, static, sym):
     assert (r.g_idx is not None) == (act_order and not static)
     gi = r.g_idx.long() if r.g_idx is not None else torch.arange(128) // 32
     s0 = r.scale.float()
-    p = refine._Linear("w", "w", r.target, w, 0.0, s0, torch.zeros_like(s0) if sym else r.zero_point.float(), gi,
+    p = refine._Linear("w", "w", r.target, w, s0, torch.zeros_like(s0) if sym else r.zero_point.float(), gi,
                        r.g_idx, 32, 4, sym, torch.zeros_like(w), torch.ones_like(s0), torch.ones_like(s0))
     deq, q, s, z = p.grid(torch.float16)
     assert torch.equal(q.to(torch.int8), r.q) and torch.equal(s, s0)

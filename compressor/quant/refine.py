@@ -72,7 +72,6 @@ class _Linear:
     rel: str
     base: torch.Tensor
     original: torch.Tensor
-    err: float
     s0: torch.Tensor
     z0: torch.Tensor
     gi: torch.Tensor
@@ -109,7 +108,7 @@ def _linears(i: int, layer, ctx: LayerContext) -> list[_Linear]:
     """A :class:`_Linear` per linear of layer ``i`` that GPTQ solved (``ctx.bases``), in their order."""
     prefix = f"{ctx.arch.layers}.{i}."
     out = []
-    for name, (base, original, err) in ctx.bases.items():
+    for name, (base, original, _err) in ctx.bases.items():
         rec = ctx.modules[name]
         lin = get_module(layer, name[len(prefix):])
         dev = lin.weight.device
@@ -119,7 +118,7 @@ def _linears(i: int, layer, ctx: LayerContext) -> list[_Linear]:
         s0 = rec.scale.float().to(dev)
         z0 = torch.zeros_like(s0) if rec.symmetric else rec.zero_point.float().to(dev)
         g_idx = None if rec.g_idx is None else rec.g_idx.to(dev)
-        out.append(_Linear(name, name[len(prefix):], base, original, err, s0, z0, gi.to(dev), g_idx,
+        out.append(_Linear(name, name[len(prefix):], base, original, s0, z0, gi.to(dev), g_idx,
                            rec.group_size, rec.num_bits, rec.symmetric, torch.zeros_like(base, requires_grad=True),
                            torch.ones_like(s0, requires_grad=True), torch.ones_like(s0, requires_grad=True)))
     return out
