@@ -26,7 +26,7 @@ import torch
 
 from compressor.arch import get_arch
 from compressor.artifact import load_artifact, read_kv_cache
-from compressor.commands.options import QuantizeOptions
+from compressor.commands.options import DEFAULT_RECIPE, QuantizeOptions
 from compressor.commands.quantize import run_quantize
 from compressor.quant.kv import quantized_cache
 from compressor.recipe import bundled_recipes, load_recipe
@@ -108,7 +108,11 @@ def test_recipes_and_schemes_are_covered(artifacts):
     assert {_static_kv(f) for f in artifacts.values()} == {True, False}
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+#: the fast lane loads the default recipe's artifact; every other recipe's is in the slow lane (a subprocess each)
+FAST_RECIPES = {DEFAULT_RECIPE}
+
+
+@pytest.mark.parametrize("recipe", [r if r in FAST_RECIPES else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES])
 def test_loading_release_matches_kvq(recipe, artifacts, tmp_path):
     """transformers 5.22.2 + compressed-tensors 0.20.1 load every recipe's artifact and give kvq's logits."""
     assert CONSUMER.is_dir(), f"{CONSUMER} is missing: `make install` puts transformers {LOADING_RELEASE} there"
