@@ -127,13 +127,12 @@ def unpack_signed(words: torch.Tensor, num_bits: int, n: int) -> torch.Tensor:
     if sys.byteorder == "little" and 8 % num_bits == 0 and words.dtype == torch.int32:
         per_byte, mask = 8 // num_bits, (1 << num_bits) - 1
         raw = words.contiguous().view(torch.uint8)  # [rows, 4 * words]
-        step = max(1, _CHUNK_ELEMS // max(n, 1))
-        for r0 in range(0, rows, step):
-            b = raw[r0:r0 + step]
-            fields = torch.empty(b.shape[0], b.shape[1], per_byte, dtype=torch.int16)
+        for r0, r1 in row_blocks(rows, n):
+            b = raw[r0:r1]
+            fields = torch.empty(r1 - r0, b.shape[1], per_byte, dtype=torch.int16)
             for k in range(per_byte):
                 fields[..., k] = ((b >> (k * num_bits)) & mask).to(torch.int16)
-            out[r0:r0 + step] = (fields.view(b.shape[0], -1)[:, :n] - offset).to(torch.int8)
+            out[r0:r1] = (fields.view(r1 - r0, -1)[:, :n] - offset).to(torch.int8)
         return out
     for r0, r1 in row_blocks(rows, n):  # int64 only one block at a time
         out[r0:r1] = unpack_rows(words[r0:r1], num_bits, n) - offset
