@@ -10,10 +10,15 @@ summary: ``source_bytes_read`` / ``routed_expert_bytes_read`` / ``peak_rss_mib``
 process, and for two ranks rank 0's ``ranks`` list (each rank's, at the end of the layer pass).
 The two artifacts are compared tensor digest by tensor digest.
 
-Usage: python bench/dist_experts.py [--ranks 1,2] [--calib-samples 8] [--calib-seqlen 128]
-          [--memory-budget-gib 2] [--work DIR] [--keep]
-Writes bench/results/dist_experts.json and prints the table for BENCHMARKS.md; removes the
-artifacts (and, without ``--keep``, the generated source) at the end.
+Usage: python bench/dist_experts.py [--launches 1,2,2n] [--recipe w4a16-gptq] [--calib-samples 8]
+          [--calib-seqlen 128] [--memory-budget-gib 2] [--work DIR] [--src DIR] [--keep] [--alone] [--extra FLAGS]
+``--launches``: the runs in order, each ``1`` (one process), ``2`` (``torchrun --nproc-per-node 2``) or ``2n``
+(two ``torchrun --nnodes 2 --nproc-per-node 1`` launches on this machine, node ranks 0 and 1, as two machines
+would run it); repeat entries (``1,2,2,1``) for alternating pairs. ``--src`` reuses a generated source (kept).
+``--alone``: the machine ran nothing else, so the wall times are figures (``wall_seconds``; otherwise they are
+recorded as ``wall_seconds_not_a_figure``).
+Writes bench/results/dist_experts[-RECIPE].json and prints the table for BENCHMARKS.md; removes the
+artifacts (and, without ``--keep`` or ``--src``, the generated source) at the end.
 """
 
 from __future__ import annotations
@@ -45,32 +50,66 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run(src: Path, out: Path, ranks: int, a) -> dict:
-    """One quantize with ``ranks`` processes; returns its figures."""
-    kvq = ["-m", "compressor", "quantize", str(src), "--recipe", "w4a16-gptq",
+def _parameters(src: Path) -> int:
+    """Elements stored in ``src``'s safetensors shards (from their headers; block scales included)."""
+    import math
+    import struct
+
+    n = 0
+    for f in src.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        n += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return n
+
+
+def _torchrun(nproc: int, extra: list[str]) -> list[str]:
+    return [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(nproc), *extra, "--no-python",
+            sys.executable]
+
+
+def run(src: Path, out: Path, launch: str, a) -> dict:
+    """One quantize launched as ``launch`` (``1``, ``2`` or ``2n``); returns its figures."""
+    kvq = ["-m", "compressor", "quantize", str(src), "--recipe", a.recipe,
            "--calib", str(scale_bench.DATA / "wikitext-2" / "valid.txt"), "--calib-samples", str(a.calib_samples),
            "--calib-seqlen", str(a.calib_seqlen), "--memory-budget-gib", str(a.memory_budget_gib), "--threads", "1",
-           "-o", str(out), "--overwrite", "--json"]
-    launch = [sys.executable] if ranks == 1 else [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node",
-                                                   str(ranks), "--master-port", str(_port()), "--no-python",
-                                                   sys.executable]
+           "-o", str(out), "--overwrite", "--json", *a.extra.split()]
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    port = str(_port())
+    if launch == "1":
+        cmds = [[sys.executable] + kvq]
+    elif launch == "2":
+        cmds = [_torchrun(2, ["--master-port", port]) + kvq]
+    else:  # two "nodes": node rank 0 and node rank 1, one rank each, meeting at 127.0.0.1
+        cmds = [_torchrun(1, ["--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                              "--master-port", port]) + kvq for r in (0, 1)]
     t0 = time.perf_counter()
-    p = subprocess.run(launch + kvq, capture_output=True, text=True, env=env, cwd=ROOT)
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             for c in cmds]
+    outs = [p.communicate() for p in procs]
     wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        sys.exit(f"dist-experts: {ranks} rank(s) failed ({p.returncode}): {p.stderr.strip()[-3000:]}")
-    s = json.loads(p.stdout[p.stdout.index("{"):])
+    failed = [(k, p.returncode, err) for k, (p, (_, err)) in enumerate(zip(procs, outs)) if p.returncode != 0]
+    if failed:
+        sys.exit("\n".join(f"dist-experts: launch {launch}, launcher {k} failed ({rc}): {err.strip()[-3000:]}"
+                           for k, rc, err in failed))
+    stdout = outs[0][0]
+    s = json.loads(stdout[stdout.index("{"):])
     per_rank = s.get("ranks") or [{"rank": 0, **{k: s[k] for k in ("source_bytes_read", "routed_expert_bytes_read",
                                                                     "peak_rss_mib")}}]
-    return {"ranks": ranks, "command": " ".join(launch[1:] + kvq).replace(str(ROOT) + "/", ""), "per_rank": per_rank,
+    shown = [" ".join(c[c.index("-m") - 1 if launch == "1" else 0:]).replace(str(ROOT) + "/", "") for c in cmds]
+    return {"launch": launch, "ranks": 1 if launch == "1" else 2, "commands": shown, "per_rank": per_rank,
             "rank0_final": {k: s[k] for k in ("source_bytes_read", "routed_expert_bytes_read", "peak_rss_mib")},
-            "wall_seconds_not_a_figure": round(wall, 1), "content_digest": s["content_digest"]}
+            ("wall_seconds" if a.alone else "wall_seconds_not_a_figure"): round(wall, 1),
+            "content_digest": s["content_digest"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--launches", default="1,2,2n")
+    ap.add_argument("--recipe", default="w4a16-gptq")
+    ap.add_argument("--src", default="", help="an already generated kimi-fp8-64e source (kept)")
+    ap.add_argument("--extra", default="", help="more kvq quantize flags (space separated)")
+    ap.add_argument("--alone", action="store_true", help="nothing else ran: the wall times are figures")
     ap.add_argument("--calib-samples", type=int, default=8)
     ap.add_argument("--calib-seqlen", type=int, default=128)
     ap.add_argument("--memory-budget-gib", type=float, default=2.0)
@@ -80,20 +119,25 @@ def main() -> None:
     if not (scale_bench.TOKENIZER / "tokenizer.json").exists():
         scale_bench.write_tokenizer()
     work = Path(a.work)
-    src = work / f"synthetic-{SIZE}"
-    model_type, kw = scale_bench.SIZES[SIZE]
-    n = scale_bench.generate(src, model_type, kw)
+    work.mkdir(parents=True, exist_ok=True)
+    src = Path(a.src) if a.src else work / f"synthetic-{SIZE}"
+    if a.src:
+        a.keep = True
+        n = _parameters(src)
+    else:
+        model_type, kw = scale_bench.SIZES[SIZE]
+        n = scale_bench.generate(src, model_type, kw)
     source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     print(f"dist-experts: {n / 1e9:.2f} B parameters, {source_bytes / 2**30:.2f} GiB in {src}", flush=True)
     rows, digests = [], {}
     try:
-        for ranks in [int(r) for r in a.ranks.split(",")]:
-            out = work / f"out-{ranks}"
-            rows.append(run(src, out, ranks, a))
+        for j, launch in enumerate(a.launches.split(",")):
+            out = work / f"out-{launch}"
+            rows.append(run(src, out, launch, a))
             sys.path.insert(0, str(ROOT))
             from compressor.manifest import load_manifest
 
-            digests[ranks] = {k: t.digest for k, t in load_manifest(out).tensors.items()}
+            digests[f"{j}:{launch}"] = {k: t.digest for k, t in load_manifest(out).tensors.items()}
             print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(out, ignore_errors=True)
     finally:
@@ -105,12 +149,14 @@ def main() -> None:
            "source": f"{SIZE}: {n / 1e9:.2f} B parameters, {source_bytes} bytes (block FP8)",
            "calibration": f"{a.calib_samples} x {a.calib_seqlen}", "memory_budget_gib": a.memory_budget_gib,
            "tensors": len(first), "tensors_equal_to_first_run": same, "rows": rows}
-    RESULTS.write_text(json.dumps(res, indent=2) + "\n")
-    print("| ranks | rank | source bytes read (GiB) | routed experts' bytes read (GiB) | peak RSS (MiB) |")
+    results = RESULTS if a.recipe == "w4a16-gptq" else RESULTS.with_name(f"dist_experts-{a.recipe}.json")
+    res["recipe"] = a.recipe
+    results.write_text(json.dumps(res, indent=2) + "\n")
+    print("| launch | rank | source bytes read (GiB) | routed experts' bytes read (GiB) | peak RSS (MiB) |")
     print("|---|---|---|---|---|")
     for r in rows:
         for p in r["per_rank"]:
-            print(f"| {r['ranks']} | {p['rank']} | {p['source_bytes_read'] / 2**30:.2f} "
+            print(f"| {r['launch']} | {p['rank']} | {p['source_bytes_read'] / 2**30:.2f} "
                   f"| {p['routed_expert_bytes_read'] / 2**30:.2f} | {p['peak_rss_mib']:,.0f} |")
     print(f"tensors equal to the first run's: {same} of {len(first)}")
 

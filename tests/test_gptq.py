@@ -438,3 +438,36 @@ def test_pipeline_gptaq_alpha_moves_only_what_the_float_stream_changes():
             apply_settings(base, {"gptq.gptaq_alpha": bad})
     with pytest.raises(InputError, match="gptq.damp"):
         apply_settings(base, {"gptq.damp": True})
+
+
+@pytest.mark.parametrize("act_order, static, sym, clip", [(True, True, True, None), (True, False, False, 4),
+                                                          (False, False, True, None)])
+def test_a_slice_of_rows_is_quantized_as_in_the_whole_solve(act_order, static, sym, clip):
+    """GPTQ treats every row on its own given H, so the ranks may solve a lone linear in slices
+    of rows (compressor.quant.gptq_layer.row_slices): each slice's integers, scales, zero points,
+    g_idx and kept target equal those rows of the whole solve, bit for bit, and joined back
+    (join_slices) they are the whole result."""
+    from compressor.quant.gptq_layer import join_slices, row_slices
+
+    torch.manual_seed(3)
+    x = torch.randn(512, 256) * torch.rand(256) * 3
+    H = (x.double().T @ x.double()).float() * (2 / 512)
+    w = torch.randn(97, 256) * 0.02
+
+    def solve(rows):
+        return gptq_quantize(w[rows[0]:rows[1]], H, 4, 64, sym, act_order=act_order, static_groups=static,
+                             clip_grid=clip, keep_target=True)
+
+    whole = solve((0, 97))
+    pieces = row_slices([(("o_proj",), "o_proj")], 2, lambda rel: 97)
+    assert [p[2] for p in pieces] == [(0, 48), (48, 97)]
+    results = [([(r.q, r.scale, r.zero_point, r.g_idx, r.target)], r.damp, r.retries, r.dead_channels)
+               for r in (solve(p[2]) for p in pieces)]
+    (joined,), damp, _retries, _dead = join_slices(pieces, results)[0]
+    for got, want in zip(joined, (whole.q, whole.scale, whole.zero_point, whole.g_idx, whole.target)):
+        assert (got is None and want is None) or torch.equal(got, want)
+    assert damp == whole.damp
+    # as many tasks as ranks, or a linear too short to halve: solved whole
+    assert [p[2] for p in row_slices([(("a",), "a"), (("b",), "b")], 2, lambda rel: 97)] == [None, None]
+    assert [p[2] for p in row_slices([(("a",), "a")], 2, lambda rel: 3)] == [None]
+    assert [p[2] for p in row_slices([(("a",), "a")], 1, lambda rel: 97)] == [None]

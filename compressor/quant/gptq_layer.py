@@ -184,14 +184,15 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
     # each set's Hessian is built when its first batch is solved and handed, to be worked on
     # in place, to its last: one Hessian alive at a time besides the float64 sums not reached yet
     rank, size = world()
+    pieces = row_slices(tasks, size, lambda rel: get_module(layer, rel).out_features)
     left: dict[str, int] = {}
-    for j, (_rels, key) in enumerate(tasks):
+    for j, (_rels, key, _rows) in enumerate(pieces):
         if j % size == rank:
             left[key] = left.get(key, 0) + 1
     built: dict = {}
 
-    def solve(task):
-        rels, key = task
+    def solve(piece):
+        rels, key, rows = piece
         bits, gs, sym = quantizer.schemes[prefix + rels[0]][:3]
         if key not in built:
             acc = accs.pop(key)
@@ -203,6 +204,8 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
         weights = [get_module(layer, rel).weight.detach() for rel in rels]
         w = weights[0] if len(weights) == 1 else torch.cat(weights)
         del weights
+        if rows is not None:
+            w = w[rows[0]:rows[1]]
         if cross is not None:  # asymmetric calibration: the float model's output is the target
             w = float_target(w, H, cross, opts.gptaq_alpha, opts.damp)
         del cross
@@ -214,6 +217,8 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
             keep_target=ctx.bases is not None,
         )
         del H, w
+        if rows is not None:  # one linear's slice of rows: joined with the other slices below
+            return [(r.q, r.scale, r.zero_point, r.g_idx, r.target)], r.damp, r.retries, r.dead_channels
         out, r0 = [], 0
         for rel in rels:  # each linear's rows of the stacked result
             r1 = r0 + get_module(layer, rel).out_features
@@ -223,7 +228,7 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
             r0 = r1
         return out, r.damp, r.retries, r.dead_channels
 
-    for (rels, _key), (parts, damp, r_retries, r_dead) in zip(tasks, deal(tasks, solve)):
+    for (rels, _key), (parts, damp, r_retries, r_dead) in zip(tasks, join_slices(pieces, deal(pieces, solve))):
         for rel, (q, scale, zp, g_idx, target) in zip(rels, parts):
             name = prefix + rel
             lin = get_module(layer, rel)
@@ -238,6 +243,44 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
             dead += r_dead
     del tasks
     return errs, damps, retries, dead
+
+
+def row_slices(tasks: list, size: int, rows_of) -> list[tuple]:
+    """The pieces a pass's GPTQ solves are dealt in: ``(rels, key, None)`` per task, or, when the
+    pass has fewer tasks than ``size`` ranks (a lone ``o_proj`` or dense ``down_proj`` would leave
+    the other ranks idle), each task's rows in ``size`` contiguous slices ``(rels, key, (r0, r1))``.
+    GPTQ quantizes every row on its own given ``H`` (the column loop, static groups, act_order's
+    permutation and the damping retries depend on ``H`` alone), so a slice's integers and scales
+    are those rows of the whole solve, bit for bit (``tests/test_distributed.py``); every rank
+    still builds ``H`` and its inverse Cholesky factor, only the column loop divides.
+    ``rows_of(rel)``: a linear's output rows. Under several ranks every task is one linear."""
+    if size < 2 or len(tasks) >= size:
+        return [(rels, key, None) for rels, key in tasks]
+    out = []
+    for rels, key in tasks:
+        n = rows_of(rels[0])
+        if len(rels) != 1 or n < 2 * size:
+            out.append((rels, key, None))
+            continue
+        out += [(rels, key, (n * k // size, n * (k + 1) // size)) for k in range(size)]
+    return out
+
+
+def join_slices(pieces: list[tuple], results: list) -> list:
+    """The per-task results of :func:`solve_pass` from its pieces' (:func:`row_slices`): a task's
+    slices joined along the rows (``g_idx``, the damping figures: the first slice's, the same
+    ``H`` giving the same on every slice)."""
+    out: list = []
+    for (rels, key, rows), res in zip(pieces, results):
+        if rows is None or rows[0] == 0:
+            out.append(res)
+            continue
+        (q, scale, zp, g_idx, target), = out[-1][0]
+        (q2, scale2, zp2, _, target2), = res[0]
+        joined = (torch.cat([q, q2]), torch.cat([scale, scale2]), torch.cat([zp, zp2]), g_idx,
+                  None if target is None else torch.cat([target, target2]))
+        out[-1] = ([joined], *out[-1][1:])
+    return out
 
 
 def layer_replay(layer, passes: list[list[str]], ctx: LayerContext) -> tuple[ModuleReplay | None, dict[str, int]]:
