@@ -115,12 +115,14 @@ def cli():
               show_default=True, help=HELP["quantize.activation-budget-gib"])
 @click.option("--memory-budget-gib", type=bounded(QuantizeOptions, "memory_budget_gib", float), default=4.0,
               show_default=True, help=HELP["quantize.memory-budget-gib"])
+@click.option("--workers", type=bounded(QuantizeOptions, "workers"), default=1, show_default=True,
+              help=HELP["quantize.workers"])
 @click.option("--resume", is_flag=True, help=HELP["quantize.resume"])
 @click.option("--json", "as_json", is_flag=True, help=HELP["quantize.json"])
 def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, symmetric, act_order, settings, fmt,
              calib, calib_field, calib_samples, calib_seqlen, seed, device, dtype, allow_float16_overflow, overwrite,
              digest_algorithm, sign_key, sign_password, sign_certificate, sign_chain, stream, shard_size,
-             matmul_precision, threads, activation_budget_gib, memory_budget_gib, resume, as_json):
+             matmul_precision, threads, activation_budget_gib, memory_budget_gib, workers, resume, as_json):
     """Quantize MODEL's linear weights and write an artifact to OUTPUT.
 
     MODEL is a Hugging Face folder (safetensors), a .gguf file, or the alias
@@ -189,7 +191,7 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
         allow_float16_overflow=allow_float16_overflow, overwrite=overwrite,
         digest_algorithm=digest_algorithm, sign=sign, stream=stream, shard_bytes=shard_size, resume=resume,
         matmul_precision=matmul_precision, threads=threads, activation_budget_gib=activation_budget_gib,
-        memory_budget_gib=memory_budget_gib,
+        memory_budget_gib=memory_budget_gib, workers=workers,
     )
     summary = run_quantize(opts, console=_console(progress_only=as_json), on_committed=_record_committed)
     if summary.get("rank", 0) != 0:  # torchrun: rank 0 reports for the group

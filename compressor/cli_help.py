@@ -108,6 +108,15 @@ HELP = {
         "grid candidates' routed outputs within this budget). GPTQ on a layer held whole accumulates and solves "
         "the routed experts' Hessians (12 bytes per input feature squared each) in chunks within this budget."
     ),
+    "quantize.workers": (
+        "Processes converting the layers at once, for data-free recipes (RTN integer weights, the FP8 W8A8 "
+        "recipes, float weights with dynamic or no KV scales) on a streamed source: each opens its own reader "
+        "of the source shards and reads, quantizes and writes its share of the layers (a MoE layer above "
+        "--memory-budget-gib: of its expert groups), holding one layer or group at a time as one process does; "
+        "--threads is divided among them. The artifact is the one a single process writes, digest for digest. "
+        "Refused (exit 2) with a calibration pass (AWQ, GPTQ, GPTAQ, refine, static KV scales), --no-stream, "
+        "an already-quantized source, or under torchrun."
+    ),
     "quantize.resume": (
         "Continue an interrupted run of the same command from its last finished layer (kept in "
         ".OUTPUT.kvq-partial beside OUTPUT); refused if the inputs changed."

@@ -171,6 +171,11 @@ def quantize_done(console, summary: dict, layers: list[dict], moe_layers: list[d
                       + (f", static scales {_SEARCH.get(k['scale_search'], k['scale_search'])}" if k["scale_search"] != "none" else "")
                       + (", key pairs changed in q_proj/k_proj (key_rotation pairs)" if k["key_rotation"] == "pairs" else ""),
                       highlight=False)
+    if summary.get("source_bytes_read"):
+        n = summary.get("workers") or 1
+        console.print(f"read {summary['source_bytes_read'] / 1e9:,.3f} GB of the source in "
+                      f"{summary['wall_seconds']:.1f} s: {summary['source_gb_per_s']:.4g} GB/s"
+                      + (f" ({n} workers)" if n > 1 else ""), highlight=False)
     size, float_bytes = summary["artifact_bytes"], summary["float32_bytes"]
     console.print(
         f"[green]wrote[/] {summary['output']} ({size / 2**20:.1f} MiB; float32 model {float_bytes / 2**20:.1f} MiB) "

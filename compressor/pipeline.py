@@ -86,6 +86,7 @@ class QuantizeResult:
     #: experts quantized with the RTN fallback: {"layer", "expert", "tokens", "modules", "method", "reason"}
     moe_fallback: list[dict] = field(default_factory=list)
     head_hessian: torch.Tensor | None = None  #: the head inputs' GPTQ Hessian (recipe head:, with a calibration pass)
+    workers: list = field(default_factory=list)  #: ``--workers`` processes' reads and peak RSS (compressor.data_free)
 
 
 @dataclass

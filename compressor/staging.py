@@ -582,6 +582,10 @@ class LayerWriter:
                                                                prefix=prefix, exclude=self._written))
         self._written = set()
         to_meta(layer)
+        self.checkpoint(i, result, hidden)
+
+    def checkpoint(self, i: int, result, hidden: list[torch.Tensor] | None) -> None:
+        """Record layers ``<= i`` as written in the resume checkpoint (``result``'s figures, MoE records, KV statistics)."""
         self.staging.checkpoint(i + 1, {
             "layers": result.layers, "moe": result.moe, "moe_fallback": result.moe_fallback,
             "schemes": {n: list(v) for n, v in self.schemes.items()},

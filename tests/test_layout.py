@@ -55,7 +55,7 @@ LAYERS = [
     ("quant", ["compressor.quant.*"]),
     ("formats", ["compressor.formats", "compressor.formats.*"]),
     ("pipeline", ["compressor.layer_inputs", "compressor.moe_ranks", "compressor.moe_stream",
-                  "compressor.moe_stream_awq", "compressor.pipeline", "compressor.staging",
+                  "compressor.moe_stream_awq", "compressor.pipeline", "compressor.staging", "compressor.data_free",
                   "compressor.artifact", "compressor.quality", "compressor.evaluate", "compressor.streamed_eval",
                   "compressor.service_eval"]),
     ("runtime", ["compressor.runtime", "compressor.runtime.*"]),

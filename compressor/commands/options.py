@@ -203,6 +203,8 @@ class ExecutionOptions(_Section):
     #: bytes of one decoder layer's weights held at once (float32 + int8 codes) by a streamed run: a larger MoE layer's
     #: routed experts are read, quantized, written and released in groups (AWQ holds the layer: compressor.moe_stream)
     memory_budget_gib: float = _finite(4.0, gt=0, le=MAX_GIB)
+    #: processes converting the layers at once: data-free recipes only (compressor.data_free)
+    workers: int = Field(1, ge=1, le=256)
 
 
 class QuantizeOptions(_Options):
@@ -227,7 +229,7 @@ class QuantizeOptions(_Options):
         "device": ("execution", "device"), "stream": ("execution", "stream"), "resume": ("execution", "resume"),
         "matmul_precision": ("execution", "matmul_precision"), "threads": ("execution", "threads"),
         "activation_budget_gib": ("execution", "activation_budget_gib"),
-        "memory_budget_gib": ("execution", "memory_budget_gib"),
+        "memory_budget_gib": ("execution", "memory_budget_gib"), "workers": ("execution", "workers"),
     }
 
     model: Text

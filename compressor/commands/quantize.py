@@ -47,6 +47,7 @@ from ..kv_schemes import make_spec
 from ..source.gguf_cache import stale_cache_notes, take_cache_notes
 from ..source.open import load_model, meta_skeleton
 from ..source.resolve import ALIASES, float32_bytes, peek_model_type, resolve_source, storage_dtype
+from ..data_free import WorkerSpec, quantize_with_workers, refusal
 from ..pipeline import check_group_sizes, quantize_model
 from ..precision import resolve_matmul_precision
 from ..quant.algorithms import get_algorithm
@@ -162,7 +163,7 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
         signing = ", signature" if opts.write.sign else ""
         show.step(console, f"writing {plan.out}: packing, digests, manifest{signing} ...")
         written = _write(plan, src, result, writer, staging, source_fp, opts, console, on_committed)
-    summary = {**_summary(plan, src, written, writer, world_size, opts, t0), **_reads(src)}
+    summary = {**_reads(src), **blocks.run_summary(plan, src, written, writer, world_size, opts, t0, result.workers)}
     if ranks is not None:
         summary["ranks"] = ranks
     show.quantize_done(console, summary, result.layers, result.moe)
@@ -216,6 +217,8 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
         _refuse_tied_head(recipe, source, dtype)
     kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
     needs_calib = algorithm.needs_calibration or (kv is not None and kv.static)
+    if why := refusal(algorithm, kv, opts.execution.workers, opts.execution.stream, packed is not None):
+        raise InputError(why)  # --workers N: data-free recipes only
     calib = opts.calibration
     if not needs_calib and calib.source != "embedded":
         show.note(console, f"[yellow]note:[/] --calib {calib.source} is not read: {recipe.algorithm} without static KV "
@@ -395,10 +398,14 @@ def _quantize(plan: _Plan, src: _Source, writer: LayerWriter, opts: QuantizeOpti
         label = ("carried weights" if plan.packed is not None else "float weights"
                  if not get_algorithm(recipe.algorithm).quantizes_weights else f"{recipe.algorithm.upper()} W{recipe.weights.num_bits}")
         task = bar.add_task(label + (f" + KV {kv.scheme}" if kv else ""), total=n_layers, completed=writer.start)
+        on_layer = lambda i, n, fig: _layer_done(plan, opts, console, bar, task, i, n, fig)  # noqa: E731
+        if opts.execution.workers > 1:  # data-free: N processes convert the layers (compressor.data_free)
+            spec = WorkerSpec(plan.source, recipe, opts.write.format, DTYPES[plan.dtype], writer.staging.path,
+                              opts.execution.memory_budget_gib, plan.threads)
+            return quantize_with_workers(src.model, recipe, writer, spec, opts.execution.workers, on_layer)
         return quantize_model(
             src.model, recipe, src.calib_ids, device=device, dtype=DTYPES[plan.dtype],
-            on_layer=lambda i, n, fig: _layer_done(plan, opts, console, bar, task, i, n, fig), hooks=writer,
-            matmul_precision=plan.matmul_precision)
+            on_layer=on_layer, hooks=writer, matmul_precision=plan.matmul_precision)
 
 
 def _layer_done(plan: _Plan, opts: QuantizeOptions, console, bar, task, i: int, n: int, fig: dict) -> None:
@@ -459,7 +466,7 @@ def _carry(plan: _Plan, opts: QuantizeOptions, device: str, console, on_committe
                                      fields, w, tokenizer, plan.provenance(timing, opts.execution.device), on_committed)
     show.warnings(console, plan.warnings)
     written = _Written(manifest, quant, quality, timing, sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values()))
-    summary = _summary(plan, src, written, hooks, 1, opts, t0)
+    summary = blocks.run_summary(plan, src, written, hooks, 1, opts, t0)
     show.quantize_done(console, summary, [], result.moe)  # no per-layer weight table: no weight was quantized
     return summary
 
@@ -568,33 +575,3 @@ def _keep_tensors(plan: _Plan, src: _Source, staging, warnings: list[str], conso
     warnings += new
     show.warnings(console, new)
     return kept_modules(ckpt, mtp + carried), record
-
-
-def _summary(plan: _Plan, src: _Source, written: _Written, writer: LayerWriter, world_size: int,
-             opts: QuantizeOptions, t0: float) -> dict:
-    """The JSON summary of ``kvq quantize --json``."""
-    manifest, quality = written.manifest, written.quality
-    return {
-        "output": str(plan.out),
-        "recipe": plan.recipe.name,
-        "quantization": written.quant,
-        "calibration": src.calibration,
-        "artifact_bytes": sum(f.size for f in manifest.files.values()),
-        "float32_bytes": written.float_bytes,
-        "quantize_seconds": written.timing["quantize_seconds"],
-        "phase_seconds": written.timing.get("phase_seconds"),
-        "wall_seconds": round(time.perf_counter() - t0, 2),
-        "peak_rss_mib": peak_rss_mib(),
-        "source_loading": src.loading,
-        "matmul_precision": plan.matmul_precision, "threads": plan.threads, "busy_note": plan.busy,
-        "shards": sum(1 for n in manifest.files if n.endswith(".safetensors")),
-        "resumed_from_layer": writer.start or None,
-        "world_size": world_size,
-        "mean_rel_error": quality["mean_rel_error"],
-        "moe": quality.get("moe"), "head": quality.get("head"), "embedding": quality.get("embedding"), "kv_cache": manifest.kv_cache and {k: manifest.kv_cache.get(k, "none")
-                                                                    for k in ("scheme", "strategy", "scale_search", "key_rotation")},
-        "warnings": plan.warnings,
-        "content_digest": manifest.content_digest(),
-        "digest_algorithm": opts.write.digest_algorithm,
-        "signed": None if opts.write.sign is None else opts.write.sign.method(),
-    }

@@ -75,3 +75,45 @@ def timing(result) -> dict:
         timing["phase_seconds"] = {k: round(sum(f["phase_seconds"][k] for f in result.layers), 2)
                                    for k in result.layers[0]["phase_seconds"]}
     return timing
+
+
+def run_summary(plan, src, written, writer, world_size: int, opts, t0: float, workers: Optional[list] = None) -> dict:
+    """The JSON summary of ``kvq quantize --json`` (``plan``, ``src``, ``written``: the command's
+    records of :mod:`compressor.commands.quantize`; ``t0``: the run's start, ``time.perf_counter``).
+    ``source_bytes_read`` (bytes read from a streamed source's shards, every worker's included;
+    ``None`` otherwise) over ``wall_seconds`` is ``source_gb_per_s`` (10^9 bytes a second);
+    ``worker_reads``: each ``--workers`` process's reads and peak RSS (MiB)."""
+    import time
+
+    from .common import peak_rss_mib
+
+    manifest, quality = written.manifest, written.quality
+    wall = time.perf_counter() - t0
+    read = getattr(src.ckpt, "bytes_read", None)
+    kv = manifest.kv_cache and {k: manifest.kv_cache.get(k, "none") for k in ("scheme", "strategy", "scale_search",
+                                                                                "key_rotation")}
+    return {
+        "output": str(plan.out),
+        "recipe": plan.recipe.name,
+        "quantization": written.quant,
+        "calibration": src.calibration,
+        "artifact_bytes": sum(f.size for f in manifest.files.values()),
+        "float32_bytes": written.float_bytes,
+        "quantize_seconds": written.timing["quantize_seconds"],
+        "phase_seconds": written.timing.get("phase_seconds"),
+        "wall_seconds": round(wall, 2),
+        "peak_rss_mib": peak_rss_mib(),
+        "source_loading": src.loading,
+        "source_bytes_read": read, "source_gb_per_s": None if read is None else float(f"{read / 1e9 / wall:.4g}"),
+        "matmul_precision": plan.matmul_precision, "threads": plan.threads, "busy_note": plan.busy,
+        "workers": opts.execution.workers, "worker_reads": workers or None,
+        "shards": sum(1 for n in manifest.files if n.endswith(".safetensors")),
+        "resumed_from_layer": writer.start or None,
+        "world_size": world_size,
+        "mean_rel_error": quality["mean_rel_error"],
+        "moe": quality.get("moe"), "head": quality.get("head"), "embedding": quality.get("embedding"), "kv_cache": kv,
+        "warnings": plan.warnings,
+        "content_digest": manifest.content_digest(),
+        "digest_algorithm": opts.write.digest_algorithm,
+        "signed": None if opts.write.sign is None else opts.write.sign.method(),
+    }

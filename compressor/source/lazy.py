@@ -221,7 +221,7 @@ def _real_buffers(model, dtype: torch.dtype) -> str | None:
 
 
 def open_folder(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None,
-                ckpt: LazyCheckpoint | None = None, defer_head: bool = False):
+                ckpt: LazyCheckpoint | None = None, defer_head: bool = False, outer: bool = True):
     """Build ``(model, tokenizer, checkpoint)`` from a Hugging Face folder (``source.kind == "hf"``)
     with decoder layers on ``meta`` and the rest loaded: what :func:`compressor.source.open.open_lazy`
     (the entry point, which also takes a GGUF file through kvq's cache) returns.
@@ -238,7 +238,8 @@ def open_folder(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str |
     :func:`kept_tensor_names`. ``ckpt`` replaces the folder's default reader (e.g. one that
     dequantizes packed linears: :class:`compressor.commands.kv_only.PackedCheckpoint`).
     ``defer_head``: leave an untied ``lm_head`` on ``meta`` (nothing before the write needs
-    it; :func:`outer_names` / :func:`load_into` read it then).
+    it; :func:`outer_names` / :func:`load_into` read it then). ``outer`` False: read nothing, every
+    tensor stays on ``meta`` (a data-free worker, :mod:`compressor.data_free`, reads decoder layers only).
 
     Returns:
         ``(model, tokenizer, checkpoint)``, or ``(None, reason)`` when the folder cannot be
@@ -265,7 +266,7 @@ def open_folder(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str |
     if missing:
         return None, f"tensor {checkpoint_name(arch, missing[0])} is not stored under that name in the source shards"
     prefix = arch.layers + "."
-    for n in names:
+    for n in names if outer else []:
         if not n.startswith(prefix) and not (defer_head and n == f"{arch.lm_head}.weight"):
             _load_one(model, ckpt, arch, n, dtype)
     if tied:
