@@ -172,8 +172,8 @@ def quantize_done(console, summary: dict, layers: list[dict], moe_layers: list[d
                       + (", key pairs changed in q_proj/k_proj (key_rotation pairs)" if k["key_rotation"] == "pairs" else ""),
                       highlight=False)
     if summary.get("source_bytes_read"):
-        n = summary.get("workers") or 1
-        console.print(f"read {summary['source_bytes_read'] / 1e9:,.3f} GB of the source in "
+        n, b = summary.get("workers") or 1, summary["source_bytes_read"]
+        console.print(f"read {f'{b / 1e9:,.3f} GB' if b >= 1e8 else f'{b / 1e6:,.3f} MB'} of the source in "
                       f"{summary['wall_seconds']:.1f} s: {summary['source_gb_per_s']:.4g} GB/s"
                       + (f" ({n} workers)" if n > 1 else ""), highlight=False)
     size, float_bytes = summary["artifact_bytes"], summary["float32_bytes"]

@@ -126,3 +126,33 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_a_run_interrupted_in_one_process_resumes_with_two_workers(tokenizer, tmp_path, monkeypatch):
+    """Layers 0-1 checkpointed by one process, layers 2-3 converted by two workers on --resume: the
+    uninterrupted run's artifact, the finished layers kept as they were."""
+    import compressor.pipeline as pipeline
+
+    src = make_model_dir(tmp_path / "llama", tokenizer, num_hidden_layers=4)
+    ref = _run(src, tmp_path / "ref", 1)
+    real = pipeline._quantize_layer
+
+    def crash_at_2(i, *a, **k):
+        if i == 2:
+            raise Crash
+        return real(i, *a, **k)
+
+    monkeypatch.setattr(pipeline, "_quantize_layer", crash_at_2)
+    with pytest.raises(Crash):
+        _run(src, tmp_path / "r", 1)
+    monkeypatch.setattr(pipeline, "_quantize_layer", real)
+    assert json.loads((tmp_path / ".r.kvq-partial" / "resume.json").read_text())["layers_done"] == 2
+    got = _run(src, tmp_path / "r", 2, resume=True)
+    assert got["resumed_from_layer"] == 2 and [w["units"] for w in got["worker_reads"]] == [1, 1]
+    _same([ref, got])
+    assert [f["layer"] for f in load_manifest(got["output"]).quality["layers"]] == [0, 1, 2, 3]
