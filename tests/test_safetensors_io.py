@@ -67,3 +67,21 @@ def test_fuzz_never_crashes_unexpectedly(tmp_path_factory, blob):
         read_header(f)
     except InputError:
         pass
+
+
+def test_a_sources_fingerprint_is_each_shards_plain_sha256(tmp_path):
+    """The source's provenance (ModelSource.fingerprint, hashed by parallel threads) keeps each
+    weight file's plain SHA-256, as one streaming hashlib pass gives it, so the manifests and
+    resume keys of runs made before are unchanged."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from compressor.source.resolve import ModelSource
+
+    for k in range(3):
+        save_file({f"w{k}": torch.randn(64, 33 + k)}, str(tmp_path / f"model-0000{k + 1}-of-00003.safetensors"))
+    (tmp_path / "notes.txt").write_text("not a weight file")
+    fp = ModelSource(str(tmp_path), "hf", tmp_path).fingerprint()
+    want = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp_path.glob("*.safetensors"))}
+    assert fp == {"spec": str(tmp_path), "kind": "hf", "files": want} and list(fp["files"]) == sorted(want)
