@@ -15,7 +15,8 @@ before any rank moves on, so every rank holds the same quantized layer and the a
 bit-identical to a single-process run. Rank 0 writes the artifact and the resume checkpoint; a ``--resume`` run
 takes the checkpoint's activations from rank 0 (:func:`share`), whatever the number of ranks
 that wrote it. Backend: ``gloo`` on CPU (the tested path), ``nccl`` with ``--device cuda``
-(one GPU per rank, ``LOCAL_RANK``). AWQ and the KV observers run on every rank unchanged.
+(one GPU per rank, ``LOCAL_RANK``). The KV observers run on every rank unchanged; AWQ's scale
+search on every rank, its sums over a MoE layer's experts combined across them (:mod:`compressor.moe_ranks`).
 
 Faults (:class:`Watch`): every rank beats a counter in the rendezvous store (the TCPStore that
 ``torchrun``'s agent, or rank 0 without it, keeps at ``MASTER_ADDR:MASTER_PORT``) once a

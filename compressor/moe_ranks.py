@@ -9,8 +9,13 @@ divided: rank ``r`` of ``W`` owns the contiguous block of experts ``[n r / W, n 
 within ``--memory-budget-gib``), calibrates, solves and packs them
 (:meth:`compressor.quant.algorithms.Algorithm.quantize_expert`, inside
 :func:`compressor.distributed.alone`: no collective). It applies to handlers with
-``experts_per_rank`` (GPTQ, GPTAQ, RTN, float weights) on a streamed source, whether or not
-the layer fits the budget.
+``experts_per_rank`` (GPTQ, GPTAQ, RTN, float weights, AWQ, ``awq-gptq``) on a streamed source,
+whether or not the layer fits the budget. AWQ reads the experts three times
+(:mod:`compressor.moe_stream_awq`), each rank its own block each time, and every sum over
+experts its scale search needs is made as below: the float routed parts of the loss sequences
+and each grid candidate's routed part (:meth:`ExpertShare.combine`), the block group's
+``weight_mean`` terms (every rank's to every rank in expert order, :meth:`ExpertShare.merge`,
+added in the group's order as one process adds them): every rank picks the single process's scale.
 
 The routed output. A token's routed output is the sum of its ``top_k`` experts' weighted
 outputs, added in ascending expert order (:class:`compressor.moe.UnfusedExperts`, and a
@@ -24,8 +29,9 @@ before it (a broadcast), adds them in the same order (:meth:`ExpertShare.combine
 rank ends with the routed output a single process computes, bit for bit, and so does
 every later layer: the artifact's tensors equal the single-process ones for any number of
 ranks. What it costs: ``W`` broadcasts of the layer's activations ``[tokens, H]`` per
-accumulator (the quantized stream; the reference sequences; GPTAQ's float stream), and on
-each rank after the first its pairs' rows, about ``top_k / W`` times the activations.
+accumulator (the quantized stream; the reference sequences; GPTAQ's float stream; AWQ's loss
+sequences, its search's reference and each grid candidate's loss chunks), and on each rank
+after the first its pairs' rows, about ``top_k / W`` times the activations.
 
 The packed experts. Rank 0 writes the staging folder and the artifact, as before: after
 each group (every rank in step, the ranks with fewer groups sending nothing) every other

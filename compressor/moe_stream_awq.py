@@ -41,6 +41,13 @@ path's bit for bit, for every grouping (``tests/test_moe_stream.py``); the float
 ``output_rel_error`` is exact too. Held beyond the non-expert part and one group: the float
 expert inputs of every batch (as the GPTQ path's), the candidates' routed parts, each expert's
 ``weight_mean`` terms (``2 x experts x H`` float32) and one expert's loss inputs at a time.
+
+Under several ``torchrun`` ranks (:mod:`compressor.moe_ranks`) each rank reads only its own block of
+experts in each read, and every sum over experts is made in the single process's order: the routed
+parts (the loss sequences', the reference's, each candidate's) by
+:meth:`~compressor.moe_ranks.ExpertShare.combine` after the read, the ``weight_mean`` terms sent to every
+rank (:meth:`~compressor.moe_ranks.ExpertShare.merge`), each expert's own ratio with its figures. Every
+rank computes the same losses and picks the same scale; the artifact is the single process's.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arch import ScalingGroup, expert_index, get_module, is_expert, layer_groups, layer_linears
+from .moe_ranks import ExpertShare
 from .moe_stream import ExpertTap, _routed_counts, _zeros, add_expert, move_loaded, quantize_layer_streamed
 from .quant.awq import best_scale, candidate_weights, mean_of_rows, scale_grid, weight_row_sum
 from .quant.awq_layer import (InputStats, ScaledLayer, clip_and_quantize, fold_group, forward_loss, group_name,
@@ -79,7 +87,8 @@ def quantize_layer_streamed_awq(i: int, layer, hidden: list, kw: dict, ctx: Laye
     Raises:
         QuantizationError: a scale search produced no finite loss, or a non-finite weight.
     """
-    st = _Streamed(i, layer, hidden, kw, ctx, tap, device, reread, isinstance(algorithm, GPTQ))
+    share = ExpertShare.of(algorithm, len(tap.experts))  # torchrun: this rank's experts (compressor.moe_ranks)
+    st = _Streamed(i, layer, hidden, kw, ctx, tap, device, reread, isinstance(algorithm, GPTQ), share)
     st.scale()
     step = _Step(algorithm, st)
     outcome = quantize_layer_streamed(i, layer, hidden, kw, ctx, step, st.folding(groups), tap, device)
@@ -114,6 +123,7 @@ class _Streamed:
     device: object
     reread: object
     gptq: bool  #: ``awq-gptq``: GPTQ quantizes the folded layer
+    share: ExpertShare  #: the experts this rank reads (all of them in one process) and the sums across ranks
     sl: ScaledLayer | None = None  #: the held part's linears and loss inputs; every linear's scales and originals
     calls: list = field(default_factory=list)  #: the float layer's expert calls per batch ``(x [N, H], index, w)``
     keep: list = field(default_factory=list)  #: per batch: among the loss sequences
@@ -163,14 +173,18 @@ class _Streamed:
         layer's output on the loss sequences (``sl.float_out``)."""
         loss_calls = [c for c, k in zip(self.calls, self.keep) if k]
         routed = _zeros(loss_calls, None, "")
+        sink = self.share.sink(loss_calls, routed)
         for modules in self.reread():
             for e in _experts_of(self.ctx.arch, self.prefix, modules):
                 expert = self.tap.experts[e]
                 move_loaded(expert, self.device)
                 if search is not None:
                     search.read_float(e, expert)
-                add_expert(expert, e, loss_calls, routed)
+                add_expert(expert, e, loss_calls, sink)
         self.reads += 1
+        self.share.combine(routed, sink)  # every rank's experts, added in ascending order
+        if search is not None:
+            search.combine()
         self.tap.set("replay", routed)
         out, seen = [], 0
         for h, keep in zip(self.hidden, self.keep):
@@ -247,7 +261,7 @@ class _BlockSearch:
                 self.routed.setdefault(expert_index(ctx.arch, r), []).append(r)
         self.terms: dict[str, torch.Tensor] = {}
         self.live = any(self.quantized.values()) and self.x.numel() > 0 and self.x_mean is not None
-        self.ref_call, self.chunk_calls, self.ref_routed = None, [], []
+        self.ref_call, self.chunk_calls, self.ref_routed, self.ref_sink = None, [], [], []
         if self.live:  # the routing of the reference (the loss tokens at once) and of each loss chunk
             calls = st.tap.set("record")
             inspect_forward(self.module, self.x, st.kw, group.inspect_is_attention)
@@ -257,6 +271,7 @@ class _BlockSearch:
             st.tap.set("zero")
             self.ref_call, self.chunk_calls = calls[0], calls[1:]
             self.ref_routed = _zeros([self.ref_call], None, "")
+            self.ref_sink = st.share.sink([self.ref_call], self.ref_routed)
 
     def read_float(self, e: int, expert) -> None:
         """The first read of expert ``e``: its ``weight_mean`` terms and its share of the float reference."""
@@ -266,7 +281,18 @@ class _BlockSearch:
             gs = self.spec[self.st.block.linears[0]][1]
             for r in self.routed.get(e, []):
                 self.terms[r] = weight_row_sum(get_module(self.st.layer, r).weight.detach(), gs)
-        add_expert(expert, e, [self.ref_call], self.ref_routed)
+        add_expert(expert, e, [self.ref_call], self.ref_sink)
+
+    def combine(self) -> None:
+        """After the first read, on every rank: the float reference's routed part over every expert
+        (:meth:`~compressor.moe_ranks.ExpertShare.combine`) and every expert's ``weight_mean`` terms
+        (:meth:`~compressor.moe_ranks.ExpertShare.merge`; :meth:`search` adds them in the group's order)."""
+        if not self.live:
+            return
+        share = self.st.share
+        share.combine(self.ref_routed, self.ref_sink)
+        self.ref_sink = []
+        self.terms = dict(share.merge(list(self.terms.items()), 0.0, 0)[0])
 
     def search(self) -> tuple[torch.Tensor, float] | str | None:
         """``(s [H] float32, ratio)``; ``None`` when none of the group's linears is targeted; the reason
@@ -315,27 +341,33 @@ class _BlockSearch:
         output with every expert's gate/up scaled, fake-quantized and unscaled by ``s``."""
         st = self.st
         outs = [_zeros(self.chunk_calls, None, "") for _ in scales]
+        sinks = [st.share.sink(self.chunk_calls, out) for out in outs]
         for modules in st.reread():
             for e in _experts_of(st.ctx.arch, st.prefix, modules):
                 expert, rels = st.tap.experts[e], self.routed.get(e, [])
                 move_loaded(expert, st.device)
                 lins = [get_module(st.layer, r) for r in rels]
                 ws = [m.weight.detach().clone() for m in lins]
-                for s, out in zip(scales, outs):
+                for s, sink in zip(scales, sinks):
                     for r, m, w, c in zip(rels, lins, ws, candidate_weights(ws, s, *self._schemes(rels))):
                         m.weight.data.copy_(c if self.quantized[r] else w)
-                    add_expert(expert, e, self.chunk_calls, out)
+                    add_expert(expert, e, self.chunk_calls, sink)
         st.reads += 1
+        for out, sink in zip(outs, sinks):  # each candidate's routed part over every rank's experts
+            st.share.combine(out, sink)
         return outs
 
 
 class _Step:
     """The layer's algorithm as :func:`compressor.moe_stream.quantize_layer_streamed` calls it once the
     scales are searched: the held part and each expert quantized with their folds (AWQ's clip search
-    and rounding, or GPTQ for ``awq-gptq``); no float reference of its own (AWQ's is exact)."""
+    and rounding, or GPTQ for ``awq-gptq``); no float reference of its own (AWQ's is exact). An
+    expert's own ``up -> down`` ratio (or why it was left unscaled) travels with its figures, which
+    reach every rank in expert order (:meth:`compressor.moe_ranks.ExpertShare.merge`)."""
 
     def __init__(self, algorithm, st: _Streamed):
         self.algorithm, self.st = algorithm, st
+        self.experts_per_rank = algorithm.experts_per_rank  # the experts' share: st.share's
 
     def reference_sequences(self, ctx) -> int:
         return 0
@@ -347,6 +379,10 @@ class _Step:
         return self.algorithm.experts_read_float_layer(ctx)
 
     def merge_expert_figures(self, figures: dict, parts: list[dict]) -> dict:
+        sl = self.st.sl
+        for p in parts:  # every expert's, on every rank
+            sl.ratios.update(p.pop("awq_ratios", {}))
+            sl.skipped.update(p.pop("awq_skipped", {}))
         return self.algorithm.merge_expert_figures(figures, parts)
 
     def _folds(self) -> tuple[dict, dict, dict]:
@@ -378,4 +414,9 @@ class _Step:
         for d in self._folds():  # the expert's scales and weights before folding: not read again
             for r in lin:
                 d.pop(r, None)
+        own, sl = self.st.own.get(e), self.st.sl
+        if own is not None and own.prev_op in sl.ratios:
+            out.figures["awq_ratios"] = {own.prev_op: sl.ratios.pop(own.prev_op)}
+        if own is not None and group_name(own) in sl.skipped:
+            out.figures["awq_skipped"] = {group_name(own): sl.skipped.pop(group_name(own))}
         return out

@@ -400,6 +400,9 @@ MOE_CASES = {
     # activations, the routed sums and a later rank's kept rows memory-mapped (the sums broadcast into the maps)
     "gptq-spilled": (["--algorithm", "gptq", "--activation-budget-gib", "0"],
                      dict(algorithm="gptq", activation_budget_gib=0)),
+    # the block's scale searched over every rank's experts: three reads, each rank reading its own (moe_stream_awq)
+    "awq": (["--algorithm", "awq"], dict(algorithm="awq")),
+    "awq-gptq": (["--algorithm", "awq-gptq"], dict(algorithm="awq-gptq")),
 }
 
 
@@ -426,8 +429,9 @@ def _expert_bytes(src: Path, layers, experts) -> int:
 def test_ranks_own_the_experts_and_write_the_single_process_artifact(model_type, case, moe_rows, tmp_path):
     """Two ranks on a tiny MoE row (layer 0 dense, layers 1-2 of 4 routed experts), the layers fitting
     the memory budget: each rank reads from the source only its two experts of each MoE layer (and
-    the routed experts' bytes read are its half), results travel as tensors, and the artifact equals
-    the single-process one -- read in groups of one expert -- digest by digest."""
+    the routed experts' bytes read are its half, once per read: AWQ reads them three times), results
+    travel as tensors, and the artifact equals the single-process one -- read in groups of one
+    expert -- digest by digest, and so do the figures (AWQ's ratios and output error included)."""
     src = moe_rows[model_type]
     flags, kw = MOE_CASES[case]
     run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "one", memory_budget_gib=ONE_EXPERT_GIB,
@@ -437,10 +441,15 @@ def test_ranks_own_the_experts_and_write_the_single_process_artifact(model_type,
     got = ends(ranks(2, [src, "-o", tmp_path / "two", *flags, *MOE_ARGS], KVQ_NO_PICKLE="1", KVQ_READS=str(reads)))
     assert [g[0] for g in got] == [0, 0], got
     assert digests(tmp_path / "two") == digests(tmp_path / "one")
-    timing = {"seconds", "phase_seconds", "weight_groups"}  # weight_groups: the groups of every rank
-    layers = [[{k: v for k, v in f.items() if k not in timing} for f in load_manifest(o).quality["layers"]]
-              for o in (tmp_path / "one", tmp_path / "two")]
+    # weight_groups: the groups of every rank; awq_expert_reads: the grid's reads, as many candidates at once as
+    # the budget holds (one process, one expert's budget: 1 + 20 + 1; the ranks, the default: 1 + 1 + 1)
+    timing = {"seconds", "phase_seconds", "weight_groups", "awq_expert_reads"}
+    full = [load_manifest(o).quality["layers"] for o in (tmp_path / "one", tmp_path / "two")]
+    layers = [[{k: v for k, v in f.items() if k not in timing} for f in m] for m in full]
     assert layers[0] == layers[1]
+    n_reads = {f["layer"]: f.get("awq_expert_reads", 1) for f in full[1]}  # reads of each layer's experts
+    assert [n_reads[i] for i in (1, 2)] == ([3, 3] if "awq" in case else [1, 1])
+    assert [f.get("awq_expert_reads") for f in full[0]][1:] == ([22, 22] if "awq" in case else [None, None])
     assert load_manifest(tmp_path / "two").quality["moe"] == load_manifest(tmp_path / "one").quality["moe"]
     per_rank = json.loads(got[0][1])["ranks"]
     assert [r["rank"] for r in per_rank] == [0, 1]
@@ -450,38 +459,45 @@ def test_ranks_own_the_experts_and_write_the_single_process_artifact(model_type,
             owned = {int(m.group(1)) for n in names if n.startswith(f"model.layers.{i}.")
                      and (m := ROUTED_EXPERT.search(n))}
             assert owned == {2 * r, 2 * r + 1}, (r, i, owned)
-        assert per_rank[r]["routed_expert_bytes_read"] == _expert_bytes(src, (1, 2), {2 * r, 2 * r + 1}) > 0
+        assert per_rank[r]["routed_expert_bytes_read"] == sum(
+            n_reads[i] * _expert_bytes(src, (i,), {2 * r, 2 * r + 1}) for i in (1, 2)) > 0
 
 
 @pytest.mark.slow
-def test_three_ranks_with_unequal_shares(moe_rows, tmp_path):
+@pytest.mark.parametrize("model_type,algorithm", [("deepseek_v3", "gptq"), ("deepseek_v3", "awq"),
+                                                  ("glm4_moe", "awq-gptq")])
+def test_three_ranks_with_unequal_shares(model_type, algorithm, moe_rows, tmp_path):
     """Four experts on three ranks (1, 1 and 2 experts, read one at a time): the ranks with fewer
-    groups keep in step with the one with more; the artifact is the single-process one."""
-    src = moe_rows["deepseek_v3"]
-    run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "one", algorithm="gptq", threads=1, **ROW_FAST))
-    got = ends(ranks(3, [src, "-o", tmp_path / "three", "--algorithm", "gptq", "--memory-budget-gib",
+    groups keep in step with the one with more (AWQ: in each of its reads, the grid's candidates one
+    per read); the artifact is the single-process one, holding each layer whole."""
+    src = moe_rows[model_type]
+    run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "one", algorithm=algorithm, threads=1, **ROW_FAST))
+    got = ends(ranks(3, [src, "-o", tmp_path / "three", "--algorithm", algorithm, "--memory-budget-gib",
                          str(ONE_EXPERT_GIB), *MOE_ARGS]))
     assert [g[0] for g in got] == [0, 0, 0], got
     assert digests(tmp_path / "three") == digests(tmp_path / "one")
+    n_reads = {f["layer"]: f.get("awq_expert_reads", 1) for f in load_manifest(tmp_path / "three").quality["layers"]}
+    assert [n_reads[i] for i in (1, 2)] == ([22, 22] if algorithm.startswith("awq") else [1, 1])
     per_rank = json.loads(got[0][1])["ranks"]
     assert [r["routed_expert_bytes_read"] for r in per_rank] == [
-        _expert_bytes(src, (1, 2), set(range(*bounds(4, r, 3)))) for r in range(3)]
+        sum(n_reads[i] * _expert_bytes(src, (i,), set(range(*bounds(4, r, 3)))) for i in (1, 2)) for r in range(3)]
 
 
 @pytest.mark.slow
-def test_a_moe_run_killed_mid_layer_resumes_with_two_ranks_or_one(moe_rows, tmp_path):
+@pytest.mark.parametrize("algorithm", ["gptq", "awq-gptq"])  # the fault fires at a GPTQ solve
+def test_a_moe_run_killed_mid_layer_resumes_with_two_ranks_or_one(algorithm, moe_rows, tmp_path):
     """Rank 1 killed in the second MoE layer of a run whose ranks own the experts: the two finished
     layers are kept, and resuming them with two ranks or with one gives the single-process artifact."""
     src = moe_rows["deepseek_v3"]
-    ref = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "ref", algorithm="gptq", threads=1,
+    ref = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "ref", algorithm=algorithm, threads=1,
                                        **ROW_FAST))
-    args = [src, "-o", tmp_path / "a" / "r", "--algorithm", "gptq", *MOE_ARGS]
+    args = [src, "-o", tmp_path / "a" / "r", "--algorithm", algorithm, *MOE_ARGS]
     (rc0, _, err0), (rc1, _, _) = ends(ranks(2, args, KVQ_FAULT="1:2:kill"))
     assert rc1 == -signal.SIGKILL and rc0 == 1 and "2 of 3 layers are kept in" in err0, err0
     shutil.copytree(tmp_path / "a" / ".r.kvq-partial", tmp_path / "b" / ".r.kvq-partial")
     got = ends(ranks(2, [*args, "--resume"]))
     assert [g[0] for g in got] == [0, 0], got
     assert json.loads(got[0][1])["resumed_from_layer"] == 2 and digests(tmp_path / "a" / "r") == digests(ref["output"])
-    one = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "b" / "r", algorithm="gptq", resume=True,
-                                       threads=1, **ROW_FAST))
+    one = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "b" / "r", algorithm=algorithm,
+                                       resume=True, threads=1, **ROW_FAST))
     assert one["resumed_from_layer"] == 2 and digests(tmp_path / "b" / "r") == digests(ref["output"])

@@ -15,9 +15,11 @@ algorithm:
                           runs with its routed experts read in groups, each quantized from its
                           own routed tokens (``quantize_expert``; :mod:`compressor.moe_stream`;
                           AWQ, its scale spanning every expert: :mod:`compressor.moe_stream_awq`)
-``experts_per_rank``      ``quantize_expert`` needs nothing but the expert's own tokens: under
+``experts_per_rank``      ``quantize_expert`` needs nothing but the expert's own tokens, and every
+                          sum over experts the step needs is combined across ranks: under
                           several ``torchrun`` ranks each owns a share of the experts
-                          (:mod:`compressor.moe_ranks`)
+                          (:mod:`compressor.moe_ranks`; AWQ's scale search too:
+                          :mod:`compressor.moe_stream_awq`)
 ``folds_input_scales``    the artifact's weights carry folded input scales that weight
                           statistics must undo (AWQ; :func:`compressor.quality.weight_report`);
                           a streamed MoE layer then takes :mod:`compressor.moe_stream_awq`
@@ -61,7 +63,9 @@ class Algorithm:
     #: read in groups
     streams_experts: ClassVar[bool] = False
     #: :meth:`quantize_expert` reads nothing but the expert and its tokens (no collective, no other
-    #: expert): under several ranks each reads and quantizes only its own experts (:mod:`compressor.moe_ranks`)
+    #: expert), and every sum over experts the step needs is combined across ranks (AWQ's scale search:
+    #: :mod:`compressor.moe_stream_awq`): under several ranks each reads and quantizes only its own experts
+    #: (:mod:`compressor.moe_ranks`)
     experts_per_rank: ClassVar[bool] = False
     #: the artifact's weights are ``diag(1/s_row) W diag(s_col)`` (AWQ's folded scales)
     folds_input_scales: ClassVar[bool] = False

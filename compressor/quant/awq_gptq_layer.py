@@ -49,7 +49,6 @@ class AWQGPTQ(GPTQ):
     name = "awq-gptq"
     reads = ("awq", "gptq")
     act_order = True
-    experts_per_rank = False  # AWQ's scale is chosen over every expert: not divided by rank
     folds_input_scales = AWQ.folds_input_scales
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):

@@ -449,8 +449,9 @@ class AWQ(Algorithm):
     name = "awq"
     reads = ("awq",)
     needs_calibration = True
-    #: a streamed MoE layer's experts are read in groups, three times (compressor.moe_stream_awq)
-    streams_experts = True
+    #: a streamed MoE layer's experts are read in groups, three times (compressor.moe_stream_awq), and under several
+    #: ranks each reads only its own experts (every sum over experts combined across the ranks)
+    streams_experts = experts_per_rank = True
     folds_input_scales = True
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
