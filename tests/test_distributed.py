@@ -403,7 +403,12 @@ MOE_CASES = {
     # the block's scale searched over every rank's experts: three reads, each rank reading its own (moe_stream_awq)
     "awq": (["--algorithm", "awq"], dict(algorithm="awq")),
     "awq-gptq": (["--algorithm", "awq-gptq"], dict(algorithm="awq-gptq")),
+    # cold experts (RTN, no scaling group of their own) beside static fp8 KV scales
+    "awq-cold-fp8": (["--algorithm", "awq", "--kv-scheme", "fp8", "--set", "moe.min_tokens=80"],
+                     dict(algorithm="awq", kv_scheme="fp8", settings=(("moe.min_tokens", 80),))),
 }
+#: the cases run on the DeepSeek-V3 row alone
+DEEPSEEK_ONLY = {"gptq-spilled", "awq-cold-fp8"}
 
 
 @pytest.fixture(scope="module")
@@ -425,7 +430,7 @@ def _expert_bytes(src: Path, layers, experts) -> int:
 
 @pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("model_type,case", [(mt, c) for mt in ("deepseek_v3", "glm4_moe") for c in MOE_CASES
-                                             if mt == "deepseek_v3" or c != "gptq-spilled"])
+                                             if mt == "deepseek_v3" or c not in DEEPSEEK_ONLY])
 def test_ranks_own_the_experts_and_write_the_single_process_artifact(model_type, case, moe_rows, tmp_path):
     """Two ranks on a tiny MoE row (layer 0 dense, layers 1-2 of 4 routed experts), the layers fitting
     the memory budget: each rank reads from the source only its two experts of each MoE layer (and
