@@ -471,3 +471,29 @@ def test_a_slice_of_rows_is_quantized_as_in_the_whole_solve(act_order, static, s
     assert [p[2] for p in row_slices([(("a",), "a"), (("b",), "b")], 2, lambda rel: 97)] == [None, None]
     assert [p[2] for p in row_slices([(("a",), "a")], 2, lambda rel: 3)] == [None]
     assert [p[2] for p in row_slices([(("a",), "a")], 1, lambda rel: 97)] == [None]
+
+
+@pytest.mark.parametrize("act_order, static, clip", [(True, True, 4), (True, False, 4), (False, False, None)])
+def test_a_hessians_factor_reused_by_another_linear_gives_its_own_solve(act_order, static, clip):
+    """Two linears reading the same input (a routed expert's gate and up, solved one by one, or
+    the head's blocks of rows) share the Hessian's factor (gptq.HessianFactor): the second solve
+    reuses it -- without reading H, here replaced by zeros -- and gives what its own
+    factorization does, bit for bit; settings the factor depends on (group size) are not mixed."""
+    torch.manual_seed(5)
+    x = torch.randn(512, 256) * torch.rand(256) * 3
+    x[:, 7] = 0  # a dead input channel
+    H = (x.double().T @ x.double()).float() * (2 / 512)
+    gate, up = torch.randn(40, 256) * 0.02, torch.randn(24, 256) * 0.02
+    kw = dict(act_order=act_order, static_groups=static, clip_grid=clip, keep_target=True)
+    factors: dict = {}
+    gptq_quantize(gate, H, 4, 64, True, factors=factors, **kw)
+    assert len(factors) == 1
+    shared = gptq_quantize(up, torch.zeros_like(H), 4, 64, True, factors=factors, **kw)
+    own = gptq_quantize(up, H, 4, 64, True, **kw)
+    for k in ("q", "scale", "zero_point", "g_idx", "target"):
+        a, b = getattr(shared, k), getattr(own, k)
+        assert (a is None and b is None) or torch.equal(a, b), k
+    assert (shared.damp, shared.retries, shared.dead_channels) == (own.damp, own.retries, own.dead_channels) == (
+        own.damp, own.retries, 1)
+    other = gptq_quantize(up, H, 4, 32, True, factors=factors, **kw)  # another group size: its own factor
+    assert len(factors) == 2 and torch.equal(other.q, gptq_quantize(up, H, 4, 32, True, **kw).q)

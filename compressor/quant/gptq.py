@@ -295,10 +295,36 @@ def _prepare_inputs(w: torch.Tensor, H: torch.Tensor, name: str, consume: bool =
     if not (all_finite(W) and all_finite(H)):
         raise QuantizationError(f"GPTQ input for {name} contains NaN or Inf")
     dead = torch.diag(H) == 0
-    n_dead = int(dead.sum())
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    return W, H, n_dead
+    return W, H, dead
+
+
+def _prepared_weights(w: torch.Tensor, dead: torch.Tensor, name: str) -> torch.Tensor:
+    """:func:`_prepare_inputs`' ``W`` for a Hessian already prepared (its ``dead`` input channels known)."""
+    W = w.detach().float().clone()
+    if not all_finite(W):
+        raise QuantizationError(f"GPTQ input for {name} contains NaN or Inf")
+    W[:, dead] = 0.0
+    return W
+
+
+@dataclass
+class HessianFactor:
+    """What :func:`gptq_quantize` derives from ``H`` alone, kept for the other linears that read
+    the same input (a routed expert's gate and up: solved one by one when their stacked rows are
+    large, :data:`compressor.quant.gptq_layer.BATCH_BYTES`): the dead input channels, the
+    range search's blocks of ``H`` (``[G, gs, gs]``), ``act_order``'s permutation, the upper
+    Cholesky factor ``U`` of the damped inverse and the damping it took. Reusing it gives each
+    linear the integers and scales its own factorization would, bit for bit."""
+
+    dead: torch.Tensor
+    static_blocks: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
+    dynamic_blocks: torch.Tensor | None = None
+    U: torch.Tensor | None = None
+    damp: float = 0.0
+    retries: int = 0
 
 
 def _hessian_blocks(H: torch.Tensor, gs: int) -> torch.Tensor:
@@ -447,6 +473,7 @@ def gptq_quantize(
     clip_grid: int | None = None,
     clip_max_shrink: float = 0.25,
     keep_target: bool = False,
+    factors: dict | None = None,
 ) -> GPTQResult:
     """Quantize one weight matrix with GPTQ (Frantar et al., 2022, algorithm 1, as the reference implementation).
 
@@ -477,6 +504,10 @@ def gptq_quantize(
             made where min-max qparams are (up front for static groups, else when the loop
             reaches the group); ``clip_grid=None``: min-max, as the paper.
         keep_target: also return the weights as GPTQ rounded them (:attr:`GPTQResult.target`).
+        factors: a dict the caller keeps per ``H`` for the linears reading the same input: the
+            first call stores its :class:`HessianFactor` (by the settings it depends on), later
+            calls with those settings reuse it instead of factorizing ``H`` again (``H`` is then
+            not read); drop the dict after the last.
 
     Returns:
         :class:`GPTQResult`.
@@ -489,23 +520,31 @@ def gptq_quantize(
     gs = in_f if group_size in (-1, 0, None) else int(group_size)
     qmin, qmax = qrange(num_bits)
     grid = _Grid(num_bits, symmetric, gs, scale_dtype, qmin, qmax, clip_grid, clip_max_shrink if clip_grid else 0.0)
-    W, H, n_dead = _prepare_inputs(w, H, name, consume_hessian)
-    static_qparams = None
     static = static_groups or gs == in_f
-    if static:
-        # every group's qparams from the original weights in the original column order, fixed
-        # for the whole column loop (the range search scored on H's blocks in that order)
-        static_qparams = grid.qparams(W, _hessian_blocks(H, gs) if clip_grid else None)
-    perm = None
-    if act_order:
-        W, H, perm = _act_order_permutation(W, H)
-    # dynamic groups follow the visiting order: their blocks of the (permuted) Hessian
-    h_blocks = _hessian_blocks(H, gs) if clip_grid and not static else None
-    U, damp_used, retries = _inverse_cholesky(H, damp, damp_increment, max_damp, name)
-    del H
-
-    Q, scale, zero, col_group, losses = _quantize_columns(W, U, grid, block_size, perm, static_qparams, h_blocks,
-                                                          keep_target)
+    settings = (gs, static, bool(act_order), clip_grid, damp, damp_increment, max_damp)
+    f = factors.get(settings) if factors is not None else None
+    if f is None:
+        W, H, dead = _prepare_inputs(w, H, name, consume_hessian)
+        f = HessianFactor(dead, _hessian_blocks(H, gs) if clip_grid and static else None)
+    else:
+        W = _prepared_weights(w, f.dead, name)
+    # static groups: every group's qparams from the original weights in the original column
+    # order, fixed for the whole column loop (the range search scored on H's blocks in that order)
+    static_qparams = grid.qparams(W, f.static_blocks) if static else None
+    if f.U is None:
+        if act_order:
+            W, H, f.perm = _act_order_permutation(W, H)
+        # dynamic groups follow the visiting order: their blocks of the (permuted) Hessian
+        f.dynamic_blocks = _hessian_blocks(H, gs) if clip_grid and not static else None
+        f.U, f.damp, f.retries = _inverse_cholesky(H, damp, damp_increment, max_damp, name)
+        del H
+        if factors is not None:
+            factors[settings] = f
+    elif f.perm is not None:
+        W = W[:, f.perm]
+    perm, n_dead = f.perm, int(f.dead.sum())
+    Q, scale, zero, col_group, losses = _quantize_columns(W, f.U, grid, block_size, perm, static_qparams,
+                                                          f.dynamic_blocks, keep_target)
     Q, g_idx = _restore_column_order(Q, perm, col_group, static_qparams is not None)
     target = None
     if keep_target:
@@ -519,5 +558,5 @@ def gptq_quantize(
         raise QuantizationError(f"GPTQ produced NaN or Inf for {name}")
     return GPTQResult(
         q=Q.contiguous(), scale=scale, zero_point=zero, g_idx=g_idx, loss=float(losses.sum()),
-        damp=damp_used, retries=retries, dead_channels=n_dead, target=target,
+        damp=f.damp, retries=f.retries, dead_channels=n_dead, target=target,
     )

@@ -190,6 +190,7 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
         if j % size == rank:
             left[key] = left.get(key, 0) + 1
     built: dict = {}
+    factors: dict = {}  # per set: its Hessian's factor, reused by the set's other linears (HessianFactor)
 
     def solve(piece):
         rels, key, rows = piece
@@ -214,7 +215,7 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
             damp_increment=opts.damp_increment, act_order=opts.act_order,
             static_groups=opts.static_groups, scale_dtype=quantizer.dtype, name=" + ".join(prefix + x for x in rels),
             consume_hessian=last, clip_grid=opts.clip_grid if opts.clip else None, clip_max_shrink=opts.clip_max_shrink,
-            keep_target=ctx.bases is not None,
+            keep_target=ctx.bases is not None, factors=factors.pop(key, None) if last else factors.setdefault(key, {}),
         )
         del H, w
         if rows is not None:  # one linear's slice of rows: joined with the other slices below

@@ -215,6 +215,7 @@ def quantize_rows(w: torch.Tensor, num_bits: int, gs: int, symmetric: bool, dtyp
     """
     qs, scales, zps = [], [], []
     err2 = ref2 = 0.0
+    factors: dict = {}  # the Hessian factorized once for every block of rows (gptq.HessianFactor)
     for r0 in range(0, w.shape[0], ROWS):
         block = w[r0:r0 + ROWS].float()
         if hessian is None:
@@ -223,7 +224,7 @@ def quantize_rows(w: torch.Tensor, num_bits: int, gs: int, symmetric: bool, dtyp
             from .gptq import gptq_quantize
 
             r = gptq_quantize(block, hessian, num_bits, gs, symmetric, damp=damp, scale_dtype=dtype,
-                              name=name, clip_grid=clip_grid, clip_max_shrink=clip_max_shrink)
+                              name=name, clip_grid=clip_grid, clip_max_shrink=clip_max_shrink, factors=factors)
             q, scale, zp = r.q, r.scale, r.zero_point
         scale, deq = stored_dequantize(q, scale, None if symmetric else zp, gs, dtype, name)
         err2 += float((deq - block).pow(2).sum())
