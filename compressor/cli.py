@@ -21,7 +21,7 @@ from .commands.common import fail_unless_passed
 from .cli_help import HELP
 from .cli_options import (FILE, RegistryChoice, algorithm_names, bounded, build_options, format_names, kv_scheme_names,
                           parse_settings, resolve_device, signature_options, verify_keys)
-from .cli_service import service_options, smoke_long_option
+from .cli_service import service_options, smoke_long_option, smoke_memory_options
 from .cli_sizes import parse_size
 from .commands.options import DEFAULT_RECIPE, QuantizeOptions, SmokeOptions, VerifyOptions
 from .console import make_console as _console
@@ -405,10 +405,11 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
               help=HELP["serve-smoke.min-first-divergence"])
 @signature_options
 @click.option("--no-manifest", is_flag=True, help=HELP["serve-smoke.no-manifest"])
+@smoke_memory_options
 @click.option("--json", "as_json", is_flag=True, help=HELP["serve-smoke.json"])
 def serve_smoke(artifact, prompts_file, max_new_tokens, long_tokens, reference, backend, compute, device, http,
                 http_requests, threads, min_top1, max_kl, min_first_divergence, public_key, certificate_chain, identity,
-                issuer, no_manifest, as_json):
+                issuer, no_manifest, stream, memory_budget_gib, as_json):
     """Serve ARTIFACT with the bundled runtime and check it answers like the original.
 
     The runtime serves llama, mistral, qwen2, qwen3, gemma3_text, glm4, and the MoE rows mixtral, qwen3_moe,
@@ -431,7 +432,7 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, long_tokens, reference, 
        int4/int2 KIVI);
     3. greedy generation of every prompt as one batch and of the first prompt alone:
        prefill and decode tokens/s, peak RSS, KV bytes/token;
-    4. the reference (float, transformers) reads each prompt plus the runtime's
+    4. the reference (float; --stream: a layer at a time) reads each prompt plus the runtime's
        continuation: KL on the prompt's next-token distributions, top-1 agreement over
        generated positions, and the first position where the reference would choose
        another token (median, min);
@@ -447,7 +448,7 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, long_tokens, reference, 
 
     opts = build_options(SmokeOptions, artifact=artifact, prompts=str(prompts_file) if prompts_file else None,
                          max_new_tokens=max_new_tokens, reference=reference, device=resolve_device(device),
-                         backend=backend, long_tokens=long_tokens,
+                         backend=backend, long_tokens=long_tokens, stream=stream, memory_budget_gib=memory_budget_gib,
                          dtype=compute, http=http, http_requests=http_requests, threads=threads, min_top1=min_top1,
                          max_kl=max_kl, min_first_divergence=min_first_divergence, no_manifest=no_manifest,
                          keys=verify_keys(public_key, certificate_chain, identity, issuer))

@@ -167,6 +167,21 @@ HELP = {
         "Greedy tokens of a long generation of the first prompt through the runtime as served, against the "
         "reference teacher-forced on it (top-1, first divergence, KL by position, repeated 4-grams); 0: none."
     ),
+    "serve-smoke.stream": (
+        "Read the reference one decoder layer at a time over the prompts plus the runtime's continuations "
+        "(teacher-forced: one pass gives every logit; memory: one layer, the sequences' hidden states, the head "
+        "at the end; an MoE layer above --memory-budget-gib in groups of routed experts). Same figures as the "
+        "whole reference; --long-tokens takes one more pass per token where the reference's own greedy "
+        "continuation leaves the runtime's. Chosen by itself when the reference does not fit whole in "
+        "--memory-budget-gib. The runtime side is the packed model whole, released before the reference loads."
+    ),
+    "serve-smoke.memory-budget-gib": (
+        "Memory serve-smoke may use besides the process itself (about 0.5 GiB), GiB (default: the memory this "
+        "machine has available): a runtime estimated above it (packed weights from the safetensors headers, KV "
+        "cache, logits) is refused before anything loads (exit 2; kvq verify --stream checks such an artifact), a "
+        "reference above it is streamed (--stream). The plan (what is held at peak) is printed first, and is "
+        "memory_plan in --json."
+    ),
     "verify.long-tokens": (
         "With a KV scheme: greedy tokens of the long generation (float cache vs quantized cache, after 128 tokens "
         "of the eval text); 0: none."

@@ -19,6 +19,13 @@ def smoke_long_option(f):
                         help=HELP["serve-smoke.long-tokens"])(f)
 
 
+def smoke_memory_options(f):
+    """Add serve-smoke's ``--stream`` and ``--memory-budget-gib`` to a click command."""
+    f = click.option("--memory-budget-gib", type=bounded(SmokeOptions, "memory_budget_gib", float), default=None,
+                     help=HELP["serve-smoke.memory-budget-gib"])(f)
+    return click.option("--stream", is_flag=True, help=HELP["serve-smoke.stream"])(f)
+
+
 def service_options(f):
     """Add ``--long-tokens``, ``--turns`` and ``--min-long-agreement`` to a click command, which receives
     them as one ``service`` dict of :class:`~compressor.commands.options.VerifyOptions` keywords."""

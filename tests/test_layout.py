@@ -57,7 +57,7 @@ LAYERS = [
     ("pipeline", ["compressor.layer_inputs", "compressor.moe_ranks", "compressor.moe_stream",
                   "compressor.moe_stream_awq", "compressor.pipeline", "compressor.staging", "compressor.data_free",
                   "compressor.artifact", "compressor.quality", "compressor.evaluate", "compressor.streamed_eval",
-                  "compressor.service_eval"]),
+                  "compressor.streamed_logits", "compressor.service_eval"]),
     ("runtime", ["compressor.runtime", "compressor.runtime.*"]),
     ("commands", ["compressor.commands", "compressor.commands.*"]),
     ("cli", ["compressor.cli_help", "compressor.cli_sizes", "compressor.cli_options", "compressor.cli_service",

@@ -385,6 +385,11 @@ class SmokeOptions(_Options):
     threads: Optional[int] = Field(None, ge=1, le=4096)  # torch's intra-op threads; None: one per usable CPU
     keys: Optional[InstanceOf[VerifyKeys]] = None  # check model.sig with these first
     no_manifest: bool = False  # another tool's artifact: nothing to check digests against; reference required
+    #: the reference read one decoder layer at a time (compressor.streamed_logits); also chosen when it does not fit whole
+    stream: bool = False
+    #: memory serve-smoke may hold besides the process itself (GiB; default: what the machine has available): a
+    #: runtime above it is refused, a reference above it streamed
+    memory_budget_gib: Optional[float] = _finite(None, gt=0, le=MAX_GIB)
     gates: SmokeGateOptions = Field(default_factory=SmokeGateOptions)
 
     @model_validator(mode="after")

@@ -4,14 +4,17 @@
 
 1. :func:`_plan` -- every refusal up front: not an artifact, an architecture the runtime
    does not serve, the prompts, the gate thresholds (:mod:`compressor.gates`);
-2. the reference model's spec;
+2. the reference model's spec, then the memory plan (:mod:`compressor.commands.smoke_memory`,
+   printed and in the report): the runtime estimated from the safetensors headers and refused
+   above the budget; the reference whole, or streamed (``--stream``, or whole it does not fit);
 3. :func:`_serve` -- the signature (with key material), then the runtime loaded through
    one checked read (:func:`compressor.runtime.generate.load_checked`: each tensor's
    digest from the bytes it is built from; a failed check is the gate ``signature`` or
    ``digests``, exit 1, every difference named), with packed weights and the artifact's
    KV scheme: greedy generation of every prompt as one batch and of the first alone,
    timed; optionally the same engine behind the HTTP API (:func:`_http_smoke`);
-4. :func:`_compare` -- the reference (float, transformers) teacher-forced on each prompt
+4. the runtime released; :func:`_compare` -- the reference (float; whole in transformers or
+   a decoder layer at a time, :mod:`compressor.streamed_logits`) teacher-forced on each prompt
    plus the runtime's continuation: KL on the prompt positions, top-1 agreement over the
    generated positions, first divergence;
 5. :func:`_gates` -- the thresholds against those statistics; the report dict.
@@ -20,6 +23,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -28,8 +32,10 @@ from pathlib import Path
 from .. import console as show
 from .. import gates
 from ..errors import CheckFailed, InputError
+from . import smoke_memory
 from .common import cpu_threads, load_reference, peak_rss_mib, threads_restored
 from .options import SmokeOptions
+from .smoke_service import long_compare, long_runtime, streamed_reference, whole_reference
 
 
 @dataclass
@@ -59,7 +65,8 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
     is reported, failed gate ``signature`` or ``digests``, with every difference named);
     the runtime (packed weights, the artifact's KV scheme): greedy generation of every
     prompt as one batch, and of the first prompt alone (batch 1), timing prefill and
-    decode; the reference model (float, transformers) teacher-forced on each prompt plus
+    decode; the runtime released, the reference model (float: whole, or one decoder layer at a
+    time, ``opts.stream`` or when whole it exceeds ``opts.memory_budget_gib``) teacher-forced on each prompt plus
     the runtime's continuation: KL(ref || runtime) over the prompt positions, top-1
     agreement over the generated positions, and the first generated position where the
     reference's greedy choice differs (exactly where its own greedy generation would
@@ -69,7 +76,8 @@ def run_serve_smoke(opts: SmokeOptions, console=None) -> dict:
     one per usable CPU, with a note when other jobs keep the CPUs busy).
 
     Raises:
-        InputError: not an artifact, bad prompts file, unsupported model, no reference.
+        InputError: not an artifact, bad prompts file, unsupported model, no reference; the
+            runtime's estimate above the budget (:func:`compressor.commands.smoke_memory.plan`).
     """
     with threads_restored():  # --threads is this run's
         return _run(opts, console)
@@ -82,32 +90,34 @@ def _run(opts: SmokeOptions, console) -> dict:
 
     t0 = time.perf_counter()
     plan = _plan(opts)  # refusals first: a refused run's stderr is its one error line
-    _, busy = cpu_threads(opts.threads, console)
-    report: dict = {"artifact": str(plan.folder), "hashes_ok": None, "prompts": len(plan.prompts),
-                    "max_new_tokens": opts.max_new_tokens, "gates": [], "failed_gates": [], "passed": False,
-                    "busy_note": busy, "warnings": []}
     ref_spec = opts.reference or (plan.manifest.source.get("spec") if plan.manifest else None)
     if not ref_spec:
         raise InputError("the manifest records no source model; pass --reference")
     ref_source = resolve_source(ref_spec)
+    memory = smoke_memory.plan(plan.folder, plan.prompts, opts, ref_spec, ref_source)  # before anything loads
+    _, busy = cpu_threads(opts.threads, console)
+    report: dict = {"artifact": str(plan.folder), "hashes_ok": None, "prompts": len(plan.prompts),
+                    "max_new_tokens": opts.max_new_tokens, "gates": [], "failed_gates": [], "passed": False,
+                    "busy_note": busy, "warnings": [], "memory_plan": memory.as_dict()}
+    show.note(console, f"memory plan: {memory.describe()}", highlight=False)
     try:
         served = _serve(plan, opts, report, console)
     except (SignatureFailed, ArtifactMismatch) as e:
         return _refused(report, e, console, t0)
+    long_run = long_runtime(served.runtime, served.ids[0], opts.long_tokens, console) if opts.long_tokens else None
+    served.runtime = None
+    gc.collect()  # the runtime released before the reference loads
     carried = plan.manifest.quality.get("carried") if plan.manifest else None
     if isinstance(carried, dict) and carried.get("tensors"):  # Kimi K2.5: the text model is what ran
         report["carried"] = f"{carried.get('what')} ({carried['tensors']} tensors): carried in the artifact, not served"
         show.note(console, f"served the text model with text prompts; {report['carried']}", highlight=False)
     report["reference"] = ref_spec
-    show.step(console, f"reference {ref_spec}: loading it, then reading each prompt and the runtime's continuation ...")
-    ref_model = load_reference(ref_spec, ref_source)
-    report["comparison"] = _compare(ref_model, served, plan.prompts, opts)
-    if opts.long_tokens:
-        from .smoke_service import long_generation
-
-        report["long_generation"] = long_generation(served.runtime, ref_model, served.ids[0], opts.long_tokens,
-                                                    opts.device, console)
-    del ref_model
+    forward, greedy = _reference(memory, ref_spec, ref_source, opts, console)
+    report["comparison"] = _compare(forward, served, plan.prompts)
+    if long_run is not None:
+        report["long_generation"] = long_compare(long_run, forward, greedy, console)
+    forward = greedy = None
+    report["memory_plan"]["peak_rss_mib"] = peak_rss_mib()
     report["warnings"] = take_cache_notes() + report["tokenizer"].pop("warnings")  # + a missing chat template
     report["warnings"] += _carried_reference(plan, opts, ref_spec)
     show.warnings(console, report["warnings"])
@@ -234,36 +244,74 @@ def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
     return _Served(ids, batch, tok, rt)
 
 
-def _compare(ref_model, served: _Served, prompts: list[str], opts: SmokeOptions) -> dict:
-    """The reference teacher-forced on each prompt plus the runtime's continuation: the
-    report's ``comparison`` section (KL on prompt positions, top-1 agreement and first
-    divergence over generated positions, per prompt)."""
+def _reference(memory, ref_spec: str, ref_source, opts: SmokeOptions, console):
+    """``(forward, greedy)`` of the reference (:mod:`compressor.commands.smoke_service`): whole,
+    or a decoder layer at a time when the memory plan streams it."""
+    if memory.lazy is None:
+        show.step(console, f"reference {ref_spec}: loading it, then reading each prompt and the runtime's "
+                           "continuation ...")
+        return whole_reference(load_reference(ref_spec, ref_source), opts.device)
+    if opts.device != "cpu":
+        show.note(console, f"note: the streamed reference runs on the CPU (--device {opts.device} applies to the "
+                           "runtime)", highlight=False)
+    show.step(console, f"reference {ref_spec}: one decoder layer at a time over each prompt and the runtime's "
+                       "continuation ...")
+    n = len(memory.lazy.layers) + 1
+
+    def progress(i, _n):
+        if console is not None and not console.is_terminal:
+            show.step(console, f"streamed reference: step {i}/{n} done")
+
+    return streamed_reference(memory.lazy, memory.streamed.expert_group_limit, progress)
+
+
+def _positions(at, n: int, gen: list[int], plog):
+    """One sequence's figures from its reference logits ``at(a, b)`` (``n`` prompt tokens, then
+    ``gen``), read a chunk of positions at a time: KL against the runtime's prompt logits ``plog``
+    over the prompt positions, and the reference's choice at each generated position."""
     import torch
 
-    from ..stats import first_divergence, kl_and_top1, summarize
+    from ..stats import kl_and_top1
+    from .smoke_service import chunked
 
-    ref_model.to(opts.device)
+    kls, nxt = [], []
+    for a, lg in chunked(at, 0, n - 1 + len(gen)):
+        b = a + lg.shape[0]
+        if a < n - 1:
+            kls.append(kl_and_top1(lg[: min(b, n - 1) - a], plog[a:min(b, n - 1)])[0])
+        if b > n - 1:
+            nxt.extend(lg[max(a, n - 1) - a:].argmax(-1).tolist())
+    return torch.cat(kls) if kls else torch.zeros(0, dtype=torch.float64), nxt
+
+
+def _compare(forward, served: _Served, prompts: list[str]) -> dict:
+    """The reference teacher-forced on each prompt plus the runtime's continuation (``forward``:
+    :data:`compressor.commands.smoke_service.Forward`): the report's ``comparison`` section (KL on
+    prompt positions, top-1 agreement and first divergence over generated positions, per prompt)."""
+    import torch
+
+    from ..stats import first_divergence, summarize
+
     batch = served.batch
+    got: dict[int, tuple] = {}
+    forward([p + g for p, g in zip(served.ids, batch.tokens)],
+            lambda k, at: got.__setitem__(k, _positions(at, len(served.ids[k]), batch.tokens[k],
+                                                        batch.prompt_logits[k])))
     kls, agree, total, firsts, per_prompt = [], 0, 0, [], []
-    with torch.no_grad():
-        for i, (p_ids, gen, plog) in enumerate(zip(served.ids, batch.tokens, batch.prompt_logits)):
-            seq = torch.tensor([p_ids + gen], device=opts.device)
-            logits = ref_model(seq).logits[0].float().cpu()
-            n = len(p_ids)
-            kl, _same = kl_and_top1(logits[: n - 1], plog[: n - 1]) if n > 1 else (torch.zeros(0, dtype=torch.float64), None)
-            ref_next = logits[n - 1: n - 1 + len(gen)].argmax(-1).tolist()  # reference's choice at each generated position
-            match = [int(a == b) for a, b in zip(ref_next, gen)]
-            agree += sum(match)
-            total += len(match)
-            f = first_divergence(ref_next, gen)
-            firsts.append(f)
-            kls.append(kl)
-            per_prompt.append({"prompt": prompts[i][:60], "prompt_tokens": n, "generated": served.tokenizer.decode(gen),
-                               "top1_pct": 100.0 * sum(match) / max(1, len(match)), "first_divergence": f,
-                               "prompt_kl_mean": float(kl.mean()) if kl.numel() else None})
-    del ref_model
+    for i, (p_ids, gen) in enumerate(zip(served.ids, batch.tokens)):
+        kl, ref_next = got[i]
+        n = len(p_ids)
+        match = [int(a == b) for a, b in zip(ref_next, gen)]
+        agree += sum(match)
+        total += len(match)
+        f = first_divergence(ref_next, gen)
+        firsts.append(f)
+        kls.append(kl)
+        per_prompt.append({"prompt": prompts[i][:60], "prompt_tokens": n, "generated": served.tokenizer.decode(gen),
+                           "top1_pct": 100.0 * sum(match) / max(1, len(match)), "first_divergence": f,
+                           "prompt_kl_mean": float(kl.mean()) if kl.numel() else None})
     kl_all = torch.cat(kls).numpy() if kls else []
-    eff = [opts.max_new_tokens if f is None else f for f in firsts]
+    eff = [len(g) if f is None else f for f, g in zip(firsts, batch.tokens)]
     return {
         "top1_agreement_pct": 100.0 * agree / max(1, total), "generated_positions": total,
         "prompt_kl": summarize(kl_all), "first_divergence": firsts, "median_first_divergence": summarize(eff)["median"],

@@ -89,6 +89,27 @@ def _reader(folder: Path):
     return PackedCheckpoint(packed) if packed is not None else LazyCheckpoint(folder, block_fp8=None)
 
 
+def open_reference(spec: str, source, artifact_dtype):
+    """The reference as a :class:`compressor.streamed_eval.LazyModel`, read one decoder layer at a
+    time: as :func:`compressor.commands.common.load_reference` loads it whole, a kvq (or another
+    tool's packed) artifact serving as the reference is read dequantized in ``artifact_dtype``,
+    anything else in float32.
+
+    Raises:
+        InputError: the model cannot be read a layer at a time (:func:`compressor.streamed_eval.open_model`).
+    """
+    import torch
+
+    from ..manifest import MANIFEST_NAME
+    from ..streamed_eval import open_model
+    from .kv_only import packed_method
+
+    path = Path(spec)
+    is_artifact = path.is_dir() and ((path / MANIFEST_NAME).is_file() or packed_method(path) is not None)
+    return open_model(source, artifact_dtype if is_artifact else torch.float32, "reference",
+                      _reader(path) if is_artifact else None)[0]
+
+
 def _quantize_inputs(model, reader) -> None:
     """FP8 W8A8: each packed linear's input quantized as the serving kernel does (what
     :func:`compressor.artifact.load_artifact` does for the whole model), on the model's modules
@@ -126,15 +147,11 @@ class Streamed:
                 tensors contradict, a plan above ``--memory-budget-gib``.
             CheckFailed: a KV-only artifact's q/k rows are not the reference's changed per RoPE pair.
         """
-        import torch
-
         from ..source.config_check import check_routing, text_config
-        from ..manifest import MANIFEST_NAME
         from ..source.resolve import ModelSource
         from ..streamed_eval import memory_plan, open_model
         from ..tokens import check_vocabulary
         from .common import peak_rss_mib
-        from .kv_only import packed_method
         from .verify_common import check_same_architecture, eval_dtype
 
         plan, opts, report = self.plan, self.opts, self.report
@@ -146,11 +163,7 @@ class Streamed:
         # as load_artifact: a router its experts contradict, a tokenizer id beyond the embedding
         check_routing(text_config(art.model.config.to_dict()), f"{plan.folder}/config.json")
         check_vocabulary(tokenizer, art.model.config.vocab_size, f"{plan.folder}: tokenizer")
-        ref_path = Path(plan.ref_spec)
-        is_artifact = ref_path.is_dir() and ((ref_path / MANIFEST_NAME).is_file() or packed_method(ref_path) is not None)
-        # as load_reference: an artifact serving as the reference is read in the artifact's dtype
-        ref, _ = open_model(plan.ref_source, dtype if is_artifact else torch.float32, "reference",
-                            _reader(ref_path) if is_artifact else None)
+        ref = open_reference(plan.ref_spec, plan.ref_source, dtype)
         check_same_architecture(art.model, ref.model, plan.ref_spec)
         self.art, self.ref, self.tokenizer = art, ref, tokenizer
         wins, candidates, served, make_cache = self._windows_and_candidates() if opts.mode == "full" else (None, {}, "weights only", None)
