@@ -81,7 +81,11 @@ def runtime_estimate(folder: Path, token_counts: list[int], opts) -> RuntimeEsti
     twice = device.type == "cpu" and opts.backend in ("auto", "aten")
     stored = weights = 0
     for f in sorted(folder.glob("*.safetensors")):
-        for e in read_header(f).values():
+        try:
+            entries = read_header(f).values()
+        except InputError:  # a damaged file: the checked load names it (digests, exit 1)
+            continue
+        for e in entries:
             n = e.end - e.start
             stored += n
             if e.dtype in _CODES:
@@ -162,10 +166,14 @@ class SmokeMemory:
 
 
 def _token_counts(folder: Path, prompts: list[str]) -> list[int]:
-    """Each prompt's tokens by the artifact's tokenizer, plus one for a BOS."""
+    """Each prompt's tokens by the artifact's tokenizer, plus one for a BOS (a tokenizer that does
+    not load, which the checked load then names: the prompt's UTF-8 bytes plus two, a bound)."""
     from ..source.resolve import load_tokenizer
 
-    tok = load_tokenizer(folder)
+    try:
+        tok = load_tokenizer(folder)
+    except InputError:
+        return [len(p.encode()) + 2 for p in prompts]
     return [len(tok(p, add_special_tokens=False)["input_ids"]) + 1 for p in prompts]
 
 
