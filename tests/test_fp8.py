@@ -520,3 +520,17 @@ def test_streamed_moe_layers_in_expert_groups_give_the_same_artifact(tmp_path, t
     assert any(".experts." in n and n.endswith(".weight_scale") for n in one)
     model, _ = load_artifact(tmp_path / "one")
     assert model.kvq_input_quantization == ["fp8-group 128"]
+
+
+def test_reading_block_fp8_converts_every_code_as_torch_does():
+    """The source reader's table lookup (compressor.source.lazy.fp8_to_float32) gives torch's own
+    float8_e4m3fn -> float32 conversion for each of the 256 codes (NaN where torch gives NaN),
+    in any shape; a transposed (non-contiguous) tensor too."""
+    from compressor.source.lazy import fp8_to_float32
+
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+    want, got = q.to(torch.float32), fp8_to_float32(q)
+    assert got.dtype == torch.float32 and got.shape == (16, 16)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and int(torch.isnan(want).sum()) == 2
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    assert torch.equal(fp8_to_float32(q.t()).nan_to_num(0.0), want.t().nan_to_num(0.0))

@@ -300,6 +300,19 @@ def _prepare_inputs(w: torch.Tensor, H: torch.Tensor, name: str, consume: bool =
     return W, H, dead
 
 
+def _factorize(W: torch.Tensor, H: torch.Tensor, f: "HessianFactor", act_order: bool, dynamic_gs: int | None,
+               damping: tuple[float, float, float], name: str) -> torch.Tensor:
+    """Fill ``f`` from the prepared ``H`` (worked on in place): ``act_order``'s permutation, the
+    blocks of the permuted ``H`` for dynamic groups' range search (``dynamic_gs``), the damped
+    inverse's upper Cholesky factor. Returns ``W`` in the visiting order."""
+    if act_order:
+        W, H, f.perm = _act_order_permutation(W, H)
+    # dynamic groups follow the visiting order: their blocks of the (permuted) Hessian
+    f.dynamic_blocks = _hessian_blocks(H, dynamic_gs) if dynamic_gs else None
+    f.U, f.damp, f.retries = _inverse_cholesky(H, *damping, name)
+    return W
+
+
 def _prepared_weights(w: torch.Tensor, dead: torch.Tensor, name: str) -> torch.Tensor:
     """:func:`_prepare_inputs`' ``W`` for a Hessian already prepared (its ``dead`` input channels known)."""
     W = w.detach().float().clone()
@@ -504,10 +517,8 @@ def gptq_quantize(
             made where min-max qparams are (up front for static groups, else when the loop
             reaches the group); ``clip_grid=None``: min-max, as the paper.
         keep_target: also return the weights as GPTQ rounded them (:attr:`GPTQResult.target`).
-        factors: a dict the caller keeps per ``H`` for the linears reading the same input: the
-            first call stores its :class:`HessianFactor` (by the settings it depends on), later
-            calls with those settings reuse it instead of factorizing ``H`` again (``H`` is then
-            not read); drop the dict after the last.
+        factors: a dict kept per ``H`` by the caller: the first call stores its :class:`HessianFactor`,
+            later ones with the same settings reuse it (``H`` not read); drop it after the last.
 
     Returns:
         :class:`GPTQResult`.
@@ -532,11 +543,8 @@ def gptq_quantize(
     # order, fixed for the whole column loop (the range search scored on H's blocks in that order)
     static_qparams = grid.qparams(W, f.static_blocks) if static else None
     if f.U is None:
-        if act_order:
-            W, H, f.perm = _act_order_permutation(W, H)
-        # dynamic groups follow the visiting order: their blocks of the (permuted) Hessian
-        f.dynamic_blocks = _hessian_blocks(H, gs) if clip_grid and not static else None
-        f.U, f.damp, f.retries = _inverse_cholesky(H, damp, damp_increment, max_damp, name)
+        W = _factorize(W, H, f, act_order, gs if clip_grid and not static else None, (damp, damp_increment, max_damp),
+                       name)
         del H
         if factors is not None:
             factors[settings] = f
