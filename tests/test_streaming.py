@@ -379,7 +379,9 @@ def _rank_main(rank, world, port, src, out, result_file):
 
     def spy(tasks, solve):
         calls.append(len(tasks))
-        return real(tasks, lambda t: (calls.append(("solved", list(t[0]))), solve(t))[1])  # t[0]: the linears solved together
+        # t: (the linears solved together, their set, None or the slice of rows this rank solves)
+        return real(tasks, lambda t: (calls.append(("solved", [f"{r}{'' if t[2] is None else '[slice]'}" for r in t[0]])),
+                                      solve(t))[1])
 
     pl.deal = spy
     s = run_quantize(QuantizeOptions(model=str(src), output=out, algorithm="gptq", **FAST))
@@ -391,7 +393,8 @@ def _rank_main(rank, world, port, src, out, result_file):
 def test_gloo_two_processes_split_the_gptq_solves(tmp_path, deep_dir, whole):
     """2 processes (gloo, CPU) quantize together: each solves half of the linears (one task
     each under several ranks; a single process stacks a reader set's linears into one solve),
-    rank 0 writes, and the artifact is bit-identical to the single-process one."""
+    a pass's lone linear (o_proj, down_proj: true-sequential stages) in a slice of rows on each
+    rank, rank 0 writes, and the artifact is bit-identical to the single-process one."""
     import socket
 
     import torch.multiprocessing as mp
@@ -405,8 +408,11 @@ def test_gloo_two_processes_split_the_gptq_solves(tmp_path, deep_dir, whole):
     r0, r1 = (json.loads((tmp_path / f"res.{r}").read_text()) for r in (0, 1))
     assert r0["summary"]["world_size"] == 2 and r0["summary"]["output"] == str(out)
     assert r1["summary"] == {"rank": 1, "world_size": 2, "output": None}
-    assert r0["solved"] and r1["solved"] and not set(r0["solved"]) & set(r1["solved"])
-    assert len(r0["solved"]) + len(r1["solved"]) == 7 * 4  # 7 linears x 4 layers, each solved once
+    sliced = {"self_attn.o_proj[slice]", "mlp.down_proj[slice]"}
+    assert set(r0["solved"]) & set(r1["solved"]) == sliced  # the rest: each linear on one rank
+    for r in (r0, r1):  # one slice of each lone linear, in each of the 4 layers
+        assert sorted(x for x in r["solved"] if x in sliced) == sorted([*sliced] * 4)
+    assert len(r0["solved"]) + len(r1["solved"]) == (5 + 2 * 2) * 4  # q, k, v, gate, up once; o, down in 2 slices
     assert digests(out) == digests(whole["gptq"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dist", "res.0", "res.1"]
 
