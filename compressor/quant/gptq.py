@@ -279,24 +279,24 @@ class _Grid:
                               self.clip_max_shrink, self.scale_dtype)
 
 
-def _prepare_inputs(w: torch.Tensor, H: torch.Tensor, name: str, consume: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _prepare_inputs(w: torch.Tensor, H: torch.Tensor, name: str,
+                    consume: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 copies ``W [out, in]`` and ``H [in, in]`` (on ``w``'s device) with dead channels fixed.
     With ``consume`` a float32 ``H`` already on that device is used (and overwritten) as it is.
 
     A dead input channel (``H[i, i] == 0``) gets ``H[i, i] = 1`` and its weight column zeroed,
-    as in the reference implementation. Returns ``(W, H, n_dead)``.
+    as in the reference implementation. Returns ``(W, H, dead)``, ``dead`` a bool ``[in]`` mask.
 
     Raises:
         QuantizationError: ``w`` or ``H`` holds NaN or Inf.
     """
-    W = w.detach().float().clone()
-    H2 = H.detach().float().to(W.device)
+    H2 = H.detach().float().to(w.device)
     H = H2.clone() if not consume and H2.data_ptr() == H.data_ptr() else H2
-    if not (all_finite(W) and all_finite(H)):
+    if not all_finite(H):
         raise QuantizationError(f"GPTQ input for {name} contains NaN or Inf")
     dead = torch.diag(H) == 0
+    W = _prepared_weights(w, dead, name)
     H[dead, dead] = 1.0
-    W[:, dead] = 0.0
     return W, H, dead
 
 
