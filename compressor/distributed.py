@@ -284,6 +284,20 @@ def broadcast(tensor: torch.Tensor, src: int) -> None:
     _collective(dist.broadcast, tensor, src)
 
 
+def send(tensor: torch.Tensor, dst: int) -> None:
+    """``tensor`` to rank ``dst`` alone (point to point; it calls :func:`recv` at the same step)."""
+    import torch.distributed as dist
+
+    _collective(dist.send, tensor, dst)
+
+
+def recv(tensor: torch.Tensor, src: int) -> None:
+    """Rank ``src``'s :func:`send` into ``tensor``, in place."""
+    import torch.distributed as dist
+
+    _collective(dist.recv, tensor, src)
+
+
 def _encode(obj, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``obj`` as the three tensors :func:`share` and :func:`gather` send: ``int64 [2]`` (how
     many codes, how many bytes), the codes and the bytes (:func:`pack`), on ``dev``."""

@@ -107,3 +107,89 @@ def test_gptq_gives_the_same_weights_through_either_factorisation(monkeypatch):
     b = gptq_quantize(w, H, 4, 64, False, act_order=True, static_groups=True)
     assert (a.q != b.q).float().mean() < 0.01
     assert abs(a.loss - b.loss) < 0.01 * b.loss
+
+
+_RANK_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+import compressor.quant.inplace_linalg as la
+la.FACTOR_BLOCK = int(sys.argv[1])
+rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+if size > 1:
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+H, d, out = torch.load(sys.argv[2]), torch.load(sys.argv[3]), sys.argv[4]
+if d.ndim == 1:
+    ok = la.upper_cholesky_of_inverse_(H, d, (rank, size))
+    torch.save((ok, H), f"{out}.{rank}")
+else:  # d: a weight; this rank's slice of its rows through GPTQ with the factor made together
+    from compressor.quant.gptq import gptq_quantize
+    r0, r1 = d.shape[0] * rank // size, d.shape[0] * (rank + 1) // size
+    r = gptq_quantize(d[r0:r1], H, 4, 128, False, act_order=True, static_groups=True, collective=True)
+    torch.save((r.q, r.scale, r.zero_point), f"{out}.{rank}")
+if size > 1:
+    dist.destroy_process_group()
+"""
+
+
+def _factor_on_ranks(tmp_path, H, d, size, block):
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    torch.save(H, tmp_path / "H.pt")
+    torch.save(d, tmp_path / "d.pt")
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_"))}
+    procs = [subprocess.Popen([sys.executable, str(script), str(block), str(tmp_path / "H.pt"), str(tmp_path / "d.pt"),
+                               str(tmp_path / f"out{size}")],
+                              env={**env, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "RANK": str(r),
+                                   "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(size)]
+    assert [p.wait(timeout=120) for p in procs] == [0] * size
+    return [torch.load(tmp_path / f"out{size}.{r}") for r in range(size)]
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_ranks_dividing_the_factorization_get_one_process_bits(tmp_path, good):
+    """Two and three ranks dividing the blocked factorization (rows and column blocks dealt,
+    panels broadcast over gloo) leave every rank the one-process factor bit for bit; a matrix
+    that is not positive definite fails on every rank and is restored on each."""
+    H = _hessian(700, 900, seed=11)
+    d = _damped_diag(H)
+    if not good:
+        d[650] = -1.0  # fails in the sixth of seven diagonal blocks
+    ((ok1, ref),) = _factor_on_ranks(tmp_path, H, d, 1, 100)
+    assert ok1 is good
+    if good:
+        torch.testing.assert_close(ref, _torch_inverse_cholesky(H.clone(), d), rtol=1e-3,
+                                   atol=1e-4 * float(ref.abs().max()))
+    else:
+        expect = H.clone()
+        torch.diagonal(expect).copy_(d)
+        assert torch.equal(ref, expect)
+    for size in (2, 3):
+        for ok, U in _factor_on_ranks(tmp_path, H, d, size, 100):
+            assert ok is good and torch.equal(U, ref)
+
+
+def test_gptq_row_slices_factor_together_and_join_to_one_process(tmp_path):
+    """GPTQ's row slices of one linear (solve_pass under several ranks) on the in-place path:
+    the ranks divide the factorization and the joined slices are the one-process result."""
+    from compressor.quant.gptq import gptq_quantize
+
+    n = 2048
+    H = _hessian(n, 600, seed=4)
+    w = torch.randn(48, n, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs (BLAS's sums may differ with the thread count)
+    try:
+        ref = gptq_quantize(w, H, 4, 128, False, act_order=True, static_groups=True)
+    finally:
+        torch.set_num_threads(threads)
+    parts = _factor_on_ranks(tmp_path, H, w, 2, 512)
+    for i, t in enumerate((ref.q, ref.scale, ref.zero_point)):
+        assert torch.equal(torch.cat([p[i] for p in parts]), t)

@@ -132,17 +132,22 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
         return _carry(plan, opts, device, console, on_committed, t0)
     if rank != 0:
         console = None
-    fingerprint = in_background(plan.source.fingerprint)  # the source's SHA-256s, read while the model loads
+    # the source's SHA-256s, read while the model loads; by rank 0 alone (it writes the manifest and
+    # keeps the resume checkpoint: no other rank reads them)
+    fingerprint = in_background(plan.source.fingerprint) if rank == 0 else None
     with name_kept_checkpoint(plan.out, opts.execution.resume):  # interrupted while loading: say where the layers are
         src = _load(plan, opts, console, world_size)
         n_layers = src.model.config.num_hidden_layers
         arch = get_arch(src.model.config.model_type)
-        source_fp = fingerprint()
-        named = {"--matmul-precision": plan.matmul_precision, "--threads": plan.threads}  # the integer codes depend on both
-        inputs = {"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"), "calibration": src.calibration,
-                  "format": opts.write.format, "dtype": plan.dtype, "kvq": tool_info()["version"]}
-        key = resume_key({**inputs, **named})
-        staging = open_staging(plan.out, key, opts.execution.resume, console, named, input_digests(inputs)) if rank == 0 else None
+        source_fp = staging = None
+        if rank == 0:
+            source_fp = fingerprint()
+            named = {"--matmul-precision": plan.matmul_precision, "--threads": plan.threads}  # the codes depend on both
+            inputs = {"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
+                      "calibration": src.calibration, "format": opts.write.format, "dtype": plan.dtype,
+                      "kvq": tool_info()["version"]}
+            staging = open_staging(plan.out, resume_key({**inputs, **named}), opts.execution.resume, console, named,
+                                   input_digests(inputs))
         if staging is not None:
             on_stop(partial(kept_note, staging, n_layers))  # torchrun: a lost rank's line says where the layers are
     with keep_checkpoint(staging, n_layers, drop_on_error=True):  # bad input or a numerical fault: nothing to resume

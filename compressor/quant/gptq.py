@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..distributed import world
 from ..errors import InputError, QuantizationError
 from ..precision import float32_matmuls
 from .inplace_linalg import all_finite, permute_symmetric_, upper_cholesky_of_inverse_
@@ -47,7 +48,8 @@ ROW_BLOCK = 1024
 SYMMETRIC_BLOCKS = 4
 MIN_BLOCK_ROWS = 128
 #: inputs at least this wide are factored in place on the CPU (:func:`_inverse_cholesky`):
-#: there it is also faster than torch's chain (4096: 0.59 vs 1.20 s; 576: 25 vs 7 ms)
+#: there it is also faster than torch's chain (one thread, best of 3 on the 2-core Xeon, other jobs
+#: running: 2048: 0.19 vs 0.56 s; 4096: 0.54 vs 1.47 s)
 IN_PLACE_FROM = 2048
 
 
@@ -67,13 +69,14 @@ class HessianAccumulator:
     before the next: at in = 18,432 (a DeepSeek-V3/Kimi dense down_proj) the float64 sum
     holds about half the matrix (1.4 GB), no 4 GB float32/float64 temporary of the whole
     matrix is ever made, and the float64 sum and the float32 Hessian are never both whole.
+    With ``ranks`` (several ranks running the same pass) each rank sums only its blocks.
     """
 
     #: the reader set's :class:`CrossAccumulator` when GPTQ's float target is on (set by
     #: :func:`compressor.quant.gptq_layer.accumulate_hessians`), else None
     cross: "CrossAccumulator | None" = None
 
-    def __init__(self, in_features: int, device="cpu"):
+    def __init__(self, in_features: int, device="cpu", ranks: tuple[int, int] = (0, 1)):
         step = (ROW_BLOCK if in_features >= ROW_BLOCK_FROM
                 else max(-(-in_features // SYMMETRIC_BLOCKS), MIN_BLOCK_ROWS))
         self.in_features = in_features
@@ -82,13 +85,20 @@ class HessianAccumulator:
         self.blocks: list[torch.Tensor] | None = [
             torch.zeros(min(step, in_features - r0), in_features - r0, dtype=torch.float64, device=device)
             for r0 in self.starts]
+        #: ``(rank, world_size)`` of ranks that run the same pass and divide the sums: block ``i`` is
+        #: summed on rank ``i % world_size`` only, until the blocks are exchanged
+        #: (:func:`compressor.quant.gptq_layer.share_hessians`, which sets :attr:`complete`)
+        self.ranks = ranks
+        self.complete = ranks[1] == 1
         self.n = 0
 
     @torch.no_grad()
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
-        for r0, b in zip(self.starts, self.blocks):
-            b += x[:, r0:r0 + b.shape[0]].t() @ x[:, r0:]
+        rank, size = self.ranks
+        for i, (r0, b) in enumerate(zip(self.starts, self.blocks)):
+            if i % size == rank:
+                b += x[:, r0:r0 + b.shape[0]].t() @ x[:, r0:]
         self.n += x.shape[0]
 
     def hessian(self, consume: bool = False) -> torch.Tensor:
@@ -98,6 +108,8 @@ class HessianAccumulator:
         release it before the next, leaving the accumulator unusable (``blocks`` is ``None``)."""
         if self.n == 0:
             raise QuantizationError("GPTQ Hessian has no calibration tokens")
+        if not self.complete:
+            raise RuntimeError("a Hessian divided across ranks read before its blocks were exchanged")
         out = torch.empty(self.in_features, self.in_features, dtype=torch.float32, device=self.blocks[0].device)
         blocks = self.blocks
         if consume:
@@ -200,16 +212,19 @@ class GPTQResult:
     target: torch.Tensor | None = None
 
 
-def _inverse_cholesky(H: torch.Tensor, damp: float, damp_increment: float, max_damp: float, name: str):
+def _inverse_cholesky(H: torch.Tensor, damp: float, damp_increment: float, max_damp: float, name: str,
+                      ranks: tuple[int, int] = (0, 1)):
     """Upper Cholesky factor of ``(H + λI)⁻¹`` with ``λ = damp · mean(diag H)``, retrying with more damping.
 
     Works in ``H``'s storage (the caller's own float32 copy, overwritten). On the CPU, from
-    :data:`IN_PLACE_FROM` inputs, the factor is computed in place (:func:`~compressor.quant.inplace_linalg.upper_cholesky_of_inverse_`:
-    LAPACK ``potrf``/``trtri`` on the flipped matrix), so one ``[in, in]`` matrix is alive (at
-    in = 18,432: 1.36 GB, where torch's chain holds three); a failed attempt restores ``H``
-    from the triangle LAPACK left alone. Otherwise (narrower inputs, CUDA) torch's ``cholesky_ex`` /
+    :data:`IN_PLACE_FROM` inputs, the factor is computed in place
+    (:func:`~compressor.quant.inplace_linalg.upper_cholesky_of_inverse_`: a blocked Cholesky
+    factorization and triangular inverse of the flipped matrix), so one ``[in, in]`` matrix is
+    alive (at in = 18,432: 1.36 GB, where torch's chain holds three); a failed attempt restores
+    ``H`` from the triangle left alone. Otherwise (narrower inputs, CUDA) torch's ``cholesky_ex`` /
     ``cholesky_inverse`` run with the inverse in ``H`` and its factor in the first factor's
-    buffer (two matrices). Returns ``(U, damp_used, retries)``."""
+    buffer (two matrices). ``ranks``: ``(rank, world_size)`` of ranks factoring the same ``H``
+    together (in place only; the same ``U`` bit for bit). Returns ``(U, damp_used, retries)``."""
     diag0 = torch.diagonal(H).clone()
     mean_diag = float(diag0.mean())
     retries = 0
@@ -217,7 +232,7 @@ def _inverse_cholesky(H: torch.Tensor, damp: float, damp_increment: float, max_d
                 and H.shape[0] >= IN_PLACE_FROM)
     while True:
         if in_place:
-            if upper_cholesky_of_inverse_(H, diag0 + damp * mean_diag):
+            if upper_cholesky_of_inverse_(H, diag0 + damp * mean_diag, ranks):
                 return H, damp, retries
         else:
             U = _torch_inverse_cholesky(H, diag0 + damp * mean_diag)
@@ -301,7 +316,7 @@ def _prepare_inputs(w: torch.Tensor, H: torch.Tensor, name: str,
 
 
 def _factorize(W: torch.Tensor, H: torch.Tensor, f: "HessianFactor", act_order: bool, dynamic_gs: int | None,
-               damping: tuple[float, float, float], name: str) -> torch.Tensor:
+               damping: tuple[float, float, float], name: str, ranks: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """Fill ``f`` from the prepared ``H`` (worked on in place): ``act_order``'s permutation, the
     blocks of the permuted ``H`` for dynamic groups' range search (``dynamic_gs``), the damped
     inverse's upper Cholesky factor. Returns ``W`` in the visiting order."""
@@ -309,7 +324,7 @@ def _factorize(W: torch.Tensor, H: torch.Tensor, f: "HessianFactor", act_order: 
         W, H, f.perm = _act_order_permutation(W, H)
     # dynamic groups follow the visiting order: their blocks of the (permuted) Hessian
     f.dynamic_blocks = _hessian_blocks(H, dynamic_gs) if dynamic_gs else None
-    f.U, f.damp, f.retries = _inverse_cholesky(H, *damping, name)
+    f.U, f.damp, f.retries = _inverse_cholesky(H, *damping, name, ranks)
     return W
 
 
@@ -487,6 +502,7 @@ def gptq_quantize(
     clip_max_shrink: float = 0.25,
     keep_target: bool = False,
     factors: dict | None = None,
+    collective: bool = False,
 ) -> GPTQResult:
     """Quantize one weight matrix with GPTQ (Frantar et al., 2022, algorithm 1, as the reference implementation).
 
@@ -501,16 +517,14 @@ def gptq_quantize(
         H: ``[in, in]`` float Hessian ``2 X Xᵀ / n`` of the layer inputs (not modified, unless
             ``consume_hessian``: then a float32 ``H`` on ``w``'s device is worked on in place and
             left holding intermediate values, so no copy of it is made).
-        num_bits: 2..8. group_size: divides ``in``; ``-1`` per output channel.
-        symmetric: signed symmetric grid (zero point 0) or asymmetric.
-        block_size: columns per lazy-update block.
-        damp: dampening relative to ``mean(diag(H))`` (paper: 0.01).
-        damp_increment, max_damp: retry schedule when ``H + λI`` is not positive definite.
+        num_bits: 2..8. group_size: divides ``in``; ``-1`` per output channel. symmetric: signed
+            symmetric grid (zero point 0) or asymmetric. block_size: columns per lazy-update block.
+        damp: dampening relative to ``mean(diag(H))`` (paper: 0.01); damp_increment, max_damp: retry
+            schedule when ``H + λI`` is not positive definite.
         act_order: visit columns by descending ``diag(H)``.
         static_groups: with ``act_order``, fix the groups' qparams before reordering.
         scale_dtype: storage dtype of the scales; every scale is rounded to it as soon as it
-            is computed, so the error GPTQ propagates is the error of the stored weights.
-        name: module name for error messages.
+            is computed, so the error GPTQ propagates is the error of the stored weights. name: for errors.
         clip_grid, clip_max_shrink: each group's range from a grid search
             (:func:`~compressor.quant.primitives.search_qparams`: shrinks ``1 - k/clip_grid``
             below ``clip_max_shrink``, scored by ``Δ_gᵀ H_gg Δ_g`` on the group's block of ``H``),
@@ -519,6 +533,7 @@ def gptq_quantize(
         keep_target: also return the weights as GPTQ rounded them (:attr:`GPTQResult.target`).
         factors: a dict kept per ``H`` by the caller: the first call stores its :class:`HessianFactor`,
             later ones with the same settings reuse it (``H`` not read); drop it after the last.
+        collective: every rank calls this with the same ``H`` (each for its rows): they divide its factorization.
 
     Returns:
         :class:`GPTQResult`.
@@ -544,7 +559,7 @@ def gptq_quantize(
     static_qparams = grid.qparams(W, f.static_blocks) if static else None
     if f.U is None:
         W = _factorize(W, H, f, act_order, gs if clip_grid and not static else None, (damp, damp_increment, max_damp),
-                       name)
+                       name, world() if collective else (0, 1))
         del H
         if factors is not None:
             factors[settings] = f

@@ -17,7 +17,7 @@ from contextlib import nullcontext
 import torch
 
 from ..arch import EXPERT, expand, expert_index, get_module, is_expert, layer_fused_sets, layer_linears, num_experts
-from ..distributed import deal, world
+from ..distributed import deal, recv, send, world
 from ..registry import FORMATS
 from .algorithms import Algorithm, odd_bits_warnings, register_algorithm, unread_warnings
 from .gptq import CrossAccumulator, HessianAccumulator, float_target, gptq_quantize
@@ -92,8 +92,10 @@ def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, replay: Modu
     tokens) a batch stops once every set has its input. ``replay``: the layer's final parts
     return their kept outputs instead of running. ``float_inputs``: set key -> the float
     model's input of that set per batch; each such set also gets a :class:`CrossAccumulator`
-    (``accs[key].cross``) for :func:`~compressor.quant.gptq.float_target`."""
-    accs = {st[0]: HessianAccumulator(get_module(layer, st[0]).in_features, device=hidden[0].device) for st in sets}
+    (``accs[key].cross``) for :func:`~compressor.quant.gptq.float_target`. Under several ranks
+    each rank sums its share of each Hessian's row blocks (:func:`share_hessians` completes them)."""
+    ranks = world()  # every rank runs this pass on the same tokens: the Hessians' blocks are divided
+    accs = {st[0]: HessianAccumulator(get_module(layer, st[0]).in_features, hidden[0].device, ranks) for st in sets}
     float_inputs = float_inputs or {}
     for key in float_inputs.keys() & accs.keys():
         accs[key].cross = CrossAccumulator(accs[key].in_features, hidden[0].device)
@@ -189,6 +191,7 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
     for j, (_rels, key, _rows) in enumerate(pieces):
         if j % size == rank:
             left[key] = left.get(key, 0) + 1
+    share_hessians(accs, pieces, size)
     built: dict = {}
     factors: dict = {}  # per set: its Hessian's factor, reused by the set's other linears (HessianFactor)
 
@@ -216,6 +219,7 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
             static_groups=opts.static_groups, scale_dtype=quantizer.dtype, name=" + ".join(prefix + x for x in rels),
             consume_hessian=last, clip_grid=opts.clip_grid if opts.clip else None, clip_max_shrink=opts.clip_max_shrink,
             keep_target=ctx.bases is not None, factors=factors.pop(key, None) if last else factors.setdefault(key, {}),
+            collective=rows is not None,  # every rank holds a slice of this linear: they factor H together
         )
         del H, w
         if rows is not None:  # one linear's slice of rows: joined with the other slices below
@@ -246,6 +250,33 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
     return errs, damps, retries, dead
 
 
+def share_hessians(accs: dict, pieces: list[tuple], size: int) -> None:
+    """Complete the Hessians whose row blocks the ranks summed apart (:func:`accumulate_hessians`):
+    each block goes from the rank that summed it to every other rank that solves a piece of its
+    set (piece ``j`` on rank ``j % size``, as :func:`~compressor.distributed.deal` deals them),
+    point to point, float64, in the pieces' order of sets and block order on every rank. A
+    block is the same sum whichever rank made it, so the Hessians are one process's bit for
+    bit. A rank keeps only the sets it solves (the others' blocks are released)."""
+    need: dict[str, set[int]] = {}
+    for j, (_rels, key, _rows) in enumerate(pieces):
+        need.setdefault(key, set()).add(j % size)
+    for key, solvers in need.items():
+        acc = accs[key]
+        if acc.complete:
+            continue
+        rank = acc.ranks[0]
+        for i, block in enumerate(acc.blocks):
+            owner = i % size
+            for dst in sorted(solvers - {owner}):
+                if rank == owner:
+                    send(block, dst)
+                elif rank == dst:
+                    recv(block, owner)
+        acc.complete = rank in solvers
+        if not acc.complete:
+            acc.blocks = None
+
+
 def row_slices(tasks: list, size: int, rows_of) -> list[tuple]:
     """The pieces a pass's GPTQ solves are dealt in: ``(rels, key, None)`` per task, or, when the
     pass has fewer tasks than ``size`` ranks (a lone ``o_proj`` or dense ``down_proj`` would leave
@@ -253,7 +284,8 @@ def row_slices(tasks: list, size: int, rows_of) -> list[tuple]:
     GPTQ quantizes every row on its own given ``H`` (the column loop, static groups, act_order's
     permutation and the damping retries depend on ``H`` alone), so a slice's integers and scales
     are those rows of the whole solve, bit for bit (``tests/test_distributed.py``); every rank
-    still builds ``H`` and its inverse Cholesky factor, only the column loop divides.
+    builds ``H``, and the ranks divide its inverse Cholesky factor's blocks
+    (:func:`~compressor.quant.inplace_linalg.upper_cholesky_of_inverse_`) and the column loop.
     ``rows_of(rel)``: a linear's output rows. Under several ranks every task is one linear."""
     if size < 2 or len(tasks) >= size:
         return [(rels, key, None) for rels, key in tasks]

@@ -7,14 +7,16 @@ inverse) holds three such matrices at once. The functions here work in the Hessi
 storage with temporaries of a few row blocks:
 
 * :func:`permute_symmetric_` -- ``H[perm][:, perm]`` (GPTQ's ``act_order``);
-* :func:`upper_cholesky_of_inverse_` -- the upper factor ``U`` of ``H⁻¹ = Uᵀ U``, by LAPACK
-  ``potrf`` and ``trtri`` (through SciPy's wrappers, which work on the tensor's memory when
-  it is viewed as a Fortran-ordered array) on the exchange-flipped matrix ``J H J``:
-  if ``J H J = Rᵀ R`` (``R`` upper) then ``H = Kᵀ K`` with ``K = J R J`` lower, and
-  ``H⁻¹ = Vᵀ V`` with ``V = J R⁻ᵀ J`` upper: ``U = V`` (the Cholesky factor is unique, so
-  this is the same matrix as ``cholesky(cholesky_inverse(cholesky(H)), upper=True)``, up
-  to rounding). LAPACK only touches one triangle, so the other keeps ``H``'s original
-  values and a failed attempt is undone without a copy.
+* :func:`upper_cholesky_of_inverse_` -- the upper factor ``U`` of ``H⁻¹ = Uᵀ U`` on the
+  exchange-flipped matrix ``J H J``: if ``J H J = L Lᵀ`` (``L`` lower) then
+  ``H⁻¹ = J L⁻ᵀ L⁻¹ J = Uᵀ U`` with ``U = J L⁻¹ J`` upper (the Cholesky factor is unique, so
+  this is the same matrix as ``cholesky(cholesky_inverse(cholesky(H)), upper=True)``, up to rounding): one factorization
+  and one triangular inverse, ``2n³/3`` flops, where torch's chain does about ``n³``. Both
+  are blocked (:data:`FACTOR_BLOCK`; right-looking Cholesky, then block forward substitution
+  by column blocks) in torch's own BLAS calls -- so ``--threads`` governs them -- and their
+  blocks can be dealt to several ranks that need the same factor. Only one triangle is
+  written (besides the diagonal blocks, saved first), so the other keeps ``H``'s original
+  values and a failed attempt is undone without a copy of the matrix.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch
 
 #: rows per block of the chunked copies (a 1024 x 18,432 float32 block is 75 MB)
 BLOCK_ROWS = 1024
+#: rows and columns per block of the blocked factorization (:func:`upper_cholesky_of_inverse_`)
+FACTOR_BLOCK = 512
 #: rows per block of the flips and finiteness checks, whose elementwise ops make a few
 #: temporaries of a block each (128 x 18,432 float32: 9.4 MB)
 SMALL_ROWS = 128
@@ -103,39 +107,115 @@ def _lower_finite(A: torch.Tensor, rows: int = SMALL_ROWS) -> bool:
     return True
 
 
-def upper_cholesky_of_inverse_(H: torch.Tensor, diagonal: torch.Tensor) -> bool:
+def upper_cholesky_of_inverse_(H: torch.Tensor, diagonal: torch.Tensor, ranks: tuple[int, int] = (0, 1)) -> bool:
     """Overwrite ``H`` with the upper Cholesky factor ``U`` of ``(H')⁻¹`` (``H⁻¹ = Uᵀ U``), where
     ``H'`` is ``H`` with its diagonal replaced by ``diagonal``.
 
     ``H``: float32 contiguous ``[n, n]`` CPU tensor, symmetric (only its upper triangle is
     read). ``diagonal``: float32 ``[n]`` (the damped diagonal). Works in ``H``'s memory: no
-    ``[n, n]`` temporary (LAPACK ``spotrf``/``strtri``, see the module docstring).
+    ``[n, n]`` temporary, a few ``[n, FACTOR_BLOCK]`` ones (see the module docstring).
+
+    ``ranks``: ``(rank, world_size)`` of the ranks that call this together on the same ``H``
+    (GPTQ's row slices of one linear, :func:`compressor.quant.gptq_layer.row_slices`): the
+    blocked factorization's row blocks and the inverse's column blocks are dealt to them and
+    broadcast (:func:`compressor.distributed.broadcast`), so each does about ``1/world_size`` of
+    the ``n³/3`` work of each step. Every block is computed by the same operations on the same
+    values whatever the number of ranks, so ``U`` is the same bit for bit; ``(0, 1)``: alone.
 
     Returns ``True`` with ``U`` in ``H`` (strict lower triangle zero), or ``False`` when
-    ``H'`` is not positive definite or its factor is not finite; then ``H`` holds ``H'``
-    again (restored from the triangle LAPACK did not touch) and the caller may
-    retry with another diagonal. ``H`` need not be exactly symmetric in its rounding: after a
-    failed attempt it is symmetric with the values of its lower triangle.
+    ``H'`` is not positive definite or its factor is not finite (the same answer on every
+    rank); then ``H`` holds ``H'`` again (restored from the triangle the factorization did
+    not touch) and the caller may retry with another diagonal. ``H`` need not be exactly
+    symmetric in its rounding: after a failed attempt it is symmetric with the values of its
+    lower triangle.
     """
-    from scipy.linalg import lapack  # imported on use: only GPTQ on the CPU needs it
-
-    flip_(H)  # J H J: its upper triangle is H's lower one mirrored, its lower one H's upper one
+    n = H.shape[0]
+    flip_(H)  # J H J: its lower triangle is H's upper one mirrored
     dflip = diagonal.flip(0)
     torch.diagonal(H).copy_(dflip)
-    F = H.numpy().T  # the same memory, Fortran order: F = (J H J)ᵀ = J H J; F's upper = H's lower
-    c, info = lapack.spotrf(F, lower=0, clean=0, overwrite_a=1)
-    ok = info == 0
+    blocks = [(a, min(a + FACTOR_BLOCK, n)) for a in range(0, n, FACTOR_BLOCK)]
+    saved = [H[a:b, a:b].clone() for a, b in blocks]  # the diagonal blocks: their upper parts are overwritten
+    ok = _cholesky_lower_(H, blocks, *ranks)
     if ok:
-        c, info = lapack.strtri(c, lower=0, overwrite_c=1)
-        ok = info == 0
-    if c.ctypes.data != F.ctypes.data:  # the wrappers copied (they do not for this layout): write back
-        F[...] = c
-    if ok:
-        ok = _lower_finite(H)  # H's lower triangle now holds R⁻ᵀ
+        _invert_lower_(H, blocks, *ranks)
+        ok = _lower_finite(H)  # H's lower triangle now holds L⁻¹ = R⁻ᵀ, the same on every rank
     if not ok:
+        for (a, b), blk in zip(blocks, saved):
+            H[a:b, a:b] = blk
         _restore_lower_from_upper_(H, dflip)
         flip_(H)
         return False
-    flip_(H)  # J R⁻ᵀ J in the upper triangle, H's original strict lower triangle below it
+    flip_(H)  # J L⁻¹ J in the upper triangle, H's original strict lower triangle below it
     H.triu_()
     return True
+
+
+def _send(buf: torch.Tensor, src: int, size: int) -> torch.Tensor:
+    """``buf`` of rank ``src`` on every one of ``size`` ranks (itself when alone)."""
+    if size > 1:
+        from ..distributed import broadcast
+
+        broadcast(buf, src)
+    return buf
+
+
+def _cholesky_lower_(A: torch.Tensor, blocks: list[tuple[int, int]], rank: int, size: int) -> bool:
+    """Right-looking blocked Cholesky ``A = L Lᵀ`` into ``A``'s lower triangle (its upper triangle
+    outside the diagonal blocks untouched). Row block ``i`` belongs to rank ``i % size``: its
+    owner keeps it updated, factors it when it is the diagonal block, solves its panel part;
+    each step's diagonal factor and panel are broadcast from their owners. ``False`` (on every
+    rank) when a diagonal block is not positive definite."""
+    for k, (k0, k1) in enumerate(blocks):
+        owner = k % size
+        status = torch.zeros(1, dtype=torch.int32)
+        if owner == rank:
+            L, info = torch.linalg.cholesky_ex(A[k0:k1, k0:k1])
+            L = L.contiguous()  # LAPACK's column-major result: a broadcast sends the storage as it lies
+            status[0] = int(info)
+        else:
+            L = torch.empty(k1 - k0, k1 - k0)
+        if int(_send(status, owner, size)[0]) != 0:
+            return False
+        A[k0:k1, k0:k1] = _send(L, owner, size)
+        rest = blocks[k + 1:]
+        for r in range(size):  # the panel below the diagonal block, one broadcast per owner
+            mine = [(i0, i1) for j, (i0, i1) in enumerate(rest, k + 1) if j % size == r]
+            if not mine:
+                continue
+            if r == rank:
+                panel = torch.cat([torch.linalg.solve_triangular(L.mT, A[i0:i1, k0:k1], upper=True, left=False)
+                                   for i0, i1 in mine])
+            else:
+                panel = torch.empty(sum(i1 - i0 for i0, i1 in mine), k1 - k0)
+            _send(panel, r, size)
+            p0 = 0
+            for i0, i1 in mine:
+                A[i0:i1, k0:k1] = panel[p0:p0 + i1 - i0]
+                p0 += i1 - i0
+        for j, (i0, i1) in enumerate(rest, k + 1):  # this rank's rows of the trailing matrix
+            if j % size == rank:
+                A[i0:i1, k1:i1].addmm_(A[i0:i1, k0:k1], A[k1:i1, k0:k1].T, alpha=-1)
+    return True
+
+
+def _invert_lower_(A: torch.Tensor, blocks: list[tuple[int, int]], rank: int, size: int) -> None:
+    """``A``'s lower triangle ``L`` replaced by ``L⁻¹`` (block forward substitution, column block by
+    column block). Column block ``j`` belongs to rank ``j % size``: each rank solves its own in
+    ascending order (a column block's solve reads ``L``'s columns from its own on, which this
+    rank has not yet overwritten), then every column block is broadcast from its owner."""
+    n = A.shape[0]
+    for j, (j0, j1) in enumerate(blocks):
+        if j % size != rank:
+            continue
+        X = torch.empty(n - j0, j1 - j0)
+        X[:j1 - j0] = torch.linalg.solve_triangular(A[j0:j1, j0:j1], torch.eye(j1 - j0), upper=False)
+        for i0, i1 in blocks[j + 1:]:
+            rhs = A[i0:i1, j0:i0] @ X[:i0 - j0]
+            X[i0 - j0:i1 - j0] = torch.linalg.solve_triangular(A[i0:i1, i0:i1], rhs.neg_(), upper=False)
+        A[j0:, j0:j1] = X
+        del X
+    if size == 1:
+        return
+    for j, (j0, j1) in enumerate(blocks):
+        col = A[j0:, j0:j1].contiguous() if j % size == rank else torch.empty(n - j0, j1 - j0)
+        A[j0:, j0:j1] = _send(col, j % size, size)
