@@ -296,6 +296,24 @@ def test_dense_packer_equals_the_per_bit_reference(bits, n):
     assert naive_unpack_seq(ws, bits, n) == (q[2].long() - qmin).tolist()
 
 
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
+@pytest.mark.parametrize("offset", [0, 8, 3, 15, 16, -8])
+def test_four_bit_packer_equals_the_byte_wise_one(dtype, offset):
+    """4-bit values in bytes take the nibble packer (packing._pack_nibbles, two values a 16-bit
+    word): the words of the byte-wise packer for any byte values and offset, over several row blocks."""
+    from compressor.formats import packing
+
+    g = torch.Generator().manual_seed(offset + 100)
+    q = torch.randint(0, 256, (300, 4096), generator=g).to(torch.uint8).view(dtype)
+    want = torch.zeros(300, 4096 // 8, dtype=torch.int64)
+    u = (q.long() + offset) & 15
+    for k in range(8):
+        want |= u[:, k::8] << (4 * k)
+    want = torch.where(want >= 2**31, want - 2**32, want).to(torch.int32)
+    assert torch.equal(packing.pack_rows(q, 4, offset), want)
+    assert torch.equal(packing.pack_rows(q.long(), 4, offset), want)  # the int64 path, for comparison
+
 GPTQ_CASES = [
     # (out, in, group_size)
     (64, 128, 32),

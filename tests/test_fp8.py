@@ -534,3 +534,26 @@ def test_reading_block_fp8_converts_every_code_as_torch_does():
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and int(torch.isnan(want).sum()) == 2
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
     assert torch.equal(fp8_to_float32(q.t()).nan_to_num(0.0), want.t().nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("shape", [(300, 257), (129, 1000), (7, 3), (1, 1), (256, 384)])
+def test_block_fp8_dequantized_a_few_rows_at_a_time_as_whole(shape, monkeypatch):
+    """LazyCheckpoint._dequantize converts and scales a few rows at a time (two codes a lookup where
+    a slice allows, one elsewhere: odd widths, odd offsets): the float32 bits of
+    ``q.to(float32) * scale_inv`` block by block, every code (NaN ones too) and ragged edge blocks included."""
+    from compressor.source import lazy
+
+    monkeypatch.setattr(lazy, "_LOOKUP_ELEMS", 600)  # many slices a block row, some of odd length
+    g = torch.Generator().manual_seed(shape[0])
+    q = torch.randint(0, 256, shape, generator=g).to(torch.uint8).view(torch.float8_e4m3fn)
+    scale = torch.rand(-(-shape[0] // 128), -(-shape[1] // 128), generator=g) * 0.01
+    reader = lazy.LazyCheckpoint.__new__(lazy.LazyCheckpoint)
+    reader.where, reader.block_fp8 = {"w": ("s", None), "w_scale_inv": ("s", None)}, (128, 128)
+    monkeypatch.setattr(reader, "_read", lambda name: scale, raising=False)
+    want = q.to(torch.float32)
+    for r in range(scale.shape[0]):
+        want[r * 128:(r + 1) * 128] *= scale[r].repeat_interleave(128)[:shape[1]]
+    got = reader._dequantize("w", q)
+    assert got.shape == shape and got.dtype == torch.float32
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(lazy.fp8_to_float32(q[1:]).view(torch.int32), q[1:].to(torch.float32).view(torch.int32))

@@ -116,3 +116,35 @@ def test_pack_matches_compressed_tensors(bits, dim):
 def test_pack_refuses_out_of_range():
     with pytest.raises(InputError, match="range"):
         pack_int32(torch.tensor([[8]], dtype=torch.int8), 4)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("gs", [32, -1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_rtn_equals_quantize_then_finish(bits, symmetric, gs, dtype, monkeypatch):
+    """LinearQuantizer.quantize_linear's fused RTN (quant.rtn.rtn_linear_inplace, a few rows at a
+    time) stores the codes, scales and zero points of rtn_quantize + finish bit for bit, reports
+    the same relative error and leaves the same dequantized weight in the linear; an all-zero
+    group, a row of large weights and a chunk boundary inside the weight included."""
+    from compressor.quant import rtn
+    from compressor.quant.layer import LinearQuantizer
+    from compressor.quant.primitives import Scheme
+
+    monkeypatch.setattr(rtn, "CHUNK_ELEMS", 3 * 128)  # 3 rows a chunk: the last chunk is partial
+    g = torch.Generator().manual_seed(bits * 7 + gs)
+    w = torch.randn(10, 128, generator=g) * 0.02
+    w[0, :32] = 0
+    w[3] *= 1e3
+    lq = LinearQuantizer({"x": Scheme(bits, gs, symmetric)}, dtype)
+    fused, plain = torch.nn.Linear(128, 10, bias=False), torch.nn.Linear(128, 10, bias=False)
+    fused.weight.data.copy_(w)
+    plain.weight.data.copy_(w)
+    a, ea = lq.quantize_linear("x", fused)
+    b, eb = lq.finish("x", plain, *rtn.rtn_quantize(plain.weight.detach(), bits, gs, symmetric), None)
+    assert torch.equal(a.q, b.q) and a.q.dtype == torch.int8
+    assert a.scale.dtype == b.scale.dtype == dtype and torch.equal(a.scale, b.scale)
+    assert (a.zero_point is None) == symmetric and (symmetric or torch.equal(a.zero_point, b.zero_point))
+    assert ea == eb
+    assert torch.equal(fused.weight.view(torch.int32), plain.weight.view(torch.int32))
+    assert a.scheme == b.scheme and a.g_idx is None

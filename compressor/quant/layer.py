@@ -26,7 +26,7 @@ from .inplace_linalg import all_finite
 from .kv import cache_kwarg
 from .fp8 import dequantize_weight as dequantize_fp8_weight, quantize_weight as quantize_fp8_weight
 from .primitives import Scheme, abs_max, check_scale_range, dequantize
-from .rtn import rtn_quantize
+from .rtn import rtn_linear_inplace, rtn_quantize
 
 
 @dataclass
@@ -116,7 +116,13 @@ class LinearQuantizer:
             return self.finish_float(name, lin, *quantize_fp8_weight(lin.weight.detach(), scheme.group_size,
                                                                      scheme.rows))
         bits, gs, sym = scheme[:3]
-        q, scale, zp = rtn_quantize(lin.weight.detach(), bits, gs, sym, clip_max)
+        w = lin.weight.detach()
+        if clip_max is None and col_scale is None and original is None and row_scale is None \
+                and w.dtype == torch.float32 and w.is_contiguous() and w.ndim == 2:
+            q, scale, zp, rel = rtn_linear_inplace(w, bits, gs, sym, self.dtype, name)  # finish()'s values, fused
+            return QuantizedLinear(q=q.cpu(), scale=scale.cpu(), zero_point=None if sym else zp.cpu(), g_idx=None,
+                                   scheme=Scheme(*scheme)), rel
+        q, scale, zp = rtn_quantize(w, bits, gs, sym, clip_max)
         return self.finish(name, lin, q, scale, zp, None, col_scale, original, row_scale)
 
     def finish_float(self, name, lin, q, scale):

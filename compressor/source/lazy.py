@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import gc
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -141,10 +142,20 @@ class LazyCheckpoint:
         if tuple(scale.shape) != (-(-out // bo), -(-inp // bi)):
             raise InputError(f"{shard}: {scale_name} is {list(scale.shape)}, but {name} [{out}, {inp}] in "
                              f"{bo} x {bi} blocks needs [{-(-out // bo)}, {-(-inp // bi)}]")
-        w = fp8_to_float32(q)
+        w = torch.empty(out, inp, dtype=torch.float32)
+        q = q.contiguous()
+        rows = max(1, _LOOKUP_ELEMS // max(inp, 1))
         for r in range(scale.shape[0]):  # one block row at a time: no full-size scale tensor
-            w[r * bo:(r + 1) * bo].mul_(scale[r].repeat_interleave(bi)[:inp])
+            row_scale = scale[r].repeat_interleave(bi)[:inp]
+            for a in range(r * bo, min(out, (r + 1) * bo), rows):  # converted and scaled while in cache
+                b = min(a + rows, (r + 1) * bo, out)
+                fp8_to_float32(q[a:b], out=w[a:b]).mul_(row_scale)
         return w
+
+
+#: float8 codes :func:`fp8_to_float32` converts at a time: the index copy NumPy makes of each
+#: slice (8 bytes a value) and the slice's output stay in the core's cache
+_LOOKUP_ELEMS = 1 << 17
 
 
 @functools.lru_cache(maxsize=1)
@@ -154,13 +165,40 @@ def _fp8_table():
     return codes.view(torch.float8_e4m3fn).to(torch.float32).numpy()
 
 
-def fp8_to_float32(q: torch.Tensor) -> torch.Tensor:
-    """``q`` (``float8_e4m3fn``, any shape, CPU) as float32: each byte looked up in a 256-entry
-    table of torch's own conversions (:func:`_fp8_table`), so the values are ``q.to(torch.float32)``'s
-    bit for bit; 2.4x faster on this project's 2-core Xeon than torch's elementwise conversion,
-    which a block-FP8 release (Kimi K2, DeepSeek-V3) runs on every weight it reads."""
-    codes = q.contiguous().view(torch.uint8).numpy()
-    return torch.from_numpy(_fp8_table()[codes])
+@functools.lru_cache(maxsize=1)
+def _fp8_pairs():
+    """The float32 values of two ``float8_e4m3fn`` codes side by side, for each pair read as one
+    little-endian ``uint16`` (the first code in the low byte): a ``uint64`` NumPy array of 65,536
+    entries (512 KiB), each the bits of :func:`_fp8_table`'s two values."""
+    import numpy as np
+
+    table, i = _fp8_table(), np.arange(65536)
+    pairs = np.empty((65536, 2), dtype=np.float32)
+    pairs[:, 0], pairs[:, 1] = table[i & 255], table[i >> 8]
+    return pairs.view(np.uint64).reshape(-1)
+
+
+def fp8_to_float32(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``q`` (``float8_e4m3fn``, any shape, CPU) as float32 (into ``out``, contiguous, of ``q``'s shape,
+    when given): each byte looked up in a 256-entry table of torch's own conversions
+    (:func:`_fp8_table`), so the values are ``q.to(torch.float32)``'s bit for bit. On a little-endian
+    host two codes are looked up at once as one 16-bit index (:func:`_fp8_pairs`), and
+    :data:`_LOOKUP_ELEMS` codes at a time: on this project's 2-core Xeon (2,048 x 7,168, one thread)
+    19 ms against 39 ms for one code a lookup over the whole tensor and 66 ms for torch's elementwise
+    conversion, which a block-FP8 release (Kimi K2, DeepSeek-V3) would run on every weight it reads."""
+    import numpy as np
+
+    codes = q.contiguous().view(torch.uint8).reshape(-1).numpy()
+    res = torch.empty(q.shape, dtype=torch.float32) if out is None else out
+    dst = res.view(-1).numpy()
+    n, step = codes.size, _LOOKUP_ELEMS
+    if sys.byteorder == "little" and n % 2 == 0 and codes.ctypes.data % 2 == 0 and dst.ctypes.data % 8 == 0:
+        codes, dst, table, n, step = codes.view(np.uint16), dst.view(np.uint64), _fp8_pairs(), n // 2, step // 2
+    else:
+        table = _fp8_table()
+    for a in range(0, n, step):
+        np.take(table, codes[a:a + step], out=dst[a:a + step], mode="clip")  # in range: clip never acts
+    return res
 
 
 def _set_tensor(model, name: str, value: torch.Tensor) -> None:
