@@ -9,6 +9,7 @@ reach a loader that would crash on them.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
@@ -492,20 +493,13 @@ def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, sha
         raw += b" " * (-len(raw) % 8)
         with open(out_dir / fname, "wb") as f:
             f.write(len(raw).to_bytes(8, "little") + raw)
+            f.flush()  # the data goes through the file descriptor (_copy_range)
             handles: dict[Path, object] = {}
             try:
                 for p, e in group:
                     if p not in handles:
                         handles[p] = open(p, "rb")
-                    src = handles[p]
-                    src.seek(e.start)
-                    left = e.end - e.start
-                    while left:
-                        chunk = src.read(min(left, 64 << 20))
-                        if not chunk:
-                            raise InputError(f"{p}: truncated while assembling the shards")
-                        f.write(chunk)
-                        left -= len(chunk)
+                    _copy_range(handles[p].fileno(), f.fileno(), e.start, e.end - e.start, p)
                     weight_map[e.name] = fname
             finally:
                 for h in handles.values():
@@ -515,3 +509,32 @@ def write_shards(parts: list[str | os.PathLike], out_dir: str | os.PathLike, sha
                  "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return weight_map
+
+
+def _copy_range(src: int, dst: int, start: int, n: int, path: Path) -> None:
+    """Append bytes ``[start, start + n)`` of the file open as ``src`` (a descriptor) at ``dst``'s
+    position: in the kernel (``os.copy_file_range``: no copy through this process, no buffer of it
+    allocated) where the system allows, else read and written in slices of 64 MiB.
+
+    Raises:
+        InputError: ``src`` ends before ``start + n`` (named by ``path``).
+    """
+    done = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while done < n:
+                k = os.copy_file_range(src, dst, n - done, start + done)
+                if not k:
+                    break
+                done += k
+        except OSError as e:  # not between these files (another file system, an old kernel): copied below
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF):
+                raise
+    while done < n:
+        chunk = os.pread(src, min(n - done, 64 << 20), start + done)
+        if not chunk:
+            raise InputError(f"{path}: truncated while assembling the shards")
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(dst, view):]
+        done += len(chunk)

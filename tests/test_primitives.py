@@ -148,3 +148,24 @@ def test_fused_rtn_equals_quantize_then_finish(bits, symmetric, gs, dtype, monke
     assert ea == eb
     assert torch.equal(fused.weight.view(torch.int32), plain.weight.view(torch.int32))
     assert a.scheme == b.scheme and a.g_idx is None
+
+
+def test_fused_rtn_reuses_its_buffer_across_linears():
+    """One LinearQuantizer keeps the fused RTN's difference buffer from linear to linear (smaller
+    and larger weights in turn); each linear's record and error are still those of rtn_quantize + finish."""
+    from compressor.quant.layer import LinearQuantizer
+    from compressor.quant.primitives import Scheme
+    from compressor.quant.rtn import rtn_quantize
+
+    lq = LinearQuantizer({"x": Scheme(4, 32, False)}, torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    for out, inp in [(64, 256), (8, 64), (96, 512), (64, 256)]:
+        w = torch.randn(out, inp, generator=g)
+        fused, plain = torch.nn.Linear(inp, out, bias=False), torch.nn.Linear(inp, out, bias=False)
+        fused.weight.data.copy_(w)
+        plain.weight.data.copy_(w)
+        a, ea = lq.quantize_linear("x", fused)
+        b, eb = lq.finish("x", plain, *rtn_quantize(plain.weight.detach(), 4, 32, False), None)
+        assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
+        assert ea == eb and torch.equal(fused.weight, plain.weight)
+    assert lq._scratch is not None and lq._scratch.numel() == 96 * 512

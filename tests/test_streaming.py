@@ -322,6 +322,38 @@ def test_write_shards_unit(tmp_path):
         write_shards([tmp_path / "a.safetensors", tmp_path / "a.safetensors"], tmp_path / "out", 10**9)
 
 
+
+@pytest.mark.parametrize("kernel", ["copy_file_range", "refused", "absent"])
+def test_write_shards_copies_the_same_bytes_however_it_copies(tmp_path, monkeypatch, kernel):
+    """A shard's data is copied in the kernel (os.copy_file_range) where the system allows, else read
+    and written: the same file bytes either way; a part shorter than its header says is named."""
+    import errno
+
+    from safetensors.torch import save_file
+
+    from compressor import safetensors_io as sio
+
+    save_file({"x": torch.arange(1000, dtype=torch.float32), "y": torch.ones(7, dtype=torch.int8)},
+              str(tmp_path / "a.safetensors"))
+    save_file({"z": torch.arange(6, dtype=torch.int32)}, str(tmp_path / "b.safetensors"))
+    parts = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    (tmp_path / "want").mkdir()
+    write_shards(parts, tmp_path / "want", 10**9)
+    if kernel == "refused":
+        def refuse(*_a):
+            raise OSError(errno.EXDEV, "cross-device")
+        monkeypatch.setattr(sio.os, "copy_file_range", refuse)
+    elif kernel == "absent":
+        monkeypatch.delattr(sio.os, "copy_file_range")
+    (tmp_path / "got").mkdir()
+    write_shards(parts, tmp_path / "got", 10**9)
+    assert (tmp_path / "got" / "model.safetensors").read_bytes() == (tmp_path / "want" / "model.safetensors").read_bytes()
+    data = (tmp_path / "a.safetensors").read_bytes()
+    (tmp_path / "a.safetensors").write_bytes(data[:-100])  # x's data cut short; the header still promises it
+    with open(tmp_path / "a.safetensors", "rb") as src, open(tmp_path / "cut", "wb") as dst:
+        with pytest.raises(InputError, match="truncated while assembling"):
+            sio._copy_range(src.fileno(), dst.fileno(), 0, len(data), tmp_path / "a.safetensors")
+
 def test_write_shards_links_layer_parts(tmp_path):
     """Parts named in ``link`` become shards by hard link (no second copy on disk) once the
     tensors need several shards; the rest is packed as before; one shard copies as before."""

@@ -86,7 +86,7 @@ def _pack_aligned(values: torch.Tensor, num_bits: int, offset: int) -> torch.Ten
     words) whose memory is the int32 words: one byte-sized pass instead of int64 copies."""
     rows, n = values.shape
     if sys.byteorder == "little" and num_bits == 4 and values.dtype in (torch.int8, torch.uint8) \
-            and values.is_contiguous() and rows and n:
+            and values.is_contiguous() and values.storage_offset() % 2 == 0 and rows and n:
         return _pack_nibbles(values, offset)
     if sys.byteorder == "little" and 8 % num_bits == 0:
         per_byte, mask = 8 // num_bits, (1 << num_bits) - 1

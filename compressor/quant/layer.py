@@ -29,6 +29,11 @@ from .primitives import Scheme, abs_max, check_scale_range, dequantize
 from .rtn import rtn_linear_inplace, rtn_quantize
 
 
+#: the largest difference buffer :class:`LinearQuantizer` keeps between linears for the fused RTN
+#: (:func:`compressor.quant.rtn.rtn_linear_inplace`): a routed expert of Kimi K2 (2,048 x 7,168 float32) fits
+SCRATCH_BYTES = 64 * 2**20
+
+
 @dataclass
 class QuantizedLinear:
     """One quantized Linear in the internal (compressed-tensors, signed) convention.
@@ -82,6 +87,17 @@ class LinearQuantizer:
 
     def __init__(self, schemes: dict[str, Scheme], dtype: torch.dtype):
         self.schemes, self.dtype = schemes, dtype
+        self._scratch: torch.Tensor | None = None  # the fused RTN's difference buffer, reused (SCRATCH_BYTES at most)
+
+    def _scratch_for(self, w: torch.Tensor) -> torch.Tensor | None:
+        """A float32 buffer of ``w.numel()`` values or more on ``w``'s device, kept for the next linear when
+        it holds :data:`SCRATCH_BYTES` or less (a routed expert's weight); ``None`` for a larger weight."""
+        if w.numel() * 4 > SCRATCH_BYTES:
+            return None
+        s = self._scratch
+        if s is None or s.numel() < w.numel() or s.device != w.device:
+            s = self._scratch = torch.empty(w.numel(), dtype=torch.float32, device=w.device)
+        return s
 
     def finish(self, name, lin, q, scale, zp, g_idx, col_scale=None, original=None, row_scale=None):
         """Store ``(q, scale, zp, g_idx)``, write the dequantized weight into ``lin``; returns (record, rel. error).
@@ -119,7 +135,7 @@ class LinearQuantizer:
         w = lin.weight.detach()
         if clip_max is None and col_scale is None and original is None and row_scale is None \
                 and w.dtype == torch.float32 and w.is_contiguous() and w.ndim == 2:
-            q, scale, zp, rel = rtn_linear_inplace(w, bits, gs, sym, self.dtype, name)  # finish()'s values, fused
+            q, scale, zp, rel = rtn_linear_inplace(w, bits, gs, sym, self.dtype, name, self._scratch_for(w))  # finish()'s values
             return QuantizedLinear(q=q.cpu(), scale=scale.cpu(), zero_point=None if sym else zp.cpu(), g_idx=None,
                                    scheme=Scheme(*scheme)), rel
         q, scale, zp = rtn_quantize(w, bits, gs, sym, clip_max)

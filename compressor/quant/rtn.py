@@ -35,14 +35,16 @@ def rtn_quantize(
 
 @torch.no_grad()
 def rtn_linear_inplace(w: torch.Tensor, num_bits: int, group_size: int, symmetric: bool, dtype: torch.dtype,
-                       name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+                       name: str, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """RTN of a float32 weight ``w [out, in]`` (contiguous) with its dequantized value written back into
     ``w``: what :func:`rtn_quantize` followed by :func:`compressor.quant.layer.stored_dequantize`, the
     relative error ``||deq - w|| / ||w||`` and ``w.copy_(deq)`` give, value for value, in fewer
     passes over memory: the qparams from one ``aminmax`` pass, then :data:`CHUNK_ELEMS` values at a time
     the codes, the dequantized weight (from the scales rounded to ``dtype``) and its difference to
     ``w``, each chunk's temporaries reused while they are in cache. The error is the norm of the
-    whole difference, as the unfused path takes it.
+    whole difference, as the unfused path takes it. ``scratch``: a float32 tensor of at least ``w.numel()``
+    values on ``w``'s device that holds the difference (a buffer reused from linear to linear is not
+    faulted in again each time), or ``None`` (a new one).
 
     Returns:
         ``(q int8 [out, in], scale [out, G] in dtype, zero_point int8 [out, G], relative error)``.
@@ -63,7 +65,8 @@ def rtn_linear_inplace(w: torch.Tensor, num_bits: int, group_size: int, symmetri
     ref_norm = w.norm()
     out_f, n_groups, gs = wg.shape
     q = torch.empty(out_f, n_groups, gs, dtype=torch.int8, device=w.device)
-    diff = torch.empty_like(wg)
+    fits = scratch is not None and scratch.numel() >= w.numel() and scratch.device == w.device
+    diff = scratch.view(-1)[: w.numel()].view(wg.shape) if fits else torch.empty_like(wg)
     zf, sf = zero_point.float().unsqueeze(-1), stored.float().unsqueeze(-1)
     step = max(1, CHUNK_ELEMS // max(1, n_groups * gs)) if w.device.type == "cpu" else out_f  # a GPU: one chunk
     buf = torch.empty(min(step, out_f), n_groups, gs, device=w.device)
