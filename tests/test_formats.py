@@ -313,6 +313,8 @@ def test_four_bit_packer_equals_the_byte_wise_one(dtype, offset):
     want = torch.where(want >= 2**31, want - 2**32, want).to(torch.int32)
     assert torch.equal(packing.pack_rows(q, 4, offset), want)
     assert torch.equal(packing.pack_rows(q.long(), 4, offset), want)  # the int64 path, for comparison
+    col = q[:1].reshape(-1, 1)[:16]  # [16, 1]: its transpose is contiguous with a row stride of 1 (a zero point's)
+    assert torch.equal(packing.pack_rows(col.t(), 4, offset), packing.pack_rows(col.t().long(), 4, offset))
 
 GPTQ_CASES = [
     # (out, in, group_size)
