@@ -347,7 +347,8 @@ def test_write_shards_copies_the_same_bytes_however_it_copies(tmp_path, monkeypa
         monkeypatch.delattr(sio.os, "copy_file_range")
     (tmp_path / "got").mkdir()
     write_shards(parts, tmp_path / "got", 10**9)
-    assert (tmp_path / "got" / "model.safetensors").read_bytes() == (tmp_path / "want" / "model.safetensors").read_bytes()
+    got, want = (tmp_path / d / "model.safetensors" for d in ("got", "want"))
+    assert got.read_bytes() == want.read_bytes()
     data = (tmp_path / "a.safetensors").read_bytes()
     (tmp_path / "a.safetensors").write_bytes(data[:-100])  # x's data cut short; the header still promises it
     with open(tmp_path / "a.safetensors", "rb") as src, open(tmp_path / "cut", "wb") as dst:

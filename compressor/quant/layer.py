@@ -135,7 +135,8 @@ class LinearQuantizer:
         w = lin.weight.detach()
         if clip_max is None and col_scale is None and original is None and row_scale is None \
                 and w.dtype == torch.float32 and w.is_contiguous() and w.ndim == 2:
-            q, scale, zp, rel = rtn_linear_inplace(w, bits, gs, sym, self.dtype, name, self._scratch_for(w))  # finish()'s values
+            # finish()'s values, fused
+            q, scale, zp, rel = rtn_linear_inplace(w, bits, gs, sym, self.dtype, name, self._scratch_for(w))
             return QuantizedLinear(q=q.cpu(), scale=scale.cpu(), zero_point=None if sym else zp.cpu(), g_idx=None,
                                    scheme=Scheme(*scheme)), rel
         q, scale, zp = rtn_quantize(w, bits, gs, sym, clip_max)

@@ -35,7 +35,8 @@ def rtn_quantize(
 
 @torch.no_grad()
 def rtn_linear_inplace(w: torch.Tensor, num_bits: int, group_size: int, symmetric: bool, dtype: torch.dtype,
-                       name: str, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+                       name: str, scratch: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """RTN of a float32 weight ``w [out, in]`` (contiguous) with its dequantized value written back into
     ``w``: what :func:`rtn_quantize` followed by :func:`compressor.quant.layer.stored_dequantize`, the
     relative error ``||deq - w|| / ||w||`` and ``w.copy_(deq)`` give, value for value, in fewer
