@@ -288,6 +288,8 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
       kvq verify out/smollm2-w4 --max-mean-kl 0.1 --min-top1 85 --report out/report
       kvq verify llmc-out/ --no-manifest --reference float-model/ --max-windows 4
       kvq verify out/kimi-k2-w4 --stream --memory-budget-gib 64 --max-windows 2
+      torchrun --nproc-per-node 2 .venv/bin/kvq verify out/smollm2-w4 --max-windows 8 --threads 1
+      (windows dealt to the ranks, one report from rank 0: docs/distributed.md)
     """
     if json_out is not None and not json_out.resolve().parent.is_dir():
         raise InputError(f"cannot write --json-out {json_out}: its folder does not exist")
@@ -307,7 +309,7 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
     if report_dir is not None and report_dir.exists() and not report_dir.is_dir():
         raise InputError(f"--report {report_dir} exists and is not a folder")
     console = _console(progress_only=as_json)
-    if hashes_only:  # integrity only: no torch, starts in about a second
+    if hashes_only and os.environ.get("WORLD_SIZE", "1") in ("", "0", "1"):  # integrity only: no torch, about a second
         if device != "auto":
             click.echo(f"note: --hashes-only runs no model: --device {device} is not used", err=True)
         from .integrity import verify_integrity
@@ -318,6 +320,8 @@ def verify(artifact, reference, eval_text, seqlen, max_windows, max_ppl_increase
         from .commands.verify import run_verify
 
         full = run_verify(opts.model_copy(update={"device": resolve_device(device)}), console=console)
+        if full.get("rank", 0) != 0:  # torchrun: rank 0 reports for the group; every rank exits as it does
+            raise SystemExit(0 if full["passed"] else 1)
     from .report import json_safe
 
     report = json_safe({k: v for k, v in full.items() if not k.startswith("_")})
@@ -577,7 +581,8 @@ def _dispatch(argv) -> None:
         click.echo(f"kvq: error: {e.format_message()}", err=True)
         sys.exit(2)
     except KvqError as e:
-        click.echo(f"kvq: error: {e}", err=True)
+        if not getattr(e, "quiet", False):  # quiet: another rank (rank 0) said it (compressor.verify_ranks.agree)
+            click.echo(f"kvq: error: {e}", err=True)
         sys.exit(e.exit_code)
     except Exception as e:  # a resource that ran out (MemoryError included), else a bug: one line either way
         problem = resource_problem(e)

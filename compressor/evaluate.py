@@ -143,7 +143,8 @@ def compare(
     kv_chunk: int = 128,
     on_window: Callable[[int, int], None] | None = None,
     logit_chunk: int = LOGIT_CHUNK,
-) -> dict:
+    share=None,
+) -> dict | None:
     """Perplexity of the reference and of each candidate, and each candidate's KL
     divergence and top-1 agreement against the reference, window by window.
 
@@ -152,6 +153,9 @@ def compare(
         candidates: label -> (model, make_cache or None); models may repeat with different caches.
         wins: ``[n_windows, seqlen]`` int64 token windows.
         logit_chunk: positions whose logits exist at once (see :data:`LOGIT_CHUNK`).
+        share: under several ranks (:class:`compressor.verify_ranks.Share`): this rank evaluates
+            its block of ``wins`` only, rank 0 receives every window's figures and adds them in
+            window order as one process does (the same figures, bit for bit); ``None``: every window here.
 
     Memory holds each model's final hidden states for one window (``seqlen x hidden``)
     and the logits of ``logit_chunk`` positions per model at a time; per-token KL values
@@ -160,37 +164,59 @@ def compare(
     Returns:
         ``{"reference": ppl dict, label: ppl dict + {"kl": summary, "kl_values": [...],
         "top1_agreement", "per_window_kl_mean", "per_window_top1"}}`` (see
-        :func:`compressor.stats.kl_and_top1`, :func:`compressor.stats.summarize`).
+        :func:`compressor.stats.kl_and_top1`, :func:`compressor.stats.summarize`); ``None`` on
+        a rank other than 0 under ``share``.
     """
     t0 = time.perf_counter()
-    acc = {label: {"nll": 0.0, "per": [], "kl": [], "same": 0, "w_kl": [], "w_top1": []} for label in ["reference", *candidates]}
+    acc = new_acc(["reference", *candidates])
     heads: dict[int, LogitHead] = {}
-    count = 0
-    for i, w in enumerate(wins):
-        x = w.unsqueeze(0).to(device)
+    probe = wins[:1, :8].to(device)  # the first window's, on every rank: the same head either way
+    own = range(len(wins)) if share is None else range(*share.block(len(wins)))
+    records = []
+    for k, i in enumerate(own):
+        x = wins[i].unsqueeze(0).to(device)
         for m in [reference] + [m for m, _ in candidates.values()]:
             if id(m) not in heads:
-                heads[id(m)] = LogitHead(m, x[:, :8])
+                heads[id(m)] = LogitHead(m, probe)
         ref_at = _chunked_logits(reference, x, None, kv_chunk, heads[id(reference)])
         cand_at = {label: _chunked_logits(m, x, mc, kv_chunk, heads[id(m)]) for label, (m, mc) in candidates.items()}
-        _window_statistics(x[0, 1:], ref_at, cand_at, acc, logit_chunk)
-        count += x.shape[1] - 1
+        rec = window_record(x[0, 1:], ref_at, cand_at, logit_chunk)
+        if share is None:
+            fold(acc, rec)  # one process: added as it comes
+        else:
+            records.append(rec)
         if on_window:
-            on_window(i + 1, len(wins))
-    out = {label: _summary(label, a, wins, count) for label, a in acc.items()}
+            on_window(k + 1, len(own))
+    if share is not None:
+        records = share.gather(records)  # every window's, in window order, on rank 0
+        if records is None:
+            return None
+        for rec in records:
+            fold(acc, rec)
+    out = summaries(acc, wins)
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
 
 
-def _window_statistics(target: torch.Tensor, ref_at, cand_at: dict, acc: dict, logit_chunk: int) -> None:
-    """NLL, KL and top-1 of one window, ``logit_chunk`` positions at a time, into ``acc``."""
+def new_acc(labels) -> dict:
+    """The running sums :func:`fold` adds windows into, per configuration label."""
+    return {label: {"nll": 0.0, "per": [], "kl": [], "same": 0, "w_kl": [], "w_top1": []} for label in labels}
+
+
+def window_record(target: torch.Tensor, ref_at, cand_at: dict, logit_chunk: int) -> dict:
+    """One window's figures, ``logit_chunk`` positions at a time: per label ``{"nll": float (sum,
+    nats), "pos_nll": float64 [n], "pos_same": int64 [n]}``, candidates also ``{"kl": float32 [n]
+    (per position, nats), "same": int}`` (``target [n]``: the predicted tokens; ``ref_at``,
+    ``cand_at[label]``: ``(a, b) -> logits [b - a, vocab]``). What :func:`fold` adds up; plain
+    tensors, floats and ints, so it travels between ranks (:func:`compressor.distributed.gather`)."""
     from .stats import kl_and_top1
 
     n = target.numel()
-    nll = {label: 0.0 for label in acc}
+    labels = ["reference", *cand_at]
+    nll = {label: 0.0 for label in labels}
     kls = {label: [] for label in cand_at}
     same = {label: 0 for label in cand_at}
-    pos = {label: (torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.int64)) for label in acc}
+    pos = {label: (torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.int64)) for label in labels}
     for a in range(0, n, logit_chunk):
         b = min(a + logit_chunk, n)
         ref_logits = ref_at(a, b)
@@ -204,18 +230,35 @@ def _window_statistics(target: torch.Tensor, ref_at, cand_at: dict, acc: dict, l
             pos[label][1][a:b] = s.cpu().long()
             del logits
         del ref_logits
+    rec = {label: {"nll": nll[label], "pos_nll": pos[label][0], "pos_same": pos[label][1]} for label in labels}
+    for label in cand_at:
+        rec[label].update(kl=torch.cat(kls[label]), same=same[label])
+    return rec
+
+
+def fold(acc: dict, rec: dict) -> None:
+    """Add one window's :func:`window_record` into ``acc`` (:func:`new_acc`); windows added in
+    window order give the same sums, bit for bit, wherever each window was evaluated."""
     for label, a in acc.items():
+        r = rec[label]
+        n = r["pos_nll"].numel()
         # per-position sums over windows (compressor.positions reads them into position buckets)
-        a["pos_nll"] = pos[label][0] + a.get("pos_nll", 0)
-        a["pos_same"] = pos[label][1] + a.get("pos_same", 0)
-        a["nll"] += nll[label]
-        a["per"].append(math.exp(nll[label] / n))
-        if label in cand_at:
-            kl = torch.cat(kls[label])
+        a["pos_nll"] = r["pos_nll"] + a.get("pos_nll", 0)
+        a["pos_same"] = r["pos_same"] + a.get("pos_same", 0)
+        a["nll"] += r["nll"]
+        a["per"].append(math.exp(r["nll"] / n))
+        if "kl" in r:
+            kl = r["kl"]
             a["kl"].append(kl)
-            a["same"] += same[label]
+            a["same"] += r["same"]
             a["w_kl"].append(float(kl.mean()))
-            a["w_top1"].append(same[label] / n)
+            a["w_top1"].append(r["same"] / n)
+
+
+def summaries(acc: dict, wins: torch.Tensor) -> dict:
+    """Each label's figures from the sums of every window of ``wins [n_windows, seqlen]``."""
+    count = int(wins.shape[0]) * (int(wins.shape[1]) - 1)
+    return {label: _summary(label, a, wins, count) for label, a in acc.items()}
 
 
 def _token_nll(logits: torch.Tensor, target: torch.Tensor, out: torch.Tensor) -> float:
@@ -240,9 +283,13 @@ def _summary(label: str, a: dict, wins: torch.Tensor, count: int) -> dict:
 
 
 @torch.no_grad()
-def hidden_state_errors(reference, model, batches: torch.Tensor, device: str = "cpu") -> list[float]:
+def hidden_state_errors(reference, model, batches: torch.Tensor, device: str = "cpu", share=None) -> list[float] | None:
     """Relative error of ``model``'s hidden state after each decoder layer against the
     reference's, both run end to end on ``batches [n, seqlen]`` (float64 sums).
+
+    ``share`` (several ranks, :class:`compressor.verify_ranks.Share`): this rank runs its block
+    of ``batches``; rank 0 adds every batch's sums in batch order (the one-process figures, bit for
+    bit) and the other ranks get ``None``.
 
     Returns one value per decoder layer (its output, captured by a forward hook; the
     final norm is not applied).
@@ -261,12 +308,18 @@ def hidden_state_errors(reference, model, batches: torch.Tensor, device: str = "
                 h.remove()
         return got
 
-    num, den = None, None
-    for b in batches:
-        x = b.unsqueeze(0).to(device)
+    terms = []
+    for j in range(len(batches)) if share is None else range(*share.block(len(batches))):
+        x = batches[j].unsqueeze(0).to(device)
         hr, ha = outputs(reference, x), outputs(model, x)
-        n = torch.stack([(a.double() - r.double()).pow(2).sum() for a, r in zip(ha, hr)])
-        d = torch.stack([r.double().pow(2).sum() for r in hr])
+        terms.append((torch.stack([(a.double() - r.double()).pow(2).sum() for a, r in zip(ha, hr)]),
+                      torch.stack([r.double().pow(2).sum() for r in hr])))
+    if share is not None:
+        terms = share.gather(terms)
+        if terms is None:
+            return None
+    num, den = None, None
+    for n, d in terms:
         num = n if num is None else num + n
         den = d if den is None else den + d
     return [math.sqrt(float(a) / float(b)) if float(b) > 0 else math.inf for a, b in zip(num, den)]

@@ -40,7 +40,7 @@ stand-ins, turns each window's last hidden states into logits ``logit_chunk`` po
 time (final norm, the head read now, and what the model's class does to its logits:
 Gemma's softcapping in the model's dtype, as the whole-model path's
 :func:`compressor.evaluate.window_logits` gets them), and the statistics are those of
-:func:`compressor.evaluate.compare` (:func:`compressor.evaluate._window_statistics`), equal
+:func:`compressor.evaluate.compare` (:func:`compressor.evaluate.window_record`), equal
 to the whole-model figures within float tolerance. Memory holds one decoder layer of each
 model (or its non-expert part and one group of experts), the hidden states of every
 configuration (``windows x seqlen x hidden`` each; one more copy, the experts' recorded
@@ -62,7 +62,7 @@ from typing import Callable
 import torch
 
 from .errors import InputError
-from .evaluate import LOGIT_CHUNK, _summary, _window_statistics
+from .evaluate import LOGIT_CHUNK, fold, new_acc, summaries, window_record
 from .stats import STATS_BLOCK
 
 GIB = 2**30
@@ -458,7 +458,7 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
                      kv_chunk: int = 128, hidden_of: str | None = None, hidden_rows: tuple[int, int] = (2, 512),
                      on_layer: Callable | None = None, on_heads: Callable | None = None,
                      on_progress: Callable[[int, int], None] | None = None, logit_chunk: int = LOGIT_CHUNK,
-                     expert_group: int | None = None, on_experts: Callable | None = None) -> dict:
+                     expert_group: int | None = None, on_experts: Callable | None = None, share=None) -> dict:
     """:func:`compressor.evaluate.compare` and :func:`compressor.evaluate.hidden_state_errors`
     with both models advancing one decoder layer at a time (module docstring).
 
@@ -484,6 +484,9 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
             each group released before the next; ``None``: each decoder layer read whole.
         on_heads: ``on_heads(reference_model, artifact_model_or_None)`` once the heads are read.
         on_progress: ``on_progress(done, total)`` after each decoder layer and at the end.
+        share: several ranks (:class:`compressor.verify_ranks.Share`): this rank advances its block of
+            ``wins`` only; rank 0 adds every window's figures in window order (the one-process figures,
+            bit for bit), the others get ``None`` for ``results`` and ``hidden_state_error``.
 
     Returns:
         ``{"results": what compare returns (``None`` without ``wins``), "hidden_state_error": per-layer list or None,
@@ -499,12 +502,13 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
     check_streamable(reference.model)
     streams = {} if wins is None else {"reference": _Stream(reference, None),
                                        **{label: _Stream(models[owner], mc) for label, (owner, mc) in candidates.items()}}
-    kw_full, kw_chunks = _embed(models, streams, wins, kv_chunk)
+    lo, hi = (0, 0 if wins is None else len(wins)) if share is None or wins is None else share.block(len(wins))
+    own = None if wins is None else wins[lo:hi]  # this rank's windows (all of them for one process)
+    kw_full, kw_chunks = _embed(models, streams, own, kv_chunk)
     n_layers = len(reference.layers)
     nonfinite: list[str] = []
-    rows, cols = hidden_rows
-    num = [0.0] * n_layers
-    den = [0.0] * n_layers
+    rows, cols = hidden_rows[0] - lo, hidden_rows[1]  # the first windows overall: this rank's among them
+    terms: list[list[tuple[float, float]]] = [[] for _ in range(max(0, min(rows, hi - lo)))]  # per window, layer
     per_weight = sum(torch.empty((), dtype=m.dtype).element_size() for m in models.values() if m is not None)
 
     def advance(layer, s: _Stream, keep: bool = True):
@@ -524,10 +528,9 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
             for s in streams.values():
                 advance(lr if s.owner is reference else la, s)
         if hidden_of is not None and streams:
-            for r, a in zip(streams["reference"].hidden[:rows], streams[hidden_of].hidden[:rows]):
+            for t, r, a in zip(terms, streams["reference"].hidden, streams[hidden_of].hidden):
                 r, a = r[:, :cols].double(), a[:, :cols].double()
-                num[i] += float((a - r).pow(2).sum())
-                den[i] += float(r.pow(2).sum())
+                t.append((float((a - r).pow(2).sum()), float(r.pow(2).sum())))
         reference.release_layer(i)
         if artifact is not None:
             artifact.release_layer(i)
@@ -535,7 +538,7 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
             on_progress(i + 1, n_layers + 1)
     results = None
     if wins is not None:
-        results = _statistics(models, streams, wins, logit_chunk, on_heads, nonfinite.append)
+        results = _statistics(models, streams, own, logit_chunk, on_heads, nonfinite.append)
     elif on_heads is not None:
         reference.load_head()
         if artifact is not None:
@@ -543,26 +546,46 @@ def streamed_compare(reference: LazyModel, artifact: LazyModel | None,
         on_heads(reference.model, None if artifact is None else artifact.model)
     if on_progress is not None:
         on_progress(n_layers + 1, n_layers + 1)
-    hidden = None
-    if hidden_of is not None and streams:
-        hidden = [math.sqrt(a / b) if b > 0 else math.inf for a, b in zip(num, den)]
+    results, hidden = _joined(results, terms if hidden_of is not None and streams else None, wins, n_layers, share)
     return {"results": results, "hidden_state_error": hidden, "nonfinite_tensors": nonfinite,
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def _joined(results: dict | None, terms: list | None, wins, n_layers: int, share) -> tuple[dict | None, list | None]:
+    """``(results, hidden-state error per layer)`` from :func:`_statistics`'s records and ``terms`` (per
+    window, per layer: the error's and the reference's squared sums; ``None``: not measured), every rank's
+    on rank 0 under ``share`` (the others get ``(None, None)``), added in window order as one process adds them."""
+    if results is not None and share is not None:
+        got, records = share.gather(terms or []), share.gather(results["records"])
+        if records is None:
+            return None, None
+        results, terms = {**results, "records": records}, got if terms is not None else None
+    if results is not None:
+        acc = new_acc(results["records"][0])
+        for rec in results["records"]:
+            fold(acc, rec)
+        results = {**summaries(acc, wins), "seconds": results["seconds"]}
+    if terms is None:
+        return results, None
+    num, den = [0.0] * n_layers, [0.0] * n_layers
+    for t in terms:  # window order, each layer's sums as one process adds them
+        for i, (a, b) in enumerate(t):
+            num[i] += a
+            den[i] += b
+    return results, [math.sqrt(a / b) if b > 0 else math.inf for a, b in zip(num, den)]
+
 def _statistics(models: dict, streams: dict[str, _Stream], wins: torch.Tensor, logit_chunk: int, on_heads,
                 on_nonfinite) -> dict:
     """The final norm and head of each model over its configurations' last hidden states:
-    :func:`compressor.evaluate.compare`'s figures (``results["seconds"]``: this phase's;
-    ``on_nonfinite``: for the artifact's head)."""
+    ``{"records": each window's :func:`compressor.evaluate.window_record`, "seconds"}`` (this phase's;
+    ``wins``: the windows the streams hold; ``on_nonfinite``: for the artifact's head)."""
     t0 = time.perf_counter()
     for role, lm in models.items():
         if lm is not None:
             lm.load_head(on_nonfinite if role == "artifact" else None)
     if on_heads is not None:
         on_heads(models["reference"].model, None if models["artifact"] is None else models["artifact"].model)
-    acc = {label: {"nll": 0.0, "per": [], "kl": [], "same": 0, "w_kl": [], "w_top1": []} for label in streams}
-    count = 0
+    records = []
 
     def at(label, w):  # logits of positions a..b-1: the model's own forward after its last decoder layer
         s = streams[label]
@@ -570,11 +593,8 @@ def _statistics(models: dict, streams: dict[str, _Stream], wins: torch.Tensor, l
 
     with _layers_passed_through([m for m in models.values() if m is not None]):
         for w in range(wins.shape[0]):
-            _window_statistics(wins[w, 1:], at("reference", w), {label: at(label, w) for label in streams
-                                                                 if label != "reference"}, acc, logit_chunk)
-            count += wins.shape[1] - 1
+            records.append(window_record(wins[w, 1:], at("reference", w), {label: at(label, w) for label in streams
+                                                                           if label != "reference"}, logit_chunk))
             for s in streams.values():
                 s.hidden[w] = None  # this window's last states are no longer needed
-    out = {label: _summary(label, a, wins, count) for label, a in acc.items()}
-    out["seconds"] = round(time.perf_counter() - t0, 2)
-    return out
+    return {"records": records, "seconds": round(time.perf_counter() - t0, 2)}

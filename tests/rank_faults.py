@@ -4,7 +4,8 @@ place of ``kvq`` (``torchrun ... tests/rank_faults.py quantize ...``).
 
 ``KVQ_FAULT=RANK:LAYER:HOW``: rank ``RANK`` (``$RANK``), at its first GPTQ solve of decoder
 layer ``LAYER``, does ``HOW``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: a hung
-process or an unreachable machine) or ``error`` (an input error of its own). ``KVQ_FAULT_STAMP``:
+process or an unreachable machine) or ``error`` (an input error of its own); under ``verify``, at
+the start of the ``LAYER``-th evaluation window it evaluates (from 0). ``KVQ_FAULT_STAMP``:
 a file that gets ``time.time()`` just before. ``KVQ_NO_PICKLE=1``: torch.distributed's object
 collectives raise (results must travel as tensors). ``KVQ_READS=DIR``: each tensor name the
 rank reads from the source is appended to ``DIR/rank<RANK>.txt``. ``KVQ_CODE``: the checkout
@@ -59,6 +60,18 @@ def _patch() -> None:
         return real_deal(tasks, solve_or_fail)
 
     pl.gptq_layer, pl.deal = gptq_layer, deal
+    import compressor.evaluate as ev
+    import compressor.streamed_eval as se
+
+    real_record, seen = ev.window_record, [0]
+
+    def window_record(*a, **k):  # kvq verify: every window's figures, on both paths
+        if seen[0] == int(layer) and os.environ.get("RANK", "0") == rank:
+            _fault(how)
+        seen[0] += 1
+        return real_record(*a, **k)
+
+    ev.window_record = se.window_record = window_record
 
 
 def _no_pickle() -> None:

@@ -249,10 +249,10 @@ def _env(**extra) -> dict:
     return env
 
 
-def ranks(n: int, args: list, **env) -> list[subprocess.Popen]:
+def ranks(n: int, args: list, command: str = "quantize", **env) -> list[subprocess.Popen]:
     """``n`` kvq ranks as torchrun would start them (rank 0 keeps the store), without torchrun."""
     port = str(_port())
-    return [subprocess.Popen([sys.executable, str(DRIVER), "quantize", *map(str, args)], cwd=ROOT, text=True,
+    return [subprocess.Popen([sys.executable, str(DRIVER), command, *map(str, args)], cwd=ROOT, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              env=_env(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                                       MASTER_PORT=port, **env))

@@ -57,6 +57,7 @@ LAYERS = [
     ("pipeline", ["compressor.layer_inputs", "compressor.moe_ranks", "compressor.moe_stream",
                   "compressor.moe_stream_awq", "compressor.pipeline", "compressor.staging", "compressor.data_free",
                   "compressor.artifact", "compressor.quality", "compressor.evaluate", "compressor.streamed_eval",
+                  "compressor.verify_ranks",
                   "compressor.streamed_logits", "compressor.service_eval"]),
     ("runtime", ["compressor.runtime", "compressor.runtime.*"]),
     ("commands", ["compressor.commands", "compressor.commands.*"]),

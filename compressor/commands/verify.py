@@ -83,45 +83,104 @@ def run_verify(opts: VerifyOptions, console=None) -> dict:
         InputError: not an artifact, bad manifest/header, reference, eval text or prompts not found.
         CheckFailed: the recorded source model changed since quantization.
     """
+    from ..distributed import watched
+
+    with watched():  # under torchrun a lost rank stops the others in one line
+        return _run(opts, console)
+
+
+def _run(opts: VerifyOptions, console) -> dict:
+    """:func:`run_verify` inside the watch over the other ranks (if any): each step that one rank
+    does alone is rank 0's, its outcome shared (:func:`compressor.verify_ranks.agree`); the
+    windows are dealt to the ranks (:mod:`compressor.verify_ranks`)."""
     from ..source.gguf_cache import take_cache_notes
     from ..prompts import load_prompts
     from ..report import validate
+    from ..verify_ranks import agree, join
 
     t0 = time.perf_counter()
-    folder, manifest, report = _integrity(opts, console)
+    share, device = join(opts.device)
+    if device != opts.device:
+        opts = opts.model_copy(update={"device": device})
+    if share is not None and share.rank != 0:
+        console = None  # rank 0 reports for the group
+    folder, manifest, report = agree(share, lambda: _integrity(opts, console), send=lambda v: v[2]["passed"],
+                                     elsewhere=lambda passed: _integrity(opts, None, passed))
     prompts = load_prompts(opts.evaluation.prompts) if opts.mode == "full" else None
     if not report["passed"] or opts.hashes_only:
         report["seconds"] = round(time.perf_counter() - t0, 2)
-        return validate(report)
+        return _outcome(share, report, lambda: validate(report))
     with threads_restored():  # --threads is this run's
         _, report["busy_note"] = cpu_threads(opts.threads, console)
-        plan = _plan(opts, folder, manifest, report, console)
-        streamed = verify_streamed.choose(plan, opts, report, console)  # models too large whole: a layer at a time
-        models = _load(plan, opts, report, console) if streamed is None else None
+        plan = agree(share, lambda: _plan(opts, folder, manifest, report, console),
+                     elsewhere=lambda _: _plan(opts, folder, manifest, report, None, check_source=False))
+        # models too large whole: a layer at a time (rank 0 decides for every rank)
+        streamed = agree(share, lambda: verify_streamed.choose(plan, opts, report, console),
+                         send=lambda s: None if s is None else s.why,
+                         elsewhere=lambda why: None if why is None else verify_streamed.Streamed(
+                             plan, opts, report, None, why))
+        if streamed is not None:
+            streamed.share = share
+        models = _load(plan, opts, report, console, share) if streamed is None else None
         report["warnings"].extend(take_cache_notes())  # a cached GGUF reference converted again
         served, results = "weights only", {}
         if streamed is not None:
             served, results = streamed.run()
         elif opts.mode == "full":
-            served, results = _evaluate(plan, models, prompts, opts, report, console)
+            served, results = _evaluate(plan, models, prompts, opts, report, console, share)
         del models
         gc.collect()
-    report["gates"] = _gates(report, plan.thresholds, served)
-    report["failed_gates"] = [x["name"] for x in report["gates"] if not x["passed"]]
-    report["passed"] = report["passed"] and not report["failed_gates"]
-    report["seconds"] = round(time.perf_counter() - t0, 2)
-    if console:
-        show.verify_table(console, report, results, opts.kv.budget_gib)
-    return validate({k: v for k, v in report.items() if not k.startswith("_")}) and report
+    if share is not None:
+        _ranks(share, report)
+
+    def finish() -> dict:
+        report["gates"] = _gates(report, plan.thresholds, served)
+        report["failed_gates"] = [x["name"] for x in report["gates"] if not x["passed"]]
+        report["passed"] = report["passed"] and not report["failed_gates"]
+        report["seconds"] = round(time.perf_counter() - t0, 2)
+        if console:
+            show.verify_table(console, report, results, opts.kv.budget_gib)
+        return validate({k: v for k, v in report.items() if not k.startswith("_")}) and report
+
+    return _outcome(share, report, finish)
+
+
+def _ranks(share, report: dict) -> None:
+    """Rank 0's report lists each rank's windows and peak RSS: ``evaluated_in.ranks``, ``[{rank,
+    windows: [first, end), peak_rss_mib (VmHWM)}, ...]`` (the windows: none without an evaluation)."""
+    from ..moe_ranks import bounds
+    from .common import peak_rss_mib
+
+    got = share.gather([{"rank": share.rank, "peak_rss_mib": peak_rss_mib()}])
+    if got is None or report.get("evaluated_in") is None:
+        return
+    n = (report.get("eval") or {}).get("windows", 0)
+    report["evaluated_in"]["ranks"] = [{**r, "windows": list(bounds(n, r["rank"], share.world))} for r in got]
+
+
+def _outcome(share, report: dict, finish) -> dict:
+    """``finish()`` (the report, validated) on rank 0; on the other ranks ``{"rank", "passed"}``
+    with rank 0's verdict, so every rank exits with the same code (the CLI prints rank 0's alone)."""
+    from ..distributed import finished
+    from ..verify_ranks import agree
+
+    out = agree(share, finish, send=lambda r: bool(r["passed"]),
+                elsewhere=lambda passed: {"rank": share.rank, "world_size": share.world, "passed": passed})
+    finished()  # torchrun: this rank's last collective is behind it
+    return out
 
 
 # ---------------------------------------------------------------------------------------
 # 1. integrity
 
-def _integrity(opts: VerifyOptions, console) -> tuple[Path, object, dict]:
+def _integrity(opts: VerifyOptions, console, passed: bool | None = None) -> tuple[Path, object, dict]:
     """``(folder, manifest, report)``: the report so far holds the signature and digest
-    checks (``--no-manifest``: the signature only, from another tool's artifact)."""
+    checks (``--no-manifest``: the signature only, from another tool's artifact). ``passed``
+    (a rank other than 0): rank 0's verdict on them; nothing is hashed here."""
     folder = check_artifact_folder(opts.artifact)
+    if passed is not None:
+        manifest = foreign_manifest(folder) if opts.no_manifest else load_manifest(folder)
+        return folder, manifest, {"passed": passed, "mode": opts.mode, "warnings": []}
     if opts.no_manifest:
         manifest = foreign_manifest(folder)
         report = {**foreign_integrity(folder, opts.keys, console), "mode": opts.mode}
@@ -134,8 +193,10 @@ def _integrity(opts: VerifyOptions, console) -> tuple[Path, object, dict]:
 # ---------------------------------------------------------------------------------------
 # 2. plan
 
-def _plan(opts: VerifyOptions, folder: Path, manifest, report: dict, console) -> _Plan:
-    """Thresholds, reference, eval text and KV scheme, checked before a model loads.
+def _plan(opts: VerifyOptions, folder: Path, manifest, report: dict, console, check_source: bool = True) -> _Plan:
+    """Thresholds, reference, eval text and KV scheme, checked before a model loads
+    (``check_source``: hash the reference's files against the manifest's record; ranks other
+    than 0 leave it to rank 0).
 
     Raises:
         InputError: a gate this mode cannot evaluate, no reference, eval text not found.
@@ -148,8 +209,9 @@ def _plan(opts: VerifyOptions, folder: Path, manifest, report: dict, console) ->
     if not ref_spec:
         raise InputError("the manifest records no source model; pass --reference")
     ref_source = resolve_source(ref_spec)
-    _check_reference_is_source(opts, manifest, ref_spec, ref_source, report)
-    if manifest.quantization.get("carried_from") and report["reference_matches_source"]:
+    if check_source:
+        _check_reference_is_source(opts, manifest, ref_spec, ref_source, report)
+    if manifest.quantization.get("carried_from") and report.get("reference_matches_source"):
         report["warnings"].append("the artifact's weights were carried unchanged from the reference (an already-quantized "
                                   "source): the comparison measures the KV cache's cost only; pass --reference with the "
                                   "original float model to measure weights + KV")
@@ -247,8 +309,10 @@ def _thresholds(manifest, opts: VerifyOptions, mode: str, weights_quantized: boo
 # ---------------------------------------------------------------------------------------
 # 3. load
 
-def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> Models:
-    """Both models on ``opts.device``, checked comparable and finite; the weight statistics.
+def _load(plan: _Plan, opts: VerifyOptions, report: dict, console, share=None) -> Models:
+    """Both models on ``opts.device``, checked comparable and finite; the weight statistics (under
+    several ranks, ``share``: on rank 0 alone, but for a key-pairs artifact, whose statistics fit
+    the key basis every rank's ``KV only`` row needs).
 
     Raises:
         InputError: the reference is another architecture or holds NaN/Inf.
@@ -275,7 +339,7 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> Models:
     key_pairs = (plan.manifest.kv_cache or {}).get("key_rotation") == "pairs"
     basis: dict = {}  # the k_proj pair factors, fitted once (weight statistics, then the KV-only row)
     algorithm = "none"
-    if plan.weights_quantized:
+    if plan.weights_quantized and (share is None or share.rank == 0 or key_pairs):
         # weights carried from an already-quantized source: the algorithm that made them, if known
         algorithm = plan.manifest.quantization.get("source_algorithm") or plan.manifest.recipe.get("algorithm", "")
         if opts.no_manifest:  # the producer's algorithm is unknown: AWQ shows as rescaled norm weights
@@ -294,6 +358,8 @@ def _load(plan: _Plan, opts: VerifyOptions, report: dict, console) -> Models:
         show.note(console, f"key pairs: q_proj/k_proj are the reference's rows changed per RoPE pair (largest relative "
                            f"residual {worst:.2g}, {name})", highlight=False)
     # the key basis serves the reference's KV-only row of a weight artifact; a KV-only artifact's row runs the artifact
+    if plan.weights_quantized and share is not None and share.rank != 0:
+        report.pop("weights", None)  # rank 0's report lists them
     return Models(model, tokenizer, ref_model,
                    (basis or key_basis(ref_model, model, algorithm)) if key_pairs and plan.weights_quantized else None)
 
@@ -317,12 +383,14 @@ def _nonfinite_parameters(model) -> list[str]:
 # 4. evaluate
 
 def _evaluate(plan: _Plan, models: Models, prompts: list[str], opts: VerifyOptions, report: dict,
-              console) -> tuple[str, dict]:
+              console, share=None) -> tuple[str, dict]:
     """Full mode: the statistics on the eval text and the prompts, into ``report``.
 
     Returns ``(served, results)``: the configuration the gates judge (``weights only``,
     ``KV only`` or ``weights + KV``) and the per-configuration results of
-    :func:`compressor.evaluate.compare`.
+    :func:`compressor.evaluate.compare`. Under several ranks (``share``) each rank evaluates its
+    block of windows and of hidden-state batches, rank 0 adds them up and alone measures the drift,
+    the long generation and the chat; the other ranks return ``(served, {})``.
     """
     from ..evaluate import compare
 
@@ -348,33 +416,46 @@ def _evaluate(plan: _Plan, models: Models, prompts: list[str], opts: VerifyOptio
         task = bar.add_task(f"reference + {len(candidates)} configuration(s)", total=len(wins))
         t_eval = time.perf_counter()
         results = compare(ref_model, candidates, wins, opts.device, opts.kv.chunk,
-                          lambda i, n: show.window_done(console, bar, task, i, n, time.perf_counter() - t_eval))
+                          lambda i, n: show.window_done(console, bar, task, i, n, time.perf_counter() - t_eval),
+                          share=share)
+    if results is None:  # a rank other than 0: its windows are with rank 0; then its hidden-state batches
+        _hidden(report, models, plan.weights_quantized, wins, opts, None, share)
+        return served, {}
     unit = verify_service.unit_scale_section(results, kv_info, get_arch(model.config.model_type).kv, report)
     distribution_sections(report, results, served, wins, plan.text, ev.seqlen)
     report["eval"]["bos_token_id"] = bos
     report["eval"]["bos_rule"] = rule["rule"] + ("; evaluation windows, drift prompts and KV calibration follow it"
                                                  " (llama.cpp's perplexity convention)")
-    _hidden_and_drift(report, models, plan.weights_quantized, wins, prompts, make_cache, served, opts, console)
+    _hidden(report, models, plan.weights_quantized, wins, opts, console, share)
+    _drift(report, models, prompts, make_cache, served, opts, console)
     verify_service.sections(report, results, served, candidates, models.tokenizer, wins, plan.text, opts, console)
     if kv_info is not None:
         report["kv_cache"] = {**kv_report(kv_info[0], plan.kv_source, plan.ref_source, opts), "unit_scale": unit}
     return served, results
 
 
-def _hidden_and_drift(report: dict, models: Models, weights_quantized: bool, wins, prompts, make_cache,
-                      served: str, opts: VerifyOptions, console=None) -> None:
-    """The report's ``hidden_state_error`` (quantized weights only) and ``drift`` sections, a
-    progress line as each starts and per drift prompt (minutes on a large model's CPU run)."""
+def _hidden(report: dict, models: Models, weights_quantized: bool, wins, opts: VerifyOptions, console=None,
+            share=None) -> None:
+    """The report's ``hidden_state_error`` section (quantized weights only), a progress line as it
+    starts; ``share``: each rank runs its block of the batches, rank 0 adds them up."""
     from ..evaluate import hidden_state_errors
-    from ..quality import greedy_drift
 
     ev = opts.evaluation
     if weights_quantized:
         hb = wins[: ev.hidden_batches, : min(ev.seqlen, 512)]
         show.step(console, f"hidden-state error per layer: {hb.shape[0]} x {hb.shape[1]} tokens, both models ...")
-        per_layer = hidden_state_errors(models.reference, models.artifact, hb, opts.device)
-        report["hidden_state_error"] = {"batches": int(hb.shape[0]), "seqlen": int(hb.shape[1]),
-                                        "per_layer": per_layer, "last": per_layer[-1]}
+        per_layer = hidden_state_errors(models.reference, models.artifact, hb, opts.device, share=share)
+        if per_layer is not None:
+            report["hidden_state_error"] = {"batches": int(hb.shape[0]), "seqlen": int(hb.shape[1]),
+                                            "per_layer": per_layer, "last": per_layer[-1]}
+
+
+def _drift(report: dict, models: Models, prompts, make_cache, served: str, opts: VerifyOptions, console=None) -> None:
+    """The report's ``drift`` section, a progress line as it starts and per prompt (minutes on a
+    large model's CPU run); rank 0 alone under several ranks."""
+    from ..quality import greedy_drift
+
+    ev = opts.evaluation
     drift_cache = make_cache if served != "weights only" else None  # the artifact as served
     t0 = time.perf_counter()
     show.step(console, f"greedy drift: {len(prompts)} prompts x {ev.max_new_tokens} tokens, reference and {served} ...")

@@ -132,6 +132,8 @@ class Streamed:
     report: dict
     console: object
     why: str
+    #: several ranks (:class:`compressor.verify_ranks.Share`): windows dealt, weight statistics by layer
+    share: object = None
 
     def run(self) -> tuple[str, dict]:
         """Load (a layer at a time), evaluate, and fill the report's sections.
@@ -168,7 +170,10 @@ class Streamed:
         self.art, self.ref, self.tokenizer = art, ref, tokenizer
         wins, candidates, served, make_cache = self._windows_and_candidates() if opts.mode == "full" else (None, {}, "weights only", None)
         owners = [] if wins is None else ["reference", *[o for o, _ in candidates.values()]]
-        mem = memory_plan(ref, art, 0 if wins is None else wins.shape[0], 0 if wins is None else wins.shape[1], owners,
+        held = 0 if wins is None else int(wins.shape[0])  # this rank's windows: its block under several ranks
+        if self.share is not None and wins is not None:
+            held = self.share.block(held)[1] - self.share.block(held)[0]
+        mem = memory_plan(ref, art, held, 0 if wins is None else wins.shape[1], owners,
                           weight_stats=plan.weights_quantized, budget=budget_bytes(opts))
         budget = opts.memory_budget_gib
         if budget is not None and mem.peak > budget * GIB + BASELINE_BYTES:
@@ -187,7 +192,7 @@ class Streamed:
         report["evaluated_in"]["streamed"] = {
             "why": self.why, "device": "cpu", "memory_plan": mem.as_dict(), "greedy_drift": DRIFT_SKIPPED,
             "seconds": out["seconds"], "peak_rss_mib": peak_rss_mib()}
-        if wins is None:
+        if wins is None or out["results"] is None:  # weights only, or a rank other than 0 (rank 0 reports)
             return served, {}
         self._sections(out, wins, served, make_cache)
         return served, out["results"]
@@ -227,6 +232,9 @@ class Streamed:
         plan, ev, report = self.plan, self.opts.evaluation, self.report
         self.rule = bos_rule(self.tokenizer)
         wins = windows(tokenize(self.tokenizer, plan.text.text), ev.seqlen, ev.max_windows, bos_id=self.rule["bos_token_id"])
+        if self.share is not None and len(wins) < self.share.world:
+            raise InputError(f"{len(wins)} evaluation window(s) for {self.share.world} ranks: each rank needs one; "
+                             "raise --max-windows or use fewer ranks")
         make_cache = cache_factory(self.art.model, plan.kv_info, ev.seqlen, report)
         self.basis: dict = {}  # the k_proj pair factors, filled layer by layer before the layer's windows run
         ref_cache = make_cache
@@ -258,13 +266,20 @@ class Streamed:
         worst = [0.0, ""]
         basis = getattr(self, "basis", {})
         order: dict[int, dict[str, int]] = {}  # MoE layers read in groups: each linear's place in the layer
+        share, n_layers = self.share, len(ref.layers)
+        # several ranks: each takes the weight statistics of its block of layers (the last one the head), rank 0
+        # joins them; a key-pairs artifact's statistics fit the key basis every rank's windows need: on every rank
+        dealt = share is not None and plan.weights_quantized and not self._key_pairs
+
+        def mine(i):
+            return not dealt or share.mine(i, n_layers)
 
         def on_layer(i, lr, la):
-            if plan.weights_quantized:
+            if plan.weights_quantized and mine(i):
                 r = weight_report(ref.model, art.model, algorithm, key_pairs=self._key_pairs, basis=basis, layers=[(i, lr, la)])
                 tensors.extend(r["tensors"])
                 undone[0] = undone[0] or r["awq_scales_undone"]
-            elif self._key_pairs:  # KV-only: the q/k rows must be the reference's changed per RoPE pair
+            elif not plan.weights_quantized and self._key_pairs:  # KV-only: q/k rows the reference's changed per pair
                 w, name = key_pairs_residual(ref.model, art.model, [(i, lr, la)])
                 if not w <= KEY_PAIRS_TOLERANCE:
                     raise CheckFailed(f"{name} is not the reference's rows changed per RoPE pair (relative residual {w:.3g} > "
@@ -272,17 +287,19 @@ class Streamed:
                 worst[:] = max(worst, [w, name])
 
         def on_experts(i, lr, la, experts):  # a group of routed experts of an MoE layer read in groups
-            if plan.weights_quantized:
+            if plan.weights_quantized and mine(i):
                 chosen = set(experts)
                 r = weight_report(ref.model, art.model, algorithm, layers=[(i, lr, la)],
                                   select=lambda rel: expert_index(ref.arch, rel) in chosen)
                 tensors.extend(r["tensors"])
                 undone[0] = undone[0] or r["awq_scales_undone"]
+            if plan.weights_quantized:
                 order.setdefault(i, {f"{checkpoint_name(ref.arch, f'{ref.arch.layers}.{i}.{rel}')}.weight": k
                                      for k, rel in enumerate(layer_linears(ref.arch, lr))})
 
         def on_heads(rm, am):
-            if plan.weights_quantized and head_is_packed(plan.folder, am):
+            last = not dealt or share.rank == share.world - 1  # dealt: the head after the last rank's layers
+            if plan.weights_quantized and last and head_is_packed(plan.folder, am):
                 tensors.extend(weight_report(rm, am, algorithm, quantized_head=True, layers=[])["tensors"])
 
         ev = self.opts.evaluation
@@ -300,7 +317,14 @@ class Streamed:
                                    hidden_of="weights only" if plan.weights_quantized and wins is not None else None,
                                    hidden_rows=(ev.hidden_batches, min(ev.seqlen, 512)), on_layer=on_layer,
                                    on_heads=on_heads, on_progress=progress, expert_group=self.expert_group,
-                                   on_experts=on_experts)
+                                   on_experts=on_experts, share=share)
+        if share is not None and share.rank != 0:
+            if dealt:
+                share.gather([(tensors, undone[0])])  # to rank 0, in layer order
+            return out
+        if dealt:  # every rank's, in rank order: the layers in order, the head last, as one process lists them
+            parts = share.gather([(tensors, undone[0])])
+            tensors, undone[0] = [t for ts, _ in parts for t in ts], any(u for _, u in parts)
         if plan.weights_quantized:  # the whole layer's order: its non-expert linears were reported before its experts
             tensors.sort(key=lambda t: (t["layer"], order.get(t["layer"], {}).get(t["name"], 0)))
             report["weights"] = weight_summary(tensors, undone[0], self._key_pairs)
