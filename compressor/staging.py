@@ -500,22 +500,15 @@ class LayerWriter:
         Raises:
             InputError: a tensor holds NaN or Inf (named).
         """
-        self._written, self._pending, k = set(), list(groups), 0  # the expert groups: see rebalance
-        while k < len(self._pending):
-            names = self._pending[k]
+        self._written = set()
+        for k, names in enumerate(groups):
             load_into(self.model, self.ckpt, self.arch, names)
             modules = sorted({n.rsplit(".", 1)[0] for n in names})
             yield modules
             if k:
                 self._write_group(i, names, modules, result)
-            k += 1
-        for _ in range(len(self._pending) - 1, self._rounds if self._divided else 0):  # ranks with more groups: in step
+        for _ in range(len(groups) - 1, self._rounds if self._divided else 0):  # ranks with more groups: in step
             self._save_parts(gather(None))
-
-    def rebalance(self, i: int, share) -> None:
-        """Read this rank's experts of ``share`` (weighed by their routing) instead, before the first is read."""
-        _rest, experts, sizes = split_layer(self.model, self.arch, i, HELD_BYTES_PER_WEIGHT)
-        self._pending[1:], self._rounds = share.groups(experts, sizes, self.memory_budget)
 
     def read_groups(self, groups: list[list[str]]):
         """Materialize routed-expert ``groups`` (of :meth:`expert_groups`, the non-expert one left out)
