@@ -6,11 +6,9 @@ environment torchrun would set, or under torchrun itself) on a 4-layer tiny llam
 """
 
 import json
-import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,15 +31,13 @@ from compressor.source.lazy import ROUTED_EXPERT
 from compressor.staging import Staging, kept_note
 
 from conftest import digests
+from rank_procs import DRIVER, ends, free_port, kvq_lines, rank_env, ranks
 from tiny_models import ROW_FAST, make_published
 
 ROOT = Path(__file__).resolve().parents[1]
-DRIVER = ROOT / "tests" / "rank_faults.py"
 FAST = dict(group_size=32, calib_samples=4, calib_seqlen=32, threads=1)
 ARGS = ["--algorithm", "gptq", "--group-size", "32", "--calib-samples", "4", "--calib-seqlen", "32", "--threads", "1",
         "--json"]
-#: what a test waits for a process before calling it hung (not a figure: the fault itself is bounded by the watch)
-HANG_S = 240
 
 
 def same_bits(a, b) -> bool:
@@ -237,42 +233,6 @@ def reference(tmp_path_factory, deep_dir):
             for name, kw in VARIANTS.items()}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVQ_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", KVQ_PEER_TIMEOUT_S="8", **extra)
-    return env
-
-
-def ranks(n: int, args: list, command: str = "quantize", **env) -> list[subprocess.Popen]:
-    """``n`` kvq ranks as torchrun would start them (rank 0 keeps the store), without torchrun."""
-    port = str(_port())
-    return [subprocess.Popen([sys.executable, str(DRIVER), command, *map(str, args)], cwd=ROOT, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=_env(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                                      MASTER_PORT=port, **env))
-            for r in range(n)]
-
-
-def ends(procs) -> list[tuple[int, str, str]]:
-    """Each process's exit code, stdout and stderr; a process still running after :data:`HANG_S` is a hang."""
-    out = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=HANG_S)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"a rank still runs after {HANG_S} s: {' '.join(p.args)}") from None
-        out.append((p.returncode, o, e))
-    return out
-
-
 @pytest.mark.slow  # starts processes
 def test_tensor_collectives_give_the_single_process_artifact(tmp_path, deep_dir, reference):
     """Two ranks with torch.distributed's object collectives made to raise: the results travel as
@@ -282,11 +242,6 @@ def test_tensor_collectives_give_the_single_process_artifact(tmp_path, deep_dir,
     got = ends(ranks(2, args, KVQ_NO_PICKLE="1"))
     assert [g[0] for g in got] == [0, 0], got
     assert digests(out) == reference["asym"]
-
-
-def kvq_lines(err: str) -> list[str]:
-    """kvq's own lines of a rank's stderr (rank 0 prints progress lines there under --json too)."""
-    return [ln for ln in err.splitlines() if ln.startswith("kvq:")]
 
 
 @pytest.mark.slow
@@ -335,19 +290,19 @@ def test_a_lost_rank_is_named_in_one_line(tmp_path, deep_dir, fault, line):
 def _torchrun(launch: list, args: list, **env) -> subprocess.Popen:
     torchrun = Path(sys.executable).with_name("torchrun")
     return subprocess.Popen([str(torchrun), *launch, str(DRIVER), "quantize", *map(str, args)], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(**env))
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=rank_env(**env))
 
 
 @pytest.mark.slow
 def test_under_torchrun_one_node_and_two(tmp_path, deep_dir):
     """Rank 1 killed mid-layer under torchrun: on one machine (torchrun stops rank 0 with SIGTERM)
     and as two nodes on this one (rank 0 finds out by itself); rank 0's line names rank 1."""
-    one = _torchrun(["--nproc-per-node", "2", "--master-port", str(_port())], [deep_dir, "-o", tmp_path / "one", *ARGS],
+    one = _torchrun(["--nproc-per-node", "2", "--master-port", str(free_port())], [deep_dir, "-o", tmp_path / "one", *ARGS],
                     KVQ_FAULT="1:2:kill")
     rc, _, err = ends([one])[0]
     assert rc != 0 and [ln for ln in err.splitlines() if ln.startswith("kvq:")] == [
         ln for ln in err.splitlines() if ln.startswith("kvq: rank 1 of 2 died: no heartbeat for")] != [], err
-    port = str(_port())
+    port = str(free_port())
     nodes = [_torchrun(["--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t44"],
                        [deep_dir, "-o", tmp_path / "two", *ARGS], KVQ_FAULT="1:2:kill")

@@ -27,7 +27,7 @@ from compressor.streamed_eval import open_model, streamed_compare
 from compressor.verify_ranks import Share, agree
 
 from conftest import make_model_dir, quantize_tiny
-from test_distributed import ends, kvq_lines, ranks
+from rank_procs import ends, kvq_lines, ranks
 
 
 class Played(Share):

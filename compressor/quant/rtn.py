@@ -37,15 +37,16 @@ def rtn_quantize(
 def rtn_linear_inplace(w: torch.Tensor, num_bits: int, group_size: int, symmetric: bool, dtype: torch.dtype,
                        name: str, scratch: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """RTN of a float32 weight ``w [out, in]`` (contiguous) with its dequantized value written back into
-    ``w``: what :func:`rtn_quantize` followed by :func:`compressor.quant.layer.stored_dequantize`, the
-    relative error ``||deq - w|| / ||w||`` and ``w.copy_(deq)`` give, value for value, in fewer
-    passes over memory: the qparams from one ``aminmax`` pass, then :data:`CHUNK_ELEMS` values at a time
-    the codes, the dequantized weight (from the scales rounded to ``dtype``) and its difference to
-    ``w``, each chunk's temporaries reused while they are in cache. The error is the norm of the
-    whole difference, as the unfused path takes it. ``scratch``: a float32 tensor of at least ``w.numel()``
-    values on ``w``'s device that holds the difference (a buffer reused from linear to linear is not
-    faulted in again each time), or ``None`` (a new one).
+    """RTN of a float32 weight ``w [out, in]`` (contiguous) with its dequantized value written back
+    into ``w``: what :func:`rtn_quantize` followed by :func:`compressor.quant.layer.stored_dequantize`,
+    the relative error ``||deq - w|| / ||w||`` and ``w.copy_(deq)`` give, value for value, in fewer
+    passes over memory: the qparams from the whole weight (:func:`compute_qparams`), then
+    :data:`CHUNK_ELEMS` values at a time the codes, the dequantized weight (from the scales rounded
+    to ``dtype``) and its difference to ``w``, each chunk's temporaries reused while they are in
+    cache. The error is the norm of the whole difference, as the unfused path takes it.
+    ``scratch``: a float32 tensor of at least ``w.numel()`` values on ``w``'s device that holds the
+    difference (a buffer reused from linear to linear is not faulted in again each time), or
+    ``None`` (a new one).
 
     Returns:
         ``(q int8 [out, in], scale [out, G] in dtype, zero_point int8 [out, G], relative error)``.
