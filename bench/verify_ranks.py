@@ -104,7 +104,8 @@ def main() -> None:
                                       "--master-addr", "127.0.0.1", "--master-port", port, "-m", "compressor", *args]
                                      for n in (0, 1)]}
     want = None
-    print(f"model: random llama, hidden {a.hidden}, {a.layers} layers; {a.windows} windows x {a.seqlen} tokens, --stream")
+    print(f"model: random llama, hidden {a.hidden}, {a.layers} layers; "
+          f"{a.windows} windows x {a.seqlen} tokens, --stream")
     for name, launches in rows.items():
         wall, reports = _run(launches)
         assert len(reports) == 1, f"{name}: {len(reports)} reports"

@@ -297,8 +297,8 @@ def _torchrun(launch: list, args: list, **env) -> subprocess.Popen:
 def test_under_torchrun_one_node_and_two(tmp_path, deep_dir):
     """Rank 1 killed mid-layer under torchrun: on one machine (torchrun stops rank 0 with SIGTERM)
     and as two nodes on this one (rank 0 finds out by itself); rank 0's line names rank 1."""
-    one = _torchrun(["--nproc-per-node", "2", "--master-port", str(free_port())], [deep_dir, "-o", tmp_path / "one", *ARGS],
-                    KVQ_FAULT="1:2:kill")
+    one = _torchrun(["--nproc-per-node", "2", "--master-port", str(free_port())],
+                    [deep_dir, "-o", tmp_path / "one", *ARGS], KVQ_FAULT="1:2:kill")
     rc, _, err = ends([one])[0]
     assert rc != 0 and [ln for ln in err.splitlines() if ln.startswith("kvq:")] == [
         ln for ln in err.splitlines() if ln.startswith("kvq: rank 1 of 2 died: no heartbeat for")] != [], err

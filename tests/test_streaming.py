@@ -413,8 +413,10 @@ def _rank_main(rank, world, port, src, out, result_file):
     def spy(tasks, solve):
         calls.append(len(tasks))
         # t: (the linears solved together, their set, None or the slice of rows this rank solves)
-        return real(tasks, lambda t: (calls.append(("solved", [f"{r}{'' if t[2] is None else '[slice]'}" for r in t[0]])),
-                                      solve(t))[1])
+        def tagged(t):
+            calls.append(("solved", [f"{r}{'' if t[2] is None else '[slice]'}" for r in t[0]]))
+            return solve(t)
+        return real(tasks, tagged)
 
     pl.deal = spy
     s = run_quantize(QuantizeOptions(model=str(src), output=out, algorithm="gptq", **FAST))

@@ -138,7 +138,7 @@ def upper_cholesky_of_inverse_(H: torch.Tensor, diagonal: torch.Tensor, ranks: t
     ok = _cholesky_lower_(H, blocks, *ranks)
     if ok:
         _invert_lower_(H, blocks, *ranks)
-        ok = _lower_finite(H)  # H's lower triangle now holds L⁻¹ = R⁻ᵀ, the same on every rank
+        ok = _lower_finite(H)  # H's lower triangle now holds L⁻¹, the same on every rank
     if not ok:
         for (a, b), blk in zip(blocks, saved):
             H[a:b, a:b] = blk
