@@ -523,8 +523,11 @@ class Watch:
     def say(self, state: int, linger: float = 0.0) -> None:
         """Record this rank's ``state`` (:data:`FINISHED` ...) and end the watch; then wait up to
         ``linger`` seconds until every other rank has stopped running (rank 0 keeps the store
-        without torchrun: the others read why before it goes)."""
+        without torchrun: the others read why before it goes). The watch thread has ended
+        when it returns."""
         self._done.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self.timeout)  # its last store request, if one is under way
         deadline = time.monotonic() + linger
         try:
             with self._io:
@@ -557,11 +560,18 @@ def on_stop(note: Callable[[], str]) -> None:
 
 
 def finished() -> None:
-    """This rank is past its last collective: it says so and its watch ends (rank 0, which
-    keeps the store without torchrun, may exit while the others finish)."""
+    """This rank is past its last collective: it says so, its watch ends (rank 0, which keeps
+    the store without torchrun, may exit while the others finish) and the process group is
+    destroyed. Without that, gloo's worker threads still run when the interpreter exits and
+    the process may end in ``std::terminate`` (SIGABRT) after a run that succeeded. After
+    it, :func:`world` is ``(0, 1)``."""
+    import torch.distributed as dist
+
     w = _watch.pop("now", None)
     if w is not None:
         w.say(FINISHED)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @contextmanager

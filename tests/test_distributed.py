@@ -150,6 +150,21 @@ def test_a_finished_rank_may_go_silent():
     assert int(r.store.get("t/state/0")) == d.FINISHED
 
 
+def test_finished_ends_the_watch_and_destroys_the_group(tmp_path, monkeypatch):
+    """After the last collective a rank's watch thread has ended and its process group is gone:
+    a gloo group left to the interpreter's exit may end a run that succeeded in SIGABRT."""
+    r = Ranks()
+    monkeypatch.setitem(d._watch, "now", r.watch)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        d.finished()
+        assert not dist.is_initialized() and not r.watch._thread.is_alive() and "now" not in d._watch
+        assert int(r.store.get("t/state/0")) == d.FINISHED and d.world() == (0, 1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_settle_returns_once_every_rank_is_seen_alive():
     r = Ranks(timeout=30)
     beating = threading.Thread(target=r.beat_for, args=(20, 1, 2), daemon=True)
