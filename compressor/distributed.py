@@ -8,7 +8,7 @@ machine and for several::
 
 Every rank runs the same layer-by-layer pass (same calibration activations, same
 Hessians). In a MoE layer of a streamed source each rank reads, calibrates and quantizes only
-its own block of the routed experts (:mod:`compressor.moe_ranks`: :func:`alone`, :func:`gather`,
+its own block of the routed experts (:mod:`compressor.moe_ranks`: :func:`alone`, :func:`post`,
 :func:`broadcast`); the other GPTQ solves of each pass are dealt round-robin to the ranks
 (:func:`deal`), and each rank's results are broadcast from it as flat tensors (no pickling)
 before any rank moves on, so every rank holds the same quantized layer and the artifact is
@@ -31,7 +31,6 @@ of 30 minutes would end. This is the one place outside ``cli.py`` that ends the 
 from __future__ import annotations
 
 import os
-import struct
 import threading
 import time
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ from typing import Callable
 import torch
 
 from .errors import InputError, KvqError, first_line
+from .flat import pack, unpack
 
 #: seconds without a heartbeat after which a running rank is declared lost (``KVQ_PEER_TIMEOUT_S`` overrides)
 PEER_TIMEOUT_S = 30.0
@@ -139,105 +139,7 @@ def alone():
 
 
 # ---------------------------------------------------------------------------------------
-# results as flat tensors
-
-#: dtypes a packed tensor may have, by code
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
-           torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
-_NONE, _BOOL, _INT, _FLOAT, _STR, _TUPLE, _LIST, _DICT, _TENSOR = range(9)
-
-
-def pack(obj) -> tuple[list[int], list[torch.Tensor]]:
-    """``obj`` as int64 codes and byte tensors (what :func:`unpack` reads back): nested tuples,
-    lists and dicts of tensors (the dtypes of :data:`_DTYPES`, any device), ``str``, ``int``
-    (64-bit), ``float`` (its bits), ``bool`` and ``None``. Each tensor's bytes are its own
-    uint8 tensor, on its device.
-
-    Raises:
-        TypeError: another type, an int past 64 bits or a tensor dtype not listed.
-    """
-    codes: list[int] = []
-    chunks: list[torch.Tensor] = []
-
-    def walk(x):
-        if x is None:
-            codes.append(_NONE)
-        elif isinstance(x, bool):
-            codes.extend((_BOOL, int(x)))
-        elif isinstance(x, int):
-            if not -2**63 <= x < 2**63:
-                raise TypeError(f"cannot send an int past 64 bits: {x}")
-            codes.extend((_INT, x))
-        elif isinstance(x, float):
-            codes.extend((_FLOAT, struct.unpack("<q", struct.pack("<d", x))[0]))
-        elif isinstance(x, str):
-            data = x.encode()
-            codes.extend((_STR, len(data)))
-            chunks.append(torch.tensor(list(data), dtype=torch.uint8))
-        elif isinstance(x, (tuple, list)):
-            codes.extend((_TUPLE if isinstance(x, tuple) else _LIST, len(x)))
-            for v in x:
-                walk(v)
-        elif isinstance(x, dict):
-            codes.extend((_DICT, len(x)))
-            for k, v in x.items():
-                walk(k)
-                walk(v)
-        elif isinstance(x, torch.Tensor):
-            if x.dtype not in _DTYPES:
-                raise TypeError(f"cannot send a {x.dtype} tensor")
-            codes.extend((_TENSOR, _DTYPES.index(x.dtype), int(x.device.type != "cpu"), x.dim(), *x.shape))
-            chunks.append(x.detach().contiguous().reshape(-1).view(torch.uint8))
-        else:
-            raise TypeError(f"cannot send a {type(x).__name__}")
-
-    walk(obj)
-    return codes, chunks
-
-
-def unpack(codes: list[int], payload: torch.Tensor):
-    """The object :func:`pack` gave ``codes`` for, its tensors and strings read in order from
-    ``payload`` (the chunks joined: uint8, 1-D). Every tensor gets storage of its own, on the
-    CPU or on ``payload``'s device as the packed one was."""
-    pos, off = 0, 0
-
-    def take(n: int) -> torch.Tensor:
-        nonlocal off
-        off += n
-        return payload[off - n:off]
-
-    def walk():
-        nonlocal pos
-        tag = codes[pos]
-        pos += 1
-        if tag == _NONE:
-            return None
-        if tag in (_BOOL, _INT, _FLOAT, _STR):
-            v = codes[pos]
-            pos += 1
-            if tag == _BOOL:
-                return bool(v)
-            if tag == _FLOAT:
-                return struct.unpack("<d", struct.pack("<q", v))[0]
-            return bytes(take(v).cpu().numpy()).decode() if tag == _STR else v
-        if tag in (_TUPLE, _LIST, _DICT):
-            n = codes[pos]
-            pos += 1
-            if tag == _DICT:
-                return {walk(): walk() for _ in range(n)}
-            items = [walk() for _ in range(n)]
-            return tuple(items) if tag == _TUPLE else items
-        dtype, on_device, ndim = _DTYPES[codes[pos]], codes[pos + 1], codes[pos + 2]
-        shape = codes[pos + 3:pos + 3 + ndim]
-        pos += 3 + ndim
-        numel = 1
-        for s in shape:
-            numel *= s
-        t = take(numel * dtype.itemsize).clone().view(dtype).reshape(shape)
-        return t if on_device or t.device.type == "cpu" else t.cpu()
-
-    return walk()
-
+# collectives of flat tensors (compressor.flat)
 
 def _comm_device() -> torch.device:
     """Where collectives take their tensors: the current GPU under nccl, else the CPU."""
@@ -309,37 +211,58 @@ def _encode(obj, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def gather(obj, dst: int = 0) -> list | None:
     """Every rank's ``obj`` on rank ``dst``, in rank order (the others get None), each sent to
-    it alone as flat tensors (:func:`pack`: sizes, codes, bytes; point to point); ``[obj]``
-    without a process group.
+    it alone as flat tensors (:func:`post`, then :func:`receive` there); ``[obj]`` without a
+    process group.
+
+    Raises:
+        TypeError: ``obj`` holds what :func:`pack` cannot send.
+    """
+    rank, size = world()
+    if size == 1:
+        return [obj]
+    if rank != dst:
+        wait(post(obj, dst))
+        return None
+    return [obj if src == rank else receive(src) for src in range(size)]
+
+
+def post(obj, dst: int = 0) -> list:
+    """Start sending ``obj`` to rank ``dst`` alone, without waiting for it to arrive: its three
+    flat tensors (:func:`pack`: sizes, codes, bytes) go with ``isend``, in order, and rank ``dst``
+    takes them with :func:`receive` whenever it comes to it. Returns the pending sends, for
+    :func:`wait`: ``[(work, tensor), ...]``, whose tensors (held by it) are ``obj``'s bytes.
 
     Raises:
         TypeError: ``obj`` holds what :func:`pack` cannot send.
     """
     import torch.distributed as dist
 
-    rank, size = world()
-    if size == 1:
-        return [obj]
-    dev = _comm_device()
-    if rank != dst:
-        for t in _encode(obj, dev):
-            if t.numel():
-                _collective(dist.send, t, dst)
-        return None
     out = []
-    for src in range(size):
-        if src == rank:
-            out.append(obj)
-            continue
-        sizes = torch.empty(2, dtype=torch.int64, device=dev)
-        _collective(dist.recv, sizes, src)
-        codes_t = torch.empty(int(sizes[0]), dtype=torch.int64, device=dev)
-        payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=dev)
-        _collective(dist.recv, codes_t, src)
-        if payload.numel():
-            _collective(dist.recv, payload, src)
-        out.append(unpack(codes_t.tolist(), payload))
+    for t in _encode(obj, _comm_device()):
+        if t.numel():
+            _collective(lambda x, d: out.append((dist.isend(x, d), x)), t, dst)
     return out
+
+
+def wait(posted: list) -> None:
+    """Until every send of ``posted`` (:func:`post`) has arrived (a lost peer: as every collective)."""
+    for work, t in posted:
+        _collective(lambda _x, _d: work.wait(), t, 0)
+
+
+def receive(src: int):
+    """The next object rank ``src`` sent this rank (:func:`post`, :func:`gather`), unpacked."""
+    import torch.distributed as dist
+
+    dev = _comm_device()
+    sizes = torch.empty(2, dtype=torch.int64, device=dev)
+    _collective(dist.recv, sizes, src)
+    codes_t = torch.empty(int(sizes[0]), dtype=torch.int64, device=dev)
+    payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=dev)
+    _collective(dist.recv, codes_t, src)
+    if payload.numel():
+        _collective(dist.recv, payload, src)
+    return unpack(codes_t.tolist(), payload)
 
 
 def deal(tasks: list, solve: Callable[[object], object]) -> list:

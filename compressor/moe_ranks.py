@@ -33,12 +33,13 @@ accumulator (the quantized stream; the reference sequences; GPTAQ's float stream
 sequences, its search's reference and each grid candidate's loss chunks), and on each rank
 after the first its pairs' rows, about ``top_k / W`` times the activations.
 
-The packed experts. Rank 0 writes the staging folder and the artifact, as before: after
-each group (every rank in step, the ranks with fewer groups sending nothing) every other
-rank sends its group's packed tensors, schemes and tensor names to rank 0 alone as flat
-tensors (:func:`compressor.distributed.gather`; never pickled), and rank 0 writes them as
-parts named by the group's first expert. No shared file system is needed between machines,
-and the resume checkpoint stays rank 0's alone (``--resume`` with any number of ranks).
+The packed experts. Rank 0 writes the staging folder and the artifact, as before: every
+other rank posts each of its groups' packed tensors, schemes and tensor names to rank 0 alone
+as flat tensors as soon as the group is packed (never pickled; :class:`GroupMail`) and goes on
+with its next group, and rank 0, its own groups written, receives them and writes them as
+parts named by the group's first expert. No rank waits for another between groups. No shared
+file system is needed between machines, and the resume checkpoint stays rank 0's alone
+(``--resume`` with any number of ranks).
 Per-expert figures (errors, damping, the largest activation) reach every rank in expert
 order (:meth:`ExpertShare.merge`).
 """
@@ -49,10 +50,10 @@ from contextlib import nullcontext
 
 import torch
 
-from .distributed import alone, broadcast, share, world
+from .distributed import alone, broadcast, post, receive, share, wait, world
 from .source.lazy import ROUTED_EXPERT, layer_names
 
-__all__ = ["bounds", "budget_groups", "divides", "ExpertShare", "Stash"]
+__all__ = ["bounds", "budget_groups", "divides", "ExpertShare", "GroupMail", "Stash"]
 
 
 def bounds(n: int, rank: int, size: int) -> tuple[int, int]:
@@ -154,13 +155,13 @@ class ExpertShare:
         """The experts rank ``r`` owns."""
         return range(*bounds(self.n, r, self.size))
 
-    def groups(self, experts: dict[int, list[str]], sizes: dict[str, int], budget: int) -> tuple[list, int]:
-        """``(this rank's experts in groups, the most groups any rank has)``: each rank's experts
+    def groups(self, experts: dict[int, list[str]], sizes: dict[str, int], budget: int) -> tuple[list, list[int]]:
+        """``(this rank's experts in groups, how many groups each rank has)``: each rank's experts
         (``experts``: index -> tensor names; ``sizes``: name -> bytes held), in index order, in groups
         of at most ``budget`` bytes (at least one expert each)."""
         by_rank = [budget_groups([experts[e] for e in sorted(experts) if e in self.of_rank(r)], sizes, budget)
                    for r in range(self.size)]
-        return by_rank[self.rank], max(len(g) for g in by_rank)
+        return by_rank[self.rank], [len(g) for g in by_rank]
 
     def solo(self):
         """Around an owned expert's step: no collective inside (:func:`compressor.distributed.alone`)."""
@@ -200,3 +201,41 @@ class ExpertShare:
             return parts, peak, groups
         got = [share((parts, peak, groups) if src == self.rank else None, src) for src in range(self.size)]
         return [p for g in got for p in g[0]], max(g[1] for g in got), sum(g[2] for g in got)
+
+
+class GroupMail:
+    """A MoE layer's packed expert groups on their way to rank 0, which writes the artifact.
+
+    A later rank posts each group as soon as it is packed (:func:`compressor.distributed.post`)
+    and goes on with its next group; rank 0 writes its own groups as it makes them and takes
+    the others' (:meth:`collect`) once its own are done. No rank waits for another between
+    groups, so a layer lasts as long as its slowest rank's experts, not the sum over groups of
+    the slowest rank's group. A later rank holds the groups still under way, at most ``limit``
+    bytes of them (waiting for the oldest beyond that, and always keeping one): with rank 0
+    slower than it, up to its whole share of the layer's packed experts (about one eighth of
+    the float32 weights for 4-bit codes)."""
+
+    def __init__(self, counts: list[int], limit: int):
+        self.rank, self.size = world()
+        self.counts, self.limit = counts, limit  # counts[r]: how many groups rank r sends
+        self._pending: list[tuple[list, int]] = []  # (pending sends, bytes)
+
+    def send(self, group) -> list:
+        """``[group]`` on rank 0 (to write now); elsewhere ``[]``, the group posted to rank 0."""
+        if self.rank == 0:
+            return [group]
+        posted = post(group, 0)
+        self._pending.append((posted, sum(t.numel() * t.element_size() for _, t in posted)))
+        while len(self._pending) > 1 and sum(n for _, n in self._pending) > self.limit:
+            wait(self._pending.pop(0)[0])
+        return []
+
+    def collect(self) -> list:
+        """At the end of this rank's groups: on rank 0 every other rank's groups, received in rank
+        order and each rank's in its order (a generator: one group held at a time); elsewhere,
+        once every posted group has arrived, nothing."""
+        if self.rank == 0:
+            return (receive(r) for r in range(1, self.size) for _ in range(self.counts[r]))
+        while self._pending:
+            wait(self._pending.pop(0)[0])
+        return []

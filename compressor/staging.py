@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from . import interrupts
-from .distributed import gather, share
+from .distributed import share
 from .errors import InputError, KvqError
-from .moe_ranks import ExpertShare, split_layer
+from .moe_ranks import ExpertShare, GroupMail, split_layer
 from .quant.primitives import Scheme
 from .safetensors_io import file_digest
 from .source.lazy import (ARTIFACT_DIR, HIDDEN_PREFIX, ROUTED_EXPERT, LazyCheckpoint, RESUME_NAME, layer_names,
@@ -421,7 +421,7 @@ class LayerWriter:
         self.moe_fallback: list = []
         self.memory_budget = int(memory_budget_gib * 2**30)
         self._written: set[str] = set()  # tensors of the current layer already written by expert groups
-        self._divided, self._rounds = False, 0  # ranks own the layer's experts; the most groups a rank reads
+        self._mail: GroupMail | None = None  # ranks own the layer's experts: the groups go to rank 0
 
     def release_outer(self) -> None:
         """Return the embedding and an untied head to ``meta`` (streamed sources only): once
@@ -479,14 +479,15 @@ class LayerWriter:
         not streamed, or has no routed experts, or fits the budget whole (it is then loaded at
         once) and ``divided`` is False. With ``divided`` (several ranks own the experts:
         :mod:`compressor.moe_ranks`) only this rank's experts are grouped, whatever the budget."""
+        self._mail = None
         if self.ckpt is None:
             return None
         rest, experts, sizes = split_layer(self.model, self.arch, i, HELD_BYTES_PER_WEIGHT)
         if (sum(sizes.values()) <= self.memory_budget and not divided) or not experts:
             return None
         share = ExpertShare(len(experts), divided)
-        groups, self._rounds = share.groups(experts, sizes, self.memory_budget)  # the ranks send them to rank 0 in step
-        self._divided = share.size > 1
+        groups, counts = share.groups(experts, sizes, self.memory_budget)
+        self._mail = GroupMail(counts, self.memory_budget // 2) if share.size > 1 else None  # to rank 0
         return [rest] + groups
 
     def load_groups(self, i: int, result, groups: list[list[str]]):
@@ -495,7 +496,7 @@ class LayerWriter:
         a group of experts (its records in ``result.modules``), that group is packed,
         written to the part ``layer-<i>-e<its first expert>`` and returned to ``meta`` before
         the next is read. The non-expert group stays loaded for :meth:`done`. With experts
-        owned per rank, rank 0 writes each rank's group as it comes, the ranks in step.
+        owned per rank, rank 0 writes the other ranks' groups after its own (:class:`~compressor.moe_ranks.GroupMail`).
 
         Raises:
             InputError: a tensor holds NaN or Inf (named).
@@ -507,8 +508,8 @@ class LayerWriter:
             yield modules
             if k:
                 self._write_group(i, names, modules, result)
-        for _ in range(len(groups) - 1, self._rounds if self._divided else 0):  # ranks with more groups: in step
-            self._save_parts(gather(None))
+        if self._mail is not None:  # the other ranks' groups, once this rank's are written
+            self._save_parts(self._mail.collect())
 
     def read_groups(self, groups: list[list[str]]):
         """Materialize routed-expert ``groups`` (of :meth:`expert_groups`, the non-expert one left out)
@@ -534,31 +535,30 @@ class LayerWriter:
 
     def _write_group(self, i: int, names: list[str], modules: list[str], result) -> None:
         """Pack and write one group of routed experts (under several ranks, rank 0 writes every
-        rank's: :func:`compressor.distributed.gather`), then return its experts to ``meta``."""
+        rank's: :class:`compressor.moe_ranks.GroupMail`), then return its experts to ``meta``."""
         from .artifact import state_tensors
         from .formats import get_format
 
         recs = {n: result.modules.pop(n) for n in modules if n in result.modules}
         schemes = {n: r.scheme for n, r in recs.items()}
         self.schemes.update(schemes)
-        if self.staging is not None or self._divided:
+        if self.staging is not None or self._mail is not None:
             packed = {self.rename(n): t for n, t in get_format(self.fmt).pack_all(recs, self.dtype).items()}
             first = min(int(_EXPERT.search(n[len(f"{self.arch.layers}.{i}."):]).group(1)) for n in names)
             group = (f"layer-{i:05d}-e{first:04d}", state_tensors(self.model, packed, self.dtype, rename=self.rename,
                                                                   names=set(names)),
                      {n: list(v) for n, v in schemes.items()}, names)  # schemes as the checkpoint keeps them
-            self._save_parts(gather(group) if self._divided else [group])
+            self._save_parts(self._mail.send(group) if self._mail is not None else [group])
         self._written.update(names)
         self._release(modules)
 
-    def _save_parts(self, groups: list | None) -> None:
-        """Rank 0: write each ``(part name, tensors, schemes, tensor names)`` of ``groups`` (None
-        where a rank had no group in this step); the other ranks get None."""
-        for g in groups or []:
-            if g is not None:
-                self.staging.save_part(g[0], g[1])
-                self._add_schemes(g[2])
-                self._written.update(g[3])
+    def _save_parts(self, groups) -> None:
+        """Rank 0: write each ``(part name, tensors, schemes, tensor names)`` of ``groups`` (an
+        iterable); the other ranks get none."""
+        for g in groups:
+            self.staging.save_part(g[0], g[1])
+            self._add_schemes(g[2])
+            self._written.update(g[3])
 
     def _add_schemes(self, schemes: dict[str, list]) -> None:
         """Module schemes as the resume checkpoint keeps them (lists), from it or from another rank

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from compressor import distributed as d
+from compressor import flat
 from compressor.commands.options import QuantizeOptions
 from compressor.commands.quantize import run_quantize
 from compressor.entry import RANKS_ENV, ranks_defaults
@@ -49,9 +50,9 @@ def same_bits(a, b) -> bool:
 # flat tensors
 
 def _roundtrip(obj):
-    codes, chunks = d.pack(obj)
+    codes, chunks = flat.pack(obj)
     payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    return d.unpack(codes, payload)
+    return flat.unpack(codes, payload)
 
 
 def test_pack_round_trips_bit_for_bit():
@@ -75,7 +76,7 @@ def test_pack_round_trips_bit_for_bit():
 @pytest.mark.parametrize("bad", [object(), 2**63, torch.zeros(2, dtype=torch.complex64), {1, 2}])
 def test_pack_refuses_what_it_cannot_send(bad):
     with pytest.raises(TypeError, match="cannot send"):
-        d.pack({"x": [bad]})
+        flat.pack({"x": [bad]})
 
 
 def test_deal_and_share_without_a_group_are_plain_calls():

@@ -40,7 +40,8 @@ def test_no_function_over_100_lines():
 
 LAYERS = [
     ("base", ["compressor", "compressor.errors", "compressor.files", "compressor.interrupts", "compressor.gc_policy",
-              "compressor.precision", "compressor.distributed", "compressor.registry", "compressor.safetensors_io",
+              "compressor.precision", "compressor.distributed", "compressor.flat", "compressor.registry",
+              "compressor.safetensors_io",
               "compressor.tokens", "compressor.activations", "compressor.calib", "compressor.prompts",
               "compressor.stats", "compressor.positions", "compressor.suggest"]),
     ("records", ["compressor.gates", "compressor.manifest", "compressor.signing", "compressor.console",

@@ -85,3 +85,15 @@ def test_a_sources_fingerprint_is_each_shards_plain_sha256(tmp_path):
     fp = ModelSource(str(tmp_path), "hf", tmp_path).fingerprint()
     want = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp_path.glob("*.safetensors"))}
     assert fp == {"spec": str(tmp_path), "kind": "hf", "files": want} and list(fp["files"]) == sorted(want)
+    # under ranks each hashes its share of the files: together, every file once, the same digests
+    parts = [ModelSource(str(tmp_path), "hf", tmp_path).fingerprint(r, 2)["files"] for r in range(2)]
+    assert parts[0] and parts[1] and not set(parts[0]) & set(parts[1]) and {**parts[0], **parts[1]} == want
+
+
+def test_files_are_dealt_largest_first_to_the_rank_with_the_fewest_bytes():
+    from compressor.source.resolve import deal_files
+
+    sizes = {"a": 10, "b": 7, "c": 6, "d": 4, "e": 1}
+    assert deal_files(sizes, 2) == [["a", "d"], ["b", "c", "e"]]  # 14 bytes each
+    assert deal_files({"x": 3, "y": 3}, 2) == [["x"], ["y"]]  # a tie: the lower rank
+    assert deal_files({"only": 5}, 3) == [["only"], [], []]  # a rank may hash nothing

@@ -132,16 +132,15 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
         return _carry(plan, opts, device, console, on_committed, t0)
     if rank != 0:
         console = None
-    # the source's SHA-256s, read while the model loads; by rank 0 alone (it writes the manifest and
-    # keeps the resume checkpoint: no other rank reads them)
-    fingerprint = in_background(plan.source.fingerprint) if rank == 0 else None
+    # the source's SHA-256s, read while the model loads; the files dealt to the ranks, every rank's
+    # digests sent to rank 0 (it writes the manifest and keeps the resume checkpoint)
+    fingerprint = in_background(partial(plan.source.fingerprint, rank, world_size))
     with name_kept_checkpoint(plan.out, opts.execution.resume):  # interrupted while loading: say where the layers are
         src = _load(plan, opts, console, world_size)
         n_layers = src.model.config.num_hidden_layers
         arch = get_arch(src.model.config.model_type)
-        source_fp = staging = None
+        source_fp, staging = _joined(gather(fingerprint())), None
         if rank == 0:
-            source_fp = fingerprint()
             named = {"--matmul-precision": plan.matmul_precision, "--threads": plan.threads}  # the codes depend on both
             inputs = {"source": source_fp["files"], "recipe": plan.recipe.model_dump(mode="json"),
                       "calibration": src.calibration, "format": opts.write.format, "dtype": plan.dtype,
@@ -183,6 +182,15 @@ def _reads(src: _Source) -> dict:
 
 # ---------------------------------------------------------------------------------------
 # 1. plan
+
+def _joined(parts: list[dict] | None) -> dict | None:
+    """Rank 0: the source fingerprint of every rank's files (:meth:`ModelSource.fingerprint`), in
+    name order; the other ranks: None."""
+    if parts is None:
+        return None
+    files = {n: d for p in parts for n, d in p["files"].items()}
+    return {**parts[0], "files": {n: files[n] for n in sorted(files)}}
+
 
 def _plan(opts: QuantizeOptions, console) -> _Plan:
     """Every refusal before the model loads: output folder, signing inputs, recipe, format,

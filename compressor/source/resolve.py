@@ -30,16 +30,33 @@ class ModelSource:
     kind: str
     path: Path
 
-    def fingerprint(self) -> dict:
+    def fingerprint(self, rank: int = 0, size: int = 1) -> dict:
         """Provenance of the source: kind, path and SHA-256 of its weight files (each file's plain
         digest; the files hashed in parallel threads, as ``kvq verify`` hashes an artifact: a
         Kimi K2 source is tens of shards and hundreds of GB, and one thread would bound even a
-        data-free conversion's speed)."""
+        data-free conversion's speed). Under ``size`` ranks, rank ``rank`` hashes only its share
+        of the files (:func:`deal_files`) and ``files`` holds those alone: rank 0 joins every
+        rank's (the union of the ``files`` dicts, in name order)."""
         if self.kind == "gguf":
-            return {"spec": self.spec, "kind": self.kind, "files": {self.path.name: file_digest(self.path)}}
+            return {"spec": self.spec, "kind": self.kind,
+                    "files": {self.path.name: file_digest(self.path)} if rank == 0 else {}}
         names = sorted(f.name for f in self.path.glob("*.safetensors"))
+        names = deal_files({n: (self.path / n).stat().st_size for n in names}, size)[rank]
         d = digest_files(self.path, names, "sha256", parse_safetensors=False)
         return {"spec": self.spec, "kind": self.kind, "files": {n: d.files[n][1] for n in names}}
+
+
+def deal_files(sizes: dict[str, int], size: int) -> list[list[str]]:
+    """The files of ``sizes`` (name -> bytes) dealt to ``size`` ranks, largest first, each to the
+    rank with the fewest bytes so far (the lowest rank on a tie); each rank's names sorted. The
+    same on every rank, from the listing alone (longest-processing-time-first scheduling)."""
+    shares: list[list[str]] = [[] for _ in range(size)]
+    load = [0] * size
+    for n in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(size), key=lambda r: (load[r], r))
+        shares[r].append(n)
+        load[r] += sizes[n]
+    return [sorted(s) for s in shares]
 
 
 def resolve_source(spec: str) -> ModelSource:
