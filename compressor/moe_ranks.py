@@ -4,8 +4,10 @@ Under several ranks (:mod:`compressor.distributed`) every rank runs the same lay
 pass, so each already holds the layer's non-expert part, its calibration tokens and their
 routing (:mod:`compressor.moe_stream` computes the routing once, from the held router). What
 grows with the model -- the routed experts' weights, their Hessians, their solves -- is
-divided: rank ``r`` of ``W`` owns the contiguous block of experts ``[n r / W, n (r + 1) / W)``
-(:func:`bounds`) of every streamed MoE layer and alone reads them from the source (in groups
+divided: rank ``r`` of ``W`` owns a contiguous block of experts (:func:`bounds`: ``[n r / W, n (r + 1) / W)``,
+or, for GPTQ and GPTAQ, whose routing is known before the first expert is read, blocks of about
+equal work, the experts below ``moe.min_tokens`` being rounded at a fraction of a solve's cost:
+:func:`solve_costs`) of every streamed MoE layer and alone reads them from the source (in groups
 within ``--memory-budget-gib``), calibrates, solves and packs them
 (:meth:`compressor.quant.algorithms.Algorithm.quantize_expert`, inside
 :func:`compressor.distributed.alone`: no collective). It applies to handlers with
@@ -53,13 +55,35 @@ import torch
 from .distributed import alone, broadcast, post, receive, share, wait, world
 from .source.lazy import ROUTED_EXPERT, layer_names
 
-__all__ = ["bounds", "budget_groups", "divides", "ExpertShare", "GroupMail", "Stash"]
+__all__ = ["bounds", "budget_groups", "divides", "solve_costs", "ExpertShare", "GroupMail", "Stash"]
 
 
-def bounds(n: int, rank: int, size: int) -> tuple[int, int]:
-    """The experts ``[lo, hi)`` of ``n`` that rank ``rank`` of ``size`` owns: contiguous blocks
-    in rank order, sizes differing by at most one."""
-    return n * rank // size, n * (rank + 1) // size
+#: the relative work of a routed expert: solved from its tokens (GPTQ at Kimi K2's width, 7168 x 2048,
+#: one thread on a 2-core AMD EPYC: about 10 s, and 0.5 s to read it from block-FP8) against one below
+#: ``moe.min_tokens`` (rounded: about 1 s, and the read); measured by py-spy, 2026-12-06
+SOLVED_COST, ROUNDED_COST = 7, 1
+
+
+def bounds(n: int, rank: int, size: int, costs: list[int] | None = None) -> tuple[int, int]:
+    """The experts ``[lo, hi)`` of ``n`` that rank ``rank`` of ``size`` owns: contiguous blocks in
+    rank order, sizes differing by at most one; with ``costs`` (each expert's work, the same list
+    on every rank) blocks of about equal work instead, each cut where the running sum comes
+    closest to its share of the total, at least one expert a rank."""
+    if costs is None or n < size:
+        return n * rank // size, n * (rank + 1) // size
+    total, run, cuts = sum(costs), [0], [0]
+    for c in costs:
+        run.append(run[-1] + c)
+    for r in range(1, size):
+        target = total * r / size
+        cuts.append(min(range(cuts[-1] + 1, n - size + r + 1), key=lambda c: (abs(run[c] - target), c)))
+    cuts.append(n)
+    return cuts[rank], cuts[rank + 1]
+
+
+def solve_costs(n: int, cold: set[int]) -> list[int]:
+    """Each of ``n`` experts' relative work (:data:`SOLVED_COST`, :data:`ROUNDED_COST` for ``cold`` ones)."""
+    return [ROUNDED_COST if e in cold else SOLVED_COST for e in range(n)]
 
 
 def divides(algorithm) -> bool:
@@ -138,22 +162,22 @@ class ExpertShare:
     """This rank's share of a MoE layer's ``n`` routed experts (:func:`bounds`); the whole
     layer for a single process or a handler that does not divide them (``divided`` False)."""
 
-    def __init__(self, n: int, divided: bool = True):
+    def __init__(self, n: int, divided: bool = True, costs: list[int] | None = None):
         self.rank, self.size = world() if divided else (0, 1)
-        self.n = n
-        self.lo, self.hi = bounds(n, self.rank, self.size)
+        self.n, self.costs = n, costs
+        self.lo, self.hi = bounds(n, self.rank, self.size, costs)
 
     @classmethod
-    def of(cls, algorithm, n: int) -> "ExpertShare":
-        """The share for ``algorithm`` in this run (:func:`divides`)."""
-        return cls(n, divides(algorithm))
+    def of(cls, algorithm, n: int, costs: list[int] | None = None) -> "ExpertShare":
+        """The share for ``algorithm`` in this run (:func:`divides`); ``costs``: see :func:`bounds`."""
+        return cls(n, divides(algorithm), costs)
 
     def owns(self, e: int) -> bool:
         return self.lo <= e < self.hi
 
     def of_rank(self, r: int) -> range:
         """The experts rank ``r`` owns."""
-        return range(*bounds(self.n, r, self.size))
+        return range(*bounds(self.n, r, self.size, self.costs))
 
     def groups(self, experts: dict[int, list[str]], sizes: dict[str, int], budget: int) -> tuple[list, list[int]]:
         """``(this rank's experts in groups, how many groups each rank has)``: each rank's experts

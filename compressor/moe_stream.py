@@ -59,7 +59,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from .arch import expert_index, is_expert
-from .moe_ranks import ExpertShare
+from .moe_ranks import ExpertShare, solve_costs
 from .quant.layer import LayerOutcome, layer_forward
 from .quant.primitives import abs_max
 
@@ -221,12 +221,13 @@ def _zeros(calls: list, spill, tag: str) -> list[torch.Tensor]:
 
 
 def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorithm, groups, tap: ExpertTap,
-                            device) -> LayerOutcome:
+                            device, rebalance=None) -> LayerOutcome:
     """Decoder layer ``i``'s step with its routed experts streamed (the module docstring's steps
     1-4), for :func:`compressor.pipeline._quantize_and_recompute`. ``groups``: the generator of
     :meth:`compressor.staging.LayerWriter.load_groups`, its first group (the non-expert tensors)
-    already read; ``tap``: active on the layer's experts. Leaves the tap replaying the routed
-    output of each batch for the driver's recompute.
+    already read; ``tap``: active on the layer's experts; ``rebalance(share)``: makes ``groups`` read
+    this rank's experts of ``share`` (:meth:`compressor.staging.LayerWriter.rebalance`). Leaves the
+    tap replaying the routed output of each batch for the driver's recompute.
 
     Returns:
         The algorithm's :class:`LayerOutcome` over the whole layer (errors of every linear,
@@ -255,7 +256,12 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
     routed = _zeros(calls, ctx.spill, "routed")
     ref_routed = _zeros(ref_calls or [], None, "")
     float_routed = _zeros(float_calls or [], ctx.spill, "float-routed")
-    share = ExpertShare.of(algorithm, len(tap.experts))  # torchrun: this rank's experts (compressor.moe_ranks)
+    # torchrun: this rank's experts (compressor.moe_ranks); solved from their tokens and not yet read
+    # (AWQ's steps read them before: no rebalance), blocks of about equal work
+    weighed = rebalance is not None and not getattr(algorithm, "per_linear", False)
+    share = ExpertShare.of(algorithm, len(tap.experts), solve_costs(len(tap.experts), cold) if weighed else None)
+    if rebalance is not None and share.size > 1:
+        rebalance(share)
     accs = ((calls, routed, ctx.spill), (ref_calls or [], ref_routed, None),
             (float_calls or [], float_routed, ctx.spill))
     sinks = [share.sink(c, out, sp, str(k)) for k, (c, out, sp) in enumerate(accs)]  # the accumulators, on rank 0

@@ -501,15 +501,23 @@ class LayerWriter:
         Raises:
             InputError: a tensor holds NaN or Inf (named).
         """
-        self._written = set()
-        for k, names in enumerate(groups):
+        self._written, self._pending, k = set(), list(groups), 0  # the expert groups: see rebalance
+        while k < len(self._pending):
+            names = self._pending[k]
             load_into(self.model, self.ckpt, self.arch, names)
             modules = sorted({n.rsplit(".", 1)[0] for n in names})
             yield modules
             if k:
                 self._write_group(i, names, modules, result)
+            k += 1
         if self._mail is not None:  # the other ranks' groups, once this rank's are written
             self._save_parts(self._mail.collect())
+
+    def rebalance(self, i: int, share) -> None:
+        """Read this rank's experts of ``share`` (weighed by their routing) instead, before the first is read."""
+        _rest, experts, sizes = split_layer(self.model, self.arch, i, HELD_BYTES_PER_WEIGHT)
+        self._pending[1:], counts = share.groups(experts, sizes, self.memory_budget)
+        self._mail = GroupMail(counts, self.memory_budget // 2)
 
     def read_groups(self, groups: list[list[str]]):
         """Materialize routed-expert ``groups`` (of :meth:`expert_groups`, the non-expert one left out)
@@ -553,16 +561,14 @@ class LayerWriter:
         self._release(modules)
 
     def _save_parts(self, groups) -> None:
-        """Rank 0: write each ``(part name, tensors, schemes, tensor names)`` of ``groups`` (an
-        iterable); the other ranks get none."""
+        """Rank 0: write each ``(part name, tensors, schemes, tensor names)`` of ``groups`` (an iterable)."""
         for g in groups:
             self.staging.save_part(g[0], g[1])
             self._add_schemes(g[2])
             self._written.update(g[3])
 
     def _add_schemes(self, schemes: dict[str, list]) -> None:
-        """Module schemes as the resume checkpoint keeps them (lists), from it or from another rank
-        (a 3-entry list, from an earlier checkpoint: an integer scheme)."""
+        """Module schemes kept as lists (the resume checkpoint, another rank; 3 entries: an integer scheme)."""
         self.schemes.update({n: Scheme(*v) for n, v in schemes.items()})
 
     def done(self, i: int, layer: torch.nn.Module, result, hidden: list[torch.Tensor] | None) -> None:

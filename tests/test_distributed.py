@@ -26,7 +26,7 @@ from compressor.commands.quantize import run_quantize
 from compressor.entry import RANKS_ENV, ranks_defaults
 from compressor.errors import InputError
 from compressor.manifest import load_manifest
-from compressor.moe_ranks import Stash, bounds
+from compressor.moe_ranks import Stash, bounds, solve_costs
 from compressor.safetensors_io import read_header
 from compressor.source.lazy import ROUTED_EXPERT
 from compressor.staging import Staging, kept_note
@@ -338,6 +338,21 @@ def test_expert_blocks_are_contiguous_and_cover_every_expert():
     assert [bounds(2, r, 3) for r in range(3)] == [(0, 0), (0, 1), (1, 2)]  # more ranks than experts: some own none
 
 
+def test_expert_blocks_weighed_by_their_work():
+    """Blocks of about equal work (solved experts against rounded ones); every rank keeps at least one expert."""
+    from compressor.moe_ranks import SOLVED_COST
+
+    cold = set(range(0, 8)) | set(range(40, 64))  # experts 8-39 solved: 24 in the first equal half, 8 in the second
+    costs = solve_costs(64, cold)
+    (a0, a1), (b0, b1) = [bounds(64, r, 2, costs) for r in range(2)]
+    assert a0 == 0 and a1 == b0 and b1 == 64
+    work = [sum(costs[a0:a1]), sum(costs[b0:b1])]
+    assert abs(work[0] - work[1]) <= SOLVED_COST and work != [sum(costs[:32]), sum(costs[32:])]
+    assert [bounds(3, r, 3, [100, 1, 1]) for r in range(3)] == [(0, 1), (1, 2), (2, 3)]
+    assert [bounds(4, r, 2, [1, 1, 1, 1]) for r in range(2)] == [(0, 2), (2, 4)]
+    assert [bounds(2, r, 3, [5, 5]) for r in range(3)] == [bounds(2, r, 3) for r in range(3)]  # fewer experts
+
+
 def test_a_stash_added_after_the_ranks_before_gives_the_single_process_sum():
     """Rank 1's kept rows added into rank 0's sum equal, bit for bit, the accumulator one process fills
     expert after expert; adding the two ranks' partial sums does not (float addition is not associative)."""
@@ -429,23 +444,30 @@ def test_ranks_own_the_experts_and_write_the_single_process_artifact(model_type,
     assert load_manifest(tmp_path / "two").quality["moe"] == load_manifest(tmp_path / "one").quality["moe"]
     per_rank = json.loads(got[0][1])["ranks"]
     assert [r["rank"] for r in per_rank] == [0, 1]
+    # the experts each rank owns: halves, or, where experts are solved from their tokens, blocks of equal work
+    cold = {m["layer"]: set(m["below_min_tokens"]) for m in load_manifest(tmp_path / "one").quality["moe"]["layers"]}
+    weighed = case.startswith(("gptq", "gptaq"))
+    share = {(i, r): set(range(*bounds(4, r, 2, solve_costs(4, cold[i]) if weighed else None)))
+             for i in (1, 2) for r in (0, 1)}
     for r in (0, 1):
         names = (reads / f"rank{r}.txt").read_text().split()
         for i in (1, 2):
             owned = {int(m.group(1)) for n in names if n.startswith(f"model.layers.{i}.")
                      and (m := ROUTED_EXPERT.search(n))}
-            assert owned == {2 * r, 2 * r + 1}, (r, i, owned)
+            assert owned == share[i, r], (r, i, owned)
         assert per_rank[r]["routed_expert_bytes_read"] == sum(
-            n_reads[i] * _expert_bytes(src, (i,), {2 * r, 2 * r + 1}) for i in (1, 2)) > 0
+            n_reads[i] * _expert_bytes(src, (i,), share[i, r]) for i in (1, 2)) > 0
+    if weighed and model_type == "deepseek_v3":  # its routing leaves the halves unequal in work (glm4_moe's: all cold)
+        assert any(share[i, 0] != {0, 1} for i in (1, 2)), cold
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type,algorithm", [("deepseek_v3", "gptq"), ("deepseek_v3", "awq"),
                                                   ("glm4_moe", "awq-gptq")])
 def test_three_ranks_with_unequal_shares(model_type, algorithm, moe_rows, tmp_path):
-    """Four experts on three ranks (1, 1 and 2 experts, read one at a time): the ranks with fewer
-    groups keep in step with the one with more (AWQ: in each of its reads, the grid's candidates one
-    per read); the artifact is the single-process one, holding each layer whole."""
+    """Four experts on three ranks (AWQ: 1, 1 and 2 experts; GPTQ: blocks of equal work; read one at a
+    time): rank 0 writes every rank's groups whatever their number (AWQ: in each of its reads, the grid's
+    candidates one per read); the artifact is the single-process one, holding each layer whole."""
     src = moe_rows[model_type]
     run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "one", algorithm=algorithm, threads=1, **ROW_FAST))
     got = ends(ranks(3, [src, "-o", tmp_path / "three", "--algorithm", algorithm, "--memory-budget-gib",
@@ -455,8 +477,11 @@ def test_three_ranks_with_unequal_shares(model_type, algorithm, moe_rows, tmp_pa
     n_reads = {f["layer"]: f.get("awq_expert_reads", 1) for f in load_manifest(tmp_path / "three").quality["layers"]}
     assert [n_reads[i] for i in (1, 2)] == ([22, 22] if algorithm.startswith("awq") else [1, 1])
     per_rank = json.loads(got[0][1])["ranks"]
+    cold = {m["layer"]: set(m["below_min_tokens"]) for m in load_manifest(tmp_path / "one").quality["moe"]["layers"]}
+    costs = {i: None if algorithm.startswith("awq") else solve_costs(4, cold[i]) for i in (1, 2)}  # GPTQ: weighed
     assert [r["routed_expert_bytes_read"] for r in per_rank] == [
-        sum(n_reads[i] * _expert_bytes(src, (i,), set(range(*bounds(4, r, 3)))) for i in (1, 2)) for r in range(3)]
+        sum(n_reads[i] * _expert_bytes(src, (i,), set(range(*bounds(4, r, 3, costs[i])))) for i in (1, 2))
+        for r in range(3)]
 
 
 @pytest.mark.slow
