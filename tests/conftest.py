@@ -209,6 +209,7 @@ def max_err(a, b) -> float:
 
 # streamed and whole-model verify figures compared (tests/test_streamed_eval.py, tests/test_verify_moe_stream.py)
 STREAM_TOL = dict(rel=1e-4, abs=1e-6)
+KL_TOL = dict(rel=1e-3, abs=1e-6)
 
 
 def assert_same_eval(got: dict, want: dict):
@@ -220,9 +221,12 @@ def assert_same_eval(got: dict, want: dict):
         assert g["per_window_ppl"] == pytest.approx(w["per_window_ppl"], **STREAM_TOL), label
         if label != "reference":
             assert g["top1_agreement"] == pytest.approx(w["top1_agreement"], abs=1e-9), label
-            assert g["kl"]["mean"] == pytest.approx(w["kl"]["mean"], rel=1e-3, abs=1e-7), label
-            assert g["kl"]["p99"] == pytest.approx(w["kl"]["p99"], rel=1e-3, abs=1e-7), label
-            assert g["per_window_kl_mean"] == pytest.approx(w["per_window_kl_mean"], rel=1e-3, abs=1e-7), label
+            # KL of two nearly equal models is ~1e-5 nats, made of float32 log-probabilities of ~6 nats (rounding
+            # ~7e-7 each) that the streamed path sums in another order: 1e-6 nats apart is rounding, not a change
+            # (the deepseek_v3 row's KV-only p99 moved 3e-7 between two CPUs' BLAS)
+            for key in ("mean", "p99"):
+                assert g["kl"][key] == pytest.approx(w["kl"][key], **KL_TOL), label
+            assert g["per_window_kl_mean"] == pytest.approx(w["per_window_kl_mean"], **KL_TOL), label
 
 
 def close_figures(got, want, path="", abs_tol=2e-4):
