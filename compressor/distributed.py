@@ -252,16 +252,14 @@ def wait(posted: list) -> None:
 
 def receive(src: int):
     """The next object rank ``src`` sent this rank (:func:`post`, :func:`gather`), unpacked."""
-    import torch.distributed as dist
-
     dev = _comm_device()
     sizes = torch.empty(2, dtype=torch.int64, device=dev)
-    _collective(dist.recv, sizes, src)
+    recv(sizes, src)
     codes_t = torch.empty(int(sizes[0]), dtype=torch.int64, device=dev)
     payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=dev)
-    _collective(dist.recv, codes_t, src)
+    recv(codes_t, src)
     if payload.numel():
-        _collective(dist.recv, payload, src)
+        recv(payload, src)
     return unpack(codes_t.tolist(), payload)
 
 

@@ -260,7 +260,7 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
     # (AWQ's steps read them before: no rebalance), blocks of about equal work
     weighed = rebalance is not None and not getattr(algorithm, "per_linear", False)
     share = ExpertShare.of(algorithm, len(tap.experts), solve_costs(len(tap.experts), cold) if weighed else None)
-    if rebalance is not None and share.size > 1:
+    if weighed and share.size > 1:
         rebalance(share)
     accs = ((calls, routed, ctx.spill), (ref_calls or [], ref_routed, None),
             (float_calls or [], float_routed, ctx.spill))

@@ -508,7 +508,7 @@ def _quantize_streamed_moe(i, layer, hidden, kw, ctx: LayerContext, algorithm: A
                 i, layer, hidden, kw, ctx, algorithm, loads, tap, device, lambda: hooks.read_groups(groups[1:]))
         else:
             step = lambda i, layer, hidden, kw, ctx: quantize_layer_streamed(  # noqa: E731
-                i, layer, hidden, kw, ctx, algorithm, loads, tap, device, lambda share: hooks.rebalance(i, share))
+                i, layer, hidden, kw, ctx, algorithm, loads, tap, device, hooks.rebalance)
         out = _quantize_and_recompute(i, layer, hidden, kw, ctx, algorithm, result, step)
     move_loaded(layer, "cpu")
     return out

@@ -482,7 +482,7 @@ class LayerWriter:
         self._mail = None
         if self.ckpt is None:
             return None
-        rest, experts, sizes = split_layer(self.model, self.arch, i, HELD_BYTES_PER_WEIGHT)
+        rest, experts, sizes = self._experts = split_layer(self.model, self.arch, i, HELD_BYTES_PER_WEIGHT)
         if (sum(sizes.values()) <= self.memory_budget and not divided) or not experts:
             return None
         share = ExpertShare(len(experts), divided)
@@ -513,9 +513,9 @@ class LayerWriter:
         if self._mail is not None:  # the other ranks' groups, once this rank's are written
             self._save_parts(self._mail.collect())
 
-    def rebalance(self, i: int, share) -> None:
+    def rebalance(self, share) -> None:
         """Read this rank's experts of ``share`` (weighed by their routing) instead, before the first is read."""
-        _rest, experts, sizes = split_layer(self.model, self.arch, i, HELD_BYTES_PER_WEIGHT)
+        _rest, experts, sizes = self._experts  # the layer's split, from expert_groups
         self._pending[1:], counts = share.groups(experts, sizes, self.memory_budget)
         self._mail = GroupMail(counts, self.memory_budget // 2)
 
