@@ -263,10 +263,11 @@ def receive(src: int):
     return unpack(codes_t.tolist(), payload)
 
 
-def deal(tasks: list, solve: Callable[[object], object]) -> list:
-    """Solve ``tasks`` across the ranks: task ``j`` on rank ``j % world_size``; returns every
-    task's result, in order, on every rank, each rank's results broadcast from it as flat
-    tensors (:func:`share`), bit for bit. Without a process group: ``[solve(t) ...]``.
+def deal(tasks: list, solve: Callable[[object], object], costs: list[float] | None = None) -> list:
+    """Solve ``tasks`` across the ranks: task ``j`` on rank ``j % world_size``, or, with ``costs``
+    (each task's expected work, the same list on every rank), on the rank :func:`owners` gives it;
+    returns every task's result, in order, on every rank, each rank's results broadcast from it
+    as flat tensors (:func:`share`), bit for bit. Without a process group: ``[solve(t) ...]``.
 
     Raises:
         TypeError: a result holds what :func:`pack` cannot send.
@@ -274,11 +275,23 @@ def deal(tasks: list, solve: Callable[[object], object]) -> list:
     rank, size = world()
     if size == 1:
         return [solve(t) for t in tasks]
-    mine = {j: solve(t) for j, t in enumerate(tasks) if j % size == rank}
+    owner = owners(costs, size) if costs is not None else [j % size for j in range(len(tasks))]
+    mine = {j: solve(t) for j, t in enumerate(tasks) if owner[j] == rank}
     merged: dict = {}
     for src in range(size):
         merged.update(share(mine if src == rank else None, src))
     return [merged[j] for j in range(len(tasks))]
+
+
+def owners(costs: list[float], size: int) -> list[int]:
+    """The rank of each task of ``costs`` (expected work) among ``size`` ranks: largest first, each
+    to the rank with the least work so far (the lowest rank on a tie; Graham's LPT rule, within
+    4/3 of the best makespan), the same on every rank for the same ``costs``."""
+    load, out = [0.0] * size, [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        out[j] = min(range(size), key=lambda r: (load[r], r))
+        load[out[j]] += costs[j]
+    return out
 
 
 def _collective(op, tensor: torch.Tensor, src: int) -> None:

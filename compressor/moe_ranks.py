@@ -5,9 +5,9 @@ pass, so each already holds the layer's non-expert part, its calibration tokens 
 routing (:mod:`compressor.moe_stream` computes the routing once, from the held router). What
 grows with the model -- the routed experts' weights, their Hessians, their solves -- is
 divided: rank ``r`` of ``W`` owns a contiguous block of experts (:func:`bounds`: ``[n r / W, n (r + 1) / W)``,
-or, for GPTQ and GPTAQ, whose routing is known before the first expert is read, blocks of about
-equal work, the experts below ``moe.min_tokens`` being rounded at a fraction of a solve's cost:
-:func:`solve_costs`) of every streamed MoE layer and alone reads them from the source (in groups
+or, where the routing is known before the first expert is read -- GPTQ and GPTAQ, AWQ and ``awq-gptq``
+after their observe -- blocks of about equal work, the experts below ``moe.min_tokens`` costing a
+fraction of the others: :func:`solve_costs`) of every streamed MoE layer and alone reads them from the source (in groups
 within ``--memory-budget-gib``), calibrates, solves and packs them
 (:meth:`compressor.quant.algorithms.Algorithm.quantize_expert`, inside
 :func:`compressor.distributed.alone`: no collective). It applies to handlers with
@@ -81,9 +81,17 @@ def bounds(n: int, rank: int, size: int, costs: list[int] | None = None) -> tupl
     return cuts[rank], cuts[rank + 1]
 
 
-def solve_costs(n: int, cold: set[int]) -> list[int]:
-    """Each of ``n`` experts' relative work (:data:`SOLVED_COST`, :data:`ROUNDED_COST` for ``cold`` ones)."""
-    return [ROUNDED_COST if e in cold else SOLVED_COST for e in range(n)]
+#: the same for AWQ and ``awq-gptq`` (``compressor.moe_stream_awq``: split once the observe has routed the tokens):
+#: every expert's gate/up is fake-quantized for each grid candidate and its rows of each candidate's routed part
+#: computed (about 6 s an expert at Kimi K2's width), and one at or above ``moe.min_tokens`` adds its own
+#: ``up -> down`` scale search and its clip searches (about 13 s); py-spy of a 2-rank run, 2026-12-06
+AWQ_SEARCHED_COST, AWQ_ROUNDED_COST = 10, 3
+
+
+def solve_costs(n: int, cold: set[int], solved: int = SOLVED_COST, rounded: int = ROUNDED_COST) -> list[int]:
+    """Each of ``n`` experts' relative work: ``solved`` (:data:`SOLVED_COST`), ``rounded``
+    (:data:`ROUNDED_COST`) for the ``cold`` ones."""
+    return [rounded if e in cold else solved for e in range(n)]
 
 
 def divides(algorithm) -> bool:

@@ -221,12 +221,13 @@ def _zeros(calls: list, spill, tag: str) -> list[torch.Tensor]:
 
 
 def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorithm, groups, tap: ExpertTap,
-                            device, rebalance=None) -> LayerOutcome:
+                            device, rebalance=None, share=None) -> LayerOutcome:
     """Decoder layer ``i``'s step with its routed experts streamed (the module docstring's steps
     1-4), for :func:`compressor.pipeline._quantize_and_recompute`. ``groups``: the generator of
     :meth:`compressor.staging.LayerWriter.load_groups`, its first group (the non-expert tensors)
     already read; ``tap``: active on the layer's experts; ``rebalance(share)``: makes ``groups`` read
-    this rank's experts of ``share`` (:meth:`compressor.staging.LayerWriter.rebalance`). Leaves the
+    this rank's experts of ``share`` (:meth:`compressor.staging.LayerWriter.rebalance`); ``share``: the
+    :class:`~compressor.moe_ranks.ExpertShare` already chosen and read (AWQ's steps). Leaves the
     tap replaying the routed output of each batch for the driver's recompute.
 
     Returns:
@@ -256,10 +257,11 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
     routed = _zeros(calls, ctx.spill, "routed")
     ref_routed = _zeros(ref_calls or [], None, "")
     float_routed = _zeros(float_calls or [], ctx.spill, "float-routed")
-    # torchrun: this rank's experts (compressor.moe_ranks); solved from their tokens and not yet read
-    # (AWQ's steps read them before: no rebalance), blocks of about equal work
-    weighed = rebalance is not None and not getattr(algorithm, "per_linear", False)
-    share = ExpertShare.of(algorithm, len(tap.experts), solve_costs(len(tap.experts), cold) if weighed else None)
+    # torchrun: this rank's experts (compressor.moe_ranks); solved from their tokens and not yet read:
+    # blocks of about equal work (AWQ's steps chose theirs after their observe: compressor.moe_stream_awq)
+    weighed = share is None and rebalance is not None and not getattr(algorithm, "per_linear", False)
+    if share is None:
+        share = ExpertShare.of(algorithm, len(tap.experts), solve_costs(len(tap.experts), cold) if weighed else None)
     if weighed and share.size > 1:
         rebalance(share)
     accs = ((calls, routed, ctx.spill), (ref_calls or [], ref_routed, None),

@@ -59,11 +59,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .arch import ScalingGroup, expert_index, get_module, is_expert, layer_groups, layer_linears
-from .moe_ranks import ExpertShare
+from .distributed import deal
+from .moe_ranks import AWQ_ROUNDED_COST, AWQ_SEARCHED_COST, ExpertShare, solve_costs
 from .moe_stream import ExpertTap, _routed_counts, _zeros, add_expert, move_loaded, quantize_layer_streamed
 from .quant.awq import best_scale, candidate_weights, mean_of_rows, scale_grid, weight_row_sum
 from .quant.awq_layer import (InputStats, ScaledLayer, clip_and_quantize, fold_group, forward_loss, group_name,
-                              loss_batches, loss_step, observe, scale_group, watched_modules)
+                              loss_batches, loss_step, observe, scale_group, scale_groups, watched_modules)
 from .quant.gptq_layer import GPTQ, gptq_expert, gptq_layer
 from .quant.layer import LayerContext, LayerOutcome, inspect_forward, layer_forward
 
@@ -71,12 +72,15 @@ __all__ = ["quantize_layer_streamed_awq"]
 
 
 def quantize_layer_streamed_awq(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, algorithm, groups,
-                                tap: ExpertTap, device, reread) -> LayerOutcome:
+                                tap: ExpertTap, device, reread, rebalance=None) -> LayerOutcome:
     """Decoder layer ``i``'s AWQ or ``awq-gptq`` step with its routed experts read in groups (the
     module docstring), for :func:`compressor.pipeline._quantize_and_recompute`. ``groups``: the
     generator of :meth:`compressor.staging.LayerWriter.load_groups`, its non-expert group already
     read; ``reread()``: a new generator reading the expert groups once more without writing them
-    (:meth:`~compressor.staging.LayerWriter.read_groups`); ``tap``: active on the layer's experts.
+    (:meth:`~compressor.staging.LayerWriter.read_groups`); ``tap``: active on the layer's experts;
+    ``rebalance(share)``: makes ``groups`` and ``reread`` read this rank's experts of ``share``
+    (under several ranks: blocks of about equal work once the observe has routed the tokens,
+    :data:`~compressor.moe_ranks.AWQ_SEARCHED_COST`).
     Leaves the tap replaying the quantized routed output of each batch for the driver's recompute.
 
     Returns:
@@ -88,10 +92,10 @@ def quantize_layer_streamed_awq(i: int, layer, hidden: list, kw: dict, ctx: Laye
         QuantizationError: a scale search produced no finite loss, or a non-finite weight.
     """
     share = ExpertShare.of(algorithm, len(tap.experts))  # torchrun: this rank's experts (compressor.moe_ranks)
-    st = _Streamed(i, layer, hidden, kw, ctx, tap, device, reread, isinstance(algorithm, GPTQ), share)
+    st = _Streamed(i, layer, hidden, kw, ctx, tap, device, reread, isinstance(algorithm, GPTQ), share, rebalance)
     st.scale()
     step = _Step(algorithm, st)
-    outcome = quantize_layer_streamed(i, layer, hidden, kw, ctx, step, st.folding(groups), tap, device)
+    outcome = quantize_layer_streamed(i, layer, hidden, kw, ctx, step, st.folding(groups), tap, device, share=st.share)
     outcome.float_out = st.sl.float_out
     if not st.gptq:
         outcome.counts = st.sl.counts
@@ -124,6 +128,7 @@ class _Streamed:
     reread: object
     gptq: bool  #: ``awq-gptq``: GPTQ quantizes the folded layer
     share: ExpertShare  #: the experts this rank reads (all of them in one process) and the sums across ranks
+    rebalance: object = None  #: ``rebalance(share)``: this rank's experts of ``share`` read instead
     sl: ScaledLayer | None = None  #: the held part's linears and loss inputs; every linear's scales and originals
     calls: list = field(default_factory=list)  #: the float layer's expert calls per batch ``(x [N, H], index, w)``
     keep: list = field(default_factory=list)  #: per batch: among the loss sequences
@@ -153,6 +158,10 @@ class _Streamed:
         counts = _routed_counts(calls, len(tap.experts))
         self.sl = ScaledLayer(linears, stats.loss_inputs(linears, self.hidden, ctx.loss_n), ctx.cold(counts), {}, {},
                               {r: m.weight.detach().clone() for r, m in linears.items()}, {}, None, counts, {}, {})
+        if self.share.size > 1 and self.rebalance is not None:  # the routing known: blocks of about equal work
+            n = len(tap.experts)
+            self.share = ExpertShare(n, True, solve_costs(n, self.sl.cold, AWQ_SEARCHED_COST, AWQ_ROUNDED_COST))
+            self.rebalance(self.share)
         x_mean = stats.x_mean()
         del stats
         self.block = next((g for g in groups if not is_expert(arch, g.prev_op)
@@ -161,11 +170,15 @@ class _Streamed:
         search = _BlockSearch(self, x_mean) if self.block is not None else None
         self._first_read(search)
         self.sl.phases["observe"], tp = time.perf_counter() - tp, time.perf_counter()
-        for g in groups:  # in order, as the whole layer: later groups see the earlier folds
-            if g is self.block:
-                self._scale_block(search)
+        run = []  # in order, as the whole layer: later groups see the earlier folds they read
+        for g in [*groups, None]:
+            if g is None or g is self.block:  # the held groups before it, their searches dealt to the ranks
+                scale_groups(layer, run, self.prefix, self.sl, x_mean, self.kw, ctx)
+                run = []
+                if g is not None:
+                    self._scale_block(search)
             elif not is_expert(arch, g.prev_op):  # the experts' own groups: at their quantizing read
-                scale_group(layer, g, self.prefix, self.sl, x_mean, self.kw, ctx)
+                run.append(g)
         self.sl.phases["scale_search"] = time.perf_counter() - tp
 
     def _first_read(self, search: "_BlockSearch | None") -> None:
@@ -324,9 +337,12 @@ class _BlockSearch:
         for c0 in range(0, len(grid), k):
             part = grid[c0:c0 + k]
             outs = self._candidate_reads([s for _, s in part])
-            for (_, s), out in zip(part, outs):
-                st.tap.set("replay", out)
-                losses.append(float(loss_fn(candidate_weights(held_w, s, *self._schemes(held)))))
+
+            def loss_of(j: int) -> float:  # every rank holds every candidate's routed part: the losses are dealt
+                st.tap.set("replay", outs[j])
+                return float(loss_fn(candidate_weights(held_w, part[j][1], *self._schemes(held))))
+
+            losses += deal(list(range(len(part))), loss_of)
             st.tap.set("zero")
             del outs
         s, ratio = best_scale(grid, losses, st.prefix + group_name(group))
@@ -410,7 +426,7 @@ class _Step:
         if self.st.gptq:
             out = gptq_expert(i, layer, rels, inputs, cold, ctx, folds=self._folds())
         else:
-            out = LayerOutcome(clip_and_quantize(i, lin, x_loss, self.st.sl.cold, *self._folds(), ctx))
+            out = LayerOutcome(clip_and_quantize(i, lin, x_loss, self.st.sl.cold, *self._folds(), ctx, dealt=False))
         for d in self._folds():  # the expert's scales and weights before folding: not read again
             for r in lin:
                 d.pop(r, None)

@@ -505,7 +505,7 @@ def _quantize_streamed_moe(i, layer, hidden, kw, ctx: LayerContext, algorithm: A
             from .moe_stream_awq import quantize_layer_streamed_awq
 
             step = lambda i, layer, hidden, kw, ctx: quantize_layer_streamed_awq(  # noqa: E731
-                i, layer, hidden, kw, ctx, algorithm, loads, tap, device, lambda: hooks.read_groups(groups[1:]))
+                i, layer, hidden, kw, ctx, algorithm, loads, tap, device, hooks.read_groups, hooks.rebalance)
         else:
             step = lambda i, layer, hidden, kw, ctx: quantize_layer_streamed(  # noqa: E731
                 i, layer, hidden, kw, ctx, algorithm, loads, tap, device, hooks.rebalance)

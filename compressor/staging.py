@@ -519,16 +519,16 @@ class LayerWriter:
         self._pending[1:], counts = share.groups(experts, sizes, self.memory_budget)
         self._mail = GroupMail(counts, self.memory_budget // 2)
 
-    def read_groups(self, groups: list[list[str]]):
-        """Materialize routed-expert ``groups`` (of :meth:`expert_groups`, the non-expert one left out)
-        one at a time, yielding each group's module names after it is read and returning its
-        weights to ``meta`` before the next is read; nothing is written (AWQ's statistics and
-        scale search before :meth:`load_groups` quantizes the layer: :mod:`compressor.moe_stream_awq`).
+    def read_groups(self, groups: list[list[str]] | None = None):
+        """Materialize routed-expert ``groups`` (default: those :meth:`load_groups` reads) one at a time,
+        yielding each group's module names after it is read and returning its weights to ``meta``
+        before the next is read; nothing is written (AWQ's statistics and scale search before
+        :meth:`load_groups` quantizes the layer: :mod:`compressor.moe_stream_awq`).
 
         Raises:
             InputError: a tensor holds NaN or Inf (named).
         """
-        for names in groups:
+        for names in self._pending[1:] if groups is None else groups:
             load_into(self.model, self.ckpt, self.arch, names)
             modules = sorted({n.rsplit(".", 1)[0] for n in names})
             try:

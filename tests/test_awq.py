@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from compressor.quant.awq import candidate_scales, search_clip, search_scales, weight_mean
@@ -210,3 +211,48 @@ def test_chunked_forward_loss_equals_the_whole_batch():
         expected = (direct - mlp(x).double()).pow(2).mean()
     torch.testing.assert_close(chunked.double(), expected, rtol=1e-5, atol=0)
     torch.testing.assert_close(whole.double(), chunked.double(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("row", ["llama", "deepseek_v3", "qwen3_moe", "glm4_moe"])
+def test_searches_run_at_once_where_no_earlier_fold_reaches_them(row, tmp_path, tokenizer, monkeypatch):
+    """AWQ's scale searches cut into runs (search_waves: each run searched at once, then folded in
+    order; under ranks the searches of a run are dealt) give the artifact of searching and folding
+    one group at a time, tensor for tensor, on dense, MLA and MoE rows (MoE layers held whole);
+    and the runs are not trivial: some run holds several groups."""
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
+    from compressor.quant import awq_layer
+    from conftest import digests
+    from tiny_models import ROW_FAST, make_dir
+
+    src = make_dir(tmp_path / "src", tokenizer, row, num_hidden_layers=2)
+    seen = []
+    real = awq_layer.search_waves
+
+    def spy(groups):
+        waves = real(groups)
+        seen.append([len(w) for w in waves])
+        return waves
+
+    monkeypatch.setattr(awq_layer, "search_waves", spy)
+    run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "runs", algorithm="awq", threads=1, **ROW_FAST))
+    monkeypatch.setattr(awq_layer, "search_waves", lambda groups: [[g] for g in groups])
+    run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "one", algorithm="awq", threads=1, **ROW_FAST))
+    assert digests(tmp_path / "runs") == digests(tmp_path / "one")
+    assert any(max(w) > 1 for w in seen if w), seen
+
+
+def test_a_search_waits_for_an_earlier_fold_it_reads():
+    """A group inspected on a module an earlier group folds into starts a new run; one that reads
+    nothing the run folds joins it."""
+    from compressor.arch import ScalingGroup
+    from compressor.quant.awq_layer import search_waves
+
+    attn = ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj"), "self_attn", True)
+    v_o = ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj")
+    mlp = ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp")
+    down = ScalingGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj")
+    reads_up = ScalingGroup("mlp.gate_proj", ("mlp.up_proj",), "mlp.up_proj")  # reads up, which `mlp` folds
+    assert search_waves([attn, v_o, mlp, down]) == [[attn, v_o, mlp, down]]
+    assert search_waves([mlp, reads_up, down]) == [[mlp], [reads_up, down]]
+    assert search_waves([v_o, attn]) == [[v_o], [attn]]  # attn's forward reads o_proj, which v_o folds

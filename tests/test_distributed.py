@@ -26,7 +26,7 @@ from compressor.commands.quantize import run_quantize
 from compressor.entry import RANKS_ENV, ranks_defaults
 from compressor.errors import InputError
 from compressor.manifest import load_manifest
-from compressor.moe_ranks import Stash, bounds, solve_costs
+from compressor.moe_ranks import AWQ_ROUNDED_COST, AWQ_SEARCHED_COST, Stash, bounds, solve_costs
 from compressor.safetensors_io import read_header
 from compressor.source.lazy import ROUTED_EXPERT
 from compressor.staging import Staging, kept_note
@@ -83,6 +83,13 @@ def test_deal_and_share_without_a_group_are_plain_calls():
     assert d.deal([1, 2, 3], lambda t: t * 10) == [10, 20, 30]
     x = {"a": torch.ones(2)}
     assert d.share(x) is x
+    assert d.deal([1, 2, 3], lambda t: t * 10, costs=[5.0, 1.0, 9.0]) == [10, 20, 30]
+
+
+def test_owners_take_the_largest_task_first_to_the_least_loaded_rank():
+    assert d.owners([5, 1, 9, 4], 2) == [1, 0, 0, 1]  # 9 -> 0, 5 -> 1, 4 -> 1 (5 < 9), 1 -> 0 (9 = 9: lower rank)
+    assert d.owners([3, 3, 3], 2) == [0, 1, 0]  # ties: the lower index first, the lower rank
+    assert d.owners([], 3) == [] and d.owners([7], 3) == [0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -377,6 +384,7 @@ def test_a_stash_added_after_the_ranks_before_gives_the_single_process_sum():
 ONE_EXPERT_GIB = 1.5 * 3 * 64 * 32 * 5 / 2**30
 MOE_ARGS = ["--group-size", "32", "--calib-samples", "4", "--calib-seqlen", "48", "--threads", "1", "--json"]
 #: name: (kvq flags, the single-process run's options)
+AWQ_GRID = 4
 MOE_CASES = {
     "gptq": (["--algorithm", "gptq"], dict(algorithm="gptq")),
     "gptaq": (["--algorithm", "gptq", "--set", "gptq.gptaq_alpha=0.25"],
@@ -386,12 +394,17 @@ MOE_CASES = {
     # activations, the routed sums and a later rank's kept rows memory-mapped (the sums broadcast into the maps)
     "gptq-spilled": (["--algorithm", "gptq", "--activation-budget-gib", "0"],
                      dict(algorithm="gptq", activation_budget_gib=0)),
-    # the block's scale searched over every rank's experts: three reads, each rank reading its own (moe_stream_awq)
-    "awq": (["--algorithm", "awq"], dict(algorithm="awq")),
-    "awq-gptq": (["--algorithm", "awq-gptq"], dict(algorithm="awq-gptq")),
+    # the block's scale searched over every rank's experts: three reads, each rank reading its own (moe_stream_awq);
+    # a grid of AWQ_GRID ratios (each one more read of the experts for the single process's budget of one expert)
+    "awq": (["--algorithm", "awq", "--set", f"awq.n_grid={AWQ_GRID}"],
+            dict(algorithm="awq", settings=(("awq.n_grid", AWQ_GRID),))),
+    "awq-gptq": (["--algorithm", "awq-gptq", "--set", f"awq.n_grid={AWQ_GRID}"],
+                 dict(algorithm="awq-gptq", settings=(("awq.n_grid", AWQ_GRID),))),
     # cold experts (RTN, no scaling group of their own) beside static fp8 KV scales
-    "awq-cold-fp8": (["--algorithm", "awq", "--kv-scheme", "fp8", "--set", "moe.min_tokens=80"],
-                     dict(algorithm="awq", kv_scheme="fp8", settings=(("moe.min_tokens", 80),))),
+    "awq-cold-fp8": (["--algorithm", "awq", "--kv-scheme", "fp8", "--set", "moe.min_tokens=80",
+                      "--set", f"awq.n_grid={AWQ_GRID}"],
+                     dict(algorithm="awq", kv_scheme="fp8",
+                          settings=(("moe.min_tokens", 80), ("awq.n_grid", AWQ_GRID)))),
 }
 #: the cases run on the DeepSeek-V3 row alone
 DEEPSEEK_ONLY = {"gptq-spilled", "awq-cold-fp8"}
@@ -433,28 +446,35 @@ def test_ranks_own_the_experts_and_write_the_single_process_artifact(model_type,
     assert [g[0] for g in got] == [0, 0], got
     assert digests(tmp_path / "two") == digests(tmp_path / "one")
     # weight_groups: the groups of every rank; awq_expert_reads: the grid's reads, as many candidates at once as
-    # the budget holds (one process, one expert's budget: 1 + 20 + 1; the ranks, the default: 1 + 1 + 1)
+    # the budget holds (one process, one expert's budget: 1 + AWQ_GRID + 1; the ranks, the default: 1 + 1 + 1)
     timing = {"seconds", "phase_seconds", "weight_groups", "awq_expert_reads"}
     full = [load_manifest(o).quality["layers"] for o in (tmp_path / "one", tmp_path / "two")]
     layers = [[{k: v for k, v in f.items() if k not in timing} for f in m] for m in full]
     assert layers[0] == layers[1]
     n_reads = {f["layer"]: f.get("awq_expert_reads", 1) for f in full[1]}  # reads of each layer's experts
     assert [n_reads[i] for i in (1, 2)] == ([3, 3] if "awq" in case else [1, 1])
-    assert [f.get("awq_expert_reads") for f in full[0]][1:] == ([22, 22] if "awq" in case else [None, None])
+    assert [f.get("awq_expert_reads") for f in full[0]][1:] == ([AWQ_GRID + 2] * 2 if "awq" in case else [None, None])
     assert load_manifest(tmp_path / "two").quality["moe"] == load_manifest(tmp_path / "one").quality["moe"]
     per_rank = json.loads(got[0][1])["ranks"]
     assert [r["rank"] for r in per_rank] == [0, 1]
-    # the experts each rank owns: halves, or, where experts are solved from their tokens, blocks of equal work
+    # the experts each rank owns: halves (RTN, float), or blocks of equal work where the routing is known before
+    # the first read: GPTQ's solves, AWQ's searches (its cold experts are the float routing's: the manifest's for
+    # AWQ; awq-gptq's manifest counts GPTQ's routing, so there the blocks are only checked to divide the experts)
     cold = {m["layer"]: set(m["below_min_tokens"]) for m in load_manifest(tmp_path / "one").quality["moe"]["layers"]}
     weighed = case.startswith(("gptq", "gptaq"))
-    share = {(i, r): set(range(*bounds(4, r, 2, solve_costs(4, cold[i]) if weighed else None)))
+    costs = {i: solve_costs(4, cold[i]) if weighed else solve_costs(4, cold[i], AWQ_SEARCHED_COST, AWQ_ROUNDED_COST)
+             if case.startswith("awq") else None for i in (1, 2)}
+    owned = {(i, r): {int(m.group(1)) for n in (reads / f"rank{r}.txt").read_text().split()
+                      if n.startswith(f"model.layers.{i}.") and (m := ROUTED_EXPERT.search(n))}
              for i in (1, 2) for r in (0, 1)}
+    share = {(i, r): set(range(*bounds(4, r, 2, costs[i]))) for i in (1, 2) for r in (0, 1)}
+    for i in (1, 2):
+        if case == "awq-gptq":
+            lo = min(owned[i, 1])
+            share[i, 0], share[i, 1] = set(range(lo)), set(range(lo, 4))
+        for r in (0, 1):
+            assert owned[i, r] == share[i, r], (r, i, owned)
     for r in (0, 1):
-        names = (reads / f"rank{r}.txt").read_text().split()
-        for i in (1, 2):
-            owned = {int(m.group(1)) for n in names if n.startswith(f"model.layers.{i}.")
-                     and (m := ROUTED_EXPERT.search(n))}
-            assert owned == share[i, r], (r, i, owned)
         assert per_rank[r]["routed_expert_bytes_read"] == sum(
             n_reads[i] * _expert_bytes(src, (i,), share[i, r]) for i in (1, 2)) > 0
     if weighed and model_type == "deepseek_v3":  # its routing leaves the halves unequal in work (glm4_moe's: all cold)
@@ -465,9 +485,9 @@ def test_ranks_own_the_experts_and_write_the_single_process_artifact(model_type,
 @pytest.mark.parametrize("model_type,algorithm", [("deepseek_v3", "gptq"), ("deepseek_v3", "awq"),
                                                   ("glm4_moe", "awq-gptq")])
 def test_three_ranks_with_unequal_shares(model_type, algorithm, moe_rows, tmp_path):
-    """Four experts on three ranks (AWQ: 1, 1 and 2 experts; GPTQ: blocks of equal work; read one at a
-    time): rank 0 writes every rank's groups whatever their number (AWQ: in each of its reads, the grid's
-    candidates one per read); the artifact is the single-process one, holding each layer whole."""
+    """Four experts on three ranks (blocks of equal work; read one at a time): rank 0 writes every rank's
+    groups whatever their number (AWQ: in each of its reads, the grid's candidates one per read); the
+    artifact is the single-process one, holding each layer whole."""
     src = moe_rows[model_type]
     run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "one", algorithm=algorithm, threads=1, **ROW_FAST))
     got = ends(ranks(3, [src, "-o", tmp_path / "three", "--algorithm", algorithm, "--memory-budget-gib",
@@ -478,7 +498,8 @@ def test_three_ranks_with_unequal_shares(model_type, algorithm, moe_rows, tmp_pa
     assert [n_reads[i] for i in (1, 2)] == ([22, 22] if algorithm.startswith("awq") else [1, 1])
     per_rank = json.loads(got[0][1])["ranks"]
     cold = {m["layer"]: set(m["below_min_tokens"]) for m in load_manifest(tmp_path / "one").quality["moe"]["layers"]}
-    costs = {i: None if algorithm.startswith("awq") else solve_costs(4, cold[i]) for i in (1, 2)}  # GPTQ: weighed
+    costs = {i: solve_costs(4, cold[i], *((AWQ_SEARCHED_COST, AWQ_ROUNDED_COST) if algorithm == "awq" else ()))
+             for i in (1, 2)}  # awq-gptq on glm4_moe: every expert cold, by either routing
     assert [r["routed_expert_bytes_read"] for r in per_rank] == [
         sum(n_reads[i] * _expert_bytes(src, (i,), set(range(*bounds(4, r, 3, costs[i])))) for i in (1, 2))
         for r in range(3)]

@@ -18,6 +18,7 @@ EXPERT_BYTES = 3 * 64 * 32 * 5
 #: the tiny rows' 4 experts are about 123 kB: a budget of 1.5 experts reads them one at a time, 4.5 all at once
 ONE, ALL = 1.5 * EXPERT_BYTES / 2**30, 4.5 * EXPERT_BYTES / 2**30
 
+AWQ_GRID = 4
 CASES = {
     "gptq": dict(algorithm="gptq"),
     "gptq-no-true-sequential": dict(algorithm="gptq", settings=(("gptq.true_sequential", False),)),
@@ -26,10 +27,11 @@ CASES = {
     "rtn+fp8-static": dict(algorithm="rtn", kv_scheme="fp8"),
     "float+fp8-static": dict(algorithm="none", kv_scheme="fp8"),  # a KV-only artifact: experts written float
     "cold-experts": dict(algorithm="gptq", settings=(("moe.min_tokens", 60),)),
-    # AWQ's block scale spans every expert: two more reads of the experts (compressor.moe_stream_awq)
-    "awq": dict(algorithm="awq"),
-    "awq-gptq": dict(algorithm="awq-gptq"),
-    "awq-cold-fp8": dict(algorithm="awq", kv_scheme="fp8", settings=(("moe.min_tokens", 80),)),
+    # AWQ's block scale spans every expert: two more reads of the experts (compressor.moe_stream_awq); a grid of
+    # AWQ_GRID ratios, not 20: each candidate is one more read of every expert group
+    "awq": dict(algorithm="awq", settings=(("awq.n_grid", AWQ_GRID),)),
+    "awq-gptq": dict(algorithm="awq-gptq", settings=(("awq.n_grid", AWQ_GRID),)),
+    "awq-cold-fp8": dict(algorithm="awq", kv_scheme="fp8", settings=(("moe.min_tokens", 80), ("awq.n_grid", AWQ_GRID))),
 }
 
 
@@ -56,7 +58,7 @@ def reads(monkeypatch):
             seen.append((i, held(self.model, i)))
             yield modules
 
-    def read(self, groups):
+    def read(self, groups=None):
         for modules in real_read(self, groups):
             i = int(modules[0].split(".")[2])
             seen.append((-i, held(self.model, i)))
@@ -104,11 +106,11 @@ def test_grouped_calibration_is_exact(model_type, case, moe_sources, reads, tmp_
     for i in (1, 2):  # layer 0 is dense
         assert [n for j, n in one_reads if j == i] == [0, 1, 1, 1, 1], one_reads
         assert [n for j, n in all_reads if j == i] == [0, 4], all_reads
-        # AWQ reads the experts before: its weight_mean terms and float reference, then the grid's 20 candidates, as
-        # many at once as the budget holds their routed parts (4 x 192 loss tokens x 64 bytes each): 1 (one expert's
-        # budget), 2 (four experts'): 1 + 20 and 1 + 10 more reads
-        assert [n for j, n in one_reads if j == -i] == ([1] * 4 * 21 if awq else []), one_reads
-        assert [n for j, n in all_reads if j == -i] == ([4] * 11 if awq else []), all_reads
+        # AWQ reads the experts before: its weight_mean terms and float reference, then the grid's AWQ_GRID candidates,
+        # as many at once as the budget holds their routed parts (4 x 192 loss tokens x 64 bytes each): 1 (one
+        # expert's budget), 2 (four experts'): 1 + 4 and 1 + 2 more reads
+        assert [n for j, n in one_reads if j == -i] == ([1] * 4 * (1 + AWQ_GRID) if awq else []), one_reads
+        assert [n for j, n in all_reads if j == -i] == ([4] * (1 + AWQ_GRID // 2) if awq else []), all_reads
     layers = {f["layer"]: f for f in load_manifest(tmp_path / "one").quality["layers"]}
     whole = {f["layer"]: f for f in load_manifest(tmp_path / "whole").quality["layers"]}
     assert layers[1]["weight_groups"] == 5 and "weight_groups" not in whole[1]
@@ -119,7 +121,7 @@ def test_grouped_calibration_is_exact(model_type, case, moe_sources, reads, tmp_
             assert layers[i]["output_rel_error"] is None
         elif awq:  # AWQ's float reference is the layer's own forward with its routed part replayed: exact
             assert layers[i]["output_rel_error"] == whole[i]["output_rel_error"]
-            assert layers[i]["awq_ratios"] == whole[i]["awq_ratios"] and layers[i]["awq_expert_reads"] == 22
+            assert layers[i]["awq_ratios"] == whole[i]["awq_ratios"] and layers[i]["awq_expert_reads"] == AWQ_GRID + 2
             assert list(layers[i]["awq_ratios"]) == list(whole[i]["awq_ratios"])  # the layer's group order
         else:  # the reference's routed part is added after its shared part (moe_stream's docstring)
             assert layers[i]["output_rel_error"] == pytest.approx(whole[i]["output_rel_error"], rel=1e-4, abs=1e-6)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..arch import expert_index, get_module, layer_groups, layer_linears
+from ..distributed import deal
 from .algorithms import Algorithm, register_algorithm
 from .awq import search_clip, search_scales, tie_kv_heads
 from .layer import LayerContext, LayerOutcome, inspect_forward, layer_forward
@@ -307,25 +308,37 @@ def fold_group(layer, group, s, key, linears, x_loss, col_scale, row_scale, norm
         x_loss[k] = x_loss[k] / s
 
 
-def clip_and_quantize(i, linears, x_loss, cold, col_scale, row_scale, originals, ctx: LayerContext) -> list[float]:
+def clip_and_quantize(i, linears, x_loss, cold, col_scale, row_scale, originals, ctx: LayerContext,
+                      dealt: bool = True) -> list[float]:
     """Clip search and quantization of every targeted linear (cold experts: RTN, no clipping);
-    returns the relative weight errors (in the original weights' space)."""
+    returns the relative weight errors (in the original weights' space). ``dealt``: every rank
+    holds ``linears`` and runs this call, so the clip searches are dealt to the ranks (each
+    linear's on one rank, by its multiply-adds: :func:`compressor.distributed.deal`; every rank
+    then holds every ``clip_max``, bit for bit); False for one rank's own experts."""
     arch, quantizer, opts, targets = ctx.arch, ctx.quantizer, ctx.recipe.awq, ctx.targets
     prefix = f"{arch.layers}.{i}."
+    searched = {}  # rel -> (weight, sampled inputs [k, in], bits, group_size, symmetric)
+    for rel, lin in linears.items():
+        e = expert_index(arch, rel)
+        xs = x_loss[rel].reshape(-1, lin.in_features) if prefix + rel in targets else None
+        if (xs is not None and opts.clip and rel not in arch.clip_skip and not (e is not None and e in cold)
+                and xs.shape[0]):
+            idx = torch.linspace(0, xs.shape[0] - 1, min(opts.clip_tokens, xs.shape[0])).long()
+            searched[rel] = (lin.weight.detach(), xs[idx], *quantizer.schemes[prefix + rel][:3])
+    tasks = list(searched.values())
+
+    def solve(t):
+        return search_clip(*t, opts.clip_grid, opts.clip_max_shrink)
+
+    found = deal(tasks, solve, [t[0].numel() * t[1].shape[0] for t in tasks]) if dealt else [solve(t) for t in tasks]
+    clip = dict(zip(searched, found))
     errs = []
     for rel, lin in linears.items():
         name = prefix + rel
         if name not in targets:
             continue
-        clip_max = None
-        e = expert_index(arch, rel)
-        xs = x_loss[rel].reshape(-1, lin.in_features)
-        if opts.clip and rel not in arch.clip_skip and not (e is not None and e in cold) and xs.shape[0]:
-            idx = torch.linspace(0, xs.shape[0] - 1, min(opts.clip_tokens, xs.shape[0])).long()
-            bits, gs, sym = quantizer.schemes[name][:3]
-            clip_max = search_clip(lin.weight.detach(), xs[idx], bits, gs, sym, opts.clip_grid, opts.clip_max_shrink)
         ctx.modules[name], err = quantizer.quantize_linear(
-            name, lin, clip_max, col_scale.get(rel), originals[rel], row_scale.get(rel)
+            name, lin, clip.get(rel), col_scale.get(rel), originals[rel], row_scale.get(rel)
         )
         errs.append(err)
     return errs
@@ -370,11 +383,13 @@ def watched_modules(layer, linears: dict, groups: list) -> dict:
     return watched
 
 
-def scale_group(layer, group, prefix: str, sl: ScaledLayer, x_mean: dict, kw: dict, ctx: LayerContext) -> None:
+def scale_group(layer, group, prefix: str, sl: ScaledLayer, x_mean: dict, kw: dict, ctx: LayerContext,
+                found=False) -> None:
     """Search one scaling group's scales and fold them (:func:`search_group_scales`, :func:`fold_group`)
     on ``sl``'s linears and loss inputs, recording in ``sl`` the ratio and the scales folded, or why a
-    targeted group was left unscaled."""
-    found = search_group_scales(layer, group, prefix, sl.linears, sl.x_loss, x_mean, sl.cold, kw, ctx)
+    targeted group was left unscaled. ``found``: the search's result when already made (:func:`scale_groups`)."""
+    if found is False:
+        found = search_group_scales(layer, group, prefix, sl.linears, sl.x_loss, x_mean, sl.cold, kw, ctx)
     if isinstance(found, str):
         sl.skipped[group_name(group)] = found
     if found is None or isinstance(found, str):
@@ -382,6 +397,56 @@ def scale_group(layer, group, prefix: str, sl: ScaledLayer, x_mean: dict, kw: di
     s, sl.ratios[group.prev_op], key = found
     fold_group(layer, group, s, key, sl.linears, sl.x_loss, sl.col_scale, sl.row_scale, ctx.arch.norm_offset,
                ctx.quantizer.dtype)
+
+
+def _reads(group) -> tuple[set, set]:
+    """What :func:`search_group_scales` reads of ``group``'s layer: ``(modules, loss-input keys)``
+    (the inspected module and everything inside it, the group's linears; the prev op's shape only)."""
+    return {group.inspect, *group.linears}, {group.inputs_at or group.linears[0]}
+
+
+def _writes(group) -> tuple[set, set]:
+    """What :func:`fold_group` changes: ``(modules, loss-input keys)``."""
+    return ({group.prev_op, *group.linears, *group.also_scale},
+            {*group.linears, group.inputs_at or group.linears[0]})
+
+
+def _inside(a: str, b: str) -> bool:
+    """Whether module ``a`` is ``b``, inside it, or holds it."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def search_waves(groups: list) -> list[list]:
+    """``groups`` (in the layer's order) cut into runs, each as long as no group's scale search reads
+    what an earlier group of its run folds (:func:`_reads`, :func:`_writes`): the searches of a run
+    see the layer as the one-at-a-time order shows it to them, so they can run at once (dealt to
+    the ranks: :func:`scale_groups`) and their folds follow, in order, with the same result bit for bit."""
+    waves: list[list] = []
+    for g in groups:
+        mods, keys = _reads(g)
+        clash = waves and any(any(_inside(w, m) for w in wm for m in mods) or wk & keys
+                              for wm, wk in map(_writes, waves[-1]))
+        if waves and not clash:
+            waves[-1].append(g)
+        else:
+            waves.append([g])
+    return waves
+
+
+def _search_cost(layer, group) -> int:
+    """A scale search's expected work, for dealing: its linears' weights (each candidate fake-quantizes them)."""
+    return sum(get_module(layer, r).weight.numel() for r in group.linears)
+
+
+def scale_groups(layer, groups: list, prefix: str, sl: ScaledLayer, x_mean: dict, kw: dict, ctx: LayerContext) -> None:
+    """:func:`scale_group` for each of ``groups`` in order, the searches of each of their
+    :func:`search_waves` dealt to the ranks (:func:`compressor.distributed.deal`; every rank holds
+    the layer and runs this call), then folded in order: the single process's scales bit for bit."""
+    for wave in search_waves(groups):
+        found = deal(wave, lambda g: search_group_scales(layer, g, prefix, sl.linears, sl.x_loss, x_mean, sl.cold,
+                                                         kw, ctx), [_search_cost(layer, g) for g in wave])
+        for g, f in zip(wave, found):
+            scale_group(layer, g, prefix, sl, x_mean, kw, ctx, found=f)
 
 
 def awq_scale_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> ScaledLayer:
@@ -404,8 +469,7 @@ def awq_scale_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) ->
     x_mean = stats.x_mean()
     del stats
     phases["observe"], tp = time.perf_counter() - tp, time.perf_counter()
-    for group in groups:  # one scaling group at a time: later groups see the earlier folds
-        scale_group(layer, group, prefix, sl, x_mean, kw, ctx)
+    scale_groups(layer, groups, prefix, sl, x_mean, kw, ctx)  # later groups see the earlier folds they read
     phases["scale_search"] = time.perf_counter() - tp
     return sl
 

@@ -49,14 +49,14 @@ class ModelSource:
 def deal_files(sizes: dict[str, int], size: int) -> list[list[str]]:
     """The files of ``sizes`` (name -> bytes) dealt to ``size`` ranks, largest first, each to the
     rank with the fewest bytes so far (the lowest rank on a tie); each rank's names sorted. The
-    same on every rank, from the listing alone (longest-processing-time-first scheduling)."""
+    same on every rank, from the listing alone (:func:`compressor.distributed.owners`)."""
+    from ..distributed import owners
+
+    names = sorted(sizes)
     shares: list[list[str]] = [[] for _ in range(size)]
-    load = [0] * size
-    for n in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        r = min(range(size), key=lambda r: (load[r], r))
+    for n, r in zip(names, owners([sizes[n] for n in names], size)):
         shares[r].append(n)
-        load[r] += sizes[n]
-    return [sorted(s) for s in shares]
+    return shares
 
 
 def resolve_source(spec: str) -> ModelSource:
