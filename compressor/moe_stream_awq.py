@@ -426,7 +426,7 @@ class _Step:
         if self.st.gptq:
             out = gptq_expert(i, layer, rels, inputs, cold, ctx, folds=self._folds())
         else:
-            out = LayerOutcome(clip_and_quantize(i, lin, x_loss, self.st.sl.cold, *self._folds(), ctx, dealt=False))
+            out = LayerOutcome(clip_and_quantize(i, lin, x_loss, self.st.sl.cold, *self._folds(), ctx))
         for d in self._folds():  # the expert's scales and weights before folding: not read again
             for r in lin:
                 d.pop(r, None)

@@ -308,13 +308,12 @@ def fold_group(layer, group, s, key, linears, x_loss, col_scale, row_scale, norm
         x_loss[k] = x_loss[k] / s
 
 
-def clip_and_quantize(i, linears, x_loss, cold, col_scale, row_scale, originals, ctx: LayerContext,
-                      dealt: bool = True) -> list[float]:
+def clip_and_quantize(i, linears, x_loss, cold, col_scale, row_scale, originals, ctx: LayerContext) -> list[float]:
     """Clip search and quantization of every targeted linear (cold experts: RTN, no clipping);
-    returns the relative weight errors (in the original weights' space). ``dealt``: every rank
-    holds ``linears`` and runs this call, so the clip searches are dealt to the ranks (each
-    linear's on one rank, by its multiply-adds: :func:`compressor.distributed.deal`; every rank
-    then holds every ``clip_max``, bit for bit); False for one rank's own experts."""
+    returns the relative weight errors (in the original weights' space). The clip searches are
+    dealt to the ranks (each linear's on one rank, by its multiply-adds: :func:`compressor.distributed.deal`;
+    every rank then holds every ``clip_max``, bit for bit); a rank's own experts, inside
+    :func:`compressor.distributed.alone`, search theirs here."""
     arch, quantizer, opts, targets = ctx.arch, ctx.quantizer, ctx.recipe.awq, ctx.targets
     prefix = f"{arch.layers}.{i}."
     searched = {}  # rel -> (weight, sampled inputs [k, in], bits, group_size, symmetric)
@@ -326,11 +325,8 @@ def clip_and_quantize(i, linears, x_loss, cold, col_scale, row_scale, originals,
             idx = torch.linspace(0, xs.shape[0] - 1, min(opts.clip_tokens, xs.shape[0])).long()
             searched[rel] = (lin.weight.detach(), xs[idx], *quantizer.schemes[prefix + rel][:3])
     tasks = list(searched.values())
-
-    def solve(t):
-        return search_clip(*t, opts.clip_grid, opts.clip_max_shrink)
-
-    found = deal(tasks, solve, [t[0].numel() * t[1].shape[0] for t in tasks]) if dealt else [solve(t) for t in tasks]
+    found = deal(tasks, lambda t: search_clip(*t, opts.clip_grid, opts.clip_max_shrink),
+                 [t[0].numel() * t[1].shape[0] for t in tasks])
     clip = dict(zip(searched, found))
     errs = []
     for rel, lin in linears.items():
@@ -424,18 +420,17 @@ def search_waves(groups: list) -> list[list]:
     waves: list[list] = []
     for g in groups:
         mods, keys = _reads(g)
-        clash = waves and any(any(_inside(w, m) for w in wm for m in mods) or wk & keys
-                              for wm, wk in map(_writes, waves[-1]))
-        if waves and not clash:
+        if waves and not any(any(_inside(w, m) for w in wm for m in mods) or wk & keys
+                             for wm, wk in map(_writes, waves[-1])):
             waves[-1].append(g)
         else:
             waves.append([g])
     return waves
 
 
-def _search_cost(layer, group) -> int:
+def _search_cost(linears: dict, group) -> int:
     """A scale search's expected work, for dealing: its linears' weights (each candidate fake-quantizes them)."""
-    return sum(get_module(layer, r).weight.numel() for r in group.linears)
+    return sum(linears[r].weight.numel() for r in group.linears)
 
 
 def scale_groups(layer, groups: list, prefix: str, sl: ScaledLayer, x_mean: dict, kw: dict, ctx: LayerContext) -> None:
@@ -444,7 +439,7 @@ def scale_groups(layer, groups: list, prefix: str, sl: ScaledLayer, x_mean: dict
     the layer and runs this call), then folded in order: the single process's scales bit for bit."""
     for wave in search_waves(groups):
         found = deal(wave, lambda g: search_group_scales(layer, g, prefix, sl.linears, sl.x_loss, x_mean, sl.cold,
-                                                         kw, ctx), [_search_cost(layer, g) for g in wave])
+                                                         kw, ctx), [_search_cost(sl.linears, g) for g in wave])
         for g, f in zip(wave, found):
             scale_group(layer, g, prefix, sl, x_mean, kw, ctx, found=f)
 
