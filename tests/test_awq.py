@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from compressor.quant.awq import candidate_scales, search_clip, search_scales, weight_mean
+from compressor.errors import QuantizationError
+from compressor.quant.awq import candidate_scales, pick_scale, search_clip, search_scale_range, search_scales, weight_mean
+from compressor.quant.awq_layer import grid_ranges
 from compressor.quant.primitives import fake_quantize
 
 
@@ -28,6 +30,45 @@ def test_awq_beats_rtn_on_outlier_channels():
     assert plain[0] == rtn_loss
     assert ratio > 0
     assert awq_loss < 0.8 * rtn_loss
+
+
+@pytest.mark.parametrize("parts", [2, 3, 7, 20, 25])
+@pytest.mark.parametrize("losses_at", ["real", "tie", "nan-first", "one-finite"])
+def test_a_grid_searched_in_ranges_picks_the_whole_grids_scales(parts, losses_at):
+    # ranks search a group's grid in consecutive ranges (awq_layer._dealt_searches): the pick is the whole grid's
+    x, w = _outlier_problem(seed=1, n=256)
+    ref = x @ w.t()
+    real = lambda c: (x @ c[0].t() - ref).pow(2).mean()  # noqa: E731
+    fixed = {"tie": [3.0, 2.0, 5.0, 1.0, 4.0, 1.0] * 4,  # the first of two equal smallest losses is the choice
+             "nan-first": [float("nan")] * 12 + [2.0, 1.0] * 4,
+             "one-finite": [float("inf")] * 17 + [0.5, float("nan"), float("inf")]}.get(losses_at)
+    at = {"i": 0}  # the grid index of the next candidate tried
+
+    def loss_fn(cands):
+        at["i"] += 1
+        return real(cands) if fixed is None else torch.tensor(fixed[at["i"] - 1])
+
+    args = (x.abs().mean(0), [w], loss_fn, 4, 32, False)
+    s, ratio, losses = search_scales(*args, n_grid=20)
+    ranges = grid_ranges(20, parts)
+    assert [i for r in ranges for i in r] == list(range(20)) and all(len(r) for r in ranges)
+    picks = []
+    for r in ranges:
+        at["i"] = r.start
+        got, pick = search_scale_range(*args, r, n_grid=20)
+        assert list(map(repr, got)) == list(map(repr, losses[r.start:r.stop]))
+        picks.append(pick)
+    s2, ratio2 = pick_scale(picks, "g")
+    assert ratio2 == ratio and torch.equal(s2, s)
+    if losses_at == "tie":
+        assert ratio == 3 / 20
+    if losses_at == "one-finite":
+        assert ratio == 17 / 20
+
+
+def test_a_grid_without_a_finite_loss_in_any_range_is_an_error():
+    with pytest.raises(QuantizationError, match="no finite loss"):
+        pick_scale([None, None], "layers.0.mlp")
 
 
 def test_scales_finite_with_dead_channels_and_zero_weights():

@@ -122,11 +122,39 @@ def search_scales(
     Raises:
         QuantizationError: every candidate gave a non-finite loss or the scales are not finite.
     """
-    bits, sizes, syms = per_weight(len(weights), num_bits, group_size, symmetric)
-    grid = scale_grid(x_mean, weight_mean(weights, sizes[0]) if duo_scaling else None, n_grid, tie)
-    losses = [float(loss_fn(candidate_weights(weights, s, bits, sizes, syms))) for _, s in grid]
-    s, ratio = best_scale(grid, losses, name)
+    losses, pick = search_scale_range(x_mean, weights, loss_fn, num_bits, group_size, symmetric, range(n_grid),
+                                      n_grid, duo_scaling, tie)
+    s, ratio = pick_scale([pick], name)
     return s, ratio, losses
+
+
+def search_scale_range(x_mean: torch.Tensor, weights: list[torch.Tensor], loss_fn: Callable, num_bits, group_size,
+                       symmetric, points: range, n_grid: int = 20, duo_scaling: bool = True,
+                       tie: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[float], tuple | None]:
+    """The grid points ``points`` (indices ``i`` of ``ratio = i / n_grid``) of :func:`search_scales`, the
+    same arguments: ``(losses [len(points)], (loss, ratio, s [in] float32) of the first smallest loss, or None
+    when none is finite)``. A grid cut into ranges searched apart (on several ranks) gives the whole grid's
+    choice bit for bit through :func:`pick_scale`."""
+    bits, sizes, syms = per_weight(len(weights), num_bits, group_size, symmetric)
+    grid = scale_grid(x_mean, weight_mean(weights, sizes[0]) if duo_scaling else None, n_grid, tie, points)
+    losses = [float(loss_fn(candidate_weights(weights, s, bits, sizes, syms))) for _, s in grid]
+    return losses, first_smallest(grid, losses)
+
+
+def pick_scale(picks: list[tuple | None], name: str) -> tuple[torch.Tensor, float]:
+    """``(s, ratio)`` of the first smallest loss among consecutive grid ranges' picks
+    (:func:`search_scale_range`, in grid order): :func:`best_scale`'s choice over the whole grid.
+
+    Raises:
+        QuantizationError: no range has a finite loss, or the chosen scales are not finite.
+    """
+    best = (float("inf"), None, None)
+    for pick in picks:
+        if pick is not None and pick[0] < best[0]:
+            best = pick
+    if best[2] is None or not torch.isfinite(best[2]).all():
+        raise QuantizationError(f"AWQ scale search for {name} produced no finite loss/scale (NaN or Inf in activations?)")
+    return best[2], best[1]
 
 
 def per_weight(n: int, num_bits, group_size, symmetric) -> tuple[list, list, list]:
@@ -135,10 +163,12 @@ def per_weight(n: int, num_bits, group_size, symmetric) -> tuple[list, list, lis
 
 
 def scale_grid(x_mean: torch.Tensor, w_mean: torch.Tensor | None, n_grid: int,
-               tie: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[tuple[float, torch.Tensor]]:
-    """The candidates of :func:`search_scales`: ``(ratio, s [in] float32)`` for ``ratio = i / n_grid``."""
+               tie: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               points: range | None = None) -> list[tuple[float, torch.Tensor]]:
+    """The candidates of :func:`search_scales`: ``(ratio, s [in] float32)`` for ``ratio = i / n_grid``,
+    ``i`` in ``points`` (default: the whole grid, ``range(n_grid)``)."""
     out = []
-    for i in range(n_grid):
+    for i in (range(n_grid) if points is None else points):
         s = candidate_scales(x_mean, w_mean, i / n_grid)
         out.append((i / n_grid, tie(s) if tie is not None else s))
     return out
@@ -155,13 +185,16 @@ def best_scale(grid: list[tuple[float, torch.Tensor]], losses: list[float], name
     Raises:
         QuantizationError: every loss is non-finite, or the chosen scales are not finite.
     """
-    best = (float("inf"), None, None)
+    return pick_scale([first_smallest(grid, losses)], name)
+
+
+def first_smallest(grid: list[tuple[float, torch.Tensor]], losses: list[float]) -> tuple | None:
+    """``(loss, ratio, s)`` of the first smallest of ``losses`` (NaN never chosen); None when none is finite."""
+    pick = None
     for (ratio, s), loss in zip(grid, losses):
-        if loss < best[0]:
-            best = (loss, ratio, s)
-    if best[2] is None or not torch.isfinite(best[2]).all():
-        raise QuantizationError(f"AWQ scale search for {name} produced no finite loss/scale (NaN or Inf in activations?)")
-    return best[2], best[1]
+        if loss < (pick[0] if pick is not None else float("inf")):
+            pick = (loss, ratio, s)
+    return pick
 
 
 @torch.no_grad()

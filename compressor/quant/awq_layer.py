@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from ..arch import expert_index, get_module, layer_groups, layer_linears
-from ..distributed import deal
+from ..distributed import deal, world
 from .algorithms import Algorithm, register_algorithm
-from .awq import search_clip, search_scales, tie_kv_heads
+from .awq import pick_scale, search_clip, search_scale_range, tie_kv_heads
 from .layer import LayerContext, LayerOutcome, inspect_forward, layer_forward
 
 
@@ -165,6 +165,37 @@ def search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw,
     fallback is recorded in ``quality.moe``); or, when a targeted group is left unscaled, the
     reason (a ``str``: grouped-query attention with :data:`GQA_V_TO_O` off, shapes that do not
     chain, no token among the loss samples), which the layer's figures record."""
+    search = prepare_group_search(layer, group, prefix, linears, x_loss, x_mean, cold, kw, ctx)
+    if search is None or isinstance(search, str):
+        return search
+    s, ratio = pick_scale([search.run(range(ctx.recipe.awq.n_grid))], search.name)
+    return s, ratio, search.key
+
+
+@dataclass
+class GroupSearch:
+    """One scaling group's scale search, ready to try grid points (:func:`prepare_group_search`):
+    the arguments of :func:`compressor.quant.awq.search_scale_range` but the points."""
+    key: str
+    name: str
+    x_mean: torch.Tensor
+    weights: list
+    loss_fn: object
+    schemes: tuple
+    n_grid: int
+    duo_scaling: bool
+    tie: object
+
+    def run(self, points: range) -> tuple | None:
+        """The pick of grid points ``points`` (:func:`compressor.quant.awq.search_scale_range`)."""
+        return search_scale_range(self.x_mean, self.weights, self.loss_fn, *self.schemes, points, self.n_grid,
+                                  self.duo_scaling, self.tie)[1]
+
+
+def prepare_group_search(layer, group, prefix, linears, x_loss, x_mean, cold, kw, ctx: LayerContext):
+    """:func:`search_group_scales`'s search before any grid point is tried: a :class:`GroupSearch`
+    (its float reference output computed, its weights copied), or what it returns instead (``None``,
+    the reason a targeted group is left unscaled)."""
     arch, quantizer, opts, targets = ctx.arch, ctx.quantizer, ctx.recipe.awq, ctx.targets
     prev = get_module(layer, group.prev_op)
     lins = [linears[r] for r in group.linears]
@@ -196,13 +227,10 @@ def search_group_scales(layer, group, prefix, linears, x_loss, x_mean, cold, kw,
     else:
         loss_fn = forward_loss(inspect, lins, weights, quantized, x, kw, group.inspect_is_attention)
 
-    name = prefix + group_name(group)
     specs = [quantizer.schemes.get(prefix + r, quantizer.schemes[next(iter(quantizer.schemes))]) for r in group.linears]
-    s, ratio, _ = search_scales(
-        x_mean[key], weights, loss_fn, [sp.num_bits for sp in specs], [sp.group_size for sp in specs],
-        [sp.symmetric for sp in specs], n_grid=opts.n_grid, duo_scaling=opts.duo_scaling, name=name, tie=tie,
-    )
-    return s, ratio, key
+    schemes = ([sp.num_bits for sp in specs], [sp.group_size for sp in specs], [sp.symmetric for sp in specs])
+    return GroupSearch(key, prefix + group_name(group), x_mean[key], weights, loss_fn, schemes, opts.n_grid,
+                       opts.duo_scaling, tie)
 
 
 #: tokens per chunk of the loss forwards of a non-attention inspected module (an MLP): its
@@ -437,11 +465,53 @@ def scale_groups(layer, groups: list, prefix: str, sl: ScaledLayer, x_mean: dict
     """:func:`scale_group` for each of ``groups`` in order, the searches of each of their
     :func:`search_waves` dealt to the ranks (:func:`compressor.distributed.deal`; every rank holds
     the layer and runs this call), then folded in order: the single process's scales bit for bit."""
+    size = world()[1]
     for wave in search_waves(groups):
-        found = deal(wave, lambda g: search_group_scales(layer, g, prefix, sl.linears, sl.x_loss, x_mean, sl.cold,
-                                                         kw, ctx), [_search_cost(sl.linears, g) for g in wave])
+        if size == 1:
+            found = [search_group_scales(layer, g, prefix, sl.linears, sl.x_loss, x_mean, sl.cold, kw, ctx)
+                     for g in wave]
+        else:
+            found = _dealt_searches(layer, wave, prefix, sl, x_mean, kw, ctx, size)
         for g, f in zip(wave, found):
             scale_group(layer, g, prefix, sl, x_mean, kw, ctx, found=f)
+
+
+def grid_ranges(n_grid: int, parts: int) -> list[range]:
+    """``range(n_grid)`` cut into ``min(parts, n_grid)`` consecutive ranges, as even as can be."""
+    k = max(1, min(parts, n_grid))
+    return [range(n_grid * j // k, n_grid * (j + 1) // k) for j in range(k)]
+
+
+def _dealt_searches(layer, wave: list, prefix: str, sl: ScaledLayer, x_mean: dict, kw: dict, ctx: LayerContext,
+                    size: int) -> list:
+    """:func:`search_group_scales` of each group of ``wave`` (what it returns, in order), every group's grid cut
+    into ``size`` ranges (:func:`grid_ranges`) and the ranges dealt to the ranks by their work
+    (:func:`compressor.distributed.deal`): one group's search is no longer one rank's alone (the dense MLP's is
+    most of a layer's). Each rank prepares a group once, for the ranges it holds (its float reference output:
+    one grid point's work), and every rank picks the same scales from the ranges' picks (:func:`pick_scale`)."""
+    ranges = grid_ranges(ctx.recipe.awq.n_grid, size)
+    tasks = [(j, points) for j in range(len(wave)) for points in ranges]
+    held: dict = {}
+
+    def solve(task) -> tuple:
+        j, points = task
+        if j not in held:  # a rank's tasks come in order: one group prepared at a time
+            held.clear()
+            held[j] = prepare_group_search(layer, wave[j], prefix, sl.linears, sl.x_loss, x_mean, sl.cold, kw, ctx)
+        search = held[j]
+        return ("skip", search) if search is None or isinstance(search, str) else ("pick", search.run(points))
+
+    out = deal(tasks, solve, [_search_cost(sl.linears, wave[j]) * len(points) for j, points in tasks])
+    held.clear()
+    found = []
+    for j, g in enumerate(wave):
+        parts = out[j * len(ranges):(j + 1) * len(ranges)]
+        if parts[0][0] == "skip":
+            found.append(parts[0][1])
+        else:
+            s, ratio = pick_scale([p for _, p in parts], prefix + group_name(g))
+            found.append((s, ratio, g.inputs_at or g.linears[0]))
+    return found
 
 
 def awq_scale_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) -> ScaledLayer:
