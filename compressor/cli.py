@@ -411,7 +411,7 @@ def sign(artifact, private_key, password, signing_certificate, certificate_chain
 @click.option("--no-manifest", is_flag=True, help=HELP["serve-smoke.no-manifest"])
 @smoke_memory_options
 @click.option("--json", "as_json", is_flag=True, help=HELP["serve-smoke.json"])
-def serve_smoke(artifact, prompts_file, max_new_tokens, long_tokens, reference, backend, compute, device, http,
+def serve_smoke(artifact, prompts_file, max_new_tokens, long_tokens, turns, reference, backend, compute, device, http,
                 http_requests, threads, min_top1, max_kl, min_first_divergence, public_key, certificate_chain, identity,
                 issuer, no_manifest, stream, memory_budget_gib, as_json):
     """Serve ARTIFACT with the bundled runtime and check it answers like the original.
@@ -440,8 +440,9 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, long_tokens, reference, 
        continuation: KL on the prompt's next-token distributions, top-1 agreement over
        generated positions, and the first position where the reference would choose
        another token (median, min);
-    5. with --http, the same engine behind the HTTP API, N concurrent requests;
-    6. gates (flags, or the recipe's gates block): exit 1 names each failed one.
+    5. --long-tokens, --turns: a long generation, a chat (one cache across turns), the reference on each;
+    6. with --http, the same engine behind the HTTP API, N concurrent requests;
+    7. gates (flags, or the recipe's gates block): exit 1 names each failed one.
 
     \b
     Example:
@@ -452,10 +453,10 @@ def serve_smoke(artifact, prompts_file, max_new_tokens, long_tokens, reference, 
 
     opts = build_options(SmokeOptions, artifact=artifact, prompts=str(prompts_file) if prompts_file else None,
                          max_new_tokens=max_new_tokens, reference=reference, device=resolve_device(device),
-                         backend=backend, long_tokens=long_tokens, stream=stream, memory_budget_gib=memory_budget_gib,
-                         dtype=compute, http=http, http_requests=http_requests, threads=threads, min_top1=min_top1,
-                         max_kl=max_kl, min_first_divergence=min_first_divergence, no_manifest=no_manifest,
-                         keys=verify_keys(public_key, certificate_chain, identity, issuer))
+                         backend=backend, long_tokens=long_tokens, turns=turns, stream=stream, dtype=compute,
+                         memory_budget_gib=memory_budget_gib, http=http, http_requests=http_requests, threads=threads,
+                         min_top1=min_top1, max_kl=max_kl, min_first_divergence=min_first_divergence,
+                         no_manifest=no_manifest, keys=verify_keys(public_key, certificate_chain, identity, issuer))
     report = run_serve_smoke(opts, console=_console(progress_only=as_json))
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True, default=str))

@@ -167,6 +167,11 @@ HELP = {
         "Greedy tokens of a long generation of the first prompt through the runtime as served, against the "
         "reference teacher-forced on it (top-1, first divergence, KL by position, repeated 4-grams); 0: none."
     ),
+    "serve-smoke.turns": (
+        "User turns of a multi-turn chat through the runtime as served (the prompts in order, through the "
+        "tokenizer's chat template, 48-token replies), its KV cache kept across turns, against the reference "
+        "teacher-forced on the conversation (KL and top-1 per turn's prompt and reply); 0: none."
+    ),
     "serve-smoke.stream": (
         "Read the reference one decoder layer at a time over the prompts plus the runtime's continuations "
         "(teacher-forced: one pass gives every logit; memory: one layer, the sequences' hidden states, the head "

@@ -14,7 +14,9 @@ from .commands.options import SmokeOptions, VerifyOptions
 
 
 def smoke_long_option(f):
-    """Add serve-smoke's ``--long-tokens`` to a click command."""
+    """Add serve-smoke's ``--long-tokens`` and ``--turns`` to a click command."""
+    f = click.option("--turns", type=bounded(SmokeOptions, "turns"), default=0, show_default=True,
+                     help=HELP["serve-smoke.turns"])(f)
     return click.option("--long-tokens", type=bounded(SmokeOptions, "long_tokens"), default=0, show_default=True,
                         help=HELP["serve-smoke.long-tokens"])(f)
 

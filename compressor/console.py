@@ -322,6 +322,14 @@ def smoke_table(console, report: dict, n: int) -> None:
         t.add_row("KL(ref || runtime) on prompts, mean / p99", f"{k['mean']:.4f} / {k['p99']:.4f} nats")
     t.add_row("first divergence, median / min", f"{c['median_first_divergence']:g} / {c['min_first_divergence']:g} "
               f"of {report['max_new_tokens']} generated tokens")
+    lg = report.get("long_generation")
+    if lg:
+        t.add_row(f"long generation: top-1 ({lg['tokens']} tokens), first divergence",
+                  f"{lg['top1_agreement_pct']:.2f} %, {lg['first_divergence']}")
+    for turn in (report.get("multi_turn") or {}).get("turns", []):
+        r = turn["reply"]
+        t.add_row(f"multi-turn: turn {turn['turn']} reply top-1 / KL mean",
+                  f"{r['top1_pct']:.2f} % / {r['kl_mean']:.4g} nats ({r['tokens']} tokens)")
     for g in report["gates"]:
         val = "n/a" if g["value"] is None else format(g["value"], ".4g")
         t.add_row(f"gate {g['name']}", f"{val} vs {g['threshold']:g}: " + ("[green]pass" if g["passed"] else "[red]FAIL"))

@@ -168,6 +168,36 @@ def _turns(paragraphs: list[str], n: int, chars: int) -> list[str]:
     return out
 
 
+NO_TEMPLATE = "the tokenizer has no chat template: the multi-turn check did not run"
+
+
+class ChatTurns:
+    """A conversation through a tokenizer's chat template as a server with a prefix cache feeds it: at each
+    user turn, the token ids of the text the template adds to what the cache already holds (the earlier
+    turns' rendering, replies included, is a prefix of the next one's)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.messages, self.held, self.stopped = tokenizer, [], "", None
+
+    def ask(self, user: str) -> list[int] | None:
+        """The ids to append for the user turn ``user`` (the generation prompt included); ``None`` when
+        the template renders the earlier turns differently (``stopped`` says so), and the chat ends."""
+        self.messages.append({"role": "user", "content": user})
+        text = self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        if not text.startswith(self.held):
+            self.stopped = (f"the chat template renders earlier turns differently at turn "
+                            f"{sum(m['role'] == 'user' for m in self.messages)}: stopped there")
+            return None
+        new, self.held = text[len(self.held):], text
+        return self.tokenizer(new, add_special_tokens=False)["input_ids"]
+
+    def answer(self, tokens: list[int], eos: bool) -> None:
+        """The reply ``tokens`` generated (all of them in the cache; the last one the stop token when ``eos``)."""
+        content = self.tokenizer.decode(tokens[:-1] if eos else tokens, skip_special_tokens=True)
+        self.held += self.tokenizer.decode(tokens, skip_special_tokens=False)
+        self.messages.append({"role": "assistant", "content": content})
+
+
 def _stop_ids(model, tokenizer) -> set[int]:
     ids = {tokenizer.eos_token_id}
     gen = getattr(model, "generation_config", None)
@@ -176,7 +206,9 @@ def _stop_ids(model, tokenizer) -> set[int]:
     return {int(i) for i in ids if i is not None}
 
 
-def _figures(kl: list[float], same: list[bool]) -> dict:
+def span_figures(kl: list[float], same: list[bool]) -> dict:
+    """A span's figures (a turn's prompt or reply): ``{"tokens", "kl_mean" (nats), "top1_pct", "first_divergence"}``
+    from its per-position KL and top-1 agreement."""
     return {"tokens": len(kl), "kl_mean": summarize(kl)["mean"],
             "top1_pct": round(100.0 * sum(same) / len(same), 4) if same else None,
             "first_divergence": _first_false(same)}
@@ -195,18 +227,17 @@ def multi_turn(model, make_cache: Callable[[], object], tokenizer, users: list[s
     (no chat template: ``turns`` empty), else ``None``.
     """
     if not getattr(tokenizer, "chat_template", None):
-        return {"turns": [], "note": "the tokenizer has no chat template: the multi-turn check did not run"}
+        return {"turns": [], "note": NO_TEMPLATE}
     device = next(model.parameters()).device
     fl, q = _Run(model, _float_cache(model), kv_chunk), _Run(model, make_cache(), kv_chunk)
     stop = _stop_ids(model, tokenizer)
-    messages, held, turns, note = [], "", [], None
+    chat, turns, note = ChatTurns(tokenizer), [], None
     for i, user in enumerate(users):
-        messages.append({"role": "user", "content": user})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if not text.startswith(held):
-            note = f"the chat template renders earlier turns differently at turn {i + 1}: stopped there"
+        new = chat.ask(user)
+        if new is None:
+            note = chat.stopped
             break
-        ids = torch.tensor(tokenizer(text[len(held):], add_special_tokens=False)["input_ids"], device=device)
+        ids = torch.tensor(new, device=device)
         context = fl.cache.get_seq_length()
         lf, lq = fl.feed(ids, all_logits=True), q.feed(ids, all_logits=True)
         kl, same = kl_and_top1(lf[:-1], lq[:-1])
@@ -214,11 +245,8 @@ def multi_turn(model, make_cache: Callable[[], object], tokenizer, users: list[s
         ended = "eos" if steps["tokens"][-1] in stop else "length"
         last = torch.tensor(steps["tokens"][-1:], device=device)  # generated, not yet fed: into both caches
         fl.feed(last), q.feed(last)
-        reply = steps["tokens"][:-1] if ended == "eos" else steps["tokens"]
-        content = tokenizer.decode(reply, skip_special_tokens=True)
-        held = text + tokenizer.decode(steps["tokens"], skip_special_tokens=False)
-        messages.append({"role": "assistant", "content": content})
+        chat.answer(steps["tokens"], ended == "eos")
         turns.append({"turn": i + 1, "context_tokens": int(context),
-                      "prompt": _figures(kl.tolist(), same.tolist()),
-                      "reply": _figures(steps["kl"], steps["same"]), "ended": ended})
+                      "prompt": span_figures(kl.tolist(), same.tolist()),
+                      "reply": span_figures(steps["kl"], steps["same"]), "ended": ended})
     return {"turns": turns, "note": note}

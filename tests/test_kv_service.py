@@ -15,6 +15,7 @@ from compressor.commands.verify import run_verify
 from compressor.errors import InputError
 from compressor.positions import buckets, sequence_buckets
 from compressor.report import VerifyReport, markdown, write_report
+from compressor.report_service import MultiTurn
 from compressor.service_eval import repeated_4gram_pct, user_turns
 from conftest import kvq_run as run
 from conftest import make_model_dir
@@ -173,3 +174,58 @@ def test_serve_smoke_long_generation_through_the_runtime(kv_art, capsys):
     assert lg["top1_agreement_pct"] == pytest.approx(100 * (1 - len(lg["disagreements"]) / 96))
     assert [b["bucket"] for b in lg["by_position"]] == ["0-512"] and lg["by_position"][0]["tokens"] == 96
     assert set(lg["repeated_4gram_pct"]) == {"reference", "runtime"}
+
+
+def test_serve_smoke_multi_turn_through_the_runtime(kv_art, capsys):
+    """``kvq serve-smoke --turns``: the prompts as user turns through the chat template, one runtime cache kept
+    across turns; the reference teacher-forced on the conversation agrees with a good cache at every turn (a
+    position off by one would compare unrelated distributions), and the figures count what was fed."""
+    code, out, err = run(["serve-smoke", kv_art, "--max-new-tokens", 4, "--threads", 1, "--turns", 3, "--json"],
+                         capsys)
+    assert code == 0, err
+    mt = json.loads(out)["multi_turn"]
+    MultiTurn.model_validate(mt)  # verify's section, the same shape
+    assert mt["measured_on"] == "runtime (weights + KV as served)" and mt["note"] is None
+    turns = mt["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3] and turns[0]["context_tokens"] == 0
+    for a, b in zip(turns, turns[1:]):  # each turn's prompt (its first token uncompared) and reply stay in the cache
+        assert b["context_tokens"] == a["context_tokens"] + a["prompt"]["tokens"] + 1 + a["reply"]["tokens"]
+    for t in turns:
+        assert t["reply"]["tokens"] == 48 or t["ended"] == "eos"
+        assert t["prompt"]["top1_pct"] >= 90 and t["reply"]["top1_pct"] >= 90
+        assert t["prompt"]["kl_mean"] < 0.02 and t["reply"]["kl_mean"] < 0.02
+
+
+def test_the_runtime_chat_keeps_its_cache_and_a_drifting_cache_is_caught(kv_art, monkeypatch):
+    """The chat's cache kept across turns gives the logits of the whole conversation read afresh (prefix
+    reuse is exact up to the cache's rounding); a runtime cache whose values drift with position makes the
+    later turns' replies disagree with the reference."""
+    import compressor.runtime.kv_cache as kc
+    from compressor.commands.smoke_service import turns_compare, turns_runtime, whole_reference
+    from compressor.runtime.generate import Runtime
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rt, tok = Runtime.from_artifact(kv_art), AutoTokenizer.from_pretrained(kv_art)
+    users = ["the first question", "a second, longer question about the same thing", "a third"]
+    chat = turns_runtime(rt, tok, users, 12)
+    seq = [i for t in chat["turns"] for i in t["ids"] + t["reply"]]
+    fresh = rt.logits([seq])[0]
+    at = 0
+    for t in chat["turns"]:
+        n = len(t["ids"]) + len(t["reply"])
+        torch.testing.assert_close(t["served"], fresh[at:at + n - 1], atol=2e-3, rtol=1e-3)
+        at += n
+    ref = whole_reference(AutoModelForCausalLM.from_pretrained(json.loads(
+        (kv_art / "kvq-manifest.json").read_text())["source"]["spec"]), "cpu")[0]
+    good = turns_compare(chat, ref, 12)["turns"]
+    real = kc.KVCache.update
+
+    def drifting_update(self, layer, k, v, start, n_new):
+        pos = (start[:, None] + torch.arange(k.shape[2])[None, :]).to(v.dtype)[:, None, :, None]
+        pattern = torch.randn(v.shape[-1], generator=torch.Generator().manual_seed(7)).to(v.dtype)
+        return real(self, layer, k, v + 2.0 * (pos / 64) ** 2 * v.std() * pattern, start, n_new)
+
+    monkeypatch.setattr(kc.KVCache, "update", drifting_update)
+    bad = turns_compare(turns_runtime(rt, tok, users, 12), ref, 12)["turns"]
+    assert bad[-1]["reply"]["kl_mean"] > 10 * max(good[-1]["reply"]["kl_mean"], 1e-4)
+    assert bad[-1]["prompt"]["kl_mean"] > 10 * bad[0]["prompt"]["kl_mean"]

@@ -375,6 +375,7 @@ class SmokeOptions(_Options):
     prompts: Optional[Text] = None
     max_new_tokens: int = Field(32, ge=1, le=4096)
     long_tokens: int = Field(0, ge=0, le=32768)  # long greedy generation of the first prompt vs the reference (0: none)
+    turns: int = Field(0, ge=0, le=64)  # user turns of a chat through the runtime, its cache kept (0: none)
     reference: Optional[Text] = None
     device: str = "cpu"
     backend: str = "auto"

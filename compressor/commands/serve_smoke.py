@@ -35,7 +35,9 @@ from ..errors import CheckFailed, InputError
 from . import smoke_memory
 from .common import cpu_threads, load_reference, peak_rss_mib, threads_restored
 from .options import SmokeOptions
-from .smoke_service import long_compare, long_runtime, streamed_reference, whole_reference
+from ..service_eval import REPLY_TOKENS
+from .smoke_service import (long_compare, long_runtime, streamed_reference, turn_users, turns_compare, turns_runtime,
+                            whole_reference)
 
 
 @dataclass
@@ -105,6 +107,8 @@ def _run(opts: SmokeOptions, console) -> dict:
     except (SignatureFailed, ArtifactMismatch) as e:
         return _refused(report, e, console, t0)
     long_run = long_runtime(served.runtime, served.ids[0], opts.long_tokens, console) if opts.long_tokens else None
+    chat = (turns_runtime(served.runtime, served.tokenizer, turn_users(plan.prompts, opts.turns), REPLY_TOKENS,
+                          console) if opts.turns else None)
     served.runtime = None
     gc.collect()  # the runtime released before the reference loads
     carried = plan.manifest.quality.get("carried") if plan.manifest else None
@@ -116,6 +120,11 @@ def _run(opts: SmokeOptions, console) -> dict:
     report["comparison"] = _compare(forward, served, plan.prompts)
     if long_run is not None:
         report["long_generation"] = long_compare(long_run, forward, greedy, console)
+    if chat is not None:
+        report["multi_turn"] = turns_compare(chat, forward, REPLY_TOKENS, console)
+        chat = None
+        if report["multi_turn"]["note"]:
+            report["tokenizer"]["warnings"].append(f"multi-turn: {report['multi_turn']['note']}")
     forward = greedy = None
     report["memory_plan"]["peak_rss_mib"] = peak_rss_mib()
     report["warnings"] = take_cache_notes() + report["tokenizer"].pop("warnings")  # + a missing chat template

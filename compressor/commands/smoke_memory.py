@@ -102,8 +102,10 @@ def runtime_estimate(folder: Path, token_counts: list[int], opts) -> RuntimeEsti
     inter = max(getattr(cfg, "intermediate_size", 0) or 0, getattr(cfg, "moe_intermediate_size", 0) or 0, hidden)
     b, t = len(token_counts), max(token_counts) + opts.max_new_tokens
     long_len = token_counts[0] + opts.long_tokens if opts.long_tokens else 0
-    kv = per_token * (b * t + long_len)
-    kept = 4 * vocab * (sum(token_counts) + opts.long_tokens)  # prompt logits; the long generation's served logits
+    chat = chat_tokens(token_counts, opts)
+    kv = per_token * (b * t + long_len + chat)
+    # prompt logits; the long generation's and the chat's served logits
+    kept = 4 * vocab * (sum(token_counts) + opts.long_tokens + chat)
     prefill = 2 * 4 * vocab * b * max(token_counts) + 4 * b * max(token_counts) * (3 * inter + 6 * hidden)
     attn = 4 * heads * b * t * t
     dequant = max(inter, heads * head_dim) * hidden * (4 + elem)
@@ -165,6 +167,16 @@ class SmokeMemory:
                               "streamed_plan": None if self.streamed is None else self.streamed.as_dict()}}
 
 
+def chat_tokens(token_counts: list[int], opts) -> int:
+    """The tokens of serve-smoke's chat of ``opts.turns`` turns (:func:`~compressor.commands.smoke_service.chat_room`)
+    from the prompts' token counts: 0 without one."""
+    from ..service_eval import REPLY_TOKENS
+    from .smoke_service import TEMPLATE_TOKENS
+
+    turns = getattr(opts, "turns", 0)
+    return sum(token_counts[i % len(token_counts)] + TEMPLATE_TOKENS + REPLY_TOKENS for i in range(turns))
+
+
 def _token_counts(folder: Path, prompts: list[str]) -> list[int]:
     """Each prompt's tokens by the artifact's tokenizer, plus one for a BOS (a tokenizer that does
     not load, which the checked load then names: the prompt's UTF-8 bytes plus two, a bound)."""
@@ -209,7 +221,7 @@ def plan(folder: Path, prompts: list[str], opts, ref_spec: str, ref_source) -> S
         raise InputError(f"serve-smoke loads the packed model whole: {rt.describe()}, with the process "
                          f"{_gib(BASELINE_BYTES + rt.total)}, more than {where}; check this artifact with "
                          f"`kvq verify {folder} --stream`, which reads it one decoder layer at a time")
-    longest = max(max(counts) + opts.max_new_tokens, counts[0] + opts.long_tokens)
+    longest = max(max(counts) + opts.max_new_tokens, counts[0] + opts.long_tokens, chat_tokens(counts, opts))
     whole = _reference_whole(ref_source, longest)
     mem = SmokeMemory(rt, budget, None, whole)
     if opts.stream:

@@ -1,5 +1,6 @@
-"""``kvq serve-smoke --long-tokens N`` (issue #47): a long greedy generation through the bundled
-runtime as served (packed weights, the artifact's KV cache) against the reference model.
+"""``kvq serve-smoke --long-tokens N`` and ``--turns N`` (issue #47): a long greedy generation and a
+multi-turn chat through the bundled runtime as served (packed weights, the artifact's KV cache) against
+the reference model.
 
 The runtime continues the first prompt greedily for ``N`` tokens and is teacher-forced on the
 same tokens one at a time through a fresh cache (its decode path, :meth:`Runtime.logits` with
@@ -10,6 +11,11 @@ choice vs the token the runtime generated), KL(reference || runtime) in nats, bo
 bucket of query positions (:mod:`compressor.positions`); the first divergence; and the
 degeneration signal of :func:`compressor.service_eval.repeated_4gram_pct` for the runtime's
 continuation and the reference's own greedy one (:func:`greedy_by_passes` when streamed).
+
+The chat (:func:`turns_runtime`, then :func:`turns_compare`): the prompts are the user turns, through
+the tokenizer's chat template, with one runtime cache kept across the turns (prefix reuse); the
+reference is teacher-forced on the whole conversation, and each turn gets the figures of ``kvq
+verify``'s multi-turn check over its prompt and over the runtime's reply.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from .. import console as show
 from ..evaluate import LOGIT_CHUNK
 from ..positions import sequence_buckets
-from ..service_eval import repeated_4gram_pct
+from ..service_eval import NO_TEMPLATE, ChatTurns, repeated_4gram_pct, span_figures
 from ..stats import first_divergence, kl_and_top1, summarize
 
 #: ``forward(seqs, consume)``: the reference over token lists; ``consume(k, at)`` reads sequence
@@ -104,6 +110,107 @@ def long_compare(run: dict, forward: Forward, greedy: Callable, console=None) ->
         "repeated_4gram_pct": {"reference": repeated_4gram_pct(ref_gen), "runtime": repeated_4gram_pct(gen)},
         "runtime_vs_reference_first_difference": first_divergence(ref_gen, gen),
     }
+
+
+#: room per turn in the runtime's cache for what the chat template adds around a user turn (roles, a system
+#: prompt; SmolLM2's ChatML adds about 30 tokens at the first turn, 10 at each later one)
+TEMPLATE_TOKENS = 64
+
+
+def turn_users(prompts: list[str], turns: int) -> list[str]:
+    """The user turns of serve-smoke's chat: the prompts in order, again from the first when ``turns`` exceeds them."""
+    return [prompts[i % len(prompts)] for i in range(turns)]
+
+
+def chat_room(tokenizer, users: list[str], reply_tokens: int) -> int:
+    """Tokens the runtime's cache holds for a chat of ``users`` (each turn: its text, :data:`TEMPLATE_TOKENS`, a
+    reply of ``reply_tokens``)."""
+    return sum(len(tokenizer(u, add_special_tokens=False)["input_ids"]) + TEMPLATE_TOKENS + reply_tokens for u in users)
+
+
+@torch.inference_mode()
+def turns_runtime(rt, tokenizer, users: list[str], reply_tokens: int, console=None) -> dict:
+    """The runtime's part of the multi-turn chat (issue #47): one KV cache of the artifact's scheme kept
+    across the turns, as a server with a prefix cache keeps it. At each turn the text the chat template
+    adds (:class:`compressor.service_eval.ChatTurns`) is prefilled onto the cache, then a greedy reply of
+    at most ``reply_tokens`` (ending at the tokenizer's EOS, as :class:`compressor.runtime.engine.Engine`
+    serves) is decoded token by token, and its last token fed too.
+
+    Returns ``{"turns": [{"ids": appended prompt ids, "reply": reply ids, "served": float32 logits
+    [len(ids) + len(reply) - 1, vocab] (row r predicts token r + 1 of ids + reply), "ended": "eos" or
+    "length"}], "note"}``; ``note``
+    says why the chat stopped early or did not run (no chat template), else ``None``.
+
+    Raises:
+        InputError: the chat longer than :meth:`~compressor.runtime.generate.Runtime.check_length` allows.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return {"turns": [], "note": NO_TEMPLATE}
+    room = chat_room(tokenizer, users, reply_tokens)
+    rt.check_length(room)
+    show.step(console, f"multi-turn: {len(users)} user turns through the runtime, {reply_tokens}-token replies, "
+                       "its cache kept across turns ...")
+    cache, chat, stop = rt.new_cache(1, room), ChatTurns(tokenizer), tokenizer.eos_token_id
+    out: list[dict] = []
+    for user in users:
+        ids = chat.ask(user)
+        if ids is None:
+            return {"turns": out, "note": chat.stopped}
+        if int(cache.lengths[0]) + len(ids) + reply_tokens > room:
+            return {"turns": out, "note": f"turn {len(out) + 1} does not fit the {room}-token cache: stopped there"}
+        rows = [rt.decoder.forward(torch.tensor([ids]), cache)[0].float().cpu()]
+        reply = [int(rows[0][-1].argmax())]
+        while reply[-1] != stop and len(reply) < reply_tokens:
+            rows.append(rt.decoder.forward(torch.tensor([reply[-1:]]), cache, last_only=True).float().cpu())
+            reply.append(int(rows[-1][-1].argmax()))
+        rt.decoder.forward(torch.tensor([reply[-1:]]), cache, last_only=True)  # the last token into the cache
+        chat.answer(reply, reply[-1] == stop)
+        out.append({"ids": ids, "reply": reply, "served": torch.cat(rows), "ended": "eos" if reply[-1] == stop
+                    else "length"})
+    return {"turns": out, "note": None}
+
+
+@torch.no_grad()
+def turns_compare(run: dict, forward: Forward, reply_tokens: int, console=None) -> dict:
+    """The report's ``multi_turn`` section from :func:`turns_runtime`'s ``run``: the reference teacher-forced
+    on the whole conversation in one pass (its float cache), and per turn the figures of
+    :func:`compressor.service_eval.span_figures` over the appended prompt (its first position predicting the
+    second) and over the reply (top-1: the reference's choice vs the token the runtime generated)."""
+    seq: list[int] = []
+    row_of: list[int] = []  # each position's row in the runtime's logits, -1: not compared (a turn's last token)
+    n_rows = 0
+    for t in run["turns"]:
+        n = len(t["ids"]) + len(t["reply"])
+        row_of += list(range(n_rows, n_rows + n - 1)) + [-1]
+        seq += t["ids"] + t["reply"]
+        n_rows += n - 1
+    turns = {"measured_on": "runtime (weights + KV as served)", "reply_tokens": reply_tokens, "turns": [],
+             "note": run["note"]}
+    if not seq:
+        return turns
+    show.step(console, f"multi-turn: the reference over the {len(seq)}-token conversation ...")
+    served = torch.cat([t["served"] for t in run["turns"]])
+    kl, same = torch.zeros(n_rows, dtype=torch.float64), torch.zeros(n_rows, dtype=torch.bool)
+    rows = torch.tensor(row_of)
+
+    def consume(_k, at):
+        for a, lg in chunked(at, 0, len(seq) - 1):
+            r = rows[a:a + lg.shape[0]]
+            m = r >= 0
+            if m.any():
+                kl[r[m]], same[r[m]] = kl_and_top1(lg[m], served[r[m]])
+
+    forward([seq], consume)
+    at, context = 0, 0
+    for i, t in enumerate(run["turns"]):
+        p, n = len(t["ids"]) - 1, len(t["ids"]) + len(t["reply"]) - 1
+        turns["turns"].append({
+            "turn": i + 1, "context_tokens": context,
+            "prompt": span_figures(kl[at:at + p].tolist(), same[at:at + p].tolist()),
+            "reply": span_figures(kl[at + p:at + n].tolist(), same[at + p:at + n].tolist()),
+            "ended": t["ended"]})
+        at, context = at + n, context + n + 1
+    return turns
 
 
 def whole_reference(ref_model, device: str) -> tuple[Forward, Callable]:
