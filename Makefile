@@ -14,6 +14,10 @@ CONSUMER_TRANSFORMERS := 5.22.2
 # Triton (about 1 GB installed) only where it runs: with a CUDA build of torch (auto), or TRITON=1, e.g. for the
 # kernel tests under Triton's CPU interpreter (.ci/run); TRITON=0 never. Without it those tests are skipped.
 TRITON ?= auto
+# test processes (pytest-xdist, one per core here; each a file at a time, keeping to its share of the CPUs:
+# tests/conftest.py); TEST_JOBS=0 runs them in this one process
+TEST_JOBS ?= 2
+XDIST := $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 
 .PHONY: install test test-fast demo bench bench-quality clean
 
@@ -51,12 +55,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 # everything, `integration` and `slow` included
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST)
 
 # the fast lane: a unit test of every module on tiny models; leaves out the real-model `integration` tests and the
 # `slow` end-to-end ones (a run per architecture row, published layouts, faked CUDA, the wheel): docs/testing.md
 test-fast: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration and not slow"
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) -m "not integration and not slow"
 
 # quantize (+ sign) -> verify (+ report) -> serve-smoke on the real default model (AWQ W4 g64 + fp8 KV cache)
 demo: install

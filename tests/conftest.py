@@ -21,6 +21,38 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+def _xdist_worker_share() -> None:
+    """Under pytest-xdist (``make test`` runs one worker per core: docs/testing.md), each worker and every
+    process it starts keep to their share of the CPUs (``OMP_NUM_THREADS``, torch's threads; two workers of
+    two threads each on two cores slow every parallel step), and each worker converts the default GGUF model
+    into its own cache folder (two workers writing one entry at once would replace each other's)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    from compressor.source.gguf_cache import cache_root
+
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    os.environ["KVQ_CACHE_DIR"] = str(cache_root() / f"tests-{worker}")
+
+
+_xdist_worker_share()
+
+#: the modules whose tests take longest together (BENCHMARKS.md, "The whole suite in two processes"), collected
+#: first: under ``--dist loadfile`` each module goes whole to the next free worker, so the long ones start at
+#: once and the many short ones even out the end (the order within a module is unchanged)
+SLOWEST_FIRST = ("test_distributed.py", "test_integration.py", "test_serve_smoke_stream.py", "test_verify_ranks.py",
+                 "test_consumer_load.py", "test_fake_cuda.py", "test_moe_stream.py", "test_data_free.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """:data:`SLOWEST_FIRST` before every other module (a stable sort: the rest keep pytest's order)."""
+    first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
+
+
 def kvq_run(argv, capsys) -> tuple[int, str, str]:
     """Run ``kvq ARGV...`` in this process (``compressor.cli.main``): (exit code, stdout, stderr).
 
