@@ -74,10 +74,16 @@ def test_real_model_gptq_with_fp8_kv_cache(tmp_path, capsys):
     assert (q["algorithm"], q["act_order"], q["static_groups"], q["modules"]) == ("gptq", True, True, 30 * 7)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["kv_cache_scheme"]["type"] == "float" and qc["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+    # the service checks on SmolLM2's own chat template, short (their defaults, 256 tokens and 4 turns, took 80 s
+    # here; tests/test_kv_service.py checks them on tiny models, BENCHMARKS.md has the full figures)
     code, stdout, err = _run(["verify", out, "--eval", ev, "--seqlen", "512", "--max-windows", "1",
-                              "--max-ppl-increase", "40", "--max-new-tokens", "4", "--json"], capsys)
+                              "--max-ppl-increase", "40", "--max-new-tokens", "4", "--long-tokens", "32", "--turns", "1",
+                              "--json"], capsys)
     rep = json.loads(stdout)
     assert code == 0 and rep["passed"], err
+    assert rep["long_generation"]["tokens"] == 32 and rep["long_generation"]["top1_agreement_pct"] > 80
+    (turn,) = rep["multi_turn"]["turns"]
+    assert rep["multi_turn"]["note"] is None and turn["prompt"]["tokens"] > 20 and turn["reply"]["top1_pct"] > 80
     assert set(rep["distribution"]["breakdown"]) == {"weights only", "weights + KV", "KV only"}
     b = rep["perplexity_breakdown"]
     assert set(b) == {"reference", "weights only", "weights + KV", "KV only"}
