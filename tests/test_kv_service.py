@@ -229,3 +229,27 @@ def test_the_runtime_chat_keeps_its_cache_and_a_drifting_cache_is_caught(kv_art,
     bad = turns_compare(turns_runtime(rt, tok, users, 12), ref, 12)["turns"]
     assert bad[-1]["reply"]["kl_mean"] > 10 * max(good[-1]["reply"]["kl_mean"], 1e-4)
     assert bad[-1]["prompt"]["kl_mean"] > 10 * bad[0]["prompt"]["kl_mean"]
+
+
+def test_a_chat_past_the_context_stops_with_a_note_and_a_long_generation_past_it_is_refused(tmp_path, tokenizer,
+                                                                                           capsys):
+    """A model whose context holds two of the chat's turns: the third is not run, a note and a warning say why
+    (exit 0: the turns that ran are compared); ``--long-tokens`` past the context is refused before generating."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = CHAT
+    art = tmp_path / "kv"
+    run_quantize(QuantizeOptions(model=str(make_model_dir(tmp_path / "m", tok, max_position_embeddings=150)),
+                                 output=art, recipe="kv-int8"))
+    code, out, err = run(["serve-smoke", art, "--max-new-tokens", 4, "--threads", 1, "--turns", 5, "--json"], capsys)
+    assert code == 0, err
+    rep = json.loads(out)
+    mt = rep["multi_turn"]
+    assert 1 <= len(mt["turns"]) < 5 and "past 150 tokens (the model's context length): stopped there" in mt["note"]
+    assert any("multi-turn: turn" in w for w in rep["warnings"])
+    last = mt["turns"][-1]
+    assert last["context_tokens"] + last["prompt"]["tokens"] + 1 + last["reply"]["tokens"] <= 150
+    code, _, err = run(["serve-smoke", art, "--threads", 1, "--long-tokens", 200], capsys)
+    assert code == 2 and "prompt 1: " in err and "exceeds the model's context length 150" in err
+    assert "Traceback" not in err

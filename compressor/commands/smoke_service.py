@@ -141,13 +141,17 @@ def turns_runtime(rt, tokenizer, users: list[str], reply_tokens: int, console=No
     "length"}], "note"}``; ``note``
     says why the chat stopped early or did not run (no chat template), else ``None``.
 
-    Raises:
-        InputError: the chat longer than :meth:`~compressor.runtime.generate.Runtime.check_length` allows.
+    A turn that would take the conversation past the model's context length (or, under DeepSeek sparse
+    attention, past ``index_topk``: :meth:`~compressor.runtime.generate.Runtime.check_length`) is not run:
+    the chat stops there, and ``note`` says so.
     """
     if not getattr(tokenizer, "chat_template", None):
         return {"turns": [], "note": NO_TEMPLATE}
-    room = chat_room(tokenizer, users, reply_tokens)
-    rt.check_length(room)
+    spec = rt.decoder.spec
+    bounds = {"the model's context length": spec.max_position_embeddings,
+              "index_topk, where the runtime's dense attention stops being exact": spec.dense_limit,
+              "the cache sized for these turns": chat_room(tokenizer, users, reply_tokens)}
+    why, room = min(((k, v) for k, v in bounds.items() if v), key=lambda kv: kv[1])
     show.step(console, f"multi-turn: {len(users)} user turns through the runtime, {reply_tokens}-token replies, "
                        "its cache kept across turns ...")
     cache, chat, stop = rt.new_cache(1, room), ChatTurns(tokenizer), tokenizer.eos_token_id
@@ -157,7 +161,8 @@ def turns_runtime(rt, tokenizer, users: list[str], reply_tokens: int, console=No
         if ids is None:
             return {"turns": out, "note": chat.stopped}
         if int(cache.lengths[0]) + len(ids) + reply_tokens > room:
-            return {"turns": out, "note": f"turn {len(out) + 1} does not fit the {room}-token cache: stopped there"}
+            return {"turns": out, "note": f"turn {len(out) + 1} would take the conversation past {room} tokens "
+                                          f"({why}): stopped there"}
         rows = [rt.decoder.forward(torch.tensor([ids]), cache)[0].float().cpu()]
         reply = [int(rows[0][-1].argmax())]
         while reply[-1] != stop and len(reply) < reply_tokens:
