@@ -168,13 +168,13 @@ class SmokeMemory:
 
 
 def chat_tokens(token_counts: list[int], opts) -> int:
-    """The tokens of serve-smoke's chat of ``opts.turns`` turns (:func:`~compressor.commands.smoke_service.chat_room`)
-    from the prompts' token counts: 0 without one."""
+    """The tokens of serve-smoke's chat of ``opts.turns`` turns (:func:`~compressor.commands.smoke_service.chat_length`)
+    from the prompts' token counts, taken in turn as :func:`~compressor.commands.smoke_service.turn_users` takes
+    the prompts: 0 without one."""
     from ..service_eval import REPLY_TOKENS
-    from .smoke_service import TEMPLATE_TOKENS
+    from .smoke_service import chat_length, turn_users
 
-    turns = getattr(opts, "turns", 0)
-    return sum(token_counts[i % len(token_counts)] + TEMPLATE_TOKENS + REPLY_TOKENS for i in range(turns))
+    return chat_length(turn_users(token_counts, opts.turns), REPLY_TOKENS)
 
 
 def _token_counts(folder: Path, prompts: list[str]) -> list[int]:

@@ -117,15 +117,20 @@ def long_compare(run: dict, forward: Forward, greedy: Callable, console=None) ->
 TEMPLATE_TOKENS = 64
 
 
-def turn_users(prompts: list[str], turns: int) -> list[str]:
+def turn_users(prompts: list, turns: int) -> list:
     """The user turns of serve-smoke's chat: the prompts in order, again from the first when ``turns`` exceeds them."""
     return [prompts[i % len(prompts)] for i in range(turns)]
 
 
+def chat_length(user_tokens: list[int], reply_tokens: int) -> int:
+    """Tokens a chat takes, bounded: each turn's user text (``user_tokens``, one count a turn), :data:`TEMPLATE_TOKENS`
+    and a reply of ``reply_tokens``."""
+    return sum(n + TEMPLATE_TOKENS + reply_tokens for n in user_tokens)
+
+
 def chat_room(tokenizer, users: list[str], reply_tokens: int) -> int:
-    """Tokens the runtime's cache holds for a chat of ``users`` (each turn: its text, :data:`TEMPLATE_TOKENS`, a
-    reply of ``reply_tokens``)."""
-    return sum(len(tokenizer(u, add_special_tokens=False)["input_ids"]) + TEMPLATE_TOKENS + reply_tokens for u in users)
+    """Tokens the runtime's cache holds for a chat of ``users`` (:func:`chat_length` of their token counts)."""
+    return chat_length([len(tokenizer(u, add_special_tokens=False)["input_ids"]) for u in users], reply_tokens)
 
 
 @torch.inference_mode()
