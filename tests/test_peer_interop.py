@@ -165,3 +165,30 @@ def test_foreign_awq_artifact_scales_inferred(tmp_path, tiny_model_dir, capsys):
     a, b = json.loads(out), json.loads(out2)
     assert any("AWQ-folded" in w for w in b["warnings"])
     assert b["weights"]["min_sqnr_db"] == pytest.approx(a["weights"]["min_sqnr_db"], abs=1e-6)
+
+
+def test_foreign_artifact_served_with_its_kv_cache_scheme(tmp_path, tiny_model_dir):
+    """An artifact without a kvq manifest (llm-compressor's layout: config.json's kv_cache_scheme
+    plus k_scale/v_scale tensors) is served with its static KV scheme and scales, the ones the
+    manifest would give, never silently with a float cache; a dynamic kv_cache_scheme is refused."""
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
+    from compressor.errors import InputError
+    from compressor.runtime.generate import Runtime
+
+    own = tmp_path / "fp8"
+    run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=own, algorithm="rtn", group_size=32, kv_scheme="fp8",
+                                 calib="embedded", calib_samples=2, calib_seqlen=32))
+    f = tmp_path / "fp8-foreign"
+    shutil.copytree(own, f)
+    (f / "kvq-manifest.json").unlink()
+    a, b = Runtime.from_artifact(own, kv="artifact"), Runtime.from_artifact(f, kv="artifact")
+    assert b.kv_spec is not None and b.kv_spec.describe() == a.kv_spec.describe()
+    assert set(b.kv_scales) == set(a.kv_scales) == set(range(len(a.kv_scales))) and len(a.kv_scales) >= 1
+    for i, (k, v) in a.kv_scales.items():
+        assert torch.equal(b.kv_scales[i][0], k) and torch.equal(b.kv_scales[i][1], v)
+    cfg = json.loads((f / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"]["dynamic"] = True
+    (f / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="not one kvq evaluates"):
+        Runtime.from_artifact(f, kv="artifact")

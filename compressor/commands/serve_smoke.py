@@ -220,7 +220,8 @@ def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
     from ..runtime.generate import load_checked
     from ..runtime.engine import CHAT_FALLBACK_NOTE, Engine
 
-    show.step(console, f"loading {plan.folder} into the runtime, each tensor's digest checked as it is read ...")
+    checked = "" if opts.no_manifest else ", each tensor's digest checked as it is read"
+    show.step(console, f"loading {plan.folder} into the runtime{checked} ...")
     rt, tok, sig, manifest = load_checked(plan.folder, opts, lambda line: show.note(console, line, highlight=False))
     if manifest != plan.manifest:  # the plan's gates and reference came from the manifest the load checked against
         raise CheckFailed(f"{plan.folder}: its manifest changed while serve-smoke read it")
@@ -241,8 +242,8 @@ def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
                 raise InputError(f"prompt {i + 1}: {e}") from None
         if console:
             show.runtime_line(console, rt.describe())
-        show.step(console, f"generating {opts.max_new_tokens} tokens: the first prompt alone, then all {len(ids)} as "
-                           "one batch ...")
+        batched = f", then all {len(ids)} as one batch" if len(ids) > 1 else " (the only prompt: batch 1 is the batch)"
+        show.step(console, f"generating {opts.max_new_tokens} tokens: the first prompt alone{batched} ...")
         rt.generate(ids[:1], max_new_tokens=2)  # warm-up (allocator, kernel selection)
         one = rt.generate(ids[:1], max_new_tokens=opts.max_new_tokens)
         batch = rt.generate(ids, max_new_tokens=opts.max_new_tokens, return_prompt_logits=True)

@@ -330,18 +330,21 @@ class Runtime:
 def _resolve_kv(folder: Path, kv, kv_scales, tensors=None, manifest=None,
                 n_layers: int | None = None) -> tuple[KVSpec | None, dict | None]:
     """``(spec, scales)`` for the ``kv`` argument of :meth:`Runtime.from_artifact`; static
-    scales are read from ``tensors`` (the checked reader) when given, with ``manifest``.
+    scales are read from ``tensors`` (the checked reader) when given, with ``manifest``. A
+    folder without a kvq manifest (another tool's artifact) is read through its
+    ``config.json``: compressed-tensors' ``kv_cache_scheme`` and the ``k_scale``/``v_scale``
+    tensors (:func:`compressor.artifact.foreign_manifest`).
 
     Raises:
-        InputError: unknown scheme, a static scheme without scales.
+        InputError: unknown scheme, a static scheme without scales, a ``kv_cache_scheme``
+            kvq does not serve.
     """
-    from ..artifact import read_kv_cache
+    from ..artifact import foreign_manifest, read_kv_cache
     from ..manifest import MANIFEST_NAME
 
-    if manifest is not None:
-        art = read_kv_cache(folder, manifest, tensors, n_layers)
-    else:
-        art = read_kv_cache(folder, None, tensors, n_layers) if (folder / MANIFEST_NAME).is_file() else None
+    if manifest is None and not (folder / MANIFEST_NAME).is_file():  # another tool's artifact: its config.json
+        manifest = foreign_manifest(folder)  # compressed-tensors' kv_cache_scheme (None: a float cache)
+    art = read_kv_cache(folder, manifest, tensors, n_layers)
     if kv is None or kv == "none":
         return None, None
     if kv == "artifact":
