@@ -251,5 +251,5 @@ def test_a_chat_past_the_context_stops_with_a_note_and_a_long_generation_past_it
     last = mt["turns"][-1]
     assert last["context_tokens"] + last["prompt"]["tokens"] + 1 + last["reply"]["tokens"] <= 150
     code, _, err = run(["serve-smoke", art, "--threads", 1, "--long-tokens", 200], capsys)
-    assert code == 2 and "prompt 1: " in err and "exceeds the model's context length 150" in err
+    assert code == 2 and "prompt 1: " in err and "+ --long-tokens 200 exceeds the model's context length 150" in err
     assert "Traceback" not in err

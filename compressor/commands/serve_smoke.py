@@ -235,9 +235,9 @@ def _serve(plan: _Plan, opts: SmokeOptions, report: dict, console) -> _Served:
         ids = [eng.encode(p) for p in plan.prompts]
         for i, x in enumerate(ids):
             try:
-                eng.check_length(x, opts.max_new_tokens)
+                eng.check_length(x, opts.max_new_tokens, "--max-new-tokens")
                 if i == 0 and opts.long_tokens:  # --long-tokens continues the first prompt
-                    eng.check_length(x, opts.long_tokens)
+                    eng.check_length(x, opts.long_tokens, "--long-tokens")
             except InputError as e:
                 raise InputError(f"prompt {i + 1}: {e}") from None
         if console:

@@ -160,11 +160,12 @@ class Engine:
                 if req in self.waiting:
                     self.waiting.remove(req)
 
-    def check_length(self, ids: list[int], max_tokens: int) -> None:
-        """Raise InputError when prompt + ``max_tokens`` exceed the model's context length."""
+    def check_length(self, ids: list[int], max_tokens: int, what: str = "max_tokens") -> None:
+        """Raise InputError when prompt + ``max_tokens`` exceed the model's context length; ``what``
+        names the caller's option for the tokens to generate (the request field, or a flag)."""
         limit = self.runtime.decoder.spec.max_position_embeddings
         if len(ids) + max_tokens > limit:
-            raise InputError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
+            raise InputError(f"prompt of {len(ids)} tokens + {what} {max_tokens} exceeds the model's context "
                              f"length {limit}")
         self.runtime.check_length(len(ids) + max_tokens)
 
