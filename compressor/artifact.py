@@ -384,7 +384,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     leaves = fmt.leaves if fmt is not None else ()
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
-    acts: dict[str, tuple[str, int]] = {}  # module -> its input's dynamic quantization (FP8 W8A8)
+    acts: dict[str, tuple[str, int]] = {}  # module -> its input's dynamic quantization (FP8 W8A8, W4A8)
     marked = _packed_modules(shards, fmt)
     for s in shards:
         with safe_open(str(s), framework="pt") as f:
@@ -414,7 +414,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.eval().requires_grad_(False)
-    install_activation_quant(model, arch, acts)  # FP8 W8A8: each input quantized as the serving kernel does
+    install_activation_quant(model, arch, acts)  # FP8 W8A8, W4A8: each input quantized as the kernel does
     tokenizer = load_tokenizer(folder)  # a tokenizer that needs repository code (Kimi's tiktoken) is converted
     check_vocabulary(tokenizer, cfg.vocab_size, f"{folder}: tokenizer")
     return model, tokenizer

@@ -48,7 +48,7 @@ from .quant.kv import check_layout, kv_observer, layer_scales, observed_absmax
 from .quant.kv_rotation import apply_layer_search, resolve_kv_search, rotate_layer
 from .quant.kv_search import layer_recorder, search_warnings
 from .quant.layer import LayerContext, LinearQuantizer, QuantizedLinear, recompute_layer
-from .quant.fp8 import block_misfits
+from .quant.fp8 import kernel_warnings
 from .quant.primitives import Scheme
 from .recipe import Recipe, resolve_group_size
 from .gc_policy import frozen_gc
@@ -183,11 +183,13 @@ def _group_sizes(recipe: Recipe, targets: dict[str, torch.nn.Linear]) -> dict[st
 
 def float_scheme_fields(recipe: Recipe) -> tuple:
     """``(type, rows, act)`` of :class:`~compressor.quant.primitives.Scheme` for the recipe's weights:
-    ``()`` (the defaults) for integer weights, ``("float", rows, "fp8-token" | "fp8-group")`` for FP8."""
+    ``()`` (the defaults) for integer weight-only, ``("int", 1, "fp8-token")`` for integer weights with
+    fp8 inputs (W4A8), ``("float", rows, "fp8-token" | "fp8-group")`` for FP8."""
     w, a = recipe.weights, recipe.activations
+    act = f"fp8-{a.strategy}" if a is not None and get_algorithm(recipe.algorithm).quantizes_weights else ""
     if w.type != "float":
-        return ()
-    return ("float", w.block_structure[0] if w.block_structure else 1, f"fp8-{a.strategy}" if a is not None else "")
+        return ("int", 1, act) if act else ()
+    return ("float", w.block_structure[0] if w.block_structure else 1, act)
 
 
 def check_group_sizes(model, recipe: Recipe) -> None:
@@ -287,7 +289,7 @@ def _plan(model, recipe: Recipe, calib_ids) -> _Plan:
     if quantize_weights and not targets:
         raise InputError("the recipe's targets/ignore lists exclude every linear module; nothing to quantize")
     schemes = resolve_schemes(recipe, targets, arch, model)
-    pattern_warnings += _block_warnings(schemes, targets, arch, model)
+    pattern_warnings += _kernel_warnings(schemes, targets, arch, model)
     base = [s for n, s in schemes.items() if not recipe.overrides or recipe.scheme_for(n) == recipe.weights]
     gs = (base[0][1] if base else next(iter(schemes.values()))[1]) if schemes else None
     check_finite(model)
@@ -298,20 +300,15 @@ def _plan(model, recipe: Recipe, calib_ids) -> _Plan:
     return _Plan(arch, algorithm, kv, layout, targets, schemes, gs, observe_kv, pattern_warnings)
 
 
-def _block_warnings(schemes: dict, targets: dict, arch: ArchSpec, model) -> list[str]:
-    """The warning naming FP8 block linears vLLM's kernels refuse (:func:`compressor.quant.fp8.block_misfits`)."""
-    if not any(s.is_float and s.rows > 1 for s in schemes.values()):
+def _kernel_warnings(schemes: dict, targets: dict, arch: ArchSpec, model) -> list[str]:
+    """The warnings naming the linears vLLM's FP8 block or W4A8 kernels refuse
+    (:func:`compressor.quant.fp8.kernel_warnings`)."""
+    if not any(s.act for s in schemes.values()):
         return []
     layers = get_module(model, arch.layers)
     fused = [[(n, targets[n].out_features) for n in (f"{arch.layers}.{i}.{r}" for r in fs) if n in targets]
              for i in _layer_indices(targets, arch) for fs in layer_fused_sets(arch, layers[i])]
-    bad = block_misfits(schemes, {n: m.in_features for n, m in targets.items()}, fused)
-    if not bad:
-        return []
-    return [f"FP8 blocks: {len(bad)} of {len(schemes)} linears (e.g. {bad[0]}) have an input width that is not a "
-            "multiple of the activation group, or an output inside a fused q/k/v or gate/up GEMM that is not a "
-            "multiple of the block's rows; vLLM's block kernels (and transformers' loader) refuse them: kvq verify and "
-            "serve-smoke simulate zero-padded groups. Per-channel FP8 (--recipe w8a8-fp8) has no such limit"]
+    return kernel_warnings(schemes, {n: (m.out_features, m.in_features) for n, m in targets.items()}, fused)
 
 
 @torch.no_grad()

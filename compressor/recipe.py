@@ -249,7 +249,7 @@ class Recipe(_Strict):
     moe: MoEOptions = MoEOptions()
     kv_cache: Optional[KVCacheOptions] = Field(None, description="KV-cache scheme; null keeps the cache in float")
     activations: Optional[ActivationScheme] = Field(None, description="dynamic activation quantization "
-                                                    "(FP8 W8A8); null keeps activations 16-bit")
+                                                    "(FP8 W8A8, W4A8); null keeps activations 16-bit")
     head: Optional[HeadScheme] = Field(None, description="LM-head scheme; null keeps lm_head in float")
     embedding: Optional[EmbeddingScheme] = Field(None, description="input embedding scheme; null keeps it in float")
     refine: Optional[RefineOptions] = Field(None, description="GPTQ's layers refined on their outputs; null: off")
@@ -273,7 +273,7 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _float_weights(self):
-        """The FP8 W8A8 combinations vLLM serves (:func:`check_float_scheme`)."""
+        """The FP8 W8A8 and W4A8 combinations vLLM serves (:func:`check_float_scheme`)."""
         problem = check_float_scheme(self)
         if problem:
             raise ValueError(problem)

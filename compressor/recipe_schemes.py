@@ -1,5 +1,5 @@
 """The weight-side parts of a recipe: the strict base model, the weight, activation, override,
-LM-head and embedding schemes, and the check of the FP8 W8A8 combinations vLLM serves.
+LM-head and embedding schemes, and the check of the FP8 W8A8 and W4A8 combinations vLLM serves.
 
 :mod:`compressor.recipe` builds its :class:`~compressor.recipe.Recipe` from these (and names
 them there too); a field added here whose default must not change earlier recipes' digests is
@@ -49,7 +49,8 @@ class WeightScheme(_Strict):
     ``type: int`` (the default) is an integer grid of ``num_bits``; ``type: float`` is FP8 e4m3
     (``num_bits: 8``, symmetric, :mod:`compressor.quant.fp8`), per channel (``group_size: -1``)
     or in ``block_structure: [rows, cols]`` blocks (``group_size`` = ``cols``), always with an
-    ``activations`` scheme (FP8 W8A8)."""
+    ``activations`` scheme (FP8 W8A8). Integer weights with an ``activations`` scheme are W4A8
+    (:func:`check_int_fp8_scheme`)."""
 
     num_bits: int = Field(4, ge=2, le=8)
     group_size: Union[int, Literal["auto"]] = 128
@@ -84,9 +85,10 @@ class WeightScheme(_Strict):
 
 class ActivationScheme(_Strict):
     """Quantization of every quantized linear's input, dynamic (scales computed by the serving
-    kernel on each call): FP8 e4m3 per token (``strategy: token``, with per-channel FP8 weights)
-    or per token and ``group_size`` columns (``strategy: group``, with block weights: the block's
-    columns), :mod:`compressor.quant.fp8`. ``kvq verify`` and the runtime simulate it."""
+    kernel on each call): FP8 e4m3 per token (``strategy: token``, with per-channel FP8 weights, or
+    with integer weights: W4A8) or per token and ``group_size`` columns (``strategy: group``, with
+    block weights: the block's columns), :mod:`compressor.quant.fp8`. ``kvq verify`` and the
+    runtime simulate it."""
 
     type: Literal["float"] = "float"
     num_bits: Literal[8] = 8
@@ -174,14 +176,15 @@ def check_float_scheme(recipe: "Recipe") -> str | None:
     without activations). vLLM's compressed-tensors FP8 W8A8 serves per-channel weights with
     per-token activations and ``[rows, cols]`` block weights with per-group activations of
     ``cols``; an algorithm with :attr:`~compressor.quant.algorithms.Algorithm.fp8_grid` quantizes them (RTN;
-    GPTQ and AWQ are not implemented on the FP8 grid)."""
+    GPTQ and AWQ are not implemented on the FP8 grid). Integer weights with activations (W4A8):
+    :func:`check_int_fp8_scheme`."""
     w, a = recipe.weights, recipe.activations
     algorithm = ALGORITHMS.find(recipe.algorithm)
     if w.type == "int":
         if w.block_structure is not None:
             return "weights.block_structure applies to type float (FP8) weights"
         if a is not None and algorithm is not None and algorithm.quantizes_weights:
-            return "activations are quantized with type float (FP8) weights only; integer W4A8/W8A8 is not implemented"
+            return check_int_fp8_scheme(recipe)
         return None
     if w.num_bits != 8 or not w.symmetric:
         return "weights type float (FP8 e4m3) needs num_bits 8 and symmetric true"
@@ -205,4 +208,34 @@ def check_float_scheme(recipe: "Recipe") -> str | None:
                 f"(activations.strategy group, group_size {w.block_structure[1]})")
     if recipe.overrides:
         return "overrides with FP8 weights (mixed schemes per module) are not implemented"
+    return None
+
+
+#: integer weight widths kvq writes and simulates with fp8 inputs (vLLM's W4A8 kernel serves 4)
+INT_FP8_BITS = (4, 8)
+
+
+def check_int_fp8_scheme(recipe: "Recipe") -> str | None:
+    """What is wrong with a recipe's integer weights with quantized activations (W4A8: compressed-tensors
+    ``pack-quantized`` weights whose config group carries ``input_activations``), ``None``: nothing.
+
+    Follows what vLLM's ``CompressedTensorsW4A8Fp8`` reads (``_is_fp8_w4a8``: symmetric grouped integer
+    weights, dynamic symmetric per-token 8-bit inputs): the inputs are dynamic fp8 per token
+    (``strategy: token``), the weights symmetric (the W4A8 kernel has no zero points) of
+    :data:`INT_FP8_BITS` bits, in the base scheme and in every override. Any algorithm that quantizes
+    integer weights applies (RTN, GPTQ, GPTAQ, AWQ, AWQ+GPTQ). What vLLM's kernel further needs (4 bits,
+    groups of 128, widths multiples of 128) is warned about by ``kvq quantize``, not refused
+    (:func:`compressor.quant.fp8.int_fp8_misfits`).
+    """
+    a = recipe.activations
+    if a.strategy != "token":
+        return ("integer weights are served with per-token fp8 activations (activations.strategy token, vLLM's "
+                "W4A8); per-group activations go with FP8 block weights")
+    for s in [recipe.weights] + [o.weights for o in recipe.overrides]:
+        if s.num_bits is not None and s.num_bits not in INT_FP8_BITS:
+            return (f"integer weights with fp8 activations are {' or '.join(map(str, INT_FP8_BITS))} bits "
+                    f"(got num_bits {s.num_bits}); W{s.num_bits}A8 is not implemented")
+        if s.symmetric is False:
+            return ("integer weights with fp8 activations are symmetric (vLLM's W4A8 kernel has no zero points): "
+                    "set weights.symmetric true")
     return None

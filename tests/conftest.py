@@ -1,8 +1,9 @@
 """Shared fixtures and helpers, the one place test modules import helpers from (a test module never
 imports another test module: tests/test_test_layout.py): the in-process CLI runner every CLI test uses
 (``from conftest import kvq_run as run``), the tiny tokenizer and Llama folder, artifact and folder
-helpers, the runtime's parity contract. Every tiny model is built by tests/tiny_models.py (its
-``tiny_config`` and ``make_model_dir`` are importable from here too)."""
+helpers, vLLM's dynamic fp8 input quantization written out by hand, the runtime's parity contract.
+Every tiny model is built by tests/tiny_models.py (its ``tiny_config`` and ``make_model_dir`` are
+importable from here too)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,13 @@ def deep_dir(tmp_path_factory, tokenizer) -> Path:
 
 
 @pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory, tokenizer) -> Path:
+    """A tiny Llama folder of the test module whose widths are multiples of 128 (hidden 128, MLP 256), as
+    vLLM's FP8 block and W4A8 kernels need."""
+    return make_model_dir(tmp_path_factory.mktemp("wide") / "llama", tokenizer, hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> tuple[Path, Path]:
     """An EC P-256 key pair of the test module (:func:`keypair`): (private key file, public key file); a module
     may define its own ``keys``."""
@@ -143,6 +151,31 @@ def quantize_tiny(out: Path, model_dir: Path, **kw) -> Path:
 
 #: quantize settings for a tiny model: W4 g32, calibrated on 4 windows of 32 tokens
 FAST = dict(group_size=32, calib_samples=4, calib_seqlen=32)
+
+
+def quantize_cli(model: Path, out: Path, capsys, *args) -> str:
+    """``kvq quantize MODEL -o OUT`` on 4 calibration windows of 32 tokens with ``args`` (``--recipe``, ``--set``,
+    ...), which must exit 0; returns its stderr."""
+    code, _, err = kvq_run(["quantize", model, "-o", out, "--calib-samples", "4", "--calib-seqlen", "32", *args],
+                           capsys)
+    assert code == 0, err
+    return err
+
+
+def packed_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor of each module ``folder/model.safetensors`` stores quantized (those with a
+    ``weight_scale``): module name -> {leaf (``weight_packed``, ``weight``, ``weight_scale``, ...) -> tensor}."""
+    from safetensors import safe_open
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        packed = {k.rpartition(".")[0] for k in keys if k.endswith(".weight_scale")}
+        for key in keys:
+            module, _, leaf = key.rpartition(".")
+            if module in packed:
+                out.setdefault(module, {})[leaf] = f.get_tensor(key)
+    return out
 
 
 def digests(folder) -> dict[str, str]:
@@ -207,6 +240,80 @@ def run_probe(tmp_path: Path, body: str, module: bool = False):
     return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"},
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+# ---------------------------------------------------------------------------------------
+# vLLM's dynamic fp8 input quantization written out by hand (tests/test_fp8.py, tests/test_w4a8.py)
+
+
+def e4m3_by_hand(v: torch.Tensor) -> torch.Tensor:
+    """``v`` (float32) saturated to ±448 and rounded to the nearest e4m3fn value, ties to the even
+    code, by searching the 127 non-negative codes' values (no float8 cast involved)."""
+    codes = torch.arange(127, dtype=torch.uint8)
+    grid = codes.view(torch.float8_e4m3fn).double()  # 0, 2^-9, ..., 448 ascending
+    a = v.double().abs().clamp(max=448.0).flatten()
+    hi = torch.searchsorted(grid, a).clamp(max=126)
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = a - grid[lo], grid[hi] - a
+    pick = torch.where(d_lo < d_hi, lo, torch.where(d_hi < d_lo, hi, torch.where(lo % 2 == 0, lo, hi)))
+    return (grid[pick].reshape(v.shape) * v.sign().double()).float()
+
+
+def fp8_inputs_by_hand(x: torch.Tensor, act: str, group: int) -> torch.Tensor:
+    """What vLLM's kernels hand the FP8 GEMM for input ``x [M, K]``, written out: per token
+    (``dynamic_per_token_scaled_fp8_quant``) ``s = max(absmax / 448, 1 / (448 * 512))``, per group of
+    ``group`` columns (``per_token_group_quant_fp8``) ``s = max(absmax, 1e-10) / 448``; codes
+    ``e4m3(x / s)``; returned dequantized, ``codes * s``, in float32."""
+    out = torch.empty_like(x)
+    cols = [(0, x.shape[1])] if act == "fp8-token" else [(c, min(c + group, x.shape[1]))
+                                                        for c in range(0, x.shape[1], group)]
+    for r in range(x.shape[0]):
+        for c0, c1 in cols:
+            part = x[r, c0:c1]
+            amax = part.abs().max()
+            s = torch.maximum(amax / 448.0, torch.tensor(1.0 / (448 * 512))) if act == "fp8-token" \
+                else torch.maximum(amax, torch.tensor(1e-10)) / 448.0
+            out[r, c0:c1] = e4m3_by_hand(part / s) * s
+    return out
+
+
+def fp8_probe_inputs(k: int) -> torch.Tensor:
+    """Rows a kernel must get right: ordinary values, an outlier, all zeros, values below the
+    per-token scale floor, and exact ties between two e4m3 values."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, k, generator=g)
+    x[1, 7] = 300.0
+    x[2] = 0.0
+    x[3] = torch.randn(k, generator=g) * 1e-6
+    x[4, :8] = torch.tensor([448.0, 17.0, 19.0, -21.0, 23.0, 0.0, 1.0, -1.0])  # scale 1: 17 -> 16, 19 -> 20, ...
+    x[4, 8:] = 0.5
+    x[5, : k // 2] *= 1000.0  # two groups of very different size
+    return x
+
+
+def assert_inputs_quantized_by_hand(model, runtime, rels: tuple[str, ...], act: str, group: int, kernel: str):
+    """Both readers hand each linear ``model.layers.1.<rel>`` (``rels``) the input :func:`fp8_inputs_by_hand`
+    gives for :func:`fp8_probe_inputs`, bit for bit: ``model`` (``kvq verify``'s transformers model, whose
+    hook quantizes it) and ``runtime`` (a :class:`~compressor.runtime.generate.Runtime`, whose layer runs
+    ``kernel``), and the runtime's output is that input times verify's weight."""
+    for rel in rels:
+        lin = model.get_submodule(f"model.layers.1.{rel}")
+        x = fp8_probe_inputs(lin.in_features)
+        expect = fp8_inputs_by_hand(x, act, group)
+        seen = []
+        handle = lin.register_forward_pre_hook(lambda _m, args: seen.append(args[0].clone()))  # after kvq's hook
+        lin(x)
+        handle.remove()
+        assert torch.equal(seen[0], expect), rel
+        fast = runtime.decoder.layers[1].lin[rel]
+        assert fast.kernel == kernel, rel
+        got = []
+        mm = fast._mm
+        fast._mm = lambda x2, mm=mm: got.append(x2.clone()) or mm(x2)
+        y = fast(x)
+        del fast._mm
+        assert torch.equal(got[0], expect), rel
+        torch.testing.assert_close(y, torch.nn.functional.linear(expect, lin.weight), rtol=1e-6, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------

@@ -60,23 +60,25 @@ def _asymmetric_packed(folder: Path) -> bool:
     return any(g.get("weights") and not g["weights"].get("symmetric", True) for g in groups)
 
 
-def _block_recipe(name: str) -> bool:
-    """An FP8 block recipe: its activation groups (128 columns) need inputs 128 wide or wider."""
-    return load_recipe(name).weights.block_structure is not None
+def _wide_recipe(name: str) -> bool:
+    """An FP8 block recipe (activation groups of 128 columns) or W4A8 (weight groups of 128): they need
+    inputs 128 wide or wider."""
+    weights = load_recipe(name).weights
+    return weights.block_structure is not None or weights.group_size == 128
 
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, tiny_model_dir, tokenizer) -> dict[str, Path]:
     """One artifact per bundled recipe, of the shared tiny Llama (4 x 32 calibration tokens); an FP8
     block recipe's of a Llama 128 / 256 wide (compressed-tensors' forward, as vLLM's kernels,
-    refuses activation groups wider than a layer's input)."""
+    refuses activation groups wider than a layer's input), and W4A8's (groups of 128) too."""
     root = tmp_path_factory.mktemp("consumers")
     wide = None
     out = {}
     for name in RECIPES:
         out[name] = root / name
         model = tiny_model_dir
-        if _block_recipe(name):
+        if _wide_recipe(name):
             wide = wide or make_model_dir(root / "wide", tokenizer, hidden_size=128, intermediate_size=256)
             model = wide
         run_quantize(QuantizeOptions(model=str(model), output=out[name], recipe=name, calib_samples=4,
@@ -102,7 +104,7 @@ def _ours(folder: Path, kv_cache: bool = False) -> torch.Tensor:
 
 
 def test_recipes_and_schemes_are_covered(artifacts):
-    assert {"w4a16-awq", "w4a16-gptq", "w8a16-rtn", "kv-fp8", "w8a8-fp8", "w8a8-fp8-block"} <= set(RECIPES)
+    assert {"w4a16-awq", "w4a16-gptq", "w8a16-rtn", "kv-fp8", "w8a8-fp8", "w8a8-fp8-block", "w4a8-gptq"} <= set(RECIPES)
     # both sides of the installed release's limit are exercised
     assert {_asymmetric_packed(f) for f in artifacts.values()} == {True, False}
     assert {_static_kv(f) for f in artifacts.values()} == {True, False}

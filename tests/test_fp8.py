@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from compressor.artifact import load_artifact, read_kv_cache
 from compressor.errors import InputError
@@ -23,7 +22,8 @@ from compressor.quant.fp8 import (TOKEN_SCALE_FLOOR, dequantize_weight, fake_qua
                                   quantize_weight)
 from compressor.recipe import load_recipe, parse_recipe
 
-from conftest import PARITY_TOL, assert_clean_error, kvq_run, make_model_dir
+from conftest import (PARITY_TOL, assert_clean_error, assert_inputs_quantized_by_hand, e4m3_by_hand,
+                      fp8_inputs_by_hand, fp8_probe_inputs, kvq_run, make_model_dir, packed_tensors, quantize_cli)
 from tiny_models import make_dir
 
 
@@ -202,34 +202,13 @@ def test_block_recipe_needs_group_activations_of_its_columns():
 
 
 @pytest.fixture(scope="module")
-def wide_llama(tmp_path_factory, tokenizer) -> Path:
-    """A tiny Llama whose widths are multiples of 128 (hidden 128, MLP 256), as block kernels need."""
-    return make_model_dir(tmp_path_factory.mktemp("fp8") / "llama", tokenizer, hidden_size=128, intermediate_size=256)
-
-
-@pytest.fixture(scope="module")
 def deepseek(tmp_path_factory, tokenizer) -> Path:
     """A tiny DeepSeek-V3 (MLA attention, routed and shared experts, hidden 64: partial blocks)."""
     return make_dir(tmp_path_factory.mktemp("fp8") / "deepseek", tokenizer, "deepseek_v3")
 
 
 def _quantize(model: Path, out: Path, capsys, *recipes: str) -> str:
-    args = ["quantize", model, "-o", out, "--calib-samples", "4", "--calib-seqlen", "32"]
-    for r in recipes:
-        args += ["--recipe", r]
-    code, _, err = kvq_run(args, capsys)
-    assert code == 0, err
-    return err
-
-
-def _fp8_modules(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        for key in f.keys():
-            if key.endswith(".weight_scale"):
-                m = key[: -len(".weight_scale")]
-                out[m] = {"weight": f.get_tensor(m + ".weight"), "weight_scale": f.get_tensor(key)}
-    return out
+    return quantize_cli(model, out, capsys, *(a for r in recipes for a in ("--recipe", r)))
 
 
 @pytest.mark.parametrize("row, recipe", [("llama", "w8a8-fp8"), ("llama", "w8a8-fp8-block"),
@@ -247,7 +226,7 @@ def test_compressed_tensors_decompressor_gives_kvqs_weights(row, recipe, wide_ll
     assert qc["format"] == group["format"] == "float-quantized" and len(qc["config_groups"]) == 1
     scheme = QuantizationScheme.model_validate(group)
     compressor = BaseCompressor.get_value_from_registry(group["format"])
-    modules = _fp8_modules(out)
+    modules = packed_tensors(out)
     assert any(".experts." in m for m in modules) == (row == "deepseek_v3")
     for m, t in modules.items():
         assert t["weight"].dtype == torch.float8_e4m3fn and t["weight_scale"].dtype == torch.float32
@@ -308,51 +287,6 @@ def test_quantize_verify_serve_smoke(row, recipe, kv, wide_llama, deepseek, qwen
     assert not torch.allclose(_logits(model, ids), simulated, atol=1e-6)
 
 
-def _e4m3_by_hand(v: torch.Tensor) -> torch.Tensor:
-    """``v`` (float32) saturated to ±448 and rounded to the nearest e4m3fn value, ties to the even
-    code, by searching the 127 non-negative codes' values (no float8 cast involved)."""
-    codes = torch.arange(127, dtype=torch.uint8)
-    grid = codes.view(torch.float8_e4m3fn).double()  # 0, 2^-9, ..., 448 ascending
-    a = v.double().abs().clamp(max=448.0).flatten()
-    hi = torch.searchsorted(grid, a).clamp(max=126)
-    lo = (hi - 1).clamp(min=0)
-    d_lo, d_hi = a - grid[lo], grid[hi] - a
-    pick = torch.where(d_lo < d_hi, lo, torch.where(d_hi < d_lo, hi, torch.where(lo % 2 == 0, lo, hi)))
-    return (grid[pick].reshape(v.shape) * v.sign().double()).float()
-
-
-def _inputs_by_hand(x: torch.Tensor, act: str, group: int) -> torch.Tensor:
-    """What vLLM's kernels hand the FP8 GEMM for input ``x [M, K]``, written out: per token
-    (``dynamic_per_token_scaled_fp8_quant``) ``s = max(absmax / 448, 1 / (448 * 512))``, per group of
-    ``group`` columns (``per_token_group_quant_fp8``) ``s = max(absmax, 1e-10) / 448``; codes
-    ``e4m3(x / s)``; returned dequantized, ``codes * s``, in float32."""
-    out = torch.empty_like(x)
-    cols = [(0, x.shape[1])] if act == "fp8-token" else [(c, min(c + group, x.shape[1]))
-                                                        for c in range(0, x.shape[1], group)]
-    for r in range(x.shape[0]):
-        for c0, c1 in cols:
-            part = x[r, c0:c1]
-            amax = part.abs().max()
-            s = torch.maximum(amax / 448.0, torch.tensor(1.0 / (448 * 512))) if act == "fp8-token" \
-                else torch.maximum(amax, torch.tensor(1e-10)) / 448.0
-            out[r, c0:c1] = _e4m3_by_hand(part / s) * s
-    return out
-
-
-def _probe_inputs(k: int) -> torch.Tensor:
-    """Rows a kernel must get right: ordinary values, an outlier, all zeros, values below the
-    per-token scale floor, and exact ties between two e4m3 values."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(6, k, generator=g)
-    x[1, 7] = 300.0
-    x[2] = 0.0
-    x[3] = torch.randn(k, generator=g) * 1e-6
-    x[4, :8] = torch.tensor([448.0, 17.0, 19.0, -21.0, 23.0, 0.0, 1.0, -1.0])  # scale 1: 17 -> 16, 19 -> 20, ...
-    x[4, 8:] = 0.5
-    x[5, : k // 2] *= 1000.0  # two groups of very different size
-    return x
-
-
 @pytest.mark.parametrize("recipe", ["w8a8-fp8", "w8a8-fp8-block"])
 def test_both_readers_quantize_inputs_as_the_kernel_by_hand(recipe, wide_llama, tmp_path, capsys):
     """The input each reader multiplies by the weight is, bit for bit, the hand computation of vLLM's
@@ -361,31 +295,14 @@ def test_both_readers_quantize_inputs_as_the_kernel_by_hand(recipe, wide_llama, 
     values under the per-token floor and exact rounding ties."""
     from compressor.runtime.generate import Runtime
 
-    hand = _e4m3_by_hand(torch.tensor([17.0, 19.0, 0.0029296875, 500.0, -1e9]))  # ties to even; 1.5 x 2^-9
+    hand = e4m3_by_hand(torch.tensor([17.0, 19.0, 0.0029296875, 500.0, -1e9]))  # ties to even; 1.5 x 2^-9
     assert hand.tolist() == [16.0, 20.0, 0.00390625, 448.0, -448.0]
     out = tmp_path / "art"
     _quantize(wide_llama, out, capsys, recipe)
     act = "fp8-token" if recipe == "w8a8-fp8" else "fp8-group"
     model, _ = load_artifact(out)
     rt = Runtime.from_artifact(out, kv=None, dtype=torch.float32)
-    for rel in ("self_attn.q_proj", "mlp.down_proj"):
-        lin = model.get_submodule(f"model.layers.1.{rel}")
-        x = _probe_inputs(lin.in_features)
-        expect = _inputs_by_hand(x, act, 128)
-        seen = []
-        handle = lin.register_forward_pre_hook(lambda _m, args: seen.append(args[0].clone()))  # after kvq's hook
-        lin(x)
-        handle.remove()
-        assert torch.equal(seen[0], expect), rel
-        fast = rt.decoder.layers[1].lin[rel]
-        assert fast.kernel == "fp8-emulated"
-        got = []
-        mm = fast._mm
-        fast._mm = lambda x2, mm=mm: got.append(x2.clone()) or mm(x2)
-        y = fast(x)
-        del fast._mm
-        assert torch.equal(got[0], expect), rel
-        torch.testing.assert_close(y, torch.nn.functional.linear(expect, lin.weight), rtol=1e-6, atol=1e-5)
+    assert_inputs_quantized_by_hand(model, rt, ("self_attn.q_proj", "mlp.down_proj"), act, 128, "fp8-emulated")
 
 
 def test_fused_experts_quantize_each_experts_inputs_by_hand(deepseek, tmp_path, capsys):
@@ -397,16 +314,16 @@ def test_fused_experts_quantize_each_experts_inputs_by_hand(deepseek, tmp_path, 
     model, _ = load_artifact(out)
     experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
     n, h = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[2]
-    x = _probe_inputs(h)
+    x = fp8_probe_inputs(h)
     index = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [1, 3], [0, 2]]) % n
     weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(4))
     expect = torch.zeros_like(x)
     for t in range(6):
         for slot in range(2):
             e = int(index[t, slot])
-            gate, up = (_inputs_by_hand(x[t:t + 1], "fp8-token", 0) @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
+            gate, up = (fp8_inputs_by_hand(x[t:t + 1], "fp8-token", 0) @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
             mid = experts.act_fn(gate) * up
-            expect[t] += (_inputs_by_hand(mid, "fp8-token", 0) @ experts.down_proj[e].T)[0] * weights[t, slot]
+            expect[t] += (fp8_inputs_by_hand(mid, "fp8-token", 0) @ experts.down_proj[e].T)[0] * weights[t, slot]
     torch.testing.assert_close(experts(x, index, weights), expect, rtol=1e-4, atol=1e-5)  # the sums' order differs
 
 

@@ -20,6 +20,8 @@ def quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schem
     if recipe.weights.type == "float":  # FP8 W8A8: the grid, the scale blocks and the inputs' quantization
         quant.update(type="float", block_structure=recipe.weights.block_structure, scale_dtype="float32",
                      activations=recipe.activations.model_dump(mode="json") if recipe.activations else None)
+    elif recipe.activations is not None and schemes:  # W4A8: integer weights, the inputs' quantization
+        quant.update(activations=recipe.activations.model_dump(mode="json"))
     if recipe.is_mixed:
         quant["schemes"] = [{"num_bits": s.num_bits, "group_size": s.group_size, "symmetric": s.symmetric,
                              "modules": sorted(n for n, v in schemes.items() if tuple(v) == tuple(s))}

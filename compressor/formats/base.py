@@ -19,7 +19,8 @@ for per-channel schemes).
 An FP8 weight (compressed-tensors ``float-quantized``, :mod:`compressor.quant.fp8`) has ``q``
 float8_e4m3fn ``[N, K]``, ``scale`` ``[ceil(N / rows), ceil(K / group_size)]`` (``rows`` 1 per
 channel, 128 for 128 x 128 blocks), no zero point, and ``act`` the dynamic quantization of the
-module's input the serving kernel applies (``fp8-token`` / ``fp8-group``; ``""``: none).
+module's input the serving kernel applies (``fp8-token`` / ``fp8-group``; ``""``: none). An integer
+weight may carry ``act`` too (W4A8: ``fp8-token``).
 
 :class:`WeightFormat` is one on-disk layout: its writer (:meth:`~WeightFormat.pack`, a
 pipeline record to stored tensors), its reader (:meth:`~WeightFormat.read`, stored tensors
@@ -138,7 +139,8 @@ def check_float16_weight_format(fmt: "WeightFormat", recipe, dtype_name: str) ->
 
     Raises:
         InputError: a KV-only recipe (``algorithm: none``: nothing to pack); FP8 weights
-            (``weights.type: float``: integer layouts only); a static KV-cache scheme (no field
+            (``weights.type: float``: integer layouts only); quantized activations (W4A8: no
+            field for them); a static KV-cache scheme (no field
             for ``k_scale``/``v_scale``); a storage dtype other than float16 (their kernels read
             fp16 scales).
     """
@@ -148,6 +150,9 @@ def check_float16_weight_format(fmt: "WeightFormat", recipe, dtype_name: str) ->
     if recipe.weights.type != "int":
         raise InputError(f"--format {name} stores integer weights; FP8 (weights type float) needs "
                          "--format compressed-tensors")
+    if recipe.activations is not None:
+        raise InputError(f"--format {name} has no field for quantized activations; W4A8 (an activations section) "
+                         "needs --format compressed-tensors (input_activations)")
     if recipe.kv_cache is not None and recipe.kv_cache.spec().static:
         raise InputError(
             f"--format {name} has no field for static KV-cache scales ({recipe.kv_cache.spec().describe()}); "

@@ -1,4 +1,4 @@
-"""FP8 (float8 e4m3) weights and activations: the numerics of FP8 W8A8 as vLLM serves it.
+"""FP8 (float8 e4m3) weights and activations: the numerics of FP8 W8A8 (and W4A8's inputs) as vLLM serves it.
 
 Weights (compressed-tensors ``float-quantized``, vLLM's ``CompressedTensorsW8A8Fp8``):
 
@@ -23,6 +23,12 @@ Activations (dynamic, quantized by the serving kernel on every call; vLLM ``csrc
   not a multiple: vLLM refuses such a layer, kvq simulates the zero-padded group);
 * ``q = float8_e4m3fn(clamp(x / scale, -448, 448))``, the product then ``(q * scale) @ w_hat.T``
   accumulated in float32, as the FP8 GEMMs do.
+
+W4A8 (integer weights, fp8 inputs: compressed-tensors ``pack-quantized`` whose config group carries
+``input_activations`` fp8 per token; vLLM's ``CompressedTensorsW4A8Fp8`` and its CUTLASS kernel, whose
+``QuantFP8`` per-token path is the ``token`` quantization above): the inputs are quantized as above,
+the weights are kvq's integer grid (:mod:`compressor.quant.primitives`); :func:`int_fp8_misfits`
+names the linears that kernel refuses.
 
 Shapes: weights ``[N, K]`` (``N`` out, ``K`` in); every function is ``@torch.no_grad()`` and
 side-effect free.
@@ -159,3 +165,61 @@ def block_misfits(schemes: dict, in_features: dict[str, int], fused_outs: list[l
             if s is not None and s.is_float and s.rows > 1 and out % s.rows:
                 bad.add(name)
     return sorted(bad)
+
+
+#: what vLLM's W4A8 kernel serves (``CompressedTensorsW4A8Fp8``, ``CutlassW4A8LinearKernel.can_implement``):
+#: 4-bit symmetric integer weights in groups of 128, GEMM input and output widths multiples of 128
+W4A8_BITS, W4A8_GROUP = 4, 128
+
+
+def int_fp8_misfits(schemes: dict, widths: dict[str, tuple[int, int]],
+                    fused_outs: list[list[tuple[str, int]]]) -> list[str]:
+    """The integer linears with fp8 inputs (W4A8) vLLM's W4A8 kernel refuses: weights other than
+    :data:`W4A8_BITS`-bit symmetric in groups of :data:`W4A8_GROUP` (``CompressedTensorsW4A8Fp8``), an
+    input width that is not a multiple of 128, or an output width that is not one (``CutlassW4A8LinearKernel``:
+    ``K`` and ``N`` of the GEMM; a set of linears one GEMM serves, q/k/v or gate/up, counts its outputs
+    together).
+
+    Args:
+        schemes: module name -> :class:`~compressor.quant.primitives.Scheme`.
+        widths: module name -> ``(out_features, in_features)``.
+        fused_outs: per fused set, ``[(module name, output width), ...]``.
+
+    Returns:
+        The names, sorted (empty when every such linear fits or there is none).
+    """
+    mine = {n for n, s in schemes.items() if not s.is_float and s.act}
+    bad = {n for n in mine if (schemes[n].num_bits, schemes[n].symmetric, schemes[n].group_size) !=
+           (W4A8_BITS, True, W4A8_GROUP) or widths[n][1] % W4A8_GROUP}
+    grouped = set()
+    for parts in fused_outs:
+        names = [n for n, _ in parts if n in mine]
+        grouped.update(names)
+        if sum(out for n, out in parts if n in mine) % W4A8_GROUP:
+            bad.update(names)
+    return sorted(bad | {n for n in mine - grouped if widths[n][0] % W4A8_GROUP})
+
+
+def kernel_warnings(schemes: dict, widths: dict[str, tuple[int, int]],
+                    fused_outs: list[list[tuple[str, int]]]) -> list[str]:
+    """``kvq quantize``'s warnings naming the linears vLLM's kernels refuse: FP8 blocks
+    (:func:`block_misfits`) and W4A8 (:func:`int_fp8_misfits`); arguments as :func:`int_fp8_misfits`.
+
+    Returns:
+        One line per kind that has such linears (empty: none).
+    """
+    out = []
+    bad = block_misfits(schemes, {n: w[1] for n, w in widths.items()}, fused_outs)
+    if bad:
+        out.append(f"FP8 blocks: {len(bad)} of {len(schemes)} linears (e.g. {bad[0]}) have an input width that is not "
+                   "a multiple of the activation group, or an output inside a fused q/k/v or gate/up GEMM that is not "
+                   "a multiple of the block's rows; vLLM's block kernels (and transformers' loader) refuse them: kvq "
+                   "verify and serve-smoke simulate zero-padded groups. Per-channel FP8 (--recipe w8a8-fp8) has no "
+                   "such limit")
+    bad = int_fp8_misfits(schemes, widths, fused_outs)
+    if bad:
+        out.append(f"W4A8: {len(bad)} of {len(schemes)} linears (e.g. {bad[0]}) are not what vLLM's W4A8 kernel "
+                   "serves (4-bit symmetric weights in groups of 128, input and output widths multiples of 128; a "
+                   "fused q/k/v or gate/up GEMM counts its outputs together): vLLM refuses them; kvq verify and "
+                   "serve-smoke simulate them as written")
+    return out

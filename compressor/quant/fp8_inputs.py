@@ -1,4 +1,4 @@
-"""FP8 W8A8 inputs in a loaded model: each quantized linear's input quantized as the serving
+"""FP8 W8A8 and W4A8 inputs in a loaded model: each quantized linear's input quantized as the serving
 kernel does (dynamic fp8 per token or per group, :func:`compressor.quant.fp8.fake_quantize_activation`),
 for ``kvq verify``'s transformers model (:func:`compressor.artifact.load_artifact`, and the streamed
 verify's model a layer at a time).

@@ -3,26 +3,29 @@
 Every class computes ``y [..., N] = x [..., K] @ W.T (+ bias)`` for ``W ≈ (q - zero_point)
 * scale`` (:class:`~compressor.formats.base.QuantWeight`), keeping the integer (or FP8) codes
 and never a float copy of the weight. A weight whose artifact quantizes its input (FP8 W8A8:
-dynamic fp8 per token or per group, ``QuantWeight.act``) has ``x`` quantized first, by the base
-class, whatever the kernel:
+dynamic fp8 per token or per group; W4A8: per token; ``QuantWeight.act``) has ``x`` quantized
+first, by the base class, whatever the kernel:
 
-================  ==================================================  =======================
-kernel            what runs                                           serves
-================  ==================================================  =======================
-``float``         ``F.linear`` (unquantized module)                   any float weight
-``dequant``       dequantize the layer's int8 codes on each call,     any bits, group,
-                  then ``F.linear``: the reference numerics           ``g_idx``, device
-``aten-int4``     ``torch.ops.aten._weight_int4pack_mm_for_cpu``      CPU, 4 bit, groups of a
-                                                                      multiple of 32 (per
-                                                                      channel too),
-                                                                      ``N % 16 == 0``
-``aten-int8``     ``torch.ops.aten._weight_int8pack_mm`` (+ a         CPU, 8 bit per channel,
-                  zero-point correction when asymmetric)              ``K % 8 == 0``
-``triton-w4a16``  fused W4A16 Triton kernel                           CUDA, 4 bit,
-                  (:mod:`~compressor.runtime.triton_kernels`)         ``K % 8 == 0``
-``fp8-emulated``  dequantize the e4m3 codes on each call, float32     every FP8 weight, any
-                  ``F.linear`` (:class:`Fp8Linear`)                   backend and device
-================  ==================================================  =======================
+====================  ==================================================  =======================
+kernel                what runs                                           serves
+====================  ==================================================  =======================
+``float``             ``F.linear`` (unquantized module)                   any float weight
+``dequant``           dequantize the layer's int8 codes on each call,     any bits, group,
+                      then ``F.linear``: the reference numerics           ``g_idx``, device
+``aten-int4``         ``torch.ops.aten._weight_int4pack_mm_for_cpu``      CPU, 4 bit, groups of a
+                                                                          multiple of 32 (per
+                                                                          channel too),
+                                                                          ``N % 16 == 0``
+``aten-int8``         ``torch.ops.aten._weight_int8pack_mm`` (+ a         CPU, 8 bit per channel,
+                      zero-point correction when asymmetric)              ``K % 8 == 0``
+``triton-w4a16``      fused W4A16 Triton kernel                           CUDA, 4 bit,
+                      (:mod:`~compressor.runtime.triton_kernels`)         ``K % 8 == 0``
+``fp8-emulated``      dequantize the e4m3 codes on each call, float32     every FP8 weight, any
+                      ``F.linear`` (:class:`Fp8Linear`)                   backend and device
+``int-fp8-emulated``  dequantize the integer codes on each call, float32  integer weights with fp8
+                      ``F.linear`` (:class:`IntFp8Linear`)                inputs (W4A8), any
+                                                                          backend and device
+====================  ==================================================  =======================
 
 The aten ops: ``_convert_weight_to_int4pack_for_cpu(u int32 [N, K], innerKTiles)`` takes
 unsigned codes ``u = q + 8`` (its output layout is opaque); ``_weight_int4pack_mm_for_cpu(x
@@ -219,6 +222,25 @@ class Fp8Linear(QuantLinear):
 
     def _stored(self):
         return [self.q, self.scale, self.bias]
+
+
+class IntFp8Linear(DequantLinear):
+    """Integer weights with fp8 inputs (W4A8) emulated: the integer codes kept as :class:`DequantLinear`
+    keeps them, dequantized on each call and multiplied in float32 with the input quantized by the base
+    class (``act``: dynamic fp8 per token), as :class:`Fp8Linear` multiplies: the numerics of vLLM's W4A8
+    GEMM (fp8 inputs scaled per token, weights per group, float32 accumulation) up to the order of the sums
+    and its own rounding of the group scales (docs/formats.md). Serves every integer weight whose input
+    is quantized, on any backend and device (the aten and Triton kernels take 16-bit inputs)."""
+
+    kernel = "int-fp8-emulated"
+    quantized_input_dtype = torch.float32
+
+    @classmethod
+    def unsupported(cls, w, device):
+        return None if w.act and not w.is_float else "integer weights with a quantized input (W4A8) only"
+
+    def _mm(self, x2):  # float32 out; the base casts to the input's dtype
+        return F.linear(x2.float(), self.dequantized(torch.float32))
 
 
 def _op_group(group_size: int) -> int | None:
@@ -523,8 +545,8 @@ def make_linear(w: QuantWeight | torch.Tensor, bias: torch.Tensor | None, backen
     w, perm = w.sorted_by_group()
     perm = None if perm is None else perm.to(device)
     act = (w.act, w.act_group or w.group_size) if w.act else ("", 0)
-    if w.is_float:  # every backend: the one FP8 kernel
-        layer = Fp8Linear(w, bias, device, perm)
+    if w.is_float or w.act:  # every backend: the one FP8 kernel, the one W4A8 kernel
+        layer = (Fp8Linear if w.is_float else IntFp8Linear)(w, bias, device, perm)
         layer.act = act
         return layer
     reasons = []
