@@ -326,7 +326,8 @@ def check_readable(folder: Path, qc: dict) -> None:
     if qc and reader_for(method) is None:
         raise InputError(f"{folder}: quant_method {method!r} is not one kvq reads (compressed-tensors, awq, gptq)")
     if method == "compressed-tensors" and qc.get("format") not in READ_CT_FORMATS:
-        raise InputError(f"{folder}: only compressed-tensors {', '.join(READ_CT_FORMATS[:2])} (and mixed-precision of "
+        known = ", ".join(READ_CT_FORMATS[:2] + READ_CT_FORMATS[4:])
+        raise InputError(f"{folder}: only compressed-tensors {known} (and mixed-precision of "
                          f"them) artifacts can be loaded (format {qc.get('format')!r})")
 
 

@@ -189,7 +189,7 @@ def float_scheme_fields(recipe: Recipe) -> tuple:
     act = f"fp8-{a.strategy}" if a is not None and get_algorithm(recipe.algorithm).quantizes_weights else ""
     if w.type != "float":
         return ("int", 1, act) if act else ()
-    return ("float", w.block_structure[0] if w.block_structure else 1, act)
+    return ("float", w.block_structure[0] if w.block_structure else 1, act)  # NVFP4: ("float", 1, "")
 
 
 def check_group_sizes(model, recipe: Recipe) -> None:

@@ -153,6 +153,16 @@ def quantize_tiny(out: Path, model_dir: Path, **kw) -> Path:
 FAST = dict(group_size=32, calib_samples=4, calib_seqlen=32)
 
 
+def quantize_recipe(model: Path, out: Path, recipe: str) -> Path:
+    """``model`` quantized in process with the bundled ``recipe`` on 4 calibration windows of 32 tokens into
+    ``out`` (returned)."""
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
+
+    run_quantize(QuantizeOptions(model=str(model), output=out, recipe=recipe, calib_samples=4, calib_seqlen=32))
+    return out
+
+
 def quantize_cli(model: Path, out: Path, capsys, *args) -> str:
     """``kvq quantize MODEL -o OUT`` on 4 calibration windows of 32 tokens with ``args`` (``--recipe``, ``--set``,
     ...), which must exit 0; returns its stderr."""

@@ -42,7 +42,7 @@ _PROBE = """
 import sys, torch, transformers
 from transformers import AutoModelForCausalLM
 assert transformers.__version__ == sys.argv[2], transformers.__version__
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=getattr(torch, sys.argv[5])).eval()
 ids = torch.load(sys.argv[3])
 with torch.no_grad():
     torch.save(model(ids).logits, sys.argv[4])
@@ -58,6 +58,21 @@ def _asymmetric_packed(folder: Path) -> bool:
     qc = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
     groups = (qc.get("config_groups") or {}).values()
     return any(g.get("weights") and not g["weights"].get("symmetric", True) for g in groups)
+
+
+def _load_dtype(folder: Path) -> torch.dtype:
+    """The dtype transformers loads the artifact in: bfloat16 for NVFP4 (compressed-tensors 0.20.1's
+    ``nvfp4-pack-quantized`` decompressor returns bfloat16 weights whatever the model's dtype, so a float32
+    model fails its first forward), float32 for the others."""
+    qc = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    return torch.bfloat16 if qc.get("format") == "nvfp4-pack-quantized" else torch.float32
+
+
+def _compare(theirs: torch.Tensor, folder: Path, kv_cache: bool = False) -> None:
+    """transformers' logits against kvq's, in the dtype it loaded (:func:`_load_dtype`; bfloat16's tolerance)."""
+    dtype = _load_dtype(folder)
+    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(theirs, _ours(folder, kv_cache, dtype), atol=tol, rtol=tol)
 
 
 def _wide_recipe(name: str) -> bool:
@@ -91,10 +106,11 @@ def _static_kv(folder: Path) -> bool:
     return info is not None and info[0].static
 
 
-def _ours(folder: Path, kv_cache: bool = False) -> torch.Tensor:
-    """kvq's logits for :func:`_ids`: the artifact read by kvq's own loader, with its quantized KV
-    cache (verify's :func:`~compressor.quant.kv.quantized_cache`) when ``kv_cache``."""
+def _ours(folder: Path, kv_cache: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """kvq's logits for :func:`_ids`: the artifact read by kvq's own loader (the model in ``dtype``), with its
+    quantized KV cache (verify's :func:`~compressor.quant.kv.quantized_cache`) when ``kv_cache``."""
     model, _ = load_artifact(folder)
+    model = model.to(dtype)
     cache = None
     if kv_cache and (info := read_kv_cache(folder)) is not None:
         layout = get_arch(model.config.model_type).kv_layout(model.config)
@@ -104,7 +120,8 @@ def _ours(folder: Path, kv_cache: bool = False) -> torch.Tensor:
 
 
 def test_recipes_and_schemes_are_covered(artifacts):
-    assert {"w4a16-awq", "w4a16-gptq", "w8a16-rtn", "kv-fp8", "w8a8-fp8", "w8a8-fp8-block", "w4a8-gptq"} <= set(RECIPES)
+    assert {"w4a16-awq", "w4a16-gptq", "w8a16-rtn", "kv-fp8", "w8a8-fp8", "w8a8-fp8-block", "w4a8-gptq",
+            "w4a16-nvfp4"} <= set(RECIPES)
     # both sides of the installed release's limit are exercised
     assert {_asymmetric_packed(f) for f in artifacts.values()} == {True, False}
     assert {_static_kv(f) for f in artifacts.values()} == {True, False}
@@ -121,12 +138,12 @@ def test_loading_release_matches_kvq(recipe, artifacts, tmp_path):
     ids, logits = tmp_path / "ids.pt", tmp_path / "logits.pt"
     torch.save(_ids(), ids)
     env = {**os.environ, "PYTHONPATH": str(CONSUMER), "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-c", _PROBE, str(artifacts[recipe]), LOADING_RELEASE, str(ids), str(logits)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    dtype = str(_load_dtype(artifacts[recipe])).removeprefix("torch.")
+    run = subprocess.run([sys.executable, "-c", _PROBE, str(artifacts[recipe]), LOADING_RELEASE, str(ids), str(logits),
+                          dtype], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     # it runs a static (fp8) KV scheme's k_scale/v_scale as kvq's quantized cache does; dynamic ones in float
-    torch.testing.assert_close(torch.load(logits), _ours(artifacts[recipe], kv_cache=_static_kv(artifacts[recipe])),
-                               atol=2e-3, rtol=2e-3)
+    _compare(torch.load(logits), artifacts[recipe], kv_cache=_static_kv(artifacts[recipe]))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -137,9 +154,9 @@ def test_installed_release(recipe, artifacts):
     from transformers import AutoModelForCausalLM
 
     if not _asymmetric_packed(artifacts[recipe]):
-        hf = AutoModelForCausalLM.from_pretrained(str(artifacts[recipe]), dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(artifacts[recipe]), dtype=_load_dtype(artifacts[recipe])).eval()
         with torch.no_grad():
-            torch.testing.assert_close(hf(_ids()).logits, _ours(artifacts[recipe]), atol=2e-3, rtol=2e-3)
+            _compare(hf(_ids()).logits, artifacts[recipe])
     else:
         with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
             AutoModelForCausalLM.from_pretrained(str(artifacts[recipe]), dtype=torch.float32)

@@ -22,7 +22,7 @@ from compressor.formats import read_quant_weight
 from compressor.recipe import load_recipe, parse_recipe
 
 from conftest import (PARITY_TOL, assert_clean_error, assert_inputs_quantized_by_hand, copy_folder, kvq_run,
-                      packed_tensors, quantize_cli)
+                      packed_tensors, quantize_cli, quantize_recipe)
 from tiny_models import make_dir
 
 #: a tiny DeepSeek-V3 whose every linear input is a multiple of 128 (hidden, q/kv latent ranks, heads x
@@ -114,13 +114,7 @@ def deepseek(tmp_path_factory, tokenizer) -> Path:
 @pytest.fixture(scope="module")
 def llama_art(wide_llama, tmp_path_factory) -> Path:
     """The wide Llama quantized with ``w4a8-gptq`` (GPTQ on 4 x 32 calibration tokens)."""
-    from compressor.commands.options import QuantizeOptions
-    from compressor.commands.quantize import run_quantize
-
-    out = tmp_path_factory.mktemp("w4a8") / "art"
-    run_quantize(QuantizeOptions(model=str(wide_llama), output=out, recipe="w4a8-gptq", calib_samples=4,
-                                 calib_seqlen=32))
-    return out
+    return quantize_recipe(wide_llama, tmp_path_factory.mktemp("w4a8") / "art", "w4a8-gptq")
 
 
 def _quantize(model: Path, out: Path, capsys, *args: str) -> str:

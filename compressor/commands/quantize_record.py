@@ -17,7 +17,9 @@ def quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schem
     count, storage dtype; the schemes of a mixed recipe; the algorithm's own fields."""
     quant = {"algorithm": recipe.algorithm, "format": fmt, "num_bits": recipe.weights.num_bits, "group_size": group_size,
              "symmetric": recipe.weights.symmetric, "modules": len(schemes), "storage_dtype": dtype}
-    if recipe.weights.type == "float":  # FP8 W8A8: the grid, the scale blocks and the inputs' quantization
+    if recipe.weights.type == "float" and recipe.weights.num_bits == 4:  # NVFP4: e4m3 group scales, global scale
+        quant.update(type="float", strategy="tensor_group", scale_dtype="float8_e4m3fn", global_scale="float32")
+    elif recipe.weights.type == "float":  # FP8 W8A8: the grid, the scale blocks and the inputs' quantization
         quant.update(type="float", block_structure=recipe.weights.block_structure, scale_dtype="float32",
                      activations=recipe.activations.model_dump(mode="json") if recipe.activations else None)
     elif recipe.activations is not None and schemes:  # W4A8: integer weights, the inputs' quantization

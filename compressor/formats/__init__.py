@@ -30,8 +30,8 @@ from .gptq import GptqFormat  # noqa: F401
 __all__ = ["READ_CT_FORMATS", "QuantWeight", "WeightFormat", "get_format", "read_quant_weight", "reader_for"]
 
 #: compressed-tensors top-level ``format`` values kvq's readers load (``mixed-precision``: groups of
-#: the first two; ``dense``: no quantized weight, KV-cache scales only)
-READ_CT_FORMATS = ("pack-quantized", "float-quantized", "mixed-precision", "dense")
+#: the quantized ones; ``dense``: no quantized weight, KV-cache scales only)
+READ_CT_FORMATS = ("pack-quantized", "float-quantized", "mixed-precision", "dense", "nvfp4-pack-quantized")
 
 
 def get_format(name: str) -> WeightFormat:

@@ -20,7 +20,9 @@ An FP8 weight (compressed-tensors ``float-quantized``, :mod:`compressor.quant.fp
 float8_e4m3fn ``[N, K]``, ``scale`` ``[ceil(N / rows), ceil(K / group_size)]`` (``rows`` 1 per
 channel, 128 for 128 x 128 blocks), no zero point, and ``act`` the dynamic quantization of the
 module's input the serving kernel applies (``fp8-token`` / ``fp8-group``; ``""``: none). An integer
-weight may carry ``act`` too (W4A8: ``fp8-token``).
+weight may carry ``act`` too (W4A8: ``fp8-token``). An NVFP4 weight (compressed-tensors
+``nvfp4-pack-quantized``, :mod:`compressor.quant.fp4`) has ``q`` uint8 e2m1 codes ``[N, K]`` (unpacked),
+``scale`` float8_e4m3fn ``[N, K / 16]``, ``global_scale`` float32 ``[1]`` and ``group_size`` 16.
 
 :class:`WeightFormat` is one on-disk layout: its writer (:meth:`~WeightFormat.pack`, a
 pipeline record to stored tensors), its reader (:meth:`~WeightFormat.read`, stored tensors
@@ -38,6 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import InputError
+from ..quant.fp4 import dequantize_weight as dequantize_fp4_weight
 from ..quant.fp8 import dequantize_weight as dequantize_fp8_weight
 from ..quant.primitives import dequantize
 from ..registry import ALGORITHMS, FORMATS
@@ -56,11 +59,17 @@ class QuantWeight:
     rows: int = 1
     act: str = ""
     act_group: int = 0  #: columns per activation scale with ``act`` ``fp8-group``
+    global_scale: torch.Tensor | None = None  #: NVFP4's float32 ``[1]`` (``None`` for the others)
 
     @property
     def is_float(self) -> bool:
         """FP8 e4m3 codes (``q`` float8_e4m3fn) rather than integers."""
         return self.q.dtype == torch.float8_e4m3fn
+
+    @property
+    def is_fp4(self) -> bool:
+        """NVFP4 e2m1 codes (``q`` uint8, with a ``global_scale``)."""
+        return self.global_scale is not None
 
     @property
     def out_features(self) -> int:
@@ -76,6 +85,8 @@ class QuantWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Float ``[N, K]`` weight, bit-identical to what :func:`compressor.artifact.load_artifact` builds."""
+        if self.is_fp4:
+            return dequantize_fp4_weight(self.q, self.scale, self.global_scale, dtype)
         if self.is_float:
             return dequantize_fp8_weight(self.q, self.scale, self.group_size, self.rows, dtype)
         return dequantize(self.q, self.scale, self.zero_point, self.group_size, dtype=dtype, g_idx=self.g_idx)
@@ -148,7 +159,7 @@ def check_float16_weight_format(fmt: "WeightFormat", recipe, dtype_name: str) ->
     if not ALGORITHMS.get(recipe.algorithm).quantizes_weights:
         raise InputError(f"--format {name} stores quantized weights; a KV-only recipe (algorithm none) needs --format compressed-tensors")
     if recipe.weights.type != "int":
-        raise InputError(f"--format {name} stores integer weights; FP8 (weights type float) needs "
+        raise InputError(f"--format {name} stores integer weights; FP8 and NVFP4 (weights type float) need "
                          "--format compressed-tensors")
     if recipe.activations is not None:
         raise InputError(f"--format {name} has no field for quantized activations; W4A8 (an activations section) "

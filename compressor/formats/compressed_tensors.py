@@ -18,6 +18,12 @@ FP8 W8A8 modules are written in the ``float-quantized`` layout (``FloatQuantizat
 (channel) or ``[ceil(out/128), ceil(in/128)]`` (128 x 128 blocks), their config group with
 ``input_activations`` (dynamic fp8 per token or per group; :mod:`compressor.quant.fp8`).
 
+NVFP4 weight-only modules are written in the ``nvfp4-pack-quantized`` layout (``NVFP4PackedCompressor``,
+:mod:`compressor.quant.fp4`): ``<module>.weight_packed`` uint8 ``[out, in/2]`` (two e2m1 codes a byte,
+the even column in the low nibble), ``<module>.weight_scale`` float8_e4m3fn ``[out, in/16]`` and
+``<module>.weight_global_scale`` float32 ``[1]`` (the weight is ``code * weight_scale / global_scale``);
+their config group's weights are ``type float, num_bits 4, strategy tensor_group, group_size 16``.
+
 :class:`CompressedTensorsFormat` is the format object (writer, reader, config, checks);
 ``quantization_config`` is built through the library's pydantic models. Layout details:
 ``docs/formats.md``.
@@ -30,6 +36,7 @@ import copy
 import torch
 
 from ..errors import InputError
+from ..quant import fp4
 from ..quant.fp8 import ACT_SCHEMES
 from ..quant.primitives import Scheme, qrange
 from .base import QuantWeight, WeightFormat, act_order, dynamic_act_order, require_leaves, symmetric_zero
@@ -118,6 +125,8 @@ def read_module(tensors: dict[str, torch.Tensor], num_bits: int) -> tuple[torch.
 #: when empty; saved checkpoints and kvq's artifacts carry them as null / {})
 _WEIGHT_ARGS_KEYS = ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic",
                      "actorder", "observer", "observer_kwargs")
+#: NVFP4's weight args also carry the dtype of their group scales
+_FP4_ARGS_KEYS = _WEIGHT_ARGS_KEYS + ("scale_dtype",)
 #: the same keys in the order kvq has always written ``kv_cache_scheme``
 _KV_ARGS_KEYS = ("num_bits", "type", "strategy", "dynamic", "symmetric", "group_size", "block_structure",
                  "actorder", "observer", "observer_kwargs")
@@ -139,6 +148,10 @@ def _weight_args(sch: Scheme, actorder: str | None):
     FP8 (``type: float``, per channel or ``block_structure [rows, cols]``)."""
     from compressed_tensors.quantization import QuantizationArgs
 
+    if sch.is_fp4:  # llm-compressor's NVFP4A16 preset
+        return QuantizationArgs(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=fp4.GROUP,
+                                block_structure=None, dynamic=False, actorder=None, observer="minmax",
+                                observer_kwargs={}, scale_dtype=torch.float8_e4m3fn)
     if sch.is_float:
         block = sch.rows > 1 or sch.group_size != -1
         return QuantizationArgs(
@@ -168,7 +181,10 @@ def _input_args(sch: Scheme):
 
 
 def _scheme_format(sch: Scheme) -> str:
-    """The compressed-tensors compressor of a scheme: ``float-quantized`` (FP8) or ``pack-quantized``."""
+    """The compressed-tensors compressor of a scheme: ``nvfp4-pack-quantized`` (NVFP4), ``float-quantized`` (FP8)
+    or ``pack-quantized``."""
+    if sch.is_fp4:
+        return "nvfp4-pack-quantized"
     return "float-quantized" if sch.is_float else "pack-quantized"
 
 
@@ -240,7 +256,9 @@ def quantization_config(
     )
     return {
         "config_groups": {
-            name: {**_dump(g, ("targets",)), "weights": _dump_args(g.weights),
+            name: {**_dump(g, ("targets",)),
+                   "weights": _dump_args(g.weights, _FP4_ARGS_KEYS if g.format == "nvfp4-pack-quantized" else
+                                         _WEIGHT_ARGS_KEYS),
                    "input_activations": _dump_args(g.input_activations),
                    "output_activations": _dump_args(g.output_activations), **_dump(g, ("format",))}
             for name, g in cfg.config_groups.items()
@@ -367,6 +385,29 @@ def read_float_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> Quan
     return QuantWeight(q, scale.reshape(expect), None, 8, cols, rows=rows, act=act, act_group=act_group)
 
 
+def read_fp4_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
+    """An NVFP4 ``nvfp4-pack-quantized`` module: ``weight_packed`` uint8 ``[N, K/2]``, ``weight_scale``
+    float8_e4m3fn ``[N, K/16]``, ``weight_global_scale`` ``[1]`` (:mod:`compressor.quant.fp4`).
+
+    Raises:
+        InputError: a group that is not NVFP4 weight-only, tensors of other dtypes or shapes.
+    """
+    group = module_group(qc, module)
+    w = group.get("weights") or {}
+    if (w.get("type"), w.get("num_bits"), w.get("group_size")) != ("float", 4, fp4.GROUP) or \
+            group.get("input_activations"):
+        raise InputError(f"weights {w.get('type')} {w.get('num_bits')}-bit in groups of {w.get('group_size')} "
+                         f"(input_activations {group.get('input_activations')}) are not NVFP4 weight-only")
+    q = fp4.unpack_codes(t["weight_packed"])
+    scale, g = t["weight_scale"], t["weight_global_scale"]
+    n, k = q.shape
+    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, k // fp4.GROUP) or k % fp4.GROUP \
+            or g.numel() != 1:
+        raise InputError(f"weight_scale {scale.dtype} {tuple(scale.shape)} / weight_global_scale "
+                         f"{tuple(g.shape)} do not match NVFP4 weight {(n, k)}")
+    return QuantWeight(q, scale, None, 4, fp4.GROUP, global_scale=g.float().reshape(1))
+
+
 class CompressedTensorsFormat(WeightFormat):
     """``--format compressed-tensors`` (the default): ``pack-quantized`` (integers) and ``float-quantized``
     (FP8 W8A8), read by vLLM and transformers.
@@ -379,7 +420,8 @@ class CompressedTensorsFormat(WeightFormat):
     quant_method = "compressed-tensors"
     carries_head = True
     #: ``weight`` is a leaf of a packed module only (an FP8 ``float-quantized`` one: e4m3 codes)
-    leaves = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight")
+    leaves = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight",
+              "weight_global_scale")
     marker = "weight_scale"  # both compressors store it; a float module never does
 
     def check(self, recipe, dtype_name: str) -> None:
@@ -397,6 +439,9 @@ class CompressedTensorsFormat(WeightFormat):
     def pack(self, rec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """:func:`module_tensors` of the record, scales in ``dtype``; an FP8 record (``type float``)
         as ``float-quantized``: ``weight`` (its e4m3 codes) and its float32 ``weight_scale``."""
+        if rec.scheme.is_fp4:
+            return {"weight_packed": fp4.pack_codes(rec.q), "weight_scale": rec.scale.contiguous(),
+                    "weight_global_scale": rec.global_scale.float().reshape(1).contiguous()}
         if rec.type == "float":
             return {"weight": rec.q.contiguous(), "weight_scale": rec.scale.to(torch.float32).contiguous()}
         return module_tensors(rec.q, rec.scale, rec.zero_point, rec.num_bits, dtype)
@@ -411,6 +456,9 @@ class CompressedTensorsFormat(WeightFormat):
             InputError: a tensor missing, no config group, shapes inconsistent with the group,
                 input quantization kvq does not simulate.
         """
+        if "weight_global_scale" in t:
+            require_leaves(t, ("weight_packed", "weight_scale", "weight_global_scale"))
+            return read_fp4_module(qc, module, t)
         if "weight_packed" not in t and "weight" in t:
             require_leaves(t, ("weight", "weight_scale"))
             return read_float_module(qc, module, t)

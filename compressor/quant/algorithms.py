@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ..arch import layer_linears
+from ..arch import EXPERT, layer_linears
 from ..errors import InputError
 from ..recipe import AWQOptions, GPTQOptions
 from ..registry import ALGORITHMS
@@ -223,12 +223,31 @@ def rtn_layer(i: int, layer, ctx: LayerContext) -> list[float]:
     return rtn_linears(i, layer, layer_linears(ctx.arch, layer), ctx)
 
 
+def fused_peers(arch, rel: str) -> tuple[str, ...]:
+    """The relative names of the ``arch.fused`` set ``rel`` (a relative linear name, an expert's with its
+    index) belongs to, itself included; ``(rel,)`` when vLLM fuses it with nothing."""
+    for fused in arch.fused:
+        for member in fused:
+            head, _, tail = member.partition(EXPERT)
+            if member == rel:
+                return fused
+            e = rel[len(head):len(rel) - len(tail)]
+            if EXPERT in member and rel.startswith(head) and rel.endswith(tail) and e.isdigit():
+                return tuple(f.replace(EXPERT, e) for f in fused)
+    return (rel,)
+
+
 def rtn_linears(i: int, layer, rels: list[str], ctx: LayerContext) -> list[float]:
     """Round-to-nearest quantization of those of ``rels`` (relative names) that decoder layer ``i``
     targets; returns their relative errors."""
     errs = []
+    prefix = f"{ctx.arch.layers}.{i}."
+    for rel in rels:  # NVFP4: a fused set's global scale, from its float weights before any is rounded
+        if prefix + rel in ctx.targets and ctx.quantizer.schemes[prefix + rel].is_fp4:
+            ctx.quantizer.share_fp4_absmax({prefix + r: ctx.targets[prefix + r] for r in fused_peers(ctx.arch, rel)
+                                            if prefix + r in ctx.targets})
     for rel in rels:
-        name = f"{ctx.arch.layers}.{i}.{rel}"
+        name = prefix + rel
         if name in ctx.targets:
             ctx.modules[name], e = ctx.quantizer.quantize_linear(name, ctx.targets[name])
             errs.append(e)

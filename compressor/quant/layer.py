@@ -24,6 +24,7 @@ from ..moe import UnfusedExperts, cold_experts, routed_experts
 from ..recipe import Recipe
 from .inplace_linalg import all_finite
 from .kv import cache_kwarg
+from . import fp4
 from .fp8 import dequantize_weight as dequantize_fp8_weight, quantize_weight as quantize_fp8_weight
 from .primitives import Scheme, abs_max, check_scale_range, dequantize
 from .rtn import rtn_linear_inplace, rtn_quantize
@@ -42,7 +43,9 @@ class QuantizedLinear:
     int8 ``[out, G]`` or ``None`` (symmetric); ``g_idx`` int32 ``[in]`` or ``None`` (groups
     are contiguous, ``c // group_size``). FP8 (``type "float"``): ``q`` float8_e4m3fn
     ``[out, in]``, ``scale`` float32 ``[ceil(out / rows), G]`` (:mod:`compressor.quant.fp8`),
-    ``act`` the input's dynamic quantization. Format writers (``compressor.formats``) pack it.
+    ``act`` the input's dynamic quantization. NVFP4 (:mod:`compressor.quant.fp4`): ``q`` uint8 e2m1 codes
+    ``[out, in]``, ``scale`` float8_e4m3fn ``[out, in / 16]``, ``global_scale`` float32 ``[1]``.
+    Format writers (``compressor.formats``) pack it.
     """
 
     q: torch.Tensor
@@ -50,6 +53,7 @@ class QuantizedLinear:
     zero_point: torch.Tensor | None
     g_idx: torch.Tensor | None
     scheme: Scheme
+    global_scale: torch.Tensor | None = None
 
     def __getattr__(self, name: str):
         """``num_bits``, ``group_size``, ``symmetric``, ``type``, ``rows``, ``act``: the scheme's."""
@@ -88,6 +92,17 @@ class LinearQuantizer:
     def __init__(self, schemes: dict[str, Scheme], dtype: torch.dtype):
         self.schemes, self.dtype = schemes, dtype
         self._scratch: torch.Tensor | None = None  # the fused RTN's difference buffer, reused (SCRATCH_BYTES at most)
+        #: NVFP4: module name -> the absmax its global scale is taken from (shared by a fused set)
+        self.fp4_absmax: dict[str, float] = {}
+
+    def share_fp4_absmax(self, linears: dict) -> None:
+        """Record one absmax for a set of NVFP4 linears vLLM fuses (``name -> Linear``, still float): the
+        largest of their weights', so they share one global scale (:mod:`compressor.quant.fp4`). A set
+        one of whose members already has an absmax is left as it is (it was recorded with the set)."""
+        if not linears or any(n in self.fp4_absmax for n in linears):
+            return
+        amax = max(float(lin.weight.detach().abs().max()) for lin in linears.values())
+        self.fp4_absmax.update({n: amax for n in linears})
 
     def _scratch_for(self, w: torch.Tensor) -> torch.Tensor | None:
         """A float32 buffer of ``w.numel()`` values or more on ``w``'s device, kept for the next linear when
@@ -128,6 +143,8 @@ class LinearQuantizer:
     def quantize_linear(self, name, lin, clip_max=None, col_scale=None, original=None, row_scale=None):
         """Round-to-nearest (optionally clipped, ``clip_max [out, G]``) quantization of one Linear, in place."""
         scheme = self.schemes[name]
+        if scheme.is_fp4:
+            return self.finish_fp4(name, lin, *fp4.quantize_weight(lin.weight.detach(), self.fp4_absmax.get(name)))
         if scheme.is_float:
             return self.finish_float(name, lin, *quantize_fp8_weight(lin.weight.detach(), scheme.group_size,
                                                                      scheme.rows))
@@ -141,6 +158,22 @@ class LinearQuantizer:
                                    scheme=Scheme(*scheme)), rel
         q, scale, zp = rtn_quantize(w, bits, gs, sym, clip_max)
         return self.finish(name, lin, q, scale, zp, None, col_scale, original, row_scale)
+
+    def finish_fp4(self, name, lin, q, scale, g):
+        """Store NVFP4 ``(q uint8 [out, in], scale float8_e4m3fn [out, in/16], g float32 [1])``, write the
+        dequantized weight into ``lin``; returns (record, relative error).
+
+        Raises:
+            QuantizationError: a non-finite dequantized weight (names the module).
+        """
+        deq = fp4.dequantize_weight(q, scale, g)
+        if not all_finite(deq):
+            raise QuantizationError(f"quantizing {name} produced NaN or Inf; nothing was written")
+        ref = lin.weight.detach().float()
+        rel = float((deq - ref.to(deq.device)).norm() / ref.norm().clamp(min=1e-12))
+        lin.weight.data.copy_(deq.to(lin.weight.dtype))
+        return QuantizedLinear(q=q.cpu(), scale=scale.cpu().contiguous(), zero_point=None, g_idx=None,
+                               scheme=self.schemes[name], global_scale=g.cpu()), rel
 
     def finish_float(self, name, lin, q, scale):
         """Store FP8 ``(q float8_e4m3fn [out, in], scale float32 [ceil(out/rows), G])``, write the

@@ -37,8 +37,9 @@ class Scheme(NamedTuple):
     """One module's weight scheme as the pipeline and the formats pass it around.
 
     ``(num_bits, group_size, symmetric)`` is an integer scheme (``group_size -1``: per channel);
-    ``type "float"`` is FP8 e4m3 (:mod:`compressor.quant.fp8`) with scales per ``rows x
-    group_size`` block (``rows 1``: per row, ``group_size -1``: per channel); ``act`` the dynamic
+    ``type "float"`` is FP8 e4m3 (``num_bits 8``, :mod:`compressor.quant.fp8`) with scales per ``rows x
+    group_size`` block (``rows 1``: per row, ``group_size -1``: per channel), or NVFP4 (``num_bits 4``,
+    ``group_size 16``, :mod:`compressor.quant.fp4`); ``act`` the dynamic
     activation quantization of the module's input (``""``: none, 16-bit activations;
     ``fp8-token`` / ``fp8-group``, :data:`compressor.quant.fp8.ACT_SCHEMES`). Stored as a list
     in resume checkpoints (an older three-entry list reads as an integer scheme).
@@ -54,6 +55,11 @@ class Scheme(NamedTuple):
     @property
     def is_float(self) -> bool:
         return self.type == "float"
+
+    @property
+    def is_fp4(self) -> bool:
+        """NVFP4 (``type "float"``, 4 bits: :mod:`compressor.quant.fp4`); ``is_float`` is true for it too."""
+        return self.type == "float" and self.num_bits == 4
 
 
 def qrange(num_bits: int) -> tuple[int, int]:

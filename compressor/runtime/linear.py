@@ -25,6 +25,8 @@ kernel                what runs                                           serves
 ``int-fp8-emulated``  dequantize the integer codes on each call, float32  integer weights with fp8
                       ``F.linear`` (:class:`IntFp8Linear`)                inputs (W4A8), any
                                                                           backend and device
+``nvfp4-emulated``    dequantize the e2m1 codes on each call, then        every NVFP4 weight, any
+                      ``F.linear`` (:class:`Fp4Linear`)                   backend and device
 ====================  ==================================================  =======================
 
 The aten ops: ``_convert_weight_to_int4pack_for_cpu(u int32 [N, K], innerKTiles)`` takes
@@ -60,6 +62,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..formats.base import QuantWeight
+from ..quant.fp4 import dequantize_weight as dequantize_fp4_weight
 from ..quant.fp8 import dequantize_weight as dequantize_fp8_weight, fake_quantize_activation
 
 BACKENDS = ("auto", "aten", "dequant", "triton")
@@ -241,6 +244,28 @@ class IntFp8Linear(DequantLinear):
 
     def _mm(self, x2):  # float32 out; the base casts to the input's dtype
         return F.linear(x2.float(), self.dequantized(torch.float32))
+
+
+class Fp4Linear(DequantLinear):
+    """NVFP4 weight-only (W4A16) emulated: the e2m1 codes (one byte each), e4m3 group scales and the global
+    scale kept, the weight dequantized on each call (:func:`~compressor.quant.fp4.dequantize_weight`) to the
+    input's dtype and multiplied with ``F.linear``, as the ``dequant`` kernel does for integers."""
+
+    kernel = "nvfp4-emulated"
+
+    def __init__(self, w: QuantWeight, bias, device, in_perm=None):
+        super().__init__(w, bias, device, in_perm)
+        self.global_scale = w.global_scale.to(device)
+
+    @classmethod
+    def unsupported(cls, w, device):
+        return None if w.is_fp4 else "NVFP4 weights only"
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp4_weight(self.q, self.scale, self.global_scale, dtype)
+
+    def _stored(self):
+        return [self.q, self.scale, self.global_scale, self.bias]
 
 
 def _op_group(group_size: int) -> int | None:
@@ -545,6 +570,8 @@ def make_linear(w: QuantWeight | torch.Tensor, bias: torch.Tensor | None, backen
     w, perm = w.sorted_by_group()
     perm = None if perm is None else perm.to(device)
     act = (w.act, w.act_group or w.group_size) if w.act else ("", 0)
+    if w.is_fp4:
+        return Fp4Linear(w, bias, device, perm)
     if w.is_float or w.act:  # every backend: the one FP8 kernel, the one W4A8 kernel
         layer = (Fp8Linear if w.is_float else IntFp8Linear)(w, bias, device, perm)
         layer.act = act
