@@ -239,3 +239,10 @@ def test_quantize_verify_serve_smoke(row, wide_llama, deepseek, tmp_path, capsys
     code, _, err = kvq_run(["serve-smoke", out, "--max-new-tokens", "8", *gate], capsys)
     assert code == 0, err
     assert "nvfp4-emulated" in err and "aten-int4" not in err
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_integer_formats_refuse_nvfp4(fmt, tmp_path, capsys, tiny_model_dir):
+    code, _, err = kvq_run(["quantize", tiny_model_dir, "-o", tmp_path / "o", "--recipe", "w4a16-nvfp4", "--format",
+                            fmt, "--dtype", "float16"], capsys)
+    assert_clean_error(code, err, 2, f"--format {fmt} stores integer weights; FP8 and NVFP4", tmp_path)
