@@ -176,16 +176,23 @@ def open_model(source, dtype: torch.dtype, role: str, ckpt=None):
 def check_streamable(model) -> None:
     """Refuse, naming the architecture row, a model the streamed path does not evaluate yet.
 
+    GLM-5's decoder layers (``layer_returns_tuple``) return their sparse-attention top-k beside
+    the hidden states; a layer with its own indexer (``indexer_types`` ``"full"``) never reads
+    the previous layer's, so those layers stream one at a time as any other. A ``"shared"``
+    layer attends to the previous layer's choice, which the streamed path does not carry
+    (``kvq quantize`` refuses such sources too: :func:`compressor.source.resolve.check_buildable`).
+
     Raises:
-        InputError: decoder layers that hand extra outputs to the next layer (GLM-5's top-k
-            indices, ``layer_returns_tuple``).
+        InputError: a decoder layer that reads the previous layer's top-k (``indexer_types`` ``"shared"``).
     """
     from .arch import get_arch
 
     arch = get_arch(model.config.model_type)
-    if arch.layer_returns_tuple:
-        raise InputError(f"streamed verify does not evaluate {model.config.model_type} yet (its decoder layers hand "
-                         "their top-k indices to the next layer); verify it whole, without --stream")
+    shared = [i for i, t in enumerate(getattr(model.config, "indexer_types", None) or ()) if t == "shared"]
+    if arch.layer_returns_tuple and shared:
+        raise InputError(f"streamed verify does not evaluate {model.config.model_type} with decoder layer {shared[0]} "
+                         "reusing the previous layer's sparse-attention top-k (indexer_types 'shared'); verify it "
+                         "whole, without --stream")
 
 
 # ---------------------------------------------------------------------------------------

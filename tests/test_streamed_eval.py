@@ -101,10 +101,13 @@ def test_rows_the_streamed_path_does_not_run_are_refused():
     from compressor.streamed_eval import check_streamable
 
     class M:
-        config = CONFIG_MAPPING["glm_moe_dsa"]()
+        config = CONFIG_MAPPING["glm_moe_dsa"](num_hidden_layers=3, index_topk_freq=2)
 
-    with pytest.raises(InputError, match="glm_moe_dsa"):
+    assert M.config.indexer_types == ["full", "full", "shared"]
+    with pytest.raises(InputError, match="glm_moe_dsa with decoder layer 2 reusing"):
         check_streamable(M)
+    M.config = CONFIG_MAPPING["glm_moe_dsa"](num_hidden_layers=3)  # every layer its own indexer: streamed
+    check_streamable(M)
 
 
 # --- kvq verify --stream ----------------------------------------------------------------
@@ -161,7 +164,7 @@ def test_verify_refuses_a_budget_below_the_smallest_unit(tiny_pair, capsys):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "glm4", "glm4_moe",
-                                        "deepseek_v3", "mixtral", "qwen3_moe"])
+                                        "deepseek_v3", "mixtral", "qwen3_moe", "glm_moe_dsa", "deepseek_v32"])
 @pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
 def test_every_tiny_row_streams_to_the_whole_model_report(model_type, tmp_path, tokenizer):
     """Each architecture row with its tiny model (tests/tiny_models.py), RTN W4 with an fp8 KV cache:
