@@ -444,6 +444,10 @@ class ForeignManifest:
     kv_cache: Optional[dict]
 
 
+#: the kv_cache_scheme fields a refusal quotes
+_KV_KEYS = ("type", "num_bits", "strategy", "dynamic", "symmetric", "group_size")
+
+
 def foreign_manifest(folder: str | Path) -> ForeignManifest:
     """Describe a quantized folder that has no kvq manifest (e.g. llm-compressor's output).
 
@@ -467,10 +471,17 @@ def foreign_manifest(folder: str | Path) -> ForeignManifest:
     kv = qc.get("kv_cache_scheme")
     kv_rec = None
     if kv:
+        if not isinstance(kv, dict):
+            raise InputError(f"{folder}/config.json: quantization_config.kv_cache_scheme must be an object "
+                             f"(compressed-tensors' QuantizationArgs), got {type(kv).__name__} {kv!r}")
         scheme = {("float", 8): "fp8", ("int", 8): "int8"}.get((kv.get("type"), kv.get("num_bits")))
         strategy = {"tensor": "tensor", "attn_head": "head"}.get(kv.get("strategy"))
-        if scheme is None or strategy is None or kv.get("dynamic") or scheme == "int8" and strategy != "head":
-            raise InputError(f"{folder}: kv_cache_scheme {kv} is not one kvq evaluates (static fp8 per tensor or head, int8 per head)")
+        bad = ("dynamic" if kv.get("dynamic") else "symmetric" if kv.get("symmetric") is False
+               else "group_size" if kv.get("group_size") is not None else None)
+        if scheme is None or strategy is None or bad or scheme == "int8" and strategy != "head":
+            field = bad or ("type/num_bits" if scheme is None or scheme == "int8" and strategy == "tensor" else "strategy")
+            raise InputError(f"{folder}: kv_cache_scheme's {field} ({', '.join(f'{k}={kv.get(k)}' for k in _KV_KEYS)}) "
+                             "is not one kvq evaluates (static symmetric fp8 per tensor or head, int8 per head)")
         kv_rec = {"scheme": scheme, "strategy": strategy}
     return ForeignManifest({"algorithm": algorithm}, {"algorithm": algorithm, "gates": {}}, {}, kv_rec)
 
@@ -512,7 +523,24 @@ def read_kv_cache(folder: str | Path, manifest=None, tensors=None, n_layers: int
     missing = [i for i in range(n_layers) if i not in scales or None in scales[i]]
     if missing:
         raise InputError(f"{folder}: KV scheme {spec.describe()} but k_scale/v_scale missing for layer {missing[0]}")
+    sizes = {k.numel() for pair in scales.values() for k in pair}
+    if spec.strategy == "tensor" and sizes != {1}:  # per-head scales under a per-tensor label
+        raise InputError(f"{folder}: KV scheme {spec.describe()} but k_scale/v_scale hold {max(sizes)} values a layer, "
+                         "not one: the declared strategy and the stored scales disagree")
+    if spec.strategy == "head" and sizes == {1} and _kv_heads(folder) != 1:
+        raise InputError(f"{folder}: KV scheme {spec.describe()} but every k_scale/v_scale holds one value: "
+                         "the declared strategy (per head) and the stored scales (per tensor) disagree")
     return spec, {i: (k, v) for i, (k, v) in scales.items()}
+
+
+def _kv_heads(folder: Path) -> int | None:
+    """``num_key_value_heads`` of the folder's (text) config, ``None`` when it cannot be read."""
+    from .source.config_check import text_config
+
+    try:
+        return text_config(json.loads((folder / "config.json").read_text())).get("num_key_value_heads")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _scale_tensors(folder: Path, tensors):

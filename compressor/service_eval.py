@@ -224,21 +224,28 @@ def multi_turn(model, make_cache: Callable[[], object], tokenizer, users: list[s
     "ended"}], "note"}``; figures are ``{"tokens", "kl_mean", "top1_pct", "first_divergence"}``
     (the prompt's are teacher-forced on the appended turn's text, its first position
     predicting the second). ``note`` says why the conversation stopped early or did not run
-    (no chat template: ``turns`` empty), else ``None``.
+    (no chat template: ``turns`` empty), else ``None``. A turn that would take the conversation
+    past the model's context length (``max_position_embeddings``: its text and a full reply) is
+    not run: the chat stops there, and ``note`` says so (as serve-smoke's runtime chat does).
     """
     if not getattr(tokenizer, "chat_template", None):
         return {"turns": [], "note": NO_TEMPLATE}
     device = next(model.parameters()).device
     fl, q = _Run(model, _float_cache(model), kv_chunk), _Run(model, make_cache(), kv_chunk)
     stop = _stop_ids(model, tokenizer)
+    limit = getattr(model.config, "max_position_embeddings", None)
     chat, turns, note = ChatTurns(tokenizer), [], None
     for i, user in enumerate(users):
         new = chat.ask(user)
         if new is None:
             note = chat.stopped
             break
-        ids = torch.tensor(new, device=device)
         context = fl.cache.get_seq_length()
+        if limit and context + len(new) + reply_tokens > limit:
+            note = (f"turn {i + 1} would take the conversation past {limit} tokens (the model's context length): "
+                    "stopped there")
+            break
+        ids = torch.tensor(new, device=device)
         lf, lq = fl.feed(ids, all_logits=True), q.feed(ids, all_logits=True)
         kl, same = kl_and_top1(lf[:-1], lq[:-1])
         steps = _lockstep(fl, q, lf[-1], lq[-1], reply_tokens, stop)

@@ -231,6 +231,16 @@ def test_the_runtime_chat_keeps_its_cache_and_a_drifting_cache_is_caught(kv_art,
     assert bad[-1]["prompt"]["kl_mean"] > 10 * bad[0]["prompt"]["kl_mean"]
 
 
+def _stopped_at_the_context(rep: dict, context: int) -> None:
+    """A report whose 5-turn chat stopped, with its note and warning, before the turn that would pass ``context``."""
+    mt = rep["multi_turn"]
+    assert 1 <= len(mt["turns"]) < 5
+    assert f"past {context} tokens (the model's context length): stopped there" in mt["note"]
+    assert any("multi-turn: turn" in w for w in rep["warnings"])
+    last = mt["turns"][-1]
+    assert last["context_tokens"] + last["prompt"]["tokens"] + 1 + last["reply"]["tokens"] <= context
+
+
 def test_a_chat_past_the_context_stops_with_a_note_and_a_long_generation_past_it_is_refused(tmp_path, tokenizer,
                                                                                            capsys):
     """A model whose context holds two of the chat's turns: the third is not run, a note and a warning say why
@@ -244,12 +254,16 @@ def test_a_chat_past_the_context_stops_with_a_note_and_a_long_generation_past_it
                                  output=art, recipe="kv-int8"))
     code, out, err = run(["serve-smoke", art, "--max-new-tokens", 4, "--threads", 1, "--turns", 5, "--json"], capsys)
     assert code == 0, err
-    rep = json.loads(out)
-    mt = rep["multi_turn"]
-    assert 1 <= len(mt["turns"]) < 5 and "past 150 tokens (the model's context length): stopped there" in mt["note"]
-    assert any("multi-turn: turn" in w for w in rep["warnings"])
-    last = mt["turns"][-1]
-    assert last["context_tokens"] + last["prompt"]["tokens"] + 1 + last["reply"]["tokens"] <= 150
+    _stopped_at_the_context(json.loads(out), 150)
     code, _, err = run(["serve-smoke", art, "--threads", 1, "--long-tokens", 200], capsys)
     assert code == 2 and "prompt 1: " in err and "+ --long-tokens 200 exceeds the model's context length 150" in err
+    assert "Traceback" not in err
+    # verify's chat (the model with a float and a quantized cache) stops at the same bound
+    code, out, err = run(["verify", art, "--seqlen", 64, "--max-windows", 1, "--max-new-tokens", 2, "--threads", 1,
+                          "--long-tokens", 0, "--turns", 5, "--json"], capsys)
+    assert code in (0, 1), err
+    _stopped_at_the_context(json.loads(out), 150)
+    code, _, err = run(["verify", art, "--seqlen", 64, "--max-windows", 1, "--long-tokens", 23], capsys)
+    assert code == 2 and "--long-tokens 23 after the long generation's 128-token prompt exceeds the model's context " \
+                         "(max_position_embeddings 150); use --long-tokens 22 or less" in err
     assert "Traceback" not in err

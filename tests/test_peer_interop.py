@@ -192,3 +192,43 @@ def test_foreign_artifact_served_with_its_kv_cache_scheme(tmp_path, tiny_model_d
     (f / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match="not one kvq evaluates"):
         Runtime.from_artifact(f, kv="artifact")
+
+
+def test_foreign_kv_cache_scheme_that_contradicts_its_scales_is_refused(tmp_path, tiny_model_dir):
+    """A kv_cache_scheme that is not an object, that is asymmetric or grouped, or whose strategy disagrees with
+    the stored k_scale/v_scale (per-head values under 'tensor', one value under 'attn_head') is refused in one
+    line, never served under the wrong label."""
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
+    from compressor.errors import InputError
+    from compressor.runtime.generate import Runtime
+
+    arts = {}
+    for strategy in ("tensor", "head"):
+        own = tmp_path / strategy
+        run_quantize(QuantizeOptions(model=str(tiny_model_dir), output=own, algorithm="rtn", group_size=32,
+                                     kv_scheme="fp8", calib="embedded", calib_samples=2, calib_seqlen=32,
+                                     settings=(("kv_cache.strategy", strategy),)))
+        arts[strategy] = tmp_path / f"{strategy}-foreign"
+        shutil.copytree(own, arts[strategy])
+        (arts[strategy] / "kvq-manifest.json").unlink()
+        assert Runtime.from_artifact(arts[strategy], kv="artifact").kv_spec.describe() == f"fp8 ({strategy})"
+
+    def served_with(folder, **change):
+        cfg = json.loads((folder / "config.json").read_text())
+        kv = cfg["quantization_config"]["kv_cache_scheme"]
+        cfg["quantization_config"]["kv_cache_scheme"] = change.pop("whole") if "whole" in change else {**kv, **change}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        try:
+            return Runtime.from_artifact(folder, kv="artifact")
+        finally:
+            cfg["quantization_config"]["kv_cache_scheme"] = kv
+            (folder / "config.json").write_text(json.dumps(cfg))
+
+    for folder, change, words in [(arts["head"], {"strategy": "tensor"}, "hold 2 values a layer, not one"),
+                                  (arts["tensor"], {"strategy": "attn_head"}, "holds one value: the declared strategy"),
+                                  (arts["tensor"], {"symmetric": False}, "kv_cache_scheme's symmetric"),
+                                  (arts["tensor"], {"group_size": 64}, "kv_cache_scheme's group_size"),
+                                  (arts["tensor"], {"whole": "fp8"}, "must be an object")]:
+        with pytest.raises(InputError, match=words):
+            served_with(folder, **change)

@@ -217,7 +217,7 @@ def _plan(opts: VerifyOptions, folder: Path, manifest, report: dict, console, ch
                                   "original float model to measure weights + KV")
     text = None
     if opts.mode == "full":
-        _check_seqlen(folder, opts.evaluation.seqlen, report)
+        _check_seqlen(folder, opts.evaluation, report)
         text = load_text(opts.evaluation.text, part="eval")
         if text.note:
             show.note(console, f"[yellow]eval text:[/] {text.note}")
@@ -229,21 +229,31 @@ def _plan(opts: VerifyOptions, folder: Path, manifest, report: dict, console, ch
     return _Plan(folder, manifest, weights_quantized, thresholds, ref_spec, ref_source, text, kv_info, kv_source)
 
 
-def _check_seqlen(folder: Path, seqlen: int, report: dict) -> None:
-    """Refuse evaluation windows longer than the artifact's context (``max_position_embeddings`` of
-    its ``config.json``, or of the text model's config in a wrapped one) before any model loads;
-    the default length (2048) on a model with a shorter context is evaluated with a warning.
+def _check_seqlen(folder: Path, ev, report: dict) -> None:
+    """Refuse evaluation windows, or a long generation (``--long-tokens`` after its 128-token
+    prompt), longer than the artifact's context (``max_position_embeddings`` of its
+    ``config.json``, or of the text model's config in a wrapped one) before any model loads;
+    the defaults on a model with a shorter context are evaluated with a warning.
 
     Raises:
-        InputError: a ``seqlen`` other than the default exceeds that context.
+        InputError: a ``seqlen`` or ``long_tokens`` other than the default exceeds that context.
     """
+    from ..service_eval import LONG_PROMPT_TOKENS
+
+    seqlen, long_tokens = ev.seqlen, ev.long_tokens
     try:
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return  # the artifact's own checks name a missing or broken config.json
     text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     max_pos = cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings")
-    if not (isinstance(max_pos, int) and seqlen > max_pos > 0):
+    if not isinstance(max_pos, int) or max_pos <= 0:
+        return
+    if long_tokens != EvalOptions.model_fields["long_tokens"].default and LONG_PROMPT_TOKENS + long_tokens > max_pos:
+        raise InputError(f"--long-tokens {long_tokens} after the long generation's {LONG_PROMPT_TOKENS}-token prompt "
+                         f"exceeds the model's context (max_position_embeddings {max_pos}); use --long-tokens "
+                         f"{max(max_pos - LONG_PROMPT_TOKENS, 0)} or less")
+    if seqlen <= max_pos:
         return
     if seqlen != EvalOptions.model_fields["seqlen"].default:
         raise InputError(f"--seqlen {seqlen} exceeds the model's context (max_position_embeddings {max_pos}); "
