@@ -174,16 +174,12 @@ def open_model(source, dtype: torch.dtype, role: str, ckpt=None):
 
 
 def check_streamable(model) -> None:
-    """Refuse, naming the architecture row, a model the streamed path does not evaluate yet.
-
-    GLM-5's decoder layers (``layer_returns_tuple``) return their sparse-attention top-k beside
-    the hidden states; a layer with its own indexer (``indexer_types`` ``"full"``) never reads
-    the previous layer's, so those layers stream one at a time as any other. A ``"shared"``
-    layer attends to the previous layer's choice, which the streamed path does not carry
-    (``kvq quantize`` refuses such sources too: :func:`compressor.source.resolve.check_buildable`).
+    """Refuse a model the streamed path does not evaluate: GLM-5 layers (``layer_returns_tuple``) that
+    read the previous layer's sparse-attention top-k (``indexer_types`` ``"shared"``), which is not
+    carried between layers (``kvq quantize`` refuses them too); ``"full"`` layers never read it.
 
     Raises:
-        InputError: a decoder layer that reads the previous layer's top-k (``indexer_types`` ``"shared"``).
+        InputError: naming the first such layer.
     """
     from .arch import get_arch
 
