@@ -177,15 +177,11 @@ def check_streamable(model) -> None:
     """Refuse a model the streamed path does not evaluate: GLM-5 layers (``layer_returns_tuple``) that
     read the previous layer's sparse-attention top-k (``indexer_types`` ``"shared"``), which is not
     carried between layers (``kvq quantize`` refuses them too); ``"full"`` layers never read it.
-
-    Raises:
-        InputError: naming the first such layer.
-    """
+    Raises InputError naming the first such layer."""
     from .arch import get_arch
 
-    arch = get_arch(model.config.model_type)
     shared = [i for i, t in enumerate(getattr(model.config, "indexer_types", None) or ()) if t == "shared"]
-    if arch.layer_returns_tuple and shared:
+    if get_arch(model.config.model_type).layer_returns_tuple and shared:
         raise InputError(f"streamed verify does not evaluate {model.config.model_type} with decoder layer {shared[0]} "
                          "reusing the previous layer's sparse-attention top-k (indexer_types 'shared'); verify it "
                          "whole, without --stream")
