@@ -485,6 +485,8 @@ def resolve_group_size(recipe: Recipe, in_features: dict[str, int]) -> int:
     if bad:
         fits = [c for c in STANDARD_GROUP_SIZES if all(n % c == 0 for n in sizes)]
         hint = f"use --group-size {fits[0]}" if fits else "use --group-size -1 (per channel)"
+        if recipe.activations is not None and recipe.weights.type == "int":  # W4A8: vLLM's kernel serves 128 only
+            hint += " (kvq simulates it; vLLM's W4A8 kernel serves groups of 128 only, so not on this model)"
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         raise InputError(
             f"group_size {gs} does not divide in_features of {shown} "
