@@ -240,7 +240,7 @@ def _verify_rows(t, report: dict, results: dict) -> None:
         lg = report.get("long_generation")
         if lg:
             row(f"long generation, KV only: top-1 ({lg['tokens']} tokens)",
-                f"{lg['top1_agreement_pct']:.2f} %, first divergence {lg['first_divergence']}",
+                f"{lg['top1_agreement_pct']:.2f} %, first divergence {_divergence(lg['first_divergence'])}",
                 "min_long_agreement_pct")
         for turn in (report.get("multi_turn") or {}).get("turns", []):
             row(f"multi-turn, KV only: turn {turn['turn']} reply top-1", f"{turn['reply']['top1_pct']:.2f} %")
@@ -284,6 +284,11 @@ def _verify_footer(console, report: dict, kv_budget_gib: float) -> None:
 # ---------------------------------------------------------------------------------------
 # kvq serve-smoke
 
+def _divergence(token: int | None) -> str:
+    """A first divergence for people: the generated token's index (from 0), or ``none`` when none differed."""
+    return "none" if token is None else f"at token {token}"
+
+
 def runtime_line(console, d: dict) -> None:
     """The runtime serve-smoke loaded: device, dtype, kernels, KV scheme (``Runtime.describe()``)."""
     fused = f" ({d['fused_decode_sets']} q/k/v or gate/up sets share one decode call)" if "fused_decode_sets" in d else ""
@@ -325,7 +330,7 @@ def smoke_table(console, report: dict, n: int) -> None:
     lg = report.get("long_generation")
     if lg:
         t.add_row(f"long generation: top-1 ({lg['tokens']} tokens), first divergence",
-                  f"{lg['top1_agreement_pct']:.2f} %, {lg['first_divergence']}")
+                  f"{lg['top1_agreement_pct']:.2f} %, {_divergence(lg['first_divergence'])}")
     for turn in (report.get("multi_turn") or {}).get("turns", []):
         r = turn["reply"]
         t.add_row(f"multi-turn: turn {turn['turn']} reply top-1 / KL mean",
