@@ -215,6 +215,11 @@ def span_figures(kl: list[float], same: list[bool]) -> dict:
 
 
 @torch.no_grad()
+def past_bound_note(turn: int, bound: int, why: str) -> str:
+    """The note of a chat stopped before turn ``turn`` (from 1), which would pass ``bound`` tokens (``why``)."""
+    return f"turn {turn} would take the conversation past {bound} tokens ({why}): stopped there"
+
+
 def multi_turn(model, make_cache: Callable[[], object], tokenizer, users: list[str],
                reply_tokens: int = REPLY_TOKENS, kv_chunk: int = 128) -> dict:
     """A multi-turn conversation through the tokenizer's chat template, the float and the
@@ -242,8 +247,7 @@ def multi_turn(model, make_cache: Callable[[], object], tokenizer, users: list[s
             break
         context = fl.cache.get_seq_length()
         if limit and context + len(new) + reply_tokens > limit:
-            note = (f"turn {i + 1} would take the conversation past {limit} tokens (the model's context length): "
-                    "stopped there")
+            note = past_bound_note(i + 1, limit, "the model's context length")
             break
         ids = torch.tensor(new, device=device)
         lf, lq = fl.feed(ids, all_logits=True), q.feed(ids, all_logits=True)

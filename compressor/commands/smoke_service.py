@@ -27,7 +27,7 @@ import torch
 from .. import console as show
 from ..evaluate import LOGIT_CHUNK
 from ..positions import sequence_buckets
-from ..service_eval import NO_TEMPLATE, ChatTurns, repeated_4gram_pct, span_figures
+from ..service_eval import NO_TEMPLATE, ChatTurns, past_bound_note, repeated_4gram_pct, span_figures
 from ..stats import first_divergence, kl_and_top1, summarize
 
 #: ``forward(seqs, consume)``: the reference over token lists; ``consume(k, at)`` reads sequence
@@ -166,8 +166,7 @@ def turns_runtime(rt, tokenizer, users: list[str], reply_tokens: int, console=No
         if ids is None:
             return {"turns": out, "note": chat.stopped}
         if int(cache.lengths[0]) + len(ids) + reply_tokens > room:
-            return {"turns": out, "note": f"turn {len(out) + 1} would take the conversation past {room} tokens "
-                                          f"({why}): stopped there"}
+            return {"turns": out, "note": past_bound_note(len(out) + 1, room, why)}
         rows = [rt.decoder.forward(torch.tensor([ids]), cache)[0].float().cpu()]
         reply = [int(rows[0][-1].argmax())]
         while reply[-1] != stop and len(reply) < reply_tokens:
