@@ -273,6 +273,8 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
         for e in sorted({expert_index(arch, m[len(f"{arch.layers}.{i}."):]) for m in modules}):
             expert = tap.experts[e]
             move_loaded(expert, device)
+            if hasattr(algorithm, "ready_expert"):  # AWQ: the expert's folds, just before its use (one held at a time)
+                algorithm.ready_expert(e)
             add_expert(expert, e, ref_calls or [], sinks[1])
             add_expert(expert, e, float_calls or [], sinks[2])
             rels = [f"{arch.moe.experts}.{e}.{n}" for n, m in expert.named_modules() if isinstance(m, torch.nn.Linear)]

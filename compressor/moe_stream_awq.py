@@ -28,10 +28,11 @@ then :mod:`compressor.moe_stream`'s quantizing read), the layer runs in three re
    into the norm, the router and the shared experts.
 4. the *third read*, :func:`compressor.moe_stream.quantize_layer_streamed`'s: the held part is
    quantized (AWQ's clip search and rounding; for ``awq-gptq`` GPTQ's passes, as the GPTQ path
-   runs them), then as each group is read its experts are observed on their float routed tokens,
-   ``s`` is folded into their gate/up, their own ``up -> down`` group is searched and folded,
-   and each is quantized (clip search and rounding, or GPTQ on the folded expert), its error
-   measured against its weights before folding.
+   runs them), then as each group is read, expert by expert (one expert's weights before folding
+   held at a time, not the group's), the expert is observed on its float routed tokens, ``s`` is
+   folded into its gate/up, its own ``up -> down`` group is searched and folded, and it is
+   quantized (clip search and rounding, or GPTQ on the folded expert), its error measured against
+   its weights before folding.
 
 Exactness: every hook, loss and fold sees the tensors of the whole layer's path (the same
 routed rows, calls of the same shapes, experts added in ascending index order as
@@ -95,7 +96,7 @@ def quantize_layer_streamed_awq(i: int, layer, hidden: list, kw: dict, ctx: Laye
     st = _Streamed(i, layer, hidden, kw, ctx, tap, device, reread, isinstance(algorithm, GPTQ), share, rebalance)
     st.scale()
     step = _Step(algorithm, st)
-    outcome = quantize_layer_streamed(i, layer, hidden, kw, ctx, step, st.folding(groups), tap, device, share=st.share)
+    outcome = quantize_layer_streamed(i, layer, hidden, kw, ctx, step, groups, tap, device, share=st.share)
     outcome.float_out = st.sl.float_out
     if not st.gptq:
         outcome.counts = st.sl.counts
@@ -219,14 +220,6 @@ class _Streamed:
                                                              if not is_expert(self.ctx.arch, r)))
         fold_group(self.layer, held, self.s, search.key, self.sl.linears, self.sl.x_loss, self.sl.col_scale,
                    self.sl.row_scale, self.ctx.arch.norm_offset, self.ctx.quantizer.dtype)
-
-    def folding(self, groups):
-        """``groups`` (the quantizing read), each group's experts folded before it is handed on."""
-        for modules in groups:
-            for e in _experts_of(self.ctx.arch, self.prefix, modules):
-                move_loaded(self.tap.experts[e], self.device)
-                self.fold_expert(e)
-            yield modules
 
     def fold_expert(self, e: int) -> None:
         """Expert ``e``, read: observed on its float routed tokens (its linears' inputs as the whole
@@ -419,6 +412,11 @@ class _Step:
             out = LayerOutcome(errs, None, None, sl.figures(), phases)
         out.float_out = None
         return out
+
+    def ready_expert(self, e: int) -> None:
+        """Expert ``e``, just read: its folds (:meth:`_Streamed.fold_expert`), before its float stream and
+        its quantizing. One expert's weights before folding are held at a time, not a whole group's."""
+        self.st.fold_expert(e)
 
     def quantize_expert(self, i, layer, rels, inputs, cold, ctx) -> LayerOutcome:
         e = expert_index(ctx.arch, rels[0])

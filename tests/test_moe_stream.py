@@ -130,3 +130,22 @@ def test_grouped_calibration_is_exact(model_type, case, moe_sources, reads, tmp_
     assert moe == load_manifest(tmp_path / "whole").quality["moe"]
     if "cold" in case:
         assert moe["fallback"], moe
+
+
+@pytest.mark.parametrize("algorithm", ["awq", "awq-gptq"])
+def test_awq_holds_one_experts_weights_before_folding(algorithm, moe_sources, monkeypatch, tmp_path):
+    """With all four experts read in one group, each expert is folded just before it is quantized:
+    when an expert is quantized, the weights before folding of no other routed expert are held
+    (they were the whole group's, a second float32 copy of it: 9 bytes a weight against the budget's 5)."""
+    from compressor import moe_stream_awq
+
+    held, real = [], moe_stream_awq._Step.quantize_expert
+
+    def spy(self, i, layer, rels, inputs, cold, ctx):
+        held.append(sorted({r.split(".")[-2] for r in self.st.sl.originals if ".experts." in f".{r}"}))
+        return real(self, i, layer, rels, inputs, cold, ctx)
+
+    monkeypatch.setattr(moe_stream_awq._Step, "quantize_expert", spy)
+    _run(moe_sources["deepseek_v3"], tmp_path / "all", ALL, dict(algorithm=algorithm, settings=(("awq.n_grid", 2),)))
+    assert len(held) == 2 * 4  # two MoE layers of four experts
+    assert held == [[str(e)] for _ in (1, 2) for e in range(4)], held
