@@ -49,7 +49,8 @@ import torch
 from . import errors
 from .arch import checkpoint_name, get_arch, get_module
 from .errors import CheckFailed, InputError
-from .pipeline import QuantizeResult, _figures, _plan, _record_moe
+from .layer_figures import layer_figures
+from .pipeline import QuantizeResult, _plan, _record_moe
 from .quant.kv_search import search_warnings
 from .quant.layer import LayerContext, LinearQuantizer
 from .safetensors_io import file_digest
@@ -199,7 +200,7 @@ def _layer_done(i: int, layer, reports: list[dict], groups, ctx: LayerContext, p
     then the resume checkpoint."""
     errs = [e for r in reports for e in r["errs"]]  # the non-expert part's first, then each group's
     extra = {} if groups is None else {"weight_groups": len(groups)}
-    fig = _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", errs, None, 0.0, **extra)
+    fig = layer_figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", errs, None, 0.0, **extra)
     fig["seconds"] = round(sum(r["seconds"] for r in reports), 3)
     _record_moe(i, layer, ctx, plan.algorithm, result, None)
     result.layers.append(fig)

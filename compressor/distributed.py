@@ -186,6 +186,14 @@ def broadcast(tensor: torch.Tensor, src: int) -> None:
     _collective(dist.broadcast, tensor, src)
 
 
+def all_max(tensor: torch.Tensor) -> None:
+    """``tensor`` replaced in place, on every rank, by its elementwise maximum over the ranks (an
+    all-reduce with ``MAX``: the same value in any order of the ranks)."""
+    import torch.distributed as dist
+
+    _collective(lambda x, _s: dist.all_reduce(x, op=dist.ReduceOp.MAX), tensor, 0)
+
+
 def send(tensor: torch.Tensor, dst: int) -> None:
     """``tensor`` to rank ``dst`` alone (point to point; it calls :func:`recv` at the same step)."""
     import torch.distributed as dist

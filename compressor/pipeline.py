@@ -53,6 +53,8 @@ from .quant.primitives import Scheme
 from .recipe import Recipe, resolve_group_size
 from .gc_policy import frozen_gc
 from .layer_inputs import capture_layer_inputs
+from .layer_figures import first_rows, layer_figures, out_error
+from .sample_ranks import Samples
 
 __all__ = ["LayerHooks", "QuantizeResult", "QuantizedLinear", "check_finite", "check_patterns",
            "quantize_model", "resolve_schemes", "target_modules", "check_group_sizes"]
@@ -87,6 +89,7 @@ class QuantizeResult:
     moe_fallback: list[dict] = field(default_factory=list)
     head_hessian: torch.Tensor | None = None  #: the head inputs' GPTQ Hessian (recipe head:, with a calibration pass)
     workers: list = field(default_factory=list)  #: ``--workers`` processes' reads and peak RSS (compressor.data_free)
+    samples: dict | None = None  #: several ranks: this rank's share of the batches (compressor.sample_ranks.Samples)
 
 
 @dataclass
@@ -400,7 +403,7 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
     arch, observer = ctx.arch, ctx.observer
     n_layers = len(layers)
     start = hooks.start if hooks is not None else 0
-    hidden = layer_kwargs = None
+    hidden = layer_kwargs = samples = None
     if algorithm.needs_calibration or observer is not None:
         resumed = hooks is not None and hooks.hidden is not None
         hidden, layer_kwargs = capture_layer_inputs(model, arch, calib_ids, batch_size, device, kwargs_only=resumed)
@@ -410,6 +413,9 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
             for i, (k, v) in hooks.kv_absmax.items():
                 if observer is not None:
                     observer.layers[i].k_absmax, observer.layers[i].v_absmax = k, v
+        samples = Samples.of(hidden) if algorithm.divides_samples(ctx) else None  # several ranks: batches divided
+        hidden = samples.own(hidden) if samples is not None else hidden
+        ctx.float_hidden = samples.own(ctx.float_hidden) if samples is not None else ctx.float_hidden
         hidden = _spill(hidden, hooks, "in")  # layer 0's inputs too: above the budget one copy stays in memory
     # the objects alive now (modules, transformers' and torch's own) outlive the loop: frozen, the
     # garbage collection before each heap trim skips them (0.29 s a layer on SmolLM2; 0.4 s for the
@@ -424,6 +430,12 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
             groups = (hooks.expert_groups(i, divides(algorithm)) if hooks is not None
                       and getattr(hooks, "expert_groups", None) is not None
                       and (algorithm.per_linear if hidden is None else algorithm.streams_experts) else None)
+            divided = samples is not None and samples.divides(layer, ctx, algorithm, groups is not None)
+            if samples is not None and not divided:  # this layer reads every batch (compressor.sample_ranks)
+                hidden = samples.whole(hidden, ctx)
+            ctx.samples = samples if divided else None
+            if divided:
+                samples.layers_divided += 1
             if groups is not None and hidden is None:
                 fig = _quantize_layer_grouped(i, layer, ctx, algorithm, result, hooks, groups)
             elif groups is not None:
@@ -441,17 +453,23 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
                 hidden, fig = _quantize_and_recompute(i, layer, hidden, layer_kwargs[i], ctx, algorithm, result)
                 layer.to("cpu")
                 hidden = _spill(hidden, hooks, f"{i % 2}")
+            if samples is not None and not divided:
+                hidden = samples.split(hidden, ctx)
+            ctx.samples = None
             fig["seconds"] = round(time.perf_counter() - t1, 3)
             result.layers.append(fig)
             if observer is not None and observer.layers[i].k_absmax is not None:
                 result.kv_absmax[i] = (observer.layers[i].k_absmax, observer.layers[i].v_absmax)
-            if hooks is not None:
-                hooks.float_hidden = ctx.float_hidden  # checkpointed beside hidden (GPTQ's float target)
-                hooks.done(i, layer, result, hidden)
+            if hooks is not None:  # checkpointed by rank 0 with every batch, GPTQ's float target beside them
+                to0 = samples.gather if samples is not None else lambda h, dst: h
+                hooks.float_hidden = to0(ctx.float_hidden, dst=0)
+                hooks.done(i, layer, result, to0(hidden, dst=0))
+                hooks.float_hidden = None
             if on_layer:
                 on_layer(i, n_layers, fig)
+    result.samples = samples.figures() if samples is not None else None
     if hidden is not None and ctx.recipe.head is not None:  # the last layer's outputs feed the head (quant.head)
-        result.head_hessian = head_hessian(model, arch, hidden)
+        result.head_hessian = head_hessian(model, arch, samples.gather(hidden) if samples is not None else hidden)
 
 
 def _spill(hidden, hooks: LayerHooks | None, tag: str):
@@ -467,7 +485,7 @@ def _quantize_layer(i, layer, ctx: LayerContext, algorithm: Algorithm, result: Q
     """Layer ``i`` without a calibration pass (RTN, or float weights with dynamic KV scales)."""
     outcome = algorithm.quantize_layer(i, layer, None, None, ctx)
     _record_moe(i, layer, ctx, algorithm, result, None)
-    return _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", outcome.errs, None, 0.0)
+    return layer_figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", outcome.errs, None, 0.0)
 
 
 def _quantize_layer_grouped(i, layer, ctx: LayerContext, algorithm: Algorithm, result: QuantizeResult, hooks,
@@ -482,8 +500,8 @@ def _quantize_layer_grouped(i, layer, ctx: LayerContext, algorithm: Algorithm, r
         (parts.append if k else errs.extend)(algorithm.quantize_layer(i, layer, None, None, sub).errs)
     parts, _, n_groups = ExpertShare.of(algorithm, num_experts(ctx.arch, layer)).merge(parts, 0.0, len(groups) - 1)
     _record_moe(i, layer, ctx, algorithm, result, None)
-    return _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", errs + [e for p in parts for e in p], None,
-                    0.0, weight_groups=1 + n_groups)
+    return layer_figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", errs + [e for p in parts for e in p],
+                         None, 0.0, weight_groups=1 + n_groups)
 
 
 def _quantize_streamed_moe(i, layer, hidden, kw, ctx: LayerContext, algorithm: Algorithm, result: QuantizeResult,
@@ -526,18 +544,24 @@ def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: 
     tp = time.perf_counter()
     peak: list = []
     # the KV observers must see the attention run: no replay with them
-    recorder = layer_recorder(layer, ctx)  # kv_cache.scale_search: attention
+    recorder = layer_recorder(layer, ctx)  # kv_cache.scale_search: attention (several ranks: rank 0's first batch)
+    recorder = recorder if ctx.samples is None or ctx.samples.rank == 0 else None
     with recorder.active() if recorder is not None else nullcontext():
         new_hidden = recompute_layer(i, layer, hidden, kw, ctx.observer, peak, outcome.replay if ctx.observer is None else None)
     outcome.replay = None
     peak[0] = max(peak[0], outcome.linear_peak)
-    kv_multipliers = apply_layer_search(i, recorder, ctx, rotation) if recorder is not None else {}
+    search = lambda: apply_layer_search(i, recorder, ctx, rotation) if recorder is not None else {}  # noqa: E731
+    if ctx.samples is not None:  # this rank's batches: the maxima over every rank's, rank 0's search
+        kv_multipliers = ctx.samples.reduce_layer(i, peak, ctx.observer, search, ctx.kv_scale_search == "attention")
+    else:
+        kv_multipliers = search()
     counts = experts.counts.tolist() if recount else counts
     _record_moe(i, layer, ctx, algorithm, result, counts)
     out_err = None
     if outcome.float_out is not None:
-        out_err = _out_error(_first_rows(new_hidden, outcome.float_out.shape[0]), outcome.float_out)
-    fig = _figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", outcome.errs, out_err, 0.0, **outcome.figures)
+        out_err = out_error(first_rows(new_hidden, outcome.float_out.shape[0]), outcome.float_out)
+    fig = layer_figures(i, ctx.quantizer.schemes, f"{ctx.arch.layers}.{i}.", outcome.errs, out_err, 0.0,
+                        **outcome.figures)
     if out_err is not None:  # how many calibration sequences the figure compares (GPTQ: 2; AWQ: awq.loss_samples)
         fig["output_error_sequences"] = int(outcome.float_out.shape[0])
     fig["max_abs_activation"] = float(f"{peak[0]:.6g}")
@@ -567,28 +591,3 @@ def _record_moe(i, layer, ctx: LayerContext, algorithm: Algorithm, result: Quant
             result.moe_fallback.append({
                 "layer": i, "expert": e, "tokens": counts[e], "modules": mods, "method": "rtn",
                 "reason": f"{counts[e]} routed calibration tokens < moe.min_tokens {limit}"})
-
-
-def _figures(i, schemes, prefix, errs, out_err, seconds, **extra):
-    layer_schemes = sorted({v for k, v in schemes.items() if k.startswith(prefix)})
-    bits = [s.num_bits for s in layer_schemes]
-    sizes = [s.group_size for s in layer_schemes]
-    return {
-        "layer": i,
-        "num_bits": (bits[0] if len(set(bits)) == 1 else sorted(set(bits))) if bits else None,
-        "group_size": (sizes[0] if len(set(sizes)) == 1 else sorted(set(sizes))) if sizes else None,
-        "modules": len(errs),
-        "mean_rel_error": round(sum(errs) / len(errs), 6) if errs else None,
-        "output_rel_error": None if out_err is None else round(out_err, 6),
-        **extra,
-        "seconds": round(seconds, 3),
-    }
-
-
-def _first_rows(hidden: list[torch.Tensor], n: int) -> torch.Tensor:
-    """The first ``n`` rows (sequences) of the batches ``hidden`` (no copy when batch 0 holds them)."""
-    return hidden[0][:n] if n <= hidden[0].shape[0] else torch.cat(hidden)[:n]
-
-
-def _out_error(q_out: torch.Tensor, f_out: torch.Tensor) -> float:
-    return float((q_out - f_out).norm() / f_out.norm().clamp(min=1e-12))

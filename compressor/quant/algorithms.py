@@ -77,6 +77,13 @@ class Algorithm:
     #: quantizes FP8 e4m3 weights (recipe ``weights.type: float``, :mod:`compressor.quant.fp8`): RTN only so far
     fp8_grid: ClassVar[bool] = False
 
+    def divides_samples(self, ctx: LayerContext) -> bool:
+        """Under several ranks, whether a decoder layer without routed experts may run on each rank's
+        share of the calibration batches (:mod:`compressor.sample_ranks`): the step reads the batches only
+        through :func:`compressor.quant.gptq_layer.accumulate_hessians` and gathers nothing else over them.
+        False unless the algorithm says so (AWQ's observe and losses read them all)."""
+        return False
+
     def quantize_layer(self, i: int, layer, hidden: list | None, kw: dict | None, ctx: LayerContext) -> LayerOutcome:
         """Quantize decoder layer ``i``'s targeted linears in place.
 
@@ -267,6 +274,9 @@ class RTN(Algorithm):
     streams_experts = experts_per_rank = True
     fp8_grid = True
 
+    def divides_samples(self, ctx):
+        return True  # no forward of its own: the recompute alone
+
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return LayerOutcome(rtn_layer(i, layer, ctx))
 
@@ -282,6 +292,9 @@ class NoWeights(Algorithm):
     quantizes_weights = False
     per_linear = True
     streams_experts = experts_per_rank = True
+
+    def divides_samples(self, ctx):
+        return True  # no forward of its own: the recompute alone
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return LayerOutcome(rtn_layer(i, layer, ctx))  # no targets: nothing is quantized

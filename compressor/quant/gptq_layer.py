@@ -86,14 +86,17 @@ def hessian_chunks(layer, sets: list[tuple[str, ...]], budget: int | None) -> li
 
 
 def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, replay: ModuleReplay | None = None,
-                        float_inputs: dict | None = None):
+                        float_inputs: dict | None = None, samples=None):
     """One calibration pass with input hooks: a :class:`HessianAccumulator` per reader set
     (keyed by its first linear). Without ``conditional`` (routed experts fire only for their
     tokens) a batch stops once every set has its input. ``replay``: the layer's final parts
     return their kept outputs instead of running. ``float_inputs``: set key -> the float
     model's input of that set per batch; each such set also gets a :class:`CrossAccumulator`
     (``accs[key].cross``) for :func:`~compressor.quant.gptq.float_target`. Under several ranks
-    each rank sums its share of each Hessian's row blocks (:func:`share_hessians` completes them)."""
+    each rank sums its share of each Hessian's row blocks (:func:`share_hessians` completes them).
+    ``samples`` (:class:`compressor.sample_ranks.Samples`): ``hidden`` (and ``float_inputs``) are this
+    rank's batches; each batch's set inputs are broadcast from its rank and added on every rank in
+    batch order (:meth:`~compressor.sample_ranks.Samples.hessian_pass`), the one-process sums bit for bit."""
     ranks = world()  # every rank runs this pass on the same tokens: the Hessians' blocks are divided
     accs = {st[0]: HessianAccumulator(get_module(layer, st[0]).in_features, hidden[0].device, ranks) for st in sets}
     float_inputs = float_inputs or {}
@@ -112,6 +115,9 @@ def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, replay: Modu
                 raise StopForward
         return hook
 
+    if samples is not None:
+        samples.hessian_pass(layer, hidden, kw, accs, conditional, replay, float_inputs)
+        return accs
     handles = [get_module(layer, key).register_forward_pre_hook(make_hook(key)) for key in accs]
     try:
         with replay.active() if replay is not None else nullcontext():
@@ -361,8 +367,9 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
     the caller has it already, as ``awq-gptq`` does from AWQ's observe pass)."""
     arch = ctx.arch
     t_r = time.perf_counter()
-    if float_out is None:  # the float layer's output for the output-error figure, before anything is quantized
-        float_out = layer_forward(layer, hidden[0][:REF_SEQUENCES], kw)
+    samples = ctx.samples  # this rank's share of the batches (compressor.sample_ranks): the figure is rank 0's
+    if float_out is None and (samples is None or samples.rank == 0):  # the output-error figure's reference,
+        float_out = layer_forward(layer, hidden[0][:REF_SEQUENCES], kw)  # before anything is quantized
     ref_t = time.perf_counter() - t_r
     fused_sets = layer_fused_sets(arch, layer)
     experts = ctx.experts(layer)
@@ -385,7 +392,7 @@ def gptq_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext, folds=N
             t_h = time.perf_counter()
             if experts is not None:
                 experts.counts.zero_()
-            accs = accumulate_hessians(layer, hidden, kw, chunk, conditional, replay, float_inputs)
+            accs = accumulate_hessians(layer, hidden, kw, chunk, conditional, replay, float_inputs, samples)
             if conditional and counts is None and experts is not None:
                 counts = experts.counts.tolist()  # routing is upstream of the experts: the same in every chunk
             cold = ctx.cold(counts)
@@ -494,6 +501,9 @@ class GPTQ(Algorithm):
     needs_calibration = True
     act_order = True
     streams_experts = experts_per_rank = True
+
+    def divides_samples(self, ctx):
+        return ctx.recipe.refine is None and not self.folds_input_scales  # AWQ's observe, the refinement: every batch
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         if ctx.recipe.refine is not None:  # the layer's GPTQ result refined on its output (compressor.quant.refine)

@@ -232,6 +232,9 @@ class LayerContext:
     #: error)`` of each linear GPTQ solved: the weights as it rounded them, the float weights before, the relative
     #: error it recorded; ``None``: not kept
     bases: dict | None = None
+    #: under several ranks, while the layer runs on this rank's share of the calibration batches
+    #: (:class:`compressor.sample_ranks.Samples`; ``hidden`` holds only those): ``None`` otherwise
+    samples: object = None
 
     def experts(self, layer) -> UnfusedExperts | None:
         """The layer's unfused routed experts (``None`` for a dense layer)."""
