@@ -187,7 +187,26 @@ def quantize_done(console, summary: dict, layers: list[dict], moe_layers: list[d
 # ---------------------------------------------------------------------------------------
 # kvq verify
 
-def verify_table(console, report: dict, results: dict, kv_budget_gib: float) -> None:
+def kv_cache_line(k: dict) -> str:
+    """The KV cache's memory in one line, quantized against fp16 (the report's ``kv_cache``: bytes per token,
+    the tokens ``budget_gib`` GiB holds, the batch each context length allows); the console's and report.md's."""
+    return (f"KV cache {k['scheme']} ({k['source']}): {k['bytes_per_token']:.0f} B/token vs fp16 "
+            f"{k['fp16_bytes_per_token']:.0f} B/token; {k['budget_gib']:g} GiB holds {k['max_tokens']:,} tokens "
+            f"(fp16: {k['fp16_max_tokens']:,}); "
+            + ", ".join(f"context {c}: batch {b} (fp16 {k['fp16_max_batch'][c]})" for c, b in k["max_batch"].items()))
+
+
+def activations_line(evaluated_in: dict | None) -> str | None:
+    """The note that verify simulated quantized activations (W4A8, FP8 W8A8: ``evaluated_in.activations``),
+    ``None`` for 16-bit activations; the console's and report.md's."""
+    acts = (evaluated_in or {}).get("activations")
+    if not acts:
+        return None
+    return (f"activations: each linear's input quantized {', '.join(acts)} (dynamic) and dequantized before its "
+            "matmul, simulated as the serving kernel quantizes it")
+
+
+def verify_table(console, report: dict, results: dict) -> None:
     """The verify result: warnings, the table of statistics and gates, the eval and KV
     accounting lines, one line per failed gate."""
     from rich.table import Table
@@ -202,7 +221,7 @@ def verify_table(console, report: dict, results: dict, kv_budget_gib: float) -> 
         t.add_row("tensor/file digests", "no kvq manifest", "", "[yellow]not checked")
     _verify_rows(t, report, results)
     console.print(t)
-    _verify_footer(console, report, kv_budget_gib)
+    _verify_footer(console, report)
 
 
 def _verify_rows(t, report: dict, results: dict) -> None:
@@ -260,18 +279,17 @@ def _verify_rows(t, report: dict, results: dict) -> None:
         row("NaN/Inf in artifact tensors", f"{gates['finite_weights']['value']:g} tensors", "finite_weights")
 
 
-def _verify_footer(console, report: dict, kv_budget_gib: float) -> None:
+def _verify_footer(console, report: dict) -> None:
     if "eval" in report:
         e = report["eval"]
         console.print(f"eval: {e['windows']} windows x {e['seqlen']} tokens ({e['predicted_tokens']} predicted) from {e['source']}",
                       highlight=False)
+    acts = activations_line(report.get("evaluated_in"))
+    if acts:
+        console.print(acts, highlight=False)
     if report.get("kv_cache"):
         k = report["kv_cache"]
-        console.print(
-            f"KV cache {k['scheme']} ({k['source']}): {k['bytes_per_token']:.0f} B/token vs fp16 {k['fp16_bytes_per_token']:.0f} B/token; "
-            f"{kv_budget_gib:g} GiB holds {k['max_tokens']:,} tokens (fp16: {k['fp16_max_tokens']:,}); "
-            + ", ".join(f"context {c}: batch {b} (fp16 {k['fp16_max_batch'][c]})" for c, b in k["max_batch"].items()),
-            highlight=False)
+        console.print(kv_cache_line(k), highlight=False)
         if (k.get("unit_scale") or {}).get("engines"):
             console.print(f"KV cache scales: {k['unit_scale']['engines']}", highlight=False)
     for gt in report["gates"]:

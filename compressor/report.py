@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .errors import InputError
 from . import report_service as service
+from .console import activations_line, kv_cache_line
 from .gates import gate
 
 REPORT_SCHEMA = "kvq.verify-report/1"
@@ -339,7 +340,8 @@ def _plot_hidden(ax, hidden: dict, gates: dict) -> None:
 
 
 def markdown(report: dict, images: list[Path] | None = None) -> str:
-    """``report.md``: verdict, gates, headline statistics, worst tensors (pull-request comment)."""
+    """``report.md``: verdict, the KV cache and simulated-activations lines (worded as the console's), gates,
+    headline statistics, the service sections, worst tensors (pull-request comment)."""
     lines = [f"## kvq verify: {'PASSED' if report['passed'] else 'FAILED'} — `{Path(report['artifact']).name}`", ""]
     sig = report["signature"]
     sig_text = ("not checked" + (" (present)" if sig.get("present") else " (none)")) if not sig.get("checked") else (
@@ -356,6 +358,11 @@ def markdown(report: dict, images: list[Path] | None = None) -> str:
         e = report["eval"]
         lines.append(f"- eval: {e['windows']} windows x {e['seqlen']} tokens of `{e.get('source')}`"
                      + (f"; {e['bos_rule']}" if e.get("bos_rule") else ""))
+    acts = activations_line(report.get("evaluated_in"))
+    if acts:
+        lines.append(f"- {acts}")
+    if report.get("kv_cache"):
+        lines.append(f"- {kv_cache_line(report['kv_cache'])}")
     for wmsg in report.get("warnings", []):
         lines.append(f"- warning: {wmsg}")
     if report["gates"]:

@@ -96,7 +96,7 @@ def _f(v, spec: str) -> str:
 
 def markdown_lines(report: dict) -> list[str]:
     """``report.md`` tables of the service sections present in ``report`` (the unit-scale figures
-    are ``kv_cache.unit_scale``)."""
+    are ``kv_cache.unit_scale``: overall and by position bucket)."""
     lines: list[str] = []
     bp = report.get("by_position")
     if bp and bp["buckets"]:
@@ -132,6 +132,13 @@ def markdown_lines(report: dict) -> list[str]:
         lines += [f"| {name} | {f['ppl']:.4f} ({f['increase_pct']:+.2f} %) | {_f(f['kl_mean'], '.4g')} / "
                   f"{_f(f['kl_p99'], '.4g')} | {f['top1_pct']:.2f} % |"
                   for name, f in (("calibrated", us["calibrated"]), ("unit", us["unit"]))]
+        if us.get("by_position"):
+            lines += ["", "The same by position (query position = tokens in context - 1):", "",
+                      "| positions | tokens | calibrated: ppl / KL mean / top-1 | unit: ppl / KL mean / top-1 |",
+                      "|---|---|---|---|"]
+            lines += [f"| {b['bucket']} | {b['tokens']:,} | " + " | ".join(
+                f"{_f(c['ppl'], '.4f')} / {_f(c['kl_mean'], '.4g')} / {_f(c['top1_pct'], '.2f')} %"
+                for c in (b["calibrated"], b["unit"])) + " |" for b in us["by_position"]]
     mt = report.get("multi_turn")
     if mt:
         lines += ["", f"Multi-turn ({mt['measured_on']}, caches kept across turns)"

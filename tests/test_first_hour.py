@@ -205,7 +205,7 @@ def test_verify_table_wraps_tensor_names_in_a_narrow_console():
               "hashes": {"checked": True, "tensors_checked": 211}, "gates": [],
               "weights": {"tensors": [{}] * 211, "min_sqnr_db": 10.12, "min_sqnr_tensor": name}}
     console = Console(width=80, record=True, force_terminal=False)
-    verify_table(console, report, {}, 16.0)
+    verify_table(console, report, {})
     text = console.export_text()
     assert "…" not in text
     values = "".join(line.split("│")[2].strip() for line in text.splitlines() if line.count("│") == 5)
