@@ -157,7 +157,10 @@ HELP = {
     "verify.min-top1": "Gate: minimum top-1 agreement with the reference, percent of predicted tokens.",
     "verify.min-sqnr-db": "Gate: minimum weight SQNR in dB over every quantized tensor (failing tensors are named).",
     "verify.max-hidden-error": "Gate: maximum relative hidden-state error after the last decoder layer (0.05 = 5 %).",
-    "verify.min-median-divergence": "Gate: minimum median position where greedy generations first differ.",
+    "verify.min-median-divergence": (
+        "Gate: minimum median position where greedy generations first differ (a prompt whose generations "
+        "never differ counts as --max-new-tokens)."
+    ),
     "verify.prompts": (
         'Prompts for the greedy-drift check: .txt (one per line) or .jsonl ({"prompt": ...}); default: 8 '
         "built-in prompts."
@@ -280,7 +283,8 @@ HELP = {
         "gates.serve_max_prompt_kl, else 0.5)."
     ),
     "serve-smoke.min-first-divergence": (
-        "Gate: minimum median first generated position where the reference would pick another token."
+        "Gate: minimum median first generated position where the reference would pick another token (a prompt "
+        "where it never would counts as --max-new-tokens)."
     ),
     "serve-smoke.json": "Print the report as JSON on stdout (nothing else); stderr keeps a progress line per step.",
     "serve.host": "Address to listen on (loopback unless --allow-remote).",

@@ -252,14 +252,14 @@ def _verify_rows(t, report: dict, results: dict) -> None:
         row(f"top-1 agreement ({served})", f"{d['top1_agreement_pct']:.2f} %", "min_top1_agreement_pct")
         dr = report["drift"]
         if dr:  # a streamed verify skips it (evaluated_in.streamed says why)
-            row(f"greedy drift: first differing token ({dr['prompts']} prompts)",
-                f"median {dr['median']:g}, min {dr['min']:g} of {dr['max_new_tokens']} generated", "min_median_divergence")
+            row("greedy drift: first differing generated token",
+                drift_text(dr["first_divergence"], dr["median"], dr["max_new_tokens"]), "min_median_divergence")
         else:
             row("greedy drift", "not measured (streamed)")
         lg = report.get("long_generation")
         if lg:
             row(f"long generation, KV only: top-1 ({lg['tokens']} tokens)",
-                f"{lg['top1_agreement_pct']:.2f} %, first divergence {_divergence(lg['first_divergence'])}",
+                f"{lg['top1_agreement_pct']:.2f} %, first divergence {divergence_text(lg['first_divergence'])}",
                 "min_long_agreement_pct")
         for turn in (report.get("multi_turn") or {}).get("turns", []):
             row(f"multi-turn, KV only: turn {turn['turn']} reply top-1", f"{turn['reply']['top1_pct']:.2f} %")
@@ -302,7 +302,20 @@ def _verify_footer(console, report: dict) -> None:
 # ---------------------------------------------------------------------------------------
 # kvq serve-smoke
 
-def _divergence(token: int | None) -> str:
+def drift_text(firsts: list, median: float, generated: int) -> str:
+    """Greedy drift for people, from each prompt's first divergence (``None``: never diverged): ``none of N
+    prompts diverged in G generated tokens``, or how many did, the earliest among them and the median of all
+    (a prompt that never diverged counted as ``generated``, as the gate on the median reads it)."""
+    diverged = [f for f in firsts if f is not None]
+    if not diverged:
+        return f"none of {len(firsts)} prompts diverged in {generated} generated tokens"
+    never = len(firsts) - len(diverged)
+    return (f"{len(diverged)} of {len(firsts)} prompts diverged, the first at token {min(diverged)}; median "
+            f"{median:g} of {generated} generated" + (f" (the {never} that never did count as {generated})"
+                                                      if never else ""))
+
+
+def divergence_text(token: int | None) -> str:
     """A first divergence for people: the generated token's index (from 0), or ``none`` when none differed."""
     return "none" if token is None else f"at token {token}"
 
@@ -343,12 +356,12 @@ def smoke_table(console, report: dict, n: int) -> None:
     k = c["prompt_kl"]
     if k["count"]:
         t.add_row("KL(ref || runtime) on prompts, mean / p99", f"{k['mean']:.4f} / {k['p99']:.4f} nats")
-    t.add_row("first divergence, median / min", f"{c['median_first_divergence']:g} / {c['min_first_divergence']:g} "
-              f"of {report['max_new_tokens']} generated tokens")
+    t.add_row("first divergence", drift_text(c["first_divergence"], c["median_first_divergence"],
+                                             report["max_new_tokens"]))
     lg = report.get("long_generation")
     if lg:
         t.add_row(f"long generation: top-1 ({lg['tokens']} tokens), first divergence",
-                  f"{lg['top1_agreement_pct']:.2f} %, {_divergence(lg['first_divergence'])}")
+                  f"{lg['top1_agreement_pct']:.2f} %, {divergence_text(lg['first_divergence'])}")
     for turn in (report.get("multi_turn") or {}).get("turns", []):
         r = turn["reply"]
         t.add_row(f"multi-turn: turn {turn['turn']} reply top-1 / KL mean",

@@ -209,7 +209,8 @@ class Gates(_Strict):
     """Verification thresholds used by ``kvq verify`` when no flag overrides them.
     ``None``: ungated (still reported). KL in nats per token, KL(P_reference || P_artifact); top-1 agreement in
     percent of predicted positions; SQNR in dB (minimum over quantized tensors); hidden-state error relative, after
-    the last layer; divergence the median first differing position of greedy generations (:mod:`compressor.stats`);
+    the last layer; divergence the median first differing position of greedy generations, a prompt that never
+    diverged counted as the tokens generated (:mod:`compressor.stats`);
     long agreement the top-1 % of the quantized KV cache teacher-forced on the float cache's long generation."""
 
     max_ppl_increase_pct: float = Field(20.0, ge=0.0, allow_inf_nan=False)

@@ -76,3 +76,81 @@ def test_the_reports_give_the_unit_scale_figures_by_position():
         u = b["unit"]
         _assert_in_both_reports(report, f"{u['ppl']:.4f} / {u['kl_mean']:.4g} / {u['top1_pct']:.2f} %")
         assert f"| {b['bucket']} | {b['tokens']:,} |" in markdown(report)
+
+
+def _drift(tokenizer, firsts: list, generated: int) -> dict:
+    """``drift`` as :func:`compressor.quality.greedy_drift` makes it from each prompt's first divergence."""
+    from compressor.quality import greedy_drift
+
+    class Model:  # greedy_drift calls generate(); each prompt's continuations are made to differ at firsts[i]
+        def __init__(self, artifact: bool):
+            self.artifact, self.calls = artifact, 0
+
+        def generate(self, ids, max_new_tokens, **kw):
+            import torch
+
+            out = torch.zeros(1, ids.shape[1] + max_new_tokens, dtype=torch.long)
+            f = firsts[self.calls]
+            self.calls += 1
+            if self.artifact and f is not None:
+                out[0, ids.shape[1] + f] = 1
+            return out
+
+    return greedy_drift(Model(False), Model(True), tokenizer, ["a"] * len(firsts), generated)
+
+
+def test_prompts_that_never_diverge_are_not_a_divergence_at_the_last_token(tokenizer):
+    """A prompt whose generations never differ is ``null`` in the JSON, left out of ``min`` (``null`` when no
+    prompt diverged) and said in words ("none of N prompts diverged"); the gate's median still counts it as
+    ``max_new_tokens``, so ``min_median_divergence`` passes it."""
+    from compressor.gates import gate, statistic
+    from compressor.report import Drift
+
+    none = _drift(tokenizer, [None] * 8, 4)
+    assert none["first_divergence"] == [None] * 8 and none["identical"] == 8 and none["min"] is None
+    assert none["median"] == 4 and gate("min_median_divergence").passes(statistic({"drift": none},
+                                                                               gate("min_median_divergence")), 4)
+    Drift.model_validate({**none, "measured_on": "weights only"})
+    some = _drift(tokenizer, [None, 3, None, 1, None], 4)
+    assert some["min"] == 1 and some["identical"] == 3 and some["median"] == 4
+    every = _drift(tokenizer, [2, 3, 1], 4)
+    assert every["min"] == 1 and every["median"] == 2 and every["identical"] == 0
+
+    for dr, words in ((none, "none of 8 prompts diverged in 4 generated tokens"),
+                      (some, "2 of 5 prompts diverged, the first at token 1; median 4 of 4 generated "
+                             "(the 3 that never did count as 4)"),
+                      (every, "3 of 3 prompts diverged, the first at token 1; median 2 of 4 generated")):
+        report = _report(drift={**dr, "measured_on": "weights only"}, perplexity={
+            "artifact": 10.0, "reference": 10.0, "increase_pct": 0.0, "measured_on": "weights only"},
+            distribution={"measured_on": "weights only", "top1_agreement_pct": 100.0, "kl": {
+                "count": 1, "mean": 0.0, "median": 0.0, "p99": 0.0, "max": 0.0, "min": 0.0}})
+        console = " ".join(" ".join(_console_lines_with(report)).split())
+        assert words in console, (words, console)
+        _assert_in_both_reports(report, words)
+        assert f"of {dr['max_new_tokens']} generated ({dr['identical']}" not in markdown(report)
+
+
+def _console_lines_with(report: dict) -> list[str]:
+    """The console's lines of a report with a full evaluation (the table's rows need its results)."""
+    console = Console(width=1000, record=True, force_terminal=False)
+    verify_table(console, report, {"reference": {"ppl": 10.0}, "weights only": {"ppl": 10.0}})
+    return [line.strip() for line in console.export_text().splitlines() if line.strip()]
+
+
+def test_serve_smoke_says_none_of_its_prompts_diverged():
+    """serve-smoke's table words its first divergences as verify's do (``median_first_divergence`` counts a
+    prompt that never diverged as all it generated: the gate's statistic)."""
+    from compressor.console import smoke_table
+
+    speed = {"prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 50.0, "decode_tokens": 8}
+    for firsts, median, words in (([None, None], 6, "none of 2 prompts diverged in 6 generated tokens"),
+                                  ([None, 2], 4, "1 of 2 prompts diverged, the first at token 2; median 4 of 6")):
+        report = {"artifact": "out/a", "max_new_tokens": 6, "gates": [], "failed_gates": [],
+                  "runtime": {"batch_1": speed, "batch_2": speed, "kv_scheme": "none", "kv_bytes_per_token": 64.0,
+                              "peak_rss_mib": 100.0},
+                  "comparison": {"top1_agreement_pct": 100.0, "generated_positions": 12, "first_divergence": firsts,
+                                 "prompt_kl": {"count": 0}, "median_first_divergence": median,
+                                 "min_first_divergence": None, "per_prompt": []}}
+        console = Console(width=1000, record=True, force_terminal=False)
+        smoke_table(console, report, 2)
+        assert words in console.export_text(), console.export_text()
