@@ -366,6 +366,7 @@ def _http_smoke(eng, prompts: list[str], ids: list[list[int]], offline: list[lis
 
     srv = Server(eng).start()
     n = opts.http_requests
+    show.step(console, f"http: {n} concurrent requests to the server on {srv.url} ...")
     max_tokens = opts.max_new_tokens
     expected = {}
     t0 = time.perf_counter()
