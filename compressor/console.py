@@ -321,16 +321,19 @@ def divergence_text(token: int | None) -> str:
 
 
 def runtime_line(console, d: dict) -> None:
-    """The runtime serve-smoke loaded: device, dtype, kernels, KV scheme (``Runtime.describe()``)."""
+    """The runtime serve-smoke loaded: device, dtype, kernels (``kernels: aten-int4 x14, float x1``: layers each
+    serves), KV scheme (``Runtime.describe()``)."""
     fused = f" ({d['fused_decode_sets']} q/k/v or gate/up sets share one decode call)" if "fused_decode_sets" in d else ""
-    note(console, f"runtime: {d['device']} {d['dtype']}, kernels {d['kernels']}{fused}, KV {d['kv_scheme']} "
+    kernels = ", ".join(f"{k} x{n}" for k, n in d["kernels"].items()) or "none"
+    note(console, f"runtime: {d['device']} {d['dtype']}; kernels: {kernels}{fused}; KV {d['kv_scheme']} "
                   f"({d['kv_bytes_per_token']:.0f} B/token)", highlight=False)
 
 
 def http_line(console, http: dict, seconds: float, offline_batch: int) -> None:
     """The HTTP smoke's result in one line (``seconds``: its unrounded duration)."""
     note(console, f"http: {http['ok']}/{http['requests']} concurrent requests answered on {http['url']} in "
-                  f"{seconds:.1f} s (batches {http['batch_sizes']}); {http['matched_offline']}/"
+                  f"{seconds:.1f} s (batches of {', '.join(map(str, http['batch_sizes'])) or 'none'}); "
+                  f"{http['matched_offline']}/"
                   f"{http['completions']} greedy completions identical to the offline batch-{offline_batch} run "
                   f"(batch composition changes rounding; not gated); bad request -> {http['bad_request_status']}; "
                   "server stopped", highlight=False)

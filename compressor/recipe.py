@@ -479,7 +479,8 @@ def resolve_group_size(recipe: Recipe, in_features: dict[str, int]) -> int:
         for cand in STANDARD_GROUP_SIZES:
             if all(n % cand == 0 for n in sizes):
                 return cand
-        raise InputError(f"no standard group size (128/64/32) divides every in_features {sorted(sizes)}; use -1")
+        raise InputError(f"no standard group size (128/64/32) divides every in_features "
+                         f"({', '.join(map(str, sorted(sizes)))}); use -1")
     if gs == -1:
         return -1
     bad = sorted(name for name, n in in_features.items() if n % gs)
@@ -491,6 +492,6 @@ def resolve_group_size(recipe: Recipe, in_features: dict[str, int]) -> int:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         raise InputError(
             f"group_size {gs} does not divide in_features of {shown} "
-            f"(in_features {sorted({in_features[b] for b in bad})}); {hint}"
+            f"(in_features {', '.join(map(str, sorted({in_features[b] for b in bad})))}); {hint}"
         )
     return gs

@@ -1,6 +1,7 @@
-"""What ``kvq verify`` says in its console, report.md and report.html: the reports carry the console's
-lines (the KV cache's bytes per token, the simulated activations, the unit-scale figures by position),
-in the console's words. Rendered from report dicts made by hand: no model runs."""
+"""What kvq says to people: ``kvq verify``'s reports carry the console's lines (the KV cache's bytes per
+token, the simulated activations, the unit-scale figures by position) in the console's words; greedy drift
+says when no prompt diverged; no Python repr (a dict, a list) is printed. Rendered from report dicts made
+by hand: no model runs."""
 
 from __future__ import annotations
 
@@ -154,3 +155,36 @@ def test_serve_smoke_says_none_of_its_prompts_diverged():
         console = Console(width=1000, record=True, force_terminal=False)
         smoke_table(console, report, 2)
         assert words in console.export_text(), console.export_text()
+
+
+def test_no_python_repr_reaches_the_console():
+    """serve-smoke's runtime and HTTP lines and the one-line errors of group sizes and input quantization
+    word their dicts and lists (``kernels: aten-int4 x14, float x1``), never ``{'float': 211}`` or ``[32]``."""
+    import pytest
+
+    from compressor.console import http_line, runtime_line
+    from compressor.errors import InputError
+    from compressor.formats.compressed_tensors import activation_scheme
+    from compressor.recipe import load_recipe, resolve_group_size
+
+    console = Console(width=1000, record=True, force_terminal=False)
+    runtime_line(console, {"device": "cpu", "dtype": "bfloat16", "kernels": {"aten-int4": 14, "float": 1},
+                           "fused_decode_sets": 4, "kv_scheme": "fp8 (tensor)", "kv_bytes_per_token": 256.0})
+    http_line(console, {"ok": 4, "requests": 4, "url": "http://127.0.0.1:1", "batch_sizes": [1, 3],
+                        "matched_offline": 2, "completions": 2, "bad_request_status": 400}, 0.4, 8)
+    text = console.export_text()
+    assert "kernels: aten-int4 x14, float x1 (4 q/k/v" in text and "(batches of 1, 3)" in text, text
+    errors = []
+    for gs, in_features in ((64, {"a": 32, "b": 128}), ("auto", {"a": 48, "b": 100})):
+        recipe = load_recipe("w4a16-rtn-g64").model_copy(deep=True)
+        recipe.weights.group_size = gs
+        with pytest.raises(InputError) as e:
+            resolve_group_size(recipe, in_features)
+        errors.append(str(e.value))
+    with pytest.raises(InputError) as e:
+        activation_scheme({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False})
+    errors.append(str(e.value))
+    assert "(in_features 32)" in errors[0] and "in_features (48, 100)" in errors[1], errors
+    assert "(num_bits 8, type float, strategy tensor, dynamic False)" in errors[-1], errors
+    for line in [text, *errors]:
+        assert not any(mark in line for mark in ("{'", "['", "[3", "[4", "[1")), line
