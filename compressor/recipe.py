@@ -221,7 +221,7 @@ class Gates(_Strict):
     max_hidden_error: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
     min_median_divergence: Optional[int] = Field(None, ge=0)
     min_long_agreement_pct: Optional[float] = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)
-    # kvq serve-smoke (runtime vs reference; None: the command's defaults 80 % / 0.5 nats / ungated)
+    # kvq serve-smoke (runtime vs reference; None: the command's defaults 70 % / 0.5 nats / ungated)
     serve_min_top1_pct: Optional[float] = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)
     serve_max_prompt_kl: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
     serve_min_median_divergence: Optional[int] = Field(None, ge=0)

@@ -1,7 +1,7 @@
 """What kvq says to people: ``kvq verify``'s reports carry the console's lines (the KV cache's bytes per
 token, the simulated activations, the unit-scale figures by position) in the console's words; greedy drift
-says when no prompt diverged; no Python repr (a dict, a list) is printed. Rendered from report dicts made
-by hand: no model runs."""
+says when no prompt diverged; no Python repr (a dict, a list) is printed; docs/recipes.md lists every gate.
+Rendered from report dicts made by hand: no model runs."""
 
 from __future__ import annotations
 
@@ -188,3 +188,29 @@ def test_no_python_repr_reaches_the_console():
     assert "(num_bits 8, type float, strategy tensor, dynamic False)" in errors[-1], errors
     for line in [text, *errors]:
         assert not any(mark in line for mark in ("{'", "['", "[3", "[4", "[1")), line
+
+
+def test_the_recipes_page_lists_every_gate_as_the_code_defines_it():
+    """docs/recipes.md's Gates table has a row for every gate of compressor/gates.py (every key a recipe's
+    ``gates:`` block accepts, plus the two that always run), with its command, direction, flag and default."""
+    from pathlib import Path
+
+    from compressor.gates import GATES
+    from compressor.recipe import Gates
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
+    section = text.split("\n## Gates\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.replace("\\|", "/").strip("|").split("|")]
+            rows[cells[0].strip("`")] = cells
+    assert set(Gates.model_fields) <= set(rows) and set(rows) == {g.name for g in GATES}, sorted(rows)
+    for g in GATES:
+        _, command, passes, unit, flag, default, meaning = rows[g.name]
+        assert command == g.command and passes == f"value {g.symbol} threshold" and meaning, g.name
+        assert unit.split(" ")[0] == (g.unit.strip() if g.scale == 1 else "fraction"), g.name
+        assert flag == (f"`{g.flag}`" if g.flag else "-"), g.name
+        stored = Gates.model_fields[g.name].default if g.name in Gates.model_fields else None
+        want = g.default if g.default is not None else stored
+        assert default.split(" ")[0] == ("-" if want is None else f"{want:g}") or g.option is None, g.name
