@@ -185,10 +185,10 @@ HELP = {
     ),
     "serve-smoke.memory-budget-gib": (
         "Memory serve-smoke may use besides the process itself (about 0.5 GiB), GiB (default: the memory this "
-        "machine has available): a runtime estimated above it (packed weights from the safetensors headers, KV "
-        "cache, logits) is refused before anything loads (exit 2; kvq verify --stream checks such an artifact), a "
-        "reference above it is streamed (--stream). The plan (what is held at peak) is printed first, and is "
-        "memory_plan in --json."
+        "machine has available, less the process's): a runtime estimated above it (packed weights from the "
+        "safetensors headers, KV cache, logits; the process not counted) is refused before anything loads (exit 2; "
+        "kvq verify --stream checks such an artifact), a reference above it is streamed (--stream). The plan "
+        "(what is held at peak) is printed first, and is memory_plan in --json."
     ),
     "verify.long-tokens": (
         "With a KV scheme: greedy tokens of the long generation (float cache vs quantized cache, after 128 tokens "
