@@ -157,7 +157,10 @@ HELP = {
     "verify.min-top1": "Gate: minimum top-1 agreement with the reference, percent of predicted tokens.",
     "verify.min-sqnr-db": "Gate: minimum weight SQNR in dB over every quantized tensor (failing tensors are named).",
     "verify.max-hidden-error": "Gate: maximum relative hidden-state error after the last decoder layer (0.05 = 5 %).",
-    "verify.min-median-divergence": "Gate: minimum median position where greedy generations first differ.",
+    "verify.min-median-divergence": (
+        "Gate: minimum median position where greedy generations first differ (a prompt whose generations "
+        "never differ counts as --max-new-tokens)."
+    ),
     "verify.prompts": (
         'Prompts for the greedy-drift check: .txt (one per line) or .jsonl ({"prompt": ...}); default: 8 '
         "built-in prompts."
@@ -182,10 +185,10 @@ HELP = {
     ),
     "serve-smoke.memory-budget-gib": (
         "Memory serve-smoke may use besides the process itself (about 0.5 GiB), GiB (default: the memory this "
-        "machine has available): a runtime estimated above it (packed weights from the safetensors headers, KV "
-        "cache, logits) is refused before anything loads (exit 2; kvq verify --stream checks such an artifact), a "
-        "reference above it is streamed (--stream). The plan (what is held at peak) is printed first, and is "
-        "memory_plan in --json."
+        "machine has available, less the process's): a runtime estimated above it (packed weights from the "
+        "safetensors headers, KV cache, logits; the process not counted) is refused before anything loads (exit 2; "
+        "kvq verify --stream checks such an artifact), a reference above it is streamed (--stream). The plan "
+        "(what is held at peak) is printed first, and is memory_plan in --json."
     ),
     "verify.long-tokens": (
         "With a KV scheme: greedy tokens of the long generation (float cache vs quantized cache, after 128 tokens "
@@ -280,7 +283,8 @@ HELP = {
         "gates.serve_max_prompt_kl, else 0.5)."
     ),
     "serve-smoke.min-first-divergence": (
-        "Gate: minimum median first generated position where the reference would pick another token."
+        "Gate: minimum median first generated position where the reference would pick another token (a prompt "
+        "where it never would counts as --max-new-tokens)."
     ),
     "serve-smoke.json": "Print the report as JSON on stdout (nothing else); stderr keeps a progress line per step.",
     "serve.host": "Address to listen on (loopback unless --allow-remote).",

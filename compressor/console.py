@@ -187,7 +187,26 @@ def quantize_done(console, summary: dict, layers: list[dict], moe_layers: list[d
 # ---------------------------------------------------------------------------------------
 # kvq verify
 
-def verify_table(console, report: dict, results: dict, kv_budget_gib: float) -> None:
+def kv_cache_line(k: dict) -> str:
+    """The KV cache's memory in one line, quantized against fp16 (the report's ``kv_cache``: bytes per token,
+    the tokens ``budget_gib`` GiB holds, the batch each context length allows); the console's and report.md's."""
+    return (f"KV cache {k['scheme']} ({k['source']}): {k['bytes_per_token']:.0f} B/token vs fp16 "
+            f"{k['fp16_bytes_per_token']:.0f} B/token; {k['budget_gib']:g} GiB holds {k['max_tokens']:,} tokens "
+            f"(fp16: {k['fp16_max_tokens']:,}); "
+            + ", ".join(f"context {c}: batch {b} (fp16 {k['fp16_max_batch'][c]})" for c, b in k["max_batch"].items()))
+
+
+def activations_line(evaluated_in: dict | None) -> str | None:
+    """The note that verify simulated quantized activations (W4A8, FP8 W8A8: ``evaluated_in.activations``),
+    ``None`` for 16-bit activations; the console's and report.md's."""
+    acts = (evaluated_in or {}).get("activations")
+    if not acts:
+        return None
+    return (f"activations: each linear's input quantized {', '.join(acts)} (dynamic) and dequantized before its "
+            "matmul, simulated as the serving kernel quantizes it")
+
+
+def verify_table(console, report: dict, results: dict) -> None:
     """The verify result: warnings, the table of statistics and gates, the eval and KV
     accounting lines, one line per failed gate."""
     from rich.table import Table
@@ -202,7 +221,7 @@ def verify_table(console, report: dict, results: dict, kv_budget_gib: float) -> 
         t.add_row("tensor/file digests", "no kvq manifest", "", "[yellow]not checked")
     _verify_rows(t, report, results)
     console.print(t)
-    _verify_footer(console, report, kv_budget_gib)
+    _verify_footer(console, report)
 
 
 def _verify_rows(t, report: dict, results: dict) -> None:
@@ -233,14 +252,14 @@ def _verify_rows(t, report: dict, results: dict) -> None:
         row(f"top-1 agreement ({served})", f"{d['top1_agreement_pct']:.2f} %", "min_top1_agreement_pct")
         dr = report["drift"]
         if dr:  # a streamed verify skips it (evaluated_in.streamed says why)
-            row(f"greedy drift: first differing token ({dr['prompts']} prompts)",
-                f"median {dr['median']:g}, min {dr['min']:g} of {dr['max_new_tokens']} generated", "min_median_divergence")
+            row("greedy drift: first differing generated token",
+                drift_text(dr["first_divergence"], dr["median"], dr["max_new_tokens"]), "min_median_divergence")
         else:
             row("greedy drift", "not measured (streamed)")
         lg = report.get("long_generation")
         if lg:
             row(f"long generation, KV only: top-1 ({lg['tokens']} tokens)",
-                f"{lg['top1_agreement_pct']:.2f} %, first divergence {_divergence(lg['first_divergence'])}",
+                f"{lg['top1_agreement_pct']:.2f} %, first divergence {divergence_text(lg['first_divergence'])}",
                 "min_long_agreement_pct")
         for turn in (report.get("multi_turn") or {}).get("turns", []):
             row(f"multi-turn, KV only: turn {turn['turn']} reply top-1", f"{turn['reply']['top1_pct']:.2f} %")
@@ -260,18 +279,17 @@ def _verify_rows(t, report: dict, results: dict) -> None:
         row("NaN/Inf in artifact tensors", f"{gates['finite_weights']['value']:g} tensors", "finite_weights")
 
 
-def _verify_footer(console, report: dict, kv_budget_gib: float) -> None:
+def _verify_footer(console, report: dict) -> None:
     if "eval" in report:
         e = report["eval"]
         console.print(f"eval: {e['windows']} windows x {e['seqlen']} tokens ({e['predicted_tokens']} predicted) from {e['source']}",
                       highlight=False)
+    acts = activations_line(report.get("evaluated_in"))
+    if acts:
+        console.print(acts, highlight=False)
     if report.get("kv_cache"):
         k = report["kv_cache"]
-        console.print(
-            f"KV cache {k['scheme']} ({k['source']}): {k['bytes_per_token']:.0f} B/token vs fp16 {k['fp16_bytes_per_token']:.0f} B/token; "
-            f"{kv_budget_gib:g} GiB holds {k['max_tokens']:,} tokens (fp16: {k['fp16_max_tokens']:,}); "
-            + ", ".join(f"context {c}: batch {b} (fp16 {k['fp16_max_batch'][c]})" for c, b in k["max_batch"].items()),
-            highlight=False)
+        console.print(kv_cache_line(k), highlight=False)
         if (k.get("unit_scale") or {}).get("engines"):
             console.print(f"KV cache scales: {k['unit_scale']['engines']}", highlight=False)
     for gt in report["gates"]:
@@ -284,22 +302,38 @@ def _verify_footer(console, report: dict, kv_budget_gib: float) -> None:
 # ---------------------------------------------------------------------------------------
 # kvq serve-smoke
 
-def _divergence(token: int | None) -> str:
+def drift_text(firsts: list, median: float, generated: int) -> str:
+    """Greedy drift for people, from each prompt's first divergence (``None``: never diverged): ``none of N
+    prompts diverged in G generated tokens``, or how many did, the earliest among them and the median of all
+    (a prompt that never diverged counted as ``generated``, as the gate on the median reads it)."""
+    diverged = [f for f in firsts if f is not None]
+    if not diverged:
+        return f"none of {len(firsts)} prompts diverged in {generated} generated tokens"
+    never = len(firsts) - len(diverged)
+    return (f"{len(diverged)} of {len(firsts)} prompts diverged, the first at token {min(diverged)}; median "
+            f"{median:g} of {generated} generated" + (f" (the {never} that never did count as {generated})"
+                                                      if never else ""))
+
+
+def divergence_text(token: int | None) -> str:
     """A first divergence for people: the generated token's index (from 0), or ``none`` when none differed."""
     return "none" if token is None else f"at token {token}"
 
 
 def runtime_line(console, d: dict) -> None:
-    """The runtime serve-smoke loaded: device, dtype, kernels, KV scheme (``Runtime.describe()``)."""
+    """The runtime serve-smoke loaded: device, dtype, kernels (``kernels: aten-int4 x14, float x1``: layers each
+    serves), KV scheme (``Runtime.describe()``)."""
     fused = f" ({d['fused_decode_sets']} q/k/v or gate/up sets share one decode call)" if "fused_decode_sets" in d else ""
-    note(console, f"runtime: {d['device']} {d['dtype']}, kernels {d['kernels']}{fused}, KV {d['kv_scheme']} "
+    kernels = ", ".join(f"{k} x{n}" for k, n in d["kernels"].items()) or "none"
+    note(console, f"runtime: {d['device']} {d['dtype']}; kernels: {kernels}{fused}; KV {d['kv_scheme']} "
                   f"({d['kv_bytes_per_token']:.0f} B/token)", highlight=False)
 
 
 def http_line(console, http: dict, seconds: float, offline_batch: int) -> None:
     """The HTTP smoke's result in one line (``seconds``: its unrounded duration)."""
     note(console, f"http: {http['ok']}/{http['requests']} concurrent requests answered on {http['url']} in "
-                  f"{seconds:.1f} s (batches {http['batch_sizes']}); {http['matched_offline']}/"
+                  f"{seconds:.1f} s (batches of {', '.join(map(str, http['batch_sizes'])) or 'none'}); "
+                  f"{http['matched_offline']}/"
                   f"{http['completions']} greedy completions identical to the offline batch-{offline_batch} run "
                   f"(batch composition changes rounding; not gated); bad request -> {http['bad_request_status']}; "
                   "server stopped", highlight=False)
@@ -325,12 +359,12 @@ def smoke_table(console, report: dict, n: int) -> None:
     k = c["prompt_kl"]
     if k["count"]:
         t.add_row("KL(ref || runtime) on prompts, mean / p99", f"{k['mean']:.4f} / {k['p99']:.4f} nats")
-    t.add_row("first divergence, median / min", f"{c['median_first_divergence']:g} / {c['min_first_divergence']:g} "
-              f"of {report['max_new_tokens']} generated tokens")
+    t.add_row("first divergence", drift_text(c["first_divergence"], c["median_first_divergence"],
+                                             report["max_new_tokens"]))
     lg = report.get("long_generation")
     if lg:
         t.add_row(f"long generation: top-1 ({lg['tokens']} tokens), first divergence",
-                  f"{lg['top1_agreement_pct']:.2f} %, {_divergence(lg['first_divergence'])}")
+                  f"{lg['top1_agreement_pct']:.2f} %, {divergence_text(lg['first_divergence'])}")
     for turn in (report.get("multi_turn") or {}).get("turns", []):
         r = turn["reply"]
         t.add_row(f"multi-turn: turn {turn['turn']} reply top-1 / KL mean",

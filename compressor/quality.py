@@ -273,8 +273,11 @@ def greedy_drift(reference, artifact, tokenizer, prompts: list[str], max_new_tok
     """Greedy generations of both models from each prompt and where they first diverge.
 
     Returns ``{"prompts", "max_new_tokens", "first_divergence": [int|None per prompt],
-    "median", "min", "identical"}``; ``None`` (all ``max_new_tokens`` equal) counts as
-    ``max_new_tokens`` in the median and min. ``make_cache`` gives the artifact a
+    "median", "min", "identical"}``: ``None`` for a prompt whose ``max_new_tokens`` all agree
+    (it never diverged; ``identical`` counts them); ``median`` counts such a prompt as
+    ``max_new_tokens`` (the statistic of the gate ``min_median_divergence``: a prompt that never
+    diverged passes any threshold it accepts); ``min`` is the earliest first divergence of the
+    prompts that diverged, ``None`` when none did. ``make_cache`` gives the artifact a
     quantized KV cache (as served). Prompts are encoded by the tokenizer's own rule
     (:func:`compressor.tokens.encode`: its BOS first when it adds one). ``on_prompt(i, n)``
     is called after the i-th prompt (1-based) of ``n``.
@@ -297,6 +300,7 @@ def greedy_drift(reference, artifact, tokenizer, prompts: list[str], max_new_tok
         if on_prompt is not None:
             on_prompt(len(firsts), len(prompts))
     eff = [max_new_tokens if f is None else f for f in firsts]
-    s = summarize(eff)
+    diverged = [f for f in firsts if f is not None]
     return {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "first_divergence": firsts,
-            "median": s["median"], "min": s["min"], "identical": sum(f is None for f in firsts)}
+            "median": summarize(eff)["median"], "min": float(min(diverged)) if diverged else None,
+            "identical": len(firsts) - len(diverged)}

@@ -209,7 +209,8 @@ class Gates(_Strict):
     """Verification thresholds used by ``kvq verify`` when no flag overrides them.
     ``None``: ungated (still reported). KL in nats per token, KL(P_reference || P_artifact); top-1 agreement in
     percent of predicted positions; SQNR in dB (minimum over quantized tensors); hidden-state error relative, after
-    the last layer; divergence the median first differing position of greedy generations (:mod:`compressor.stats`);
+    the last layer; divergence the median first differing position of greedy generations, a prompt that never
+    diverged counted as the tokens generated (:mod:`compressor.stats`);
     long agreement the top-1 % of the quantized KV cache teacher-forced on the float cache's long generation."""
 
     max_ppl_increase_pct: float = Field(20.0, ge=0.0, allow_inf_nan=False)
@@ -220,7 +221,7 @@ class Gates(_Strict):
     max_hidden_error: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
     min_median_divergence: Optional[int] = Field(None, ge=0)
     min_long_agreement_pct: Optional[float] = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)
-    # kvq serve-smoke (runtime vs reference; None: the command's defaults 80 % / 0.5 nats / ungated)
+    # kvq serve-smoke (runtime vs reference; None: the command's defaults 70 % / 0.5 nats / ungated)
     serve_min_top1_pct: Optional[float] = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)
     serve_max_prompt_kl: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
     serve_min_median_divergence: Optional[int] = Field(None, ge=0)
@@ -478,7 +479,8 @@ def resolve_group_size(recipe: Recipe, in_features: dict[str, int]) -> int:
         for cand in STANDARD_GROUP_SIZES:
             if all(n % cand == 0 for n in sizes):
                 return cand
-        raise InputError(f"no standard group size (128/64/32) divides every in_features {sorted(sizes)}; use -1")
+        raise InputError(f"no standard group size (128/64/32) divides every in_features "
+                         f"({', '.join(map(str, sorted(sizes)))}); use -1")
     if gs == -1:
         return -1
     bad = sorted(name for name, n in in_features.items() if n % gs)
@@ -490,6 +492,6 @@ def resolve_group_size(recipe: Recipe, in_features: dict[str, int]) -> int:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         raise InputError(
             f"group_size {gs} does not divide in_features of {shown} "
-            f"(in_features {sorted({in_features[b] for b in bad})}); {hint}"
+            f"(in_features {', '.join(map(str, sorted({in_features[b] for b in bad})))}); {hint}"
         )
     return gs

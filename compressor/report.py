@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .errors import InputError
 from . import report_service as service
+from .console import activations_line, drift_text, kv_cache_line
 from .gates import gate
 
 REPORT_SCHEMA = "kvq.verify-report/1"
@@ -104,10 +105,10 @@ class Hidden(_M):
 class Drift(_M):
     prompts: int
     max_new_tokens: int
-    first_divergence: list[Optional[int]]
-    median: float
-    min: float
-    identical: int
+    first_divergence: list[Optional[int]]  #: generated-token index (from 0) per prompt; None: never diverged
+    median: float  #: of first_divergence, a prompt that never diverged counted as max_new_tokens (the gate's)
+    min: Optional[float]  #: the earliest first divergence of the prompts that diverged; None: none did
+    identical: int  #: prompts that never diverged
     measured_on: str
 
 
@@ -339,7 +340,8 @@ def _plot_hidden(ax, hidden: dict, gates: dict) -> None:
 
 
 def markdown(report: dict, images: list[Path] | None = None) -> str:
-    """``report.md``: verdict, gates, headline statistics, worst tensors (pull-request comment)."""
+    """``report.md``: verdict, the KV cache and simulated-activations lines (worded as the console's), gates,
+    headline statistics, the service sections, worst tensors (pull-request comment)."""
     lines = [f"## kvq verify: {'PASSED' if report['passed'] else 'FAILED'} — `{Path(report['artifact']).name}`", ""]
     sig = report["signature"]
     sig_text = ("not checked" + (" (present)" if sig.get("present") else " (none)")) if not sig.get("checked") else (
@@ -356,6 +358,11 @@ def markdown(report: dict, images: list[Path] | None = None) -> str:
         e = report["eval"]
         lines.append(f"- eval: {e['windows']} windows x {e['seqlen']} tokens of `{e.get('source')}`"
                      + (f"; {e['bos_rule']}" if e.get("bos_rule") else ""))
+    acts = activations_line(report.get("evaluated_in"))
+    if acts:
+        lines.append(f"- {acts}")
+    if report.get("kv_cache"):
+        lines.append(f"- {kv_cache_line(report['kv_cache'])}")
     for wmsg in report.get("warnings", []):
         lines.append(f"- warning: {wmsg}")
     if report["gates"]:
@@ -376,8 +383,8 @@ def markdown(report: dict, images: list[Path] | None = None) -> str:
                       f"| top-1 agreement | {d['top1_agreement_pct']:.2f} % |"]
         dr = report.get("drift")
         if dr:
-            lines.append(f"| greedy drift: first differing generated token, median / min | {dr['median']:g} / {dr['min']:g} "
-                         f"of {dr['max_new_tokens']} ({dr['identical']} of {dr['prompts']} prompts identical throughout) |")
+            lines.append(f"| greedy drift: first differing generated token | "
+                         f"{drift_text(dr['first_divergence'], dr['median'], dr['max_new_tokens'])} |")
         hs = report.get("hidden_state_error")
         if hs:
             lines.append(f"| hidden-state error after the last layer | {_fmt(None if hs['last'] is None else 100 * hs['last'], '.2f')} % |")

@@ -13,6 +13,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from .console import divergence_text
+
 PNG = "kv_by_position.png"
 
 
@@ -96,7 +98,7 @@ def _f(v, spec: str) -> str:
 
 def markdown_lines(report: dict) -> list[str]:
     """``report.md`` tables of the service sections present in ``report`` (the unit-scale figures
-    are ``kv_cache.unit_scale``)."""
+    are ``kv_cache.unit_scale``: overall and by position bucket)."""
     lines: list[str] = []
     bp = report.get("by_position")
     if bp and bp["buckets"]:
@@ -116,8 +118,8 @@ def markdown_lines(report: dict) -> list[str]:
         lines += ["", f"Long generation ({lg['measured_on']}): {lg['tokens']} greedy tokens after "
                   f"{lg['prompt_tokens']} "
                   f"of the eval text; quantized cache teacher-forced on the float cache's tokens: top-1 agreement "
-                  f"{lg['top1_agreement_pct']:.2f} %, first divergence at generated token "
-                  f"{_f(lg['first_divergence'], 'd')}, KL mean {_f(lg['kl']['mean'], '.4g')} nats; repeated 4-grams "
+                  f"{lg['top1_agreement_pct']:.2f} %, first divergence {divergence_text(lg['first_divergence'])}, "
+                  f"KL mean {_f(lg['kl']['mean'], '.4g')} nats; repeated 4-grams "
                   f"float {_f(rep['float'], '.1f')} % vs quantized (free-running) {_f(rep['quantized'], '.1f')} %.", "",
                   "| positions | tokens | KL mean | top-1 |", "|---|---|---|---|"]
         lines += [f"| {b['bucket']} ({b['first']}-{b['last']}) | {b['tokens']} | {_f(b['kl_mean'], '.4g')} | "
@@ -132,6 +134,13 @@ def markdown_lines(report: dict) -> list[str]:
         lines += [f"| {name} | {f['ppl']:.4f} ({f['increase_pct']:+.2f} %) | {_f(f['kl_mean'], '.4g')} / "
                   f"{_f(f['kl_p99'], '.4g')} | {f['top1_pct']:.2f} % |"
                   for name, f in (("calibrated", us["calibrated"]), ("unit", us["unit"]))]
+        if us.get("by_position"):
+            lines += ["", "The same by position (query position = tokens in context - 1):", "",
+                      "| positions | tokens | calibrated: ppl / KL mean / top-1 | unit: ppl / KL mean / top-1 |",
+                      "|---|---|---|---|"]
+            lines += [f"| {b['bucket']} | {b['tokens']:,} | " + " | ".join(
+                f"{_f(c['ppl'], '.4f')} / {_f(c['kl_mean'], '.4g')} / {_f(c['top1_pct'], '.2f')} %"
+                for c in (b["calibrated"], b["unit"])) + " |" for b in us["by_position"]]
     mt = report.get("multi_turn")
     if mt:
         lines += ["", f"Multi-turn ({mt['measured_on']}, caches kept across turns)"
@@ -143,7 +152,7 @@ def markdown_lines(report: dict) -> list[str]:
                 p, r = t["prompt"], t["reply"]
                 lines.append(f"| {t['turn']} | {t['context_tokens']} | {p['tokens']} / {_f(p['kl_mean'], '.4g')} / "
                              f"{_f(p['top1_pct'], '.2f')} % | {r['tokens']} / {_f(r['kl_mean'], '.4g')} / "
-                             f"{_f(r['top1_pct'], '.2f')} % | {_f(r['first_divergence'], 'd')} |")
+                             f"{_f(r['top1_pct'], '.2f')} % | {divergence_text(r['first_divergence'])} |")
     return lines
 
 

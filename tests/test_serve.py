@@ -110,6 +110,7 @@ def test_serve_smoke_disagreement_exits_1(art, tmp_path, tokenizer, capsys):
 def test_serve_smoke_http(art, capsys):
     code, out, err = run(["serve-smoke", art, *FAST, "--http", "--http-requests", "6", "--json"], capsys)
     assert code == 0, err
+    assert "http: 6 concurrent requests to the server on http://127.0.0.1:" in err  # a step line, under --json too
     h = json.loads(out)["http"]
     assert h["ok"] == 6 and h["completions"] == 3 and 0 <= h["matched_offline"] <= 3
     assert h["health"] and h["bad_request_status"] == 400 and not h["problems"]

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from compressor.commands.options import SmokeOptions
 from compressor.commands.serve_smoke import run_serve_smoke
+from compressor.errors import InputError
 from conftest import close_figures, quantize_tiny
 from tiny_models import make_dir
 
@@ -95,6 +96,41 @@ def test_runtime_above_the_budget_is_refused_in_one_line(artifacts):
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "--memory-budget-gib 1e-05" in lines[0] and "kvq verify" in lines[0] and "--stream" in lines[0]
     assert "the runtime" in lines[0] and "KiB" in lines[0]  # a tiny model's figure in a unit that shows it
+
+
+def test_the_runtime_alone_is_compared_with_the_budget_besides_the_process(artifacts, monkeypatch):
+    """--memory-budget-gib is what serve-smoke may use besides the process (its help): a runtime just under it
+    runs, one just over it is refused, and the refusal compares the runtime's figure with the budget's, neither
+    counting the process; without the flag, the memory available less the process."""
+    from compressor.commands import smoke_memory, verify_streamed
+    from compressor.manifest import load_manifest
+    from compressor.prompts import load_prompts
+    from compressor.source.resolve import resolve_source
+    from compressor.streamed_eval import BASELINE_BYTES, GIB
+
+    prompts, arts = artifacts
+    art, texts = arts["llama"], load_prompts(str(prompts))
+    spec = load_manifest(art).source["spec"]
+    opts = SmokeOptions(artifact=art, prompts=str(prompts), max_new_tokens=6)
+    total = smoke_memory.runtime_estimate(art, smoke_memory._token_counts(art, texts), opts).total
+    gib = smoke_memory._gib
+
+    def refusal(**kw):
+        with pytest.raises(InputError) as e:
+            smoke_memory.plan(art, texts, opts.model_copy(update=kw), spec, resolve_source(spec))
+        return str(e.value)
+
+    smoke_memory.plan(art, texts, opts.model_copy(update={"memory_budget_gib": 1.01 * total / GIB}), spec,
+                      resolve_source(spec))
+    budget = 0.99 * total / GIB
+    line = refusal(memory_budget_gib=budget)
+    assert (f"the runtime {gib(total)} (" in line and f"more than --memory-budget-gib {budget:g} "
+            f"({gib(int(budget * GIB))}, the process's own {gib(BASELINE_BYTES)} not counted)" in line), line
+    assert "with the process" not in line
+    monkeypatch.setattr(verify_streamed, "_available_bytes", lambda: BASELINE_BYTES + total // 2)
+    line = refusal()
+    assert (f"the runtime {gib(total)} (" in line and f"more than the {gib(total // 2)} this machine has available "
+            f"besides the process's own {gib(BASELINE_BYTES)}" in line), line
 
 
 def test_plan_is_printed_first_and_in_the_json(artifacts):

@@ -575,7 +575,8 @@ def _keep_tensors(plan: _Plan, src: _Source, staging, warnings: list[str], conso
     if mtp:
         copy_kept_tensors(ckpt, mtp, dtype, staging.save_part)
         layers = sorted({mtp_layer(arch, src.model.config.num_hidden_layers, k) for k in mtp})
-        new.append(f"{len(mtp)} multi-token-prediction tensors (layer(s) {layers}) copied in float ({plan.dtype}), "
+        new.append(f"{len(mtp)} multi-token-prediction tensors (layer(s) {', '.join(map(str, layers))}) copied in "
+                   f"float ({plan.dtype}), "
                    "not quantized")
     record = None
     if carried:

@@ -299,7 +299,10 @@ def _positions(at, n: int, gen: list[int], plog):
 def _compare(forward, served: _Served, prompts: list[str]) -> dict:
     """The reference teacher-forced on each prompt plus the runtime's continuation (``forward``:
     :data:`compressor.commands.smoke_service.Forward`): the report's ``comparison`` section (KL on
-    prompt positions, top-1 agreement and first divergence over generated positions, per prompt)."""
+    prompt positions, top-1 agreement and first divergence over generated positions, per prompt).
+    ``median_first_divergence`` counts a prompt that never diverged as all it generated (the statistic of
+    the gate ``serve_min_median_divergence``); ``min_first_divergence`` is the earliest first divergence of
+    the prompts that diverged, ``None`` when none did."""
     import torch
 
     from ..stats import first_divergence, summarize
@@ -323,11 +326,13 @@ def _compare(forward, served: _Served, prompts: list[str]) -> dict:
                            "top1_pct": 100.0 * sum(match) / max(1, len(match)), "first_divergence": f,
                            "prompt_kl_mean": float(kl.mean()) if kl.numel() else None})
     kl_all = torch.cat(kls).numpy() if kls else []
-    eff = [len(g) if f is None else f for f, g in zip(firsts, batch.tokens)]
+    eff = [len(g) if f is None else f for f, g in zip(firsts, batch.tokens)]  # never diverged: all it generated
+    diverged = [f for f in firsts if f is not None]
     return {
         "top1_agreement_pct": 100.0 * agree / max(1, total), "generated_positions": total,
         "prompt_kl": summarize(kl_all), "first_divergence": firsts, "median_first_divergence": summarize(eff)["median"],
-        "min_first_divergence": summarize(eff)["min"], "per_prompt": per_prompt,
+        "min_first_divergence": float(min(diverged)) if diverged else None,  # None: no prompt diverged
+        "per_prompt": per_prompt,
     }
 
 
@@ -361,6 +366,7 @@ def _http_smoke(eng, prompts: list[str], ids: list[list[int]], offline: list[lis
 
     srv = Server(eng).start()
     n = opts.http_requests
+    show.step(console, f"http: {n} concurrent requests to the server on {srv.url} ...")
     max_tokens = opts.max_new_tokens
     expected = {}
     t0 = time.perf_counter()

@@ -205,22 +205,29 @@ def plan(folder: Path, prompts: list[str], opts, ref_spec: str, ref_source) -> S
     """serve-smoke's memory plan; the streamed reference opened (layers on ``meta``, embedding
     released) when chosen.
 
+    The runtime alone is compared with what the run may hold besides the process (``--memory-budget-gib``, as
+    its help says; else the memory available less the process's :data:`BASELINE_BYTES`), and the refusal
+    names those two figures.
+
     Raises:
         InputError: the runtime's estimate above the budget (``--memory-budget-gib``, else the
-            memory available): serve-smoke loads the packed model whole; a streamed reference whose
-            smallest unit is above ``--memory-budget-gib``; a reference that cannot be streamed.
+            memory available less the process): serve-smoke loads the packed model whole; a streamed
+            reference whose smallest unit is above ``--memory-budget-gib``; a reference that cannot be streamed.
     """
     from .verify_streamed import budget_bytes
 
     counts = _token_counts(folder, prompts)
     rt = runtime_estimate(folder, counts, opts)
-    budget = budget_bytes(opts)
+    budget = budget_bytes(opts)  # the process included
     where = (f"--memory-budget-gib {opts.memory_budget_gib:g}" if opts.memory_budget_gib is not None
              else f"the {_gib(budget)} this machine has available")
-    if budget is not None and BASELINE_BYTES + rt.total > budget:
-        raise InputError(f"serve-smoke loads the packed model whole: {rt.describe()}, with the process "
-                         f"{_gib(BASELINE_BYTES + rt.total)}, more than {where}; check this artifact with "
-                         f"`kvq verify {folder} --stream`, which reads it one decoder layer at a time")
+    room = None if budget is None else budget - BASELINE_BYTES  # besides the process
+    if room is not None and rt.total > room:
+        limit = (f"{where} ({_gib(room)}, the process's own {_gib(BASELINE_BYTES)} not counted)"
+                 if opts.memory_budget_gib is not None
+                 else f"the {_gib(room)} this machine has available besides the process's own {_gib(BASELINE_BYTES)}")
+        raise InputError(f"serve-smoke loads the packed model whole: {rt.describe()}, more than {limit}; check this "
+                         f"artifact with `kvq verify {folder} --stream`, which reads it one decoder layer at a time")
     longest = max(max(counts) + opts.max_new_tokens, counts[0] + opts.long_tokens, chat_tokens(counts, opts))
     whole = _reference_whole(ref_source, longest)
     mem = SmokeMemory(rt, budget, None, whole)

@@ -139,7 +139,7 @@ def _run(opts: VerifyOptions, console) -> dict:
         report["passed"] = report["passed"] and not report["failed_gates"]
         report["seconds"] = round(time.perf_counter() - t0, 2)
         if console:
-            show.verify_table(console, report, results, opts.kv.budget_gib)
+            show.verify_table(console, report, results)
         return validate({k: v for k, v in report.items() if not k.startswith("_")}) and report
 
     return _outcome(share, report, finish)

@@ -342,7 +342,8 @@ def activation_scheme(args: dict | None) -> tuple[str, int]:
         return ACT_SCHEMES[0], 0
     if kind == ("float", 8, "group", True) and int(args.get("group_size") or 0) > 0:
         return ACT_SCHEMES[1], int(args["group_size"])
-    raise InputError(f"input_activations {dict(args)} are not simulated by kvq (dynamic fp8 per token or group only)")
+    given = ", ".join(f"{k} {v}" for k, v in args.items())
+    raise InputError(f"input_activations ({given}) are not simulated by kvq (dynamic fp8 per token or group only)")
 
 
 def input_quantization(qc: dict) -> list[str]:
