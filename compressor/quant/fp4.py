@@ -130,5 +130,5 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
         InputError: ``packed`` is not 2-D uint8.
     """
     if packed.dtype != torch.uint8 or packed.ndim != 2:
-        raise InputError(f"weight_packed of NVFP4 is 2-D uint8, got {packed.dtype} {tuple(packed.shape)}")
+        raise InputError(f"weight_packed of e2m1 codes is 2-D uint8, got {packed.dtype} {tuple(packed.shape)}")
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)

@@ -27,6 +27,8 @@ kernel                what runs                                           serves
                                                                           backend and device
 ``nvfp4-emulated``    dequantize the e2m1 codes on each call, then        every NVFP4 weight, any
                       ``F.linear`` (:mod:`.fp4_linear`)                   backend and device
+``mxfp4-emulated``    the same, E8M0 scales per 32 inputs                 every MXFP4 weight, any
+                      (:mod:`.fp4_linear`)                                backend and device
 ====================  ==================================================  =======================
 
 The aten ops: ``_convert_weight_to_int4pack_for_cpu(u int32 [N, K], innerKTiles)`` takes
