@@ -8,7 +8,8 @@ compressor writes (``docs/formats.md``); vLLM's ``tests/quantization/reference_m
 
 * elements: the e2m1 grid of :mod:`compressor.quant.fp4` (``±{0, 0.5, 1, 1.5, 2, 3, 4, 6}``, 4-bit codes
   ``sign << 3 | magnitude index``, round to nearest with ties to the even code, saturation at ±6, the
-  sign bit kept on a value that rounds to 0), packed two a byte with the even column in the low nibble.
+  sign bit set for a negative value even when it rounds to 0, not for an exact ``-0.0``), packed two a
+  byte with the even column in the low nibble.
 * shared scale ``X = 2^(e - 127)``, ``e`` the biased E8M0 exponent stored as one uint8 per output row and
   32 consecutive input columns: ``e = clamp(127 + E - 2, 0, 254)``, ``2 = floor(log2 6)`` the largest
   e2m1 exponent, ``E = floor(log2 a)`` of the group's absmax ``a`` **after rounding ``a`` to one
@@ -22,7 +23,9 @@ compressor writes (``docs/formats.md``); vLLM's ``tests/quantization/reference_m
   the same weights carries, so that both read back to the same bytes.
 * an all-zero group (``log2 0 = -inf``) and any absmax under ``2^-125`` clamp to ``e = 0`` (``X =
   2^-127``, E8M0's smallest); a non-finite absmax gets ``e = 255``, E8M0's NaN, and dequantizes to NaN
-  (a finite float32 absmax never reaches 255: its largest ``e`` is 253).
+  (a finite float32 absmax never reaches 255: its largest ``e`` is 253; for an absmax of ``1.75 * 2^127`` or
+  more, only near float32's largest value, compressed-tensors' power-of-two rounding overflows to infinity
+  and it writes 255).
 * code ``q = e2m1(clamp(w / X, -6, 6))``; ``w_hat = q * X``, exact in float32 (and in bfloat16).
 
 Algorithms: round-to-nearest only (kvq's ``rtn``). ``in_features`` must be a multiple of 32 (the group
