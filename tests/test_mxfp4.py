@@ -293,3 +293,22 @@ def test_reader_refuses_inconsistent_tensors(artifacts):
     bad["config_groups"]["group_0"]["weights"]["group_size"] = 16
     with pytest.raises(InputError, match="are not MXFP4 weight-only"):
         read_quant_weight("compressed-tensors", bad, m, t)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_weight_stops_the_run(bad):
+    """A non-finite weight gets E8M0's NaN exponent (255) and dequantizes to NaN: the quantizer raises
+    QuantizationError naming the module, and nothing is written into the Linear."""
+    from compressor.errors import QuantizationError
+    from compressor.quant.layer import LinearQuantizer
+    from compressor.quant.primitives import Scheme
+
+    lin = torch.nn.Linear(64, 2, bias=False)
+    with torch.no_grad():
+        lin.weight[1, 40] = bad
+    before = lin.weight.detach().clone()
+    assert mxfp4.quantize_weight(lin.weight.detach())[1][1, 1].item() == 255
+    quantizer = LinearQuantizer({"m.down_proj": Scheme(4, 32, True, "float")}, torch.bfloat16)
+    with pytest.raises(QuantizationError, match="quantizing m.down_proj produced NaN or Inf"):
+        quantizer.quantize_linear("m.down_proj", lin)
+    assert torch.equal(lin.weight.detach().nan_to_num(), before.nan_to_num())  # NaN != NaN: compare them as 0
