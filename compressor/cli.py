@@ -146,9 +146,8 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     the KV-cache scheme, the LM head (head:, e.g. --set head.num_bits=8; float by default;
     a tied head only with --set head.untie=true, which adds its bytes), the input embedding
     (embedding:, e.g. --set embedding.num_bits=8: a tied model's shared table, read by kvq only), the dynamic
-    fp8 inputs (activations:, w8a8-fp8, w4a8-gptq), NVFP4 (w4a16-nvfp4) and the verify gate. Later --recipe win;
-    flags override recipe fields; the effective recipe is stored in the artifact's
-    kvq-manifest.json.
+    fp8 inputs (activations:, w8a8-fp8, w4a8-gptq), NVFP4 and MXFP4 (w4a16-nvfp4, w4a16-mxfp4), the verify gate.
+    Later --recipe win; flags override recipe fields; the effective recipe is kept in the artifact's kvq-manifest.json.
 
     \b
     Examples:

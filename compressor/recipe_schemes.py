@@ -49,9 +49,9 @@ class WeightScheme(_Strict):
     ``type: int`` (the default) is an integer grid of ``num_bits``; ``type: float`` is FP8 e4m3
     (``num_bits: 8``, symmetric, :mod:`compressor.quant.fp8`), per channel (``group_size: -1``)
     or in ``block_structure: [rows, cols]`` blocks (``group_size`` = ``cols``), always with an
-    ``activations`` scheme (FP8 W8A8), or NVFP4 (``num_bits: 4``, ``group_size: 16``, symmetric,
-    weight-only: :func:`check_fp4_scheme`). Integer weights with an ``activations`` scheme are W4A8
-    (:func:`check_int_fp8_scheme`)."""
+    ``activations`` scheme (FP8 W8A8), or FP4 e2m1 (``num_bits: 4``, symmetric, weight-only: NVFP4 with
+    ``group_size: 16``, MXFP4 with ``group_size: 32``; :func:`check_fp4_scheme`). Integer weights with an
+    ``activations`` scheme are W4A8 (:func:`check_int_fp8_scheme`)."""
 
     num_bits: int = Field(4, ge=2, le=8)
     group_size: Union[int, Literal["auto"]] = 128
@@ -190,7 +190,7 @@ def check_float_scheme(recipe: "Recipe") -> str | None:
     if w.num_bits == 4:
         return check_fp4_scheme(recipe)
     if w.num_bits != 8 or not w.symmetric:
-        return "weights type float is FP8 e4m3 (num_bits 8) or NVFP4 (num_bits 4), symmetric true"
+        return "weights type float is FP8 e4m3 (num_bits 8) or NVFP4/MXFP4 (num_bits 4), symmetric true"
     if w.block_structure is None and w.group_size != -1:
         return ("FP8 weights are per channel (group_size -1) or in blocks (block_structure [rows, cols], "
                 f"group_size cols); vLLM serves no FP8 groups (group_size {w.group_size})")
@@ -215,25 +215,27 @@ def check_float_scheme(recipe: "Recipe") -> str | None:
 
 
 def check_fp4_scheme(recipe: "Recipe") -> str | None:
-    """What is wrong with a recipe's NVFP4 weights (``type: float``, ``num_bits: 4``), ``None``: nothing.
+    """What is wrong with a recipe's FP4 e2m1 weights (``type: float``, ``num_bits: 4``), ``None``: nothing.
 
-    What kvq writes is llm-compressor's ``NVFP4A16`` preset (compressed-tensors ``strategy: tensor_group``,
-    :mod:`compressor.quant.fp4`): symmetric, ``group_size 16``, no block structure, weight-only (NVFP4 W4A4
-    is not implemented), one scheme for every module, round-to-nearest (an algorithm with
+    ``group_size 16`` is NVFP4, llm-compressor's ``NVFP4A16`` preset (compressed-tensors ``strategy: tensor_group``,
+    :mod:`compressor.quant.fp4`); ``group_size 32`` is MXFP4, its ``MXFP4A16`` preset (``strategy: group``, E8M0
+    scales, :mod:`compressor.quant.mxfp4`). Either is symmetric, without block structure, weight-only (W4A4 is
+    not implemented), one scheme for every module, round-to-nearest (an algorithm with
     :attr:`~compressor.quant.algorithms.Algorithm.fp8_grid`).
     """
     w, a = recipe.weights, recipe.activations
-    if not w.symmetric or w.group_size != 16 or w.block_structure is not None:
-        return ("NVFP4 weights (type float, num_bits 4) are symmetric in groups of 16 (symmetric true, "
-                "group_size 16, no block_structure)")
+    if not w.symmetric or w.group_size not in (16, 32) or w.block_structure is not None:
+        return ("FP4 weights (type float, num_bits 4) are symmetric in groups of 16 (NVFP4) or 32 (MXFP4) "
+                "(symmetric true, group_size 16 or 32, no block_structure)")
+    grid = "MXFP4" if w.group_size == 32 else "NVFP4"
     if a is not None:
-        return "NVFP4 with quantized activations (W4A4) is not implemented; remove the activations section (W4A16)"
+        return f"{grid} with quantized activations (W4A4) is not implemented; remove the activations section (W4A16)"
     if recipe.overrides:
-        return "overrides with NVFP4 weights (mixed schemes per module) are not implemented"
+        return f"overrides with {grid} weights (mixed schemes per module) are not implemented"
     algorithm = ALGORITHMS.find(recipe.algorithm)
     if algorithm is not None and algorithm.quantizes_weights and not algorithm.fp8_grid:
         fits = ", ".join(n for n in ALGORITHMS.names() if ALGORITHMS.find(n).fp8_grid)
-        return (f"algorithm {recipe.algorithm} is not implemented on the NVFP4 grid; NVFP4 weights are "
+        return (f"algorithm {recipe.algorithm} is not implemented on the {grid} grid; {grid} weights are "
                 f"quantized with {fits}")
     return None
 

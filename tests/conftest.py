@@ -172,6 +172,18 @@ def quantize_cli(model: Path, out: Path, capsys, *args) -> str:
     return err
 
 
+def verify_and_serve(out: Path, capsys, min_top1: float | None = None) -> str:
+    """``kvq verify`` (2 windows of 128 tokens, 4 generated) then ``kvq serve-smoke`` (8 tokens; ``--min-top1``
+    when given) on the artifact ``out``, each of which must exit 0; returns serve-smoke's stderr."""
+    code, _, err = kvq_run(["verify", out, "--seqlen", "128", "--max-windows", "2", "--max-new-tokens", "4"],
+                           capsys)
+    assert code == 0, err
+    gate = [] if min_top1 is None else ["--min-top1", str(min_top1)]
+    code, _, err = kvq_run(["serve-smoke", out, "--max-new-tokens", "8", *gate], capsys)
+    assert code == 0, err
+    return err
+
+
 def packed_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Every tensor of each module ``folder/model.safetensors`` stores quantized (those with a
     ``weight_scale``): module name -> {leaf (``weight_packed``, ``weight``, ``weight_scale``, ...) -> tensor}."""
@@ -228,6 +240,17 @@ def gptq_recipe(**kw):
     from compressor.recipe import load_recipe, with_overrides
 
     return with_overrides(load_recipe("w4a16-gptq"), **{"weights.group_size": 32, **kw})
+
+
+def changed_recipe(name: str, change: dict) -> dict:
+    """The bundled recipe ``name`` as JSON with ``change`` applied: a dict value updates that section's fields, any
+    other value replaces the key (the refusal tests parse it with ``parse_recipe``)."""
+    from compressor.recipe import load_recipe
+
+    data = load_recipe(name).model_dump(mode="json")
+    for k, v in change.items():
+        data[k] = {**data[k], **v} if isinstance(v, dict) and isinstance(data.get(k), dict) else v
+    return data
 
 
 def unwrap(err: str) -> str:

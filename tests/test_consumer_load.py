@@ -61,11 +61,11 @@ def _asymmetric_packed(folder: Path) -> bool:
 
 
 def _load_dtype(folder: Path) -> torch.dtype:
-    """The dtype transformers loads the artifact in: bfloat16 for NVFP4 (compressed-tensors 0.20.1's
-    ``nvfp4-pack-quantized`` decompressor returns bfloat16 weights whatever the model's dtype, so a float32
-    model fails its first forward), float32 for the others."""
+    """The dtype transformers loads the artifact in: bfloat16 for NVFP4 and MXFP4 (compressed-tensors 0.20.1's
+    ``nvfp4-pack-quantized`` and ``mxfp4-pack-quantized`` decompressors return bfloat16 weights whatever the
+    model's dtype, so a float32 model fails its first forward), float32 for the others."""
     qc = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
-    return torch.bfloat16 if qc.get("format") == "nvfp4-pack-quantized" else torch.float32
+    return torch.bfloat16 if qc.get("format") in ("nvfp4-pack-quantized", "mxfp4-pack-quantized") else torch.float32
 
 
 def _compare(theirs: torch.Tensor, folder: Path, kv_cache: bool = False) -> None:

@@ -158,8 +158,8 @@ def test_bundled_recipes():
     ({"algorithm": "awq"}, "algorithm awq is not implemented on the FP8 grid"),
     ({"activations": None}, "needs an activations section"),
     ({"weights": {"group_size": 128}}, "vLLM serves no FP8 groups"),
-    ({"weights": {"num_bits": 6}}, "is FP8 e4m3 \\(num_bits 8\\) or NVFP4 \\(num_bits 4\\), symmetric true"),
-    ({"weights": {"num_bits": 4}}, "NVFP4 weights \\(type float, num_bits 4\\) are symmetric in groups of 16"),
+    ({"weights": {"num_bits": 6}}, "is FP8 e4m3 \\(num_bits 8\\) or NVFP4/MXFP4 \\(num_bits 4\\), symmetric true"),
+    ({"weights": {"num_bits": 4}}, "FP4 weights \\(type float, num_bits 4\\) are symmetric in groups of 16"),
     ({"activations": {"strategy": "group", "group_size": 128}}, "per-channel FP8 weights are served with per-token"),
     ({"overrides": [{"targets": ["re:.*down_proj"], "weights": {"num_bits": 8}}]}, "overrides with FP8 weights"),
 ])

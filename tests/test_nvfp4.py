@@ -19,9 +19,8 @@ from compressor.artifact import load_artifact
 from compressor.errors import InputError
 from compressor.formats import read_quant_weight
 from compressor.quant import fp4
-from compressor.recipe import load_recipe, parse_recipe
 
-from conftest import assert_clean_error, kvq_run, packed_tensors, quantize_cli, quantize_recipe
+from conftest import assert_clean_error, kvq_run, packed_tensors, quantize_cli, quantize_recipe, verify_and_serve
 from tiny_models import make_dir
 
 #: a tiny DeepSeek-V3 whose linear inputs are multiples of 16
@@ -109,25 +108,7 @@ def test_matches_compressed_tensors_scales_and_bytes():
 # the recipe
 
 
-def test_bundled_recipe():
-    r = load_recipe("w4a16-nvfp4")
-    assert (r.algorithm, r.weights.type, r.weights.num_bits, r.weights.group_size, r.weights.symmetric,
-            r.activations) == ("rtn", "float", 4, 16, True, None)
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"weights": {"group_size": 32}}, "symmetric in groups of 16"),
-    ({"weights": {"symmetric": False}}, "symmetric in groups of 16"),
-    ({"algorithm": "gptq"}, "algorithm gptq is not implemented on the NVFP4 grid"),
-    ({"activations": {"type": "float", "num_bits": 8, "strategy": "token"}}, "W4A4\\) is not implemented"),
-    ({"overrides": [{"targets": ["re:.*down_proj"], "weights": {"num_bits": 8}}]}, "overrides with NVFP4"),
-])
-def test_recipe_refuses_what_is_not_implemented(change, message):
-    data = load_recipe("w4a16-nvfp4").model_dump(mode="json")
-    for k, v in change.items():
-        data[k] = {**data[k], **v} if isinstance(v, dict) and isinstance(data.get(k), dict) else v
-    with pytest.raises(InputError, match=message):
-        parse_recipe(data)
+# (the bundled recipe and its refusals: tests/test_mxfp4.py, for both e2m1 recipes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -232,17 +213,5 @@ def test_quantize_verify_serve_smoke(row, wide_llama, deepseek, tmp_path, capsys
     out = tmp_path / "art"
     kv = ["--recipe", "kv-fp8"] if row != "llama" else []
     quantize_cli(wide_llama if row == "llama" else deepseek, out, capsys, "--recipe", "w4a16-nvfp4", *kv)
-    code, _, err = kvq_run(["verify", out, "--seqlen", "128", "--max-windows", "2", "--max-new-tokens", "4"],
-                           capsys)
-    assert code == 0, err
-    gate = ["--min-top1", "50"] if row != "llama" else []
-    code, _, err = kvq_run(["serve-smoke", out, "--max-new-tokens", "8", *gate], capsys)
-    assert code == 0, err
+    err = verify_and_serve(out, capsys, None if row == "llama" else 50)
     assert "nvfp4-emulated" in err and "aten-int4" not in err
-
-
-@pytest.mark.parametrize("fmt", ["awq", "gptq"])
-def test_integer_formats_refuse_nvfp4(fmt, tmp_path, capsys, tiny_model_dir):
-    code, _, err = kvq_run(["quantize", tiny_model_dir, "-o", tmp_path / "o", "--recipe", "w4a16-nvfp4", "--format",
-                            fmt, "--dtype", "float16"], capsys)
-    assert_clean_error(code, err, 2, f"--format {fmt} stores integer weights; FP8 and NVFP4", tmp_path)

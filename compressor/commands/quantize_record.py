@@ -17,7 +17,9 @@ def quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schem
     count, storage dtype; the schemes of a mixed recipe; the algorithm's own fields."""
     quant = {"algorithm": recipe.algorithm, "format": fmt, "num_bits": recipe.weights.num_bits, "group_size": group_size,
              "symmetric": recipe.weights.symmetric, "modules": len(schemes), "storage_dtype": dtype}
-    if recipe.weights.type == "float" and recipe.weights.num_bits == 4:  # NVFP4: e4m3 group scales, global scale
+    if recipe.weights.type == "float" and recipe.weights.num_bits == 4 and recipe.weights.group_size == 32:  # MXFP4
+        quant.update(type="float", strategy="group", scale_dtype="uint8 (E8M0 exponent)")
+    elif recipe.weights.type == "float" and recipe.weights.num_bits == 4:  # NVFP4: e4m3 group scales, global scale
         quant.update(type="float", strategy="tensor_group", scale_dtype="float8_e4m3fn", global_scale="float32")
     elif recipe.weights.type == "float":  # FP8 W8A8: the grid, the scale blocks and the inputs' quantization
         quant.update(type="float", block_structure=recipe.weights.block_structure, scale_dtype="float32",

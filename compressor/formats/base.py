@@ -22,7 +22,9 @@ channel, 128 for 128 x 128 blocks), no zero point, and ``act`` the dynamic quant
 module's input the serving kernel applies (``fp8-token`` / ``fp8-group``; ``""``: none). An integer
 weight may carry ``act`` too (W4A8: ``fp8-token``). An NVFP4 weight (compressed-tensors
 ``nvfp4-pack-quantized``, :mod:`compressor.quant.fp4`) has ``q`` uint8 e2m1 codes ``[N, K]`` (unpacked),
-``scale`` float8_e4m3fn ``[N, K / 16]``, ``global_scale`` float32 ``[1]`` and ``group_size`` 16.
+``scale`` float8_e4m3fn ``[N, K / 16]``, ``global_scale`` float32 ``[1]`` and ``group_size`` 16. An MXFP4
+weight (``mxfp4-pack-quantized``, :mod:`compressor.quant.mxfp4`) has ``q`` uint8 e2m1 codes ``[N, K]``,
+``scale`` uint8 biased E8M0 exponents ``[N, K / 32]``, no global scale and ``group_size`` 32.
 
 :class:`WeightFormat` is one on-disk layout: its writer (:meth:`~WeightFormat.pack`, a
 pipeline record to stored tensors), its reader (:meth:`~WeightFormat.read`, stored tensors
@@ -42,6 +44,7 @@ import torch
 from ..errors import InputError
 from ..quant.fp4 import dequantize_weight as dequantize_fp4_weight
 from ..quant.fp8 import dequantize_weight as dequantize_fp8_weight
+from ..quant.mxfp4 import dequantize_weight as dequantize_mxfp4_weight
 from ..quant.primitives import dequantize
 from ..registry import ALGORITHMS, FORMATS
 
@@ -72,6 +75,11 @@ class QuantWeight:
         return self.global_scale is not None
 
     @property
+    def is_mxfp4(self) -> bool:
+        """MXFP4 e2m1 codes (``q`` uint8 with uint8 E8M0 exponents as ``scale``, no ``global_scale``)."""
+        return self.global_scale is None and self.q.dtype == torch.uint8 and self.scale.dtype == torch.uint8
+
+    @property
     def out_features(self) -> int:
         return int(self.q.shape[0])
 
@@ -87,6 +95,8 @@ class QuantWeight:
         """Float ``[N, K]`` weight, bit-identical to what :func:`compressor.artifact.load_artifact` builds."""
         if self.is_fp4:
             return dequantize_fp4_weight(self.q, self.scale, self.global_scale, dtype)
+        if self.is_mxfp4:
+            return dequantize_mxfp4_weight(self.q, self.scale, dtype)
         if self.is_float:
             return dequantize_fp8_weight(self.q, self.scale, self.group_size, self.rows, dtype)
         return dequantize(self.q, self.scale, self.zero_point, self.group_size, dtype=dtype, g_idx=self.g_idx)
@@ -159,7 +169,7 @@ def check_float16_weight_format(fmt: "WeightFormat", recipe, dtype_name: str) ->
     if not ALGORITHMS.get(recipe.algorithm).quantizes_weights:
         raise InputError(f"--format {name} stores quantized weights; a KV-only recipe (algorithm none) needs --format compressed-tensors")
     if recipe.weights.type != "int":
-        raise InputError(f"--format {name} stores integer weights; FP8 and NVFP4 (weights type float) need "
+        raise InputError(f"--format {name} stores integer weights; FP8, NVFP4 and MXFP4 (weights type float) need "
                          "--format compressed-tensors")
     if recipe.activations is not None:
         raise InputError(f"--format {name} has no field for quantized activations; W4A8 (an activations section) "

@@ -24,6 +24,11 @@ the even column in the low nibble), ``<module>.weight_scale`` float8_e4m3fn ``[o
 ``<module>.weight_global_scale`` float32 ``[1]`` (the weight is ``code * weight_scale / global_scale``);
 their config group's weights are ``type float, num_bits 4, strategy tensor_group, group_size 16``.
 
+MXFP4 weight-only modules are written in the ``mxfp4-pack-quantized`` layout (``MXFP4PackedCompressor``,
+:mod:`compressor.quant.mxfp4`): ``<module>.weight_packed`` as NVFP4's and ``<module>.weight_scale`` uint8
+``[out, in/32]``, biased E8M0 exponents (the weight is ``code * 2^(weight_scale - 127)``), no global scale;
+their config group's weights are ``type float, num_bits 4, strategy group, group_size 32, scale_dtype uint8``.
+
 :class:`CompressedTensorsFormat` is the format object (writer, reader, config, checks);
 ``quantization_config`` is built through the library's pydantic models. Layout details:
 ``docs/formats.md``.
@@ -36,7 +41,7 @@ import copy
 import torch
 
 from ..errors import InputError
-from ..quant import fp4
+from ..quant import fp4, mxfp4
 from ..quant.fp8 import ACT_SCHEMES
 from ..quant.primitives import Scheme, qrange
 from .base import QuantWeight, WeightFormat, act_order, dynamic_act_order, require_leaves, symmetric_zero
@@ -125,11 +130,15 @@ def read_module(tensors: dict[str, torch.Tensor], num_bits: int) -> tuple[torch.
 #: when empty; saved checkpoints and kvq's artifacts carry them as null / {})
 _WEIGHT_ARGS_KEYS = ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic",
                      "actorder", "observer", "observer_kwargs")
-#: NVFP4's weight args also carry the dtype of their group scales
+#: NVFP4's and MXFP4's weight args also carry the dtype of their group scales
 _FP4_ARGS_KEYS = _WEIGHT_ARGS_KEYS + ("scale_dtype",)
 #: the same keys in the order kvq has always written ``kv_cache_scheme``
 _KV_ARGS_KEYS = ("num_bits", "type", "strategy", "dynamic", "symmetric", "group_size", "block_structure",
                  "actorder", "observer", "observer_kwargs")
+
+
+#: the compressors of e2m1 weights, whose weight args carry ``scale_dtype``
+_FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
 
 
 def _dump(model, keys: tuple[str, ...]) -> dict:
@@ -152,6 +161,10 @@ def _weight_args(sch: Scheme, actorder: str | None):
         return QuantizationArgs(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=fp4.GROUP,
                                 block_structure=None, dynamic=False, actorder=None, observer="minmax",
                                 observer_kwargs={}, scale_dtype=torch.float8_e4m3fn)
+    if sch.is_mxfp4:  # llm-compressor's MXFP4A16 preset
+        return QuantizationArgs(num_bits=4, type="float", symmetric=True, strategy="group", group_size=mxfp4.GROUP,
+                                block_structure=None, dynamic=False, actorder=None, observer="minmax",
+                                observer_kwargs={}, scale_dtype=torch.uint8)
     if sch.is_float:
         block = sch.rows > 1 or sch.group_size != -1
         return QuantizationArgs(
@@ -181,10 +194,12 @@ def _input_args(sch: Scheme):
 
 
 def _scheme_format(sch: Scheme) -> str:
-    """The compressed-tensors compressor of a scheme: ``nvfp4-pack-quantized`` (NVFP4), ``float-quantized`` (FP8)
-    or ``pack-quantized``."""
+    """The compressed-tensors compressor of a scheme: ``nvfp4-pack-quantized`` (NVFP4), ``mxfp4-pack-quantized``
+    (MXFP4), ``float-quantized`` (FP8) or ``pack-quantized``."""
     if sch.is_fp4:
         return "nvfp4-pack-quantized"
+    if sch.is_mxfp4:
+        return "mxfp4-pack-quantized"
     return "float-quantized" if sch.is_float else "pack-quantized"
 
 
@@ -257,7 +272,7 @@ def quantization_config(
     return {
         "config_groups": {
             name: {**_dump(g, ("targets",)),
-                   "weights": _dump_args(g.weights, _FP4_ARGS_KEYS if g.format == "nvfp4-pack-quantized" else
+                   "weights": _dump_args(g.weights, _FP4_ARGS_KEYS if g.format in _FP4_FORMATS else
                                          _WEIGHT_ARGS_KEYS),
                    "input_activations": _dump_args(g.input_activations),
                    "output_activations": _dump_args(g.output_activations), **_dump(g, ("format",))}
@@ -386,6 +401,22 @@ def read_float_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> Quan
     return QuantWeight(q, scale.reshape(expect), None, 8, cols, rows=rows, act=act, act_group=act_group)
 
 
+def _e2m1_codes(qc: dict, module: str, t: dict[str, torch.Tensor], group_size: int, grid: str) -> torch.Tensor:
+    """The unpacked e2m1 codes (uint8 ``[N, K]``) of an NVFP4 or MXFP4 module, once its config group is checked to
+    be ``grid`` weight-only (4-bit float weights in groups of ``group_size``, no ``input_activations``).
+
+    Raises:
+        InputError: another group, or a ``weight_packed`` that is not 2-D uint8.
+    """
+    group = module_group(qc, module)
+    w = group.get("weights") or {}
+    if (w.get("type"), w.get("num_bits"), w.get("group_size")) != ("float", 4, group_size) or \
+            group.get("input_activations"):
+        raise InputError(f"weights {w.get('type')} {w.get('num_bits')}-bit in groups of {w.get('group_size')} "
+                         f"(input_activations {group.get('input_activations')}) are not {grid} weight-only")
+    return fp4.unpack_codes(t["weight_packed"])
+
+
 def read_fp4_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
     """An NVFP4 ``nvfp4-pack-quantized`` module: ``weight_packed`` uint8 ``[N, K/2]``, ``weight_scale``
     float8_e4m3fn ``[N, K/16]``, ``weight_global_scale`` ``[1]`` (:mod:`compressor.quant.fp4`).
@@ -393,13 +424,7 @@ def read_fp4_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantW
     Raises:
         InputError: a group that is not NVFP4 weight-only, tensors of other dtypes or shapes.
     """
-    group = module_group(qc, module)
-    w = group.get("weights") or {}
-    if (w.get("type"), w.get("num_bits"), w.get("group_size")) != ("float", 4, fp4.GROUP) or \
-            group.get("input_activations"):
-        raise InputError(f"weights {w.get('type')} {w.get('num_bits')}-bit in groups of {w.get('group_size')} "
-                         f"(input_activations {group.get('input_activations')}) are not NVFP4 weight-only")
-    q = fp4.unpack_codes(t["weight_packed"])
+    q = _e2m1_codes(qc, module, t, fp4.GROUP, "NVFP4")
     scale, g = t["weight_scale"], t["weight_global_scale"]
     n, k = q.shape
     if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, k // fp4.GROUP) or k % fp4.GROUP \
@@ -409,9 +434,26 @@ def read_fp4_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantW
     return QuantWeight(q, scale, None, 4, fp4.GROUP, global_scale=g.float().reshape(1))
 
 
+def read_mxfp4_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
+    """An MXFP4 ``mxfp4-pack-quantized`` module: ``weight_packed`` uint8 ``[N, K/2]``, ``weight_scale`` uint8
+    ``[N, K/32]`` biased E8M0 exponents (:mod:`compressor.quant.mxfp4`).
+
+    Raises:
+        InputError: a group that is not MXFP4 weight-only, tensors of other dtypes or shapes.
+    """
+    q = _e2m1_codes(qc, module, t, mxfp4.GROUP, "MXFP4")
+    e = t["weight_scale"]
+    n, k = q.shape
+    if e.dtype != torch.uint8 or tuple(e.shape) != (n, k // mxfp4.GROUP) or k % mxfp4.GROUP:
+        raise InputError(f"weight_scale {e.dtype} {tuple(e.shape)} does not match MXFP4 weight {(n, k)} "
+                         f"(uint8 exponents, one per {mxfp4.GROUP} inputs)")
+    return QuantWeight(q, e, None, 4, mxfp4.GROUP)
+
+
 class CompressedTensorsFormat(WeightFormat):
-    """``--format compressed-tensors`` (the default): ``pack-quantized`` (integers) and ``float-quantized``
-    (FP8 W8A8), read by vLLM and transformers.
+    """``--format compressed-tensors`` (the default): ``pack-quantized`` (integers), ``float-quantized``
+    (FP8 W8A8), ``nvfp4-pack-quantized`` and ``mxfp4-pack-quantized`` (e2m1 weights), read by vLLM and
+    transformers.
 
     Also the only format with static KV-cache scales (``kv_cache_scheme`` plus
     ``k_scale``/``v_scale`` tensors, see :func:`kv_scale_tensors`).
@@ -443,6 +485,8 @@ class CompressedTensorsFormat(WeightFormat):
         if rec.scheme.is_fp4:
             return {"weight_packed": fp4.pack_codes(rec.q), "weight_scale": rec.scale.contiguous(),
                     "weight_global_scale": rec.global_scale.float().reshape(1).contiguous()}
+        if rec.scheme.is_mxfp4:
+            return {"weight_packed": fp4.pack_codes(rec.q), "weight_scale": rec.scale.contiguous()}
         if rec.type == "float":
             return {"weight": rec.q.contiguous(), "weight_scale": rec.scale.to(torch.float32).contiguous()}
         return module_tensors(rec.q, rec.scale, rec.zero_point, rec.num_bits, dtype)
@@ -460,6 +504,9 @@ class CompressedTensorsFormat(WeightFormat):
         if "weight_global_scale" in t:
             require_leaves(t, ("weight_packed", "weight_scale", "weight_global_scale"))
             return read_fp4_module(qc, module, t)
+        if "weight_packed" in t and t["weight_packed"].dtype == torch.uint8:  # integers pack into int32
+            require_leaves(t, ("weight_packed", "weight_scale"))
+            return read_mxfp4_module(qc, module, t)
         if "weight_packed" not in t and "weight" in t:
             require_leaves(t, ("weight", "weight_scale"))
             return read_float_module(qc, module, t)

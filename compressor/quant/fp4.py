@@ -16,8 +16,9 @@ whose ``nvfp4-pack-quantized`` compressor writes (``docs/formats.md``):
   columns (an exact 0 becomes 0.125, the smallest scale compressed-tensors writes).
 * code ``q = e2m1(clamp(w / (s / g), -6, 6))``: round to nearest, ties to the even code
   (``0.25 -> 0``, ``0.75 -> 1``, ``1.25 -> 1``, ``1.75 -> 2``, ``2.5 -> 2``, ``3.5 -> 4``, ``5 -> 4``);
-  the sign bit is the sign of ``w`` even when the magnitude rounds to 0 (compressed-tensors' CPU path
-  writes such a ``-0`` as code 8). ``w_hat = q * (s / g)`` in float32: the global scale divides.
+  the sign bit is set for a negative ``w`` even when the magnitude rounds to 0 (compressed-tensors' CPU path
+  writes such a ``-0`` as code 8), not for an exact ``-0.0`` (code 0: ``cast_to_fp4`` multiplies by
+  ``sign(w)``, 0 there). ``w_hat = q * (s / g)`` in float32: the global scale divides.
 * storage: two codes per uint8, the even column in the low nibble (``byte = q[2j] | q[2j+1] << 4``).
 
 Algorithms: round-to-nearest only (kvq's ``rtn``); GPTQ and AWQ on this grid are not implemented.
@@ -51,13 +52,14 @@ def check_shape(w: torch.Tensor) -> None:
 @torch.no_grad()
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """``x`` (float, already divided by its scale) rounded onto the e2m1 grid: uint8 codes of ``x``'s
-    shape, saturated at ±6, nearest with ties to the even code (module docstring)."""
+    shape, saturated at ±6, nearest with ties to the even code, the sign bit set for ``x < 0`` (module
+    docstring)."""
     x = x.float().clamp(-FP4_MAX, FP4_MAX)
     a = x.abs()
     mag = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for mid, up in _MIDPOINTS:
         mag += (a >= mid if up else a > mid).to(torch.uint8)
-    return mag | (torch.signbit(x).to(torch.uint8) << 3)
+    return mag | ((x < 0).to(torch.uint8) << 3)  # an exact -0.0 is code 0, as compressed-tensors writes it
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -130,5 +132,5 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
         InputError: ``packed`` is not 2-D uint8.
     """
     if packed.dtype != torch.uint8 or packed.ndim != 2:
-        raise InputError(f"weight_packed of NVFP4 is 2-D uint8, got {packed.dtype} {tuple(packed.shape)}")
+        raise InputError(f"weight_packed of e2m1 codes is 2-D uint8, got {packed.dtype} {tuple(packed.shape)}")
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)

@@ -24,7 +24,7 @@ from ..moe import UnfusedExperts, cold_experts, routed_experts
 from ..recipe import Recipe
 from .inplace_linalg import all_finite
 from .kv import cache_kwarg
-from . import fp4
+from . import fp4, mxfp4
 from .fp8 import dequantize_weight as dequantize_fp8_weight, quantize_weight as quantize_fp8_weight
 from .primitives import Scheme, abs_max, check_scale_range, dequantize
 from .rtn import rtn_linear_inplace, rtn_quantize
@@ -44,8 +44,9 @@ class QuantizedLinear:
     are contiguous, ``c // group_size``). FP8 (``type "float"``): ``q`` float8_e4m3fn
     ``[out, in]``, ``scale`` float32 ``[ceil(out / rows), G]`` (:mod:`compressor.quant.fp8`),
     ``act`` the input's dynamic quantization. NVFP4 (:mod:`compressor.quant.fp4`): ``q`` uint8 e2m1 codes
-    ``[out, in]``, ``scale`` float8_e4m3fn ``[out, in / 16]``, ``global_scale`` float32 ``[1]``.
-    Format writers (``compressor.formats``) pack it.
+    ``[out, in]``, ``scale`` float8_e4m3fn ``[out, in / 16]``, ``global_scale`` float32 ``[1]``. MXFP4
+    (:mod:`compressor.quant.mxfp4`): ``q`` uint8 e2m1 codes ``[out, in]``, ``scale`` uint8 biased E8M0
+    exponents ``[out, in / 32]``, no global scale. Format writers (``compressor.formats``) pack it.
     """
 
     q: torch.Tensor
@@ -145,6 +146,8 @@ class LinearQuantizer:
         scheme = self.schemes[name]
         if scheme.is_fp4:
             return self.finish_fp4(name, lin, *fp4.quantize_weight(lin.weight.detach(), self.fp4_absmax.get(name)))
+        if scheme.is_mxfp4:
+            return self.finish_mxfp4(name, lin, *mxfp4.quantize_weight(lin.weight.detach()))
         if scheme.is_float:
             return self.finish_float(name, lin, *quantize_fp8_weight(lin.weight.detach(), scheme.group_size,
                                                                      scheme.rows))
@@ -166,14 +169,35 @@ class LinearQuantizer:
         Raises:
             QuantizationError: a non-finite dequantized weight (names the module).
         """
-        deq = fp4.dequantize_weight(q, scale, g)
+        record = QuantizedLinear(q=q.cpu(), scale=scale.cpu().contiguous(), zero_point=None, g_idx=None,
+                                 scheme=self.schemes[name], global_scale=g.cpu())
+        return self._store_fp4(name, lin, fp4.dequantize_weight(q, scale, g), record)
+
+    def finish_mxfp4(self, name, lin, q, e):
+        """Store MXFP4 ``(q uint8 [out, in], e uint8 [out, in/32])`` (e2m1 codes, biased E8M0 exponents), write the
+        dequantized weight into ``lin``; returns (record, relative error).
+
+        Raises:
+            QuantizationError: a non-finite dequantized weight (a non-finite input; names the module).
+        """
+        record = QuantizedLinear(q=q.cpu(), scale=e.cpu().contiguous(), zero_point=None, g_idx=None,
+                                 scheme=self.schemes[name])
+        return self._store_fp4(name, lin, mxfp4.dequantize_weight(q, e), record)
+
+    @staticmethod
+    def _store_fp4(name, lin, deq: torch.Tensor, record: "QuantizedLinear"):
+        """Write an e2m1 weight's dequantized ``deq [out, in]`` (float32) into ``lin``; returns ``(record, relative
+        error)``.
+
+        Raises:
+            QuantizationError: ``deq`` has a NaN or Inf (names the module).
+        """
         if not all_finite(deq):
             raise QuantizationError(f"quantizing {name} produced NaN or Inf; nothing was written")
         ref = lin.weight.detach().float()
         rel = float((deq - ref.to(deq.device)).norm() / ref.norm().clamp(min=1e-12))
         lin.weight.data.copy_(deq.to(lin.weight.dtype))
-        return QuantizedLinear(q=q.cpu(), scale=scale.cpu().contiguous(), zero_point=None, g_idx=None,
-                               scheme=self.schemes[name], global_scale=g.cpu()), rel
+        return record, rel
 
     def finish_float(self, name, lin, q, scale):
         """Store FP8 ``(q float8_e4m3fn [out, in], scale float32 [ceil(out/rows), G])``, write the

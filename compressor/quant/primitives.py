@@ -38,8 +38,9 @@ class Scheme(NamedTuple):
 
     ``(num_bits, group_size, symmetric)`` is an integer scheme (``group_size -1``: per channel);
     ``type "float"`` is FP8 e4m3 (``num_bits 8``, :mod:`compressor.quant.fp8`) with scales per ``rows x
-    group_size`` block (``rows 1``: per row, ``group_size -1``: per channel), or NVFP4 (``num_bits 4``,
-    ``group_size 16``, :mod:`compressor.quant.fp4`); ``act`` the dynamic
+    group_size`` block (``rows 1``: per row, ``group_size -1``: per channel), NVFP4 (``num_bits 4``,
+    ``group_size 16``, :mod:`compressor.quant.fp4`) or MXFP4 (``num_bits 4``, ``group_size 32``,
+    :mod:`compressor.quant.mxfp4`); ``act`` the dynamic
     activation quantization of the module's input (``""``: none, 16-bit activations;
     ``fp8-token`` / ``fp8-group``, :data:`compressor.quant.fp8.ACT_SCHEMES`). Stored as a list
     in resume checkpoints (an older three-entry list reads as an integer scheme).
@@ -58,8 +59,15 @@ class Scheme(NamedTuple):
 
     @property
     def is_fp4(self) -> bool:
-        """NVFP4 (``type "float"``, 4 bits: :mod:`compressor.quant.fp4`); ``is_float`` is true for it too."""
-        return self.type == "float" and self.num_bits == 4
+        """NVFP4 (``type "float"``, 4 bits in groups of 16: :mod:`compressor.quant.fp4`); ``is_float`` is true for
+        it too."""
+        return self.type == "float" and self.num_bits == 4 and self.group_size != 32
+
+    @property
+    def is_mxfp4(self) -> bool:
+        """MXFP4 (``type "float"``, 4 bits in groups of 32: :mod:`compressor.quant.mxfp4`); ``is_float`` is true
+        for it too, ``is_fp4`` is not."""
+        return self.type == "float" and self.num_bits == 4 and self.group_size == 32
 
 
 def qrange(num_bits: int) -> tuple[int, int]:

@@ -26,7 +26,9 @@ kernel                what runs                                           serves
                       ``F.linear`` (:class:`IntFp8Linear`)                inputs (W4A8), any
                                                                           backend and device
 ``nvfp4-emulated``    dequantize the e2m1 codes on each call, then        every NVFP4 weight, any
-                      ``F.linear`` (:class:`Fp4Linear`)                   backend and device
+                      ``F.linear`` (:mod:`.fp4_linear`)                   backend and device
+``mxfp4-emulated``    the same, E8M0 scales per 32 inputs                 every MXFP4 weight, any
+                      (:mod:`.fp4_linear`)                                backend and device
 ====================  ==================================================  =======================
 
 The aten ops: ``_convert_weight_to_int4pack_for_cpu(u int32 [N, K], innerKTiles)`` takes
@@ -52,7 +54,8 @@ on these layers dequantize their codes and call ``F.linear``, with the ``dequant
 
 Kernel choice (:func:`make_linear`) walks the candidates of the requested backend in
 order and takes the first that serves the layer; each skipped kernel's reason is kept
-(``Linear.fallback_reason``) so callers can report why a layer fell back.
+(``Linear.fallback_reason``) so callers can report why a layer fell back. The bases (:class:`Linear`,
+:class:`QuantLinear`, :class:`DequantLinear`) live in :mod:`.linear_base`, the e2m1 kernels in :mod:`.fp4_linear`.
 """
 
 from __future__ import annotations
@@ -62,70 +65,15 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..formats.base import QuantWeight
-from ..quant.fp4 import dequantize_weight as dequantize_fp4_weight
-from ..quant.fp8 import dequantize_weight as dequantize_fp8_weight, fake_quantize_activation
+from ..quant.fp8 import dequantize_weight as dequantize_fp8_weight
+from .fp4_linear import fp4_linear
+from .linear_base import DequantLinear, Linear, QuantLinear
 
 BACKENDS = ("auto", "aten", "dequant", "triton")
 AT_INT4_GROUPS = (32, 64, 128, 256)
 #: from this many rows on (prefill) the aten layers dequantize and run float F.linear
 #: instead of the weight-only op (measured crossover on one AVX2 core, see the docstring)
 DEQUANT_MIN_M = 32
-
-
-class Linear(torch.nn.Module):
-    """Base: optional input quantization (FP8 W8A8: ``act``, as the serving kernel quantizes each
-    token's input, :func:`~compressor.quant.fp8.fake_quantize_activation`), optional input
-    permutation (GPTQ act-order), 2-D matmul, bias."""
-
-    kernel = "base"
-    #: ``(act, group size)`` of the input's dynamic quantization; ``("", 0)``: none
-    act: tuple[str, int] = ("", 0)
-    #: the dtype a quantized input is dequantized to (None: the input's; float32 keeps it exact)
-    quantized_input_dtype: torch.dtype | None = None
-
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, in_perm: torch.Tensor | None):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.bias = bias
-        self.in_perm = in_perm
-        self.fallback_reason: str | None = None
-
-    def _mm(self, x2: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if self.act[0]:
-            x = fake_quantize_activation(x, *self.act, dtype=self.quantized_input_dtype)
-        if self.in_perm is not None:
-            x = x.index_select(-1, self.in_perm)
-        y = self._mm(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features).to(dtype)
-        return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return f"{self.kernel}, in={self.in_features}, out={self.out_features}"
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of the layer's stored weight tensors (codes, scales, zeros, bias)."""
-        return sum(t.numel() * t.element_size() for t in self._stored() if t is not None)
-
-    def _stored(self):
-        return [self.bias]
-
-    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The float ``[N, K]`` weight this layer multiplies by, in the caller's input column
-        order (an act-order permutation undone), built from the stored codes on each call (for
-        MLA's absorbed ``kv_b_proj``; no copy is kept)."""
-        w = self._dense(dtype)
-        if self.in_perm is None:
-            return w
-        out = torch.empty_like(w)
-        out[:, self.in_perm] = w
-        return out
-
-    def _dense(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.dequantized(dtype)
 
 
 class FloatLinear(Linear):
@@ -145,56 +93,6 @@ class FloatLinear(Linear):
 
     def _stored(self):
         return [self.weight, self.bias_f]
-
-
-class QuantLinear(Linear):
-    """Base of the kernels over a :class:`QuantWeight`; ``unsupported`` says why one cannot serve."""
-
-    @classmethod
-    def unsupported(cls, w: QuantWeight, device: torch.device) -> str | None:
-        raise NotImplementedError
-
-
-class DequantLinear(QuantLinear):
-    """Dequantize the int8 codes on every call, then ``F.linear`` (works for every scheme).
-
-    Memory: one byte per weight plus scales; the float weight exists only transiently,
-    one layer at a time. Numerics: exactly :func:`compressor.artifact.load_artifact`'s
-    weight, rounded to the activation dtype.
-    """
-
-    kernel = "dequant"
-
-    def __init__(self, w: QuantWeight, bias, device, in_perm=None):
-        super().__init__(w.in_features, w.out_features, bias, in_perm)
-        self.q = w.q.to(device)
-        self.scale = w.scale.to(device)
-        self.zero_point = None if w.zero_point is None else w.zero_point.to(device)
-        self.g_idx = None if w.g_idx is None else w.g_idx.to(device)
-        self.group_size = w.group_size
-
-    @classmethod
-    def unsupported(cls, w, device):
-        return None
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """Float ``[N, K]`` weight, bit-identical to :func:`~compressor.quant.primitives.dequantize`
-        (computed in one buffer: fresh multi-MB temporaries cost page faults on every call)."""
-        if self.g_idx is not None:
-            from ..quant.primitives import dequantize
-
-            return dequantize(self.q, self.scale, self.zero_point, self.group_size, dtype=dtype, g_idx=self.g_idx)
-        n, k, gs = self.out_features, self.in_features, self.group_size
-        w = self.q.reshape(n, k // gs, gs).float()
-        if self.zero_point is not None:
-            w.sub_(self.zero_point.float().unsqueeze(-1))
-        return w.mul_(self.scale.float().unsqueeze(-1)).reshape(n, k).to(dtype)
-
-    def _mm(self, x2):
-        return F.linear(x2, self.dequantized(x2.dtype))
-
-    def _stored(self):
-        return [self.q, self.scale, self.zero_point, self.g_idx, self.bias]
 
 
 class Fp8Linear(QuantLinear):
@@ -244,28 +142,6 @@ class IntFp8Linear(DequantLinear):
 
     def _mm(self, x2):  # float32 out; the base casts to the input's dtype
         return F.linear(x2.float(), self.dequantized(torch.float32))
-
-
-class Fp4Linear(DequantLinear):
-    """NVFP4 weight-only (W4A16) emulated: the e2m1 codes (one byte each), e4m3 group scales and the global
-    scale kept, the weight dequantized on each call (:func:`~compressor.quant.fp4.dequantize_weight`) to the
-    input's dtype and multiplied with ``F.linear``, as the ``dequant`` kernel does for integers."""
-
-    kernel = "nvfp4-emulated"
-
-    def __init__(self, w: QuantWeight, bias, device, in_perm=None):
-        super().__init__(w, bias, device, in_perm)
-        self.global_scale = w.global_scale.to(device)
-
-    @classmethod
-    def unsupported(cls, w, device):
-        return None if w.is_fp4 else "NVFP4 weights only"
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_fp4_weight(self.q, self.scale, self.global_scale, dtype)
-
-    def _stored(self):
-        return [self.q, self.scale, self.global_scale, self.bias]
 
 
 def _op_group(group_size: int) -> int | None:
@@ -570,8 +446,8 @@ def make_linear(w: QuantWeight | torch.Tensor, bias: torch.Tensor | None, backen
     w, perm = w.sorted_by_group()
     perm = None if perm is None else perm.to(device)
     act = (w.act, w.act_group or w.group_size) if w.act else ("", 0)
-    if w.is_fp4:
-        return Fp4Linear(w, bias, device, perm)
+    if (layer := fp4_linear(w, bias, device, perm)) is not None:
+        return layer
     if w.is_float or w.act:  # every backend: the one FP8 kernel, the one W4A8 kernel
         layer = (Fp8Linear if w.is_float else IntFp8Linear)(w, bias, device, perm)
         layer.act = act
