@@ -234,22 +234,27 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
         The algorithm's :class:`LayerOutcome` over the whole layer (errors of every linear,
         routed counts, figures with ``weight_groups``, the float reference with its routed part).
     """
-    arch = ctx.arch
+    arch, samples = ctx.arch, ctx.samples  # samples: this rank's batches (compressor.sample_ranks)
+    every = samples.gather_calls if samples is not None else lambda calls, spill, tag: calls  # every batch's calls
     ref_calls = ref_base = float_calls = None
     n_ref = algorithm.reference_sequences(ctx)
     if n_ref:  # the float layer on the step's first sequences (their batch shape too): output_rel_error's reference
-        ref_calls, ref_base = _record(layer, tap, [hidden[0][:n_ref]], kw)
+        if samples is None or samples.rank == 0:  # batch 0 is rank 0's
+            ref_calls, ref_base = _record(layer, tap, [hidden[0][:n_ref]], kw)
+        ref_calls = samples.from_rank0(ref_calls) if samples is not None else ref_calls
     if algorithm.keeps_float_stream(ctx):  # GPTAQ: the float model's expert inputs, before anything is quantized
-        float_calls, _ = _record(layer, tap, ctx.float_hidden if ctx.float_hidden is not None else hidden, kw,
-                                 None, ctx.spill, "s")
+        float_calls = every(_record(layer, tap, ctx.float_hidden if ctx.float_hidden is not None else hidden, kw,
+                                    None, None if samples else ctx.spill, "s")[0], ctx.spill, "s")
     float_layer = None  # GPTQ without true_sequential: the experts read the float layer's hidden states
     if algorithm.experts_read_float_layer(ctx):
-        float_layer = _record(layer, tap, hidden, kw, None, ctx.spill, "f")[0]
+        float_layer = every(_record(layer, tap, hidden, kw, None, None if samples else ctx.spill, "f")[0],
+                            ctx.spill, "f")
     sub = dataclasses.replace(ctx, targets={n: m for n, m in ctx.targets.items()
                                             if not is_expert(arch, n[len(f"{arch.layers}.{i}."):])})
     outcome = algorithm.quantize_layer(i, layer, hidden, kw, sub)  # the non-expert linears; the tap answers zeros
     ctx.float_hidden = sub.float_hidden
-    calls, _ = _record(layer, tap, hidden, kw, outcome.replay, ctx.spill, "q")
+    calls = every(_record(layer, tap, hidden, kw, outcome.replay, None if samples else ctx.spill, "q")[0],
+                  ctx.spill, "q")
     inputs_from = float_layer if float_layer is not None else calls  # what the expert's step reads
     del float_layer
     counts = _routed_counts(inputs_from, len(tap.experts))
@@ -290,13 +295,14 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
     outcome.counts, outcome.linear_peak = counts, peak[0]
     outcome.figures = {**algorithm.merge_expert_figures(outcome.figures, [p[1] for p in parts]),
                        "weight_groups": 1 + n_groups}
+    own = samples.own if samples is not None else lambda batches: batches  # this rank's batches of every batch's
     if outcome.float_out is not None:
         rows = outcome.float_out.shape[0]
         full = ref_base[0] + ref_routed[0].view_as(ref_base[0])
         outcome.float_out = full[:rows] if rows <= full.shape[0] else None
     if float_calls is not None:
-        fh = [f + r.view_as(f) for f, r in zip(ctx.float_hidden, float_routed)]
+        fh = [f + r.view_as(f) for f, r in zip(ctx.float_hidden, own(float_routed))]
         ctx.float_hidden = ctx.spill(fh, "float") if ctx.spill is not None else fh
-    tap.set("replay", routed)
+    tap.set("replay", own(routed))
     return outcome
 

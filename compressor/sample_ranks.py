@@ -95,7 +95,8 @@ class Samples:
         ``run(m, own[m])`` on its ``m``-th batch (``[(key, tensor), ...]``: what that batch's forward
         kept, in order), then for each rank in order its batch's keys, shapes and dtypes are shared
         and its tensors broadcast, and ``consume(j, key, tensor)`` is called with the global batch
-        index ``j`` on every rank. The tensors are read-only and live until ``consume`` returns."""
+        index ``j`` on every rank. ``consume`` may keep the tensors (the source rank's own, or a new
+        buffer) but must not change them."""
         for m in range(-(-self.n // self.size)):
             kept = run(m, own[m]) if m < len(own) else []
             self.forwards += m < len(own)
@@ -111,6 +112,24 @@ class Samples:
                     broadcast(t, src)
                     consume(j, key, t)
             del kept
+
+    def gather_calls(self, own: list, spill=None, tag: str = "") -> list:
+        """Every batch's routed-expert call ``(x [N, H], index [N, k], weights [N, k])``, in batch order, on
+        every rank, from this rank's ``own`` (one per batch: :class:`compressor.moe_stream.ExpertTap`'s record
+        of its batches), one batch per rank broadcast at a time (:meth:`rounds`); the ``x`` through
+        ``spill`` (``LayerContext.spill``, tag ``tag``) when given. The experts' owners
+        (:mod:`compressor.moe_ranks`) then see every token, as with undivided batches."""
+        got: dict[int, dict] = {}
+        self.rounds(own, lambda _m, c: list(zip("xiw", c)), lambda j, k, t: got.setdefault(j, {}).__setitem__(k, t))
+        calls = [(got[j]["x"], got[j]["i"], got[j]["w"]) for j in range(self.n)]
+        if spill is not None and calls:
+            xs = spill([x for x, _, _ in calls], f"moe-{tag}")
+            calls = [(x, idx, w) for x, (_, idx, w) in zip(xs, calls)]
+        return calls
+
+    def from_rank0(self, calls: list) -> list:
+        """Rank 0's ``calls`` (a few small tensors: the float reference's expert call) on every rank."""
+        return share(calls if self.rank == 0 else None, 0)
 
     def amax(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (float, the same shape on every rank) replaced in place by its elementwise maximum over
@@ -182,7 +201,7 @@ class Samples:
         routed experts and is not streamed, the key basis is left alone (``kv_cache.key_rotation``), and the
         KV scale search by attention (if any) reads no more sequences than the first batch holds."""
         searched = ctx.observer is not None and ctx.kv_scale_search == "attention"
-        return (algorithm.divides_samples(ctx) and not streamed and ctx.experts(layer) is None
+        return (algorithm.divides_samples(ctx) and (streamed or ctx.experts(layer) is None)
                 and ctx.kv_key_rotation == "none"
                 and (not searched or ctx.recipe.kv_cache.scale_search_samples <= self.shapes[0][0]))
 

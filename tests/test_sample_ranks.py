@@ -44,9 +44,23 @@ CASES = {
                           dict(algorithm="gptq", settings=(("gptq.gptaq_alpha", 0.25),), kv_scheme="fp8",
                                activation_budget_gib=0)),
     "kv-only": ("deep", 2, ["--recipe", "kv-fp8"], dict(recipe="kv-fp8")),
-    # a dense first layer divided, the MoE layers (experts read in groups, owned per rank) on every batch
+    # MoE layers (experts read in groups, owned per rank): the non-expert part divided, every batch's routed
+    # tokens sent to every rank for the experts
     "moe-gptq-fp8": ("moe", 2, ["--algorithm", "gptq", "--kv-scheme", "fp8", "--memory-budget-gib", str(GROUPED)],
                      dict(algorithm="gptq", kv_scheme="fp8", memory_budget_gib=GROUPED)),
+    "moe-gptaq-3-ranks": ("moe", 3, ["--algorithm", "gptq", "--set", "gptq.gptaq_alpha=0.25", "--memory-budget-gib",
+                                     str(GROUPED)],
+                          dict(algorithm="gptq", settings=(("gptq.gptaq_alpha", 0.25),), memory_budget_gib=GROUPED)),
+    "moe-no-true-sequential-spilled": (
+        "moe", 2, ["--algorithm", "gptq", "--set", "gptq.true_sequential=false", "--activation-budget-gib", "0",
+                   "--memory-budget-gib", str(GROUPED)],
+        dict(algorithm="gptq", settings=(("gptq.true_sequential", False),), activation_budget_gib=0,
+             memory_budget_gib=GROUPED)),
+    "moe-rtn-fp8": ("moe", 2, ["--algorithm", "rtn", "--kv-scheme", "fp8", "--memory-budget-gib", str(GROUPED)],
+                    dict(algorithm="rtn", kv_scheme="fp8", memory_budget_gib=GROUPED)),
+    # AWQ's observe and losses read every batch: nothing divided, the experts still owned per rank
+    "moe-awq": ("moe", 2, ["--algorithm", "awq", "--set", "awq.n_grid=4", "--memory-budget-gib", str(GROUPED)],
+                dict(algorithm="awq", settings=(("awq.n_grid", 4),), memory_budget_gib=GROUPED)),
 }
 
 
@@ -70,9 +84,12 @@ def test_divided_batches_give_the_single_process_artifact(case, deep_dir, moe_ro
     assert digests(tmp_path / "n") == digests(tmp_path / "one")
     assert _layers(tmp_path / "n") == _layers(tmp_path / "one")
     per_rank = json.loads(got[0][1])["ranks"]
+    if kw.get("algorithm") == "awq":
+        assert "calibration_batches" not in per_rank[0]
+        return
     held = [len(range(r, 3, n)) for r in range(n)]  # batch j on rank j % n
     assert [r["calibration_batches"] for r in per_rank] == held and {r["of_batches"] for r in per_rank} == {3}
-    divided = 1 if name == "moe" else 4  # the dense layers
+    divided = 3 if name == "moe" else 4  # every layer
     assert {r["layers_divided"] for r in per_rank} == {divided}
     if kw.get("algorithm") == "gptq":  # every Hessian pass ran each batch on its rank alone
         forwards = [r["hessian_pass_forwards"] for r in per_rank]
