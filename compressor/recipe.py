@@ -486,7 +486,10 @@ def resolve_group_size(recipe: Recipe, in_features: dict[str, int]) -> int:
     bad = sorted(name for name, n in in_features.items() if n % gs)
     if bad:
         fits = [c for c in STANDARD_GROUP_SIZES if all(n % c == 0 for n in sizes)]
-        hint = f"use --group-size {fits[0]}" if fits else "use --group-size -1 (per channel)"
+        fp4 = recipe.weights.type == "float" and recipe.weights.num_bits == 4  # MXFP4 / NVFP4: groups of 32 / 16 only
+        hint = ("FP4 weights need every quantized linear's in_features to be a multiple of the group (NVFP4: 16, "
+                "MXFP4: 32): list those linears under the recipe's ignore:, or use an integer recipe" if fp4
+                else f"use --group-size {fits[0]}" if fits else "use --group-size -1 (per channel)")
         if recipe.activations is not None and recipe.weights.type == "int":  # W4A8: vLLM's kernel serves 128 only
             hint += " (kvq simulates it; vLLM's W4A8 kernel serves groups of 128 only, so not on this model)"
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")

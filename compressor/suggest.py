@@ -38,7 +38,7 @@ _UNION_TAGS = {"int", "float", "str", "bool", "none"}
 
 def _recipe_loc(loc) -> str:
     keys = [str(x) for x in loc if not (isinstance(x, str) and (x in _UNION_TAGS or "[" in x))]
-    return ".".join(keys) or "<root>"
+    return ".".join(keys)
 
 
 def format_validation(errors: list[dict], where: str) -> str:
@@ -46,7 +46,7 @@ def format_validation(errors: list[dict], where: str) -> str:
     members' messages joined: ``Input should be a valid integer or 'auto'``). ``errors``: pydantic's
     ``ValidationError.errors()``."""
     first = errors[0]
-    loc = _recipe_loc(first["loc"])
+    loc = _recipe_loc(first["loc"])  # "" for a rule across keys (a model validator): the message names them
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
@@ -55,4 +55,4 @@ def format_validation(errors: list[dict], where: str) -> str:
         kinds = dict.fromkeys(m.removeprefix("Input should be ").split(", ")[0] for m in same)
         msg = "Input should be " + " or ".join(kinds)
     msg = re.sub(r" or instance of \w+", "", msg.removeprefix("Value error, "))  # no pydantic class names
-    return f"{where}: {loc}: {msg}"
+    return f"{where}: {loc}: {msg}" if loc else f"{where}: {msg}"

@@ -181,7 +181,17 @@ def test_a_width_not_a_multiple_of_32_is_refused_by_the_cli(tmp_path, capsys, to
                      num_attention_heads=2, num_key_value_heads=1)
     code, _, err = kvq_run(["quantize", model, "-o", tmp_path / "o", "--recipe", "w4a16-mxfp4"], capsys)
     assert_clean_error(code, err, 2, "group_size 32 does not divide", tmp_path)
+    assert "multiple of the group (NVFP4: 16, MXFP4: 32)" in err and "--group-size" not in err  # no refused hint
     assert not (tmp_path / "o").exists()
+
+
+def test_a_rule_across_keys_is_worded_without_a_key_path(tmp_path, capsys, tiny_model_dir):
+    """A recipe rule spanning several keys (the algorithm on the FP4 grid) names no internal ``<root>`` key."""
+    code, _, err = kvq_run(["quantize", tiny_model_dir, "-o", tmp_path / "o", "--recipe", "w4a16-mxfp4",
+                            "--algorithm", "gptq"], capsys)
+    assert_clean_error(code, err, 2, "command-line options: algorithm gptq is not implemented on the MXFP4 grid",
+                       tmp_path)
+    assert "<root>" not in err
 
 
 @pytest.mark.parametrize("recipe", ["w4a16-mxfp4", "w4a16-nvfp4"])

@@ -85,7 +85,7 @@ def test_divided_batches_give_the_single_process_artifact(case, deep_dir, moe_ro
     assert _layers(tmp_path / "n") == _layers(tmp_path / "one")
     per_rank = json.loads(got[0][1])["ranks"]
     if kw.get("algorithm") == "awq":
-        assert "calibration_batches" not in per_rank[0]
+        assert [r["layers_divided"] for r in per_rank] == [0, 0] and "calibration_batches" not in per_rank[0]
         return
     held = [len(range(r, 3, n)) for r in range(n)]  # batch j on rank j % n
     assert [r["calibration_batches"] for r in per_rank] == held and {r["of_batches"] for r in per_rank} == {3}

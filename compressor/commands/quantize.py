@@ -156,7 +156,8 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
                              opts.execution.memory_budget_gib)
         writer.restore(device)
         result = _quantize(plan, src, writer, opts, device, console)
-        ranks = (gather({"rank": rank, **_reads(src), **(result.samples or {})})  # each rank's reads, to rank 0
+        divided = result.samples or {"layers_divided": 0}  # batches not divided (AWQ, fewer batches than ranks)
+        ranks = (gather({"rank": rank, **_reads(src), **divided})  # each rank's reads, to rank 0
                  if world_size > 1 else None)
         finished()  # torchrun: this rank's last collective is behind it
     with keep_checkpoint(staging, n_layers, drop_on_error=False):  # every layer is done: keep them whatever happens
