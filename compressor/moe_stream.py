@@ -196,10 +196,9 @@ def _routed_counts(calls: list, n: int) -> list[int]:
     return counts.tolist()
 
 
-def _record(layer, tap: ExpertTap, hidden: list, kw: dict, replay=None, spill=None, tag: str = "") -> tuple[list, list]:
+def _record(layer, tap: ExpertTap, hidden: list, kw: dict, replay=None) -> tuple[list, list]:
     """One forward over ``hidden`` with the tap recording: ``(the tap's calls, the layer's
-    outputs without the routed part)``; ``replay``: a ModuleReplay whose kept outputs stand in;
-    ``spill``: ``LayerContext.spill``, applied to the recorded expert inputs (tagged ``tag``)."""
+    outputs without the routed part)``; ``replay``: a ModuleReplay whose kept outputs stand in."""
     calls = tap.set("record")
     outs = []
     with replay.active(record=False) if replay is not None else nullcontext():
@@ -208,10 +207,15 @@ def _record(layer, tap: ExpertTap, hidden: list, kw: dict, replay=None, spill=No
                 replay.start_batch(j)
             outs.append(layer_forward(layer, h, kw))
     tap.set("zero")
-    if spill is not None and calls:
-        xs = spill([x for x, _, _ in calls], f"moe-{tag}")
-        calls = [(x, idx, w) for x, (_, idx, w) in zip(xs, calls)]
     return calls, outs
+
+
+def _spilled(calls: list, spill, tag: str) -> list:
+    """``calls`` with their expert inputs through ``spill`` (``LayerContext.spill``, tagged ``tag``) when given."""
+    if spill is None or not calls:
+        return calls
+    xs = spill([x for x, _, _ in calls], f"moe-{tag}")
+    return [(x, idx, w) for x, (_, idx, w) in zip(xs, calls)]
 
 
 def _zeros(calls: list, spill, tag: str) -> list[torch.Tensor]:
@@ -235,7 +239,10 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
         routed counts, figures with ``weight_groups``, the float reference with its routed part).
     """
     arch, samples = ctx.arch, ctx.samples  # samples: this rank's batches (compressor.sample_ranks)
-    every = samples.gather_calls if samples is not None else lambda calls, spill, tag: calls  # every batch's calls
+
+    def every(calls: list, tag: str) -> list:  # every batch's calls (each rank's sent to all), spilled
+        return _spilled(samples.gather_calls(calls) if samples is not None else calls, ctx.spill, tag)
+
     ref_calls = ref_base = float_calls = None
     n_ref = algorithm.reference_sequences(ctx)
     if n_ref:  # the float layer on the step's first sequences (their batch shape too): output_rel_error's reference
@@ -243,18 +250,16 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
             ref_calls, ref_base = _record(layer, tap, [hidden[0][:n_ref]], kw)
         ref_calls = samples.from_rank0(ref_calls) if samples is not None else ref_calls
     if algorithm.keeps_float_stream(ctx):  # GPTAQ: the float model's expert inputs, before anything is quantized
-        float_calls = every(_record(layer, tap, ctx.float_hidden if ctx.float_hidden is not None else hidden, kw,
-                                    None, None if samples else ctx.spill, "s")[0], ctx.spill, "s")
+        float_calls = every(_record(layer, tap, ctx.float_hidden if ctx.float_hidden is not None else hidden, kw)[0],
+                            "s")
     float_layer = None  # GPTQ without true_sequential: the experts read the float layer's hidden states
     if algorithm.experts_read_float_layer(ctx):
-        float_layer = every(_record(layer, tap, hidden, kw, None, None if samples else ctx.spill, "f")[0],
-                            ctx.spill, "f")
+        float_layer = every(_record(layer, tap, hidden, kw)[0], "f")
     sub = dataclasses.replace(ctx, targets={n: m for n, m in ctx.targets.items()
                                             if not is_expert(arch, n[len(f"{arch.layers}.{i}."):])})
     outcome = algorithm.quantize_layer(i, layer, hidden, kw, sub)  # the non-expert linears; the tap answers zeros
     ctx.float_hidden = sub.float_hidden
-    calls = every(_record(layer, tap, hidden, kw, outcome.replay, None if samples else ctx.spill, "q")[0],
-                  ctx.spill, "q")
+    calls = every(_record(layer, tap, hidden, kw, outcome.replay)[0], "q")
     inputs_from = float_layer if float_layer is not None else calls  # what the expert's step reads
     del float_layer
     counts = _routed_counts(inputs_from, len(tap.experts))

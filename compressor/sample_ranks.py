@@ -28,14 +28,11 @@ The resume checkpoint (rank 0) and the head's Hessian take every batch (:meth:`S
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable
 
 import torch
 
-from .arch import get_module
 from .distributed import all_max, broadcast, recv, send, share, world
-from .quant.layer import StopForward, layer_forward
 
 __all__ = ["Samples"]
 
@@ -113,19 +110,14 @@ class Samples:
                     consume(j, key, t)
             del kept
 
-    def gather_calls(self, own: list, spill=None, tag: str = "") -> list:
+    def gather_calls(self, own: list) -> list:
         """Every batch's routed-expert call ``(x [N, H], index [N, k], weights [N, k])``, in batch order, on
         every rank, from this rank's ``own`` (one per batch: :class:`compressor.moe_stream.ExpertTap`'s record
-        of its batches), one batch per rank broadcast at a time (:meth:`rounds`); the ``x`` through
-        ``spill`` (``LayerContext.spill``, tag ``tag``) when given. The experts' owners
+        of its batches), one batch per rank broadcast at a time (:meth:`rounds`). The experts' owners
         (:mod:`compressor.moe_ranks`) then see every token, as with undivided batches."""
         got: dict[int, dict] = {}
         self.rounds(own, lambda _m, c: list(zip("xiw", c)), lambda j, k, t: got.setdefault(j, {}).__setitem__(k, t))
-        calls = [(got[j]["x"], got[j]["i"], got[j]["w"]) for j in range(self.n)]
-        if spill is not None and calls:
-            xs = spill([x for x, _, _ in calls], f"moe-{tag}")
-            calls = [(x, idx, w) for x, (_, idx, w) in zip(xs, calls)]
-        return calls
+        return [(got[j]["x"], got[j]["i"], got[j]["w"]) for j in range(self.n)]
 
     def from_rank0(self, calls: list) -> list:
         """Rank 0's ``calls`` (a few small tensors: the float reference's expert call) on every rank."""
@@ -142,58 +134,6 @@ class Samples:
         that ran divided, and the batch forwards it ran in their Hessian passes."""
         return {"calibration_batches": len(self.mine), "of_batches": self.n, "layers_divided": self.layers_divided,
                 "hessian_pass_forwards": self.forwards}
-
-    def hessian_pass(self, layer, hidden: list, kw: dict, accs: dict, conditional: bool, replay,
-                     float_inputs: dict) -> None:
-        """:func:`compressor.quant.gptq_layer.accumulate_hessians` on this rank's batches ``hidden``
-        (:meth:`rounds`): each batch's forward keeps the inputs of the sets of ``accs`` (set key ->
-        :class:`~compressor.quant.gptq.HessianAccumulator`; before each, the float model's input of the set
-        from ``float_inputs`` when the set has a float target), stopping once every set has fired unless
-        ``conditional``, and every rank adds every batch's, in batch order. ``replay``: as there."""
-        kept: list = []
-        fired: set[str] = set()
-
-        def make_hook(rel):
-            def hook(_mod, args):
-                if accs[rel].cross is not None:
-                    kept.append(("\0" + rel, float_inputs[rel][m]))
-                kept.append((rel, args[0].detach()))
-                fired.add(rel)
-                if not conditional and len(fired) == len(accs):
-                    raise StopForward
-            return hook
-
-        def run(local: int, h: torch.Tensor) -> list:
-            nonlocal m
-            m = local
-            kept.clear()
-            fired.clear()
-            if replay is not None:
-                replay.start_batch(m)
-            try:
-                layer_forward(layer, h, kw)
-            except StopForward:
-                pass
-            return list(kept)
-
-        fx: dict = {}
-
-        def consume(_j: int, key: str, x: torch.Tensor) -> None:
-            if key.startswith("\0"):
-                fx[key[1:]] = x
-                return
-            accs[key].add(x)
-            if accs[key].cross is not None:
-                accs[key].cross.add(fx.pop(key), x)
-
-        m = 0
-        handles = [get_module(layer, key).register_forward_pre_hook(make_hook(key)) for key in accs]
-        try:
-            with replay.active() if replay is not None else nullcontext():
-                self.rounds(hidden, run, consume)
-        finally:
-            for hd in handles:
-                hd.remove()
 
     def divides(self, layer, ctx, algorithm, streamed: bool) -> bool:
         """Whether decoder ``layer`` runs on the ranks' shares (the module docstring): the algorithm

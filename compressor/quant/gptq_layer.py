@@ -96,39 +96,63 @@ def accumulate_hessians(layer, hidden, kw, sets, conditional: bool, replay: Modu
     each rank sums its share of each Hessian's row blocks (:func:`share_hessians` completes them).
     ``samples`` (:class:`compressor.sample_ranks.Samples`): ``hidden`` (and ``float_inputs``) are this
     rank's batches; each batch's set inputs are broadcast from its rank and added on every rank in
-    batch order (:meth:`~compressor.sample_ranks.Samples.hessian_pass`), the one-process sums bit for bit."""
+    batch order (:meth:`~compressor.sample_ranks.Samples.rounds`), the one-process sums bit for bit."""
     ranks = world()  # every rank runs this pass on the same tokens: the Hessians' blocks are divided
     accs = {st[0]: HessianAccumulator(get_module(layer, st[0]).in_features, hidden[0].device, ranks) for st in sets}
     float_inputs = float_inputs or {}
     for key in float_inputs.keys() & accs.keys():
         accs[key].cross = CrossAccumulator(accs[key].in_features, hidden[0].device)
     fired: set[str] = set()
+    kept: list = []  # with samples: the batch's set inputs, after each set's float input (key "\0" + set)
     j = 0
+
+    def add(rel: str, x: torch.Tensor, fx: torch.Tensor | None) -> None:
+        accs[rel].add(x)
+        if accs[rel].cross is not None:
+            accs[rel].cross.add(fx, x)
 
     def make_hook(rel):
         def hook(_mod, args):
-            accs[rel].add(args[0])
-            if accs[rel].cross is not None:
-                accs[rel].cross.add(float_inputs[rel][j], args[0])
+            fx = float_inputs[rel][j] if accs[rel].cross is not None else None
+            if samples is None:
+                add(rel, args[0], fx)
+            else:
+                kept.extend([("\0" + rel, fx)] if fx is not None else [])
+                kept.append((rel, args[0].detach()))
             fired.add(rel)
             if not conditional and len(fired) == len(accs):
                 raise StopForward
         return hook
 
-    if samples is not None:
-        samples.hessian_pass(layer, hidden, kw, accs, conditional, replay, float_inputs)
-        return accs
+    def run(k: int, h: torch.Tensor) -> list:
+        """Batch ``k`` of ``hidden`` through the layer, its hooks firing; returns what they kept."""
+        nonlocal j
+        j = k
+        if replay is not None:
+            replay.start_batch(k)
+        fired.clear()
+        kept.clear()
+        try:
+            layer_forward(layer, h, kw)
+        except StopForward:
+            pass
+        return list(kept)
+
+    floats: dict = {}
+
+    def consume(_j: int, key: str, x: torch.Tensor) -> None:  # every rank's batches, in batch order
+        if key.startswith("\0"):
+            floats[key[1:]] = x
+        else:
+            add(key, x, floats.pop(key, None))
+
     handles = [get_module(layer, key).register_forward_pre_hook(make_hook(key)) for key in accs]
     try:
         with replay.active() if replay is not None else nullcontext():
-            for j, h in enumerate(hidden):
-                if replay is not None:
-                    replay.start_batch(j)
-                fired.clear()
-                try:
-                    layer_forward(layer, h, kw)
-                except StopForward:
-                    continue
+            if samples is not None:
+                samples.rounds(hidden, run, consume)
+            for k, h in enumerate(hidden if samples is None else []):
+                run(k, h)
     finally:
         for hd in handles:
             hd.remove()
