@@ -103,17 +103,24 @@ def run(src: Path, out: Path, launch: str, a) -> dict:
             "content_digest": s["content_digest"]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--launches", default="1,2,2n")
+def run_arguments(description: str, launches: str, calib_samples: int, calib_seqlen: int, budget_gib: float,
+                  work: str) -> argparse.ArgumentParser:
+    """The options :func:`run` reads (launches, recipe, calibration, budget, extra flags), with these defaults."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--launches", default=launches)
     ap.add_argument("--recipe", default="w4a16-gptq")
-    ap.add_argument("--src", default="", help="an already generated kimi-fp8-64e source (kept)")
     ap.add_argument("--extra", default="", help="more kvq quantize flags (space separated)")
     ap.add_argument("--alone", action="store_true", help="nothing else ran: the wall times are figures")
-    ap.add_argument("--calib-samples", type=int, default=8)
-    ap.add_argument("--calib-seqlen", type=int, default=128)
-    ap.add_argument("--memory-budget-gib", type=float, default=2.0)
-    ap.add_argument("--work", default=str(ROOT / "bench" / "work" / "dist"))
+    ap.add_argument("--calib-samples", type=int, default=calib_samples)
+    ap.add_argument("--calib-seqlen", type=int, default=calib_seqlen)
+    ap.add_argument("--memory-budget-gib", type=float, default=budget_gib)
+    ap.add_argument("--work", default=str(ROOT / "bench" / "work" / work))
+    return ap
+
+
+def main() -> None:
+    ap = run_arguments(__doc__.splitlines()[0], "1,2,2n", 8, 128, 2.0, "dist")
+    ap.add_argument("--src", default="", help="an already generated kimi-fp8-64e source (kept)")
     ap.add_argument("--keep", action="store_true", help="keep the generated source")
     a = ap.parse_args()
     if not (scale_bench.TOKENIZER / "tokenizer.json").exists():

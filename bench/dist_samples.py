@@ -16,7 +16,6 @@ Writes bench/results/dist_samples.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -35,16 +34,8 @@ RESULTS = ROOT / "bench" / "results" / "dist_samples.json"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = dist_experts.run_arguments(__doc__.splitlines()[0], "1,2", 32, 512, 8.0, "dist-samples")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--launches", default="1,2")
-    ap.add_argument("--recipe", default="w4a16-gptq")
-    ap.add_argument("--extra", default="", help="more kvq quantize flags (space separated)")
-    ap.add_argument("--alone", action="store_true", help="nothing else ran: the wall times are figures")
-    ap.add_argument("--calib-samples", type=int, default=32)
-    ap.add_argument("--calib-seqlen", type=int, default=512)
-    ap.add_argument("--memory-budget-gib", type=float, default=8.0)
-    ap.add_argument("--work", default=str(ROOT / "bench" / "work" / "dist-samples"))
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
