@@ -240,6 +240,24 @@ def check_fp4_scheme(recipe: "Recipe") -> str | None:
     return None
 
 
+def fp4_grid_change(named: "Recipe", final: "Recipe") -> str | None:
+    """Why flags or ``--set`` may not turn a recipe's FP4 grid into the other one, ``None``: they do not.
+
+    ``group_size`` 32 is MXFP4 (E8M0 scales) and 16 NVFP4 (FP8 scales and a global scale): two formats a server
+    reads differently (:func:`check_fp4_scheme`), so a changed group size is refused in one line naming the
+    recipe to use instead of writing the other format silently.
+    """
+    def grid(r: "Recipe") -> str | None:
+        w = r.weights
+        return {32: "MXFP4", 16: "NVFP4"}.get(w.group_size) if (w.type, w.num_bits) == ("float", 4) else None
+    before, after = grid(named), grid(final)
+    if before is None or after is None or before == after:
+        return None
+    recipe = "w4a16-nvfp4" if after == "NVFP4" else "w4a16-mxfp4"
+    return (f"group_size {final.weights.group_size} turns the recipe's {before} weights into {after}, another "
+            f"format: name --recipe {recipe} instead")
+
+
 #: integer weight widths kvq writes and simulates with fp8 inputs (vLLM's W4A8 kernel serves 4)
 INT_FP8_BITS = (4, 8)
 

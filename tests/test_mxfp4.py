@@ -194,6 +194,19 @@ def test_a_rule_across_keys_is_worded_without_a_key_path(tmp_path, capsys, tiny_
     assert "<root>" not in err
 
 
+@pytest.mark.parametrize("recipe, flag, other", [
+    ("w4a16-mxfp4", ["--group-size", "16"], "MXFP4 weights into NVFP4, another format: name --recipe w4a16-nvfp4"),
+    ("w4a16-nvfp4", ["--set", "weights.group_size=32"], "NVFP4 weights into MXFP4, another format: name --recipe "
+                                                         "w4a16-mxfp4"),
+])
+def test_a_group_size_that_changes_the_fp4_format_is_refused(recipe, flag, other, tmp_path, capsys, tiny_model_dir):
+    """group_size picks the FP4 format (16 NVFP4, 32 MXFP4): a flag that swaps one for the other is refused in one
+    line naming the recipe to use, never written silently as the other format."""
+    code, _, err = kvq_run(["quantize", tiny_model_dir, "-o", tmp_path / "o", "--recipe", recipe, *flag], capsys)
+    assert_clean_error(code, err, 2, other, tmp_path)
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("recipe", ["w4a16-mxfp4", "w4a16-nvfp4"])
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])
 def test_integer_formats_refuse_fp4(fmt, recipe, tmp_path, capsys, tiny_model_dir):

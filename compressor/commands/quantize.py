@@ -54,6 +54,7 @@ from ..quant.algorithms import get_algorithm
 from ..quant.embedding import add_embedding, check_embedding, embedding_scheme
 from ..quant.head import add_head, check_head, check_untie, head_schemes
 from ..recipe import KVCacheOptions, Recipe, apply_settings, load_recipes, with_overrides
+from ..recipe_schemes import fp4_grid_change
 from ..signing import check_sign_options, sign_folder
 from ..activations import plan_activations
 from ..staging import (
@@ -315,10 +316,13 @@ def _effective_recipe(opts: QuantizeOptions) -> Recipe:
         if s.kv_scheme is not None and any(k == "kv_cache" and v is None for k, v in s.settings):
             raise InputError(f"--kv-scheme {s.kv_scheme} and --set kv_cache=null contradict each other; drop one")
         recipe = apply_settings(recipe, s.settings)
-    return with_overrides(recipe, **{
+    final = with_overrides(recipe, **{
         "algorithm": s.algorithm, "weights.num_bits": s.bits, "weights.group_size": s.group_size,
         "weights.symmetric": s.symmetric, "gptq.act_order": s.act_order,
     })
+    if why := fp4_grid_change(load_recipes(s.recipes), final):
+        raise InputError(why)
+    return final
 
 
 # ---------------------------------------------------------------------------------------
