@@ -64,8 +64,9 @@ from .distributed import deal
 from .moe_ranks import AWQ_ROUNDED_COST, AWQ_SEARCHED_COST, ExpertShare, solve_costs
 from .moe_stream import ExpertTap, _routed_counts, _zeros, add_expert, move_loaded, quantize_layer_streamed
 from .quant.awq import best_scale, candidate_weights, mean_of_rows, scale_grid, weight_row_sum
-from .quant.awq_layer import (InputStats, ScaledLayer, clip_and_quantize, fold_group, forward_loss, group_name,
-                              loss_batches, loss_step, observe, scale_group, scale_groups, watched_modules)
+from .quant.awq_layer import (ScaledLayer, clip_and_quantize, fold_group, forward_loss, group_name, loss_step,
+                              scale_group, scale_groups, watched_modules)
+from .quant.awq_observe import InputStats, loss_batches, observe
 from .quant.gptq_layer import GPTQ, gptq_expert, gptq_layer
 from .quant.layer import LayerContext, LayerOutcome, inspect_forward, layer_forward
 

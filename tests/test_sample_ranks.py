@@ -58,10 +58,23 @@ CASES = {
              memory_budget_gib=GROUPED)),
     "moe-rtn-fp8": ("moe", 2, ["--algorithm", "rtn", "--kv-scheme", "fp8", "--memory-budget-gib", str(GROUPED)],
                     dict(algorithm="rtn", kv_scheme="fp8", memory_budget_gib=GROUPED)),
-    # AWQ's observe and losses read every batch: nothing divided, the experts still owned per rank
+    # AWQ: observe's per-call |x| sums and the loss sequences travel in batch order; the scale searches dealt
+    "awq-3-ranks": ("deep", 3, ["--algorithm", "awq", "--set", "awq.n_grid=4"],
+                    dict(algorithm="awq", settings=(("awq.n_grid", 4),))),
+    "awq-gptq-fp8-spilled": ("deep", 2, ["--algorithm", "awq-gptq", "--set", "awq.n_grid=4", "--kv-scheme", "fp8",
+                                         "--activation-budget-gib", "0"],
+                             dict(algorithm="awq-gptq", settings=(("awq.n_grid", 4),), kv_scheme="fp8",
+                                  activation_budget_gib=0)),
+    # more loss sequences than the first batch holds: every batch gathered, nothing divided
+    "awq-loss-beyond-a-batch": ("deep", 2, ["--algorithm", "awq", "--set", "awq.n_grid=4", "--set",
+                                            "awq.loss_samples=12"],
+                                dict(algorithm="awq", settings=(("awq.n_grid", 4), ("awq.loss_samples", 12)))),
+    # a streamed MoE layer's AWQ reads every batch (its dense first layer divides), the experts owned per rank
     "moe-awq": ("moe", 2, ["--algorithm", "awq", "--set", "awq.n_grid=4", "--memory-budget-gib", str(GROUPED)],
                 dict(algorithm="awq", settings=(("awq.n_grid", 4),), memory_budget_gib=GROUPED)),
 }
+#: the layers each case runs divided (every layer where not named)
+DIVIDED = {"awq-loss-beyond-a-batch": 0, "moe-awq": 1}
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +97,11 @@ def test_divided_batches_give_the_single_process_artifact(case, deep_dir, moe_ro
     assert digests(tmp_path / "n") == digests(tmp_path / "one")
     assert _layers(tmp_path / "n") == _layers(tmp_path / "one")
     per_rank = json.loads(got[0][1])["ranks"]
-    if kw.get("algorithm") == "awq":
-        assert [r["layers_divided"] for r in per_rank] == [0, 0] and "calibration_batches" not in per_rank[0]
-        return
     held = [len(range(r, 3, n)) for r in range(n)]  # batch j on rank j % n
     assert [r["calibration_batches"] for r in per_rank] == held and {r["of_batches"] for r in per_rank} == {3}
-    divided = 3 if name == "moe" else 4  # every layer
+    divided = DIVIDED.get(case, 3 if name == "moe" else 4)
     assert {r["layers_divided"] for r in per_rank} == {divided}
-    if kw.get("algorithm") == "gptq":  # every Hessian pass ran each batch on its rank alone
+    if kw.get("algorithm") in ("gptq", "awq-gptq"):  # every Hessian pass ran each batch on its rank alone
         forwards = [r["hessian_pass_forwards"] for r in per_rank]
         assert forwards[0] > 0 and [f * held[0] for f in forwards] == [forwards[0] * h for h in held], forwards
 

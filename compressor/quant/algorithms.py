@@ -80,8 +80,9 @@ class Algorithm:
     def divides_samples(self, ctx: LayerContext) -> bool:
         """Under several ranks, whether a decoder layer without routed experts may run on each rank's
         share of the calibration batches (:mod:`compressor.sample_ranks`): the step reads the batches only
-        through :func:`compressor.quant.gptq_layer.accumulate_hessians` and gathers nothing else over them.
-        False unless the algorithm says so (AWQ's observe and losses read them all)."""
+        through :func:`compressor.quant.gptq_layer.accumulate_hessians` or
+        :func:`compressor.quant.awq_observe.observe` (each bringing every batch's part to every rank in batch
+        order) and gathers nothing else over them. False unless the algorithm says so."""
         return False
 
     def quantize_layer(self, i: int, layer, hidden: list | None, kw: dict | None, ctx: LayerContext) -> LayerOutcome:

@@ -3,7 +3,7 @@
 The math (scale and clip searches) is in :mod:`compressor.quant.awq`; this module owns the
 hooks and the layer's state, in named steps:
 
-1. :func:`observe` -- mean ``|x|`` per input channel over every calibration token a module
+1. :func:`~compressor.quant.awq_observe.observe` -- mean ``|x|`` per input channel over every calibration token a module
    sees, the full inputs of the first ``loss_n`` sequences, the float layer's output;
 2. :func:`search_group_scales` -- one scaling group's scales (grid search on the inspected
    module's output error);
@@ -19,7 +19,6 @@ clipping: RTN, still sharing the layer's input scaling.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ from ..arch import expert_index, get_module, layer_groups, layer_linears
 from ..distributed import deal, world
 from .algorithms import Algorithm, register_algorithm
 from .awq import pick_scale, search_clip, search_scale_range, tie_kv_heads
+from .awq_observe import observe
 from .layer import LayerContext, LayerOutcome, inspect_forward, layer_forward
 
 
@@ -62,87 +62,6 @@ def fold_scales(prev, s: torch.Tensor, prev_rows, norm_offset: float,
     if getattr(prev, "bias", None) is not None:
         prev.bias.data.div_(s.to(prev.bias))
     return None
-
-
-class InputStats:
-    """Input hooks on ``watched`` (key -> module) while :meth:`hooked` is entered: per key the sum
-    of ``|x|`` per input channel (``abs_sum``, ``[in]`` float32, ``None`` if never called), the
-    rows seen (``n_rows``) and, of the calls made while :attr:`keep` is true, the inputs
-    (``stored``: float32 ``[b, T, in]`` or, for routed experts, ``[n, in]``)."""
-
-    def __init__(self, watched: dict):
-        self.watched = watched
-        self.abs_sum: dict[str, torch.Tensor | None] = {k: None for k in watched}
-        self.n_rows = {k: 0 for k in watched}
-        self.stored: dict[str, list[torch.Tensor]] = {k: [] for k in watched}
-        self.keep = True
-
-    def _hook(self, key):
-        def hook(_mod, args):
-            x = args[0].detach()
-            flat = x.abs().float().reshape(-1, x.shape[-1])
-            self.abs_sum[key] = flat.sum(0) if self.abs_sum[key] is None else self.abs_sum[key] + flat.sum(0)
-            self.n_rows[key] += flat.shape[0]
-            if self.keep:
-                self.stored[key].append(x.float())
-        return hook
-
-    @contextmanager
-    def hooked(self):
-        """The hooks, registered on entry and removed on exit."""
-        handles = [m.register_forward_pre_hook(self._hook(k)) for k, m in self.watched.items()]
-        try:
-            yield self
-        finally:
-            for hd in handles:
-                hd.remove()
-
-    def x_mean(self) -> dict:
-        """Per key the mean ``|x|`` per input channel, ``[in]`` float32 (``None`` if never called)."""
-        return {k: (s / max(self.n_rows[k], 1)) if s is not None else None for k, s in self.abs_sum.items()}
-
-    def loss_inputs(self, linears: dict, hidden: list, loss_n: int) -> dict[str, torch.Tensor]:
-        """Per key the inputs the losses use: ``[loss_n, T, in]`` (``[n, in]`` for routed experts: their
-        first ``loss_n * T`` tokens); an empty ``[0, in]`` for a key never called while kept."""
-        x_loss = {}
-        for k, v in self.stored.items():
-            if not v:
-                width = self.watched[k].in_features if k in linears else hidden[0].shape[-1]
-                x_loss[k] = torch.zeros(0, width, device=hidden[0].device)
-            elif v[0].ndim == 2:  # routed tokens of one expert
-                x_loss[k] = torch.cat(v)[: loss_n * hidden[0].shape[1]]
-            else:
-                x_loss[k] = torch.cat(v)[:loss_n]
-        return x_loss
-
-
-def loss_batches(hidden: list, loss_n: int) -> list[bool]:
-    """Per batch of ``hidden``, whether it holds some of the first ``loss_n`` sequences (its inputs are kept)."""
-    out, seen = [], 0
-    for h in hidden:
-        out.append(seen < loss_n)
-        seen += h.shape[0]
-    return out
-
-
-def observe(layer, hidden, kw, watched: dict, loss_n: int) -> tuple[InputStats, list[torch.Tensor]]:
-    """Run the float layer over ``hidden`` with input hooks on ``watched`` (key -> module).
-
-    Returns ``(stats, float_out)``: the :class:`InputStats` of every calibration token, the inputs
-    kept for the first ``loss_n`` sequences; the float layer's output on those sequences (a
-    list of ``[b, T, H]``).
-    """
-    stats = InputStats(watched)
-    float_out = []
-    seen = 0
-    with stats.hooked():
-        for h, keep in zip(hidden, loss_batches(hidden, loss_n)):
-            stats.keep = keep
-            y = layer_forward(layer, h, kw)
-            if keep:
-                float_out.append(y[: loss_n - seen])
-            seen += h.shape[0]
-    return stats, float_out
 
 
 #: apply the v_proj -> o_proj group under GQA (scales tied per KV head, :func:`kv_repeat`). Off:
@@ -526,11 +445,12 @@ def awq_scale_layer(i: int, layer, hidden: list, kw: dict, ctx: LayerContext) ->
     experts = ctx.experts(layer)
     if experts is not None:
         experts.counts.zero_()
-    stats, float_out = observe(layer, hidden, kw, watched_modules(layer, linears, groups), loss_n)
+    stats, float_out = observe(layer, hidden, kw, watched_modules(layer, linears, groups), loss_n, ctx.samples)
     counts = experts.counts.tolist() if experts is not None else None
+    figure = ctx.samples is None or ctx.samples.rank == 0  # several ranks: the output-error figure is rank 0's
     sl = ScaledLayer(linears, stats.loss_inputs(linears, hidden, loss_n), ctx.cold(counts), {}, {},
-                     {rel: m.weight.detach().clone() for rel, m in linears.items()}, {}, torch.cat(float_out), counts,
-                     phases, {})
+                     {rel: m.weight.detach().clone() for rel, m in linears.items()}, {},
+                     torch.cat(float_out) if figure else None, counts, phases, {})
     x_mean = stats.x_mean()
     del stats
     phases["observe"], tp = time.perf_counter() - tp, time.perf_counter()
@@ -582,6 +502,9 @@ class AWQ(Algorithm):
     #: ranks each reads only its own experts (every sum over experts combined across the ranks)
     streams_experts = experts_per_rank = True
     folds_input_scales = True
+
+    def divides_samples(self, ctx):
+        return True  # observe's records gathered in batch order (compressor.quant.awq_observe); the searches dealt
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return awq_layer(i, layer, hidden, kw, ctx)

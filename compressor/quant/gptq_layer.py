@@ -527,7 +527,7 @@ class GPTQ(Algorithm):
     streams_experts = experts_per_rank = True
 
     def divides_samples(self, ctx):
-        return ctx.recipe.refine is None and not self.folds_input_scales  # AWQ's observe, the refinement: every batch
+        return ctx.recipe.refine is None  # the refinement reads every batch (AWQ+GPTQ's observe divides)
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         if ctx.recipe.refine is not None:  # the layer's GPTQ result refined on its output (compressor.quant.refine)
