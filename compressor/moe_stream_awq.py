@@ -48,7 +48,12 @@ experts in each read, and every sum over experts is made in the single process's
 parts (the loss sequences', the reference's, each candidate's) by
 :meth:`~compressor.moe_ranks.ExpertShare.combine` after the read, the ``weight_mean`` terms sent to every
 rank (:meth:`~compressor.moe_ranks.ExpertShare.merge`), each expert's own ratio with its figures. Every
-rank computes the same losses and picks the same scale; the artifact is the single process's.
+rank computes the same losses and picks the same scale; the artifact is the single process's. The
+calibration batches divide too (:mod:`compressor.sample_ranks`): the observe runs on each rank's own
+batches, its statistics reach every rank in batch order (:func:`compressor.quant.awq_observe.observe`),
+and so do the expert calls it records (:meth:`~compressor.sample_ranks.Samples.gather_calls`), so each
+expert's owner sees every token routed to it; the float output on the loss sequences (the output-error
+figure) is rank 0's, on its first batch.
 """
 
 from __future__ import annotations
@@ -150,13 +155,15 @@ class _Streamed:
         tp = time.perf_counter()
         groups = layer_groups(arch, layer)
         linears = {r: get_module(layer, r) for r in layer_linears(arch, layer) if not is_expert(arch, r)}
-        calls = tap.set("record")
-        stats, _ = observe(layer, self.hidden, self.kw, watched_modules(layer, linears, groups), ctx.loss_n)
+        calls, samples = tap.set("record"), ctx.samples  # samples: this rank's batches (compressor.sample_ranks)
+        stats, _ = observe(layer, self.hidden, self.kw, watched_modules(layer, linears, groups), ctx.loss_n, samples,
+                           outputs=False)
         tap.set("zero")
+        calls = samples.gather_calls(calls) if samples is not None else calls  # every batch's, on every rank
         if ctx.spill is not None and calls:
             xs = ctx.spill([x for x, _, _ in calls], "moe-awq")
             calls = [(x, idx, w) for x, (_, idx, w) in zip(xs, calls)]
-        self.calls, self.keep = calls, loss_batches(self.hidden, ctx.loss_n)
+        self.calls, self.keep = calls, loss_batches(samples.shapes if samples is not None else self.hidden, ctx.loss_n)
         counts = _routed_counts(calls, len(tap.experts))
         self.sl = ScaledLayer(linears, stats.loss_inputs(linears, self.hidden, ctx.loss_n), ctx.cold(counts), {}, {},
                               {r: m.weight.detach().clone() for r, m in linears.items()}, {}, None, counts, {}, {})
@@ -201,13 +208,14 @@ class _Streamed:
         if search is not None:
             search.combine()
         self.tap.set("replay", routed)
-        out, seen = [], 0
-        for h, keep in zip(self.hidden, self.keep):
+        out, seen, samples = [], 0, self.ctx.samples
+        mine = samples.mine if samples is not None else range(len(self.hidden))  # rank 0's first batch: the loss's
+        for h, keep in zip(self.hidden, [self.keep[j] for j in mine]):
             if keep:
                 out.append(layer_forward(self.layer, h, self.kw)[: self.ctx.loss_n - seen])
             seen += h.shape[0]
         self.tap.set("zero")
-        self.sl.float_out = torch.cat(out)
+        self.sl.float_out = torch.cat(out) if out else None  # several ranks: the output-error figure is rank 0's
 
     def _scale_block(self, search: "_BlockSearch") -> None:
         """Search the block group's scale (the second read) and fold it into the held part."""

@@ -3,11 +3,11 @@
 With several ranks, each holds and runs only its share of the calibration batches through a decoder
 layer whose step divides them (:meth:`compressor.quant.algorithms.Algorithm.divides_samples`: GPTQ and
 GPTAQ without the refinement, AWQ and AWQ+GPTQ, RTN, ``none`` with static KV scales; a layer without
-routed experts held whole (AWQ: without routed experts), without a key rotation): batch ``j`` of ``n``
-belongs to rank ``j % world_size``, so the layer's forward passes (the Hessian passes, the GPTAQ float
-stream, AWQ's observe, the recompute that makes the next layer's inputs) and the activations held divide
-by the number of ranks. AWQ's statistics travel the same way (:mod:`compressor.quant.awq_observe`):
-every batch's per-call ``|x|`` sums, in batch order, and the loss sequences' inputs and outputs.
+routed experts held whole, without a key rotation): batch ``j`` of ``n`` belongs to rank ``j %
+world_size``, so the layer's forward passes (the Hessian passes, the GPTAQ float stream, AWQ's observe,
+the recompute that makes the next layer's inputs) and the activations held divide by the number of
+ranks. AWQ's statistics travel the same way (:mod:`compressor.quant.awq_observe`): every batch's
+per-call ``|x|`` sums, in batch order, and the loss sequences' inputs and outputs.
 
 Exactness. GPTQ's Hessians (:class:`compressor.quant.gptq.HessianAccumulator`) are float64 sums of one
 float32 product per batch, so a sum of per-rank partial sums would differ from one process's in the last
@@ -22,10 +22,10 @@ and so does the KV scale search by attention (``kv_cache.scale_search_samples`` 
 holds them): rank 0 searches on the maxima and sends every rank its ranges. So the artifact is one
 process's, bit for bit, for any number of ranks.
 
-A layer whose step does not divide the batches (AWQ in a streamed MoE layer, routed experts held whole,
-a key rotation, a scale search on more sequences than a batch, the refinement) gets them all back first
-(:meth:`Samples.gather`) and runs as every rank did before; its outputs are divided again after it. The
-resume checkpoint (rank 0) and the head's Hessian take every batch (:meth:`Samples.gather` to rank 0).
+A layer whose step does not divide the batches (routed experts held whole, a key rotation, a KV scale
+search or AWQ's loss on more sequences than a batch, the refinement) gets them all back first (:meth:`Samples.gather`)
+and runs as every rank did before; its outputs are divided again after it. The resume checkpoint (rank
+0) and the head's Hessian take every batch (:meth:`Samples.gather` to rank 0).
 """
 
 from __future__ import annotations
@@ -133,19 +133,20 @@ class Samples:
 
     def figures(self) -> dict:
         """This rank's part of the run (``kvq quantize --json``'s ``ranks``): its batches of all, the layers
-        that ran divided, and the batch forwards it ran in their Hessian passes."""
+        that ran divided, and the batch forwards it ran in their Hessian passes and AWQ observes
+        (:meth:`rounds`)."""
         return {"calibration_batches": len(self.mine), "of_batches": self.n, "layers_divided": self.layers_divided,
                 "hessian_pass_forwards": self.forwards}
 
     def divides(self, layer, ctx, algorithm, streamed: bool) -> bool:
         """Whether decoder ``layer`` runs on the ranks' shares (the module docstring): the algorithm
         divides them (:meth:`~compressor.quant.algorithms.Algorithm.divides_samples`), the layer has no
-        routed experts or is streamed (AWQ: has none), the key basis is left alone (``kv_cache.key_rotation``),
+        routed experts or is streamed, the key basis is left alone (``kv_cache.key_rotation``),
         and the KV scale search by attention (if any) and AWQ's loss (``awq.loss_samples``, whose output-error
         figure rank 0 computes) read no more sequences than the first batch holds."""
         searched = ctx.observer is not None and ctx.kv_scale_search == "attention"
-        if algorithm.folds_input_scales and (streamed or ctx.loss_n > self.shapes[0][0]):
-            return False  # AWQ: routed experts read in groups, or loss sequences beyond rank 0's first batch
+        if algorithm.folds_input_scales and ctx.loss_n > self.shapes[0][0]:
+            return False  # AWQ: loss sequences beyond rank 0's first batch
         return (algorithm.divides_samples(ctx) and (streamed or ctx.experts(layer) is None)
                 and ctx.kv_key_rotation == "none"
                 and (not searched or ctx.recipe.kv_cache.scale_search_samples <= self.shapes[0][0]))

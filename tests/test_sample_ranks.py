@@ -69,12 +69,17 @@ CASES = {
     "awq-loss-beyond-a-batch": ("deep", 2, ["--algorithm", "awq", "--set", "awq.n_grid=4", "--set",
                                             "awq.loss_samples=12"],
                                 dict(algorithm="awq", settings=(("awq.n_grid", 4), ("awq.loss_samples", 12)))),
-    # a streamed MoE layer's AWQ reads every batch (its dense first layer divides), the experts owned per rank
+    # a streamed MoE layer's AWQ: the observe's routed calls sent to every rank, the experts owned per rank
     "moe-awq": ("moe", 2, ["--algorithm", "awq", "--set", "awq.n_grid=4", "--memory-budget-gib", str(GROUPED)],
                 dict(algorithm="awq", settings=(("awq.n_grid", 4),), memory_budget_gib=GROUPED)),
+    "moe-awq-gptq-3-ranks-spilled": (
+        "moe", 3, ["--algorithm", "awq-gptq", "--set", "awq.n_grid=4", "--kv-scheme", "fp8", "--activation-budget-gib",
+                   "0", "--memory-budget-gib", str(GROUPED)],
+        dict(algorithm="awq-gptq", settings=(("awq.n_grid", 4),), kv_scheme="fp8", activation_budget_gib=0,
+             memory_budget_gib=GROUPED)),
 }
 #: the layers each case runs divided (every layer where not named)
-DIVIDED = {"awq-loss-beyond-a-batch": 0, "moe-awq": 1}
+DIVIDED = {"awq-loss-beyond-a-batch": 0}
 
 
 @pytest.fixture(scope="module")

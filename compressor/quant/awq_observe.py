@@ -103,7 +103,8 @@ def loss_batches(hidden: list, loss_n: int) -> list[bool]:
     return out
 
 
-def observe(layer, hidden, kw, watched: dict, loss_n: int, samples=None) -> tuple[InputStats, list[torch.Tensor]]:
+def observe(layer, hidden, kw, watched: dict, loss_n: int, samples=None,
+            outputs: bool = True) -> tuple[InputStats, list[torch.Tensor]]:
     """Run the float layer over ``hidden`` (a list of ``[b, T, H]`` float32) with input hooks on ``watched``
     (key -> module).
 
@@ -111,25 +112,27 @@ def observe(layer, hidden, kw, watched: dict, loss_n: int, samples=None) -> tupl
     kept for the first ``loss_n`` sequences; the float layer's output on those sequences (a
     list of ``[b, T, H]``). ``samples`` (:class:`compressor.sample_ranks.Samples`): ``hidden`` is this rank's
     share of the batches; the forwards run on it and every rank gets the whole-run statistics, loss inputs
-    and outputs (the module docstring), the same tensors as one process's.
+    and (with ``outputs``) outputs (the module docstring), the same tensors as one process's. Without
+    ``outputs`` the returned list is empty (a streamed MoE layer, whose routed part is added later).
     """
     stats = InputStats(watched)
     float_out: list[torch.Tensor] = []
     if samples is not None:
-        return _observe_divided(layer, hidden, kw, stats, loss_n, samples, float_out)
+        return _observe_divided(layer, hidden, kw, stats, loss_n, samples, float_out if outputs else None)
     seen = 0
     with stats.hooked():
         for h, keep in zip(hidden, loss_batches(hidden, loss_n)):
             stats.keep = keep
             y = layer_forward(layer, h, kw)
-            if keep:
+            if keep and outputs:
                 float_out.append(y[: loss_n - seen])
             seen += h.shape[0]
     return stats, float_out
 
 
-def _observe_divided(layer, own: list, kw, stats: InputStats, loss_n: int, samples, float_out: list):
-    """:func:`observe` over this rank's batches ``own``, every batch's records added on every rank in batch order."""
+def _observe_divided(layer, own: list, kw, stats: InputStats, loss_n: int, samples, float_out: list | None):
+    """:func:`observe` over this rank's batches ``own``, every batch's records added on every rank in batch order
+    (``float_out`` ``None``: the outputs are not sent)."""
     keep = loss_batches(samples.shapes, loss_n)
     before = [sum(s[0] for s in samples.shapes[:j]) for j in range(samples.n)]  # sequences before batch j
 
@@ -138,11 +141,11 @@ def _observe_divided(layer, own: list, kw, stats: InputStats, loss_n: int, sampl
         stats.keep, stats.record = keep[j], []
         y = layer_forward(layer, h, kw)
         kept, stats.record = stats.record, None
-        return kept + ([("y", y[: loss_n - before[j]])] if keep[j] else [])
+        return kept + ([("y", y[: loss_n - before[j]])] if keep[j] and float_out is not None else [])
 
     def consume(_j: int, tag: str, t: torch.Tensor) -> None:
         (float_out.append if tag == "y" else lambda v: stats.add(tag, v))(t)
 
     with stats.hooked():
         samples.rounds(own, run, consume)
-    return stats, float_out
+    return stats, float_out if float_out is not None else []
