@@ -9,6 +9,8 @@ on a terminal only; elsewhere (CI logs) quantization prints one plain line per l
 
 from __future__ import annotations
 
+import json
+
 from .gates import gate
 from .manifest import SIGNATURE_NAME
 
@@ -173,7 +175,8 @@ def quantize_done(console, summary: dict, layers: list[dict], moe_layers: list[d
                       highlight=False)
     if summary.get("source_bytes_read"):
         n, b = summary.get("workers") or 1, summary["source_bytes_read"]
-        console.print(f"read {f'{b / 1e9:,.3f} GB' if b >= 1e8 else f'{b / 1e6:,.3f} MB'} of the source in "
+        what = "the GGUF's float32 cache" if summary.get("source_kind") == "gguf" else "the source"
+        console.print(f"read {f'{b / 1e9:,.3f} GB' if b >= 1e8 else f'{b / 1e6:,.3f} MB'} of {what} in "
                       f"{summary['wall_seconds']:.1f} s: {summary['source_gb_per_s']:.4g} GB/s"
                       + (f" ({n} workers)" if n > 1 else ""), highlight=False)
     size, float_bytes = summary["artifact_bytes"], summary["float32_bytes"]
@@ -325,7 +328,8 @@ def runtime_line(console, d: dict) -> None:
     serves), KV scheme (``Runtime.describe()``)."""
     fused = f" ({d['fused_decode_sets']} q/k/v or gate/up sets share one decode call)" if "fused_decode_sets" in d else ""
     kernels = ", ".join(f"{k} x{n}" for k, n in d["kernels"].items()) or "none"
-    note(console, f"runtime: {d['device']} {d['dtype']}; kernels: {kernels}{fused}; KV {d['kv_scheme']} "
+    kv = d["kv_scheme"] if d["kv_scheme"] != "none" else f"{d['dtype']}, not quantized"
+    note(console, f"runtime: {d['device']} {d['dtype']}; kernels: {kernels}{fused}; KV {kv} "
                   f"({d['kv_bytes_per_token']:.0f} B/token)", highlight=False)
 
 
@@ -353,7 +357,8 @@ def smoke_table(console, report: dict, n: int) -> None:
         dec = s["decode_tokens_per_s"]
         dec = "n/a" if s["decode_tokens"] == 0 or dec != dec else f"{dec:.1f}"
         t.add_row(f"{key.replace('_', ' ')}: prefill / decode", f"{s['prefill_tokens_per_s']:.1f} / {dec} tokens/s")
-    t.add_row("KV cache", f"{rt['kv_scheme']}, {rt['kv_bytes_per_token']:.0f} bytes/token")
+    kv = rt["kv_scheme"] if rt["kv_scheme"] != "none" else f"{rt.get('dtype', 'float')}, not quantized"
+    t.add_row("KV cache", f"{kv}, {rt['kv_bytes_per_token']:.0f} bytes/token")
     t.add_row("peak RSS (runtime phase)", f"{rt['peak_rss_mib']:.0f} MiB")
     t.add_row("top-1 agreement (generated positions)", f"{c['top1_agreement_pct']:.1f} % of {c['generated_positions']}")
     k = c["prompt_kl"]
@@ -375,5 +380,6 @@ def smoke_table(console, report: dict, n: int) -> None:
     console.print(t)
     if report["failed_gates"]:
         console.print(f"[red]serve-smoke FAILED[/]: {', '.join(report['failed_gates'])}", highlight=False)
-    for p in c["per_prompt"][:3]:
-        console.print(f"  {p['prompt']!r} -> {p['generated'][:80]!r}", highlight=False)
+    for p in c["per_prompt"][:3]:  # quoted as the JSON report quotes them (newlines shown as \n)
+        console.print(f"  {json.dumps(p['prompt'], ensure_ascii=False)} -> "
+                      f"{json.dumps(p['generated'][:80], ensure_ascii=False)}", highlight=False, markup=False)

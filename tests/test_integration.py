@@ -7,6 +7,7 @@ unless KVQ_SKIP_REAL_MODEL=1 is set explicitly.
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 
@@ -136,4 +137,9 @@ def test_first_run_on_a_gguf_converts_it_then_streams(tmp_path, monkeypatch, cap
                               "--json"], capsys)
     assert code == 0, err
     assert json.loads(stdout)["source_loading"] == "streamed: one decoder layer at a time"
+    assert json.loads(stdout)["source_kind"] == "gguf"
     assert cached_gguf_folder(resolve_source("smollm2-135m")) is not None
+    # the bytes read are the float32 cache's (about 0.65 GB), not the 0.1 GB GGUF file's: the line says which
+    code, stdout, err = _run(["quantize", "smollm2-135m", "--recipe", "w4a16-rtn-g64", "-o", tmp_path / "o2"], capsys)
+    assert code == 0, err
+    assert re.search(r"read [0-9.]+ GB of the GGUF's float32 cache in ", stdout + err), stdout + err

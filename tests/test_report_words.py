@@ -154,7 +154,17 @@ def test_serve_smoke_says_none_of_its_prompts_diverged():
                                  "min_first_divergence": None, "per_prompt": []}}
         console = Console(width=1000, record=True, force_terminal=False)
         smoke_table(console, report, 2)
-        assert words in console.export_text(), console.export_text()
+        text = console.export_text()
+        assert words in text, text
+        assert "float, not quantized, 64 bytes/token" in text  # never "KV cache  none"
+        report["runtime"]["dtype"] = "bfloat16"
+        console = Console(width=1000, record=True, force_terminal=False)
+        smoke_table(console, report, 2)
+        assert "bfloat16, not quantized, 64 bytes/token" in console.export_text()
+    report["comparison"]["per_prompt"] = [{"prompt": "Q: [b]it's\nA:", "generated": "l'eau"}]
+    console = Console(width=1000, record=True, force_terminal=False)
+    smoke_table(console, report, 2)
+    assert '"Q: [b]it\'s\\nA:" -> "l\'eau"' in console.export_text()  # JSON quoting, no markup read
 
 
 def test_no_python_repr_reaches_the_console():

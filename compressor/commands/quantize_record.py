@@ -87,7 +87,8 @@ def run_summary(plan, src, written, writer, world_size: int, opts, t0: float, wo
     """The JSON summary of ``kvq quantize --json`` (``plan``, ``src``, ``written``: the command's
     records of :mod:`compressor.commands.quantize`; ``t0``: the run's start, ``time.perf_counter``).
     ``source_bytes_read`` (bytes read from a streamed source's shards, every worker's included;
-    ``None`` otherwise) over ``wall_seconds`` is ``source_gb_per_s`` (10^9 bytes a second);
+    ``None`` otherwise; of a GGUF source, its float32 cache's) over ``wall_seconds`` is ``source_gb_per_s``
+    (10^9 bytes a second); ``source_kind``: ``hf`` or ``gguf``;
     ``worker_reads``: each ``--workers`` process's reads and peak RSS (MiB)."""
     import time
 
@@ -111,6 +112,7 @@ def run_summary(plan, src, written, writer, world_size: int, opts, t0: float, wo
         "peak_rss_mib": peak_rss_mib(),
         "source_loading": src.loading,
         "source_bytes_read": read, "source_gb_per_s": None if read is None else float(f"{read / 1e9 / wall:.4g}"),
+        "source_kind": plan.source.kind,
         "matmul_precision": plan.matmul_precision, "threads": plan.threads, "busy_note": plan.busy,
         "workers": opts.execution.workers, "worker_reads": workers or None,
         "shards": sum(1 for n in manifest.files if n.endswith(".safetensors")),
