@@ -220,8 +220,9 @@ def check_fp4_scheme(recipe: "Recipe") -> str | None:
     ``group_size 16`` is NVFP4, llm-compressor's ``NVFP4A16`` preset (compressed-tensors ``strategy: tensor_group``,
     :mod:`compressor.quant.fp4`); ``group_size 32`` is MXFP4, its ``MXFP4A16`` preset (``strategy: group``, E8M0
     scales, :mod:`compressor.quant.mxfp4`). Either is symmetric, without block structure, weight-only (W4A4 is
-    not implemented), one scheme for every module, round-to-nearest (an algorithm with
-    :attr:`~compressor.quant.algorithms.Algorithm.fp8_grid`).
+    not implemented), one scheme for every module, round-to-nearest or GPTQ/GPTAQ (an algorithm with
+    :attr:`~compressor.quant.algorithms.Algorithm.fp4_grid`; GPTQ without ``refine`` and ``gptq.clip``, which
+    search integer grids).
     """
     w, a = recipe.weights, recipe.activations
     if not w.symmetric or w.group_size not in (16, 32) or w.block_structure is not None:
@@ -233,10 +234,14 @@ def check_fp4_scheme(recipe: "Recipe") -> str | None:
     if recipe.overrides:
         return f"overrides with {grid} weights (mixed schemes per module) are not implemented"
     algorithm = ALGORITHMS.find(recipe.algorithm)
-    if algorithm is not None and algorithm.quantizes_weights and not algorithm.fp8_grid:
-        fits = ", ".join(n for n in ALGORITHMS.names() if ALGORITHMS.find(n).fp8_grid)
+    if algorithm is not None and algorithm.quantizes_weights and not algorithm.fp4_grid:
+        fits = ", ".join(n for n in ALGORITHMS.names() if ALGORITHMS.find(n).fp4_grid)
         return (f"algorithm {recipe.algorithm} is not implemented on the {grid} grid; {grid} weights are "
                 f"quantized with {fits}")
+    if "gptq" in getattr(algorithm, "reads", ()) and recipe.refine is not None:
+        return f"the refine section on the {grid} grid is not implemented (it searches integer grids); remove it"
+    if "gptq" in getattr(algorithm, "reads", ()) and recipe.gptq.clip:
+        return f"gptq.clip on the {grid} grid is not implemented (the range search is the integer grid's); set it false"
     return None
 
 

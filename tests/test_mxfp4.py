@@ -164,7 +164,9 @@ def test_bundled_recipes(grid):
 @pytest.mark.parametrize("change, message", [
     ({"weights": {"group_size": 64}}, "symmetric in groups of 16 \\(NVFP4\\) or 32 \\(MXFP4\\)"),
     ({"weights": {"symmetric": False}}, "symmetric in groups of 16 \\(NVFP4\\) or 32 \\(MXFP4\\)"),
-    ({"algorithm": "gptq"}, "algorithm gptq is not implemented on the {grid} grid; {grid} weights are quantized with"),
+    ({"algorithm": "awq-gptq"}, "algorithm awq-gptq is not implemented on the {grid} grid; {grid} weights are "
+                                "quantized with"),
+    ({"algorithm": "gptq", "gptq": {"clip": True}}, "gptq.clip on the {grid} grid is not implemented"),
     ({"algorithm": "awq"}, "algorithm awq is not implemented on the {grid} grid"),
     ({"activations": {"type": "float", "num_bits": 8, "strategy": "token"}},
      "{grid} with quantized activations \\(W4A4\\) is not implemented"),
@@ -188,8 +190,8 @@ def test_a_width_not_a_multiple_of_32_is_refused_by_the_cli(tmp_path, capsys, to
 def test_a_rule_across_keys_is_worded_without_a_key_path(tmp_path, capsys, tiny_model_dir):
     """A recipe rule spanning several keys (the algorithm on the FP4 grid) names no internal ``<root>`` key."""
     code, _, err = kvq_run(["quantize", tiny_model_dir, "-o", tmp_path / "o", "--recipe", "w4a16-mxfp4",
-                            "--algorithm", "gptq"], capsys)
-    assert_clean_error(code, err, 2, "command-line options: algorithm gptq is not implemented on the MXFP4 grid",
+                            "--algorithm", "awq"], capsys)
+    assert_clean_error(code, err, 2, "command-line options: algorithm awq is not implemented on the MXFP4 grid",
                        tmp_path)
     assert "<root>" not in err
 

@@ -150,9 +150,11 @@ def dynamic_act_order(recipe) -> bool:
 
 def act_order(recipe) -> bool:
     """True when the recipe's algorithm solves GPTQ-style (:attr:`compressor.quant.algorithms.Algorithm.act_order`)
-    with ``gptq.act_order`` on."""
+    with ``gptq.act_order`` on, on an integer grid: the FP4 grids' steps are fixed before the columns are visited,
+    so their artifact records no column order."""
     algorithm = ALGORITHMS.find(recipe.algorithm)
-    return algorithm is not None and algorithm.act_order and recipe.gptq.act_order
+    return (algorithm is not None and algorithm.act_order and recipe.gptq.act_order
+            and recipe.weights.type != "float")
 
 
 def check_float16_weight_format(fmt: "WeightFormat", recipe, dtype_name: str) -> None:

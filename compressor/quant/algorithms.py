@@ -76,6 +76,8 @@ class Algorithm:
     act_order: ClassVar[bool] = False
     #: quantizes FP8 e4m3 weights (recipe ``weights.type: float``, :mod:`compressor.quant.fp8`): RTN only so far
     fp8_grid: ClassVar[bool] = False
+    #: quantizes FP4 e2m1 weights (NVFP4, MXFP4: :mod:`compressor.quant.fp4`, :mod:`compressor.quant.mxfp4`)
+    fp4_grid: ClassVar[bool] = False
 
     def divides_samples(self, ctx: LayerContext) -> bool:
         """Under several ranks, whether a decoder layer without routed experts may run on each rank's
@@ -245,15 +247,22 @@ def fused_peers(arch, rel: str) -> tuple[str, ...]:
     return (rel,)
 
 
+def share_fp4_absmax(i: int, rels, ctx: LayerContext) -> None:
+    """NVFP4: the global scale of each fused set among ``rels`` (relative names in decoder layer ``i``) from its
+    float weights, before any of them is rounded (:meth:`compressor.quant.layer.Quantizer.share_fp4_absmax`)."""
+    prefix = f"{ctx.arch.layers}.{i}."
+    for rel in rels:
+        if prefix + rel in ctx.targets and ctx.quantizer.schemes[prefix + rel].is_fp4:
+            ctx.quantizer.share_fp4_absmax({prefix + r: ctx.targets[prefix + r] for r in fused_peers(ctx.arch, rel)
+                                            if prefix + r in ctx.targets})
+
+
 def rtn_linears(i: int, layer, rels: list[str], ctx: LayerContext) -> list[float]:
     """Round-to-nearest quantization of those of ``rels`` (relative names) that decoder layer ``i``
     targets; returns their relative errors."""
     errs = []
     prefix = f"{ctx.arch.layers}.{i}."
-    for rel in rels:  # NVFP4: a fused set's global scale, from its float weights before any is rounded
-        if prefix + rel in ctx.targets and ctx.quantizer.schemes[prefix + rel].is_fp4:
-            ctx.quantizer.share_fp4_absmax({prefix + r: ctx.targets[prefix + r] for r in fused_peers(ctx.arch, rel)
-                                            if prefix + r in ctx.targets})
+    share_fp4_absmax(i, rels, ctx)
     for rel in rels:
         name = prefix + rel
         if name in ctx.targets:
@@ -273,7 +282,7 @@ class RTN(Algorithm):
     name = "rtn"
     per_linear = True
     streams_experts = experts_per_rank = True
-    fp8_grid = True
+    fp8_grid = fp4_grid = True
 
     def divides_samples(self, ctx):
         return True  # no forward of its own: the recompute alone

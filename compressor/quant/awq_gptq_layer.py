@@ -50,6 +50,7 @@ class AWQGPTQ(GPTQ):
     reads = ("awq", "gptq")
     act_order = True
     folds_input_scales = AWQ.folds_input_scales
+    fp4_grid = False  # AWQ's scale search rounds on the integer grid
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return awq_gptq_layer(i, layer, hidden, kw, ctx)

@@ -21,7 +21,9 @@ whose ``nvfp4-pack-quantized`` compressor writes (``docs/formats.md``):
   ``sign(w)``, 0 there). ``w_hat = q * (s / g)`` in float32: the global scale divides.
 * storage: two codes per uint8, the even column in the low nibble (``byte = q[2j] | q[2j+1] << 4``).
 
-Algorithms: round-to-nearest only (kvq's ``rtn``); GPTQ and AWQ on this grid are not implemented.
+Algorithms: round-to-nearest (kvq's ``rtn``) and GPTQ/GPTAQ, which round each column onto the same steps
+(:func:`group_steps`, from the weights before any column is rounded) with GPTQ's error feedback; AWQ on this
+grid is not implemented.
 ``in_features`` must be a multiple of 16 (vLLM's kernels and the group layout need it); shapes:
 weights ``[N, K]``. Every function is side-effect free.
 """
@@ -90,6 +92,22 @@ def quantize_weight(w: torch.Tensor, absmax: float | None = None
     Raises:
         InputError: ``w`` is not 2-D or its width is not a multiple of 16.
     """
+    n, k = w.shape if w.ndim == 2 else (0, 0)
+    step, s, g = group_steps(w, absmax)
+    q = e2m1_codes(w.float().reshape(n, k // GROUP, GROUP) / step.unsqueeze(-1)).reshape(n, k)
+    return q, s, g
+
+
+@torch.no_grad()
+def group_steps(w: torch.Tensor, absmax: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The NVFP4 grid of ``w [N, K]`` (module docstring): ``(step float32 [N, K/16], scale float8_e4m3fn [N, K/16],
+    global_scale float32 [1])``, a code ``q`` of group ``j`` standing for ``q * step[:, j]`` (``step = scale /
+    global_scale``); ``absmax`` as :func:`quantize_weight`'s. GPTQ rounds onto these steps column by column
+    (:func:`compressor.quant.gptq.gptq_quantize`'s ``e2m1_steps``).
+
+    Raises:
+        InputError: ``w`` is not 2-D or its width is not a multiple of 16.
+    """
     check_shape(w)
     wf = w.float()
     g = global_scale(wf.abs().max() if absmax is None else absmax).to(wf.device)
@@ -97,8 +115,7 @@ def quantize_weight(w: torch.Tensor, absmax: float | None = None
     wg = wf.reshape(n, k // GROUP, GROUP)
     s = (g * (wg.abs().amax(dim=-1) / FP4_MAX)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     s = torch.where(s.float() == 0, torch.full_like(s.float(), ZERO_GROUP_SCALE), s.float()).to(torch.float8_e4m3fn)
-    q = e2m1_codes(wg / (s.float() / g).unsqueeze(-1)).reshape(n, k)
-    return q, s, g.cpu()
+    return s.float() / g, s, g.cpu()
 
 
 @torch.no_grad()

@@ -1,29 +1,26 @@
 """GPTQ: accurate post-training quantization from second-order information.
 
-Frantar, Ashkboos, Hoefler, Alistarh, 2022 (arXiv:2210.17323), algorithm 1, with the
-refinements the reference implementation (IST-DASLab/gptq ``gptq.py``) and its
-descendants (AutoGPTQ, GPTQModel, llm-compressor ``gptq_quantize.py``) use:
+Frantar, Ashkboos, Hoefler, Alistarh, 2022 (arXiv:2210.17323), algorithm 1, with the refinements the reference
+implementation (IST-DASLab/gptq ``gptq.py``) and its descendants (AutoGPTQ, GPTQModel, llm-compressor
+``gptq_quantize.py``) use:
 
 * ``H = 2 X Xᵀ / n`` over the calibration tokens (:class:`HessianAccumulator`, streamed);
-* dead input channels (``H[i, i] == 0``: the channel never carries signal) get
-  ``H[i, i] = 1`` and their weight column is zeroed, as the reference does;
-* dampening ``damp * mean(diag(H))`` is added to the diagonal; if the Cholesky
-  factorisation still fails (not positive definite) the damping grows by
-  ``max(damp_increment, damp)`` (so at least doubles: a bounded number of retries up to
-  ``max_damp``) and is retried, and the damping actually used is reported;
-* columns are processed in lazy blocks of ``block_size``: inside a block the error of
-  each quantized column is propagated to the remaining columns of the block through the
-  upper Cholesky factor of ``H⁻¹``, and the whole block's error is applied to the rest
-  of the matrix in one matmul;
-* groups: the qparams of a group are computed from the (error-updated) weights when the
-  loop reaches the group's first column; ``act_order`` visits columns by descending
-  ``diag(H)``; with ``static_groups`` the qparams of every group are computed up front
-  from the original weights in the original column order, so group boundaries survive
-  the reordering and no ``g_idx`` is needed; otherwise groups follow the visiting order
-  and ``g_idx[c]`` (int32 ``[in]``) tells which group column ``c`` belongs to.
+* dead input channels (``H[i, i] == 0``: the channel never carries signal) get ``H[i, i] = 1`` and their weight
+  column is zeroed, as the reference does;
+* dampening ``damp * mean(diag(H))`` is added to the diagonal; if the Cholesky factorisation still fails (not
+  positive definite) the damping grows by ``max(damp_increment, damp)`` (so at least doubles: a bounded number
+  of retries up to ``max_damp``) and is retried, and the damping actually used is reported;
+* columns are processed in lazy blocks of ``block_size``: inside a block the error of each quantized column is
+  propagated to the remaining columns of the block through the upper Cholesky factor of ``H⁻¹``, and the whole
+  block's error is applied to the rest of the matrix in one matmul;
+* groups: the qparams of a group are computed from the (error-updated) weights when the loop reaches the group's
+  first column; ``act_order`` visits columns by descending ``diag(H)``; with ``static_groups`` the qparams of
+  every group are computed up front from the original weights in the original column order, so group boundaries
+  survive the reordering and no ``g_idx`` is needed; otherwise groups follow the visiting order and ``g_idx[c]``
+  (int32 ``[in]``) tells which group column ``c`` belongs to.
 
-Integers, scales and zero points use the compressed-tensors convention of
-:mod:`compressor.quant.primitives` (signed grid).
+Integers, scales and zero points: the compressed-tensors convention of :mod:`compressor.quant.primitives`
+(signed grid); with ``e2m1_steps``, FP4 e2m1 codes on fixed steps instead (NVFP4, MXFP4).
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ import torch
 from ..distributed import world
 from ..errors import InputError, QuantizationError
 from ..precision import float32_matmuls
+from .fp4 import e2m1_codes, e2m1_values
 from .inplace_linalg import all_finite, permute_symmetric_, upper_cholesky_of_inverse_
 from .primitives import compute_qparams, qrange, search_qparams
 
@@ -283,6 +281,8 @@ class _Grid:
     #: ``1 - k/clip_grid`` below ``clip_max_shrink``; ``None``: min-max qparams
     clip_grid: int | None = None
     clip_max_shrink: float = 0.0
+    #: FP4 e2m1 codes on fixed steps (NVFP4, MXFP4: ``gptq_quantize``'s ``e2m1_steps``), not integers
+    e2m1: bool = False
 
     def qparams(self, W: torch.Tensor, h_blocks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Qparams of ``W [out, k·gs]`` (scale already rounded to ``scale_dtype``, float32; zero int8):
@@ -407,9 +407,13 @@ def _quantize_block(W1t: torch.Tensor, U1: torch.Tensor, i1: int, col_group_list
             scale_t[g] = s[:, 0]
             zero_f[g] = z[:, 0]
         s_col, z_col, col, q, err = scale_t[g], zero_f[g], W1t[i], Q1t[i], Err1t[i]
-        torch.div(col, s_col, out=q)
-        q.round_().add_(z_col).clamp_(grid.qmin, grid.qmax)
-        torch.sub(q, z_col, out=deq).mul_(s_col)
+        if grid.e2m1:  # the code nearest col / step (ties to even, saturated at 6), as the format's RTN rounds
+            q.copy_(e2m1_codes(torch.div(col, s_col, out=deq)))
+            torch.mul(e2m1_values(q.to(torch.uint8)), s_col, out=deq)
+        else:
+            torch.div(col, s_col, out=q)
+            q.round_().add_(z_col).clamp_(grid.qmin, grid.qmax)
+            torch.sub(q, z_col, out=deq).mul_(s_col)
         torch.sub(col, deq, out=err).div_(diag[i])
         if i + 1 < b:
             W1t[i + 1:].sub_(torch.outer(U1[i, i + 1:], err))
@@ -483,6 +487,16 @@ def _restore_column_order(Q: torch.Tensor, perm: torch.Tensor | None, col_group:
 
 @torch.no_grad()
 @float32_matmuls()  # the error feedback is never rounded to bfloat16 (--matmul-precision)
+def _check_finite(scale: torch.Tensor, losses: torch.Tensor, scale_dtype: torch.dtype, name: str) -> None:
+    """Raises InputError for scales beyond ``scale_dtype`` (float16), QuantizationError for NaN or Inf."""
+    if torch.isinf(scale).any() and scale_dtype.itemsize < 4 and not torch.isnan(scale).any():
+        raise InputError(f"the weight scales of {name} overflow {str(scale_dtype).removeprefix('torch.')} "
+                         f"(largest it stores: {torch.finfo(scale_dtype).max:g}); store the artifact in bfloat16 "
+                         "(--dtype bfloat16) or float32")
+    if not (torch.isfinite(scale).all() and torch.isfinite(losses).all()):
+        raise QuantizationError(f"GPTQ produced NaN or Inf for {name}")
+
+
 def gptq_quantize(
     w: torch.Tensor,
     H: torch.Tensor,
@@ -503,6 +517,7 @@ def gptq_quantize(
     keep_target: bool = False,
     factors: dict | None = None,
     collective: bool = False,
+    e2m1_steps: torch.Tensor | None = None,
 ) -> GPTQResult:
     """Quantize one weight matrix with GPTQ (Frantar et al., 2022, algorithm 1, as the reference implementation).
 
@@ -534,6 +549,9 @@ def gptq_quantize(
         factors: a dict kept per ``H`` by the caller: the first call stores its :class:`HessianFactor`,
             later ones with the same settings reuse it (``H`` not read); drop it after the last.
         collective: every rank calls this with the same ``H`` (each for its rows): they divide its factorization.
+        e2m1_steps: ``[out, in / group_size]`` float32: round onto the FP4 e2m1 grid of these steps (NVFP4, MXFP4:
+            :func:`compressor.quant.fp4.group_steps`, fixed as static groups are), not integers; ``q`` then holds
+            the e2m1 codes (0..15), ``scale`` the steps (``num_bits``, ``symmetric``, ``clip_grid``: not read).
 
     Returns:
         :class:`GPTQResult`.
@@ -545,8 +563,9 @@ def gptq_quantize(
     _out_f, in_f = w.shape
     gs = in_f if group_size in (-1, 0, None) else int(group_size)
     qmin, qmax = qrange(num_bits)
-    grid = _Grid(num_bits, symmetric, gs, scale_dtype, qmin, qmax, clip_grid, clip_max_shrink if clip_grid else 0.0)
-    static = static_groups or gs == in_f
+    e2m1 = e2m1_steps is not None
+    grid = _Grid(num_bits, symmetric, gs, scale_dtype, qmin, qmax, None if e2m1 else clip_grid, clip_max_shrink, e2m1)
+    static = static_groups or gs == in_f or e2m1
     settings = (gs, static, bool(act_order), clip_grid, damp, damp_increment, max_damp)
     f = factors.get(settings) if factors is not None else None
     if f is None:
@@ -554,9 +573,9 @@ def gptq_quantize(
         f = HessianFactor(dead, _hessian_blocks(H, gs) if clip_grid and static else None)
     else:
         W = _prepared_weights(w, f.dead, name)
-    # static groups: every group's qparams from the original weights in the original column
-    # order, fixed for the whole column loop (the range search scored on H's blocks in that order)
-    static_qparams = grid.qparams(W, f.static_blocks) if static else None
+    # static groups (and e2m1 steps): each group's qparams fixed up front, from the weights in their own column order
+    static_qparams = ((e2m1_steps.float().to(W.device), torch.zeros_like(e2m1_steps, dtype=torch.int8, device=W.device))
+                      if e2m1 else grid.qparams(W, f.static_blocks) if static else None)
     if f.U is None:
         W = _factorize(W, H, f, act_order, gs if clip_grid and not static else None, (damp, damp_increment, max_damp),
                        name, world() if collective else (0, 1))
@@ -573,12 +592,7 @@ def gptq_quantize(
     if keep_target:
         target = W[:, torch.argsort(perm)] if perm is not None else W
     del W
-    if torch.isinf(scale).any() and scale_dtype.itemsize < 4 and not torch.isnan(scale).any():
-        raise InputError(f"the weight scales of {name} overflow {str(scale_dtype).removeprefix('torch.')} "
-                         f"(largest it stores: {torch.finfo(scale_dtype).max:g}); store the artifact in bfloat16 "
-                         "(--dtype bfloat16) or float32")
-    if not (torch.isfinite(scale).all() and torch.isfinite(losses).all()):
-        raise QuantizationError(f"GPTQ produced NaN or Inf for {name}")
+    _check_finite(scale, losses, scale_dtype, name)
     return GPTQResult(
         q=Q.contiguous(), scale=scale, zero_point=zero, g_idx=g_idx, loss=float(losses.sum()),
         damp=f.damp, retries=f.retries, dead_channels=n_dead, target=target,

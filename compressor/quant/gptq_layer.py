@@ -19,7 +19,7 @@ import torch
 from ..arch import EXPERT, expand, expert_index, get_module, is_expert, layer_fused_sets, layer_linears, num_experts
 from ..distributed import deal, recv, send, world
 from ..registry import FORMATS
-from .algorithms import Algorithm, odd_bits_warnings, register_algorithm, unread_warnings
+from .algorithms import Algorithm, odd_bits_warnings, register_algorithm, share_fp4_absmax, unread_warnings
 from .gptq import CrossAccumulator, HessianAccumulator, float_target, gptq_quantize
 from .layer import LayerContext, LayerOutcome, StopForward, layer_forward
 from .refine import refined_layer
@@ -183,7 +183,8 @@ def _batches(layer, st: tuple[str, ...], schemes: dict, prefix: str) -> list[tup
     for rel in st:
         lin = get_module(layer, rel)
         size = 4 * lin.out_features * lin.in_features
-        if out and schemes[prefix + rel] == schemes[prefix + out[-1][0]] and held + size <= BATCH_BYTES:
+        e2m1 = schemes[prefix + rel].is_fp4 or schemes[prefix + rel].is_mxfp4  # NVFP4: its own global scale
+        if out and not e2m1 and schemes[prefix + rel] == schemes[prefix + out[-1][0]] and held + size <= BATCH_BYTES:
             out[-1].append(rel)
             held += size
         else:
@@ -203,6 +204,7 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
     prefix = f"{arch.layers}.{i}."
     errs, damps, retries, dead = [], [], 0, 0
     tasks = []  # (linears solved together, their set's key): the solves of this pass, dealt to the ranks
+    share_fp4_absmax(i, [r for st in sets for r in st], ctx)  # NVFP4: global scales before any set is solved
     for st in sets:
         e = expert_index(arch, st[0])
         if (e is not None and e in cold) or accs[st[0]].n == 0:
@@ -243,6 +245,7 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
         if cross is not None:  # asymmetric calibration: the float model's output is the target
             w = float_target(w, H, cross, opts.gptaq_alpha, opts.damp)
         del cross
+        e2m1 = quantizer.e2m1_grid(prefix + rels[0], w)  # NVFP4 / MXFP4: the steps, fixed before any column
         r = gptq_quantize(
             w, H, bits, gs, sym, block_size=opts.block_size, damp=opts.damp,
             damp_increment=opts.damp_increment, act_order=opts.act_order,
@@ -250,7 +253,10 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
             consume_hessian=last, clip_grid=opts.clip_grid if opts.clip else None, clip_max_shrink=opts.clip_max_shrink,
             keep_target=ctx.bases is not None, factors=factors.pop(key, None) if last else factors.setdefault(key, {}),
             collective=rows is not None,  # every rank holds a slice of this linear: they factor H together
+            e2m1_steps=None if e2m1 is None else e2m1[0],
         )
+        if e2m1 is not None:  # the format's stored scales in place of the steps (Quantizer.finish)
+            r.scale, r.zero_point = e2m1[1], e2m1[2]
         del H, w
         if rows is not None:  # one linear's slice of rows: joined with the other slices below
             return [(r.q, r.scale, r.zero_point, r.g_idx, r.target)], r.damp, r.retries, r.dead_channels
@@ -524,6 +530,7 @@ class GPTQ(Algorithm):
     reads = ("gptq", "refine")
     needs_calibration = True
     act_order = True
+    fp4_grid = True  # NVFP4 and MXFP4: each column rounded onto the format's fixed steps (Quantizer.e2m1_grid)
     streams_experts = experts_per_rank = True
 
     def divides_samples(self, ctx):

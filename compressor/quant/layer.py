@@ -125,6 +125,10 @@ class LinearQuantizer:
         Raises:
             QuantizationError: a non-finite scale or dequantized weight (names the module).
         """
+        if self.schemes[name].is_fp4:  # GPTQ on the e2m1 grid (e2m1_grid): zp holds the global scale per row
+            return self.finish_fp4(name, lin, q.to(torch.uint8), scale, zp[:1].float())
+        if self.schemes[name].is_mxfp4:
+            return self.finish_mxfp4(name, lin, q.to(torch.uint8), scale)
         bits, gs, sym = self.schemes[name][:3]
         scale, deq = stored_dequantize(q, scale, None if sym else zp, gs, self.dtype, name, g_idx)
         ref = (original if original is not None else lin.weight.detach()).float()
@@ -140,6 +144,24 @@ class LinearQuantizer:
             g_idx=None if g_idx is None else g_idx.cpu().to(torch.int32), scheme=Scheme(*self.schemes[name]),
         )
         return record, rel
+
+    def e2m1_grid(self, name: str, w: torch.Tensor) -> tuple | None:
+        """For an NVFP4 or MXFP4 linear ``name`` whose weight (or rows of it) GPTQ rounds, ``w [rows, in]``:
+        ``(steps float32 [rows, G], stored scales [rows, G], per-row values [rows] float32)``, the last the NVFP4
+        global scale repeated (MXFP4: zeros), so row slices join as the integer grid's zero points do and
+        :meth:`finish` takes the codes; ``None`` for an integer scheme.
+
+        Raises:
+            InputError: a width that is not a multiple of the group (16, 32).
+        """
+        scheme = self.schemes[name]
+        if scheme.is_fp4:
+            steps, s, g = fp4.group_steps(w, self.fp4_absmax.get(name))
+            return steps, s, g.float().expand(w.shape[0]).clone()
+        if scheme.is_mxfp4:
+            steps, e = mxfp4.group_steps(w)
+            return steps, e, torch.zeros(w.shape[0])
+        return None
 
     def quantize_linear(self, name, lin, clip_max=None, col_scale=None, original=None, row_scale=None):
         """Round-to-nearest (optionally clipped, ``clip_max [out, G]``) quantization of one Linear, in place."""

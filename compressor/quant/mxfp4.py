@@ -28,7 +28,8 @@ compressor writes (``docs/formats.md``); vLLM's ``tests/quantization/reference_m
   and it writes 255).
 * code ``q = e2m1(clamp(w / X, -6, 6))``; ``w_hat = q * X``, exact in float32 (and in bfloat16).
 
-Algorithms: round-to-nearest only (kvq's ``rtn``). ``in_features`` must be a multiple of 32 (the group
+Algorithms: round-to-nearest (kvq's ``rtn``) and GPTQ/GPTAQ on the same steps (:func:`group_steps`).
+``in_features`` must be a multiple of 32 (the group
 layout and vLLM's ``CompressedTensorsW4A16Mxfp4`` need it); shapes: weights ``[N, K]``. Every function is
 side-effect free.
 """
@@ -87,13 +88,25 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Raises:
         InputError: ``w`` is not 2-D or its width is not a multiple of 32.
     """
+    step, e = group_steps(w)
+    n, k = w.shape
+    q = e2m1_codes(w.float().reshape(n, k // GROUP, GROUP) / step.unsqueeze(-1)).reshape(n, k)
+    return q, e
+
+
+@torch.no_grad()
+def group_steps(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MXFP4 grid of ``w [N, K]``: ``(step float32 [N, K/32], e uint8 [N, K/32])``, a code ``q`` of group ``j``
+    standing for ``q * step[:, j]`` (``step = 2^(e - 127)``). GPTQ rounds onto these steps column by column.
+
+    Raises:
+        InputError: ``w`` is not 2-D or its width is not a multiple of 32.
+    """
     check_shape(w)
     wf = w.float()
     n, k = wf.shape
-    wg = wf.reshape(n, k // GROUP, GROUP)
-    e = shared_exponents(wg.abs().amax(dim=-1))
-    q = e2m1_codes(wg / scale_values(e).unsqueeze(-1)).reshape(n, k)
-    return q, e
+    e = shared_exponents(wf.reshape(n, k // GROUP, GROUP).abs().amax(dim=-1))
+    return scale_values(e), e
 
 
 @torch.no_grad()
