@@ -10,6 +10,8 @@ exception is thrown into torch's C++ initialisation.
 
 from __future__ import annotations
 
+import os
+
 import signal
 from contextlib import contextmanager
 
@@ -103,6 +105,10 @@ def message(sig: int | None, argv) -> str:
                 "the summary was not printed)")
     if kept:
         return f"kvq: {word} {kept[-1]}; no artifact was written: rerun the same command with --resume to continue"
+    rank, size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    if command == "quantize" and rank != "0" and size.isdigit() and int(size) > 1:  # torchrun: rank 0 keeps the layers
+        return (f"kvq: rank {rank} of {size} {word}; no artifact was written: rank 0 keeps the finished layers "
+                "(its line says whether --resume continues)")
     if command == "quantize":  # stopped before the first checkpoint: its staging folder is gone
         return (f"kvq: {word}; no artifact was written and no layer was finished "
                 "(nothing to resume: rerun without --resume)")

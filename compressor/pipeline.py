@@ -54,7 +54,7 @@ from .recipe import Recipe, resolve_group_size
 from .gc_policy import frozen_gc
 from .layer_inputs import capture_layer_inputs
 from .layer_figures import first_rows, layer_figures, out_error
-from .sample_ranks import Samples
+from .sample_ranks import Samples, division_warnings
 
 __all__ = ["LayerHooks", "QuantizeResult", "QuantizedLinear", "check_finite", "check_patterns",
            "quantize_model", "resolve_schemes", "target_modules", "check_group_sizes"]
@@ -414,6 +414,7 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
                 if observer is not None:
                     observer.layers[i].k_absmax, observer.layers[i].v_absmax = k, v
         samples = Samples.of(hidden) if algorithm.divides_samples(ctx) else None  # several ranks: batches divided
+        result.warnings += division_warnings(hidden, ctx, algorithm, samples)
         hidden = samples.own(hidden) if samples is not None else hidden
         ctx.float_hidden = samples.own(ctx.float_hidden) if samples is not None else ctx.float_hidden
         hidden = _spill(hidden, hooks, "in")  # layer 0's inputs too: above the budget one copy stays in memory

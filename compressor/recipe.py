@@ -49,7 +49,8 @@ def _one_of(value: str, names) -> str:
 
 class AWQOptions(_Strict):
     """AWQ knobs (Lin et al., 2023). ``loss_samples``: calibration sequences used for the
-    grid-search loss (activation statistics always use all samples); ``clip_tokens``:
+    grid-search loss, the first ones (at most all of them; activation statistics always use all
+    samples; under several ranks, more than the first batch holds are not divided); ``clip_tokens``:
     tokens sampled for the weight-clipping search."""
 
     n_grid: int = Field(20, ge=1, le=100)

@@ -36,7 +36,7 @@ import torch
 
 from .distributed import all_max, broadcast, recv, send, share, world
 
-__all__ = ["Samples"]
+__all__ = ["Samples", "division_warnings"]
 
 
 class Samples:
@@ -180,3 +180,19 @@ class Samples:
         figure = search() if self.rank == 0 else None
         figure, obs.k_absmax, obs.v_absmax = share((figure, obs.k_absmax, obs.v_absmax) if self.rank == 0 else None)
         return figure
+
+
+def division_warnings(hidden: list, ctx, algorithm, samples: "Samples | None") -> list[str]:
+    """What the run's warnings say when several ranks do not divide the batches as the user may expect
+    (``hidden``: every calibration batch, ``[b, T, H]`` each; ``samples``: :meth:`Samples.of`'s division or
+    ``None``): fewer batches than ranks (nothing divided), AWQ's loss sequences beyond the first batch (every
+    layer takes every batch)."""
+    out, size = [], world()[1]
+    b = hidden[0].shape[0] if hidden else 0
+    if size > 1 and samples is None and algorithm.divides_samples(ctx):
+        out.append(f"{len(hidden)} calibration batch(es) of {b} sequences for {size} ranks: the batches are not "
+                   f"divided, every rank runs every one (more than {b * (size - 1)} calibration sequences divide them)")
+    if samples is not None and algorithm.folds_input_scales and ctx.loss_n > b:
+        out.append(f"awq.loss_samples {ctx.loss_n} exceeds the first calibration batch ({b} sequences): under "
+                   f"{size} ranks every layer takes every batch back (not divided)")
+    return out

@@ -63,6 +63,22 @@ def test_interrupt_before_the_first_layer_says_there_is_nothing_to_resume():
     assert "resume" not in interrupts.message(signal.SIGINT, ["sign", "a"])
 
 
+def test_a_torchrun_rank_after_the_first_leaves_what_was_kept_to_rank_0(monkeypatch):
+    """Under torchrun only rank 0 holds the staging folder: another rank never says there is nothing to resume
+    (rank 0 may have kept finished layers), it points to rank 0's line."""
+    import signal
+
+    from compressor import interrupts
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = interrupts.message(signal.SIGTERM, ["quantize", "m", "-o", "x"])
+    assert line == ("kvq: rank 1 of 2 terminated; no artifact was written: rank 0 keeps the finished layers (its "
+                    "line says whether --resume continues)"), line
+    monkeypatch.setenv("RANK", "0")
+    assert "nothing to resume" in interrupts.message(signal.SIGTERM, ["quantize", "m", "-o", "x"])
+
+
 @pytest.fixture()
 def no_loading(monkeypatch):
     """Loading a model (streamed or whole) fails the test: a refusal must come before it."""

@@ -101,7 +101,11 @@ def test_divided_batches_give_the_single_process_artifact(case, deep_dir, moe_ro
     assert [g[0] for g in got] == [0] * n, got
     assert digests(tmp_path / "n") == digests(tmp_path / "one")
     assert _layers(tmp_path / "n") == _layers(tmp_path / "one")
-    per_rank = json.loads(got[0][1])["ranks"]
+    summary = json.loads(got[0][1])
+    per_rank = summary["ranks"]
+    beyond = [w for w in summary["warnings"] if "exceeds the first calibration batch" in w]
+    assert beyond == (["awq.loss_samples 12 exceeds the first calibration batch (8 sequences): under 2 ranks every "
+                       "layer takes every batch back (not divided)"] if case == "awq-loss-beyond-a-batch" else [])
     held = [len(range(r, 3, n)) for r in range(n)]  # batch j on rank j % n
     assert [r["calibration_batches"] for r in per_rank] == held and {r["of_batches"] for r in per_rank} == {3}
     divided = DIVIDED.get(case, 3 if name == "moe" else 4)
@@ -131,3 +135,17 @@ def test_a_divided_run_killed_mid_layer_resumes_with_three_ranks_or_one(deep_dir
     one = run_quantize(QuantizeOptions(model=str(deep_dir), output=tmp_path / "b" / "r", algorithm="gptq",
                                        resume=True, **CALIB))
     assert one["resumed_from_layer"] == 2 and digests(tmp_path / "b" / "r") == digests(tmp_path / "ref")
+
+
+@pytest.mark.slow
+def test_fewer_batches_than_ranks_is_said(deep_dir, tmp_path):
+    """8 calibration sequences make one batch: two ranks cannot divide it, run every batch each, and the summary's
+    warnings say so (the artifact is still one process's)."""
+    flags = ["--algorithm", "gptq", "--group-size", "32", "--calib-samples", "8", "--calib-seqlen", "32", "--threads",
+             "1", "--json"]
+    got = ends(ranks(2, [deep_dir, "-o", tmp_path / "n", *flags]))
+    assert [g[0] for g in got] == [0, 0], got
+    summary = json.loads(got[0][1])
+    assert ("1 calibration batch(es) of 8 sequences for 2 ranks: the batches are not divided, every rank runs every "
+            "one (more than 8 calibration sequences divide them)") in summary["warnings"], summary["warnings"]
+    assert {r["layers_divided"] for r in summary["ranks"]} == {0}
