@@ -485,8 +485,6 @@ def _restore_column_order(Q: torch.Tensor, perm: torch.Tensor | None, col_group:
     return Q, g_idx
 
 
-@torch.no_grad()
-@float32_matmuls()  # the error feedback is never rounded to bfloat16 (--matmul-precision)
 def _check_finite(scale: torch.Tensor, losses: torch.Tensor, scale_dtype: torch.dtype, name: str) -> None:
     """Raises InputError for scales beyond ``scale_dtype`` (float16), QuantizationError for NaN or Inf."""
     if torch.isinf(scale).any() and scale_dtype.itemsize < 4 and not torch.isnan(scale).any():
@@ -497,6 +495,8 @@ def _check_finite(scale: torch.Tensor, losses: torch.Tensor, scale_dtype: torch.
         raise QuantizationError(f"GPTQ produced NaN or Inf for {name}")
 
 
+@torch.no_grad()
+@float32_matmuls()  # the error feedback is never rounded to bfloat16 (--matmul-precision)
 def gptq_quantize(
     w: torch.Tensor,
     H: torch.Tensor,
