@@ -323,13 +323,17 @@ def divergence_text(token: int | None) -> str:
     return "none" if token is None else f"at token {token}"
 
 
+def _kv_cache(d: dict) -> str:
+    """The runtime's KV cache in words (``Runtime.describe()``'s): its scheme, or the dtype it is kept in."""
+    return d["kv_scheme"] if d["kv_scheme"] != "none" else f"{d.get('dtype', 'float')}, not quantized"
+
+
 def runtime_line(console, d: dict) -> None:
     """The runtime serve-smoke loaded: device, dtype, kernels (``kernels: aten-int4 x14, float x1``: layers each
     serves), KV scheme (``Runtime.describe()``)."""
     fused = f" ({d['fused_decode_sets']} q/k/v or gate/up sets share one decode call)" if "fused_decode_sets" in d else ""
     kernels = ", ".join(f"{k} x{n}" for k, n in d["kernels"].items()) or "none"
-    kv = d["kv_scheme"] if d["kv_scheme"] != "none" else f"{d['dtype']}, not quantized"
-    note(console, f"runtime: {d['device']} {d['dtype']}; kernels: {kernels}{fused}; KV {kv} "
+    note(console, f"runtime: {d['device']} {d['dtype']}; kernels: {kernels}{fused}; KV {_kv_cache(d)} "
                   f"({d['kv_bytes_per_token']:.0f} B/token)", highlight=False)
 
 
@@ -357,8 +361,7 @@ def smoke_table(console, report: dict, n: int) -> None:
         dec = s["decode_tokens_per_s"]
         dec = "n/a" if s["decode_tokens"] == 0 or dec != dec else f"{dec:.1f}"
         t.add_row(f"{key.replace('_', ' ')}: prefill / decode", f"{s['prefill_tokens_per_s']:.1f} / {dec} tokens/s")
-    kv = rt["kv_scheme"] if rt["kv_scheme"] != "none" else f"{rt.get('dtype', 'float')}, not quantized"
-    t.add_row("KV cache", f"{kv}, {rt['kv_bytes_per_token']:.0f} bytes/token")
+    t.add_row("KV cache", f"{_kv_cache(rt)}, {rt['kv_bytes_per_token']:.0f} bytes/token")
     t.add_row("peak RSS (runtime phase)", f"{rt['peak_rss_mib']:.0f} MiB")
     t.add_row("top-1 agreement (generated positions)", f"{c['top1_agreement_pct']:.1f} % of {c['generated_positions']}")
     k = c["prompt_kl"]

@@ -11,7 +11,6 @@ exception is thrown into torch's C++ initialisation.
 from __future__ import annotations
 
 import os
-
 import signal
 from contextlib import contextmanager
 

@@ -92,8 +92,8 @@ def quantize_weight(w: torch.Tensor, absmax: float | None = None
     Raises:
         InputError: ``w`` is not 2-D or its width is not a multiple of 16.
     """
-    n, k = w.shape if w.ndim == 2 else (0, 0)
     step, s, g = group_steps(w, absmax)
+    n, k = w.shape
     q = e2m1_codes(w.float().reshape(n, k // GROUP, GROUP) / step.unsqueeze(-1)).reshape(n, k)
     return q, s, g
 
