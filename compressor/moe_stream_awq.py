@@ -356,12 +356,18 @@ class _BlockSearch:
 
     def _candidate_reads(self, scales: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """One read of the experts: per candidate ``s``, the routed part of each loss chunk's block
-        output with every expert's gate/up scaled, fake-quantized and unscaled by ``s``."""
+        output with every expert's gate/up scaled, fake-quantized and unscaled by ``s``. An expert no
+        loss chunk routes a token to adds nothing to any candidate: its candidates are not made."""
         st = self.st
         outs = [_zeros(self.chunk_calls, None, "") for _ in scales]
         sinks = [st.share.sink(self.chunk_calls, out) for out in outs]
+        reached = set()  # experts a loss chunk routes a token to: the others add nothing to any candidate
+        for _x, idx, _w in self.chunk_calls:
+            reached.update(idx.unique().tolist())
         for modules in st.reread():
             for e in _experts_of(st.ctx.arch, st.prefix, modules):
+                if e not in reached:
+                    continue
                 expert, rels = st.tap.experts[e], self.routed.get(e, [])
                 move_loaded(expert, st.device)
                 lins = [get_module(st.layer, r) for r in rels]
