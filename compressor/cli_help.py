@@ -106,7 +106,9 @@ HELP = {
         "of at most this size (with a calibration pass, each expert is calibrated on the tokens routed to it; "
         "AWQ and awq-gptq read the experts at least twice more, for the scale their norm shares, holding the "
         "grid candidates' routed outputs within this budget). GPTQ on a layer held whole accumulates and solves "
-        "the routed experts' Hessians (12 bytes per input feature squared each) in chunks within this budget."
+        "the routed experts' Hessians (12 bytes per input feature squared each) in chunks within this budget. "
+        "A streamed run prints its memory plan (the estimated peak and what makes it) before loading, and "
+        "refuses a budget below one routed expert, the smallest unit a layer is read in (exit 2)."
     ),
     "quantize.workers": (
         "Processes converting the layers at once, for data-free recipes (RTN integer weights, the FP8 W8A8 "

@@ -56,7 +56,6 @@ from ..quant.head import add_head, check_head, check_untie, head_schemes
 from ..recipe import KVCacheOptions, Recipe, apply_settings, load_recipes, with_overrides
 from ..recipe_schemes import fp4_grid_change
 from ..signing import check_sign_options, sign_folder
-from ..activations import plan_activations
 from ..staging import (
     LayerWriter, input_digests, keep_checkpoint, kept_note, name_kept_checkpoint, open_staging, refuse_if_in_use,
     resume_key,
@@ -66,6 +65,7 @@ from . import kv_only
 from .common import cpu_threads, in_background, peak_rss_mib, threads_restored
 from . import quantize_record as blocks
 from .options import QuantizeOptions
+from .quantize_memory import check_activations, for_run as memory_plan
 
 
 @dataclass
@@ -87,6 +87,7 @@ class _Plan:
     matmul_precision: str = "float32"  # of the calibration pass, resolved (compressor.precision)
     threads: int = 1  # torch's intra-op threads in effect (--threads)
     busy: Optional[str] = None  # the busy-machine note (compressor.commands.common.cpu_threads), also in --json
+    memory: object = None  # a streamed run's compressor.commands.quantize_memory.QuantizeMemory
 
     def provenance(self, timing: dict, device: str) -> dict:
         """The manifest's ``provenance``: how this artifact was made (not what it is; the integer codes depend on it)."""
@@ -133,6 +134,8 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
         return _carry(plan, opts, device, console, on_committed, t0)
     if rank != 0:
         console = None
+    if plan.memory is not None:
+        show.step(console, f"memory plan: {plan.memory.describe()}")
     # the source's SHA-256s, read while the model loads; the files dealt to the ranks, every rank's
     # digests sent to rank 0 (it writes the manifest and keeps the resume checkpoint)
     fingerprint = in_background(partial(plan.source.fingerprint, rank, world_size))
@@ -173,6 +176,7 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
     summary = {**_reads(src), **blocks.run_summary(plan, src, written, writer, world_size, opts, t0, result.workers)}
     if ranks is not None:
         summary["ranks"] = ranks
+    summary["memory_plan"] = plan.memory.as_dict() if plan.memory is not None else None
     show.quantize_done(console, summary, result.layers, result.moe)
     return summary
 
@@ -252,34 +256,16 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     plan = _Plan(out, recipe, source, kv, token_file, text, warnings, dtype, dtype_reason, calib_shape, packed=packed,
                  matmul_precision=resolve_matmul_precision(opts.execution.matmul_precision, opts.execution.device),
                  threads=threads, busy=busy)
-    if packed is None and (skeleton := meta_skeleton(source)) is not None:
+    skeleton = meta_skeleton(source) if packed is None else None
+    if skeleton is not None:
         _check_shapes(plan, fmt, skeleton)  # the widths from the configuration: refused before the model loads
     if source.kind == "hf":  # config.json was checked against the weights: its hidden size is the model's
         from ..source.config_check import hidden_size
 
-        _check_activations(plan, opts, hidden_size(read_config(source.path / "config.json")), console)
+        check_activations(plan, opts, hidden_size(read_config(source.path / "config.json")), console)
+    if skeleton is not None and opts.execution.stream:  # a budget below its smallest unit: refused here
+        plan.memory = memory_plan(skeleton, plan, opts.execution)
     return plan
-
-
-def _check_activations(plan: _Plan, opts: QuantizeOptions, hidden: Optional[int], console) -> None:
-    """The calibration activations against memory, disk and ``--activation-budget-gib``
-    (:func:`compressor.activations.plan_activations`); sets ``plan.activation_budget_gib``.
-    Run in the plan for a Hugging Face folder, after loading for a GGUF file (its hidden size
-    is known only then).
-
-    Raises:
-        InputError: the activations cannot fit (the line says what each needs).
-    """
-    plan.activation_budget_gib = opts.execution.activation_budget_gib
-    if plan.calib_shape is None or not hidden:
-        return
-    streams = 2 if "gptq" in get_algorithm(plan.recipe.algorithm).reads and plan.recipe.gptq.gptaq_alpha > 0 else 1
-    spill_all, note = plan_activations(*plan.calib_shape, hidden, int(plan.activation_budget_gib * 2**30),
-                                       plan.out.resolve().parent, opts.execution.device, streams)
-    if spill_all:
-        plan.activation_budget_gib = 0.0
-    if note:
-        show.note(console, f"[yellow]note:[/] {note}", highlight=False)
 
 
 def _refuse_tied_head(recipe: Recipe, source, dtype: str) -> None:
@@ -353,7 +339,7 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
     check_vocabulary(tokenizer, model.config.vocab_size, f"{source.spec}: tokenizer")  # served later: checked here
     show.note(console, f"source weights: {loading}", highlight=False)
     if plan.activation_budget_gib is None:  # a GGUF source: its hidden size is known now
-        _check_activations(plan, opts, getattr(model.config, "hidden_size", None), console)
+        check_activations(plan, opts, getattr(model.config, "hidden_size", None), console)
     plan.warnings += _check_shapes(plan, opts.write.format, model)  # before the calibration text is tokenized
     calib_ids, calibration = _calibration(plan, opts, model, tokenizer, console)
     max_pos = getattr(model.config, "max_position_embeddings", None)

@@ -1,0 +1,273 @@
+"""``kvq quantize``'s memory plan: what a streamed run holds at peak, from the model's shapes alone,
+and the refusal of a ``--memory-budget-gib`` below its smallest unit.
+
+A streamed quantize (:mod:`compressor.source.lazy`) holds at most one decoder layer's weights at
+:data:`compressor.staging.HELD_BYTES_PER_WEIGHT` bytes a weight (the float32 weight and its int8
+codes). A layer whose weights exceed ``--memory-budget-gib`` and that has routed experts is read
+in groups of whole experts within the budget (:meth:`compressor.staging.LayerWriter.expert_groups`)
+beside its non-expert part; a layer without routed experts is held whole, whatever the budget
+(its linears are not divided), and the plan says so. The smallest unit the budget divides is
+one routed expert: a budget below the largest one is refused (one line, exit 2) before the
+model loads.
+
+What the plan counts (:func:`estimate`), per phase, besides the process's own
+:data:`compressor.streamed_eval.BASELINE_BYTES`:
+
+- *capture*: the embedding in float32 (layer 0's inputs are made from it; an untied head is read
+  only at the end) and the calibration activations;
+- *each decoder layer*: its weights held (the layer whole, or its non-expert part and one group of
+  experts), the calibration activations (a layer's inputs and outputs, two copies, or one copy
+  when they are spilled to memory-mapped files: :func:`compressor.activations.plan_activations`;
+  GPTQ's float target doubles them), for the GPTQ family the Hessians of the largest reader-set
+  pass (:data:`compressor.quant.gptq_layer.HESSIAN_BYTES` x ``in_features``\\ :sup:`2` per set: a
+  true-sequential stage, else every stage of the layer) or of one routed expert, whichever is
+  larger, and in a grouped MoE layer the recorded inputs and routed outputs of the experts (one
+  copy each);
+- *the end*: the embedding and the head in the artifact's dtype, a quantized head in float32 with
+  its Hessian.
+
+It is an estimate from shapes (allocator slack, the algorithm's small buffers and the libraries
+are not in it); the measured peaks it is compared with are in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import console as show
+from ..activations import plan_activations
+from ..arch import get_arch
+from ..artifact import DTYPES
+from ..errors import InputError
+from ..quant.algorithms import get_algorithm
+from ..quant.gptq_layer import HESSIAN_BYTES
+from ..staging import HELD_BYTES_PER_WEIGHT
+from ..streamed_eval import BASELINE_BYTES, GIB
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass
+class LayerHold:
+    """What one decoder layer holds, in bytes (:func:`estimate`)."""
+
+    index: int
+    weights: int  #: the layer whole, or its non-expert part
+    group: int  #: one group of routed experts (0: the layer is held whole)
+    hessians: int  #: GPTQ family: the largest pass's Hessians over the non-expert part (whole layer: or one expert's)
+    expert_hessians: int  #: GPTQ family, grouped layer: one expert's, beside its group
+    search: int  #: AWQ: whole, the weights before folding and a stage's weights twice; grouped, the candidates' outputs
+    experts: int  #: experts' recorded inputs and routed outputs of a grouped MoE layer
+    per_group: int | None = None  #: experts a group; None: the layer is held whole
+    of_experts: int = 0  #: routed experts in the layer
+    expert_bytes: int = 0  #: one routed expert at HELD_BYTES_PER_WEIGHT
+
+    @property
+    def total(self) -> int:
+        """The non-expert part's step first (its Hessians or search), then the groups with theirs."""
+        if self.per_group is None:
+            return self.weights + max(self.hessians, self.expert_hessians) + self.search
+        return self.weights + self.experts + max(self.hessians, self.group + self.expert_hessians + self.search)
+
+    def describe(self) -> str:
+        if self.per_group is None:
+            what = f"layer {self.index} whole {_gib(self.weights)}"
+        else:
+            what = (f"layer {self.index}'s non-expert part {_gib(self.weights)} and a group of {self.per_group} of its "
+                    f"{self.of_experts} experts {_gib(self.group)}")
+        beside = self.per_group is not None and self.hessians > self.group + self.expert_hessians  # the held part's
+        hess = max(self.hessians, self.expert_hessians) if self.per_group is None or beside else self.expert_hessians
+        extra = f", Hessians {_gib(hess)}" if hess else ""
+        extra += f", scale search {_gib(self.search)}" if self.search else ""
+        return what + extra + (f", expert inputs and outputs {_gib(self.experts)}" if self.experts else "")
+
+
+@dataclass
+class QuantizeMemory:
+    """A streamed quantize's peak, phase by phase, in bytes (module docstring)."""
+
+    layer: LayerHold  #: the decoder layer whose phase holds the most
+    capture: int  #: the embedding in float32 during layer 0's capture
+    end: int  #: the tensors outside the layers written at the end
+    activations: int  #: calibration activations held in memory (and the token ids)
+    budget: int  #: --memory-budget-gib in bytes
+    undivided: list[int]  #: layers held whole although above the budget (no routed experts)
+    grouped: LayerHold | None = None  #: the grouped MoE layer that holds the most, None when none is grouped
+
+    @property
+    def peak(self) -> int:
+        return BASELINE_BYTES + self.activations + max(self.capture, self.layer.total, self.end)
+
+    def describe(self) -> str:
+        """One line: the estimated peak and what it is made of."""
+        held = (f"the embedding {_gib(self.capture)} while layer 0's inputs are made"
+                if self.capture > self.layer.total else self.layer.describe())
+        if self.grouped is not None and self.grouped is not self.layer:
+            held += (f"; MoE layers read in groups of {self.grouped.per_group} of {self.grouped.of_experts} experts "
+                     f"(layer {self.grouped.index}: {_gib(self.grouped.total)})")
+        over = ""
+        if self.undivided:
+            over = (f"; layer{'s' if len(self.undivided) > 1 else ''} {_list(self.undivided)} above the budget "
+                    "without routed experts: held whole")
+        return (f"about {_gib(self.peak)} at peak: {held}; activations {_gib(self.activations)}; "
+                f"process {_gib(BASELINE_BYTES)} (--memory-budget-gib {self.budget / GIB:g}: weights held "
+                f"at {HELD_BYTES_PER_WEIGHT} bytes each{over})")
+
+    def as_dict(self) -> dict:
+        """The ``--json`` summary's ``memory_plan`` (MiB)."""
+        mib = lambda n: round(n / 2**20, 1)  # noqa: E731
+        grouped = None if self.grouped is None else {
+            "layer": self.grouped.index, "non_expert_mib": mib(self.grouped.weights),
+            "group_mib": mib(self.grouped.group), "peak_mib": mib(self.grouped.total)}
+        return {"peak_mib": mib(self.peak), "layer": self.layer.index, "layer_weights_mib": mib(self.layer.weights),
+                "experts_per_group": self.grouped.per_group if self.grouped is not None else None,
+                "grouped_layer": grouped, "hessians_mib": mib(self.layer.hessians),
+                "expert_io_mib": mib(self.layer.experts), "capture_mib": mib(self.capture), "end_mib": mib(self.end),
+                "activations_mib": mib(self.activations), "process_mib": mib(BASELINE_BYTES),
+                "budget_mib": mib(self.budget), "undivided_layers": self.undivided}
+
+
+def _list(xs: list[int]) -> str:
+    return ", ".join(map(str, xs[:4])) + (f" and {len(xs) - 4} more" if len(xs) > 4 else "")
+
+
+def _stage_hessians(arch, names: dict[str, torch.nn.Linear], true_sequential: bool) -> int:
+    """Bytes of the Hessians one GPTQ pass over the layer's non-expert linears holds: per stage of
+    ``arch.sequential`` one reader set per distinct input width (linears reading one input share
+    it); the largest stage when ``true_sequential``, else every stage at once."""
+    per_stage = []
+    for stage in arch.sequential:
+        widths = {names[r].in_features for r in stage if r in names}
+        per_stage.append(sum(HESSIAN_BYTES * w * w for w in widths))
+    return (max(per_stage, default=0) if true_sequential else sum(per_stage))
+
+
+def _experts(arch, layer) -> tuple[int, int]:
+    """``(routed experts, weights of one)`` of a decoder layer built on ``meta`` (fused 3-D
+    parameters or a list of expert modules); ``(0, 0)`` without routed experts."""
+    if arch.moe is None:
+        return 0, 0
+    try:
+        mod = layer.get_submodule(arch.moe.experts)
+    except AttributeError:
+        return 0, 0
+    params = list(mod.parameters())
+    fused = [p for p in params if p.ndim == 3]
+    n = fused[0].shape[0] if fused else len(mod) if isinstance(mod, torch.nn.ModuleList) else 0
+    return (n, sum(p.numel() for p in params) // n) if n else (0, 0)
+
+
+def _layer(i: int, layer, arch, recipe, budget: int, algo: tuple[bool, bool], tokens: tuple[int, int]) -> LayerHold:
+    """What decoder layer ``i`` (built on ``meta``) holds under ``budget`` (module docstring); ``algo``:
+    (GPTQ Hessians, AWQ search); ``tokens``: bytes of one float32 copy of the calibration's and of
+    AWQ's loss sequences' hidden states."""
+    gptq, awq = algo
+    n, one = _experts(arch, layer)
+    whole = sum(p.numel() for p in layer.parameters()) * HELD_BYTES_PER_WEIGHT
+    expert = one * HELD_BYTES_PER_WEIGHT
+    exp_prefix = arch.moe.experts + "." if arch.moe is not None else "\0"
+    linears = {r: m for r, m in layer.named_modules()
+               if isinstance(m, torch.nn.Linear) and not r.startswith(exp_prefix)}
+    hess = _stage_hessians(arch, linears, recipe.gptq.true_sequential) if gptq else 0
+    widths = sorted({p.shape[-1] for p in layer.get_submodule(arch.moe.experts).parameters()}) if n else []
+    expert_hess = sum(HESSIAN_BYTES * w * w for w in widths) if gptq else 0  # gate/up's input and down's
+    if not n or whole <= budget:
+        stage = max((sum(linears[r].weight.numel() for r in st if r in linears) for st in arch.sequential), default=0)
+        search = 4 * (whole // HELD_BYTES_PER_WEIGHT) + 2 * 4 * stage if awq else 0  # weights before folding; 2 copies
+        return LayerHold(i, whole, 0, hess, expert_hess, search, 0, None, n, expert)
+    per = min(n, max(1, budget // expert))
+    search = min(budget, recipe.awq.n_grid * tokens[1]) if awq else 0
+    return LayerHold(i, whole - n * expert, per * expert, hess, expert_hess, search, 2 * tokens[0], per, n, expert)
+
+
+def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spilled: bool, memory_budget_gib: float,
+         gptq: bool, float_stream: bool, dtype_bytes: int, awq: bool = False) -> QuantizeMemory:
+    """A streamed quantize's memory plan from the model built on ``meta``
+    (:func:`compressor.source.open.meta_skeleton`).
+
+    Args:
+        skeleton: the model on ``meta``; ``arch`` its :class:`compressor.arch.ArchSpec`.
+        recipe: the effective :class:`compressor.recipe.Recipe` (its ``gptq.true_sequential``, ``head``).
+        calib_shape: ``(samples, seqlen)`` of the calibration, ``None`` without one.
+        spilled: the activations go to memory-mapped files (one copy in memory instead of two).
+        memory_budget_gib: ``--memory-budget-gib``.
+        gptq: the algorithm accumulates GPTQ Hessians; ``float_stream``: GPTQ's float target (two streams);
+            ``awq``: it searches AWQ scales.
+        dtype_bytes: bytes per element of the artifact's float tensors.
+
+    Returns:
+        A :class:`QuantizeMemory`.
+
+    Raises:
+        InputError: the budget is below one routed expert of a layer that must be read in groups
+            (the smallest unit: the line names the layer and the smallest budget that holds it).
+    """
+    cfg = skeleton.config
+    hidden = cfg.hidden_size
+    budget = int(memory_budget_gib * GIB)
+    samples, seqlen = calib_shape or (0, 0)
+    token_copy = samples * seqlen * hidden * 4
+    copy = token_copy * (2 if float_stream else 1)
+    activations = copy * (1 if spilled else 2) + samples * seqlen * 8
+    loss = min(recipe.awq.loss_samples, samples) * seqlen * hidden * 4
+    holds = [_layer(i, layer, arch, recipe, budget, (gptq, awq), (token_copy, loss))
+             for i, layer in enumerate(skeleton.get_submodule(arch.layers))]
+    grouped = [h for h in holds if h.per_group is not None]
+    if grouped and budget < (big := max(grouped, key=lambda h: h.expert_bytes)).expert_bytes:
+        need = big.expert_bytes / GIB
+        raise InputError(f"--memory-budget-gib {memory_budget_gib:g} cannot hold one routed expert of decoder layer "
+                         f"{big.index} ({_gib(big.expert_bytes)} at {HELD_BYTES_PER_WEIGHT} bytes a weight: float32 "
+                         f"and its int8 codes), the smallest unit a layer is read in; give at least {need:.3g}")
+    emb = skeleton.get_submodule(arch.embed_tokens).weight.numel()
+    head_mod = skeleton.get_submodule(arch.lm_head) if not getattr(cfg, "tie_word_embeddings", False) else None
+    head = head_mod.weight.numel() if head_mod is not None else 0
+    end = (emb + head) * dtype_bytes
+    if recipe.head is not None:
+        end += emb * HELD_BYTES_PER_WEIGHT + (HESSIAN_BYTES * hidden * hidden if gptq else 0)
+    undivided = [h.index for h in holds if h.per_group is None and h.weights > budget]
+    return QuantizeMemory(max(holds, key=lambda h: h.total), emb * 4, end, activations, budget, undivided,
+                          max(grouped, key=lambda h: h.total) if grouped else None)
+
+
+def check_activations(plan, opts, hidden: int | None, console) -> None:
+    """The calibration activations against memory, disk and ``--activation-budget-gib``
+    (:func:`compressor.activations.plan_activations`); sets ``plan.activation_budget_gib``.
+    Run in the plan for a Hugging Face folder, after loading for a GGUF file (its hidden size
+    is known only then).
+
+    Raises:
+        InputError: the activations cannot fit (the line says what each needs).
+    """
+    plan.activation_budget_gib = opts.execution.activation_budget_gib
+    if plan.calib_shape is None or not hidden:
+        return
+    streams = 2 if "gptq" in get_algorithm(plan.recipe.algorithm).reads and plan.recipe.gptq.gptaq_alpha > 0 else 1
+    spill_all, note = plan_activations(*plan.calib_shape, hidden, int(plan.activation_budget_gib * 2**30),
+                                       plan.out.resolve().parent, opts.execution.device, streams)
+    if spill_all:
+        plan.activation_budget_gib = 0.0
+    if note:
+        show.note(console, f"[yellow]note:[/] {note}", highlight=False)
+
+
+def for_run(skeleton, plan, execution) -> QuantizeMemory:
+    """:func:`estimate` for a ``kvq quantize`` run (:class:`compressor.commands.quantize._Plan`, its
+    ``--activation-budget-gib`` resolved; ``execution``: the options' ``--memory-budget-gib``).
+
+    Raises:
+        InputError: see :func:`estimate`.
+    """
+    reads = get_algorithm(plan.recipe.algorithm).reads
+    gptq = "gptq" in reads
+    float_stream = gptq and plan.recipe.gptq.gptaq_alpha > 0
+    samples, seqlen = plan.calib_shape or (0, 0)
+    copy = samples * seqlen * skeleton.config.hidden_size * 4 * (2 if float_stream else 1)
+    act_budget = (plan.activation_budget_gib if plan.activation_budget_gib is not None
+                  else execution.activation_budget_gib)
+    return estimate(skeleton, get_arch(skeleton.config.model_type), plan.recipe, plan.calib_shape,
+                    copy > act_budget * GIB, execution.memory_budget_gib, gptq, float_stream,
+                    DTYPES[plan.dtype].itemsize, "awq" in reads)
