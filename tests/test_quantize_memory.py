@@ -73,6 +73,8 @@ def test_one_expert_is_enough_and_the_plan_counts_the_groups_read(kimi, tmp_path
     assert plan["peak_mib"] > plan["process_mib"] + plan["layer_weights_mib"]
     assert plan["hessians_mib"] > 0
     assert plan["budget_mib"] == pytest.approx(EXPERT_BYTES / 2**20, abs=0.1)
+    peaks = json.loads(out)["peak_rss_mib_by_layer"]  # one per layer, never falling, at most the run's peak
+    assert len(peaks) == 3 and peaks == sorted(peaks) and peaks[-1] <= json.loads(out)["peak_rss_mib"]
 
 
 def _skeleton(path):

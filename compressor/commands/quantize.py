@@ -25,7 +25,7 @@ byte for byte (:mod:`compressor.commands.kv_only`); a weight recipe on it is ref
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -88,6 +88,7 @@ class _Plan:
     threads: int = 1  # torch's intra-op threads in effect (--threads)
     busy: Optional[str] = None  # the busy-machine note (compressor.commands.common.cpu_threads), also in --json
     memory: object = None  # a streamed run's compressor.commands.quantize_memory.QuantizeMemory
+    layer_peaks: list = field(default_factory=list)  # the process's peak RSS (MiB) as each layer ends, in order
 
     def provenance(self, timing: dict, device: str) -> dict:
         """The manifest's ``provenance``: how this artifact was made (not what it is; the integer codes depend on it)."""
@@ -177,6 +178,7 @@ def _run(opts: QuantizeOptions, console, on_committed) -> dict:
     if ranks is not None:
         summary["ranks"] = ranks
     summary["memory_plan"] = plan.memory.as_dict() if plan.memory is not None else None
+    summary["peak_rss_mib_by_layer"] = plan.layer_peaks  # this run's layers (a resumed run's: from its first)
     show.quantize_done(console, summary, result.layers, result.moe)
     return summary
 
@@ -436,6 +438,7 @@ def _layer_done(plan: _Plan, opts: QuantizeOptions, console, bar, task, i: int, 
                              + "--allow-float16-overflow to keep float16")
         if not any(w.startswith("float16 overflow accepted") for w in plan.warnings):
             plan.warnings.append(f"float16 overflow accepted (--allow-float16-overflow): {where}")
+    plan.layer_peaks.append(peak_rss_mib())  # where the run's peak was reached (the memory plan's phases)
     show.layer_done(console, bar, task, i, n, fig)
     interrupts.check()  # the layer is checkpointed: a signal whose exception was lost stops the run here
 
