@@ -39,9 +39,23 @@ def test_a_budget_below_one_routed_expert_is_refused_before_loading(kimi, tmp_pa
     code, out, err = kvq_run(["quantize", kimi, "--algorithm", "rtn", *FAST, "--memory-budget-gib", budget, "-o",
                               tmp_path / "out"], capsys)
     assert_clean_error(code, err, 2, "cannot hold one routed expert of decoder layer 1", tmp_path)
-    assert f"give at least {EXPERT_BYTES / 2**30:.3g}" in err
+    smallest = qm.smallest_budget(EXPERT_BYTES)
+    assert f"give --memory-budget-gib {smallest} or more" in err and float(smallest) >= EXPERT_BYTES / 2**30
     assert "loading" not in out + err
     assert not (tmp_path / "out").exists()
+    code, out, err = kvq_run(["quantize", kimi, "--algorithm", "rtn", *FAST, "--memory-budget-gib", smallest, "-o",
+                              tmp_path / "out"], capsys)  # the budget the line names is enough
+    assert code == 0, err
+    assert f"(--memory-budget-gib {smallest}: weights held" in err  # the plan echoes the value as given
+
+
+def test_the_smallest_budget_is_rounded_up():
+    """Kimi K2's expert (3 x 7168 x 2048 weights) and Mixtral 8x7B's (3 x 4096 x 14336): four digits, never
+    below the expert, so the value the refusal names is accepted."""
+    for n in (3 * 7168 * 2048 * 5, 3 * 4096 * 14336 * 5, EXPERT_BYTES, 2**30):
+        got = qm.smallest_budget(n)
+        assert float(got) * 2**30 >= n and float(got) < 1.001 * n / 2**30, (n, got)
+    assert qm.smallest_budget(3 * 7168 * 2048 * 5) == "0.2051" and qm.smallest_budget(2**30) == "1"
 
 
 def test_one_expert_is_enough_and_the_plan_counts_the_groups_read(kimi, tmp_path, capsys, monkeypatch):
@@ -68,13 +82,23 @@ def test_one_expert_is_enough_and_the_plan_counts_the_groups_read(kimi, tmp_path
     assert read and {k for _, _, k in read} == {1}
     assert plan["experts_per_group"] == 1
     held = {i: rest for i, rest, _ in read}
-    assert plan["grouped_layer"]["non_expert_mib"] == round(held[plan["grouped_layer"]["layer"]] / 2**20, 1)
-    assert plan["grouped_layer"]["group_mib"] == round(EXPERT_BYTES / 2**20, 1)
+    assert plan["grouped_layer"]["non_expert_mib"] == round(held[plan["grouped_layer"]["layer"]] / 2**20, 3)
+    assert plan["grouped_layer"]["group_mib"] == round(EXPERT_BYTES / 2**20, 3)
     assert plan["peak_mib"] > plan["process_mib"] + plan["layer_weights_mib"]
     assert plan["hessians_mib"] > 0
     assert plan["budget_mib"] == pytest.approx(EXPERT_BYTES / 2**20, abs=0.1)
     peaks = json.loads(out)["peak_rss_mib_by_layer"]  # one per layer, never falling, at most the run's peak
     assert len(peaks) == 3 and peaks == sorted(peaks) and peaks[-1] <= json.loads(out)["peak_rss_mib"]
+
+
+def test_the_groups_are_named_when_the_embedding_is_the_peak(kimi):
+    """A plan whose peak is layer 0's capture (a large embedding) still says how the MoE layers are read."""
+    model, arch = _skeleton(kimi)
+    mem = qm.estimate(model, arch, load_recipes(["w4a16-rtn-g64"]), None, False, 1.5 * EXPERT_BYTES / 2**30,
+                      False, False, 2)
+    mem.capture = 10 * mem.layer.total
+    line = mem.describe()
+    assert "while layer 0's inputs are made" in line and "MoE layers read in groups of 1 of 4 experts" in line
 
 
 def _skeleton(path):

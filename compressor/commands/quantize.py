@@ -340,6 +340,9 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
     plan.warnings += [n for n in take_cache_notes() if n not in early]  # e.g. a cache that cannot be written
     check_vocabulary(tokenizer, model.config.vocab_size, f"{source.spec}: tokenizer")  # served later: checked here
     show.note(console, f"source weights: {loading}", highlight=False)
+    if ckpt is None and plan.memory is not None:  # the plan was for a streamed run
+        show.step(console, f"memory plan: not this run's: {loading}")
+        plan.memory = None
     if plan.activation_budget_gib is None:  # a GGUF source: its hidden size is known now
         check_activations(plan, opts, getattr(model.config, "hidden_size", None), console)
     plan.warnings += _check_shapes(plan, opts.write.format, model)  # before the calibration text is tokenized
@@ -474,7 +477,7 @@ def _carry(plan: _Plan, opts: QuantizeOptions, device: str, console, on_committe
                                      fields, w, tokenizer, plan.provenance(timing, opts.execution.device), on_committed)
     show.warnings(console, plan.warnings)
     written = _Written(manifest, quant, quality, timing, sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values()))
-    summary = blocks.run_summary(plan, src, written, hooks, 1, opts, t0)
+    summary = {**blocks.run_summary(plan, src, written, hooks, 1, opts, t0), "memory_plan": None}
     show.quantize_done(console, summary, [], result.moe)  # no per-layer weight table: no weight was quantized
     return summary
 

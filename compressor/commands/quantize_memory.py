@@ -32,6 +32,7 @@ are not in it); the measured peaks it is compared with are in BENCHMARKS.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,12 +44,24 @@ from ..artifact import DTYPES
 from ..errors import InputError
 from ..quant.algorithms import get_algorithm
 from ..quant.gptq_layer import HESSIAN_BYTES
+from ..source.gguf_cache import cached_gguf_folder
+from ..source.resolve import float32_bytes
 from ..staging import HELD_BYTES_PER_WEIGHT
 from ..streamed_eval import BASELINE_BYTES, GIB
 
 
 def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / 2**20:.1f} MiB"
+    if n >= GIB // 10:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def smallest_budget(n: int) -> str:
+    """``n`` bytes as a ``--memory-budget-gib`` value that holds them: GiB rounded *up* to four
+    significant digits (a value rounded down would be refused again)."""
+    gib = n / GIB
+    step = 10.0 ** (math.floor(math.log10(gib)) - 3)
+    return f"{math.ceil(gib / step - 1e-9) * step:.4g}"
 
 
 @dataclass
@@ -95,31 +108,36 @@ class QuantizeMemory:
     end: int  #: the tensors outside the layers written at the end
     activations: int  #: calibration activations held in memory (and the token ids)
     budget: int  #: --memory-budget-gib in bytes
+    budget_gib: float  #: --memory-budget-gib as given
     undivided: list[int]  #: layers held whole although above the budget (no routed experts)
     grouped: LayerHold | None = None  #: the grouped MoE layer that holds the most, None when none is grouped
+    conversion: int = 0  #: a GGUF file without kvq's cache: its float32 model, held once while it is converted
 
     @property
     def peak(self) -> int:
-        return BASELINE_BYTES + self.activations + max(self.capture, self.layer.total, self.end)
+        return BASELINE_BYTES + max(self.activations + max(self.capture, self.layer.total, self.end), self.conversion)
 
     def describe(self) -> str:
         """One line: the estimated peak and what it is made of."""
-        held = (f"the embedding {_gib(self.capture)} while layer 0's inputs are made"
-                if self.capture > self.layer.total else self.layer.describe())
-        if self.grouped is not None and self.grouped is not self.layer:
+        first = self.capture > self.layer.total
+        held = f"the embedding {_gib(self.capture)} while layer 0's inputs are made" if first else self.layer.describe()
+        if self.grouped is not None and (first or self.grouped is not self.layer):
             held += (f"; MoE layers read in groups of {self.grouped.per_group} of {self.grouped.of_experts} experts "
                      f"(layer {self.grouped.index}: {_gib(self.grouped.total)})")
         over = ""
         if self.undivided:
             over = (f"; layer{'s' if len(self.undivided) > 1 else ''} {_list(self.undivided)} above the budget "
                     "without routed experts: held whole")
+        if self.conversion:
+            held += (f"; this first run converts the GGUF file into kvq's cache with its float32 model whole "
+                     f"({_gib(self.conversion)}), once")
         return (f"about {_gib(self.peak)} at peak: {held}; activations {_gib(self.activations)}; "
-                f"process {_gib(BASELINE_BYTES)} (--memory-budget-gib {self.budget / GIB:g}: weights held "
+                f"process {_gib(BASELINE_BYTES)} (--memory-budget-gib {self.budget_gib:g}: weights held "
                 f"at {HELD_BYTES_PER_WEIGHT} bytes each{over})")
 
     def as_dict(self) -> dict:
         """The ``--json`` summary's ``memory_plan`` (MiB)."""
-        mib = lambda n: round(n / 2**20, 1)  # noqa: E731
+        mib = lambda n: round(n / 2**20, 3)  # noqa: E731
         grouped = None if self.grouped is None else {
             "layer": self.grouped.index, "non_expert_mib": mib(self.grouped.weights),
             "group_mib": mib(self.grouped.group), "peak_mib": mib(self.grouped.total)}
@@ -128,7 +146,8 @@ class QuantizeMemory:
                 "grouped_layer": grouped, "hessians_mib": mib(self.layer.hessians),
                 "expert_io_mib": mib(self.layer.experts), "capture_mib": mib(self.capture), "end_mib": mib(self.end),
                 "activations_mib": mib(self.activations), "process_mib": mib(BASELINE_BYTES),
-                "budget_mib": mib(self.budget), "undivided_layers": self.undivided}
+                "budget_mib": mib(self.budget), "undivided_layers": self.undivided,
+                "gguf_conversion_mib": mib(self.conversion)}
 
 
 def _list(xs: list[int]) -> str:
@@ -218,10 +237,10 @@ def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spille
              for i, layer in enumerate(skeleton.get_submodule(arch.layers))]
     grouped = [h for h in holds if h.per_group is not None]
     if grouped and budget < (big := max(grouped, key=lambda h: h.expert_bytes)).expert_bytes:
-        need = big.expert_bytes / GIB
         raise InputError(f"--memory-budget-gib {memory_budget_gib:g} cannot hold one routed expert of decoder layer "
                          f"{big.index} ({_gib(big.expert_bytes)} at {HELD_BYTES_PER_WEIGHT} bytes a weight: float32 "
-                         f"and its int8 codes), the smallest unit a layer is read in; give at least {need:.3g}")
+                         f"and its int8 codes), the smallest unit a layer is read in: give --memory-budget-gib "
+                         f"{smallest_budget(big.expert_bytes)} or more")
     emb = skeleton.get_submodule(arch.embed_tokens).weight.numel()
     head_mod = skeleton.get_submodule(arch.lm_head) if not getattr(cfg, "tie_word_embeddings", False) else None
     head = head_mod.weight.numel() if head_mod is not None else 0
@@ -229,7 +248,8 @@ def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spille
     if recipe.head is not None:
         end += emb * HELD_BYTES_PER_WEIGHT + (HESSIAN_BYTES * hidden * hidden if gptq else 0)
     undivided = [h.index for h in holds if h.per_group is None and h.weights > budget]
-    return QuantizeMemory(max(holds, key=lambda h: h.total), emb * 4, end, activations, budget, undivided,
+    return QuantizeMemory(max(holds, key=lambda h: h.total), emb * 4, end, activations, budget, memory_budget_gib,
+                          undivided,
                           max(grouped, key=lambda h: h.total) if grouped else None)
 
 
@@ -268,6 +288,9 @@ def for_run(skeleton, plan, execution) -> QuantizeMemory:
     copy = samples * seqlen * skeleton.config.hidden_size * 4 * (2 if float_stream else 1)
     act_budget = (plan.activation_budget_gib if plan.activation_budget_gib is not None
                   else execution.activation_budget_gib)
-    return estimate(skeleton, get_arch(skeleton.config.model_type), plan.recipe, plan.calib_shape,
-                    copy > act_budget * GIB, execution.memory_budget_gib, gptq, float_stream,
-                    DTYPES[plan.dtype].itemsize, "awq" in reads)
+    mem = estimate(skeleton, get_arch(skeleton.config.model_type), plan.recipe, plan.calib_shape,
+                   copy > act_budget * GIB, execution.memory_budget_gib, gptq, float_stream,
+                   DTYPES[plan.dtype].itemsize, "awq" in reads)
+    if plan.source.kind == "gguf" and cached_gguf_folder(plan.source) is None:
+        mem.conversion = float32_bytes(skeleton)
+    return mem
