@@ -140,3 +140,19 @@ def spill(hidden: list[torch.Tensor], folder: Path, tag: str, budget_bytes: int)
         out.append(m)
         path.unlink()  # the mapping keeps the pages; the name is not needed (nothing left behind on a crash)
     return out
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, MiB (one decimal): ``VmHWM`` of ``/proc/self/status``
+    where there is one (a process started by ``spawn`` begins its own there, while ``ru_maxrss``
+    carries the parent's peak across the exec), else ``getrusage``'s ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)

@@ -48,6 +48,7 @@ import torch
 
 from . import errors
 from .arch import checkpoint_name, get_arch, get_module
+from .activations import peak_rss_mib
 from .errors import CheckFailed, InputError
 from .layer_figures import layer_figures
 from .pipeline import QuantizeResult, _plan, _record_moe
@@ -365,7 +366,7 @@ def _convert(spec: WorkerSpec, share: list[Unit], conn) -> None:
         for k, r in reports.items():
             conn.send(("unit", i, k, r))
     conn.send(("end", {"bytes_read": ckpt.bytes_read, "expert_bytes_read": ckpt.expert_bytes_read,
-                       "peak_rss_mib": _peak_rss_mib(), "units": len(share)}))
+                       "peak_rss_mib": peak_rss_mib(), "units": len(share)}))
 
 
 def _whole(i, layer, ctx, plan, writer: LayerWriter, result) -> dict:
@@ -417,10 +418,3 @@ def _since(writer: LayerWriter, mark: tuple[int, int], report: dict) -> dict:
     parts = writer.staging.parts[mark[1]:]
     return {**report, "schemes": [(k, list(v)) for k, v in list(writer.schemes.items())[mark[0]:]],
             "parts": [(p.name, file_digest(p)) for p in parts]}
-
-
-def _peak_rss_mib() -> float:
-    """This worker's peak resident memory, MiB (as the summary's ``peak_rss_mib`` of the main process)."""
-    import resource
-
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)

@@ -98,7 +98,17 @@ def test_the_groups_are_named_when_the_embedding_is_the_peak(kimi):
                       False, False, 2)
     mem.capture = 10 * mem.layer.total
     line = mem.describe()
-    assert "while layer 0's inputs are made" in line and "MoE layers read in groups of 1 of 4 experts" in line
+    assert line.startswith("about") and "at peak: the embedding in float32" in line
+    assert "MoE layers read in groups of 1 of 4 experts" in line
+    mem.end = 20 * mem.layer.total  # a quantized head: the end is the peak, and is named first
+    assert "at peak: the embedding and head" in mem.describe()
+    mem.workers = 2
+    assert "at peak in each of 2 worker processes and the main one" in mem.describe()
+
+
+def test_the_budget_is_echoed_as_typed():
+    assert [qm.as_typed(float(t)) for t in ("0.001", "1048576", "2.8610229e-05", "0.1234567")] == \
+        ["0.001", "1048576", "2.8610229e-05", "0.1234567"]
 
 
 def _skeleton(path):
@@ -175,3 +185,26 @@ def test_fused_and_listed_experts_count_alike():
                                                               torch.nn.Linear(32, 16, bias=False, device="meta"))
                                           for _ in range(4)])
     assert qm._experts(spec, fused) == qm._experts(spec, listed) == (4, 64 * 16 + 16 * 32)
+
+
+def _child_peak(q) -> None:
+    from compressor.activations import peak_rss_mib
+
+    q.put(peak_rss_mib())
+
+
+def test_a_spawned_process_reports_its_own_peak():
+    """peak_rss_mib (the summaries' and --workers' worker_reads figure) is the process's own VmHWM: a worker
+    started by spawn from a parent that held 300 MiB more does not report the parent's peak (ru_maxrss would)."""
+    import multiprocessing
+
+    from compressor.activations import peak_rss_mib
+
+    held = torch.ones(300 * 2**20 // 4)  # touched: resident
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_peak, args=(q,))
+    p.start()
+    child = q.get(timeout=120)
+    p.join(timeout=60)
+    assert held.sum() > 0 and child < peak_rss_mib() - 250

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory so far, MiB (one decimal)."""
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def load_reference(spec: str, source, artifact_dtype=None):

@@ -62,7 +62,8 @@ from ..staging import (
 )
 from ..source.open import open_lazy
 from . import kv_only
-from .common import cpu_threads, in_background, peak_rss_mib, threads_restored
+from ..activations import peak_rss_mib
+from .common import cpu_threads, in_background, threads_restored
 from . import quantize_record as blocks
 from .options import QuantizeOptions
 from .quantize_memory import check_activations, for_run as memory_plan
@@ -477,7 +478,8 @@ def _carry(plan: _Plan, opts: QuantizeOptions, device: str, console, on_committe
                                      fields, w, tokenizer, plan.provenance(timing, opts.execution.device), on_committed)
     show.warnings(console, plan.warnings)
     written = _Written(manifest, quant, quality, timing, sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values()))
-    summary = {**blocks.run_summary(plan, src, written, hooks, 1, opts, t0), "memory_plan": None}
+    summary = {**blocks.run_summary(plan, src, written, hooks, 1, opts, t0), "memory_plan": None,
+               "peak_rss_mib_by_layer": plan.layer_peaks}
     show.quantize_done(console, summary, [], result.moe)  # no per-layer weight table: no weight was quantized
     return summary
 

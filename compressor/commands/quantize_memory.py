@@ -56,6 +56,12 @@ def _gib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
+def as_typed(x: float) -> str:
+    """A float flag as the user typed it, as far as the float holds it (``0.001``, ``1048576``)."""
+    r = repr(float(x))
+    return r[:-2] if r.endswith(".0") else r
+
+
 def smallest_budget(n: int) -> str:
     """``n`` bytes as a ``--memory-budget-gib`` value that holds them: GiB rounded *up* to four
     significant digits (a value rounded down would be refused again)."""
@@ -104,7 +110,7 @@ class QuantizeMemory:
     """A streamed quantize's peak, phase by phase, in bytes (module docstring)."""
 
     layer: LayerHold  #: the decoder layer whose phase holds the most
-    capture: int  #: the embedding in float32 during layer 0's capture
+    capture: int  #: the embedding in float32, read at the start (layer 0's inputs are made from it)
     end: int  #: the tensors outside the layers written at the end
     activations: int  #: calibration activations held in memory (and the token ids)
     budget: int  #: --memory-budget-gib in bytes
@@ -112,27 +118,35 @@ class QuantizeMemory:
     undivided: list[int]  #: layers held whole although above the budget (no routed experts)
     grouped: LayerHold | None = None  #: the grouped MoE layer that holds the most, None when none is grouped
     conversion: int = 0  #: a GGUF file without kvq's cache: its float32 model, held once while it is converted
+    workers: int = 1  #: --workers: processes that each hold what this plan counts
 
     @property
     def peak(self) -> int:
         return BASELINE_BYTES + max(self.activations + max(self.capture, self.layer.total, self.end), self.conversion)
 
     def describe(self) -> str:
-        """One line: the estimated peak and what it is made of."""
-        first = self.capture > self.layer.total
-        held = f"the embedding {_gib(self.capture)} while layer 0's inputs are made" if first else self.layer.describe()
-        if self.grouped is not None and (first or self.grouped is not self.layer):
-            held += (f"; MoE layers read in groups of {self.grouped.per_group} of {self.grouped.of_experts} experts "
-                     f"(layer {self.grouped.index}: {_gib(self.grouped.total)})")
+        """One line: the estimated peak, the phase that makes it first, then the rest worth knowing."""
+        phases = {"layer": self.layer.total, "capture": self.capture, "end": self.end}
+        top = max(phases, key=phases.get)
+        parts = {"layer": self.layer.describe(),
+                 "capture": f"the embedding in float32 {_gib(self.capture)}, read at the start",
+                 "end": f"the embedding and head {_gib(self.end)} for the artifact's last part, at the end"}
+        said = [parts[top]]
+        if self.conversion and self.conversion > self.activations + phases[top]:
+            said.insert(0, f"this first run converts the GGUF file into kvq's cache, its float32 model whole "
+                           f"{_gib(self.conversion)}, once")
+        elif self.conversion:
+            said.append(f"this first run converts the GGUF file into kvq's cache first ({_gib(self.conversion)}, once)")
+        if self.grouped is not None and (top != "layer" or self.grouped is not self.layer):
+            said.append(f"MoE layers read in groups of {self.grouped.per_group} of {self.grouped.of_experts} experts "
+                        f"(layer {self.grouped.index}: {_gib(self.grouped.total)})")
         over = ""
         if self.undivided:
             over = (f"; layer{'s' if len(self.undivided) > 1 else ''} {_list(self.undivided)} above the budget "
                     "without routed experts: held whole")
-        if self.conversion:
-            held += (f"; this first run converts the GGUF file into kvq's cache with its float32 model whole "
-                     f"({_gib(self.conversion)}), once")
-        return (f"about {_gib(self.peak)} at peak: {held}; activations {_gib(self.activations)}; "
-                f"process {_gib(BASELINE_BYTES)} (--memory-budget-gib {self.budget_gib:g}: weights held "
+        each = f" in each of {self.workers} worker processes and the main one" if self.workers > 1 else ""
+        return (f"about {_gib(self.peak)} at peak{each}: {'; '.join(said)}; activations {_gib(self.activations)}; "
+                f"process {_gib(BASELINE_BYTES)} (--memory-budget-gib {as_typed(self.budget_gib)}: weights held "
                 f"at {HELD_BYTES_PER_WEIGHT} bytes each{over})")
 
     def as_dict(self) -> dict:
@@ -237,10 +251,10 @@ def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spille
              for i, layer in enumerate(skeleton.get_submodule(arch.layers))]
     grouped = [h for h in holds if h.per_group is not None]
     if grouped and budget < (big := max(grouped, key=lambda h: h.expert_bytes)).expert_bytes:
-        raise InputError(f"--memory-budget-gib {memory_budget_gib:g} cannot hold one routed expert of decoder layer "
-                         f"{big.index} ({_gib(big.expert_bytes)} at {HELD_BYTES_PER_WEIGHT} bytes a weight: float32 "
-                         f"and its int8 codes), the smallest unit a layer is read in: give --memory-budget-gib "
-                         f"{smallest_budget(big.expert_bytes)} or more")
+        raise InputError(f"--memory-budget-gib {as_typed(memory_budget_gib)} cannot hold one routed expert of "
+                         f"decoder layer {big.index} ({_gib(big.expert_bytes)} at {HELD_BYTES_PER_WEIGHT} bytes a "
+                         f"weight: float32 and its int8 codes), the smallest unit a layer is read in: give "
+                         f"--memory-budget-gib {smallest_budget(big.expert_bytes)} or more")
     emb = skeleton.get_submodule(arch.embed_tokens).weight.numel()
     head_mod = skeleton.get_submodule(arch.lm_head) if not getattr(cfg, "tie_word_embeddings", False) else None
     head = head_mod.weight.numel() if head_mod is not None else 0
@@ -293,4 +307,5 @@ def for_run(skeleton, plan, execution) -> QuantizeMemory:
                    DTYPES[plan.dtype].itemsize, "awq" in reads)
     if plan.source.kind == "gguf" and cached_gguf_folder(plan.source) is None:
         mem.conversion = float32_bytes(skeleton)
+    mem.workers = execution.workers
     return mem

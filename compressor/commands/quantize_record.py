@@ -92,7 +92,7 @@ def run_summary(plan, src, written, writer, world_size: int, opts, t0: float, wo
     ``worker_reads``: each ``--workers`` process's reads and peak RSS (MiB)."""
     import time
 
-    from .common import peak_rss_mib
+    from ..activations import peak_rss_mib
 
     manifest, quality = written.manifest, written.quality
     wall = time.perf_counter() - t0

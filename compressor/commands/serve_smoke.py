@@ -33,7 +33,8 @@ from .. import console as show
 from .. import gates
 from ..errors import CheckFailed, InputError
 from . import smoke_memory
-from .common import cpu_threads, load_reference, peak_rss_mib, threads_restored
+from ..activations import peak_rss_mib
+from .common import cpu_threads, load_reference, threads_restored
 from .options import SmokeOptions
 from ..service_eval import REPLY_TOKENS
 from .smoke_service import (long_compare, long_runtime, streamed_reference, turn_users, turns_compare, turns_runtime,

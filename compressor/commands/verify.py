@@ -149,7 +149,7 @@ def _ranks(share, report: dict) -> None:
     """Rank 0's report lists each rank's windows and peak RSS: ``evaluated_in.ranks``, ``[{rank,
     windows: [first, end), peak_rss_mib (VmHWM)}, ...]`` (the windows: none without an evaluation)."""
     from ..moe_ranks import bounds
-    from .common import peak_rss_mib
+    from ..activations import peak_rss_mib
 
     got = share.gather([{"rank": share.rank, "peak_rss_mib": peak_rss_mib()}])
     if got is None or report.get("evaluated_in") is None:

@@ -153,7 +153,7 @@ class Streamed:
         from ..source.resolve import ModelSource
         from ..streamed_eval import memory_plan, open_model
         from ..tokens import check_vocabulary
-        from .common import peak_rss_mib
+        from ..activations import peak_rss_mib
         from .verify_common import check_same_architecture, eval_dtype
 
         plan, opts, report = self.plan, self.opts, self.report
