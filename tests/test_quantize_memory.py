@@ -131,6 +131,9 @@ def test_the_estimate_by_hand(kimi, wide_llama):
     assert mem.layer.weights == weights and mem.layer.per_group is None
     widths = [cfg.hidden_size, cfg.hidden_size, cfg.hidden_size, cfg.intermediate_size]  # qkv, o, gate/up, down
     assert mem.layer.hessians == HESSIAN_BYTES * max(widths) ** 2
+    heads = cfg.num_attention_heads  # a batch of 8 sequences: every head's scores, gate/up/product, 6 hidden-wide
+    assert mem.layer.work == 8 * 4 * (heads * 64 * 64 + 64 * (3 * cfg.intermediate_size + 6 * cfg.hidden_size))
+    assert qm.estimate(model, arch, gptq, None, False, 4.0, True, False, 2).layer.work == 0  # no calibration
     every = qm.estimate(model, arch, with_overrides(gptq, **{"gptq.true_sequential": False}), (8, 64), True, 4.0,
                         True, False, 2)
     assert every.layer.hessians == HESSIAN_BYTES * sum(w * w for w in widths)

@@ -50,6 +50,10 @@ from ..staging import HELD_BYTES_PER_WEIGHT
 from ..streamed_eval import BASELINE_BYTES, GIB
 
 
+#: sequences per calibration batch (:func:`compressor.pipeline.quantize_model`'s ``batch_size``)
+CALIBRATION_BATCH = 8
+
+
 def _gib(n: int) -> str:
     if n >= GIB // 10:
         return f"{n / GIB:.2f} GiB"
@@ -81,6 +85,7 @@ class LayerHold:
     expert_hessians: int  #: GPTQ family, grouped layer: one expert's, beside its group
     search: int  #: AWQ: whole, the weights before folding and a stage's weights twice; grouped, the candidates' outputs
     experts: int  #: experts' recorded inputs and routed outputs of a grouped MoE layer
+    work: int = 0  #: one calibration batch's forward through the layer (attention scores, the MLP's widths)
     per_group: int | None = None  #: experts a group; None: the layer is held whole
     of_experts: int = 0  #: routed experts in the layer
     expert_bytes: int = 0  #: one routed expert at HELD_BYTES_PER_WEIGHT
@@ -89,8 +94,9 @@ class LayerHold:
     def total(self) -> int:
         """The non-expert part's step first (its Hessians or search), then the groups with theirs."""
         if self.per_group is None:
-            return self.weights + max(self.hessians, self.expert_hessians) + self.search
-        return self.weights + self.experts + max(self.hessians, self.group + self.expert_hessians + self.search)
+            return self.weights + self.work + max(self.hessians, self.expert_hessians) + self.search
+        return (self.weights + self.experts + self.work
+                + max(self.hessians, self.group + self.expert_hessians + self.search))
 
     def describe(self) -> str:
         if self.per_group is None:
@@ -102,7 +108,8 @@ class LayerHold:
         hess = max(self.hessians, self.expert_hessians) if self.per_group is None or beside else self.expert_hessians
         extra = f", Hessians {_gib(hess)}" if hess else ""
         extra += f", scale search {_gib(self.search)}" if self.search else ""
-        return what + extra + (f", expert inputs and outputs {_gib(self.experts)}" if self.experts else "")
+        extra += f", expert inputs and outputs {_gib(self.experts)}" if self.experts else ""
+        return what + extra + (f", a batch's forward {_gib(self.work)}" if self.work else "")
 
 
 @dataclass
@@ -194,10 +201,13 @@ def _experts(arch, layer) -> tuple[int, int]:
     return (n, sum(p.numel() for p in params) // n) if n else (0, 0)
 
 
-def _layer(i: int, layer, arch, recipe, budget: int, algo: tuple[bool, bool], tokens: tuple[int, int]) -> LayerHold:
+def _layer(i: int, layer, arch, recipe, budget: int, algo: tuple[bool, bool], tokens: tuple[int, int],
+           batch: tuple[int, int, int, int]) -> LayerHold:
     """What decoder layer ``i`` (built on ``meta``) holds under ``budget`` (module docstring); ``algo``:
     (GPTQ Hessians, AWQ search); ``tokens``: bytes of one float32 copy of the calibration's and of
-    AWQ's loss sequences' hidden states."""
+    AWQ's loss sequences' hidden states; ``batch``: (sequences of a calibration batch, seqlen, attention
+    heads, hidden size), for the forward's working set: every head's scores and the layer's widest linear three times
+    (an MLP's gate, up and their product) beside six hidden-wide tensors per token, float32."""
     gptq, awq = algo
     n, one = _experts(arch, layer)
     whole = sum(p.numel() for p in layer.parameters()) * HELD_BYTES_PER_WEIGHT
@@ -206,15 +216,19 @@ def _layer(i: int, layer, arch, recipe, budget: int, algo: tuple[bool, bool], to
     linears = {r: m for r, m in layer.named_modules()
                if isinstance(m, torch.nn.Linear) and not r.startswith(exp_prefix)}
     hess = _stage_hessians(arch, linears, recipe.gptq.true_sequential) if gptq else 0
+    b, t, heads, hidden = batch
+    widest = max((m.out_features for m in linears.values()), default=0)
+    work = b * 4 * (heads * t * t + t * (3 * widest + 6 * hidden))
     widths = sorted({p.shape[-1] for p in layer.get_submodule(arch.moe.experts).parameters()}) if n else []
     expert_hess = sum(HESSIAN_BYTES * w * w for w in widths) if gptq else 0  # gate/up's input and down's
     if not n or whole <= budget:
         stage = max((sum(linears[r].weight.numel() for r in st if r in linears) for st in arch.sequential), default=0)
         search = 4 * (whole // HELD_BYTES_PER_WEIGHT) + 2 * 4 * stage if awq else 0  # weights before folding; 2 copies
-        return LayerHold(i, whole, 0, hess, expert_hess, search, 0, None, n, expert)
+        return LayerHold(i, whole, 0, hess, expert_hess, search, 0, work, None, n, expert)
     per = min(n, max(1, budget // expert))
     search = min(budget, recipe.awq.n_grid * tokens[1]) if awq else 0
-    return LayerHold(i, whole - n * expert, per * expert, hess, expert_hess, search, 2 * tokens[0], per, n, expert)
+    return LayerHold(i, whole - n * expert, per * expert, hess, expert_hess, search, 2 * tokens[0], work, per, n,
+                     expert)
 
 
 def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spilled: bool, memory_budget_gib: float,
@@ -247,7 +261,8 @@ def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spille
     copy = token_copy * (2 if float_stream else 1)
     activations = copy * (1 if spilled else 2) + samples * seqlen * 8
     loss = min(recipe.awq.loss_samples, samples) * seqlen * hidden * 4
-    holds = [_layer(i, layer, arch, recipe, budget, (gptq, awq), (token_copy, loss))
+    batch = (min(CALIBRATION_BATCH, samples), seqlen, cfg.num_attention_heads, hidden)
+    holds = [_layer(i, layer, arch, recipe, budget, (gptq, awq), (token_copy, loss), batch)
              for i, layer in enumerate(skeleton.get_submodule(arch.layers))]
     grouped = [h for h in holds if h.per_group is not None]
     if grouped and budget < (big := max(grouped, key=lambda h: h.expert_bytes)).expert_bytes:
