@@ -21,10 +21,15 @@ What the plan counts (:func:`estimate`), per phase, besides the process's own
   GPTQ's float target doubles them), for the GPTQ family the Hessians of the largest reader-set
   pass (:data:`compressor.quant.gptq_layer.HESSIAN_BYTES` x ``in_features``\\ :sup:`2` per set: a
   true-sequential stage, else every stage of the layer) or of one routed expert, whichever is
-  larger, and in a grouped MoE layer the recorded inputs and routed outputs of the experts (one
-  copy each);
+  larger, for AWQ the search's copies (a whole layer's weights before folding and its largest
+  stage twice; a grouped layer's candidates' routed outputs, within the budget), one calibration
+  batch's forward through the layer, and in a grouped MoE layer the recorded inputs and routed
+  outputs of the experts (one copy each);
 - *the end*: the embedding and the head in the artifact's dtype, a quantized head in float32 with
-  its Hessian.
+  its Hessian;
+- a GGUF file without kvq's cache: its float32 model, whole once while it is converted.
+
+With ``--workers N`` the plan is each process's.
 
 It is an estimate from shapes (allocator slack, the algorithm's small buffers and the libraries
 are not in it); the measured peaks it is compared with are in BENCHMARKS.md.
