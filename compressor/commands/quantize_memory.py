@@ -170,6 +170,7 @@ class QuantizeMemory:
         return {"peak_mib": mib(self.peak), "layer": self.layer.index, "layer_weights_mib": mib(self.layer.weights),
                 "experts_per_group": self.grouped.per_group if self.grouped is not None else None,
                 "grouped_layer": grouped, "hessians_mib": mib(self.layer.hessians),
+                "search_mib": mib(self.layer.search), "batch_forward_mib": mib(self.layer.work),
                 "expert_io_mib": mib(self.layer.experts), "capture_mib": mib(self.capture), "end_mib": mib(self.end),
                 "activations_mib": mib(self.activations), "process_mib": mib(BASELINE_BYTES),
                 "budget_mib": mib(self.budget), "undivided_layers": self.undivided,
