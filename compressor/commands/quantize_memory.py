@@ -273,7 +273,7 @@ def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spille
     grouped = [h for h in holds if h.per_group is not None]
     if grouped and budget < (big := max(grouped, key=lambda h: h.expert_bytes)).expert_bytes:
         raise InputError(f"--memory-budget-gib {as_typed(memory_budget_gib)} cannot hold one routed expert of "
-                         f"decoder layer {big.index} ({_gib(big.expert_bytes)} at {HELD_BYTES_PER_WEIGHT} bytes a "
+                         f"decoder layer {big.index} ({big.expert_bytes:,} bytes at {HELD_BYTES_PER_WEIGHT} bytes a "
                          f"weight: float32 and its int8 codes), the smallest unit a layer is read in: give "
                          f"--memory-budget-gib {smallest_budget(big.expert_bytes)} or more")
     emb = skeleton.get_submodule(arch.embed_tokens).weight.numel()
