@@ -48,8 +48,8 @@ def _awq_equivalent_scales(reference, artifact, arch, layers=None) -> dict[str, 
                 nz = den.abs() > 0
                 s = torch.where(nz, num / torch.where(nz, den, torch.ones_like(den)), torch.ones_like(den))
             else:
-                p = linear_weight(arch, lr, group.prev_op).detach().double()
-                p_hat = linear_weight(arch, la, group.prev_op).detach().double()
+                p = linear_weight(arch, lr, group.prev_op).detach()
+                p_hat = linear_weight(arch, la, group.prev_op).detach()
                 if p.is_meta or p_hat.is_meta:
                     continue  # a routed expert not read yet (a streamed verify reads them in groups)
                 if group.prev_rows is not None:
@@ -61,11 +61,8 @@ def _awq_equivalent_scales(reference, artifact, arch, layers=None) -> dict[str, 
                 if linear_weight(arch, lr, group.linears[0]).shape[1] != p.shape[0] and kv is None:
                     continue  # the group was skipped at quantization (shapes do not chain)
                 # fit from the producer, whose output rows were divided by s: P_hat_j ~ P_j diag(c) / s_j
-                c = out.get(f"{arch.layers}.{i}.{group.prev_op}", [None, None])[1]
-                if c is not None:
-                    p = p * c.view(1, -1)
-                dot = (p_hat * p).sum(1)
-                s = p.pow(2).sum(1) / dot.where(dot.abs() > 1e-30, torch.full_like(dot, 1e-30))
+                sq, dot = _row_fit(p, p_hat, out.get(f"{arch.layers}.{i}.{group.prev_op}", [None, None])[1])
+                s = sq / dot.where(dot.abs() > 1e-30, torch.full_like(dot, 1e-30))
             if ones(s):
                 continue
             s_cols = s
@@ -80,6 +77,26 @@ def _awq_equivalent_scales(reference, artifact, arch, layers=None) -> dict[str, 
                     full[rows] = s
                 out.setdefault(f"{arch.layers}.{i}.{group.prev_op}", [None, None])[0] = full
     return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+#: elements of a producer's weight :func:`_row_fit` takes in float64 at once (32 MiB a copy)
+FIT_BLOCK = 2**22
+
+
+def _row_fit(p: torch.Tensor, p_hat: torch.Tensor, c: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(<P_j, P_j>, <P_hat_j, P_j>)`` per output row ``j`` in float64, ``P`` = ``p [out, in]`` times ``c [in]``
+    (its own input scales) when given, ``P_hat`` = ``p_hat``. Rows are taken in blocks of about
+    :data:`FIT_BLOCK` elements: each row's sums are its own, and the float64 copies stay small (a Kimi K2
+    dense up_proj is 132 M weights: 1 GB a copy in float64)."""
+    step = max(1, FIT_BLOCK // max(1, p.shape[1]))
+    sq, dot = [], []
+    for r in range(0, p.shape[0], step):
+        pb = p[r:r + step].double()
+        if c is not None:
+            pb = pb * c.view(1, -1)
+        sq.append(pb.pow(2).sum(1))
+        dot.append((p_hat[r:r + step].double() * pb).sum(1))
+    return torch.cat(sq), torch.cat(dot)
 
 
 def _layer_pairs(reference, artifact, arch) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
