@@ -288,6 +288,12 @@ def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spille
                           max(grouped, key=lambda h: h.total) if grouped else None)
 
 
+def _passes(recipe) -> tuple[bool, bool, bool]:
+    """``(GPTQ Hessians, GPTQ's float stream beside the quantized one, AWQ search)`` of ``recipe``'s algorithm."""
+    reads = get_algorithm(recipe.algorithm).reads
+    return "gptq" in reads, "gptq" in reads and recipe.gptq.gptaq_alpha > 0, "awq" in reads
+
+
 def check_activations(plan, opts, hidden: int | None, console) -> None:
     """The calibration activations against memory, disk and ``--activation-budget-gib``
     (:func:`compressor.activations.plan_activations`); sets ``plan.activation_budget_gib``.
@@ -300,7 +306,7 @@ def check_activations(plan, opts, hidden: int | None, console) -> None:
     plan.activation_budget_gib = opts.execution.activation_budget_gib
     if plan.calib_shape is None or not hidden:
         return
-    streams = 2 if "gptq" in get_algorithm(plan.recipe.algorithm).reads and plan.recipe.gptq.gptaq_alpha > 0 else 1
+    streams = 2 if _passes(plan.recipe)[1] else 1
     spill_all, note = plan_activations(*plan.calib_shape, hidden, int(plan.activation_budget_gib * 2**30),
                                        plan.out.resolve().parent, opts.execution.device, streams)
     if spill_all:
@@ -316,16 +322,14 @@ def for_run(skeleton, plan, execution) -> QuantizeMemory:
     Raises:
         InputError: see :func:`estimate`.
     """
-    reads = get_algorithm(plan.recipe.algorithm).reads
-    gptq = "gptq" in reads
-    float_stream = gptq and plan.recipe.gptq.gptaq_alpha > 0
+    gptq, float_stream, awq = _passes(plan.recipe)
     samples, seqlen = plan.calib_shape or (0, 0)
     copy = samples * seqlen * skeleton.config.hidden_size * 4 * (2 if float_stream else 1)
     act_budget = (plan.activation_budget_gib if plan.activation_budget_gib is not None
                   else execution.activation_budget_gib)
     mem = estimate(skeleton, get_arch(skeleton.config.model_type), plan.recipe, plan.calib_shape,
                    copy > act_budget * GIB, execution.memory_budget_gib, gptq, float_stream,
-                   DTYPES[plan.dtype].itemsize, "awq" in reads)
+                   DTYPES[plan.dtype].itemsize, awq)
     if plan.source.kind == "gguf" and cached_gguf_folder(plan.source) is None:
         mem.conversion = float32_bytes(skeleton)
     mem.workers = execution.workers
