@@ -76,6 +76,13 @@ def capped_list(console, label: str, items: list[str], limit: int = LIST_LIMIT) 
         note(console, f"[red]{label}[/]: ... and {len(items) - limit:,} more", highlight=False)
 
 
+def as_typed(x: float) -> str:
+    """A float flag as the user typed it, as far as the float holds it (``0.001``, ``1048576``): the
+    memory plans echo ``--memory-budget-gib`` with this, never a rounded form of it."""
+    r = repr(float(x))
+    return r[:-2] if r.endswith(".0") else r
+
+
 def capped_names(line: str, limit: int = LIST_LIMIT) -> str:
     """``what: a, b, c, ...`` with at most ``limit`` names, then ``... and K more``."""
     head, sep, names = line.partition(": ")

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from compressor import console as show
 from compressor.arch import get_arch
 from compressor.commands import quantize_memory as qm
 from compressor.quant.gptq_layer import HESSIAN_BYTES
@@ -107,7 +108,7 @@ def test_the_groups_are_named_when_the_embedding_is_the_peak(kimi):
 
 
 def test_the_budget_is_echoed_as_typed():
-    assert [qm.as_typed(float(t)) for t in ("0.001", "1048576", "2.8610229e-05", "0.1234567")] == \
+    assert [show.as_typed(float(t)) for t in ("0.001", "1048576", "2.8610229e-05", "0.1234567")] == \
         ["0.001", "1048576", "2.8610229e-05", "0.1234567"]
 
 

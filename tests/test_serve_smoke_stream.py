@@ -102,6 +102,7 @@ def test_the_runtime_alone_is_compared_with_the_budget_besides_the_process(artif
     """--memory-budget-gib is what serve-smoke may use besides the process (its help): a runtime just under it
     runs, one just over it is refused, and the refusal compares the runtime's figure with the budget's, neither
     counting the process; without the flag, the memory available less the process."""
+    from compressor import console as show
     from compressor.commands import smoke_memory, verify_streamed
     from compressor.manifest import load_manifest
     from compressor.prompts import load_prompts
@@ -124,7 +125,7 @@ def test_the_runtime_alone_is_compared_with_the_budget_besides_the_process(artif
                       resolve_source(spec))
     budget = 0.99 * total / GIB
     line = refusal(memory_budget_gib=budget)
-    assert (f"the runtime {gib(total)} (" in line and f"more than --memory-budget-gib {budget:g} "
+    assert (f"the runtime {gib(total)} (" in line and f"more than --memory-budget-gib {show.as_typed(budget)} "
             f"({gib(int(budget * GIB))}, the process's own {gib(BASELINE_BYTES)} not counted)" in line), line
     assert "with the process" not in line
     monkeypatch.setattr(verify_streamed, "_available_bytes", lambda: BASELINE_BYTES + total // 2)

@@ -157,8 +157,10 @@ def test_verify_refuses_a_budget_below_the_smallest_unit(tiny_pair, capsys):
     from conftest import assert_clean_error, kvq_run
 
     _, art = tiny_pair
-    code, _, err = kvq_run(["verify", art, "--stream", "--memory-budget-gib", "0.01", "--max-windows", "1"], capsys)
-    assert_clean_error(code, err, 2, "--memory-budget-gib 0.01 cannot hold streamed verify's smallest unit: ")
+    code, _, err = kvq_run(["verify", art, "--stream", "--memory-budget-gib", "0.0123456789", "--max-windows", "1"],
+                           capsys)
+    # the budget is echoed as typed (``:g`` would print 0.0123457)
+    assert_clean_error(code, err, 2, "--memory-budget-gib 0.0123456789 cannot hold streamed verify's smallest unit: ")
     code, _, err = kvq_run(["verify", art, "--stream", "--min-median-divergence", "2", "--max-windows", "1"], capsys)
     assert_clean_error(code, err, 2, "--min-median-divergence cannot be evaluated by streamed verify")
 

@@ -65,12 +65,6 @@ def _gib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
-def as_typed(x: float) -> str:
-    """A float flag as the user typed it, as far as the float holds it (``0.001``, ``1048576``)."""
-    r = repr(float(x))
-    return r[:-2] if r.endswith(".0") else r
-
-
 def smallest_budget(n: int) -> str:
     """``n`` bytes as a ``--memory-budget-gib`` value that holds them: GiB rounded *up* to four
     significant digits (a value rounded down would be refused again)."""
@@ -158,7 +152,7 @@ class QuantizeMemory:
                     "without routed experts: held whole")
         each = f" in each of {self.workers} worker processes and the main one" if self.workers > 1 else ""
         return (f"about {_gib(self.peak)} at peak{each}: {'; '.join(said)}; activations {_gib(self.activations)}; "
-                f"process {_gib(BASELINE_BYTES)} (--memory-budget-gib {as_typed(self.budget_gib)}: weights held "
+                f"process {_gib(BASELINE_BYTES)} (--memory-budget-gib {show.as_typed(self.budget_gib)}: weights held "
                 f"at {HELD_BYTES_PER_WEIGHT} bytes each{over})")
 
     def as_dict(self) -> dict:
@@ -272,7 +266,7 @@ def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spille
              for i, layer in enumerate(skeleton.get_submodule(arch.layers))]
     grouped = [h for h in holds if h.per_group is not None]
     if grouped and budget < (big := max(grouped, key=lambda h: h.expert_bytes)).expert_bytes:
-        raise InputError(f"--memory-budget-gib {as_typed(memory_budget_gib)} cannot hold one routed expert of "
+        raise InputError(f"--memory-budget-gib {show.as_typed(memory_budget_gib)} cannot hold one routed expert of "
                          f"decoder layer {big.index} ({big.expert_bytes:,} bytes at {HELD_BYTES_PER_WEIGHT} bytes a "
                          f"weight: float32 and its int8 codes), the smallest unit a layer is read in: give "
                          f"--memory-budget-gib {smallest_budget(big.expert_bytes)} or more")

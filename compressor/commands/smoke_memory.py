@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import console as show
 from ..errors import InputError
 from ..streamed_eval import BASELINE_BYTES, GIB
 
@@ -219,7 +220,7 @@ def plan(folder: Path, prompts: list[str], opts, ref_spec: str, ref_source) -> S
     counts = _token_counts(folder, prompts)
     rt = runtime_estimate(folder, counts, opts)
     budget = budget_bytes(opts)  # the process included
-    where = (f"--memory-budget-gib {opts.memory_budget_gib:g}" if opts.memory_budget_gib is not None
+    where = (f"--memory-budget-gib {show.as_typed(opts.memory_budget_gib)}" if opts.memory_budget_gib is not None
              else f"the {_gib(budget)} this machine has available")
     room = None if budget is None else budget - BASELINE_BYTES  # besides the process
     if room is not None and rt.total > room:
@@ -253,5 +254,5 @@ def _streamed(mem: SmokeMemory, opts, ref_spec: str, ref_source, n: int, longest
     lm.release_embedding()
     mem.lazy = lm
     if opts.memory_budget_gib is not None and mem.reference > mem.budget:
-        raise InputError(f"--memory-budget-gib {opts.memory_budget_gib:g} cannot hold serve-smoke's streamed "
-                         f"reference's smallest unit: {mem.describe()}; raise it, or use fewer or shorter prompts")
+        raise InputError(f"--memory-budget-gib {show.as_typed(opts.memory_budget_gib)} cannot hold serve-smoke's "
+                         f"streamed reference's smallest unit: {mem.describe()}; raise it, or use fewer or shorter prompts")

@@ -74,7 +74,7 @@ def choose(plan, opts, report: dict, console) -> "Streamed | None":
     budget = budget_bytes(opts)
     if need is None or budget is None or need + BASELINE_BYTES <= budget:
         return None
-    where = (f"--memory-budget-gib {opts.memory_budget_gib:g}" if opts.memory_budget_gib is not None
+    where = (f"--memory-budget-gib {show.as_typed(opts.memory_budget_gib)}" if opts.memory_budget_gib is not None
              else f"the {budget / GIB:.1f} GiB this machine has available")
     return Streamed(plan, opts, report, console, f"the two models need about {need / GIB:.1f} GiB whole, more than {where}")
 
@@ -177,7 +177,8 @@ class Streamed:
                           weight_stats=plan.weights_quantized, budget=budget_bytes(opts))
         budget = opts.memory_budget_gib
         if budget is not None and mem.peak > budget * GIB + BASELINE_BYTES:
-            raise InputError(f"--memory-budget-gib {budget:g} cannot hold streamed verify's smallest unit: {mem.describe()}; "
+            raise InputError(f"--memory-budget-gib {show.as_typed(budget)} cannot hold streamed verify's smallest unit: "
+                             f"{mem.describe()}; "
                              "raise it, or lower --max-windows / --seqlen")
         self.expert_group = mem.expert_group_limit
         show.note(self.console, f"streamed verify ({self.why}): {mem.describe()}", highlight=False)
