@@ -255,4 +255,5 @@ def _streamed(mem: SmokeMemory, opts, ref_spec: str, ref_source, n: int, longest
     mem.lazy = lm
     if opts.memory_budget_gib is not None and mem.reference > mem.budget:
         raise InputError(f"--memory-budget-gib {show.as_typed(opts.memory_budget_gib)} cannot hold serve-smoke's "
-                         f"streamed reference's smallest unit: {mem.describe()}; raise it, or use fewer or shorter prompts")
+                         f"streamed reference's smallest unit: {mem.describe()}; raise it, or use fewer or "
+                         "shorter prompts")
