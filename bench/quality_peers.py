@@ -20,6 +20,12 @@ agreement. Rows (``METHODS``, comma separated, default all):
   same schemes (its presets ``FP8_DYNAMIC`` / ``FP8_BLOCK``, ``--scheme``); kvq's loader quantizes
   every linear's input as the serving kernel does for all of them. A run of FP8 rows only writes
   ``bench/results/quality_peers-<tag>-w8a8-fp8.json``;
+* issue #49's formats (run with ``BITS=4``), kvq's recipe beside llm-compressor's preset of the same
+  scheme (``peer_llmcompressor.py --scheme``): ``w4a8`` / ``llmc-w4a8`` (``w4a8-gptq`` / ``W4AFP8``, both
+  GPTQ, int4 symmetric in groups of 64 -- the presets' 128 does not divide SmolLM2's 576 -- with fp8
+  inputs per token), ``nvfp4a16`` / ``llmc-nvfp4a16`` and ``mxfp4a16`` / ``llmc-mxfp4a16`` (RTN), the same
+  with ``-gptq`` (GPTQ on the FP4 grid), and ``nvfp4`` / ``llmc-nvfp4`` (W4A4: FP4 inputs with a static
+  global scale). A run of these rows only writes ``bench/results/quality_peers-<tag>-formats.json``;
 * ``autoround`` -- AutoRound in ``bench/.peers/autoround`` (``bench/peer_autoround.py``;
   ``AR_ITERS``, default 200, AutoRound's default; ``AR_LR``, default AutoRound's own:
   its "light" recipe is ``AR_ITERS=50 AR_LR=5e-3``).
@@ -58,16 +64,26 @@ ALL = ("rtn", "awq", "gptq", "gptq-clip", "gptq-gptaq", "awq-gptq", "awq-gptq-g2
 #: FP8 W8A8 rows (run with BITS=8): kvq's recipes and llm-compressor's presets
 FP8 = {"fp8": "w8a8-fp8", "fp8-block": "w8a8-fp8-block", "fp8-f32": "w8a8-fp8", "fp8-block-f32": "w8a8-fp8-block",
        "llmc-fp8": "FP8_DYNAMIC", "llmc-fp8-block": "FP8_BLOCK"}
+#: issue #49's formats: kvq's (recipe, flags), and llm-compressor's (preset, algorithm, weight group size)
+FORMATS = {"w4a8": ("w4a8-gptq", ["--set", "weights.group_size=64"]), "nvfp4a16": ("w4a16-nvfp4", []),
+           "nvfp4a16-gptq": ("w4a16-nvfp4-gptq", []), "mxfp4a16": ("w4a16-mxfp4", []),
+           "mxfp4a16-gptq": ("w4a16-mxfp4-gptq", []), "nvfp4": ("w4a4-nvfp4", [])}
+LLMC_FORMATS = {"llmc-w4a8": ("W4AFP8", "gptq", 64), "llmc-nvfp4a16": ("NVFP4A16", "rtn", None),
+                "llmc-nvfp4a16-gptq": ("NVFP4A16", "gptq", None), "llmc-mxfp4a16": ("MXFP4A16", "rtn", None),
+                "llmc-mxfp4a16-gptq": ("MXFP4A16", "gptq", None), "llmc-nvfp4": ("NVFP4", "rtn", None)}
+SCHEME_LABEL = {"w4a8": "W4A8 (int4 g64, fp8 inputs)", "nvfp4a16": "NVFP4 W4A16", "mxfp4a16": "MXFP4 W4A16",
+                "nvfp4": "NVFP4 W4A4"}
 METHODS = [m for m in os.environ.get("METHODS", ",".join(ALL)).split(",") if m]
 TAG = f"{pb.SAMPLES}x{pb.SEQLEN}-w{WINDOWS}"
 WORK = ROOT / "bench" / "work" / "quality" / TAG
 KVQ_RECIPE = {"rtn": "w4a16-rtn-g64", "awq": "w4a16-awq", "gptq": "w4a16-gptq", "gptq-clip": "w4a16-gptq",
               "awq-gptq": "w4a16-awq-gptq", "awq-gptq-g20": "w4a16-gptq", "gptq-gptaq": "w4a16-gptaq",
-              **{m: r for m, r in FP8.items() if not m.startswith("llmc-")}}
+              **{m: r for m, r in FP8.items() if not m.startswith("llmc-")}, **{m: r for m, (r, _) in FORMATS.items()}}
 #: extra kvq flags of a row
 KVQ_FLAGS = {"awq-gptq-g20": ["--algorithm", "awq-gptq"], "gptq-clip": ["--set", "gptq.clip=true"],
              # the float tensors (embedding, norms) stored float32, as llm-compressor saves a float32 model
-             "fp8-f32": ["--dtype", "float32"], "fp8-block-f32": ["--dtype", "float32"]}
+             "fp8-f32": ["--dtype", "float32"], "fp8-block-f32": ["--dtype", "float32"],
+             **{m: f for m, (_, f) in FORMATS.items()}}
 AR_PY = ROOT / "bench" / ".peers" / "autoround" / "bin" / "python"
 
 
@@ -86,9 +102,11 @@ def quantize(method: str, bits: int) -> dict:
         inner, rss = s["quantize_seconds"], s["peak_rss_mib"]
         art = out
     else:
-        if method in FP8:
-            cmd = [pb.PEER_PY, ROOT / "bench" / "peer_llmcompressor.py", "quantize", "--algo", "rtn", "--scheme",
-                   FP8[method], "--model", pb.FLOAT, "--calib", pb.CALIB, "--out", out, "--json", js]
+        if method in FP8 or method in LLMC_FORMATS:
+            scheme, algo, gs = LLMC_FORMATS.get(method, (FP8.get(method), "rtn", None))
+            cmd = [pb.PEER_PY, ROOT / "bench" / "peer_llmcompressor.py", "quantize", "--algo", algo, "--scheme",
+                   scheme, *(["--group-size", gs] if gs else []), "--model", pb.FLOAT, "--calib", pb.CALIB,
+                   "--out", out, "--json", js]
         elif method.startswith("llmc-"):
             cmd = [pb.PEER_PY, ROOT / "bench" / "peer_llmcompressor.py", "quantize", "--algo", method[5:], "--bits", bits,
                    "--model", pb.FLOAT, "--calib", pb.CALIB, "--out", out, "--json", js]
@@ -164,8 +182,10 @@ def main() -> None:
            "inputs_sha256": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (pb.CALIB, pb.EVAL)},
            "eval_windows": WINDOWS, "eval_tokens": fl["tokens"], "float_ppl": fl["ppl"], "autoround_iters": AR_ITERS, "autoround_lr": AR_LR,
            "rows": rows, "driver_max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
-    fp8 = all(m in FP8 for m in METHODS)  # the FP8 W8A8 rows have a file of their own
-    out = ROOT / "bench" / "results" / f"quality_peers-{TAG}{'-w8a8-fp8' if fp8 else ''}.json"
+    # the FP8 W8A8 rows and the other formats' rows have files of their own
+    suffix = ("-w8a8-fp8" if all(m in FP8 for m in METHODS) else
+              "-formats" if all(m in FORMATS or m in LLMC_FORMATS for m in METHODS) else "")
+    out = ROOT / "bench" / "results" / f"quality_peers-{TAG}{suffix}.json"
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(table(res))
 
@@ -177,8 +197,9 @@ def table(r: dict) -> str:
              "| artifact (MiB) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for x in r["rows"]:
+        base = x["method"].removeprefix("llmc-").removesuffix("-gptq")
         scheme = ("W8A8 FP8 block" if "fp8-block" in x["method"] else "W8A8 FP8") if x["method"] in FP8 \
-            else f"W{x['bits']} g64"
+            else SCHEME_LABEL.get(base, f"W{x['bits']} g64")
         size = f"{x['artifact_bytes'] / 2**20:,.1f}" if "artifact_bytes" in x else "-"
         lines.append(f"| {scheme} | {x['method']} | {x['ppl']:.3f} | {(x['ppl'] / r['float_ppl'] - 1) * 100:+.2f} % "
                      f"| {x['mean_kl']:.4f} | {x['top1_agreement'] * 100:.2f} % | {x['wall_seconds']:.0f} "
