@@ -385,7 +385,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     leaves = fmt.leaves if fmt is not None else ()
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
-    acts: dict[str, tuple[str, int]] = {}  # module -> its input's dynamic quantization (FP8 W8A8, W4A8)
+    acts: dict[str, tuple] = {}  # module -> its input's quantization (FP8 W8A8, W4A8, NVFP4 W4A4)
     marked = _packed_modules(shards, fmt)
     for s in shards:
         with safe_open(str(s), framework="pt") as f:
@@ -404,8 +404,9 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
         except InputError as e:
             raise InputError(f"{folder}: {e}") from None
         state[f"{module}.weight"] = w.dequantize(dtype)
-        if w.act:
-            acts[memory_name(arch, module)] = (w.act, w.act_group)
+        if w.act:  # NVFP4 W4A4 adds its static input global scale
+            acts[memory_name(arch, module)] = (w.act, w.act_group) + \
+                ((w.input_global_scale,) if w.input_global_scale is not None else ())
     state = state_from_checkpoint(arch, model, state)  # MoE: per-expert tensors -> fused experts
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
@@ -415,7 +416,7 @@ def load_artifact(folder: str | Path, dtype: torch.dtype = torch.float32):
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.eval().requires_grad_(False)
-    install_activation_quant(model, arch, acts)  # FP8 W8A8, W4A8: each input quantized as the kernel does
+    install_activation_quant(model, arch, acts)  # FP8 W8A8, W4A8, W4A4: each input quantized as the kernel does
     tokenizer = load_tokenizer(folder)  # a tokenizer that needs repository code (Kimi's tiktoken) is converted
     check_vocabulary(tokenizer, cfg.vocab_size, f"{folder}: tokenizer")
     return model, tokenizer

@@ -48,9 +48,11 @@ from .quant.kv import check_layout, kv_observer, layer_scales, observed_absmax
 from .quant.kv_rotation import apply_layer_search, resolve_kv_search, rotate_layer
 from .quant.kv_search import layer_recorder, search_warnings
 from .quant.layer import LayerContext, LinearQuantizer, QuantizedLinear, recompute_layer
+from .quant.fp4_inputs import ACT, InputObserver, observed_inputs
 from .quant.fp8 import kernel_warnings
 from .quant.primitives import Scheme
 from .recipe import Recipe, resolve_group_size
+from .recipe_schemes import observes_inputs
 from .gc_policy import frozen_gc
 from .layer_inputs import capture_layer_inputs
 from .layer_figures import first_rows, layer_figures, out_error
@@ -187,9 +189,10 @@ def _group_sizes(recipe: Recipe, targets: dict[str, torch.nn.Linear]) -> dict[st
 def float_scheme_fields(recipe: Recipe) -> tuple:
     """``(type, rows, act)`` of :class:`~compressor.quant.primitives.Scheme` for the recipe's weights:
     ``()`` (the defaults) for integer weight-only, ``("int", 1, "fp8-token")`` for integer weights with
-    fp8 inputs (W4A8), ``("float", rows, "fp8-token" | "fp8-group")`` for FP8."""
+    fp8 inputs (W4A8), ``("float", rows, "fp8-token" | "fp8-group" | "nvfp4")`` for FP8 and FP4 (W4A4)."""
     w, a = recipe.weights, recipe.activations
-    act = f"fp8-{a.strategy}" if a is not None and get_algorithm(recipe.algorithm).quantizes_weights else ""
+    act = ("" if a is None or not get_algorithm(recipe.algorithm).quantizes_weights else
+           ACT if a.num_bits == 4 else f"fp8-{a.strategy}")  # NVFP4 activations (W4A4), fp8 ones
     if w.type != "float":
         return ("int", 1, act) if act else ()
     return ("float", w.block_structure[0] if w.block_structure else 1, act)  # NVFP4: ("float", 1, "")
@@ -297,8 +300,9 @@ def _plan(model, recipe: Recipe, calib_ids) -> _Plan:
     gs = (base[0][1] if base else next(iter(schemes.values()))[1]) if schemes else None
     check_finite(model)
     observe_kv = kv is not None and kv.static
-    if (algorithm.needs_calibration or observe_kv) and calib_ids is None:
-        what = recipe.algorithm.upper() if algorithm.needs_calibration else f"static KV-cache scales ({kv.describe()})"
+    if (algorithm.needs_calibration or observe_kv or observes_inputs(recipe)) and calib_ids is None:
+        what = (recipe.algorithm.upper() if algorithm.needs_calibration else f"static KV-cache scales ({kv.describe()})"
+                if observe_kv else "NVFP4 activations (W4A4: each linear's input_global_scale)")
         raise InputError(f"{what} needs calibration data (--calib)")
     return _Plan(arch, algorithm, kv, layout, targets, schemes, gs, observe_kv, pattern_warnings)
 
@@ -334,8 +338,8 @@ def quantize_model(
             architecture table. Fused MoE experts are unfused in place into per-expert
             ``nn.Linear`` modules (:func:`compressor.moe.unfuse_experts`) and stay so.
         recipe: the effective recipe.
-        calib_ids: int64 ``[n_samples, seqlen]`` calibration tokens (required for AWQ and
-            GPTQ; ignored by RTN).
+        calib_ids: int64 ``[n_samples, seqlen]`` calibration tokens (required for AWQ, GPTQ, static
+            KV scales and NVFP4 activations; else ignored).
         device: ``cpu`` or ``cuda``: where each layer is processed.
         dtype: storage dtype of scales in the artifact (the in-memory model stays float32).
         on_layer: progress callback ``(layer_index, n_layers, layer_figures)``.
@@ -366,6 +370,7 @@ def quantize_model(
     ctx = LayerContext(plan.arch, recipe, LinearQuantizer(plan.schemes, dtype), plan.targets, result.modules, observer,
                        min(recipe.awq.loss_samples, len(calib_ids) if calib_ids is not None else 1),
                        getattr(hooks, "memory_budget", None), getattr(hooks, "activation_budget", None))
+    ctx.input_observer = InputObserver() if observes_inputs(recipe) else None  # W4A4: input_global_scale
     if hooks is not None and getattr(hooks, "activation_budget", None) is not None:
         ctx.spill = lambda tensors, tag: _spill(tensors, hooks, tag)
     if plan.observe_kv:
@@ -404,7 +409,7 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
     n_layers = len(layers)
     start = hooks.start if hooks is not None else 0
     hidden = layer_kwargs = samples = None
-    if algorithm.needs_calibration or observer is not None:
+    if algorithm.needs_calibration or observer is not None or ctx.input_observer is not None:
         resumed = hooks is not None and hooks.hidden is not None
         hidden, layer_kwargs = capture_layer_inputs(model, arch, calib_ids, batch_size, device, kwargs_only=resumed)
         if resumed:
@@ -547,8 +552,9 @@ def _quantize_and_recompute(i, layer, hidden, kw, ctx: LayerContext, algorithm: 
     # the KV observers must see the attention run: no replay with them
     recorder = layer_recorder(layer, ctx)  # kv_cache.scale_search: attention (several ranks: rank 0's first batch)
     recorder = recorder if ctx.samples is None or ctx.samples.rank == 0 else None
-    with recorder.active() if recorder is not None else nullcontext():
-        new_hidden = recompute_layer(i, layer, hidden, kw, ctx.observer, peak, outcome.replay if ctx.observer is None else None)
+    replay = outcome.replay if ctx.observer is None and ctx.input_observer is None else None  # observers see it run
+    with recorder.active() if recorder is not None else nullcontext(), observed_inputs(i, layer, ctx):
+        new_hidden = recompute_layer(i, layer, hidden, kw, ctx.observer, peak, replay)
     outcome.replay = None
     peak[0] = max(peak[0], outcome.linear_peak)
     search = lambda: apply_layer_search(i, recorder, ctx, rotation) if recorder is not None else {}  # noqa: E731

@@ -250,8 +250,8 @@ class Recipe(_Strict):
     gptq: GPTQOptions = GPTQOptions()
     moe: MoEOptions = MoEOptions()
     kv_cache: Optional[KVCacheOptions] = Field(None, description="KV-cache scheme; null keeps the cache in float")
-    activations: Optional[ActivationScheme] = Field(None, description="dynamic activation quantization "
-                                                    "(FP8 W8A8, W4A8); null keeps activations 16-bit")
+    activations: Optional[ActivationScheme] = Field(None, description="activation quantization (FP8 W8A8, "
+                                                    "W4A8, NVFP4 W4A4); null keeps activations 16-bit")
     head: Optional[HeadScheme] = Field(None, description="LM-head scheme; null keeps lm_head in float")
     embedding: Optional[EmbeddingScheme] = Field(None, description="input embedding scheme; null keeps it in float")
     refine: Optional[RefineOptions] = Field(None, description="GPTQ's layers refined on their outputs; null: off")

@@ -85,20 +85,30 @@ class WeightScheme(_Strict):
 
 
 class ActivationScheme(_Strict):
-    """Quantization of every quantized linear's input, dynamic (scales computed by the serving
-    kernel on each call): FP8 e4m3 per token (``strategy: token``, with per-channel FP8 weights, or
-    with integer weights: W4A8) or per token and ``group_size`` columns (``strategy: group``, with
-    block weights: the block's columns), :mod:`compressor.quant.fp8`. ``kvq verify`` and the
-    runtime simulate it."""
+    """Quantization of every quantized linear's input as the serving kernel does it on each call: FP8
+    e4m3 per token (``strategy: token``, with per-channel FP8 weights, or with integer weights: W4A8) or
+    per token and ``group_size`` columns (``strategy: group``, with block weights: the block's columns),
+    fully dynamic (:mod:`compressor.quant.fp8`); or NVFP4 (``num_bits: 4``, ``strategy: tensor_group``,
+    ``group_size: 16``, ``dynamic: local``, with NVFP4 weights: W4A4): e2m1 values with e4m3 scales per 16
+    inputs computed per call over a static per-linear global scale that calibration observes
+    (:mod:`compressor.quant.fp4_inputs`). ``kvq verify`` and the runtime simulate either."""
 
     type: Literal["float"] = "float"
-    num_bits: Literal[8] = 8
-    strategy: Literal["token", "group"] = "token"
+    num_bits: Literal[8, 4] = 8
+    strategy: Literal["token", "group", "tensor_group"] = "token"
     group_size: Optional[int] = Field(None, ge=1)
-    dynamic: Literal[True] = True
+    dynamic: Literal[True, "local"] = True
 
     @model_validator(mode="after")
     def _group(self):
+        if self.num_bits == 4:
+            if (self.strategy, self.group_size, self.dynamic) != ("tensor_group", 16, "local"):
+                raise ValueError("4-bit activations are NVFP4's: strategy tensor_group, group_size 16, dynamic local "
+                                 "(e4m3 scales per 16 inputs per call over a calibrated global scale)")
+            return self
+        if self.strategy == "tensor_group" or self.dynamic is not True:
+            raise ValueError("fp8 activations (num_bits 8) are dynamic (dynamic true) per token or per group; "
+                             "strategy tensor_group with dynamic local is NVFP4's (num_bits 4)")
         if (self.strategy == "group") != (self.group_size is not None):
             raise ValueError("group_size is set with strategy group (and only then)")
         return self
@@ -181,6 +191,9 @@ def check_float_scheme(recipe: "Recipe") -> str | None:
     :func:`check_int_fp8_scheme`."""
     w, a = recipe.weights, recipe.activations
     algorithm = ALGORITHMS.find(recipe.algorithm)
+    if a is not None and a.num_bits == 4 and (w.type, w.num_bits) != ("float", 4):  # FP4 weights: check_fp4_scheme
+        return ("4-bit activations (NVFP4 W4A4) go with NVFP4 weights (type float, num_bits 4, group_size 16): "
+                "--recipe w4a4-nvfp4")
     if w.type == "int":
         if w.block_structure is not None:
             return "weights.block_structure applies to type float (FP8) weights"
@@ -219,8 +232,9 @@ def check_fp4_scheme(recipe: "Recipe") -> str | None:
 
     ``group_size 16`` is NVFP4, llm-compressor's ``NVFP4A16`` preset (compressed-tensors ``strategy: tensor_group``,
     :mod:`compressor.quant.fp4`); ``group_size 32`` is MXFP4, its ``MXFP4A16`` preset (``strategy: group``, E8M0
-    scales, :mod:`compressor.quant.mxfp4`). Either is symmetric, without block structure, weight-only (W4A4 is
-    not implemented), one scheme for every module, round-to-nearest or GPTQ/GPTAQ (an algorithm with
+    scales, :mod:`compressor.quant.mxfp4`). Either is symmetric, without block structure, weight-only or (NVFP4
+    only) with NVFP4 activations (W4A4, compressed-tensors' preset ``NVFP4``: :class:`ActivationScheme`),
+    one scheme for every module, round-to-nearest or GPTQ/GPTAQ (an algorithm with
     :attr:`~compressor.quant.algorithms.Algorithm.fp4_grid`; GPTQ without ``refine`` and ``gptq.clip``, which
     search integer grids).
     """
@@ -229,8 +243,12 @@ def check_fp4_scheme(recipe: "Recipe") -> str | None:
         return ("FP4 weights (type float, num_bits 4) are symmetric in groups of 16 (NVFP4) or 32 (MXFP4) "
                 "(symmetric true, group_size 16 or 32, no block_structure)")
     grid = "MXFP4" if w.group_size == 32 else "NVFP4"
-    if a is not None:
-        return f"{grid} with quantized activations (W4A4) is not implemented; remove the activations section (W4A16)"
+    if a is not None and grid == "MXFP4":
+        return ("MXFP4 with quantized activations (W4A4) is not implemented; remove the activations section (W4A16), "
+                "or use NVFP4 W4A4 (--recipe w4a4-nvfp4)")
+    if a is not None and a.num_bits != 4:
+        return ("NVFP4 with fp8 activations is not implemented; NVFP4 weights take NVFP4 activations (num_bits 4, "
+                "strategy tensor_group, group_size 16, dynamic local: --recipe w4a4-nvfp4) or none (W4A16)")
     if recipe.overrides:
         return f"overrides with {grid} weights (mixed schemes per module) are not implemented"
     algorithm = ALGORITHMS.find(recipe.algorithm)
@@ -291,3 +309,11 @@ def check_int_fp8_scheme(recipe: "Recipe") -> str | None:
             return ("integer weights with fp8 activations are symmetric (vLLM's W4A8 kernel has no zero points): "
                     "set weights.symmetric true")
     return None
+
+
+def observes_inputs(recipe: "Recipe") -> bool:
+    """Whether quantizing ``recipe`` observes each quantized linear's input on a calibration pass: NVFP4
+    activations (W4A4) store a static ``input_global_scale`` per linear from the absmax of its calibration
+    inputs (:mod:`compressor.quant.fp4_inputs`), whatever the algorithm (RTN too)."""
+    a, algorithm = recipe.activations, ALGORITHMS.find(recipe.algorithm)
+    return a is not None and a.num_bits == 4 and algorithm is not None and algorithm.quantizes_weights

@@ -324,15 +324,18 @@ def fp8_probe_inputs(k: int) -> torch.Tensor:
     return x
 
 
-def assert_inputs_quantized_by_hand(model, runtime, rels: tuple[str, ...], act: str, group: int, kernel: str):
+def assert_inputs_quantized_by_hand(model, runtime, rels: tuple[str, ...], act: str, group: int, kernel: str,
+                                    probe=None, by_hand=None):
     """Both readers hand each linear ``model.layers.1.<rel>`` (``rels``) the input :func:`fp8_inputs_by_hand`
     gives for :func:`fp8_probe_inputs`, bit for bit: ``model`` (``kvq verify``'s transformers model, whose
     hook quantizes it) and ``runtime`` (a :class:`~compressor.runtime.generate.Runtime`, whose layer runs
-    ``kernel``), and the runtime's output is that input times verify's weight."""
+    ``kernel``), and the runtime's output is that input times verify's weight. ``probe(in_features)`` and
+    ``by_hand(rel, x)``, when given, replace the probe rows and the hand computation (NVFP4 W4A4:
+    tests/test_nvfp4_a4.py)."""
     for rel in rels:
         lin = model.get_submodule(f"model.layers.1.{rel}")
-        x = fp8_probe_inputs(lin.in_features)
-        expect = fp8_inputs_by_hand(x, act, group)
+        x = (probe or fp8_probe_inputs)(lin.in_features)
+        expect = by_hand(rel, x) if by_hand is not None else fp8_inputs_by_hand(x, act, group)
         seen = []
         handle = lin.register_forward_pre_hook(lambda _m, args: seen.append(args[0].clone()))  # after kvq's hook
         lin(x)

@@ -161,7 +161,7 @@ def test_bundled_recipes():
     ({"weights": {"num_bits": 6}}, "is FP8 e4m3 \\(num_bits 8\\) or NVFP4/MXFP4 \\(num_bits 4\\), symmetric true"),
     ({"weights": {"num_bits": 4}}, "FP4 weights \\(type float, num_bits 4\\) are symmetric in groups of 16"),
     ({"activations": {"strategy": "group", "group_size": 128}}, "per-channel FP8 weights are served with per-token"),
-    ({"overrides": [{"targets": ["re:.*down_proj"], "weights": {"num_bits": 8}}]}, "overrides with FP8 weights"),
+    ({"overrides": [{"targets": ["re:.*down_proj"], "weights": {"num_bits": 4}}]}, "overrides\\[0\\]: FP4 weights"),
 ])
 def test_recipes_refuse_what_vllm_does_not_serve(change, message):
     data = load_recipe("w8a8-fp8").model_dump(mode="json")

@@ -48,7 +48,7 @@ LAYERS = [
                  "compressor.report", "compressor.report_service"]),
     ("kv spec", ["compressor.kv_schemes", "compressor.kv_layout"]),
     ("architecture", ["compressor.arch", "compressor.moe"]),
-    ("recipe", ["compressor.recipe_schemes", "compressor.recipe"]),
+    ("recipe", ["compressor.recipe_schemes", "compressor.recipe_mixed", "compressor.recipe"]),
     ("math", ["compressor.quant", "compressor.quant.primitives", "compressor.quant.inplace_linalg",
               "compressor.quant.rtn", "compressor.quant.awq", "compressor.quant.gptq", "compressor.quant.fp8",
               "compressor.quant.fp4", "compressor.quant.mxfp4"]),

@@ -169,7 +169,7 @@ def test_bundled_recipes(grid):
     ({"algorithm": "gptq", "gptq": {"clip": True}}, "gptq.clip on the {grid} grid is not implemented"),
     ({"algorithm": "awq"}, "algorithm awq is not implemented on the {grid} grid"),
     ({"activations": {"type": "float", "num_bits": 8, "strategy": "token"}},
-     "{grid} with quantized activations \\(W4A4\\) is not implemented"),
+     "{grid} with (quantized|fp8) activations (\\(W4A4\\) )?is not implemented"),
     ({"overrides": [{"targets": ["re:.*down_proj"], "weights": {"num_bits": 8}}]}, "overrides with {grid} weights"),
 ])
 def test_recipes_refuse_what_is_not_implemented(grid, change, message):

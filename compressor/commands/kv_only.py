@@ -234,14 +234,25 @@ class PackedCheckpoint(LazyCheckpoint):
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         return module if module in self.packed_modules else None  # an FP8 module stores its codes as weight
 
-    def activations(self) -> dict[str, tuple[str, int]]:
-        """Packed module -> ``(act, group size)`` of its input's dynamic quantization (FP8 W8A8), for
-        those whose config group declares one (compressed-tensors ``input_activations``)."""
+    def activations(self) -> dict[str, tuple]:
+        """Packed module -> ``(act, group size)`` of its input's quantization (FP8 W8A8, W4A8; NVFP4 W4A4 adds
+        its ``input_global_scale``, float32 ``[1]``), for those whose config group declares one (compressed-tensors
+        ``input_activations``; :func:`compressor.quant.fp8_inputs.quantize_input`).
+
+        Raises:
+            InputError: an NVFP4 W4A4 module without ``input_global_scale``.
+        """
         from ..formats.compressed_tensors import activation_scheme, module_group
+        from ..quant.fp4_inputs import ACT
 
         if self.method != "compressed-tensors":
             return {}
         acts = {m: activation_scheme(module_group(self.qc, m).get("input_activations")) for m in self.packed_modules}
+        for m, a in acts.items():
+            if a[0] == ACT:  # W4A4: the static input global scale beside the weight
+                if f"{m}.input_global_scale" not in self.where:
+                    raise InputError(f"{m}: NVFP4 activations (W4A4) need input_global_scale")
+                acts[m] = a + (self._read(f"{m}.input_global_scale").float().reshape(1),)
         return {m: a for m, a in acts.items() if a[0]}
 
     def __contains__(self, name: str) -> bool:

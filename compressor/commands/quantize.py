@@ -54,7 +54,7 @@ from ..quant.algorithms import get_algorithm
 from ..quant.embedding import add_embedding, check_embedding, embedding_scheme
 from ..quant.head import add_head, check_head, check_untie, head_schemes
 from ..recipe import KVCacheOptions, Recipe, apply_settings, load_recipes, with_overrides
-from ..recipe_schemes import fp4_grid_change
+from ..recipe_schemes import fp4_grid_change, observes_inputs
 from ..signing import check_sign_options, sign_folder
 from ..staging import (
     LayerWriter, input_digests, keep_checkpoint, kept_note, name_kept_checkpoint, open_staging, refuse_if_in_use,
@@ -239,8 +239,11 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     if packed is None:
         _refuse_tied_head(recipe, source, dtype)
     kv = recipe.kv_cache.spec() if recipe.kv_cache is not None else None
-    needs_calib = algorithm.needs_calibration or (kv is not None and kv.static)
-    if why := refusal(algorithm, kv, opts.execution.workers, opts.execution.stream, packed is not None):
+    needs_calib = algorithm.needs_calibration or (kv is not None and kv.static) or observes_inputs(recipe)
+    why = (f"--workers {opts.execution.workers}: NVFP4 activations (W4A4) are observed on a calibration pass; use "
+           "--workers 1" if observes_inputs(recipe) and opts.execution.workers > 1 else
+           refusal(algorithm, kv, opts.execution.workers, opts.execution.stream, packed is not None))
+    if why:
         raise InputError(why)  # --workers N: data-free recipes only
     calib = opts.calibration
     if not needs_calib and calib.source != "embedded":

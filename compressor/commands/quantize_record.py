@@ -28,6 +28,9 @@ def quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schem
         quant.update(activations=recipe.activations.model_dump(mode="json"))
     if recipe.is_mixed:
         quant["schemes"] = [{"num_bits": s.num_bits, "group_size": s.group_size, "symmetric": s.symmetric,
+                             **({"type": s.type} if s.type != "int" else {}),
+                             **({"rows": s.rows} if s.rows > 1 else {}),
+                             **({"activations": s.act} if s.act else {}),  # a mixed recipe's FP8, FP4, W4A8 modules
                              "modules": sorted(n for n, v in schemes.items() if tuple(v) == tuple(s))}
                             for s in sorted({Scheme(*v) for v in schemes.values()})]
     quant.update(get_algorithm(recipe.algorithm).summary_fields(recipe, fmt))  # keys already present keep their place

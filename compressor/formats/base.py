@@ -46,6 +46,7 @@ from ..quant.fp4 import dequantize_weight as dequantize_fp4_weight
 from ..quant.fp8 import dequantize_weight as dequantize_fp8_weight
 from ..quant.mxfp4 import dequantize_weight as dequantize_mxfp4_weight
 from ..quant.primitives import dequantize
+from ..recipe_mixed import pairs
 from ..registry import ALGORITHMS, FORMATS
 
 
@@ -135,16 +136,13 @@ def require_leaves(t: dict[str, torch.Tensor], names: tuple[str, ...]) -> None:
 
 
 def recipe_schemes(recipe) -> list:
-    """The base weight scheme and the base updated by each override."""
-    return [recipe.weights] + [
-        recipe.weights.model_copy(update={k: v for k, v in o.weights.model_dump().items() if v is not None})
-        for o in recipe.overrides
-    ]
+    """The base weight scheme and the base with each override applied (:func:`compressor.recipe_mixed.pairs`)."""
+    return [w for _, w, _ in pairs(recipe)]
 
 
 def dynamic_act_order(recipe) -> bool:
     """True when the recipe's GPTQ act-order needs a stored ``g_idx`` (no static groups)."""
-    grouped = any(s.group_size != -1 for s in recipe_schemes(recipe))  # per channel: one group, no g_idx
+    grouped = any(s.group_size != -1 and s.type == "int" for s in recipe_schemes(recipe))  # per channel: no g_idx
     return act_order(recipe) and not recipe.gptq.static_groups and grouped
 
 
@@ -154,7 +152,7 @@ def act_order(recipe) -> bool:
     so their artifact records no column order."""
     algorithm = ALGORITHMS.find(recipe.algorithm)
     return (algorithm is not None and algorithm.act_order and recipe.gptq.act_order
-            and recipe.weights.type != "float")
+            and any(w.type != "float" for w in recipe_schemes(recipe)))
 
 
 def check_float16_weight_format(fmt: "WeightFormat", recipe, dtype_name: str) -> None:
@@ -170,10 +168,10 @@ def check_float16_weight_format(fmt: "WeightFormat", recipe, dtype_name: str) ->
     name = fmt.name
     if not ALGORITHMS.get(recipe.algorithm).quantizes_weights:
         raise InputError(f"--format {name} stores quantized weights; a KV-only recipe (algorithm none) needs --format compressed-tensors")
-    if recipe.weights.type != "int":
+    if any(w.type != "int" for _, w, _ in pairs(recipe)):
         raise InputError(f"--format {name} stores integer weights; FP8, NVFP4 and MXFP4 (weights type float) need "
                          "--format compressed-tensors")
-    if recipe.activations is not None:
+    if any(a is not None for _, _, a in pairs(recipe)):
         raise InputError(f"--format {name} has no field for quantized activations; W4A8 (an activations section) "
                          "needs --format compressed-tensors (input_activations)")
     if recipe.kv_cache is not None and recipe.kv_cache.spec().static:

@@ -40,8 +40,9 @@ import copy
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, QuantizationError
 from ..quant import fp4, mxfp4
+from ..quant.fp4_inputs import ACT as NVFP4_ACT
 from ..quant.fp8 import ACT_SCHEMES
 from ..quant.primitives import Scheme, qrange
 from .base import QuantWeight, WeightFormat, act_order, dynamic_act_order, require_leaves, symmetric_zero
@@ -181,12 +182,17 @@ def _weight_args(sch: Scheme, actorder: str | None):
 
 
 def _input_args(sch: Scheme):
-    """compressed-tensors ``QuantizationArgs`` of a scheme's dynamic input quantization, or ``None``
-    (``fp8-token``: per token; ``fp8-group``: per token and group of the weight's columns per block)."""
+    """compressed-tensors ``QuantizationArgs`` of a scheme's input quantization, or ``None`` (``fp8-token``: per
+    token; ``fp8-group``: per token and group of the weight's columns per block; ``nvfp4``: the preset ``NVFP4``'s
+    inputs, ``tensor_group`` of 16, ``dynamic: local``)."""
     from compressed_tensors.quantization import QuantizationArgs
 
     if not sch.act:
         return None
+    if sch.act == NVFP4_ACT:  # compressed-tensors' preset NVFP4: e4m3 scales per 16 per call, a static global scale
+        return QuantizationArgs(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=fp4.GROUP,
+                                block_structure=None, dynamic="local", actorder=None, observer="static_minmax",
+                                observer_kwargs={}, scale_dtype=torch.float8_e4m3fn)
     group = sch.act == "fp8-group"
     return QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group" if group else "token",
                             group_size=sch.group_size if group else None, block_structure=None, dynamic=True,
@@ -274,7 +280,8 @@ def quantization_config(
             name: {**_dump(g, ("targets",)),
                    "weights": _dump_args(g.weights, _FP4_ARGS_KEYS if g.format in _FP4_FORMATS else
                                          _WEIGHT_ARGS_KEYS),
-                   "input_activations": _dump_args(g.input_activations),
+                   "input_activations": _dump_args(g.input_activations, _FP4_ARGS_KEYS if g.format ==
+                                                   "nvfp4-pack-quantized" else _WEIGHT_ARGS_KEYS),
                    "output_activations": _dump_args(g.output_activations), **_dump(g, ("format",))}
             for name, g in cfg.config_groups.items()
         },
@@ -345,7 +352,8 @@ def module_scheme(qc: dict, module: str) -> dict:
 
 def activation_scheme(args: dict | None) -> tuple[str, int]:
     """``(act, group size)`` of a group's ``input_activations``: ``("", 0)`` for none, ``("fp8-token", 0)``,
-    ``("fp8-group", group_size)`` (:data:`compressor.quant.fp8.ACT_SCHEMES`).
+    ``("fp8-group", group_size)`` (:data:`compressor.quant.fp8.ACT_SCHEMES`), ``("nvfp4", 16)`` (NVFP4 W4A4:
+    ``tensor_group`` of 16, ``dynamic: local``; :mod:`compressor.quant.fp4_inputs`).
 
     Raises:
         InputError: input quantization kvq does not simulate (static scales, integers, other widths).
@@ -357,8 +365,11 @@ def activation_scheme(args: dict | None) -> tuple[str, int]:
         return ACT_SCHEMES[0], 0
     if kind == ("float", 8, "group", True) and int(args.get("group_size") or 0) > 0:
         return ACT_SCHEMES[1], int(args["group_size"])
+    if kind == ("float", 4, "tensor_group", "local") and args.get("group_size") == fp4.GROUP:
+        return NVFP4_ACT, fp4.GROUP
     given = ", ".join(f"{k} {v}" for k, v in args.items())
-    raise InputError(f"input_activations ({given}) are not simulated by kvq (dynamic fp8 per token or group only)")
+    raise InputError(f"input_activations ({given}) are not simulated by kvq (dynamic fp8 per token or group, NVFP4 "
+                     "tensor_group of 16 with dynamic local only)")
 
 
 def input_quantization(qc: dict) -> list[str]:
@@ -371,7 +382,13 @@ def input_quantization(qc: dict) -> list[str]:
     if (qc or {}).get("quant_method") != "compressed-tensors":
         return []
     found = {activation_scheme((g or {}).get("input_activations")) for g in (qc.get("config_groups") or {}).values()}
-    return sorted(f"{a} {g}" if g else a for a, g in found if a)
+    return sorted(f"{a} {g}" if a == ACT_SCHEMES[1] else a for a, g in found if a)
+
+
+def _fp8_inputs_only(act: str) -> None:
+    """Raises InputError for NVFP4 input_activations on a module whose weights are not NVFP4's."""
+    if act == NVFP4_ACT:
+        raise InputError("NVFP4 input_activations (W4A4) go with NVFP4 weights (nvfp4-pack-quantized)")
 
 
 def read_float_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
@@ -398,28 +415,33 @@ def read_float_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> Quan
         raise InputError(f"weight_scale shape {tuple(scale.shape)} does not match weight {(n, k)} "
                          f"in {rows} x {cols} blocks")
     act, act_group = activation_scheme(group.get("input_activations"))
+    _fp8_inputs_only(act)
     return QuantWeight(q, scale.reshape(expect), None, 8, cols, rows=rows, act=act, act_group=act_group)
 
 
 def _e2m1_codes(qc: dict, module: str, t: dict[str, torch.Tensor], group_size: int, grid: str) -> torch.Tensor:
     """The unpacked e2m1 codes (uint8 ``[N, K]``) of an NVFP4 or MXFP4 module, once its config group is checked to
-    be ``grid`` weight-only (4-bit float weights in groups of ``group_size``, no ``input_activations``).
+    be ``grid`` (4-bit float weights in groups of ``group_size``) weight-only or, for NVFP4, with NVFP4
+    ``input_activations`` (W4A4).
 
     Raises:
         InputError: another group, or a ``weight_packed`` that is not 2-D uint8.
     """
     group = module_group(qc, module)
     w = group.get("weights") or {}
+    acts = group.get("input_activations")
     if (w.get("type"), w.get("num_bits"), w.get("group_size")) != ("float", 4, group_size) or \
-            group.get("input_activations"):
+            (acts and (grid != "NVFP4" or activation_scheme(acts)[0] != NVFP4_ACT)):
+        what = f"{grid} weight-only" + (" or W4A4" if grid == "NVFP4" else "")
         raise InputError(f"weights {w.get('type')} {w.get('num_bits')}-bit in groups of {w.get('group_size')} "
-                         f"(input_activations {group.get('input_activations')}) are not {grid} weight-only")
+                         f"(input_activations {acts}) are not {what}")
     return fp4.unpack_codes(t["weight_packed"])
 
 
 def read_fp4_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
     """An NVFP4 ``nvfp4-pack-quantized`` module: ``weight_packed`` uint8 ``[N, K/2]``, ``weight_scale``
-    float8_e4m3fn ``[N, K/16]``, ``weight_global_scale`` ``[1]`` (:mod:`compressor.quant.fp4`).
+    float8_e4m3fn ``[N, K/16]``, ``weight_global_scale`` ``[1]`` (:mod:`compressor.quant.fp4`); with NVFP4
+    ``input_activations`` (W4A4) its ``input_global_scale`` ``[1]`` too (:mod:`compressor.quant.fp4_inputs`).
 
     Raises:
         InputError: a group that is not NVFP4 weight-only, tensors of other dtypes or shapes.
@@ -431,7 +453,15 @@ def read_fp4_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantW
             or g.numel() != 1:
         raise InputError(f"weight_scale {scale.dtype} {tuple(scale.shape)} / weight_global_scale "
                          f"{tuple(g.shape)} do not match NVFP4 weight {(n, k)}")
-    return QuantWeight(q, scale, None, 4, fp4.GROUP, global_scale=g.float().reshape(1))
+    if not module_group(qc, module).get("input_activations"):
+        return QuantWeight(q, scale, None, 4, fp4.GROUP, global_scale=g.float().reshape(1))
+    gi = t.get("input_global_scale")
+    if gi is None or gi.numel() != 1 or not gi.is_floating_point() or not bool(torch.isfinite(gi).all()) \
+            or float(gi.reshape(())) <= 0:
+        raise InputError(f"NVFP4 activations (W4A4) need input_global_scale, one finite positive float "
+                         f"(got {None if gi is None else tuple(gi.shape)})")
+    return QuantWeight(q, scale, None, 4, fp4.GROUP, global_scale=g.float().reshape(1), act=NVFP4_ACT,
+                       act_group=fp4.GROUP, input_global_scale=gi.float().reshape(1))
 
 
 def read_mxfp4_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
@@ -464,7 +494,7 @@ class CompressedTensorsFormat(WeightFormat):
     carries_head = True
     #: ``weight`` is a leaf of a packed module only (an FP8 ``float-quantized`` one: e4m3 codes)
     leaves = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight",
-              "weight_global_scale")
+              "weight_global_scale", "input_global_scale")
     marker = "weight_scale"  # both compressors store it; a float module never does
 
     def check(self, recipe, dtype_name: str) -> None:
@@ -483,8 +513,14 @@ class CompressedTensorsFormat(WeightFormat):
         """:func:`module_tensors` of the record, scales in ``dtype``; an FP8 record (``type float``)
         as ``float-quantized``: ``weight`` (its e4m3 codes) and its float32 ``weight_scale``."""
         if rec.scheme.is_fp4:
-            return {"weight_packed": fp4.pack_codes(rec.q), "weight_scale": rec.scale.contiguous(),
-                    "weight_global_scale": rec.global_scale.float().reshape(1).contiguous()}
+            out = {"weight_packed": fp4.pack_codes(rec.q), "weight_scale": rec.scale.contiguous(),
+                   "weight_global_scale": rec.global_scale.float().reshape(1).contiguous()}
+            if rec.act == NVFP4_ACT:  # W4A4: the calibrated input global scale (compressor.quant.fp4_inputs)
+                if rec.input_global_scale is None:
+                    raise QuantizationError("an NVFP4 W4A4 linear has no input_global_scale: its input was not "
+                                            "observed on the calibration pass; nothing was written")
+                out["input_global_scale"] = rec.input_global_scale.float().reshape(1).contiguous()
+            return out
         if rec.scheme.is_mxfp4:
             return {"weight_packed": fp4.pack_codes(rec.q), "weight_scale": rec.scale.contiguous()}
         if rec.type == "float":
@@ -521,6 +557,7 @@ class CompressedTensorsFormat(WeightFormat):
             raise InputError(f"weight_scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)}")
         g_idx = t.get("weight_g_idx")
         act, act_group = activation_scheme(group.get("input_activations"))
+        _fp8_inputs_only(act)
         return QuantWeight(q, scale, symmetric_zero(zp), bits, gs, None if g_idx is None else g_idx.to(torch.int32),
                            act=act, act_group=act_group)
 

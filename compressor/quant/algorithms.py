@@ -24,6 +24,8 @@ algorithm:
                           statistics must undo (AWQ; :func:`compressor.quality.weight_report`);
                           a streamed MoE layer then takes :mod:`compressor.moe_stream_awq`
 ``fp8_grid``              it quantizes FP8 e4m3 weights (``weights.type: float``; RTN)
+``fp8_fallback``          in a recipe with overrides, its step quantizes the FP8 modules with RTN
+                          (GPTQ; :mod:`compressor.recipe_mixed`)
 ``summary_fields``        the algorithm's part of the manifest's ``quantization`` block
 ``flag_warnings``         command-line flags the effective recipe makes meaningless
 ``run_warnings``          warnings drawn from all layers' figures after the run
@@ -76,6 +78,9 @@ class Algorithm:
     act_order: ClassVar[bool] = False
     #: quantizes FP8 e4m3 weights (recipe ``weights.type: float``, :mod:`compressor.quant.fp8`): RTN only so far
     fp8_grid: ClassVar[bool] = False
+    #: in a recipe with overrides (mixed formats), FP8 modules are rounded by RTN inside its step
+    #: (:func:`compressor.recipe_mixed.module_algorithm`)
+    fp8_fallback: ClassVar[bool] = False
     #: quantizes FP4 e2m1 weights (NVFP4, MXFP4: :mod:`compressor.quant.fp4`, :mod:`compressor.quant.mxfp4`)
     fp4_grid: ClassVar[bool] = False
 

@@ -194,10 +194,10 @@ def _batches(layer, st: tuple[str, ...], schemes: dict, prefix: str) -> list[tup
 
 
 def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
-    """Quantize one pass's reader sets: RTN for cold experts and sets without tokens, GPTQ
-    (dealt to the ranks) for the rest, the linears of a set that share a scheme solved as one
-    stacked matrix (:func:`_batches`). ``folds``: ``(col_scale, row_scale, originals)`` of an
-    AWQ-scaled layer (``awq-gptq``), so each weight error is measured against the weight
+    """Quantize one pass's reader sets: RTN for cold experts, sets without tokens and FP8 sets (a mixed
+    recipe's: :mod:`compressor.recipe_mixed`), GPTQ (dealt to the ranks) for the rest, the linears of a set
+    that share a scheme solved as one stacked matrix (:func:`_batches`). ``folds``: ``(col_scale, row_scale,
+    originals)`` of an AWQ-scaled layer (``awq-gptq``), so each weight error is measured against the weight
     before folding. Returns ``(errs, damps, retries, dead_channels)``."""
     col_scale, row_scale, originals = folds or ({}, {}, {})
     arch, quantizer, opts = ctx.arch, ctx.quantizer, ctx.recipe.gptq
@@ -207,8 +207,10 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
     share_fp4_absmax(i, [r for st in sets for r in st], ctx)  # NVFP4: global scales before any set is solved
     for st in sets:
         e = expert_index(arch, st[0])
-        if (e is not None and e in cold) or accs[st[0]].n == 0:
-            for rel in st:  # RTN fallback: too few routed tokens for a Hessian
+        sch = quantizer.schemes[prefix + st[0]]
+        fp8 = sch.is_float and sch.num_bits == 8  # the e4m3 grid: RTN (GPTQ on it is not implemented)
+        if (e is not None and e in cold) or accs[st[0]].n == 0 or fp8:
+            for rel in st:  # RTN fallback: too few routed tokens for a Hessian, or FP8
                 name = prefix + rel
                 ctx.modules[name], err = quantizer.quantize_linear(name, get_module(layer, rel), None, col_scale.get(rel),
                                                                    originals.get(rel), row_scale.get(rel))
@@ -531,6 +533,7 @@ class GPTQ(Algorithm):
     needs_calibration = True
     act_order = True
     fp4_grid = True  # NVFP4 and MXFP4: each column rounded onto the format's fixed steps (Quantizer.e2m1_grid)
+    fp8_fallback = True  # FP8 modules of a mixed recipe: RTN (solve_pass)
     streams_experts = experts_per_rank = True
 
     def divides_samples(self, ctx):

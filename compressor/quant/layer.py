@@ -55,6 +55,8 @@ class QuantizedLinear:
     g_idx: torch.Tensor | None
     scheme: Scheme
     global_scale: torch.Tensor | None = None
+    #: NVFP4 activations (W4A4): float32 ``[1]`` from the calibration inputs' absmax (:mod:`.fp4_inputs`)
+    input_global_scale: torch.Tensor | None = None
 
     def __getattr__(self, name: str):
         """``num_bits``, ``group_size``, ``symmetric``, ``type``, ``rows``, ``act``: the scheme's."""
@@ -281,6 +283,9 @@ class LayerContext:
     #: under several ranks, while the layer runs on this rank's share of the calibration batches
     #: (:class:`compressor.sample_ranks.Samples`; ``hidden`` holds only those): ``None`` otherwise
     samples: object = None
+    #: NVFP4 activations (W4A4): the :class:`~compressor.quant.fp4_inputs.InputObserver` of the recompute's
+    #: linear inputs; ``None``: no input is observed
+    input_observer: object = None
 
     def experts(self, layer) -> UnfusedExperts | None:
         """The layer's unfused routed experts (``None`` for a dense layer)."""

@@ -31,6 +31,9 @@ kernel                what runs                                           serves
                       (:mod:`.fp4_linear`)                                backend and device
 ====================  ==================================================  =======================
 
+An NVFP4 weight whose input is quantized too (W4A4) gets ``nvfp4-a4-emulated`` (:mod:`.fp4_linear`): the input
+quantized per 16 over its static global scale, then the float32 ``F.linear`` of ``fp8-emulated``.
+
 The aten ops: ``_convert_weight_to_int4pack_for_cpu(u int32 [N, K], innerKTiles)`` takes
 unsigned codes ``u = q + 8`` (its output layout is opaque); ``_weight_int4pack_mm_for_cpu(x
 [M, K] contiguous, packed, group_size, qScaleAndZeros [K / group_size, N, 2])`` computes

@@ -11,17 +11,18 @@ import torch
 import torch.nn.functional as F
 
 from ..formats.base import QuantWeight
-from ..quant.fp8 import fake_quantize_activation
+from ..quant.fp8_inputs import quantize_input
 
 
 class Linear(torch.nn.Module):
-    """Base: optional input quantization (FP8 W8A8: ``act``, as the serving kernel quantizes each
-    token's input, :func:`~compressor.quant.fp8.fake_quantize_activation`), optional input
+    """Base: optional input quantization (FP8 W8A8, W4A8, NVFP4 W4A4: ``act``, as the serving kernel quantizes each
+    token's input, :func:`~compressor.quant.fp8_inputs.quantize_input`), optional input
     permutation (GPTQ act-order), 2-D matmul, bias."""
 
     kernel = "base"
-    #: ``(act, group size)`` of the input's dynamic quantization; ``("", 0)``: none
-    act: tuple[str, int] = ("", 0)
+    #: ``(act, group size)`` of the input's quantization (NVFP4 W4A4: ``("nvfp4", 16, input_global_scale)``);
+    #: ``("", 0)``: none
+    act: tuple = ("", 0)
     #: the dtype a quantized input is dequantized to (None: the input's; float32 keeps it exact)
     quantized_input_dtype: torch.dtype | None = None
 
@@ -38,7 +39,7 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if self.act[0]:
-            x = fake_quantize_activation(x, *self.act, dtype=self.quantized_input_dtype)
+            x = quantize_input(x, self.act, dtype=self.quantized_input_dtype)
         if self.in_perm is not None:
             x = x.index_select(-1, self.in_perm)
         y = self._mm(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features).to(dtype)
