@@ -21,6 +21,8 @@ def quantization_summary(recipe: Recipe, fmt: str, dtype: str, group_size, schem
         quant.update(type="float", strategy="group", scale_dtype="uint8 (E8M0 exponent)")
     elif recipe.weights.type == "float" and recipe.weights.num_bits == 4:  # NVFP4: e4m3 group scales, global scale
         quant.update(type="float", strategy="tensor_group", scale_dtype="float8_e4m3fn", global_scale="float32")
+        if recipe.activations is not None:  # W4A4: the inputs' NVFP4 quantization
+            quant.update(activations=recipe.activations.model_dump(mode="json"))
     elif recipe.weights.type == "float":  # FP8 W8A8: the grid, the scale blocks and the inputs' quantization
         quant.update(type="float", block_structure=recipe.weights.block_structure, scale_dtype="float32",
                      activations=recipe.activations.model_dump(mode="json") if recipe.activations else None)

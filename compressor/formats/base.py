@@ -22,7 +22,8 @@ channel, 128 for 128 x 128 blocks), no zero point, and ``act`` the dynamic quant
 module's input the serving kernel applies (``fp8-token`` / ``fp8-group``; ``""``: none). An integer
 weight may carry ``act`` too (W4A8: ``fp8-token``). An NVFP4 weight (compressed-tensors
 ``nvfp4-pack-quantized``, :mod:`compressor.quant.fp4`) has ``q`` uint8 e2m1 codes ``[N, K]`` (unpacked),
-``scale`` float8_e4m3fn ``[N, K / 16]``, ``global_scale`` float32 ``[1]`` and ``group_size`` 16. An MXFP4
+``scale`` float8_e4m3fn ``[N, K / 16]``, ``global_scale`` float32 ``[1]`` and ``group_size`` 16 (with NVFP4
+activations, W4A4: ``act`` ``nvfp4``, ``act_group`` 16 and ``input_global_scale`` float32 ``[1]``). An MXFP4
 weight (``mxfp4-pack-quantized``, :mod:`compressor.quant.mxfp4`) has ``q`` uint8 e2m1 codes ``[N, K]``,
 ``scale`` uint8 biased E8M0 exponents ``[N, K / 32]``, no global scale and ``group_size`` 32.
 
@@ -64,6 +65,8 @@ class QuantWeight:
     act: str = ""
     act_group: int = 0  #: columns per activation scale with ``act`` ``fp8-group``
     global_scale: torch.Tensor | None = None  #: NVFP4's float32 ``[1]`` (``None`` for the others)
+    #: NVFP4 activations (W4A4, ``act`` ``nvfp4``): the static float32 ``[1]`` input global scale
+    input_global_scale: torch.Tensor | None = None
 
     @property
     def is_float(self) -> bool:
