@@ -41,7 +41,8 @@ HELP = {
         "Calibration text: a .txt/.jsonl/.parquet file, 'embedded' (offline CPython prose), or "
         "wikitext2/c4/pileval (online); or a .safetensors file with one integer tensor input_ids [samples, "
         "seqlen] of pre-tokenized windows (used as they are; --calib-samples/--calib-seqlen/--seed do not "
-        "apply)."
+        "apply). Read by AWQ, GPTQ, static KV scales and NVFP4 W4A4 (w4a4-nvfp4: each linear's input_global_scale "
+        "from the absmax of its calibration inputs)."
     ),
     "quantize.calib-field": "Text column of a .jsonl/.parquet calibration file.",
     "quantize.calib-samples": "Number of calibration sequences.",
@@ -116,8 +117,8 @@ HELP = {
         "of the source shards and reads, quantizes and writes its share of the layers (a MoE layer above "
         "--memory-budget-gib: of its expert groups), holding one layer or group at a time as one process does; "
         "--threads is divided among them. The artifact is the one a single process writes, digest for digest. "
-        "Refused (exit 2) with a calibration pass (AWQ, GPTQ, GPTAQ, refine, static KV scales), --no-stream, "
-        "an already-quantized source, or under torchrun."
+        "Refused (exit 2) with a calibration pass (AWQ, GPTQ, GPTAQ, refine, static KV scales, NVFP4 W4A4), "
+        "--no-stream, an already-quantized source, or under torchrun."
     ),
     "quantize.resume": (
         "Continue an interrupted run of the same command from its last finished layer (kept in "
