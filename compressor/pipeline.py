@@ -52,6 +52,7 @@ from .quant.fp4_inputs import ACT, InputObserver, observed_inputs
 from .quant.fp8 import kernel_warnings
 from .quant.primitives import Scheme
 from .recipe import Recipe, resolve_group_size
+from .recipe_mixed import by_pair, module_recipe
 from .recipe_schemes import observes_inputs
 from .gc_policy import frozen_gc
 from .layer_inputs import capture_layer_inputs
@@ -171,18 +172,15 @@ def target_modules(model, recipe: Recipe, arch: ArchSpec) -> dict[str, torch.nn.
 
 
 def _group_sizes(recipe: Recipe, targets: dict[str, torch.nn.Linear]) -> dict[str, Scheme]:
-    by_scheme: dict[tuple, dict[str, int]] = {}
-    for name, mod in targets.items():
-        ws = recipe.scheme_for(name)
-        by_scheme.setdefault((ws.num_bits, ws.group_size, ws.symmetric), {})[name] = mod.in_features
-    float_fields = float_scheme_fields(recipe)
+    """Module name -> :class:`Scheme` of its ``(weights, activations)`` pair, group sizes resolved per pair
+    (InputError: a size that does not fit, a refused pair: :func:`compressor.recipe_mixed.by_pair`)."""
     out = {}
-    for (bits, gs, sym), in_features in by_scheme.items():
-        scheme = recipe.weights.model_copy(update={"num_bits": bits, "group_size": gs, "symmetric": sym})
+    for w, a, in_features in by_pair(recipe, {name: mod.in_features for name, mod in targets.items()}):
+        module = module_recipe(recipe, w, a)
         # FP8 blocks at a matrix's edge are partial (as compressed-tensors pads): no width needs to divide
-        resolved = gs if recipe.weights.block_structure else resolve_group_size(
-            recipe.model_copy(update={"weights": scheme}), in_features)
-        out.update({name: Scheme(bits, resolved, sym, *float_fields) for name in in_features})
+        resolved = w.group_size if w.block_structure else resolve_group_size(module, in_features)
+        out.update({name: Scheme(w.num_bits, resolved, w.symmetric, *float_scheme_fields(module))
+                    for name in in_features})
     return out
 
 

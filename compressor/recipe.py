@@ -24,6 +24,7 @@ from .errors import InputError
 from .files import read_limited
 from .suggest import did_you_mean, dotted_keys, format_validation
 from .kv_schemes import make_spec, scheme_names, strategy_names
+from .recipe_mixed import Pair, check_schemes, resolve
 from .recipe_schemes import (FULL_DUMP, ActivationScheme, EmbeddingScheme, HeadScheme, WeightOverride,  # noqa: F401
                              WeightScheme, _full, _Strict, check_float_scheme)
 from .registry import ALGORITHMS
@@ -125,15 +126,33 @@ class MoEOptions(_Strict):
 
 
 class Override(_Strict):
-    """Per-module override of the weight scheme; when several match a module, later ones win."""
+    """Per-module override of the scheme; when several match a module, later ones win
+    (:func:`compressor.recipe_mixed.resolve`). ``weights`` with a ``type`` are a whole weight scheme (int, FP8,
+    NVFP4, MXFP4), without one they change the fields given; ``activations`` given (a scheme, or ``null`` for
+    16-bit inputs) replace the module's, left out they are kept (and left out of dumps: earlier recipes'
+    digests stay)."""
 
     targets: list[str] = Field(min_length=1, description="module names or 're:' regexes")
-    weights: WeightOverride
+    weights: WeightOverride = Field(default_factory=WeightOverride)
+    activations: Optional[ActivationScheme] = None
 
     @field_validator("targets")
     @classmethod
     def _regexes(cls, v):
         return _check_patterns(v)
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_activations(self, handler, info):
+        """``activations`` not given is left out of every dump (:data:`FULL_DUMP` too: a dump read back keeps
+        the module's activations, where ``null`` would make them 16-bit)."""
+        data = handler(self)
+        if isinstance(data, dict) and "activations" not in self.model_fields_set:
+            data.pop("activations", None)
+        return data
+
+    def applies_to(self, module_name: str) -> bool:
+        """True when ``module_name`` is one of ``targets`` or fully matches an ``re:`` entry (:func:`matches`)."""
+        return matches(self.targets, module_name)
 
 
 class KVCacheOptions(_Strict):
@@ -245,7 +264,8 @@ class Recipe(_Strict):
     weights: WeightScheme = WeightScheme()
     targets: list[str] = Field(default_factory=lambda: ["re:.*"], description="decoder linears to quantize: names or 're:' regexes")
     ignore: list[str] = Field(default_factory=list, description="module names or 're:' regexes left in float")
-    overrides: list[Override] = Field(default_factory=list, description="per-module weight schemes (mixed precision)")
+    overrides: list[Override] = Field(default_factory=list,
+                                      description="per-module schemes (mixed precision, mixed formats)")
     awq: AWQOptions = AWQOptions()
     gptq: GPTQOptions = GPTQOptions()
     moe: MoEOptions = MoEOptions()
@@ -275,8 +295,9 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _float_weights(self):
-        """The FP8 W8A8 and W4A8 combinations vLLM serves (:func:`check_float_scheme`)."""
-        problem = check_float_scheme(self)
+        """The FP8 W8A8, W4A8 and FP4 combinations vLLM serves, per override too
+        (:func:`compressor.recipe_mixed.check_schemes`)."""
+        problem = check_schemes(self)
         if problem:
             raise ValueError(problem)
         return self
@@ -292,11 +313,13 @@ class Recipe(_Strict):
 
     def scheme_for(self, module_name: str) -> WeightScheme:
         """The weight scheme of ``module_name``: ``weights`` updated by every matching override, in order."""
-        data = self.weights.model_dump()
-        for ov in self.overrides:
-            if matches(ov.targets, module_name):
-                data.update({k: v for k, v in ov.weights.model_dump().items() if v is not None})
-        return WeightScheme.model_validate(data)
+        return self.pair_for(module_name)[0]
+
+    def pair_for(self, module_name: str) -> Pair:
+        """``(weights, activations)`` of ``module_name``: the recipe's, with every matching override applied in
+        order (:func:`compressor.recipe_mixed.resolve`)."""
+        return resolve(self.weights, self.activations,
+                       [ov for ov in self.overrides if matches(ov.targets, module_name)])
 
     @property
     def is_mixed(self) -> bool:

@@ -115,16 +115,36 @@ class ActivationScheme(_Strict):
 
 
 class WeightOverride(_Strict):
-    """Fields of a weight scheme to change for the modules matched by ``targets``."""
+    """Fields of a weight scheme to change for the modules matched by ``targets``; with ``type`` (``int`` or
+    ``float``) a whole :class:`WeightScheme`, the fields not given taking its defaults
+    (:func:`compressor.recipe_mixed.resolve`)."""
 
     num_bits: Optional[int] = Field(None, ge=2, le=8)
     group_size: Optional[Union[int, Literal["auto"]]] = None
     symmetric: Optional[bool] = None
+    type: Optional[Literal["int", "float"]] = None
+    block_structure: Optional[list[int]] = Field(None, min_length=2, max_length=2)
 
     @field_validator("group_size")
     @classmethod
     def _gs(cls, v):
         return WeightScheme._gs(v) if v is not None else v
+
+    @field_validator("block_structure")
+    @classmethod
+    def _block(cls, v):
+        return WeightScheme._block(v)
+
+    @model_serializer(mode="wrap")
+    def _omit_new_defaults(self, handler, info):
+        """``type: null`` and ``block_structure: null`` are left out of dumps: an integer override serializes
+        (and digests) as it did before the fields existed (:data:`FULL_DUMP` keeps them)."""
+        data = handler(self)
+        if isinstance(data, dict) and not _full(info):
+            for key in ("type", "block_structure"):
+                if data.get(key, 0) is None:
+                    del data[key]
+        return data
 
 
 def _row_group_size(v: int) -> int:
@@ -222,8 +242,6 @@ def check_float_scheme(recipe: "Recipe") -> str | None:
     if w.block_structure is not None and (a.strategy, a.group_size) != ("group", w.block_structure[1]):
         return (f"block FP8 weights are served with per-group activations of the block's columns "
                 f"(activations.strategy group, group_size {w.block_structure[1]})")
-    if recipe.overrides:
-        return "overrides with FP8 weights (mixed schemes per module) are not implemented"
     return None
 
 
@@ -234,8 +252,8 @@ def check_fp4_scheme(recipe: "Recipe") -> str | None:
     :mod:`compressor.quant.fp4`); ``group_size 32`` is MXFP4, its ``MXFP4A16`` preset (``strategy: group``, E8M0
     scales, :mod:`compressor.quant.mxfp4`). Either is symmetric, without block structure, weight-only or (NVFP4
     only) with NVFP4 activations (W4A4, compressed-tensors' preset ``NVFP4``: :class:`ActivationScheme`),
-    one scheme for every module, round-to-nearest or GPTQ/GPTAQ (an algorithm with
-    :attr:`~compressor.quant.algorithms.Algorithm.fp4_grid`; GPTQ without ``refine`` and ``gptq.clip``, which
+    recipe-wide or per override (:mod:`compressor.recipe_mixed`), round-to-nearest or GPTQ/GPTAQ (an
+    algorithm with :attr:`~compressor.quant.algorithms.Algorithm.fp4_grid`; GPTQ without ``refine`` and ``gptq.clip``, which
     search integer grids).
     """
     w, a = recipe.weights, recipe.activations
@@ -249,8 +267,6 @@ def check_fp4_scheme(recipe: "Recipe") -> str | None:
     if a is not None and a.num_bits != 4:
         return ("NVFP4 with fp8 activations is not implemented; NVFP4 weights take NVFP4 activations (num_bits 4, "
                 "strategy tensor_group, group_size 16, dynamic local: --recipe w4a4-nvfp4) or none (W4A16)")
-    if recipe.overrides:
-        return f"overrides with {grid} weights (mixed schemes per module) are not implemented"
     algorithm = ALGORITHMS.find(recipe.algorithm)
     if algorithm is not None and algorithm.quantizes_weights and not algorithm.fp4_grid:
         fits = ", ".join(n for n in ALGORITHMS.names() if ALGORITHMS.find(n).fp4_grid)
@@ -292,22 +308,22 @@ def check_int_fp8_scheme(recipe: "Recipe") -> str | None:
     Follows what vLLM's ``CompressedTensorsW4A8Fp8`` reads (``_is_fp8_w4a8``: symmetric grouped integer
     weights, dynamic symmetric per-token 8-bit inputs): the inputs are dynamic fp8 per token
     (``strategy: token``), the weights symmetric (the W4A8 kernel has no zero points) of
-    :data:`INT_FP8_BITS` bits, in the base scheme and in every override. Any algorithm that quantizes
-    integer weights applies (RTN, GPTQ, GPTAQ, AWQ, AWQ+GPTQ). What vLLM's kernel further needs (4 bits,
-    groups of 128, widths multiples of 128) is warned about by ``kvq quantize``, not refused
+    :data:`INT_FP8_BITS` bits (each override's scheme is checked alone: :mod:`compressor.recipe_mixed`). Any
+    algorithm that quantizes integer weights applies (RTN, GPTQ, GPTAQ, AWQ, AWQ+GPTQ). What vLLM's kernel further
+    needs (4 bits, groups of 128, widths multiples of 128) is warned about by ``kvq quantize``, not refused
     (:func:`compressor.quant.fp8.int_fp8_misfits`).
     """
     a = recipe.activations
     if a.strategy != "token":
         return ("integer weights are served with per-token fp8 activations (activations.strategy token, vLLM's "
                 "W4A8); per-group activations go with FP8 block weights")
-    for s in [recipe.weights] + [o.weights for o in recipe.overrides]:
-        if s.num_bits is not None and s.num_bits not in INT_FP8_BITS:
-            return (f"integer weights with fp8 activations are {' or '.join(map(str, INT_FP8_BITS))} bits "
-                    f"(got num_bits {s.num_bits}); W{s.num_bits}A8 is not implemented")
-        if s.symmetric is False:
-            return ("integer weights with fp8 activations are symmetric (vLLM's W4A8 kernel has no zero points): "
-                    "set weights.symmetric true")
+    s = recipe.weights
+    if s.num_bits not in INT_FP8_BITS:
+        return (f"integer weights with fp8 activations are {' or '.join(map(str, INT_FP8_BITS))} bits "
+                f"(got num_bits {s.num_bits}); W{s.num_bits}A8 is not implemented")
+    if not s.symmetric:
+        return ("integer weights with fp8 activations are symmetric (vLLM's W4A8 kernel has no zero points): "
+                "set weights.symmetric true")
     return None
 
 

@@ -170,7 +170,8 @@ def test_bundled_recipes(grid):
     ({"algorithm": "awq"}, "algorithm awq is not implemented on the {grid} grid"),
     ({"activations": {"type": "float", "num_bits": 8, "strategy": "token"}},
      "{grid} with (quantized|fp8) activations (\\(W4A4\\) )?is not implemented"),
-    ({"overrides": [{"targets": ["re:.*down_proj"], "weights": {"num_bits": 8}}]}, "overrides with {grid} weights"),
+    ({"overrides": [{"targets": ["re:.*down_proj"], "weights": {"num_bits": 8}}]},
+     "overrides\\[0\\]: FP8 weights are per channel"),
 ])
 def test_recipes_refuse_what_is_not_implemented(grid, change, message):
     with pytest.raises(InputError, match=message.format(grid=grid)):
