@@ -527,9 +527,10 @@ def recipes():
 
     rows = [(name, load_recipes([name])) for name in bundled_recipes()]
     kinds = [r.algorithm if get_algorithm(r.algorithm).quantizes_weights else "kv" for _, r in rows]
-    wide = max(map(len, kinds))
+    wide, names = max(map(len, kinds)), max(len(name) for name, _ in rows)
     for (name, r), kind in zip(rows, kinds):
-        click.echo(f"{name:18s} {kind:{wide}s}  " + ("(default) " if name == DEFAULT_RECIPE else "") + r.description)
+        default = "(default) " if name == DEFAULT_RECIPE else ""
+        click.echo(f"{name:{names}s} {kind:{wide}s}  " + default + r.description)
 
 
 def _record_committed(out) -> None:

@@ -5,7 +5,9 @@ HELP = {
     "quantize.output": "Artifact folder to create (must not exist unless --overwrite).",
     "quantize.recipe": (
         "Bundled recipe name (see `kvq recipes`; an unknown one gets the closest names) or path to a YAML recipe; "
-        "repeatable: later ones add to or override earlier ones (--recipe w4a16-awq --recipe kv-fp8)."
+        "repeatable: later ones add to or override earlier ones (--recipe w4a16-awq --recipe kv-fp8). A recipe's "
+        "overrides may give modules a whole scheme of their own, weights and activations (mixed formats: "
+        "--recipe w4a8-experts-fp8-attn, a MoE model's routed experts W4A8 and the rest FP8 W8A8; docs/recipes.md)."
     ),
     "quantize.kv-scheme": (
         "Shortcut for a KV-cache scheme with its defaults (fp8 per tensor with scales searched on the "

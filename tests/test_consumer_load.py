@@ -36,7 +36,10 @@ from conftest import make_model_dir
 #: the newest transformers release that loads asymmetric pack-quantized artifacts (Makefile: CONSUMER_TRANSFORMERS)
 LOADING_RELEASE = "5.22.2"
 CONSUMER = Path(sys.prefix) / "consumers" / f"transformers-{LOADING_RELEASE}"
-RECIPES = sorted(bundled_recipes())
+#: bundled recipes whose overrides name routed experts: refused on the tiny Llama (an override matching no
+#: linear), loaded on a tiny DeepSeek-V3 by compressed-tensors' decompressors in tests/test_mixed_formats.py
+MOE_ONLY = {"w4a8-experts-fp8-attn"}
+RECIPES = sorted(set(bundled_recipes()) - MOE_ONLY)
 
 _PROBE = """
 import sys, torch, transformers

@@ -238,6 +238,8 @@ RECIPE_SHA256 = {
     "w8a16-rtn": "4b3f27c2452bd0c061d5cfbdfaff54109d4e4ebbc429dfd23a20d2e606887d04",
     "w8a8-fp8": "62a7faaab1ec0fb8000b0ea9feeb46a98828a25bfc0583fcef1eae011ebedfea",
     "w8a8-fp8-block": "fdcc88c7229e1d94516801818d9d37d57535a8d2997771ca96fe433990e9feef",
+    # mixed formats per module (issue #49): routed experts W4A8, the rest FP8 W8A8; new recipe, new pin
+    "w4a8-experts-fp8-attn": "f2b99b24bc8f6bf19a8a1cf281285e8a3037148fa3b924d1e808610df0a1efee",
 }
 
 
