@@ -13,6 +13,17 @@ AutoAWQ ``awq/quantize/quantizer.py``):
   error of the group's partial dot products on sampled input tokens.
 
 Everything runs in float32: half-precision activations produced NaN/zero scales in peers.
+
+On the FP4 e2m1 grids (NVFP4, MXFP4: :mod:`compressor.quant.fp4`, :mod:`compressor.quant.mxfp4`) both searches
+round each candidate as the format's writer rounds it: NVFP4's per-16 e4m3 scales under the global scale of the
+weight's fused set (q/k/v, gate/up, DeepSeek's q_a/kv_a), taken from the largest ``|w * s|`` over the set's
+scaled weights (:func:`candidate_weights`) or, in the clip search, from the folded set the artifact stores;
+MXFP4's E8M0 power of two per 32. A clip threshold lowers a group's absmax, so its scale: the clipped weight
+quantized by the format's own rule is what the artifact stores
+(:func:`compressor.quant.primitives.clip_groups`). A linear whose output rows a later scaling group divides
+(``up_proj`` before ``down_proj``; ``v_proj`` before ``o_proj`` without grouped-query attention) is stored as
+the rounding of its final weights, that division included (NVFP4: its set's global scale taken from them), as on
+the integer grid, where the division moves its groups' scales too: its candidates were rounded before it.
 """
 
 from __future__ import annotations
@@ -22,7 +33,11 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import QuantizationError
+from . import fp4, mxfp4
 from .primitives import fake_quantize, fake_quantize_grouped, resolve_group_size
+
+#: the e2m1 grids a weight may be rounded on (``None``: the integer grid of its scheme)
+NVFP4, MXFP4 = "nvfp4", "mxfp4"
 
 
 @torch.no_grad()
@@ -103,6 +118,7 @@ def search_scales(
     duo_scaling: bool = True,
     name: str = "",
     tie: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    e2m1: tuple[list, list] | None = None,
 ) -> tuple[torch.Tensor, float, list[float]]:
     """Grid-search the AWQ scales of one scaling group.
 
@@ -115,6 +131,7 @@ def search_scales(
         name: used in error messages.
         tie: applied to every candidate ``s`` before it is tried (channels that must share
             one scale: a GQA ``v_proj -> o_proj`` group, :func:`tie_kv_heads`).
+        e2m1: ``(grids, sets)`` of :func:`candidate_weights` (FP4 weights); ``None``: integer grids.
 
     Returns:
         ``(scales [in] float32, best ratio, losses per grid point)``.
@@ -123,21 +140,23 @@ def search_scales(
         QuantizationError: every candidate gave a non-finite loss or the scales are not finite.
     """
     losses, pick = search_scale_range(x_mean, weights, loss_fn, num_bits, group_size, symmetric, range(n_grid),
-                                      n_grid, duo_scaling, tie)
+                                      n_grid, duo_scaling, tie, e2m1)
     s, ratio = pick_scale([pick], name)
     return s, ratio, losses
 
 
 def search_scale_range(x_mean: torch.Tensor, weights: list[torch.Tensor], loss_fn: Callable, num_bits, group_size,
                        symmetric, points: range, n_grid: int = 20, duo_scaling: bool = True,
-                       tie: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[float], tuple | None]:
+                       tie: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       e2m1: tuple[list, list] | None = None) -> tuple[list[float], tuple | None]:
     """The grid points ``points`` (indices ``i`` of ``ratio = i / n_grid``) of :func:`search_scales`, the
     same arguments: ``(losses [len(points)], (loss, ratio, s [in] float32) of the first smallest loss, or None
     when none is finite)``. A grid cut into ranges searched apart (on several ranks) gives the whole grid's
     choice bit for bit through :func:`pick_scale`."""
     bits, sizes, syms = per_weight(len(weights), num_bits, group_size, symmetric)
+    grids, sets = e2m1 or (None, None)
     grid = scale_grid(x_mean, weight_mean(weights, sizes[0]) if duo_scaling else None, n_grid, tie, points)
-    losses = [float(loss_fn(candidate_weights(weights, s, bits, sizes, syms))) for _, s in grid]
+    losses = [float(loss_fn(candidate_weights(weights, s, bits, sizes, syms, grids, sets))) for _, s in grid]
     return losses, first_smallest(grid, losses)
 
 
@@ -178,22 +197,73 @@ def scale_grid(x_mean: torch.Tensor, w_mean: torch.Tensor | None, n_grid: int,
 CANDIDATE_BLOCK = 2**24
 
 
-def candidate_weights(weights: list[torch.Tensor], s: torch.Tensor, bits: list, sizes: list, syms: list) -> list:
+def candidate_weights(weights: list[torch.Tensor], s: torch.Tensor, bits: list, sizes: list, syms: list,
+                      grids: list | None = None, sets: list | None = None) -> list:
     """Each ``[out, in]`` weight scaled by ``s [in]``, fake-quantized with its scheme, unscaled (float32).
+
+    ``grids``: per weight ``None`` (the integer grid of its ``bits``, ``sizes``, ``syms``), :data:`NVFP4` or
+    :data:`MXFP4` (the e2m1 grid as the format's writer rounds it; default: every weight integer); ``sets``:
+    per weight a key, the NVFP4 weights with one key (a fused set, targeted) sharing one global scale from the
+    largest ``|w * s|`` among them, as the artifact's set shares the one of its folded weights (``None``: the
+    weight's own).
 
     Rows are done in blocks of about :data:`CANDIDATE_BLOCK` elements written into the result: a
     row's groups depend on that row alone, so the values are those of the whole weight at once,
     and the temporaries stay near 64 MiB per block instead of several copies of the weight (a
     Kimi K2 dense gate_proj is 132 M weights, 528 MB in float32).
     """
+    grids = grids or [None] * len(weights)
+    absmax = _set_absmax(weights, s, grids, sets or [None] * len(weights))
     out = []
-    for w, b, g, y in zip(weights, bits, sizes, syms):
+    for j, (w, b, g, y, grid) in enumerate(zip(weights, bits, sizes, syms, grids)):
         c = torch.empty(w.shape, dtype=torch.float32, device=w.device)
         step = max(1, CANDIDATE_BLOCK // max(1, w.shape[-1]))
+        gs = fp4.global_scale(absmax[j]).to(w.device) if grid == NVFP4 else None
         for r in range(0, w.shape[0], step):
-            torch.div(fake_quantize(w[r:r + step].float() * s, b, g, y), s, out=c[r:r + step])
+            ws = w[r:r + step].float() * s
+            q = fake_quantize(ws, b, g, y) if grid is None else e2m1_fake_quantize(ws, grid, gs)
+            torch.div(q, s, out=c[r:r + step])
         out.append(c)
     return out
+
+
+def _set_absmax(weights: list, s: torch.Tensor, grids: list, sets: list) -> list:
+    """Per weight, the absmax its NVFP4 global scale is taken from: the largest ``|w * s|`` over the weights of its
+    set key (its own without one); ``None`` for the others. Row blocks as :func:`candidate_weights`'s."""
+    own = []
+    for w, grid in zip(weights, grids):
+        m = None
+        if grid == NVFP4:
+            step = max(1, CANDIDATE_BLOCK // max(1, w.shape[-1]))
+            m = max(float((w[r:r + step].float() * s).abs().max()) for r in range(0, w.shape[0], step))
+        own.append(m)
+    shared: dict = {}
+    for m, key in zip(own, sets):
+        if m is not None and key is not None:
+            shared[key] = max(shared.get(key, m), m)
+    return [shared[key] if m is not None and key is not None else m for m, key in zip(own, sets)]
+
+
+@torch.no_grad()
+def e2m1_fake_quantize(w: torch.Tensor, grid: str, g: torch.Tensor | None = None) -> torch.Tensor:
+    """``w [out, in]`` (float32) rounded onto the FP4 grid ``grid`` (:data:`NVFP4` under the global scale ``g``,
+    float32 ``[1]``; :data:`MXFP4`): float32 ``[out, in]``, the values the format's writer stores for ``w``
+    (:func:`compressor.quant.fp4.quantize_weight` with the absmax ``g`` is taken from, then its dequantization).
+
+    Raises:
+        InputError: ``in`` is not a multiple of the format's group (16, 32).
+    """
+    (fp4 if grid == NVFP4 else mxfp4).check_shape(w)
+    gs = fp4.GROUP if grid == NVFP4 else mxfp4.GROUP
+    return e2m1_fake_grouped(w.reshape(w.shape[0], -1, gs), grid, g).reshape(w.shape)
+
+
+@torch.no_grad()
+def e2m1_fake_grouped(wg: torch.Tensor, grid: str, g: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`e2m1_fake_quantize` of weights already grouped, ``[..., G, gs]`` (float32, same shape)."""
+    amax = wg.abs().amax(dim=-1)
+    step = fp4.steps_of(amax, g)[0] if grid == NVFP4 else mxfp4.steps_of(amax)[0]
+    return fp4.round_to_steps(wg, step)
 
 
 def best_scale(grid: list[tuple[float, torch.Tensor]], losses: list[float], name: str) -> tuple[torch.Tensor, float]:
@@ -238,12 +308,17 @@ def search_clip(
     clip_grid: int = 20,
     max_shrink: float = 0.5,
     row_batch: int = 256,
+    grid: str | None = None,
+    absmax: float | None = None,
 ) -> torch.Tensor:
     """AWQ weight-clipping search; returns ``clip_max [out, G]`` float32.
 
     Args:
         w: ``[out, in]`` float weight (already AWQ-scaled).
         x: ``[n_tokens, in]`` sampled inputs of this linear (scaled consistently with ``w``).
+        grid: :data:`NVFP4` or :data:`MXFP4`: each clipped candidate rounded onto that e2m1 grid (``group_size``
+            16 or 32; NVFP4's global scale from ``absmax``, the one the artifact's fused set takes: the clip
+            lowers a group's e4m3 scale, not the global scale); ``None``: the integer grid.
 
     Each candidate threshold is scored, per output row and group, by the mean squared error
     of the group's partial outputs over the tokens, ``mean_t ((q_g - w_g) · x_{t,g})²``, the
@@ -258,6 +333,8 @@ def search_clip(
     gram = group_grams(x, gs)  # [G, gs, gs]
     result = torch.empty(out_f, n_groups, device=w.device)
     steps = max(1, int(max_shrink * clip_grid))
+    g = fp4.global_scale(absmax if absmax is not None else w.float().abs().max()).to(w.device) \
+        if grid == NVFP4 else None
     for r0 in range(0, out_f, row_batch):
         wb = w[r0 : r0 + row_batch].float().reshape(-1, n_groups, gs)  # [R, G, gs]
         org_max = wb.abs().amax(dim=-1, keepdim=True)  # [R, G, 1]
@@ -266,7 +343,8 @@ def search_clip(
         for i in range(steps):
             max_val = org_max * (1 - i / clip_grid)
             cur = torch.maximum(torch.minimum(wb, max_val), -max_val)
-            delta = fake_quantize_grouped(cur, num_bits, symmetric).sub_(wb).permute(1, 0, 2)  # [G, R, gs]
+            fq = fake_quantize_grouped(cur, num_bits, symmetric) if grid is None else e2m1_fake_grouped(cur, grid, g)
+            delta = fq.sub_(wb).permute(1, 0, 2)  # [G, R, gs]
             err = torch.bmm(delta, gram).mul_(delta).sum(-1).t()  # [R, G]
             better = err < best_err
             best_err = torch.where(better, err, best_err)

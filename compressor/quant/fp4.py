@@ -21,9 +21,10 @@ whose ``nvfp4-pack-quantized`` compressor writes (``docs/formats.md``):
   ``sign(w)``, 0 there). ``w_hat = q * (s / g)`` in float32: the global scale divides.
 * storage: two codes per uint8, the even column in the low nibble (``byte = q[2j] | q[2j+1] << 4``).
 
-Algorithms: round-to-nearest (kvq's ``rtn``) and GPTQ/GPTAQ, which round each column onto the same steps
-(:func:`group_steps`, from the weights before any column is rounded) with GPTQ's error feedback; AWQ on this
-grid is not implemented.
+Algorithms: round-to-nearest (kvq's ``rtn``), GPTQ/GPTAQ, which round each column onto the same steps
+(:func:`group_steps`, from the weights before any column is rounded) with GPTQ's error feedback, and AWQ, whose
+searches round each candidate with :func:`steps_of` and :func:`round_to_steps` (the global scale of a fused
+set from the set's scaled weights: :func:`compressor.quant.awq.candidate_weights`).
 ``in_features`` must be a multiple of 16 (vLLM's kernels and the group layout need it); shapes:
 weights ``[N, K]``. Every function is side-effect free.
 """
@@ -112,10 +113,27 @@ def group_steps(w: torch.Tensor, absmax: float | None = None) -> tuple[torch.Ten
     wf = w.float()
     g = global_scale(wf.abs().max() if absmax is None else absmax).to(wf.device)
     n, k = wf.shape
-    wg = wf.reshape(n, k // GROUP, GROUP)
-    s = (g * (wg.abs().amax(dim=-1) / FP4_MAX)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    step, s = steps_of(wf.reshape(n, k // GROUP, GROUP).abs().amax(dim=-1), g)
+    return step, s, g.cpu()
+
+
+@torch.no_grad()
+def steps_of(amax: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NVFP4 steps of groups whose absolute maxima are ``amax`` (float32, any shape) under the global scale
+    ``g`` (float32 ``[1]`` on ``amax``'s device): ``(step float32, scale float8_e4m3fn)`` of ``amax``'s shape,
+    ``scale = e4m3(clamp(g * amax / 6, ±448))`` (0 becomes 0.125) and ``step = scale / g`` (module docstring)."""
+    s = (g * (amax / FP4_MAX)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     s = torch.where(s.float() == 0, torch.full_like(s.float(), ZERO_GROUP_SCALE), s.float()).to(torch.float8_e4m3fn)
-    return s.float() / g, s, g.cpu()
+    return s.float() / g, s
+
+
+@torch.no_grad()
+def round_to_steps(wg: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """``wg [..., G, n]`` (float) rounded onto the e2m1 grid of ``step [..., G]`` (float32): float32 ``wg``'s shape,
+    the values :func:`dequantize_weight` gives for the codes :func:`quantize_weight` writes (the same float32
+    operations), for NVFP4 and MXFP4 steps alike."""
+    st = step.unsqueeze(-1)
+    return e2m1_values(e2m1_codes(wg.float() / st)) * st
 
 
 @torch.no_grad()

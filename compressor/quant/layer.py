@@ -26,7 +26,7 @@ from .inplace_linalg import all_finite
 from .kv import cache_kwarg
 from . import fp4, mxfp4
 from .fp8 import dequantize_weight as dequantize_fp8_weight, quantize_weight as quantize_fp8_weight
-from .primitives import Scheme, abs_max, check_scale_range, dequantize
+from .primitives import Scheme, abs_max, check_scale_range, clip_groups, dequantize
 from .rtn import rtn_linear_inplace, rtn_quantize
 
 
@@ -127,19 +127,14 @@ class LinearQuantizer:
         Raises:
             QuantizationError: a non-finite scale or dequantized weight (names the module).
         """
+        folds = (col_scale, original, row_scale)
         if self.schemes[name].is_fp4:  # GPTQ on the e2m1 grid (e2m1_grid): zp holds the global scale per row
-            return self.finish_fp4(name, lin, q.to(torch.uint8), scale, zp[:1].float())
+            return self.finish_fp4(name, lin, q.to(torch.uint8), scale, zp[:1].float(), folds)
         if self.schemes[name].is_mxfp4:
-            return self.finish_mxfp4(name, lin, q.to(torch.uint8), scale)
+            return self.finish_mxfp4(name, lin, q.to(torch.uint8), scale, folds)
         bits, gs, sym = self.schemes[name][:3]
         scale, deq = stored_dequantize(q, scale, None if sym else zp, gs, self.dtype, name, g_idx)
-        ref = (original if original is not None else lin.weight.detach()).float()
-        # error in the original's space: AWQ's folded input scales (col) and, when this linear
-        # feeds another scaling group, its divided output rows (row) undone
-        eff = deq / col_scale if col_scale is not None else deq
-        if row_scale is not None:
-            eff = eff * row_scale.view(-1, 1).to(eff)
-        rel = float((eff - ref.to(eff.device)).norm() / ref.norm().clamp(min=1e-12))
+        rel = _folded_error(deq, lin, *folds)
         lin.weight.data.copy_(deq.to(lin.weight.dtype))
         record = QuantizedLinear(
             q=q.cpu(), scale=scale.cpu().contiguous(), zero_point=None if sym else zp.cpu(),
@@ -168,10 +163,13 @@ class LinearQuantizer:
     def quantize_linear(self, name, lin, clip_max=None, col_scale=None, original=None, row_scale=None):
         """Round-to-nearest (optionally clipped, ``clip_max [out, G]``) quantization of one Linear, in place."""
         scheme = self.schemes[name]
-        if scheme.is_fp4:
-            return self.finish_fp4(name, lin, *fp4.quantize_weight(lin.weight.detach(), self.fp4_absmax.get(name)))
-        if scheme.is_mxfp4:
-            return self.finish_mxfp4(name, lin, *mxfp4.quantize_weight(lin.weight.detach()))
+        if scheme.is_fp4 or scheme.is_mxfp4:  # AWQ's clip lowers a group's scale: the clipped weight, rounded
+            w = lin.weight.detach()
+            w = w if clip_max is None else clip_groups(w, clip_max, scheme.group_size)
+            folds = (col_scale, original, row_scale)
+            if scheme.is_fp4:
+                return self.finish_fp4(name, lin, *fp4.quantize_weight(w, self.fp4_absmax.get(name)), folds)
+            return self.finish_mxfp4(name, lin, *mxfp4.quantize_weight(w), folds)
         if scheme.is_float:
             return self.finish_float(name, lin, *quantize_fp8_weight(lin.weight.detach(), scheme.group_size,
                                                                      scheme.rows))
@@ -186,40 +184,40 @@ class LinearQuantizer:
         q, scale, zp = rtn_quantize(w, bits, gs, sym, clip_max)
         return self.finish(name, lin, q, scale, zp, None, col_scale, original, row_scale)
 
-    def finish_fp4(self, name, lin, q, scale, g):
+    def finish_fp4(self, name, lin, q, scale, g, folds=(None, None, None)):
         """Store NVFP4 ``(q uint8 [out, in], scale float8_e4m3fn [out, in/16], g float32 [1])``, write the
-        dequantized weight into ``lin``; returns (record, relative error).
+        dequantized weight into ``lin``; returns (record, relative error; ``folds``: :meth:`finish`'s ``(col_scale,
+        original, row_scale)``).
 
         Raises:
             QuantizationError: a non-finite dequantized weight (names the module).
         """
         record = QuantizedLinear(q=q.cpu(), scale=scale.cpu().contiguous(), zero_point=None, g_idx=None,
                                  scheme=self.schemes[name], global_scale=g.cpu())
-        return self._store_fp4(name, lin, fp4.dequantize_weight(q, scale, g), record)
+        return self._store_fp4(name, lin, fp4.dequantize_weight(q, scale, g), record, folds)
 
-    def finish_mxfp4(self, name, lin, q, e):
+    def finish_mxfp4(self, name, lin, q, e, folds=(None, None, None)):
         """Store MXFP4 ``(q uint8 [out, in], e uint8 [out, in/32])`` (e2m1 codes, biased E8M0 exponents), write the
-        dequantized weight into ``lin``; returns (record, relative error).
+        dequantized weight into ``lin``; returns (record, relative error; ``folds`` as :meth:`finish_fp4`'s).
 
         Raises:
             QuantizationError: a non-finite dequantized weight (a non-finite input; names the module).
         """
         record = QuantizedLinear(q=q.cpu(), scale=e.cpu().contiguous(), zero_point=None, g_idx=None,
                                  scheme=self.schemes[name])
-        return self._store_fp4(name, lin, mxfp4.dequantize_weight(q, e), record)
+        return self._store_fp4(name, lin, mxfp4.dequantize_weight(q, e), record, folds)
 
     @staticmethod
-    def _store_fp4(name, lin, deq: torch.Tensor, record: "QuantizedLinear"):
+    def _store_fp4(name, lin, deq: torch.Tensor, record: "QuantizedLinear", folds=(None, None, None)):
         """Write an e2m1 weight's dequantized ``deq [out, in]`` (float32) into ``lin``; returns ``(record, relative
-        error)``.
+        error)``, the error in the weights' space before AWQ's ``folds`` (:func:`_folded_error`).
 
         Raises:
             QuantizationError: ``deq`` has a NaN or Inf (names the module).
         """
         if not all_finite(deq):
             raise QuantizationError(f"quantizing {name} produced NaN or Inf; nothing was written")
-        ref = lin.weight.detach().float()
-        rel = float((deq - ref.to(deq.device)).norm() / ref.norm().clamp(min=1e-12))
+        rel = _folded_error(deq, lin, *folds)
         lin.weight.data.copy_(deq.to(lin.weight.dtype))
         return record, rel
 
@@ -239,6 +237,18 @@ class LinearQuantizer:
         lin.weight.data.copy_(deq.to(lin.weight.dtype))
         record = QuantizedLinear(q=q.cpu(), scale=scale.cpu().contiguous(), zero_point=None, g_idx=None, scheme=scheme)
         return record, rel
+
+
+def _folded_error(deq: torch.Tensor, lin, col_scale=None, original=None, row_scale=None) -> float:
+    """``|W_eff - W| / |W|`` of a linear whose dequantized weight is ``deq [out, in]`` (float32), in the original's
+    space: AWQ's folded input scales (``col_scale [in]``) and, when the linear feeds another scaling group, its
+    divided output rows (``row_scale [out]``) undone, ``W`` the weight before folding (``original``, default the
+    linear's current weight)."""
+    ref = (original if original is not None else lin.weight.detach()).float()
+    eff = deq / col_scale if col_scale is not None else deq
+    if row_scale is not None:
+        eff = eff * row_scale.view(-1, 1).to(eff)
+    return float((eff - ref.to(eff.device)).norm() / ref.norm().clamp(min=1e-12))
 
 
 @dataclass

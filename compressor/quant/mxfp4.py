@@ -28,7 +28,8 @@ compressor writes (``docs/formats.md``); vLLM's ``tests/quantization/reference_m
   and it writes 255).
 * code ``q = e2m1(clamp(w / X, -6, 6))``; ``w_hat = q * X``, exact in float32 (and in bfloat16).
 
-Algorithms: round-to-nearest (kvq's ``rtn``) and GPTQ/GPTAQ on the same steps (:func:`group_steps`).
+Algorithms: round-to-nearest (kvq's ``rtn``), GPTQ/GPTAQ on the same steps (:func:`group_steps`), and AWQ,
+whose searches round each candidate with :func:`steps_of` and :func:`compressor.quant.fp4.round_to_steps`.
 ``in_features`` must be a multiple of 32 (the group
 layout and vLLM's ``CompressedTensorsW4A16Mxfp4`` need it); shapes: weights ``[N, K]``. Every function is
 side-effect free.
@@ -105,7 +106,13 @@ def group_steps(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     check_shape(w)
     wf = w.float()
     n, k = wf.shape
-    e = shared_exponents(wf.reshape(n, k // GROUP, GROUP).abs().amax(dim=-1))
+    return steps_of(wf.reshape(n, k // GROUP, GROUP).abs().amax(dim=-1))
+
+
+def steps_of(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MXFP4 steps of groups whose absolute maxima are ``amax`` (float, any shape): ``(step float32, e uint8)``
+    of ``amax``'s shape, ``e`` the biased E8M0 exponents (:func:`shared_exponents`) and ``step = 2^(e - 127)``."""
+    e = shared_exponents(amax)
     return scale_values(e), e
 
 

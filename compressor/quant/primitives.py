@@ -193,6 +193,14 @@ def fake_quantize(
     return fake_quantize_grouped(wg, num_bits, symmetric).reshape(w.shape).to(w.dtype)
 
 
+def clip_groups(w: torch.Tensor, clip_max: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``w [out, in]`` clamped to ``±clip_max [out, G]`` in each group of ``group_size`` inputs: float32 ``[out, in]``
+    (the weight AWQ's clip search scored, :func:`compressor.quant.awq.search_clip`)."""
+    wg = w.float().reshape(w.shape[0], -1, group_size)
+    cm = clip_max.float().to(w.device).unsqueeze(-1)
+    return torch.maximum(torch.minimum(wg, cm), -cm).reshape(w.shape)
+
+
 @torch.no_grad()
 def fake_quantize_grouped(
     wg: torch.Tensor, num_bits: int, symmetric: bool
