@@ -69,8 +69,8 @@ from .distributed import deal
 from .moe_ranks import AWQ_ROUNDED_COST, AWQ_SEARCHED_COST, ExpertShare, solve_costs
 from .moe_stream import ExpertTap, _routed_counts, _zeros, add_expert, move_loaded, quantize_layer_streamed
 from .quant.awq import best_scale, candidate_weights, mean_of_rows, scale_grid, weight_row_sum
-from .quant.awq_layer import (ScaledLayer, clip_and_quantize, fold_group, forward_loss, group_name, loss_step,
-                              scale_group, scale_groups, watched_modules)
+from .quant.awq_layer import (ScaledLayer, clip_and_quantize, e2m1_grids, fold_group, forward_loss, group_name,
+                              loss_step, scale_group, scale_groups, watched_modules)
 from .quant.awq_observe import InputStats, loss_batches, observe
 from .quant.gptq_layer import GPTQ, gptq_expert, gptq_layer
 from .quant.layer import LayerContext, LayerOutcome, inspect_forward, layer_forward
@@ -350,9 +350,13 @@ class _BlockSearch:
         s, ratio = best_scale(grid, losses, st.prefix + group_name(group))
         return s, ratio
 
-    def _schemes(self, rels: list[str]) -> tuple[list, list, list]:
-        """``(bits, group sizes, symmetric)`` of ``rels``, one list each (:func:`candidate_weights`)."""
-        return tuple([self.spec[r][k] for r in rels] for k in range(3))
+    def _schemes(self, rels: list[str]) -> tuple:
+        """``(bits, group sizes, symmetric, e2m1 grids, fused sets)`` of ``rels``, one list each
+        (:func:`candidate_weights`; the last two ``None`` for integer schemes, :func:`e2m1_grids`): an expert's
+        gate/up, NVFP4's fused set, are tried in one call, so their candidates share the whole layer's global scale."""
+        specs = [self.spec[r] for r in rels]
+        grids = e2m1_grids(self.st.ctx.arch, rels, specs, [self.quantized[r] for r in rels]) or (None, None)
+        return (*([sp[k] for sp in specs] for k in range(3)), *grids)
 
     def _candidate_reads(self, scales: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """One read of the experts: per candidate ``s``, the routed part of each loss chunk's block

@@ -252,9 +252,9 @@ def check_fp4_scheme(recipe: "Recipe") -> str | None:
     :mod:`compressor.quant.fp4`); ``group_size 32`` is MXFP4, its ``MXFP4A16`` preset (``strategy: group``, E8M0
     scales, :mod:`compressor.quant.mxfp4`). Either is symmetric, without block structure, weight-only or (NVFP4
     only) with NVFP4 activations (W4A4, compressed-tensors' preset ``NVFP4``: :class:`ActivationScheme`),
-    recipe-wide or per override (:mod:`compressor.recipe_mixed`), round-to-nearest or GPTQ/GPTAQ (an
-    algorithm with :attr:`~compressor.quant.algorithms.Algorithm.fp4_grid`; GPTQ without ``refine`` and ``gptq.clip``, which
-    search integer grids).
+    recipe-wide or per override (:mod:`compressor.recipe_mixed`), round-to-nearest, GPTQ/GPTAQ, AWQ or AWQ+GPTQ
+    (an algorithm with :attr:`~compressor.quant.algorithms.Algorithm.fp4_grid`: AWQ's searches round on the
+    format's grid; GPTQ without ``refine`` and ``gptq.clip``, which search integer grids).
     """
     w, a = recipe.weights, recipe.activations
     if not w.symmetric or w.group_size not in (16, 32) or w.block_structure is not None:

@@ -200,6 +200,30 @@ def packed_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def decompress_as_kvq_reads(folder: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """Asserts that every packed weight of the compressed-tensors artifact ``folder`` (one config group),
+    decompressed by compressed-tensors' own decompressor, equals kvq's reader's; returns ``(quantization_config,
+    packed_tensors(folder))``."""
+    import json
+
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from compressor.formats import read_quant_weight
+
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    scheme = QuantizationScheme.model_validate(group)
+    compressor = BaseCompressor.get_value_from_registry(group["format"])
+    modules = packed_tensors(folder)
+    assert modules
+    for m, t in modules.items():
+        theirs = compressor.decompress(dict(t), scheme)["weight"]
+        ours = read_quant_weight("compressed-tensors", qc, m, t)
+        assert torch.equal(theirs, ours.dequantize(theirs.dtype)), m
+    return qc, modules
+
+
 def digests(folder) -> dict[str, str]:
     """An artifact's tensor digests from its manifest: tensor name -> digest."""
     from compressor.manifest import load_manifest

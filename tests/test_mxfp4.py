@@ -164,10 +164,9 @@ def test_bundled_recipes(grid):
 @pytest.mark.parametrize("change, message", [
     ({"weights": {"group_size": 64}}, "symmetric in groups of 16 \\(NVFP4\\) or 32 \\(MXFP4\\)"),
     ({"weights": {"symmetric": False}}, "symmetric in groups of 16 \\(NVFP4\\) or 32 \\(MXFP4\\)"),
-    ({"algorithm": "awq-gptq"}, "algorithm awq-gptq is not implemented on the {grid} grid; {grid} weights are "
-                                "quantized with"),
+    ({"algorithm": "awq-gptq", "gptq": {"clip": True}}, "gptq.clip on the {grid} grid is not implemented"),
     ({"algorithm": "gptq", "gptq": {"clip": True}}, "gptq.clip on the {grid} grid is not implemented"),
-    ({"algorithm": "awq"}, "algorithm awq is not implemented on the {grid} grid"),
+    ({"algorithm": "gptq", "refine": {"iters": 10}}, "the refine section on the {grid} grid is not implemented"),
     ({"activations": {"type": "float", "num_bits": 8, "strategy": "token"}},
      "{grid} with (quantized|fp8) activations (\\(W4A4\\) )?is not implemented"),
     ({"overrides": [{"targets": ["re:.*down_proj"], "weights": {"num_bits": 8}}]},
@@ -189,10 +188,10 @@ def test_a_width_not_a_multiple_of_32_is_refused_by_the_cli(tmp_path, capsys, to
 
 
 def test_a_rule_across_keys_is_worded_without_a_key_path(tmp_path, capsys, tiny_model_dir):
-    """A recipe rule spanning several keys (the algorithm on the FP4 grid) names no internal ``<root>`` key."""
+    """A recipe rule spanning several keys (GPTQ's range search on the FP4 grid) names no internal ``<root>`` key."""
     code, _, err = kvq_run(["quantize", tiny_model_dir, "-o", tmp_path / "o", "--recipe", "w4a16-mxfp4",
-                            "--algorithm", "awq"], capsys)
-    assert_clean_error(code, err, 2, "command-line options: algorithm awq is not implemented on the MXFP4 grid",
+                            "--algorithm", "gptq", "--set", "gptq.clip=true"], capsys)
+    assert_clean_error(code, err, 2, "command-line options: gptq.clip on the MXFP4 grid is not implemented",
                        tmp_path)
     assert "<root>" not in err
 

@@ -16,7 +16,10 @@ llm-compressor users build by chaining the two modifiers; here it is one step pe
    against the weights before folding.
 
 The artifact is a plain W4A16 (or other width) checkpoint in any output format: the folded
-scales live in the stored weights and norms, as with AWQ.
+scales live in the stored weights and norms, as with AWQ. On the FP4 e2m1 grids (NVFP4, MXFP4) the
+scale search rounds each candidate as the format's writer does (:func:`compressor.quant.awq.candidate_weights`)
+and GPTQ rounds the folded weights onto the steps fixed from them (NVFP4: each fused set's global scale from
+its folded weights).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class AWQGPTQ(GPTQ):
     reads = ("awq", "gptq")
     act_order = True
     folds_input_scales = AWQ.folds_input_scales
-    fp4_grid = False  # AWQ's scale search rounds on the integer grid
+    fp4_grid = True  # AWQ's scale search and GPTQ's columns both round onto the format's grid
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return awq_gptq_layer(i, layer, hidden, kw, ctx)

@@ -25,8 +25,8 @@ import torch
 
 from ..arch import expert_index, get_module, layer_groups, layer_linears
 from ..distributed import deal, world
-from .algorithms import Algorithm, register_algorithm
-from .awq import pick_scale, search_clip, search_scale_range, tie_kv_heads
+from .algorithms import Algorithm, fused_peers, register_algorithm, share_fp4_absmax
+from .awq import MXFP4, NVFP4, pick_scale, search_clip, search_scale_range, tie_kv_heads
 from .awq_observe import observe
 from .layer import LayerContext, LayerOutcome, inspect_forward, layer_forward
 
@@ -104,11 +104,30 @@ class GroupSearch:
     n_grid: int
     duo_scaling: bool
     tie: object
+    e2m1: tuple | None = None  #: ``(grids, sets)`` of FP4 weights (:func:`e2m1_grids`)
 
     def run(self, points: range) -> tuple | None:
         """The pick of grid points ``points`` (:func:`compressor.quant.awq.search_scale_range`)."""
         return search_scale_range(self.x_mean, self.weights, self.loss_fn, *self.schemes, points, self.n_grid,
-                                  self.duo_scaling, self.tie)[1]
+                                  self.duo_scaling, self.tie, self.e2m1)[1]
+
+
+def e2m1_grid(scheme) -> str | None:
+    """The e2m1 grid a weight scheme rounds on (:data:`~compressor.quant.awq.NVFP4`,
+    :data:`~compressor.quant.awq.MXFP4`), ``None`` for an integer scheme."""
+    return NVFP4 if scheme.is_fp4 else MXFP4 if scheme.is_mxfp4 else None
+
+
+def e2m1_grids(arch, rels: list, specs: list, quantized: list) -> tuple[list, list] | None:
+    """``(grids, sets)`` for :func:`compressor.quant.awq.candidate_weights` of linears ``rels`` (relative names) with
+    weight schemes ``specs``: each one's e2m1 grid, and for a targeted NVFP4 linear its fused set
+    (:func:`compressor.quant.algorithms.fused_peers`: its candidates' global scale is the set's, as the writer's);
+    ``None`` when every scheme is an integer one. Every fused set of kvq's architecture rows lies inside one
+    scaling group, so a set's members are scaled by the same candidate."""
+    grids = [e2m1_grid(sp) for sp in specs]
+    if not any(grids):
+        return None
+    return grids, [fused_peers(arch, r) if q and g == NVFP4 else None for r, g, q in zip(rels, grids, quantized)]
 
 
 def prepare_group_search(layer, group, prefix, linears, x_loss, x_mean, cold, kw, ctx: LayerContext):
@@ -149,7 +168,7 @@ def prepare_group_search(layer, group, prefix, linears, x_loss, x_mean, cold, kw
     specs = [quantizer.schemes.get(prefix + r, quantizer.schemes[next(iter(quantizer.schemes))]) for r in group.linears]
     schemes = ([sp.num_bits for sp in specs], [sp.group_size for sp in specs], [sp.symmetric for sp in specs])
     return GroupSearch(key, prefix + group_name(group), x_mean[key], weights, loss_fn, schemes, opts.n_grid,
-                       opts.duo_scaling, tie)
+                       opts.duo_scaling, tie, e2m1_grids(arch, list(group.linears), specs, quantized))
 
 
 #: tokens per chunk of the loss forwards of a non-attention inspected module (an MLP): its
@@ -263,16 +282,19 @@ def clip_and_quantize(i, linears, x_loss, cold, col_scale, row_scale, originals,
     :func:`compressor.distributed.alone`, search theirs here."""
     arch, quantizer, opts, targets = ctx.arch, ctx.quantizer, ctx.recipe.awq, ctx.targets
     prefix = f"{arch.layers}.{i}."
-    searched = {}  # rel -> (weight, sampled inputs [k, in], bits, group_size, symmetric)
+    share_fp4_absmax(i, list(linears), ctx)  # NVFP4: each fused set's global scale from its folded weights
+    searched = {}  # rel -> (weight, sampled inputs [k, in], bits, group_size, symmetric, e2m1 grid, NVFP4 absmax)
     for rel, lin in linears.items():
         e = expert_index(arch, rel)
         xs = x_loss[rel].reshape(-1, lin.in_features) if prefix + rel in targets else None
         if (xs is not None and opts.clip and rel not in arch.clip_skip and not (e is not None and e in cold)
                 and xs.shape[0]):
             idx = torch.linspace(0, xs.shape[0] - 1, min(opts.clip_tokens, xs.shape[0])).long()
-            searched[rel] = (lin.weight.detach(), xs[idx], *quantizer.schemes[prefix + rel][:3])
+            scheme = quantizer.schemes[prefix + rel]
+            searched[rel] = (lin.weight.detach(), xs[idx], *scheme[:3], e2m1_grid(scheme),
+                             quantizer.fp4_absmax.get(prefix + rel))
     tasks = list(searched.values())
-    found = deal(tasks, lambda t: search_clip(*t, opts.clip_grid, opts.clip_max_shrink),
+    found = deal(tasks, lambda t: search_clip(*t[:5], opts.clip_grid, opts.clip_max_shrink, grid=t[5], absmax=t[6]),
                  [t[0].numel() * t[1].shape[0] for t in tasks])
     clip = dict(zip(searched, found))
     errs = []
@@ -502,6 +524,8 @@ class AWQ(Algorithm):
     #: ranks each reads only its own experts (every sum over experts combined across the ranks)
     streams_experts = experts_per_rank = True
     folds_input_scales = True
+    #: NVFP4 and MXFP4: every scale and clip candidate rounded as the format's writer rounds it (compressor.quant.awq)
+    fp4_grid = True
 
     def divides_samples(self, ctx):
         return True  # observe's records gathered in batch order (compressor.quant.awq_observe); the searches dealt
