@@ -103,11 +103,11 @@ def test_the_clip_search_scores_what_the_writer_stores(grid):
     assert (clip < w.abs().reshape(w.shape[0], -1, gs).amax(-1)).any()  # some group is clipped
 
 
-def _check_artifact(out, grid: str, arch_name: str) -> None:
+def _check_artifact(out, grid: str, arch_name: str, algorithm: str = "awq") -> None:
     """Every packed weight decompresses through compressed-tensors as kvq reads it; NVFP4: each fused set carries
     one global scale."""
     manifest = json.loads((out / "kvq-manifest.json").read_text())
-    assert manifest["recipe"]["algorithm"] == "awq"
+    assert manifest["recipe"]["algorithm"] == algorithm
     assert any(f.get("awq_ratios") for f in manifest["quality"]["layers"])
     qc, modules = decompress_as_kvq_reads(out)
     assert qc["config_groups"]["group_0"]["format"] == f"{grid}-pack-quantized"
@@ -169,6 +169,15 @@ def test_deepseek_artifact_reads_back_with_shared_global_scales(grid, moe_source
     out = tmp_path / "art"
     quantize_cli(moe_source, out, capsys, "--recipe", RECIPES[grid], "--set", "awq.n_grid=4")
     _check_artifact(out, grid, "deepseek_v3")
+
+
+@pytest.mark.parametrize("grid", [NVFP4, MXFP4])
+def test_awq_gptq_on_the_fp4_grid(grid, wide_llama, tmp_path, capsys):
+    """``--algorithm awq-gptq`` with the FP4 recipes: AWQ's scales searched on the grid and folded, then GPTQ on
+    the folded weights; the artifact reads back as compressed-tensors reads it, one global scale per fused set."""
+    out = tmp_path / "art"
+    quantize_cli(wide_llama, out, capsys, "--recipe", RECIPES[grid], "--algorithm", "awq-gptq", "--set", "awq.n_grid=4")
+    _check_artifact(out, grid, "llama", "awq-gptq")
 
 
 #: one routed expert held (hidden 64, expert width 32, float32 and its codes): 1.5 of them reads one at a time
