@@ -71,10 +71,20 @@ def _load_dtype(folder: Path) -> torch.dtype:
     return torch.bfloat16 if qc.get("format") in ("nvfp4-pack-quantized", "mxfp4-pack-quantized") else torch.float32
 
 
+def _nvfp4_inputs(folder: Path) -> bool:
+    """Whether the artifact quantizes its linears' inputs to NVFP4 (W4A4: 4-bit ``input_activations``)."""
+    qc = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    groups = (qc.get("config_groups") or {}).values()
+    return any(((g or {}).get("input_activations") or {}).get("num_bits") == 4 for g in groups)
+
+
 def _compare(theirs: torch.Tensor, folder: Path, kv_cache: bool = False) -> None:
-    """transformers' logits against kvq's, in the dtype it loaded (:func:`_load_dtype`; bfloat16's tolerance)."""
+    """transformers' logits against kvq's, in the dtype it loaded (:func:`_load_dtype`; bfloat16's tolerance).
+    NVFP4 W4A4 gets twice bfloat16's: compressed-tensors' forward takes each group's ``absmax / 6`` in the
+    model's bfloat16 before the e4m3 cast, vLLM's kernel and kvq in float32, so a few group scales of the inputs
+    land one e4m3 step apart (docs/formats.md)."""
     dtype = _load_dtype(folder)
-    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    tol = 2e-3 if dtype == torch.float32 else 6e-2 if _nvfp4_inputs(folder) else 3e-2
     torch.testing.assert_close(theirs, _ours(folder, kv_cache, dtype), atol=tol, rtol=tol)
 
 
