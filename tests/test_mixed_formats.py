@@ -91,6 +91,7 @@ def test_dumps_keep_left_out_activations_left_out():
 
 @pytest.mark.parametrize("change, message", [
     ({"algorithm": "awq"}, "weights: algorithm awq is not implemented on FP8 modules"),
+    ({"algorithm": "awq-gptq"}, "weights: algorithm awq-gptq is not implemented on FP8 modules .* under rtn or gptq$"),
     ({"overrides": [{"targets": ["re:.*mlp\\..*"], "weights": FP8, "activations": None}]},
      "overrides\\[0\\]: weights type float \\(FP8\\) needs an activations section"),
     ({"overrides": [{"targets": ["re:.*mlp\\..*"], "weights": {**INT4, "symmetric": False}}]},

@@ -54,6 +54,7 @@ class AWQGPTQ(GPTQ):
     act_order = True
     folds_input_scales = AWQ.folds_input_scales
     fp4_grid = True  # AWQ's scale search and GPTQ's columns both round onto the format's grid
+    fp8_fallback = False  # AWQ's scale search spans a layer's linears, FP8 ones included: refused, as AWQ's
 
     def quantize_layer(self, i, layer, hidden, kw, ctx):
         return awq_gptq_layer(i, layer, hidden, kw, ctx)
