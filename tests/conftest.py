@@ -172,12 +172,21 @@ def quantize_cli(model: Path, out: Path, capsys, *args) -> str:
     return err
 
 
-def verify_and_serve(out: Path, capsys, min_top1: float | None = None) -> str:
+def verify_and_serve(out: Path, capsys, min_top1: float | None = None, activation: str | None = None) -> str:
     """``kvq verify`` (2 windows of 128 tokens, 4 generated) then ``kvq serve-smoke`` (8 tokens; ``--min-top1``
-    when given) on the artifact ``out``, each of which must exit 0; returns serve-smoke's stderr."""
-    code, _, err = kvq_run(["verify", out, "--seqlen", "128", "--max-windows", "2", "--max-new-tokens", "4"],
-                           capsys)
+    when given) on the artifact ``out``, each of which must exit 0; returns serve-smoke's stderr. With
+    ``activation`` (``fp8-token``, ``nvfp4``), verify's report (written beside ``out``) must say every row was
+    evaluated with each linear's input quantized that way."""
+    import json
+
+    report = Path(out).parent / "verify-report"
+    code, _, err = kvq_run(["verify", out, "--seqlen", "128", "--max-windows", "2", "--max-new-tokens", "4",
+                            *(["--report", report] if activation else [])], capsys)
     assert code == 0, err
+    if activation:
+        rep = json.loads((report / "report.json").read_text())
+        assert rep["evaluated_in"]["activations"] == [activation]
+        assert activation in rep["evaluated_in"]["rows"]["weights only"]
     gate = [] if min_top1 is None else ["--min-top1", str(min_top1)]
     code, _, err = kvq_run(["serve-smoke", out, "--max-new-tokens", "8", *gate], capsys)
     assert code == 0, err

@@ -25,7 +25,7 @@ from compressor.quant.fp4_inputs import InputObserver, fake_quantize_input, shar
 from compressor.recipe import load_recipe, parse_recipe
 
 from conftest import (PARITY_TOL, assert_clean_error, assert_inputs_quantized_by_hand, close_figures, e4m3_by_hand,
-                      kvq_run, packed_tensors, quantize_cli, quantize_recipe)
+                      kvq_run, packed_tensors, quantize_cli, quantize_recipe, verify_and_serve)
 from tiny_models import make_dir
 
 #: a tiny DeepSeek-V3 whose every linear input width is a multiple of 16
@@ -281,16 +281,7 @@ def test_quantize_verify_serve_smoke(row, recipe, wide_llama, tmp_path, capsys, 
     assert all("input_global_scale" in t for t in modules.values())
     if row != "llama":
         assert any(".experts." in m for m in modules) and any(".shared_experts." in m for m in modules)
-    report = tmp_path / "report"
-    code, _, err = kvq_run(["verify", out, "--seqlen", "128", "--max-windows", "2", "--max-new-tokens", "4",
-                            "--report", report], capsys)
-    assert code == 0, err
-    rep = json.loads((report / "report.json").read_text())
-    assert rep["evaluated_in"]["activations"] == ["nvfp4"]
-    assert "nvfp4" in rep["evaluated_in"]["rows"]["weights only"]
-    code, _, err = kvq_run(["serve-smoke", out, "--max-new-tokens", "8", "--min-top1", "25"], capsys)
-    assert code == 0, err
-    assert "nvfp4-a4-emulated" in err
+    assert "nvfp4-a4-emulated" in verify_and_serve(out, capsys, 25, "nvfp4")
 
 
 def test_streamed_verify_simulates_the_inputs_too(w4a4, capsys):

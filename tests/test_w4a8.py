@@ -22,7 +22,7 @@ from compressor.formats import read_quant_weight
 from compressor.recipe import load_recipe, parse_recipe
 
 from conftest import (PARITY_TOL, assert_clean_error, assert_inputs_quantized_by_hand, copy_folder, kvq_run,
-                      packed_tensors, quantize_cli, quantize_recipe)
+                      packed_tensors, quantize_cli, quantize_recipe, verify_and_serve)
 from tiny_models import make_dir
 
 #: a tiny DeepSeek-V3 whose every linear input is a multiple of 128 (hidden, q/kv latent ranks, heads x
@@ -236,14 +236,5 @@ def test_quantize_verify_serve_smoke(row, wide_llama, deepseek, tmp_path, capsys
     out = tmp_path / "art"
     kv = ["--recipe", "kv-fp8"] if row != "llama" else []
     _quantize(wide_llama if row == "llama" else deepseek, out, capsys, *kv)
-    report = tmp_path / "report"
-    code, _, err = kvq_run(["verify", out, "--seqlen", "128", "--max-windows", "2", "--max-new-tokens", "4",
-                            "--report", report], capsys)
-    assert code == 0, err
-    rep = json.loads((report / "report.json").read_text())
-    assert rep["evaluated_in"]["activations"] == ["fp8-token"]
-    assert "fp8-token" in rep["evaluated_in"]["rows"]["weights only"]
-    gate = ["--min-top1", "40"] if row != "llama" else []
-    code, _, err = kvq_run(["serve-smoke", out, "--max-new-tokens", "8", *gate], capsys)
-    assert code == 0, err
+    err = verify_and_serve(out, capsys, None if row == "llama" else 40, "fp8-token")
     assert "int-fp8-emulated" in err and "aten-int4" not in err
