@@ -467,8 +467,12 @@ def test_a_slice_of_rows_is_quantized_as_in_the_whole_solve(act_order, static, s
     for got, want in zip(joined, (whole.q, whole.scale, whole.zero_point, whole.g_idx, whole.target)):
         assert (got is None and want is None) or torch.equal(got, want)
     assert damp == whole.damp
-    # as many tasks as ranks, or a linear too short to halve: solved whole
-    assert [p[2] for p in row_slices([(("a",), "a"), (("b",), "b")], 2, lambda rel: 97)] == [None, None]
+    # every linear of a pass in slices (one factor per set, divided), unless a routed expert's
+    # among as many tasks as ranks, or a linear too short to halve: solved whole
+    two = [(("a",), "a"), (("b",), "b")]
+    assert [p[2] for p in row_slices(two, 2, lambda rel: 97)] == [(0, 48), (48, 97)] * 2
+    assert [p[2] for p in row_slices(two, 2, lambda rel: 97, lambda rel: rel == "b")] == [(0, 48), (48, 97), None]
+    assert [p[2] for p in row_slices(two[1:], 2, lambda rel: 97, lambda rel: rel == "b")] == [(0, 48), (48, 97)]
     assert [p[2] for p in row_slices([(("a",), "a")], 2, lambda rel: 3)] == [None]
     assert [p[2] for p in row_slices([(("a",), "a")], 1, lambda rel: 97)] == [None]
 

@@ -220,7 +220,8 @@ def solve_pass(i, layer, sets, accs, cold, ctx: LayerContext, folds=None):
     # each set's Hessian is built when its first batch is solved and handed, to be worked on
     # in place, to its last: one Hessian alive at a time besides the float64 sums not reached yet
     rank, size = world()
-    pieces = row_slices(tasks, size, lambda rel: get_module(layer, rel).out_features)
+    pieces = row_slices(tasks, size, lambda rel: get_module(layer, rel).out_features,
+                        lambda rel: expert_index(arch, rel) is not None)
     left: dict[str, int] = {}
     for j, (_rels, key, _rows) in enumerate(pieces):
         if j % size == rank:
@@ -315,22 +316,29 @@ def share_hessians(accs: dict, pieces: list[tuple], size: int) -> None:
             acc.blocks = None
 
 
-def row_slices(tasks: list, size: int, rows_of) -> list[tuple]:
-    """The pieces a pass's GPTQ solves are dealt in: ``(rels, key, None)`` per task, or, when the
-    pass has fewer tasks than ``size`` ranks (a lone ``o_proj`` or dense ``down_proj`` would leave
-    the other ranks idle), each task's rows in ``size`` contiguous slices ``(rels, key, (r0, r1))``.
+def row_slices(tasks: list, size: int, rows_of, whole=lambda rel: False) -> list[tuple]:
+    """The pieces a pass's GPTQ solves are dealt in under ``size`` ranks: each task's rows in
+    ``size`` contiguous slices ``(rels, key, (r0, r1))``, one per rank, or ``(rels, key, None)``
+    for a task solved whole on one rank (round-robin, :func:`~compressor.distributed.deal`).
     GPTQ quantizes every row on its own given ``H`` (the column loop, static groups, act_order's
     permutation and the damping retries depend on ``H`` alone), so a slice's integers and scales
-    are those rows of the whole solve, bit for bit (``tests/test_distributed.py``); every rank
-    builds ``H``, and the ranks divide its inverse Cholesky factor's blocks
-    (:func:`~compressor.quant.inplace_linalg.upper_cholesky_of_inverse_`) and the column loop.
-    ``rows_of(rel)``: a linear's output rows. Under several ranks every task is one linear."""
-    if size < 2 or len(tasks) >= size:
+    are those rows of the whole solve, bit for bit (``tests/test_gptq.py``); every rank holds
+    ``H``, and the ranks divide its inverse Cholesky factor's blocks
+    (:func:`~compressor.quant.inplace_linalg.upper_cholesky_of_inverse_`, once per set: the
+    set's other linears reuse it) and the column loop. Slicing every linear of a set, rather
+    than dealing the set's linears whole, keeps one rank from factoring the same ``H`` as
+    another (a DeepSeek-V3 layer's ``q_a_proj`` and ``kv_a_proj_with_mqa``: 7168 wide, 1536 and
+    576 rows; dealt whole, both ranks factored it and one had 2.7x the other's column loop).
+    ``whole(rel)``: a linear kept whole unless the pass has fewer tasks than ranks (routed
+    experts of a layer loaded whole: each expert its own ``H``, dealt as tasks); a linear of
+    fewer than ``2 * size`` rows is kept whole. ``rows_of(rel)``: a linear's output rows. Under
+    several ranks every task is one linear."""
+    if size < 2:
         return [(rels, key, None) for rels, key in tasks]
     out = []
     for rels, key in tasks:
         n = rows_of(rels[0])
-        if len(rels) != 1 or n < 2 * size:
+        if len(rels) != 1 or n < 2 * size or (whole(rels[0]) and len(tasks) >= size):
             out.append((rels, key, None))
             continue
         out += [(rels, key, (n * k // size, n * (k + 1) // size)) for k in range(size)]
