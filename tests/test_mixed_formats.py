@@ -12,6 +12,7 @@ with one group's ``input_activations``."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -197,9 +198,9 @@ def _serve(out: Path, capsys, *gate: str) -> str:
 
 def test_bundled_recipe_on_deepseek(deepseek, tmp_path, capsys):
     """``w4a8-experts-fp8-attn`` on the MLA + MoE row with an fp8 KV cache: a ``float-quantized`` group targeting
-    ``Linear`` (MLA, shared experts, the dense layer) and a ``pack-quantized`` W4A8 group naming every routed
-    expert, ``mixed-precision`` on top; each module's tensors and reader are its scheme's, compressed-tensors'
-    decompressors agree; the manifest lists both schemes; verify and serve-smoke (fp8-emulated and
+    ``Linear`` (MLA, shared experts, the dense layer) and a ``pack-quantized`` W4A8 group naming the routed experts
+    (one ``re:`` target per linear kind), ``mixed-precision`` on top; each module's tensors and reader are its
+    scheme's, compressed-tensors' decompressors agree; the manifest lists both schemes; verify and serve-smoke (fp8-emulated and
     int-fp8-emulated kernels; the noisy MoE row's top-1 gate at 50 %, tests/test_w4a8.py) exit 0."""
     out = tmp_path / "art"
     quantize_cli(deepseek, out, capsys, "--recipe", "w4a8-experts-fp8-attn", "--recipe", "kv-fp8")
@@ -212,7 +213,9 @@ def test_bundled_recipe_on_deepseek(deepseek, tmp_path, capsys):
     assert w4a8["weights"]["actorder"] == "weight" and fp8["weights"]["actorder"] is None
     weights = _decompress_each_module(out)
     routed = sorted(m for m in weights if ".mlp.experts." in m)
-    assert w4a8["targets"] == routed and routed and any(".shared_experts." in m for m in weights)
+    assert w4a8["targets"] == [rf"re:model\.layers\.\d+\.mlp\.experts\.\d+\.{p}_proj$" for p in ("down", "gate", "up")]
+    assert routed == sorted(m for m in weights if any(re.match(t[3:], m) for t in w4a8["targets"]))
+    assert routed and any(".shared_experts." in m for m in weights)
     for m, w in weights.items():
         want = (4, 128, "fp8-token", False) if m in routed else (8, w.in_features, "fp8-token", True)
         assert (w.num_bits, w.group_size, w.act, w.is_float) == want, m

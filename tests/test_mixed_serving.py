@@ -2,12 +2,12 @@
 transformers' own ``from_pretrained`` (compressed-tensors 0.20.1 installed beside kvq) loads a Llama whose
 attention is FP8 W8A8 and whose MLP is int4 or NVFP4 W4A16 with every linear in its own group's scheme and kvq's
 logits; the routed experts' config group names its modules with one ``re:`` target per linear kind, which match
-exactly the modules the explicit list named and give each module the scheme compressed-tensors gave it before;
-and a recipe giving one MoE layer's routed experts several schemes (vLLM serves one per layer) is refused."""
+exactly the modules the explicit list named and give each module the scheme compressed-tensors gave it before."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -90,3 +90,111 @@ def test_transformers_loads_a_mixed_artifact(case, mixed_llama):
     with torch.no_grad():
         theirs, mine = hf(_ids()).logits, ours.to(dtype)(_ids()).logits
     torch.testing.assert_close(theirs, mine, atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------------------------
+# the routed experts' targets
+
+#: tests/test_mixed_formats.py's tiny DeepSeek-V3 widths (int4 groups of 128), here with 4 decoder layers: dense
+#: layer 0, MoE layers 1-3 (4 routed experts each), and the release's MTP layer 4 (its linears ignored)
+WIDE_MLA = dict(hidden_size=128, q_lora_rank=128, kv_lora_rank=128, v_head_dim=32, moe_intermediate_size=128,
+                intermediate_size=128, num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def moe_source(tmp_path_factory, tokenizer) -> Path:
+    """The published-layout tiny DeepSeek-V3 of :data:`WIDE_MLA`."""
+    from tiny_models import make_published
+
+    return make_published(tmp_path_factory.mktemp("moe-targets") / "src", tokenizer, "deepseek_v3", **WIDE_MLA)
+
+
+@pytest.fixture(scope="module")
+def moe_artifact(moe_source) -> Path:
+    """``w4a8-experts-fp8-attn`` (GPTQ, 4 x 32 calibration tokens) of :func:`moe_source`."""
+    from compressor.commands.options import QuantizeOptions
+    from compressor.commands.quantize import run_quantize
+
+    out = moe_source.parent / "art"
+    run_quantize(QuantizeOptions(model=str(moe_source), output=out, recipe="w4a8-experts-fp8-attn", calib_samples=4,
+                                 calib_seqlen=32))
+    return out
+
+
+def _unfused_model(folder: Path):
+    """The artifact's architecture in float (random init), routed experts as one ``Linear`` each (kvq's
+    :func:`~compressor.moe.unfuse_experts`, the checkpoint's and vLLM's names)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from compressor.arch import get_arch
+    from compressor.moe import unfuse_experts
+
+    cfg = AutoConfig.from_pretrained(folder)
+    del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg)
+    unfuse_experts(model, get_arch(cfg.model_type))
+    return model
+
+
+def _listed(qc: dict, folder: Path) -> dict:
+    """``qc`` as kvq wrote it before the routed experts' ``re:`` targets: the W4A8 group naming each module stored
+    with int4 ``weight_packed`` (the FP8 modules store ``weight``), sorted."""
+    names = sorted(m for m, t in packed_tensors(folder).items() if "weight_packed" in t)
+    groups = {k: {**g, "targets": names} if any(t.startswith("re:") for t in g["targets"]) else g
+              for k, g in qc["config_groups"].items()}
+    return {**qc, "config_groups": groups}
+
+
+def test_routed_experts_are_targeted_by_regexes(moe_artifact):
+    """The W4A8 group has one ``re:`` target per expert linear kind, which match (``re.match``, as compressed-tensors'
+    ``match_name`` and vLLM do) exactly the modules the explicit list named among every module of the model and
+    every name of the config, no more and no fewer; the MTP layer's ignored experts keep them to layers 1-3."""
+    qc = json.loads((moe_artifact / "config.json").read_text())["quantization_config"]
+    targets = qc["config_groups"]["group_1"]["targets"]
+    assert targets == [rf"re:model\.layers\.(?:1|2|3)\.mlp\.experts\.\d+\.{p}_proj$" for p in ("down", "gate", "up")]
+    listed = _listed(qc, moe_artifact)["config_groups"]["group_1"]["targets"]
+    assert len(listed) == 3 * 4 * 3
+    names = {n for n, _ in _unfused_model(moe_artifact).named_modules()} | set(packed_tensors(moe_artifact)) | \
+        set(qc["ignore"])
+    assert "model.layers.4.mlp.experts.0.up_proj" in names and "model.layers.1.mlp.experts" in names
+    assert sorted(n for n in names if any(re.match(t[3:], n) for t in targets)) == listed
+
+
+def test_compressed_tensors_assigns_the_same_schemes(moe_artifact):
+    """compressed-tensors' own ``apply_quantization_config`` gives every module of the model the scheme it gave
+    under the explicit list (the FP8 class group's to attention, shared experts and the dense MLP; W4A8 to each
+    routed expert), and kvq's reader (:func:`module_group`) agrees."""
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    qc = json.loads((moe_artifact / "config.json").read_text())["quantization_config"]
+    schemes = []
+    for config in (qc, _listed(qc, moe_artifact)):
+        model = _unfused_model(moe_artifact)
+        apply_quantization_config(model, QuantizationConfig.model_validate(config), show_progress=False)
+        schemes.append({n: getattr(m, "quantization_scheme", None) for n, m in model.named_modules()})
+    assert schemes[0].keys() == schemes[1].keys()
+    dump = lambda s: None if s is None else s.model_dump(exclude={"targets"})  # noqa: E731
+    assert {n: dump(s) for n, s in schemes[0].items()} == {n: dump(s) for n, s in schemes[1].items()}
+    quantized = {n: s for n, s in schemes[0].items() if s is not None}
+    routed = [n for n in quantized if ".mlp.experts." in n]
+    assert len(routed) == 36 and len(quantized) == 36 + 4 * 5 + 3 * 3 + 3
+    for name, s in quantized.items():
+        assert (s.weights.num_bits, s.format) == ((4, "pack-quantized") if name in routed else
+                                                  (8, "float-quantized")), name
+        assert module_group(qc, name)["format"] == s.format, name
+
+
+def test_compact_targets_fall_back_to_names():
+    """Where no regex is exact (an expert of a layer is not in the group) the kind's names stay listed; names
+    outside the routed experts are never rewritten."""
+    from compressor.formats.ct_groups import compact_targets
+
+    experts = [f"model.layers.{i}.mlp.experts.{e}.{p}_proj" for i in (1, 2) for e in range(3) for p in ("gate", "down")]
+    dense = ["model.layers.0.mlp.down_proj"]
+    assert compact_targets(experts + dense, set(experts + dense)) == dense + [
+        rf"re:model\.layers\.\d+\.mlp\.experts\.\d+\.{p}_proj$" for p in ("down", "gate")]
+    gap = [n for n in experts if n != "model.layers.2.mlp.experts.1.gate_proj"]
+    got = compact_targets(gap, set(experts))
+    assert got == sorted([n for n in gap if n.endswith("gate_proj")] +
+                         [r"re:model\.layers\.\d+\.mlp\.experts\.\d+\.down_proj$"])
+

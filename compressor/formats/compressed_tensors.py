@@ -46,7 +46,7 @@ from ..quant.fp4_inputs import ACT as NVFP4_ACT
 from ..quant.fp8 import ACT_SCHEMES
 from ..quant.primitives import Scheme, qrange
 from .base import QuantWeight, WeightFormat, act_order, dynamic_act_order, require_leaves, symmetric_zero
-from .ct_groups import order_groups
+from .ct_groups import compact_targets, order_groups
 from .packing import n_words, pack_rows, unpack_signed
 
 
@@ -243,8 +243,9 @@ def quantization_config(
     ``group_size=-1`` is written as ``strategy: channel``. The most common scheme targets
     the class ``Linear`` (unless vLLM would then misread a fused layer:
     :func:`compressor.formats.ct_groups.order_groups`); every other scheme gets its own group listing
-    exact module names, which take precedence over class targets in compressed-tensors'
-    ``match_targets`` (exact name, then regex, then class).
+    exact module names (routed experts: one ``re:`` target per linear kind that matches exactly their names,
+    :func:`compressor.formats.ct_groups.compact_targets`), which take precedence over class targets in
+    compressed-tensors' ``match_targets`` (exact name, then regex, then class).
 
     Raises:
         pydantic.ValidationError: a scheme compressed-tensors refuses (kvq's recipes never
@@ -256,9 +257,10 @@ def quantization_config(
     for name, sch in schemes.items():
         counts.setdefault(Scheme(*sch), []).append(name)
     ordered, linear = order_groups(counts)  # which group targets the class Linear (vLLM's matching order)
+    known = set(schemes) | set(ignore) | set(embeddings or ())  # what a routed experts' re: target must not match
     groups = {
         f"group_{k}": QuantizationScheme(
-            targets=["Linear"] if k == linear else sorted(names), weights=_weight_args(sch, actorder),
+            targets=["Linear"] if k == linear else compact_targets(names, known), weights=_weight_args(sch, actorder),
             input_activations=_input_args(sch), output_activations=None, format=_scheme_format(sch),
         )
         for k, (sch, names) in enumerate(ordered)
