@@ -40,6 +40,7 @@ from .arch import (ArchSpec, checkpoint_name, expert_index, find_module, get_arc
 from .errors import InputError, QuantizationError
 from .moe import unfuse_experts
 from .moe_ranks import ExpertShare, divides
+from .moe_schemes import check_expert_schemes
 from .precision import calibration_matmuls, resolve_matmul_precision
 from .quant.algorithms import Algorithm, get_algorithm
 from .quant.head import head_hessian
@@ -203,7 +204,8 @@ def check_group_sizes(model, recipe: Recipe) -> None:
     into 3-D parameters are checked by their slices (:func:`compressor.arch.linear_weight`).
 
     Raises:
-        InputError: a group size does not divide some targeted module's in_features.
+        InputError: a group size does not divide some targeted module's in_features; a MoE layer's routed
+            experts get several schemes (:func:`compressor.moe_schemes.check_expert_schemes`).
     """
     if not get_algorithm(recipe.algorithm).quantizes_weights:
         return
@@ -219,7 +221,7 @@ def check_group_sizes(model, recipe: Recipe) -> None:
                 targets[name] = mod
             elif mod is None:  # an expert of fused experts: its [out, in] slice
                 targets[name] = SimpleNamespace(in_features=linear_weight(arch, layer, rel).shape[1])
-    _group_sizes(recipe, targets)
+    check_expert_schemes(model, arch, _group_sizes(recipe, targets))
 
 
 def resolve_schemes(recipe: Recipe, targets: dict[str, torch.nn.Linear], arch: ArchSpec,
@@ -229,10 +231,10 @@ def resolve_schemes(recipe: Recipe, targets: dict[str, torch.nn.Linear], arch: A
     Modules that share a recipe scheme share one resolved group size.
 
     Raises:
-        InputError: a group size does not fit; linears vLLM fuses (q/k/v, gate/up) were
-            given different schemes or were only partly ignored.
+        InputError: a group size does not fit; linears vLLM fuses (q/k/v, gate/up) were given different
+            schemes or were only partly ignored; a MoE layer's routed experts several (:mod:`compressor.moe_schemes`).
     """
-    out = _group_sizes(recipe, targets)
+    out = check_expert_schemes(model, arch, _group_sizes(recipe, targets))
     layers = get_module(model, arch.layers) if model is not None else None
     for i in _layer_indices(targets, arch):
         fused_sets = layer_fused_sets(arch, layers[i]) if layers is not None else arch.fused

@@ -57,7 +57,7 @@ LAYERS = [
     ("quant", ["compressor.quant.*"]),
     ("formats", ["compressor.formats", "compressor.formats.*"]),
     ("pipeline", ["compressor.layer_inputs", "compressor.layer_figures", "compressor.sample_ranks",
-                  "compressor.moe_ranks", "compressor.moe_stream",
+                  "compressor.moe_ranks", "compressor.moe_schemes", "compressor.moe_stream",
                   "compressor.moe_stream_awq", "compressor.pipeline", "compressor.staging", "compressor.data_free",
                   "compressor.artifact", "compressor.quality", "compressor.evaluate", "compressor.streamed_eval",
                   "compressor.verify_ranks",

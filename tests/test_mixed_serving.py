@@ -2,7 +2,8 @@
 transformers' own ``from_pretrained`` (compressed-tensors 0.20.1 installed beside kvq) loads a Llama whose
 attention is FP8 W8A8 and whose MLP is int4 or NVFP4 W4A16 with every linear in its own group's scheme and kvq's
 logits; the routed experts' config group names its modules with one ``re:`` target per linear kind, which match
-exactly the modules the explicit list named and give each module the scheme compressed-tensors gave it before."""
+exactly the modules the explicit list named and give each module the scheme compressed-tensors gave it before;
+and a recipe giving one MoE layer's routed experts several schemes (vLLM serves one per layer) is refused."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import yaml
 from compressor.artifact import load_artifact
 from compressor.formats.compressed_tensors import module_group
 
-from conftest import packed_tensors
+from conftest import assert_clean_error, kvq_run, packed_tensors, unwrap
 
 FP8 = {"type": "float", "num_bits": 8, "group_size": -1, "symmetric": True}
 TOKEN = {"type": "float", "num_bits": 8, "strategy": "token"}
@@ -198,3 +199,57 @@ def test_compact_targets_fall_back_to_names():
     assert got == sorted([n for n in gap if n.endswith("gate_proj")] +
                          [r"re:model\.layers\.\d+\.mlp\.experts\.\d+\.down_proj$"])
 
+
+# ---------------------------------------------------------------------------------------
+# one scheme per MoE layer's routed experts
+
+#: the bundled MoE recipe (RTN) with the routed experts' down_proj given FP8 W8A8 by a second override catching one
+#: kind only, or expert 0 of every layer left in float; and the schemes the refusal names for model.layers.1
+SPLIT = {
+    "down_proj": ({"overrides": [{"targets": ["re:.*\\.experts\\.\\d+\\.down_proj"], "weights": FP8}]},
+                  "int4 g128 symmetric, fp8-token inputs: 8 linears (e.g. mlp.experts.0.gate_proj); FP8 per "
+                  "channel, fp8-token inputs: 4 linears (e.g. mlp.experts.0.down_proj)"),
+    "ignored expert": ({"ignore": ["re:.*\\.experts\\.0\\..*"]},
+                       "float (not quantized): 3 linears (e.g. mlp.experts.0.gate_proj); int4 g128 symmetric, "
+                       "fp8-token inputs: 9 linears (e.g. mlp.experts.1.gate_proj)"),
+}
+
+
+def _split(case: str) -> dict:
+    """``w4a8-experts-fp8-attn`` under RTN with :data:`SPLIT`'s change (overrides appended)."""
+    from compressor.recipe import load_recipe
+
+    data = {**load_recipe("w4a8-experts-fp8-attn").model_dump(mode="json"), "algorithm": "rtn"}
+    change = SPLIT[case][0]
+    return {**data, **change, "overrides": data["overrides"] + change.get("overrides", [])}
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT))
+def test_split_experts_are_refused_before_loading(case, moe_source, tmp_path, capsys, monkeypatch):
+    """A recipe giving one MoE layer's routed experts two schemes: exit 2 in one line naming the first such layer
+    and both schemes, before the weights are loaded (loading fails this test) and with nothing written."""
+    import compressor.commands.quantize as quantize
+
+    def loaded(*_, **__):
+        raise AssertionError("the source was loaded before the refusal")
+
+    monkeypatch.setattr(quantize, "open_lazy", loaded)
+    monkeypatch.setattr(quantize, "load_model", loaded)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(_split(case)))
+    code, _, err = kvq_run(["quantize", moe_source, "-o", tmp_path / "out", "--recipe", recipe], capsys)
+    assert_clean_error(code, err, 2, "model.layers.1: the recipe gives this MoE layer's routed experts 2 schemes",
+                       tmp_path)
+    assert f"({SPLIT[case][1]}); vLLM serves one scheme for all routed experts of a layer" in unwrap(err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_library_refuses_split_experts_too():
+    """:func:`compressor.pipeline.quantize_model` (the Python API) refuses the same recipe before any layer."""
+    from compressor.errors import InputError
+    from compressor.pipeline import quantize_model
+    from compressor.recipe import parse_recipe
+    from tiny_models import tiny
+
+    with pytest.raises(InputError, match="^model.layers.1: the recipe gives this MoE layer's routed experts 2 sch"):
+        quantize_model(tiny("deepseek_v3", **WIDE_MLA), parse_recipe(_split("down_proj")), None)
