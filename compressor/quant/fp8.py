@@ -36,6 +36,8 @@ side-effect free.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ..errors import InputError
@@ -203,12 +205,13 @@ def int_fp8_misfits(schemes: dict, widths: dict[str, tuple[int, int]],
 def kernel_warnings(schemes: dict, widths: dict[str, tuple[int, int]],
                     fused_outs: list[list[tuple[str, int]]]) -> list[str]:
     """``kvq quantize``'s warnings naming the linears vLLM's kernels refuse: FP8 blocks
-    (:func:`block_misfits`) and W4A8 (:func:`int_fp8_misfits`); arguments as :func:`int_fp8_misfits`.
+    (:func:`block_misfits`) and W4A8 (:func:`int_fp8_misfits`); arguments as :func:`int_fp8_misfits`; and the
+    quantized inputs transformers runs otherwise (:func:`transformers_input_warning`).
 
     Returns:
         One line per kind that has such linears (empty: none).
     """
-    out = []
+    out = [line for line in (transformers_input_warning(schemes),) if line]
     bad = block_misfits(schemes, {n: w[1] for n, w in widths.items()}, fused_outs)
     if bad:
         out.append(f"FP8 blocks: {len(bad)} of {len(schemes)} linears (e.g. {bad[0]}) have an input width that is not "
@@ -223,3 +226,28 @@ def kernel_warnings(schemes: dict, widths: dict[str, tuple[int, int]],
                    "fused q/k/v or gate/up GEMM counts its outputs together): vLLM refuses them; kvq verify and "
                    "serve-smoke simulate them as written")
     return out
+
+
+def transformers_input_warning(schemes: dict) -> str:
+    """The warning for an artifact whose quantized inputs transformers' ``from_pretrained`` (5.25.0 with
+    compressed-tensors 0.20.1) loads without error but runs otherwise than vLLM and ``kvq verify``
+    (docs/formats.md, "MoE and MLA models in transformers"): routed experts with quantized inputs
+    (``<...>.experts.<e>.<proj>``; transformers fuses them into 3-D parameters, dequantized at load, whose inputs
+    stay float) and a latent-attention ``kv_b_proj`` with per-token fp8 inputs (transformers hands it a
+    ``[batch, 1, tokens, rank]`` tensor, for which compressed-tensors' token strategy takes one scale per sequence).
+
+    Args:
+        schemes: module name (kvq's per-expert names) -> :class:`~compressor.quant.primitives.Scheme`.
+
+    Returns:
+        One line, or ``""`` when no such linear has quantized inputs.
+    """
+    experts = sum(1 for n, s in schemes.items() if s.act and re.search(r"\.experts\.\d+\.", n))
+    latent = sum(1 for n, s in schemes.items() if s.act == "fp8-token" and n.endswith(".kv_b_proj"))
+    what = ([f"{experts} routed-expert linears run with float inputs"] if experts else []) + \
+        ([f"{latent} kv_b_proj take one input scale per sequence, not per token"] if latent else [])
+    if not what:
+        return ""
+    return ("transformers 5.25 (compressed-tensors 0.20.1) loads this artifact without error but does not quantize "
+            f"its inputs as vLLM and kvq verify do ({'; '.join(what)}): its logits are not kvq's "
+            "(docs/formats.md, \"MoE and MLA models in transformers\")")
