@@ -32,7 +32,7 @@ __all__ = ["READ_CT_FORMATS", "QuantWeight", "WeightFormat", "get_format", "read
 #: compressed-tensors top-level ``format`` values kvq's readers load (``mixed-precision``: groups of
 #: the quantized ones; ``dense``: no quantized weight, KV-cache scales only)
 READ_CT_FORMATS = ("pack-quantized", "float-quantized", "mixed-precision", "dense", "nvfp4-pack-quantized",
-                   "mxfp4-pack-quantized")
+                   "mxfp4-pack-quantized", "int-quantized")
 
 
 def get_format(name: str) -> WeightFormat:

@@ -46,7 +46,8 @@ from ..quant.fp4_inputs import ACT as NVFP4_ACT
 from ..quant.fp8 import ACT_SCHEMES
 from ..quant.primitives import Scheme, qrange
 from .base import QuantWeight, WeightFormat, act_order, dynamic_act_order, require_leaves, symmetric_zero
-from .ct_groups import compact_targets, order_groups
+from .ct_groups import compact_targets, module_group, order_groups
+from .ct_int import read_int_module
 from .packing import n_words, pack_rows, unpack_signed
 
 
@@ -326,29 +327,6 @@ def kv_scale_tensors(scales: dict[int, tuple[torch.Tensor, torch.Tensor]], layer
     return out
 
 
-def module_group(qc: dict, module: str) -> dict:
-    """The config group that applies to ``module`` (exact name before ``re:`` regex before class target).
-
-    Raises:
-        InputError: no group applies.
-    """
-    groups = list((qc.get("config_groups") or {}).values())
-    for g in groups:
-        if module in (g.get("targets") or []):
-            return g
-    for g in groups:
-        for t in g.get("targets") or []:
-            if t.startswith("re:"):
-                import re
-
-                if re.match(t[3:], module):  # as compressed-tensors match_name does
-                    return g
-    for g in groups:
-        if "Linear" in (g.get("targets") or []):
-            return g
-    raise InputError(f"no quantization config group applies to {module}")
-
-
 def module_scheme(qc: dict, module: str) -> dict:
     """The ``weights`` args of :func:`module_group` (InputError: no group applies)."""
     return module_group(qc, module)["weights"]
@@ -389,10 +367,12 @@ def input_quantization(qc: dict) -> list[str]:
     return sorted(f"{a} {g}" if a == ACT_SCHEMES[1] else a for a, g in found if a)
 
 
-def _fp8_inputs_only(act: str) -> None:
-    """Raises InputError for NVFP4 input_activations on a module whose weights are not NVFP4's."""
-    if act == NVFP4_ACT:
+def _fp8_inputs_only(act):
+    """``act`` (a name, or :func:`activation_scheme`'s pair), or InputError for NVFP4 input_activations on a
+    module whose weights are not NVFP4's."""
+    if (act[0] if isinstance(act, tuple) else act) == NVFP4_ACT:
         raise InputError("NVFP4 input_activations (W4A4) go with NVFP4 weights (nvfp4-pack-quantized)")
+    return act
 
 
 def read_float_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
@@ -547,9 +527,12 @@ class CompressedTensorsFormat(WeightFormat):
         if "weight_packed" in t and t["weight_packed"].dtype == torch.uint8:  # integers pack into int32
             require_leaves(t, ("weight_packed", "weight_scale"))
             return read_mxfp4_module(qc, module, t)
-        if "weight_packed" not in t and "weight" in t:
+        if "weight_packed" not in t and "weight" in t:  # FP8 float-quantized, or int-quantized (int8 values)
             require_leaves(t, ("weight", "weight_scale"))
-            return read_float_module(qc, module, t)
+            if t["weight"].dtype != torch.int8:
+                return read_float_module(qc, module, t)
+            group = module_group(qc, module)
+            return read_int_module(group, t, _fp8_inputs_only(activation_scheme(group.get("input_activations"))))
         require_leaves(t, ("weight_packed", "weight_scale", "weight_shape"))
         group = module_group(qc, module)
         wargs = group["weights"]

@@ -21,12 +21,14 @@ only then a fused layer's (``qkv_proj``) components by name, so a fused layer wh
 would take the class target's scheme. Routed experts are looked up by the names of expert 0's projections
 (``compressed_tensors_moe.py``, ``CompressedTensorsMoEMethod.get_moe_method``,
 003a1930801d92fec3a2e519d3400a220681b19a), which a named group answers. compressed-tensors and kvq's reader
-(:func:`compressor.formats.compressed_tensors.module_group`) match exact names before the class.
+(:func:`module_group`) match exact names before the class.
 """
 
 from __future__ import annotations
 
 import re
+
+from ..errors import InputError
 
 #: checkpoint linears vLLM serves inside a fused layer (its models' ``packed_modules_mapping``)
 VLLM_FUSED = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_a_proj", "kv_a_proj_with_mqa"})
@@ -94,3 +96,24 @@ def compact_targets(names: list[str], known: set[str]) -> list[str]:
         target = _exact_target(template, members, known | set(members))
         plain += [target] if target else list(members)
     return sorted(plain)
+
+
+def module_group(qc: dict, module: str) -> dict:
+    """The config group that applies to ``module`` (exact name before ``re:`` regex before class target).
+
+    Raises:
+        InputError: no group applies.
+    """
+    groups = list((qc.get("config_groups") or {}).values())
+    for g in groups:
+        if module in (g.get("targets") or []):
+            return g
+    for g in groups:
+        for t in g.get("targets") or []:
+            if t.startswith("re:"):
+                if re.match(t[3:], module):  # as compressed-tensors match_name does
+                    return g
+    for g in groups:
+        if "Linear" in (g.get("targets") or []):
+            return g
+    raise InputError(f"no quantization config group applies to {module}")
