@@ -12,12 +12,16 @@ Algorithms per format in a recipe with overrides: each module is quantized by th
 modules under an algorithm with :attr:`~compressor.quant.algorithms.Algorithm.fp8_fallback` (GPTQ, GPTAQ), which
 RTN quantizes (absmax / 448: what FP8 W8A8 recipes do; GPTQ on the e4m3 grid is not implemented). AWQ and
 AWQ+GPTQ with FP8 modules are refused (their scale search spans a layer's scaling groups, FP8 members included).
-Every pair is checked by :func:`compressor.recipe_schemes.check_float_scheme` as a recipe-wide scheme would be
-(with its module's algorithm).
+Every module's pair, the stack of the overrides matching it applied in order, is checked by
+:func:`compressor.recipe_schemes.check_float_scheme` as a recipe-wide scheme would be (with its module's algorithm):
+when the recipe is read, the recipe's own pair and each override's, an override refused alone passing when a stack
+with the others makes it valid (:func:`check_schemes`); once the model's names are known, every module's stack
+(:func:`by_pair`).
 """
 
 from __future__ import annotations
 
+from itertools import combinations
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from .errors import InputError
@@ -67,8 +71,8 @@ def module_recipe(recipe: "Recipe", w: WeightScheme, a: Optional[ActivationSchem
 
 def pairs(recipe: "Recipe") -> list[tuple[str, WeightScheme, Optional[ActivationScheme]]]:
     """``(where, weights, activations)``: the recipe's own scheme (``weights``) and, for each override, the recipe's
-    scheme with that override applied (``overrides[k]``). Stacked overrides are checked per module once the
-    model's names are known (:func:`compressor.pipeline.resolve_schemes`)."""
+    scheme with that override alone applied (``overrides[k]``). A module several overrides match has the pair of
+    their stack (:func:`by_pair` checks those once the model's names are known)."""
     out = [("weights", recipe.weights, recipe.activations)]
     out += [(f"overrides[{k}]", *resolve(recipe.weights, recipe.activations, [ov]))
             for k, ov in enumerate(recipe.overrides)]
@@ -92,19 +96,56 @@ def check_pair(recipe: "Recipe", w: WeightScheme, a: Optional[ActivationScheme])
     return check_float_scheme(module_recipe(recipe, w, a))
 
 
+#: overrides up to which :func:`check_schemes` tries every stack an override can be part of before refusing it
+#: (2 ** (n - 1) stacks an override at most); beyond, each module's stack is checked once the model's names are
+#: known (:func:`by_pair`)
+STACK_LIMIT = 8
+
+
+def _stack_problem(recipe: "Recipe", stack: tuple[int, ...]) -> str | None:
+    """What is wrong with the pair the overrides ``stack`` (indices, in order) give a module they all match: the
+    problem of :func:`check_pair`, and when the module's activations are the recipe's (no override of the stack
+    gives any) and the weights alone are fine, the hint to give the override 16-bit inputs."""
+    overrides = [recipe.overrides[j] for j in stack]
+    w, a = resolve(recipe.weights, recipe.activations, overrides)
+    problem = check_pair(recipe, w, a)
+    inherited = a is not None and overrides and not any("activations" in ov.model_fields_set for ov in overrides)
+    if problem and inherited and check_pair(recipe, w, None) is None:
+        who = "the override inherits" if len(stack) == 1 else "the overrides inherit"
+        problem += f"; {who} the recipe's activations: give {'it' if len(stack) == 1 else 'the last'} " \
+                   "`activations: null` (16-bit inputs)"
+    return problem
+
+
+def _rescued(recipe: "Recipe", k: int) -> bool:
+    """Whether override ``k``, refused alone, gives a pair :func:`check_pair` accepts stacked with some of the other
+    overrides (in the recipe's order): then only the modules' stacks are checked (:func:`by_pair`). More than
+    :data:`STACK_LIMIT` overrides: assumed so."""
+    n = len(recipe.overrides)
+    if n > STACK_LIMIT:
+        return True
+    others = [j for j in range(n) if j != k]
+    return any(_stack_problem(recipe, tuple(sorted((*chosen, k)))) is None
+               for r in range(1, n) for chosen in combinations(others, r))
+
+
 def check_schemes(recipe: "Recipe") -> str | None:
     """What is wrong with a recipe's schemes (``None``: nothing): :func:`check_float_scheme` for a recipe without
     overrides; with overrides, :func:`check_pair` for its own scheme and each override's (prefixed with where it
-    is: ``weights:``, ``overrides[1]:``), and an algorithm that would quantize none of its modules."""
+    is: ``weights:``, ``overrides[1]:``), and an algorithm that would quantize none of its modules. An override
+    refused alone is refused only when no stack with the other overrides rescues it (:func:`_rescued`: a module
+    all of them match has the pair of the stack, e.g. one override making the weights symmetric and a later one
+    adding fp8 inputs): which stacks occur is known with the model's names (:func:`by_pair`)."""
     if not recipe.overrides:
         return check_float_scheme(recipe)
-    found = pairs(recipe)
-    for where, w, a in found:
-        if problem := check_pair(recipe, w, a):
-            return f"{where}: {problem}"
+    if problem := check_pair(recipe, recipe.weights, recipe.activations):
+        return f"weights: {problem}"
+    for k in range(len(recipe.overrides)):
+        if (problem := _stack_problem(recipe, (k,))) and not _rescued(recipe, k):
+            return f"overrides[{k}]: {problem}"
     algorithm = ALGORITHMS.find(recipe.algorithm)
     if algorithm is not None and algorithm.quantizes_weights and \
-            all(module_algorithm(recipe, w) != recipe.algorithm for _, w, _ in found):
+            all(module_algorithm(recipe, w) != recipe.algorithm for _, w, _ in pairs(recipe)):
         return (f"algorithm {recipe.algorithm} quantizes none of the recipe's schemes (FP8 modules are quantized "
                 "with RTN): set algorithm rtn")
     return None
@@ -117,14 +158,15 @@ def pair_key(w: WeightScheme, a: Optional[ActivationScheme]) -> str:
 
 def by_pair(recipe: "Recipe", in_features: dict[str, int]) -> list[tuple]:
     """The targeted modules (name -> ``in_features``) grouped by their pair: ``[(weights, activations,
-    {name: in_features})]`` in first-seen order. With overrides each pair is checked (:func:`check_pair`):
-    several overrides matching one module make pairs the recipe's own check never saw.
+    {name: in_features})]`` in first-seen order. With overrides each module's pair, the stack of the overrides
+    matching it applied in order, is checked (:func:`check_pair`): pairs the recipe's own check never saw.
 
     Raises:
-        InputError: a pair the rules refuse, naming up to three of its modules.
+        InputError: a pair the rules refuse, naming the overrides that make it and up to three of its modules.
     """
     groups: dict[str, tuple] = {}
     resolved: dict[tuple, tuple] = {}  # by the overrides matching a module: one resolve each (a MoE's 10^5 experts)
+    stacks: dict[tuple, list[str]] = {}  # the modules of each stack
     for name, k in in_features.items():
         hits = tuple(j for j, ov in enumerate(recipe.overrides) if ov.applies_to(name))
         if hits not in resolved:
@@ -132,9 +174,12 @@ def by_pair(recipe: "Recipe", in_features: dict[str, int]) -> list[tuple]:
             resolved[hits] = (w, a, pair_key(w, a))
         w, a, key = resolved[hits]
         groups.setdefault(key, (w, a, {}))[2][name] = k
-    for w, a, members in groups.values():
-        if recipe.overrides and (problem := check_pair(recipe, w, a)):
+        stacks.setdefault(hits, []).append(name)
+    for hits, members in stacks.items() if recipe.overrides else ():
+        if problem := _stack_problem(recipe, hits):
             names = sorted(members)
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            raise InputError(f"recipe overrides give {shown} a scheme that is refused: {problem}")
+            made = " then ".join(f"overrides[{j}]" for j in hits) or "weights"
+            raise InputError(f"recipe {made} give{'s' if len(hits) < 2 else ''} {shown} a scheme that is refused: "
+                             f"{problem}")
     return list(groups.values())

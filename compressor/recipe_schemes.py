@@ -261,9 +261,11 @@ def check_fp4_scheme(recipe: "Recipe") -> str | None:
         return ("FP4 weights (type float, num_bits 4) are symmetric in groups of 16 (NVFP4) or 32 (MXFP4) "
                 "(symmetric true, group_size 16 or 32, no block_structure)")
     grid = "MXFP4" if w.group_size == 32 else "NVFP4"
+    if a is not None and grid == "MXFP4" and a.num_bits == 4:
+        return ("MXFP4 weights with NVFP4 activations (W4A4) are not implemented: NVFP4 W4A4 takes NVFP4 weights "
+                "(group_size 16: --recipe w4a4-nvfp4), MXFP4 none (W4A16: remove the activations section)")
     if a is not None and grid == "MXFP4":
-        return ("MXFP4 with quantized activations (W4A4) is not implemented; remove the activations section (W4A16), "
-                "or use NVFP4 W4A4 (--recipe w4a4-nvfp4)")
+        return "MXFP4 weights with fp8 activations are not implemented: MXFP4 is weight-only (W4A16, no activations)"
     if a is not None and a.num_bits != 4:
         return ("NVFP4 with fp8 activations is not implemented; NVFP4 weights take NVFP4 activations (num_bits 4, "
                 "strategy tensor_group, group_size 16, dynamic local: --recipe w4a4-nvfp4) or none (W4A16)")
@@ -279,22 +281,28 @@ def check_fp4_scheme(recipe: "Recipe") -> str | None:
     return None
 
 
-def fp4_grid_change(named: "Recipe", final: "Recipe") -> str | None:
-    """Why flags or ``--set`` may not turn a recipe's FP4 grid into the other one, ``None``: they do not.
+def fp4_grid_change(named: "Recipe", group_size, given: str = "group_size") -> str | None:
+    """Why ``group_size`` (set by ``given``: a flag, ``--set``) may not turn the FP4 grid of the recipe ``named``
+    into the other one, ``None``: it does not.
 
     ``group_size`` 32 is MXFP4 (E8M0 scales) and 16 NVFP4 (FP8 scales and a global scale): two formats a server
     reads differently (:func:`check_fp4_scheme`), so a changed group size is refused in one line naming the
-    recipe to use instead of writing the other format silently.
+    recipe to use instead of writing the other format silently; on NVFP4 W4A4 (NVFP4 activations) it says that
+    the W4A4 recipes are NVFP4's alone (groups of 16), MXFP4 being weight-only.
     """
-    def grid(r: "Recipe") -> str | None:
-        w = r.weights
-        return {32: "MXFP4", 16: "NVFP4"}.get(w.group_size) if (w.type, w.num_bits) == ("float", 4) else None
-    before, after = grid(named), grid(final)
+    w, a = named.weights, named.activations
+    grids = {32: "MXFP4", 16: "NVFP4"}
+    before = grids.get(w.group_size) if (w.type, w.num_bits) == ("float", 4) else None
+    after = grids.get(group_size) if isinstance(group_size, int) else None
     if before is None or after is None or before == after:
         return None
+    if a is not None and a.num_bits == 4:
+        return (f"{given} {group_size} turns the recipe's NVFP4 W4A4 weights into MXFP4, which has no W4A4: NVFP4 "
+                f"W4A4 quantizes weights and inputs in groups of 16 (the NVFP4 grid); drop {given} (MXFP4 "
+                "weight-only: --recipe w4a16-mxfp4)")
     recipe = "w4a16-nvfp4" if after == "NVFP4" else "w4a16-mxfp4"
-    return (f"group_size {final.weights.group_size} turns the recipe's {before} weights into {after}, another "
-            f"format: name --recipe {recipe} instead")
+    return (f"{given} {group_size} turns the recipe's {before} weights into {after}, another format: name --recipe "
+            f"{recipe} instead")
 
 
 #: integer weight widths kvq writes and simulates with fp8 inputs (vLLM's W4A8 kernel serves 4)
@@ -308,7 +316,7 @@ def check_int_fp8_scheme(recipe: "Recipe") -> str | None:
     Follows what vLLM's ``CompressedTensorsW4A8Fp8`` reads (``_is_fp8_w4a8``: symmetric grouped integer
     weights, dynamic symmetric per-token 8-bit inputs): the inputs are dynamic fp8 per token
     (``strategy: token``), the weights symmetric (the W4A8 kernel has no zero points) of
-    :data:`INT_FP8_BITS` bits (each override's scheme is checked alone: :mod:`compressor.recipe_mixed`). Any
+    :data:`INT_FP8_BITS` bits (per module, each override stack too: :mod:`compressor.recipe_mixed`). Any
     algorithm that quantizes integer weights applies (RTN, GPTQ, GPTAQ, AWQ, AWQ+GPTQ). What vLLM's kernel further
     needs (4 bits, groups of 128, widths multiples of 128) is warned about by ``kvq quantize``, not refused
     (:func:`compressor.quant.fp8.int_fp8_misfits`).

@@ -98,8 +98,10 @@ def test_dumps_keep_left_out_activations_left_out():
     ({"overrides": [{"targets": ["re:.*mlp\\..*"], "weights": {**INT4, "symmetric": False}}]},
      "overrides\\[0\\]: integer weights with fp8 activations are symmetric"),
     ({"overrides": [{"targets": ["re:.*mlp\\..*"], "weights": {**NVFP4, "group_size": 32}}]},
-     "overrides\\[0\\]: MXFP4 with quantized activations \\(W4A4\\) is not implemented"),
-    ({"overrides": [{"targets": ["re:.*mlp\\..*"], "weights": NVFP4}]}, "overrides\\[0\\]: NVFP4 .*fp8 activations"),
+     "overrides\\[0\\]: MXFP4 weights with fp8 activations are not implemented: MXFP4 is weight-only.*; the "
+     "override inherits the recipe's activations: give it `activations: null`"),
+    ({"overrides": [{"targets": ["re:.*mlp\\..*"], "weights": NVFP4}]},
+     "overrides\\[0\\]: NVFP4 .*fp8 activations.*; the override inherits the recipe's activations"),
     ({"overrides": [{"targets": ["re:.*mlp\\..*"], "weights": {**FP8, "group_size": 128}}]},
      "overrides\\[0\\]: FP8 weights are per channel"),
     ({"overrides": [{"targets": ["re:.*mlp\\..*"], "weights": INT4, "activations": {**TOKEN, "strategy": "group",
@@ -125,14 +127,55 @@ def _write(tmp_path: Path, recipe: dict) -> Path:
 
 def test_stacked_overrides_are_checked_per_module(wide_llama, tmp_path, capsys):
     """Two overrides each valid alone (MLP W4A8; down_proj asymmetric weight-only) stack into asymmetric W4A8 on
-    down_proj: refused in one line naming the modules, before any work."""
+    down_proj: refused in one line naming the overrides and the modules, before any work."""
     recipe = {"algorithm": "rtn", "weights": {**INT4, "type": "int"},
               "overrides": [{"targets": ["re:.*mlp\\..*"], "activations": TOKEN},
                             {"targets": ["re:.*down_proj"], "weights": {"symmetric": False}}]}
     code, _, err = kvq_run(["quantize", wide_llama, "-o", tmp_path / "o", "--recipe", _write(tmp_path, recipe)],
                            capsys)
-    assert_clean_error(code, err, 2, "recipe overrides give model.layers.0.mlp.down_proj", tmp_path)
-    assert "integer weights with fp8 activations are symmetric" in " ".join(err.split())
+    assert_clean_error(code, err, 2, "", tmp_path)
+    line = " ".join(err.split())
+    assert "recipe overrides[0] then overrides[1] give model.layers.0.mlp.down_proj" in line
+    assert "integer weights with fp8 activations are symmetric" in line
+
+
+#: asymmetric int4 weight-only, the recipe's own scheme (w4a16's)
+ASYM = {**INT4, "symmetric": False}
+SYMMETRIC = {"targets": ["re:.*mlp\\..*"], "weights": {"symmetric": True}}
+FP8_INPUTS = {"targets": ["re:.*mlp\\..*"], "activations": TOKEN}
+
+
+@pytest.mark.parametrize("stack", [[SYMMETRIC, FP8_INPUTS], [FP8_INPUTS, SYMMETRIC]])
+def test_a_stack_valid_once_merged_is_accepted(stack):
+    """One override making the MLP's weights symmetric and another giving them fp8 inputs (either order): each
+    alone is asymmetric W4A8 (refused), their merge W4A8 (vLLM's kernel): the recipe is read, the modules get
+    symmetric W4A8, the others stay weight-only."""
+    from compressor.recipe_mixed import by_pair
+
+    r = parse_recipe({"algorithm": "rtn", "weights": ASYM, "overrides": stack})
+    w, a = r.pair_for("model.layers.0.mlp.up_proj")
+    assert (w.type, w.num_bits, w.group_size, w.symmetric, a.strategy) == ("int", 4, 128, True, "token")
+    assert r.pair_for("model.layers.0.self_attn.q_proj") == (r.weights, None)
+    names = {f"model.layers.0.{m}": 128 for m in ("self_attn.q_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert len(by_pair(r, names)) == 2
+
+
+def test_a_merged_scheme_still_refused_names_the_overrides():
+    """An override no stack rescues is refused as the recipe is read (a whole scheme after the other keeping the
+    recipe's fp8 inputs: asymmetric W4A8 whatever came before); a rescued one is refused per module where it applies alone (attention: only the
+    fp8 inputs), naming it and the modules."""
+    from compressor.recipe_mixed import by_pair
+
+    whole = {"targets": ["re:.*mlp\\..*"], "weights": ASYM}
+    with pytest.raises(InputError, match="overrides\\[1\\]: integer weights with fp8 activations are symmetric"):
+        parse_recipe({"algorithm": "rtn", "weights": INT4, "activations": TOKEN, "overrides": [SYMMETRIC, whole]})
+    r = parse_recipe({"algorithm": "rtn", "weights": ASYM,
+                      "overrides": [SYMMETRIC, {**FP8_INPUTS, "targets": ["re:.*_proj"]}]})
+    names = {f"model.layers.0.{m}": 128 for m in ("self_attn.q_proj", "self_attn.k_proj", "mlp.up_proj")}
+    with pytest.raises(InputError, match="^recipe overrides\\[1\\] gives model.layers.0.self_attn.k_proj, "
+                                         "model.layers.0.self_attn.q_proj a scheme that is refused: integer weights "
+                                         "with fp8 activations are symmetric"):
+        by_pair(r, names)
 
 
 def test_integer_formats_refuse_an_fp8_override(wide_llama, tmp_path, capsys):

@@ -51,7 +51,8 @@ def test_bundled_recipes(name, algorithm):
     ({"activations": {"strategy": "token", "group_size": None}}, "4-bit activations are NVFP4's"),
     ({"activations": {"dynamic": True}}, "4-bit activations are NVFP4's"),
     ({"activations": {"group_size": 32}}, "4-bit activations are NVFP4's"),
-    ({"weights": {"group_size": 32}}, "MXFP4 with quantized activations \\(W4A4\\) is not implemented"),
+    ({"weights": {"group_size": 32}}, "MXFP4 weights with NVFP4 activations \\(W4A4\\) are not implemented: NVFP4 "
+                                      "W4A4 takes NVFP4 weights"),
     ({"weights": {"type": "int", "num_bits": 4, "group_size": 128}}, "go with NVFP4 weights"),
     ({"activations": {"num_bits": 8, "strategy": "token", "group_size": None, "dynamic": True}},
      "NVFP4 with fp8 activations is not implemented"),
@@ -63,6 +64,17 @@ def test_recipe_refuses_what_is_not_implemented(change, message):
         data[k] = {**data[k], **v}
     with pytest.raises(InputError, match=message):
         parse_recipe(data)
+
+
+@pytest.mark.parametrize("flags", [["--group-size", "32"], ["--set", "weights.group_size=32"]])
+def test_mxfp4_group_size_on_w4a4_says_what_is_wrong(flags, tmp_path, capsys, wide_llama):
+    """Groups of 32 would make the W4A4 recipe's weights MXFP4, which has no W4A4: the line says so, names the
+    flag and the NVFP4 grid's 16 (exit 2, nothing written), not MXFP4 W4A4's refusal."""
+    code, _, err = kvq_run(["quantize", wide_llama, "-o", tmp_path / "o", "--recipe", "w4a4-nvfp4", *flags], capsys)
+    given = flags[0] if flags[0] == "--group-size" else "--set weights.group_size"
+    assert_clean_error(code, err, 2, f"{given} 32 turns the recipe's NVFP4 W4A4 weights into MXFP4, which has no W4A4",
+                       tmp_path)
+    assert "in groups of 16" in " ".join(err.split()) and not (tmp_path / "o").exists()
 
 
 def test_workers_are_refused(tmp_path, capsys, wide_llama):

@@ -300,7 +300,11 @@ def _effective_recipe(opts: QuantizeOptions) -> Recipe:
     refine it), then ``--set``, then the dedicated flags (an explicit flag wins over
     ``--set`` of the same key)."""
     s = opts.scheme
-    recipe = load_recipes(s.recipes)
+    recipe = named = load_recipes(s.recipes)
+    sets = [("--set weights.group_size", v) for k, v in s.settings or () if k == "weights.group_size"]
+    given, size = ("--group-size", s.group_size) if s.group_size is not None else (sets or [("", None)])[-1]
+    if why := fp4_grid_change(named, size, given):  # before the changed recipe is checked (its message is vaguer)
+        raise InputError(why)
     if s.kv_scheme is not None:
         search = make_spec(s.kv_scheme).codec.flag_scale_search
         recipe = with_overrides(recipe, kv_cache=KVCacheOptions(scheme=s.kv_scheme, scale_search=search).model_dump())
@@ -312,7 +316,8 @@ def _effective_recipe(opts: QuantizeOptions) -> Recipe:
         "algorithm": s.algorithm, "weights.num_bits": s.bits, "weights.group_size": s.group_size,
         "weights.symmetric": s.symmetric, "gptq.act_order": s.act_order,
     })
-    if why := fp4_grid_change(load_recipes(s.recipes), final):
+    if (final.weights.type, final.weights.num_bits) == ("float", 4) and \
+            (why := fp4_grid_change(named, final.weights.group_size)):
         raise InputError(why)
     return final
 
