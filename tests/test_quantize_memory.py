@@ -5,6 +5,7 @@ below one routed expert refused in one line before any weight is read."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from compressor import console as show
 from compressor.arch import get_arch
 from compressor.commands import quantize_memory as qm
+from compressor.errors import InputError
 from compressor.quant.gptq_layer import HESSIAN_BYTES
 from compressor.recipe import load_recipes, with_overrides
 from compressor.source.open import meta_skeleton
@@ -48,6 +50,33 @@ def test_a_budget_below_one_routed_expert_is_refused_before_loading(kimi, tmp_pa
                               tmp_path / "out"], capsys)  # the budget the line names is enough
     assert code == 0, err
     assert f"(--memory-budget-gib {smallest}: weights held" in err  # the plan echoes the value as given
+
+
+def test_w4a4_on_experts_read_in_groups_is_refused_before_loading(kimi, tmp_path, capsys):
+    """NVFP4 activations (W4A4) take each linear's input_global_scale from its inputs on the layer's recompute,
+    and routed experts read in groups are written before it: a budget that reads a MoE layer in groups is refused
+    from the plan (exit 2, nothing loaded, nothing written), naming the budget that holds the layer whole, which
+    then runs; several torchrun ranks (each owns its experts in groups) are refused alike, and experts the recipe
+    ignores are not refused."""
+    calib = ["--calib-samples", "4", "--calib-seqlen", "48"]
+    code, out, err = kvq_run(["quantize", kimi, "--recipe", "w4a4-nvfp4", *calib, "--memory-budget-gib",
+                              EXPERT_BYTES / 2**30, "-o", tmp_path / "out"], capsys)
+    assert_clean_error(code, err, 2, "NVFP4 activations (W4A4) on routed experts read in groups are not implemented",
+                       tmp_path)
+    assert "loading" not in out + err and not (tmp_path / "out").exists()
+    line = " ".join(err.split())
+    assert "reads MoE decoder layer 1 " in line
+    budget = re.search(r"give --memory-budget-gib (\S+) or more \(the layer whole\), or --no-stream", line).group(1)
+    code, out, err = kvq_run(["quantize", kimi, "--recipe", "w4a4-nvfp4", *calib, "--memory-budget-gib", budget,
+                              "-o", tmp_path / "out"], capsys)
+    assert code == 0, err
+    model, arch = _skeleton(kimi)
+    w4a4 = load_recipes(["w4a4-nvfp4"])
+    qm.estimate(model, arch, w4a4, (4, 48), False, 4.0, False, False, 2)  # whole layers: nothing refused
+    with pytest.raises(InputError, match="under 2 torchrun ranks each reads its share of MoE decoder layer 1"):
+        qm.estimate(model, arch, w4a4, (4, 48), False, 4.0, False, False, 2, ranks=2)
+    ignored = with_overrides(w4a4, ignore=["re:.*\\.experts\\..*"])
+    qm.estimate(model, arch, ignored, (4, 48), False, EXPERT_BYTES / 2**30, False, False, 2, ranks=2)
 
 
 def test_the_smallest_budget_is_rounded_up():

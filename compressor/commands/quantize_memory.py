@@ -8,7 +8,8 @@ in groups of whole experts within the budget (:meth:`compressor.staging.LayerWri
 beside its non-expert part; a layer without routed experts is held whole, whatever the budget
 (its linears are not divided), and the plan says so. The smallest unit the budget divides is
 one routed expert: a budget below the largest one is refused (one line, exit 2) before the
-model loads.
+model loads, as are NVFP4 activations (W4A4) on routed experts that would be read in groups (their
+``input_global_scale`` is observed on the layer's recompute, after each group is written).
 
 What the plan counts (:func:`estimate`), per phase, besides the process's own
 :data:`compressor.streamed_eval.BASELINE_BYTES`:
@@ -38,17 +39,19 @@ are not in it); the measured peaks it is compared with are in BENCHMARKS.md.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
 from .. import console as show
 from ..activations import plan_activations
-from ..arch import get_arch
+from ..arch import get_arch, is_expert, layer_linears
 from ..artifact import DTYPES
 from ..errors import InputError
 from ..quant.algorithms import get_algorithm
 from ..quant.gptq_layer import HESSIAN_BYTES
+from ..recipe_schemes import observes_inputs
 from ..source.gguf_cache import cached_gguf_folder
 from ..source.resolve import float32_bytes
 from ..staging import HELD_BYTES_PER_WEIGHT
@@ -232,7 +235,7 @@ def _layer(i: int, layer, arch, recipe, budget: int, algo: tuple[bool, bool], to
 
 
 def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spilled: bool, memory_budget_gib: float,
-         gptq: bool, float_stream: bool, dtype_bytes: int, awq: bool = False) -> QuantizeMemory:
+         gptq: bool, float_stream: bool, dtype_bytes: int, awq: bool = False, ranks: int = 1) -> QuantizeMemory:
     """A streamed quantize's memory plan from the model built on ``meta``
     (:func:`compressor.source.open.meta_skeleton`).
 
@@ -245,13 +248,15 @@ def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spille
         gptq: the algorithm accumulates GPTQ Hessians; ``float_stream``: GPTQ's float target (two streams);
             ``awq``: it searches AWQ scales.
         dtype_bytes: bytes per element of the artifact's float tensors.
+        ranks: ``torchrun`` processes (``WORLD_SIZE``): above 1 they own the routed experts, read in groups.
 
     Returns:
         A :class:`QuantizeMemory`.
 
     Raises:
         InputError: the budget is below one routed expert of a layer that must be read in groups
-            (the smallest unit: the line names the layer and the smallest budget that holds it).
+            (the smallest unit: the line names the layer and the smallest budget that holds it); NVFP4
+            activations on routed experts read in groups (:func:`_refuse_observed_groups`).
     """
     cfg = skeleton.config
     hidden = cfg.hidden_size
@@ -270,6 +275,8 @@ def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spille
                          f"decoder layer {big.index} ({big.expert_bytes:,} bytes at {HELD_BYTES_PER_WEIGHT} bytes a "
                          f"weight: float32 and its int8 codes), the smallest unit a layer is read in: give "
                          f"--memory-budget-gib {smallest_budget(big.expert_bytes)} or more")
+    if observes_inputs(recipe):
+        _refuse_observed_groups(skeleton, arch, recipe, holds if ranks > 1 else grouped, memory_budget_gib, ranks)
     emb = skeleton.get_submodule(arch.embed_tokens).weight.numel()
     head_mod = skeleton.get_submodule(arch.lm_head) if not getattr(cfg, "tie_word_embeddings", False) else None
     head = head_mod.weight.numel() if head_mod is not None else 0
@@ -280,6 +287,34 @@ def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spille
     return QuantizeMemory(max(holds, key=lambda h: h.total), emb * 4, end, activations, budget, memory_budget_gib,
                           undivided,
                           max(grouped, key=lambda h: h.total) if grouped else None)
+
+
+def _refuse_observed_groups(skeleton, arch, recipe, holds: list[LayerHold], budget_gib: float, ranks: int) -> None:
+    """Refuses NVFP4 activations (W4A4) on the targeted routed experts of a decoder layer read in groups (``holds``:
+    the grouped layers, or under several ranks every layer). Each linear's ``input_global_scale`` is the absmax of
+    its inputs on the layer's recompute with its quantized weights (:mod:`compressor.quant.fp4_inputs`); a grouped
+    layer's recompute replays the routed output its groups added up, and each group is packed and written before
+    the next is read (:mod:`compressor.moe_stream`), so no expert's input is observed before it is written, and an
+    expert no token reached takes the largest scale of the layer's other experts, known only after the last group.
+
+    Raises:
+        InputError: one line naming the layer and what avoids it (a budget holding the layer whole, --no-stream, or
+            one process instead of several torchrun ranks).
+    """
+    layers = skeleton.get_submodule(arch.layers)
+    for h in holds:
+        if not h.of_experts or all(not is_expert(arch, r) or recipe.is_ignored(f"{arch.layers}.{h.index}.{r}")
+                                   for r in layer_linears(arch, layers[h.index])):
+            continue
+        why = ("NVFP4 activations (W4A4) on routed experts read in groups are not implemented (each group is "
+               "written before the layer's recompute observes the inputs that give its input_global_scale)")
+        if ranks > 1:
+            raise InputError(f"{why}: under {ranks} torchrun ranks each reads its share of MoE decoder layer "
+                             f"{h.index}'s experts in groups; quantize W4A4 in one process (without torchrun)")
+        whole = h.weights + h.of_experts * h.expert_bytes
+        raise InputError(f"{why}: --memory-budget-gib {show.as_typed(budget_gib)} reads MoE decoder layer {h.index} "
+                         f"({whole:,} bytes whole) in groups; give --memory-budget-gib {smallest_budget(whole)} or "
+                         "more (the layer whole), or --no-stream")
 
 
 def _passes(recipe) -> tuple[bool, bool, bool]:
@@ -323,7 +358,7 @@ def for_run(skeleton, plan, execution) -> QuantizeMemory:
                   else execution.activation_budget_gib)
     mem = estimate(skeleton, get_arch(skeleton.config.model_type), plan.recipe, plan.calib_shape,
                    copy > act_budget * GIB, execution.memory_budget_gib, gptq, float_stream,
-                   DTYPES[plan.dtype].itemsize, awq)
+                   DTYPES[plan.dtype].itemsize, awq, int(os.environ.get("WORLD_SIZE") or 1))
     if plan.source.kind == "gguf" and cached_gguf_folder(plan.source) is None:
         mem.conversion = float32_bytes(skeleton)
     mem.workers = execution.workers
