@@ -216,14 +216,14 @@ class MemoryPlan:
                                     + max(self.work, self.weight_stats),
                                     self.heads + self.outer + self.hidden + self.work)
 
-    def describe(self) -> str:
-        """One line: the peak and what makes it."""
+    def describe(self, lead: str | None = None) -> str:
+        """One line: the peak (or ``lead``, another figure said first) and what makes it."""
         layers = f"one decoder layer of each model {self.layers / GIB:.2f} GiB"
         if self.experts_per_group:
             layers = (f"the non-expert part of a decoder layer of each model {self.layers / GIB:.2f} GiB, routed "
                       f"experts in groups of {self.experts_per_group} ({self.expert_group / GIB:.2f} GiB, both models; "
                       f"their inputs {self.routed_io / GIB:.2f} GiB)")
-        return (f"{self.peak / GIB:.2f} GiB at peak: {layers}, "
+        return (f"{lead or f'{self.peak / GIB:.2f} GiB at peak'}: {layers}, "
                 f"hidden states of {self.streams} configuration(s) {self.hidden / GIB:.2f} GiB, untied heads "
                 f"{self.heads / GIB:.2f} GiB at the end, work {self.work / GIB:.2f} GiB, weight statistics "
                 f"{self.weight_stats / GIB:.2f} GiB, process "

@@ -161,6 +161,17 @@ def test_verify_refuses_a_budget_below_the_smallest_unit(tiny_pair, capsys):
                            capsys)
     # the budget is echoed as typed (``:g`` would print 0.0123457)
     assert_clean_error(code, err, 2, "--memory-budget-gib 0.0123456789 cannot hold streamed verify's smallest unit: ")
+    # the figure quoted is the one compared with the budget: the peak less the process's own baseline
+    import re
+
+    from compressor.streamed_eval import BASELINE_BYTES, GIB
+
+    line = " ".join(err.split())
+    found = re.search(r"smallest unit: (\S+) GiB at peak besides the process's own (\S+) GiB, which the budget does "
+                      r"not count: .*; give --memory-budget-gib (\S+) or more", line)
+    assert found, line
+    assert 0.0123456789 < float(found[1]) < BASELINE_BYTES / GIB and found[3] == found[1]
+    assert float(found[2]) == BASELINE_BYTES / GIB
     code, _, err = kvq_run(["verify", art, "--stream", "--min-median-divergence", "2", "--max-windows", "1"], capsys)
     assert_clean_error(code, err, 2, "--min-median-divergence cannot be evaluated by streamed verify")
 

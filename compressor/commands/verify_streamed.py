@@ -176,10 +176,14 @@ class Streamed:
         mem = memory_plan(ref, art, held, 0 if wins is None else wins.shape[1], owners,
                           weight_stats=plan.weights_quantized, budget=budget_bytes(opts))
         budget = opts.memory_budget_gib
-        if budget is not None and mem.peak > budget * GIB + BASELINE_BYTES:
+        if budget is not None and mem.peak > budget * GIB + BASELINE_BYTES:  # the budget leaves the process out
+            from .quantize_memory import smallest_budget
+
+            need = smallest_budget(mem.peak - BASELINE_BYTES)
             raise InputError(f"--memory-budget-gib {show.as_typed(budget)} cannot hold streamed verify's smallest unit: "
-                             f"{mem.describe()}; "
-                             "raise it, or lower --max-windows / --seqlen")
+                             + mem.describe(f"{need} GiB at peak besides the process's own {BASELINE_BYTES / GIB:.2f} "
+                                            "GiB, which the budget does not count")
+                             + f"; give --memory-budget-gib {need} or more, or lower --max-windows / --seqlen")
         self.expert_group = mem.expert_group_limit
         show.note(self.console, f"streamed verify ({self.why}): {mem.describe()}", highlight=False)
         if opts.device != "cpu":
