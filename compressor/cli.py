@@ -145,8 +145,8 @@ def quantize(model, output, recipes_, kv_scheme, algorithm, bits, group_size, sy
     awq-gptq: AWQ's scales then GPTQ, rtn, none), weight scheme, targets/ignore, per-module overrides (mixed precision),
     the KV-cache scheme, the LM head (head:, e.g. --set head.num_bits=8; float by default;
     a tied head only with --set head.untie=true, which adds its bytes), the input embedding
-    (embedding:, e.g. --set embedding.num_bits=8: a tied model's shared table, read by kvq only), the dynamic
-    fp8 inputs (activations:, w8a8-fp8, w4a8-gptq), NVFP4 and MXFP4 (w4a16-nvfp4, w4a16-mxfp4), the verify gate.
+    (embedding:, e.g. --set embedding.num_bits=8: a tied model's shared table, read by kvq only), the inputs
+    (activations:, fp8: w8a8-fp8, w4a8-gptq; W4A4: w4a4-nvfp4), FP4 weights (w4a16-nvfp4-awq, w4a16-mxfp4), gates.
     Later --recipe win; flags override recipe fields; the effective recipe is kept in the artifact's kvq-manifest.json.
 
     \b

@@ -1,13 +1,37 @@
 """The command line's help texts, one per option (``HELP["<command>.<option>"]``), kept out of
 :mod:`compressor.cli` so that its declarations stay a line each."""
 
+from importlib.resources import files
+
+
+def bundled_recipe_names() -> list[str]:
+    """The bundled recipes' names (``compressor/recipes/*.yaml`` stems, sorted, as
+    :func:`compressor.recipe.bundled_recipes` lists them; read here without importing the recipe models, so that
+    ``kvq --help`` stays quick): ``--recipe``'s help names each one the package ships. ``[]`` without the data."""
+    folder = files(__package__) / "recipes"
+    if not folder.is_dir():
+        return []
+    return sorted(p.name[:-len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _unwrapped(names: list[str], width: int = 44) -> str:
+    """``names`` joined by commas in lines of at most ``width`` characters, as a paragraph click prints as it is
+    (``\\b``: no rewrapping, so no name is broken at a hyphen)."""
+    lines = [""]
+    for name in names:
+        word = name + ("," if name != names[-1] else ".")
+        lines[-1:] = [f"{lines[-1]} {word}".strip()] if len(lines[-1]) + 1 + len(word) <= width else [lines[-1], word]
+    return "\b\n" + "\n".join(lines)
+
+
 HELP = {
     "quantize.output": "Artifact folder to create (must not exist unless --overwrite).",
     "quantize.recipe": (
-        "Bundled recipe name (see `kvq recipes`; an unknown one gets the closest names) or path to a YAML recipe; "
-        "repeatable: later ones add to or override earlier ones (--recipe w4a16-awq --recipe kv-fp8). A recipe's "
-        "overrides may give modules a whole scheme of their own, weights and activations (mixed formats: "
-        "--recipe w4a8-experts-fp8-attn, a MoE model's routed experts W4A8 and the rest FP8 W8A8; docs/recipes.md)."
+        "Bundled recipe name (an unknown one gets the closest names) or path to a YAML recipe; repeatable: later "
+        "ones add to or override earlier ones (--recipe w4a16-awq --recipe kv-fp8). A recipe's overrides may give "
+        "modules a whole scheme of their own, weights and activations (mixed formats: --recipe "
+        "w4a8-experts-fp8-attn, a MoE model's routed experts W4A8 and the rest FP8 W8A8; docs/recipes.md). The "
+        f"bundled ones (`kvq recipes` says what each does):\n\n{_unwrapped(bundled_recipe_names())}\n\n"
     ),
     "quantize.kv-scheme": (
         "Shortcut for a KV-cache scheme with its defaults (fp8 per tensor with scales searched on the "

@@ -333,7 +333,7 @@ def _check_patterns(v: list[str]) -> list[str]:
             try:
                 re.compile(item[3:])
             except re.error as e:
-                raise ValueError(f"bad regex {item!r}: {e}") from None
+                raise ValueError(f"bad regex {item}: {e}") from None
     return v
 
 

@@ -43,6 +43,21 @@ def test_help_mentions_every_command(capsys):
     assert kinds["kv-fp8"] == kinds["kv-int8"] == "kv" and kinds["w4a16-rtn-g64"] == "rtn"  # Algorithm.quantizes_weights
 
 
+def test_quantize_help_names_every_bundled_recipe(capsys):
+    """``kvq quantize --help`` lists the recipes from the bundled folder (generated: it cannot drift), each whole
+    (not broken at a hyphen by the wrapping), the FP4 AWQ and W4A4 ones included."""
+    import re
+
+    from compressor.recipe import RECIPE_DIR, bundled_recipes
+
+    code, out, _ = run(["quantize", "--help"], capsys)
+    names = sorted(p.name[:-len(".yaml")] for p in RECIPE_DIR.iterdir() if p.name.endswith(".yaml"))
+    assert code == 0 and names == list(bundled_recipes())
+    assert {"w4a16-nvfp4-awq", "w4a16-mxfp4-awq", "w4a4-nvfp4", "w4a4-nvfp4-gptq"} <= set(names)
+    missing = [n for n in names if not re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", out)]
+    assert not missing, out
+
+
 def test_missing_model(tmp_path, capsys):
     code, _, err = run(["quantize", tmp_path / "nope", "-o", tmp_path / "out"], capsys)
     assert_clean_error(code, err, 2, "not found", tmp_path)
@@ -232,11 +247,13 @@ def test_output_checks_before_work(tmp_path, tiny_model_dir, capsys):
 
 
 def test_pattern_matching_nothing_is_refused(tmp_path, tiny_model_dir, capsys):
+    """The pattern is printed as the recipe has it: no quotes, no doubled backslashes (not its Python repr)."""
     r = tmp_path / "typo.yaml"
     r.write_text("algorithm: rtn\nweights: {num_bits: 4, group_size: 32}\n"
-                 "overrides:\n  - targets: ['re:.*downproj']\n    weights: {num_bits: 8}\n")
+                 "overrides:\n  - targets: ['re:.*\\.downproj']\n    weights: {num_bits: 8}\n")
     code, _, err = run(["quantize", tiny_model_dir, "-o", tmp_path / "out", "--recipe", r], capsys)
-    assert_clean_error(code, err, 2, "'re:.*downproj' matches no decoder linear", tmp_path)
+    assert_clean_error(code, err, 2, "recipe overrides[0].targets: re:.*\\.downproj matches no decoder linear",
+                       tmp_path)
 
 
 @pytest.mark.slow  # a whole quantize -> verify / serve-smoke run (make test-fast leaves it out)
