@@ -153,10 +153,8 @@ def check_patterns(model, recipe: Recipe, arch: ArchSpec) -> list[str]:
                 if hit is not None:
                     raise InputError(f"recipe {where}: {p} names the MoE router {hit}; routers stay in float "
                                      "(vLLM builds them unquantized): drop the pattern")
-                raise InputError(f"recipe {where}: {p} matches no decoder linear ({hint}; lm_head and embeddings "
-                                 "stay float)")  # as written: no quotes nor doubled backslashes
-    return [f"recipe ignore entry {p} matches no decoder linear" for p in recipe.ignore
-            if not any(matches([p], n) for n in names)]
+                raise InputError(f"recipe {where}: {p} matches no decoder linear ({hint}; lm_head and embeddings stay float)")
+    return [f"recipe ignore entry {p} matches no decoder linear" for p in recipe.ignore if not any(matches([p], n) for n in names)]
 
 
 def target_modules(model, recipe: Recipe, arch: ArchSpec) -> dict[str, torch.nn.Linear]:
