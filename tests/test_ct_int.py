@@ -54,8 +54,8 @@ def test_int_quantized_reads_as_compressed_tensors_and_as_the_packed_artifact(tm
 
 
 def test_int_quantized_values_by_hand_and_refusals():
-    """(q - zero_point) * scale per group of 2 columns; values outside the width, int8 of 3 dimensions and a scale
-    of the wrong shape are one-line InputErrors."""
+    """(q - zero_point) * scale per group of 2 columns; values outside the width, int8 of 3 dimensions, a scale
+    of the wrong shape and an asymmetric module without its zero point are one-line InputErrors."""
     group = {"targets": ["Linear"], "format": "int-quantized",
              "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 2}}
     q = torch.tensor([[-8, 7, 1, -1]], dtype=torch.int8)
@@ -63,10 +63,25 @@ def test_int_quantized_values_by_hand_and_refusals():
     zp = torch.tensor([[1, -1]], dtype=torch.int8)
     w = read_int_module(group, {"weight": q, "weight_scale": scale, "weight_zero_point": zp}, ("", 0))
     assert torch.equal(w.dequantize(torch.float32), torch.tensor([[-4.5, 3.0, 4.0, 0.0]]))
-    bad = [({"weight": torch.tensor([[8, 0, 0, 0]], dtype=torch.int8), "weight_scale": scale}, "outside -8..7"),
-           ({"weight": q, "weight_scale": torch.ones(1, 4)}, "does not match weight"),
-           ({"weight": q[None], "weight_scale": scale}, "not an int-quantized weight")]
+    bad = [({"weight": torch.tensor([[8, 0, 0, 0]], dtype=torch.int8), "weight_scale": scale, "weight_zero_point": zp},
+            "outside -8..7"),
+           ({"weight": q, "weight_scale": torch.ones(1, 4), "weight_zero_point": zp}, "does not match weight"),
+           ({"weight": q[None], "weight_scale": scale}, "not an int-quantized weight"),
+           ({"weight": q, "weight_scale": scale}, "asymmetric weights .* but no weight_zero_point")]
     for t, msg in bad:
         with pytest.raises(InputError, match=msg) as e:
             read_int_module(group, t, ("", 0))
         assert "\n" not in str(e.value)
+
+
+def test_a_packed_asymmetric_module_without_its_zero_point_is_refused(tmp_path, tiny_model_dir):
+    """pack-quantized too: a deleted weight_zero_point is not read as 0 (it would shift the whole module)."""
+    from compressor.formats import read_quant_weight
+
+    packed = quantize_tiny(tmp_path / "packed", tiny_model_dir, symmetric=False)
+    qc = json.loads((packed / "config.json").read_text())["quantization_config"]
+    module, t = next(iter(packed_tensors(packed).items()))
+    read_quant_weight("compressed-tensors", qc, module, t)
+    del t["weight_zero_point"]
+    with pytest.raises(InputError, match="no weight_zero_point"):
+        read_quant_weight("compressed-tensors", qc, module, t)

@@ -132,6 +132,13 @@ def symmetric_zero(zp: torch.Tensor | None) -> torch.Tensor | None:
     return None if zp is None or not bool(zp.any()) else zp
 
 
+def require_zero_point(weights: dict, t: dict[str, torch.Tensor]) -> None:
+    """Raises InputError when a config group's ``weights`` are asymmetric (``symmetric: false``) and the
+    module's tensors ``t`` lack ``weight_zero_point`` (read as 0, it would shift every value of the module)."""
+    if weights.get("symmetric") is False and "weight_zero_point" not in t:
+        raise InputError("asymmetric weights (symmetric: false) but no weight_zero_point")
+
+
 def require_leaves(t: dict[str, torch.Tensor], names: tuple[str, ...]) -> None:
     """Raises InputError ``lacks a/b/c`` when one of ``names`` is not among the module's tensors."""
     if not set(names) <= set(t):

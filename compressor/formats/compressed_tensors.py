@@ -45,7 +45,8 @@ from ..quant import fp4, mxfp4
 from ..quant.fp4_inputs import ACT as NVFP4_ACT
 from ..quant.fp8 import ACT_SCHEMES
 from ..quant.primitives import Scheme, qrange
-from .base import QuantWeight, WeightFormat, act_order, dynamic_act_order, require_leaves, symmetric_zero
+from .base import (QuantWeight, WeightFormat, act_order, dynamic_act_order, require_leaves, require_zero_point,
+                   symmetric_zero)
 from .ct_groups import compact_targets, module_group, order_groups
 from .ct_int import read_int_module
 from .packing import n_words, pack_rows, unpack_signed
@@ -536,6 +537,7 @@ class CompressedTensorsFormat(WeightFormat):
         require_leaves(t, ("weight_packed", "weight_scale", "weight_shape"))
         group = module_group(qc, module)
         wargs = group["weights"]
+        require_zero_point(wargs, t)
         bits = int(wargs["num_bits"])
         q, scale, zp = read_module(t, bits)
         k = q.shape[1]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .base import QuantWeight, symmetric_zero
+from .base import QuantWeight, require_zero_point, symmetric_zero
 
 
 def read_int_module(group: dict, t: dict[str, torch.Tensor], act: tuple[str, int]) -> QuantWeight:
@@ -24,13 +24,14 @@ def read_int_module(group: dict, t: dict[str, torch.Tensor], act: tuple[str, int
 
     Raises:
         InputError: a weight that is not 2-D int8, values outside the group's ``num_bits`` range,
-            a scale or zero point of another shape than the group gives.
+            a scale or zero point of another shape than the group gives, asymmetric weights without a zero point.
     """
     wargs = group.get("weights") or {}
     q, scale = t["weight"], t["weight_scale"]
     if wargs.get("type") != "int" or q.dtype != torch.int8 or q.ndim != 2:
         raise InputError(f"weight {q.dtype} {tuple(q.shape)} with weights {wargs.get('type')} is not an "
                          "int-quantized weight (2-D int8)")
+    require_zero_point(wargs, t)
     bits = int(wargs["num_bits"])
     n, k = q.shape
     gs = k if wargs.get("strategy") == "channel" else int(wargs.get("group_size") or 0)
