@@ -28,7 +28,8 @@ HELP = {
     "quantize.output": "Artifact folder to create (must not exist unless --overwrite).",
     "quantize.recipe": (
         "Bundled recipe name (an unknown one gets the closest names) or path to a YAML recipe; repeatable: later "
-        "ones add to or override earlier ones (--recipe w4a16-awq --recipe kv-fp8). A recipe's overrides may give "
+        "ones add to or override earlier ones (--recipe w4a16-awq --recipe kv-fp8); the schemes are checked on the "
+        "final recipe (the stack merged, then --set and the flags). A recipe's overrides may give "
         "modules a whole scheme of their own, weights and activations (mixed formats: --recipe "
         "w4a8-experts-fp8-attn, a MoE model's routed experts W4A8 and the rest FP8 W8A8; docs/recipes.md). The "
         f"bundled ones (`kvq recipes` says what each does):\n\n{_unwrapped(bundled_recipe_names())}\n\n"
@@ -56,8 +57,9 @@ HELP = {
     "quantize.set": (
         "Override any recipe field by its dotted key, e.g. --set gptq.damp=0.02, --set gptq.clip=true (GPTQ's"
         " range search), --set gptq.gptaq_alpha=0.25 (GPTQ's float target), --set "
-        "kv_cache.scale_search=absmax (see --kv-scheme), --set head=null (repeatable; VALUE is parsed as "
-        "YAML, null included)."
+        "kv_cache.scale_search=absmax (see --kv-scheme), --set head=null, a section whole: --set "
+        "'activations={type: float, num_bits: 8, strategy: token}' (repeatable; VALUE is parsed as YAML, null "
+        "included)."
     ),
     "quantize.format": (
         "On-disk layout: compressed-tensors (vLLM/transformers), awq (AutoAWQ GEMM, 4-bit only) or gptq "

@@ -26,7 +26,7 @@ from .suggest import did_you_mean, dotted_keys, format_validation
 from .kv_schemes import make_spec, scheme_names, strategy_names
 from .recipe_mixed import Pair, check_schemes, resolve
 from .recipe_schemes import (FULL_DUMP, ActivationScheme, EmbeddingScheme, HeadScheme, WeightOverride,  # noqa: F401
-                             WeightScheme, _full, _Strict, check_float_scheme)
+                             WeightScheme, _full, _Strict, check_float_scheme, fp4_grid_change)
 from .registry import ALGORITHMS
 
 if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotations are strings at run time
@@ -294,10 +294,11 @@ class Recipe(_Strict):
         return data
 
     @model_validator(mode="after")
-    def _float_weights(self):
+    def _float_weights(self, info):
         """The FP8 W8A8, W4A8 and FP4 combinations vLLM serves, per override too
-        (:func:`compressor.recipe_mixed.check_schemes`)."""
-        problem = check_schemes(self)
+        (:func:`compressor.recipe_mixed.check_schemes`); not under :data:`PARTIAL` (a recipe of a stack, or one
+        ``--set`` and the flags are still to change: only the final recipe is checked)."""
+        problem = None if info.context and info.context.get("partial") else check_schemes(self)
         if problem:
             raise ValueError(problem)
         return self
@@ -396,10 +397,12 @@ def _deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
-def load_recipes(names: list[str] | tuple[str, ...]) -> Recipe:
+def load_recipes(names: list[str] | tuple[str, ...], check: bool = True) -> Recipe:
     """Combine several recipes: later ones add to or override earlier ones (mappings merge
     key by key, lists and scalars are replaced). When no recipe sets ``algorithm`` or
-    ``weights`` (e.g. only ``kv-fp8``), the weights stay in float (``algorithm: none``).
+    ``weights`` (e.g. only ``kv-fp8``), the weights stay in float (``algorithm: none``). Each file's keys
+    and values are checked on their own, the combination of schemes (FP8, W4A8, FP4) on the merged recipe
+    only, and not at all with ``check=False`` (:data:`PARTIAL`: ``--set`` and the flags are still to apply).
 
     Raises:
         InputError: as :func:`load_recipe`, naming the file with the bad key.
@@ -410,7 +413,7 @@ def load_recipes(names: list[str] | tuple[str, ...]) -> Recipe:
     stems = []
     for n in names:
         data, path = _read_recipe(n)
-        parse_recipe({**data, "name": data.get("name", _stem(path))}, str(path))  # each file valid on its own
+        parse_recipe({**data, "name": data.get("name", _stem(path))}, str(path), partial=True)  # keys and values
         data.pop("name", None)
         data.pop("description", None)
         if isinstance(data.get("kv_cache"), dict) and "scheme" in data["kv_cache"]:
@@ -422,7 +425,7 @@ def load_recipes(names: list[str] | tuple[str, ...]) -> Recipe:
     merged["name"] = "+".join(stems)
     descs = [(_read_recipe(n)[0].get("description") or "") for n in names]
     merged["description"] = "; ".join(d for d in descs if d)
-    return parse_recipe(merged, " + ".join(str(n) for n in names))
+    return parse_recipe(merged, " + ".join(str(n) for n in names), partial=not check)
 
 
 def load_recipe(name_or_path: str | None) -> Recipe:
@@ -438,34 +441,45 @@ def load_recipe(name_or_path: str | None) -> Recipe:
     return parse_recipe(data, str(path))
 
 
-def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
-    """Validate a recipe mapping; raises :class:`InputError` naming the bad key."""
+#: validation context of a recipe not yet final: keys and values are checked, not the schemes' combination
+PARTIAL = {"partial": True}
+
+
+def parse_recipe(data: dict, where: str = "recipe", partial: bool = False) -> Recipe:
+    """Validate a recipe mapping (``partial``: not the schemes' combination, :data:`PARTIAL`); raises
+    :class:`InputError` naming the bad key."""
     try:
-        return Recipe.model_validate(data)
+        return Recipe.model_validate(data, context=PARTIAL if partial else None)
     except ValidationError as e:
         raise InputError(format_validation(e.errors(), where)) from None
 
 
-def with_overrides(recipe: Recipe, **overrides) -> Recipe:
+def with_overrides(recipe: Recipe, partial: bool = False, **overrides) -> Recipe:
     """Return a copy of ``recipe`` with dotted-key overrides (``weights.num_bits=3``); ``None``
     values are skipped (a flag not given). See :func:`apply_settings` (``None`` is a value there).
 
     Raises:
         InputError: a key that is not a recipe field, or a value the field rejects.
     """
-    return apply_settings(recipe, {k: v for k, v in overrides.items() if v is not None})
+    return apply_settings(recipe, {k: v for k, v in overrides.items() if v is not None}, partial)
 
 
 #: optional sections a dotted ``--set`` key creates with their defaults (``--set head.num_bits=4``)
 _SECTIONS = {"head": HeadScheme, "embedding": EmbeddingScheme, "refine": RefineOptions}
 
 
-def apply_settings(recipe: Recipe, settings) -> Recipe:
+#: how to give a null section before a dotted ``--set`` key inside it (a mapping value is YAML, quoted for the shell)
+_SET_FIRST = {"kv_cache": "set it first (--kv-scheme fp8, or --set 'kv_cache={scheme: fp8}')",
+              "activations": "set it whole first (--set 'activations={type: float, num_bits: 8, strategy: token}')"}
+
+
+def apply_settings(recipe: Recipe, settings, partial: bool = False) -> Recipe:
     """Return a copy of ``recipe`` with dotted-key settings (``--set``: ``weights.num_bits=3``,
     ``head=null``), a dict or ``(key, value)`` pairs applied in their order (a key given twice:
     the last wins, where it stands); a ``None`` value sets the field to null, which only
     optional sections (``kv_cache``, ``head``, ``embedding``, ``refine``) accept; a key inside a null
-    ``head``, ``embedding`` or ``refine`` section creates it with its defaults first.
+    ``head``, ``embedding`` or ``refine`` section creates it with its defaults first. ``partial``: the result's
+    schemes are not checked together (:data:`PARTIAL`; more settings follow).
 
     Raises:
         InputError: a key that is not a recipe field, or a value the field rejects.
@@ -478,14 +492,73 @@ def apply_settings(recipe: Recipe, settings) -> Recipe:
             if p in _SECTIONS and node is data and node[p] is None:  # head.* on a float head: the section's
                 node[p] = _SECTIONS[p]().model_dump(context=FULL_DUMP)  # defaults (8 bit per channel), then the key
             if p in node and node[p] is None:
-                raise InputError(f"command-line options: {key}: the recipe has no {p} section (null); set it first (e.g. --kv-scheme)")
+                raise InputError(f"command-line options: {key}: the recipe has no {p} section (null); "
+                                 + _SET_FIRST.get(p, f"set it whole first (--set '{p}={{KEY: VALUE, ...}}')"))
             node = node.get(p)
             if not isinstance(node, dict):
                 break
         if not isinstance(node, dict) or parts[-1] not in node:
             raise InputError(f"command-line options: {key}: unknown recipe key" + did_you_mean(key, dotted_keys(data)))
         node[parts[-1]] = value
-    return parse_recipe(data, "command-line options")
+    return parse_recipe(data, "command-line options", partial)
+
+
+#: the flags of ``kvq quantize`` that set a recipe key (``SchemeOptions`` field -> recipe key)
+_FLAGS = {"algorithm": "algorithm", "bits": "weights.num_bits", "group_size": "weights.group_size",
+          "symmetric": "weights.symmetric", "act_order": "gptq.act_order"}
+_NEGATED = {"symmetric": "--asymmetric", "act_order": "--no-act-order"}  # the flag that sets False
+
+
+def effective_recipe(s) -> Recipe:
+    """The recipe ``kvq quantize`` runs (``s``: its ``SchemeOptions``): the recipes ``s.recipes`` merged
+    (:func:`load_recipes`), then the ``--kv-scheme`` section (so ``--set kv_cache.*`` can refine it), then
+    ``--set``, then the dedicated flags (an explicit flag wins over ``--set`` of the same key); the schemes'
+    combination is checked on that final recipe only (:func:`check_final`), so ``--set`` and the flags can fix it.
+
+    Raises:
+        InputError: a bad recipe key or value, a changed FP4 grid, a refused final recipe.
+    """
+    recipe = named = load_recipes(s.recipes, check=False)
+    sets = [("--set weights.group_size", v) for k, v in s.settings or () if k == "weights.group_size"]
+    given, size = ("--group-size", s.group_size) if s.group_size is not None else (sets or [("", None)])[-1]
+    if why := fp4_grid_change(named, size, given):  # before the changed recipe is checked (its message is vaguer)
+        raise InputError(why)
+    if s.kv_scheme is not None:
+        search = make_spec(s.kv_scheme).codec.flag_scale_search
+        options = KVCacheOptions(scheme=s.kv_scheme, scale_search=search).model_dump()
+        recipe = with_overrides(recipe, partial=True, kv_cache=options)
+    if s.settings:
+        if s.kv_scheme is not None and any(k == "kv_cache" and v is None for k, v in s.settings):
+            raise InputError(f"--kv-scheme {s.kv_scheme} and --set kv_cache=null contradict each other; drop one")
+        recipe = apply_settings(recipe, s.settings, partial=True)
+    flags = {key: getattr(s, f) for f, key in _FLAGS.items()}
+    final = with_overrides(recipe, partial=True, **flags)
+    if (final.weights.type, final.weights.num_bits) == ("float", 4) and \
+            (why := fp4_grid_change(named, final.weights.group_size)):
+        raise InputError(why)
+    changed = [f"--set {k}" for k, _ in s.settings or ()] + \
+        [_NEGATED[f] if flags[key] is False and f in _NEGATED else f"--{f.replace('_', '-')}"
+         for f, key in _FLAGS.items() if flags[key] is not None]
+    return check_final(final, s.recipes, changed)
+
+
+def check_final(recipe: Recipe, names, changed=()) -> Recipe:
+    """``recipe`` (the recipes ``names`` merged, then ``changed``: the ``--set`` keys and flags given) when its
+    schemes go together (:func:`compressor.recipe_mixed.check_schemes`).
+
+    Raises:
+        InputError: one line naming the recipes and options, and where a stack's activations came from when
+            16-bit inputs would fix it (``--set activations=null``).
+    """
+    problem = check_schemes(recipe)
+    if problem is None:
+        return recipe
+    where = " + ".join(map(str, names)) + (f" with {', '.join(changed)}" if changed else "")
+    givers = [n for n in names if _read_recipe(n)[0].get("activations") is not None]
+    inputs = recipe.activations is not None and "--set activations" not in changed and len(names) > 1
+    if inputs and givers and check_schemes(recipe.model_copy(update={"activations": None})) is None:
+        problem += f"; the activations come from {givers[-1]}: give it `activations: null` (--set activations=null)"
+    raise InputError(f"{where or 'recipe'}: {problem}")
 
 
 def resolve_group_size(recipe: Recipe, in_features: dict[str, int]) -> int:

@@ -104,16 +104,21 @@ STACK_LIMIT = 8
 
 def _stack_problem(recipe: "Recipe", stack: tuple[int, ...]) -> str | None:
     """What is wrong with the pair the overrides ``stack`` (indices, in order) give a module they all match: the
-    problem of :func:`check_pair`, and when the module's activations are the recipe's (no override of the stack
-    gives any) and the weights alone are fine, the hint to give the override 16-bit inputs."""
+    problem of :func:`check_pair`, and when the last override inherits the module's activations (the recipe's, or
+    an earlier override's) and the weights alone are fine, the hint to give it 16-bit inputs."""
     overrides = [recipe.overrides[j] for j in stack]
     w, a = resolve(recipe.weights, recipe.activations, overrides)
     problem = check_pair(recipe, w, a)
-    inherited = a is not None and overrides and not any("activations" in ov.model_fields_set for ov in overrides)
+    givers = [j for j, ov in zip(stack, overrides) if "activations" in ov.model_fields_set]
+    inherited = a is not None and overrides and "activations" not in overrides[-1].model_fields_set
     if problem and inherited and check_pair(recipe, w, None) is None:
         who = "the override inherits" if len(stack) == 1 else "the overrides inherit"
-        problem += f"; {who} the recipe's activations: give {'it' if len(stack) == 1 else 'the last'} " \
-                   "`activations: null` (16-bit inputs)"
+        if givers:
+            problem += f"; overrides[{stack[-1]}] inherits overrides[{givers[-1]}]'s activations: give it " \
+                       "`activations: null` (16-bit inputs)"
+        else:
+            problem += f"; {who} the recipe's activations: give {'it' if len(stack) == 1 else 'the last'} " \
+                       "`activations: null` (16-bit inputs)"
     return problem
 
 

@@ -191,8 +191,8 @@ def test_a_rule_across_keys_is_worded_without_a_key_path(tmp_path, capsys, tiny_
     """A recipe rule spanning several keys (GPTQ's range search on the FP4 grid) names no internal ``<root>`` key."""
     code, _, err = kvq_run(["quantize", tiny_model_dir, "-o", tmp_path / "o", "--recipe", "w4a16-mxfp4",
                             "--algorithm", "gptq", "--set", "gptq.clip=true"], capsys)
-    assert_clean_error(code, err, 2, "command-line options: gptq.clip on the MXFP4 grid is not implemented",
-                       tmp_path)
+    assert_clean_error(code, err, 2, "w4a16-mxfp4 with --set gptq.clip, --algorithm: gptq.clip on the MXFP4 grid "
+                                     "is not implemented", tmp_path)
     assert "<root>" not in err
 
 

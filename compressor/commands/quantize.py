@@ -43,7 +43,6 @@ from ..distributed import finished, gather, on_stop, watched
 from ..distributed import setup as setup_distributed
 from ..errors import InputError
 from ..formats import get_format
-from ..kv_schemes import make_spec
 from ..source.gguf_cache import stale_cache_notes, take_cache_notes
 from ..source.open import load_model, meta_skeleton
 from ..source.resolve import ALIASES, float32_bytes, peek_model_type, resolve_source, storage_dtype
@@ -53,8 +52,8 @@ from ..precision import resolve_matmul_precision
 from ..quant.algorithms import get_algorithm
 from ..quant.embedding import add_embedding, check_embedding, embedding_scheme
 from ..quant.head import add_head, check_head, check_untie, head_schemes
-from ..recipe import KVCacheOptions, Recipe, apply_settings, load_recipes, with_overrides
-from ..recipe_schemes import fp4_grid_change, observes_inputs
+from ..recipe import Recipe, effective_recipe
+from ..recipe_schemes import observes_inputs
 from ..signing import check_sign_options, sign_folder
 from ..staging import (
     LayerWriter, input_digests, keep_checkpoint, kept_note, name_kept_checkpoint, open_staging, refuse_if_in_use,
@@ -213,7 +212,7 @@ def _plan(opts: QuantizeOptions, console) -> _Plan:
     refuse_if_in_use(out)  # a second run of the same output: one line, before any work
     if opts.write.sign is not None:
         check_sign_options(opts.write.sign)
-    recipe = _effective_recipe(opts)
+    recipe = effective_recipe(opts.scheme)
     algorithm = get_algorithm(recipe.algorithm)
     flags = {"bits": opts.scheme.bits, "group_size": opts.scheme.group_size, "symmetric": opts.scheme.symmetric,
              "act_order": opts.scheme.act_order}
@@ -293,33 +292,6 @@ def _refuse_output_in_source(source: Path, out: Path, spec: str) -> None:
         raise InputError(f"output folder {out} is (or contains) the source model {spec}; choose another -o")
     if src.is_dir() and src in out.resolve().parents:  # its shards would join the source's (and change its digest)
         raise InputError(f"output folder {out} is inside the source model folder {spec}; choose another -o")
-
-
-def _effective_recipe(opts: QuantizeOptions) -> Recipe:
-    """The recipes combined, then the ``--kv-scheme`` section (so ``--set kv_cache.*`` can
-    refine it), then ``--set``, then the dedicated flags (an explicit flag wins over
-    ``--set`` of the same key)."""
-    s = opts.scheme
-    recipe = named = load_recipes(s.recipes)
-    sets = [("--set weights.group_size", v) for k, v in s.settings or () if k == "weights.group_size"]
-    given, size = ("--group-size", s.group_size) if s.group_size is not None else (sets or [("", None)])[-1]
-    if why := fp4_grid_change(named, size, given):  # before the changed recipe is checked (its message is vaguer)
-        raise InputError(why)
-    if s.kv_scheme is not None:
-        search = make_spec(s.kv_scheme).codec.flag_scale_search
-        recipe = with_overrides(recipe, kv_cache=KVCacheOptions(scheme=s.kv_scheme, scale_search=search).model_dump())
-    if s.settings:
-        if s.kv_scheme is not None and any(k == "kv_cache" and v is None for k, v in s.settings):
-            raise InputError(f"--kv-scheme {s.kv_scheme} and --set kv_cache=null contradict each other; drop one")
-        recipe = apply_settings(recipe, s.settings)
-    final = with_overrides(recipe, **{
-        "algorithm": s.algorithm, "weights.num_bits": s.bits, "weights.group_size": s.group_size,
-        "weights.symmetric": s.symmetric, "gptq.act_order": s.act_order,
-    })
-    if (final.weights.type, final.weights.num_bits) == ("float", 4) and \
-            (why := fp4_grid_change(named, final.weights.group_size)):
-        raise InputError(why)
-    return final
 
 
 # ---------------------------------------------------------------------------------------
