@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from compressor.errors import InputError
 from compressor.formats.compressed_tensors import read_module
-from compressor.formats.ct_int import read_int_module
+from compressor.formats import read_quant_weight
 
 
 def _as_int_quantized(src, dst):
@@ -61,23 +61,23 @@ def test_int_quantized_values_by_hand_and_refusals():
     q = torch.tensor([[-8, 7, 1, -1]], dtype=torch.int8)
     scale = torch.tensor([[0.5, 2.0]])
     zp = torch.tensor([[1, -1]], dtype=torch.int8)
-    w = read_int_module(group, {"weight": q, "weight_scale": scale, "weight_zero_point": zp}, ("", 0))
+    qc = {"config_groups": {"group_0": group}}
+    module = "model.layers.0.mlp.up_proj"
+    w = read_quant_weight("compressed-tensors", qc, module, {"weight": q, "weight_scale": scale, "weight_zero_point": zp})
     assert torch.equal(w.dequantize(torch.float32), torch.tensor([[-4.5, 3.0, 4.0, 0.0]]))
     bad = [({"weight": torch.tensor([[8, 0, 0, 0]], dtype=torch.int8), "weight_scale": scale, "weight_zero_point": zp},
             "outside -8..7"),
            ({"weight": q, "weight_scale": torch.ones(1, 4), "weight_zero_point": zp}, "does not match weight"),
-           ({"weight": q[None], "weight_scale": scale}, "not an int-quantized weight"),
+           ({"weight": q[None], "weight_scale": scale, "weight_zero_point": zp}, "not an int-quantized weight"),
            ({"weight": q, "weight_scale": scale}, "asymmetric weights .* but no weight_zero_point")]
     for t, msg in bad:
         with pytest.raises(InputError, match=msg) as e:
-            read_int_module(group, t, ("", 0))
+            read_quant_weight("compressed-tensors", qc, module, t)
         assert "\n" not in str(e.value)
 
 
 def test_a_packed_asymmetric_module_without_its_zero_point_is_refused(tmp_path, tiny_model_dir):
     """pack-quantized too: a deleted weight_zero_point is not read as 0 (it would shift the whole module)."""
-    from compressor.formats import read_quant_weight
-
     packed = quantize_tiny(tmp_path / "packed", tiny_model_dir, symmetric=False)
     qc = json.loads((packed / "config.json").read_text())["quantization_config"]
     module, t = next(iter(packed_tensors(packed).items()))

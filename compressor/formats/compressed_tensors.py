@@ -48,7 +48,7 @@ from ..quant.primitives import Scheme, qrange
 from .base import (QuantWeight, WeightFormat, act_order, dynamic_act_order, require_leaves, require_zero_point,
                    symmetric_zero)
 from .ct_groups import compact_targets, module_group, order_groups
-from .ct_int import read_int_module
+from .ct_int import int_values
 from .packing import n_words, pack_rows, unpack_signed
 
 
@@ -368,12 +368,10 @@ def input_quantization(qc: dict) -> list[str]:
     return sorted(f"{a} {g}" if a == ACT_SCHEMES[1] else a for a, g in found if a)
 
 
-def _fp8_inputs_only(act):
-    """``act`` (a name, or :func:`activation_scheme`'s pair), or InputError for NVFP4 input_activations on a
-    module whose weights are not NVFP4's."""
-    if (act[0] if isinstance(act, tuple) else act) == NVFP4_ACT:
+def _fp8_inputs_only(act: str) -> None:
+    """Raises InputError for NVFP4 input_activations on a module whose weights are not NVFP4's."""
+    if act == NVFP4_ACT:
         raise InputError("NVFP4 input_activations (W4A4) go with NVFP4 weights (nvfp4-pack-quantized)")
-    return act
 
 
 def read_float_module(qc: dict, module: str, t: dict[str, torch.Tensor]) -> QuantWeight:
@@ -528,21 +526,19 @@ class CompressedTensorsFormat(WeightFormat):
         if "weight_packed" in t and t["weight_packed"].dtype == torch.uint8:  # integers pack into int32
             require_leaves(t, ("weight_packed", "weight_scale"))
             return read_mxfp4_module(qc, module, t)
-        if "weight_packed" not in t and "weight" in t:  # FP8 float-quantized, or int-quantized (int8 values)
+        int8 = "weight_packed" not in t and "weight" in t and t["weight"].dtype == torch.int8  # int-quantized
+        if "weight_packed" not in t and "weight" in t and not int8:  # FP8 float-quantized
             require_leaves(t, ("weight", "weight_scale"))
-            if t["weight"].dtype != torch.int8:
-                return read_float_module(qc, module, t)
-            group = module_group(qc, module)
-            return read_int_module(group, t, _fp8_inputs_only(activation_scheme(group.get("input_activations"))))
-        require_leaves(t, ("weight_packed", "weight_scale", "weight_shape"))
+            return read_float_module(qc, module, t)
+        require_leaves(t, ("weight", "weight_scale") if int8 else ("weight_packed", "weight_scale", "weight_shape"))
         group = module_group(qc, module)
         wargs = group["weights"]
         require_zero_point(wargs, t)
         bits = int(wargs["num_bits"])
-        q, scale, zp = read_module(t, bits)
+        q, scale, zp = int_values(wargs, t) if int8 else read_module(t, bits)
         k = q.shape[1]
-        gs = k if wargs.get("strategy") == "channel" else int(wargs["group_size"])
-        if k % gs or tuple(scale.shape) != (q.shape[0], k // gs):
+        gs = k if wargs.get("strategy") == "channel" else int(wargs.get("group_size") or 0)
+        if gs < 1 or k % gs or tuple(scale.shape) != (q.shape[0], k // gs):
             raise InputError(f"weight_scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)}")
         g_idx = t.get("weight_g_idx")
         act, act_group = activation_scheme(group.get("input_activations"))

@@ -15,35 +15,27 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .base import QuantWeight, require_zero_point, symmetric_zero
 
 
-def read_int_module(group: dict, t: dict[str, torch.Tensor], act: tuple[str, int]) -> QuantWeight:
-    """A module's ``int-quantized`` tensors ``t`` with its config ``group``; ``act``: the group's inputs
-    (:func:`compressor.formats.compressed_tensors.activation_scheme`'s ``(act, act_group)``).
+def int_values(wargs: dict, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(q int8 [out, in], weight_scale, weight_zero_point int8 | None)`` of a module's ``int-quantized`` tensors
+    ``t`` under its config group's ``weights`` args ``wargs``, as
+    :func:`compressor.formats.compressed_tensors.read_module` gives them for ``pack-quantized`` (the reader checks
+    the scale's shape and the zero point's presence for both).
 
     Raises:
-        InputError: a weight that is not 2-D int8, values outside the group's ``num_bits`` range,
-            a scale or zero point of another shape than the group gives, asymmetric weights without a zero point.
+        InputError: a weight that is not 2-D int8 under integer weights, values outside the group's ``num_bits``
+            range, a zero point of another shape than the scale.
     """
-    wargs = group.get("weights") or {}
     q, scale = t["weight"], t["weight_scale"]
     if wargs.get("type") != "int" or q.dtype != torch.int8 or q.ndim != 2:
         raise InputError(f"weight {q.dtype} {tuple(q.shape)} with weights {wargs.get('type')} is not an "
                          "int-quantized weight (2-D int8)")
-    require_zero_point(wargs, t)
     bits = int(wargs["num_bits"])
-    n, k = q.shape
-    gs = k if wargs.get("strategy") == "channel" else int(wargs.get("group_size") or 0)
-    if gs < 1 or k % gs or tuple(scale.shape) != (n, k // gs):
-        raise InputError(f"weight_scale shape {tuple(scale.shape)} does not match weight {(n, k)} in groups of {gs}")
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     if int(q.min()) < lo or int(q.max()) > hi:
         raise InputError(f"int-quantized values outside {lo}..{hi} for {bits}-bit weights")
     zp = t.get("weight_zero_point")
     if zp is not None and tuple(zp.shape) != tuple(scale.shape):
         raise InputError(f"weight_zero_point shape {tuple(zp.shape)} does not match weight_scale {tuple(scale.shape)}")
-    g_idx = t.get("weight_g_idx")
-    act, act_group = act
-    return QuantWeight(q, scale, symmetric_zero(None if zp is None else zp.to(torch.int8)), bits, gs,
-                       None if g_idx is None else g_idx.to(torch.int32), act=act, act_group=act_group)
+    return q, scale, None if zp is None else zp.to(torch.int8)
