@@ -55,7 +55,7 @@ import torch
 from .distributed import alone, broadcast, post, receive, share, wait, world
 from .source.lazy import ROUTED_EXPERT, layer_names
 
-__all__ = ["bounds", "budget_groups", "divides", "solve_costs", "ExpertShare", "GroupMail", "Stash"]
+__all__ = ["bounds", "budget_groups", "divides", "solve_costs", "writer_cost", "ExpertShare", "GroupMail", "Stash"]
 
 
 #: the relative work of a routed expert: solved from its tokens (GPTQ at Kimi K2's width, 7168 x 2048,
@@ -64,18 +64,20 @@ __all__ = ["bounds", "budget_groups", "divides", "solve_costs", "ExpertShare", "
 SOLVED_COST, ROUNDED_COST = 7, 1
 
 
-def bounds(n: int, rank: int, size: int, costs: list[int] | None = None) -> tuple[int, int]:
+def bounds(n: int, rank: int, size: int, costs: list[int] | None = None, first_extra: float = 0.0) -> tuple[int, int]:
     """The experts ``[lo, hi)`` of ``n`` that rank ``rank`` of ``size`` owns: contiguous blocks in
     rank order, sizes differing by at most one; with ``costs`` (each expert's work, the same list
     on every rank) blocks of about equal work instead, each cut where the running sum comes
-    closest to its share of the total, at least one expert a rank."""
+    closest to its share of the total, at least one expert a rank. ``first_extra``: work (in the
+    costs' units) rank 0 does besides its experts' (receiving and writing the other ranks' groups:
+    :func:`writer_cost`), so that its block is that much lighter."""
     if costs is None or n < size:
         return n * rank // size, n * (rank + 1) // size
     total, run, cuts = sum(costs), [0], [0]
     for c in costs:
         run.append(run[-1] + c)
     for r in range(1, size):
-        target = total * r / size
+        target = (total + first_extra) * r / size - first_extra
         cuts.append(min(range(cuts[-1] + 1, n - size + r + 1), key=lambda c: (abs(run[c] - target), c)))
     cuts.append(n)
     return cuts[rank], cuts[rank + 1]
@@ -86,6 +88,18 @@ def bounds(n: int, rank: int, size: int, costs: list[int] | None = None) -> tupl
 #: computed (about 6 s an expert at Kimi K2's width), and one at or above ``moe.min_tokens`` adds its own
 #: ``up -> down`` scale search and its clip searches (about 13 s); py-spy of a 2-rank run, 2026-12-06
 AWQ_SEARCHED_COST, AWQ_ROUNDED_COST = 10, 3
+
+
+#: rank 0's work for each routed expert another rank solves (receiving its packed group and writing it), in
+#: :data:`SOLVED_COST`'s units: two ranks on a 2-core Xeon (no AMX), GPTQ at Kimi K2's width, 64 experts: with
+#: equal blocks rank 1 waited 19.5 s for rank 0 over two MoE layers (py-spy, 2026-12-07), about 0.3 s an expert
+WRITER_COST = 0.5
+
+
+def writer_cost(n: int, size: int, per_expert: float = WRITER_COST) -> float:
+    """Rank 0's extra work in a MoE layer of ``n`` routed experts under ``size`` ranks: ``per_expert``
+    (:data:`WRITER_COST`) for each expert the other ranks own, taken as ``n * (size - 1) / size``."""
+    return per_expert * n * (size - 1) / size if size > 1 else 0.0
 
 
 def solve_costs(n: int, cold: set[int], solved: int = SOLVED_COST, rounded: int = ROUNDED_COST) -> list[int]:
@@ -170,22 +184,24 @@ class ExpertShare:
     """This rank's share of a MoE layer's ``n`` routed experts (:func:`bounds`); the whole
     layer for a single process or a handler that does not divide them (``divided`` False)."""
 
-    def __init__(self, n: int, divided: bool = True, costs: list[int] | None = None):
+    def __init__(self, n: int, divided: bool = True, costs: list[int] | None = None, writer: float = 0.0):
         self.rank, self.size = world() if divided else (0, 1)
         self.n, self.costs = n, costs
-        self.lo, self.hi = bounds(n, self.rank, self.size, costs)
+        self.extra = writer_cost(n, self.size, writer) if costs is not None else 0.0  # rank 0's: bounds' first_extra
+        self.lo, self.hi = bounds(n, self.rank, self.size, costs, self.extra)
 
     @classmethod
-    def of(cls, algorithm, n: int, costs: list[int] | None = None) -> "ExpertShare":
-        """The share for ``algorithm`` in this run (:func:`divides`); ``costs``: see :func:`bounds`."""
-        return cls(n, divides(algorithm), costs)
+    def of(cls, algorithm, n: int, costs: list[int] | None = None, writer: float = 0.0) -> "ExpertShare":
+        """The share for ``algorithm`` in this run (:func:`divides`); ``costs``: see :func:`bounds`; ``writer``:
+        rank 0's work per expert another rank owns, in the costs' units (:func:`writer_cost`)."""
+        return cls(n, divides(algorithm), costs, writer)
 
     def owns(self, e: int) -> bool:
         return self.lo <= e < self.hi
 
     def of_rank(self, r: int) -> range:
         """The experts rank ``r`` owns."""
-        return range(*bounds(self.n, r, self.size, self.costs))
+        return range(*bounds(self.n, r, self.size, self.costs, self.extra))
 
     def groups(self, experts: dict[int, list[str]], sizes: dict[str, int], budget: int) -> tuple[list, list[int]]:
         """``(this rank's experts in groups, how many groups each rank has)``: each rank's experts

@@ -59,7 +59,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from .arch import expert_index, is_expert
-from .moe_ranks import ExpertShare, solve_costs
+from .moe_ranks import WRITER_COST, ExpertShare, solve_costs
 from .quant.layer import LayerOutcome, layer_forward
 from .quant.primitives import abs_max
 
@@ -271,7 +271,8 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
     # blocks of about equal work (AWQ's steps chose theirs after their observe: compressor.moe_stream_awq)
     weighed = share is None and rebalance is not None and not getattr(algorithm, "per_linear", False)
     if share is None:
-        share = ExpertShare.of(algorithm, len(tap.experts), solve_costs(len(tap.experts), cold) if weighed else None)
+        share = ExpertShare.of(algorithm, len(tap.experts), solve_costs(len(tap.experts), cold) if weighed else None,
+                               WRITER_COST)
     if weighed and share.size > 1:
         rebalance(share)
     accs = ((calls, routed, ctx.spill), (ref_calls or [], ref_routed, None),

@@ -410,8 +410,8 @@ def _layer_loop(model, layers, ctx: LayerContext, algorithm: Algorithm, result: 
     start = hooks.start if hooks is not None else 0
     hidden = layer_kwargs = samples = None
     if algorithm.needs_calibration or observer is not None or ctx.input_observer is not None:
-        resumed = hooks is not None and hooks.hidden is not None
-        hidden, layer_kwargs = capture_layer_inputs(model, arch, calib_ids, batch_size, device, kwargs_only=resumed)
+        resumed, ckpt = hooks is not None and hooks.hidden is not None, getattr(hooks, "ckpt", None)
+        hidden, layer_kwargs = capture_layer_inputs(model, arch, calib_ids, batch_size, device, resumed, ckpt)
         if resumed:
             hidden, hooks.hidden = hooks.hidden, None  # taken: the loop's copy is the only one kept
             ctx.float_hidden, hooks.float_hidden = hooks.float_hidden, None  # GPTQ's float target (or None)

@@ -26,7 +26,7 @@ from compressor.commands.quantize import run_quantize
 from compressor.entry import RANKS_ENV, ranks_defaults
 from compressor.errors import InputError
 from compressor.manifest import load_manifest
-from compressor.moe_ranks import AWQ_ROUNDED_COST, AWQ_SEARCHED_COST, Stash, bounds, solve_costs
+from compressor.moe_ranks import AWQ_ROUNDED_COST, AWQ_SEARCHED_COST, Stash, bounds, solve_costs, writer_cost
 from compressor.safetensors_io import read_header
 from compressor.source.lazy import ROUTED_EXPERT
 from compressor.staging import Staging, kept_note
@@ -360,6 +360,21 @@ def test_expert_blocks_weighed_by_their_work():
     assert [bounds(2, r, 3, [5, 5]) for r in range(3)] == [bounds(2, r, 3) for r in range(3)]  # fewer experts
 
 
+def test_expert_blocks_leave_the_writer_lighter():
+    """Rank 0 receives and writes the other ranks' groups: its block is lighter by that work, no more."""
+    from compressor.moe_ranks import WRITER_COST, writer_cost
+
+    costs = [7] * 64
+    extra = writer_cost(64, 2)
+    assert extra == WRITER_COST * 32 and writer_cost(64, 1) == 0.0
+    (a0, a1), (b0, b1) = [bounds(64, r, 2, costs, extra) for r in range(2)]
+    assert a0 == 0 and a1 == b0 and b1 == 64
+    assert abs(sum(costs[a0:a1]) + extra - sum(costs[b0:b1])) <= 7  # equal loads, within one expert
+    assert a1 < 32
+    assert [bounds(64, r, 2, costs, 0.0) for r in range(2)] == [(0, 32), (32, 64)]
+    assert bounds(3, 0, 3, [1, 1, 1], 1000.0) == (0, 1)  # every rank keeps at least one expert
+
+
 def test_a_stash_added_after_the_ranks_before_gives_the_single_process_sum():
     """Rank 1's kept rows added into rank 0's sum equal, bit for bit, the accumulator one process fills
     expert after expert; adding the two ranks' partial sums does not (float addition is not associative)."""
@@ -467,7 +482,8 @@ def test_ranks_own_the_experts_and_write_the_single_process_artifact(model_type,
     owned = {(i, r): {int(m.group(1)) for n in (reads / f"rank{r}.txt").read_text().split()
                       if n.startswith(f"model.layers.{i}.") and (m := ROUTED_EXPERT.search(n))}
              for i in (1, 2) for r in (0, 1)}
-    share = {(i, r): set(range(*bounds(4, r, 2, costs[i]))) for i in (1, 2) for r in (0, 1)}
+    extra = writer_cost(4, 2) if weighed else 0.0  # GPTQ's blocks leave rank 0 its writing (AWQ's: none)
+    share = {(i, r): set(range(*bounds(4, r, 2, costs[i], extra))) for i in (1, 2) for r in (0, 1)}
     for i in (1, 2):
         if case == "awq-gptq":
             lo = min(owned[i, 1])
@@ -500,8 +516,9 @@ def test_three_ranks_with_unequal_shares(model_type, algorithm, moe_rows, tmp_pa
     cold = {m["layer"]: set(m["below_min_tokens"]) for m in load_manifest(tmp_path / "one").quality["moe"]["layers"]}
     costs = {i: solve_costs(4, cold[i], *((AWQ_SEARCHED_COST, AWQ_ROUNDED_COST) if algorithm == "awq" else ()))
              for i in (1, 2)}  # awq-gptq on glm4_moe: every expert cold, by either routing
+    extra = writer_cost(4, 3) if algorithm.startswith(("gptq", "gptaq")) else 0.0  # rank 0 writes: a lighter block
     assert [r["routed_expert_bytes_read"] for r in per_rank] == [
-        sum(n_reads[i] * _expert_bytes(src, (i,), set(range(*bounds(4, r, 3, costs[i])))) for i in (1, 2))
+        sum(n_reads[i] * _expert_bytes(src, (i,), set(range(*bounds(4, r, 3, costs[i], extra)))) for i in (1, 2))
         for r in range(3)]
 
 

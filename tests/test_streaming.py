@@ -79,6 +79,57 @@ def test_embedding_and_head_are_read_again_for_the_write(tmp_path, tokenizer, ti
     assert "model.embed_tokens.weight" in names and ("lm_head.weight" in names) == (not tie)
 
 
+def test_embedding_rows_of_the_calibration_tokens_only(tmp_path, tokenizer, monkeypatch):
+    """A streamed quantize reads only the calibration tokens' rows of an untied embedding before the
+    layers (not the table: Kimi K2's is 4.7 GB of float32 on every rank), and the artifact is the
+    whole-model run's."""
+    import compressor.layer_inputs as li
+    from compressor.source.lazy import LazyCheckpoint
+
+    src = make_model_dir(tmp_path / "m", tokenizer, num_hidden_layers=2, tie_word_embeddings=False)
+    asked, whole_reads, real_rows, real_get = [], [], li.read_rows, LazyCheckpoint.get
+
+    def rows(ckpt, name, index, dtype=torch.float32):
+        asked.append(index.clone())
+        return real_rows(ckpt, name, index, dtype)
+
+    def get(self, name, *a, **k):
+        whole_reads.append((name, bool(asked)))
+        return real_get(self, name, *a, **k)
+
+    monkeypatch.setattr(li, "read_rows", rows)
+    monkeypatch.setattr(LazyCheckpoint, "get", get)
+    run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "s", algorithm="gptq", **FAST))
+    monkeypatch.undo()
+    run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "w", algorithm="gptq", stream=False, **FAST))
+    assert digests(tmp_path / "s") == digests(tmp_path / "w")
+    assert len(asked) == 1 and 0 < asked[0].numel() < 4 * 32 and bool((asked[0].diff() > 0).all())
+    assert ("model.embed_tokens.weight", False) not in whole_reads  # the table: only for the write
+    assert ("model.embed_tokens.weight", True) in whole_reads
+
+
+def test_read_rows(tmp_path):
+    """Rows of a bfloat16 table as float32, each read on its own; NaN rows and ids outside the table refused."""
+    from safetensors.torch import save_file
+
+    from compressor.layer_inputs import read_rows
+    from compressor.source.lazy import LazyCheckpoint
+
+    table = torch.randn(50, 24).to(torch.bfloat16)
+    table[7, 3] = float("nan")
+    save_file({"emb": table, "f8": torch.zeros(4, 4).to(torch.float8_e4m3fn)}, str(tmp_path / "model.safetensors"))
+    ckpt = LazyCheckpoint(tmp_path, block_fp8=None)
+    idx = torch.tensor([0, 3, 4, 49])
+    assert torch.equal(read_rows(ckpt, "emb", idx), table[idx].float())
+    assert ckpt.bytes_read == 4 * 24 * 2
+    with pytest.raises(InputError, match="NaN or Inf"):
+        read_rows(ckpt, "emb", torch.tensor([7]))
+    with pytest.raises(InputError, match="token id 50 is outside emb"):
+        read_rows(ckpt, "emb", torch.tensor([1, 50]))
+    with pytest.raises(InputError, match="no block scale"):  # not a plain float table: read whole, as before
+        read_rows(ckpt, "f8", torch.tensor([1]))
+
+
 def test_moe_source_is_streamed(tmp_path, tokenizer):
     src = make_dir(tmp_path / "moe", tokenizer, "qwen3_moe")
     a = run_quantize(QuantizeOptions(model=str(src), output=tmp_path / "s", algorithm="gptq", **FAST))

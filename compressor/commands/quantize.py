@@ -311,7 +311,8 @@ def _load(plan: _Plan, opts: QuantizeOptions, console, world_size: int) -> _Sour
     show.warnings(console, early, "note")  # a warning in the run's summary
     model, ckpt, loading = None, None, "whole model (--no-stream)"
     if opts.execution.stream:
-        lazy = open_lazy(source, defer_head=True, convert_gguf=True)  # a new GGUF: converted once, then streamed
+        # a new GGUF: converted once, then streamed; the embedding: only the calibration tokens' rows are read
+        lazy = open_lazy(source, defer_head=True, convert_gguf=True, defer_embedding=True)
         if lazy[0] is not None:
             (model, tokenizer, ckpt), loading = lazy, "streamed: one decoder layer at a time"
         else:

@@ -275,7 +275,8 @@ def _real_buffers(model, dtype: torch.dtype) -> str | None:
 
 
 def open_folder(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None,
-                ckpt: LazyCheckpoint | None = None, defer_head: bool = False, outer: bool = True):
+                ckpt: LazyCheckpoint | None = None, defer_head: bool = False, outer: bool = True,
+                defer_embedding: bool = False):
     """Build ``(model, tokenizer, checkpoint)`` from a Hugging Face folder (``source.kind == "hf"``)
     with decoder layers on ``meta`` and the rest loaded: what :func:`compressor.source.open.open_lazy`
     (the entry point, which also takes a GGUF file through kvq's cache) returns.
@@ -292,7 +293,9 @@ def open_folder(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str |
     :func:`kept_tensor_names`. ``ckpt`` replaces the folder's default reader (e.g. one that
     dequantizes packed linears: :class:`compressor.commands.kv_only.PackedCheckpoint`).
     ``defer_head``: leave an untied ``lm_head`` on ``meta`` (nothing before the write needs
-    it; :func:`outer_names` / :func:`load_into` read it then). ``outer`` False: read nothing, every
+    it; :func:`outer_names` / :func:`load_into` read it then); ``defer_embedding`` the same for an
+    untied embedding (the calibration reads only its tokens' rows:
+    :func:`compressor.layer_inputs.read_rows`). ``outer`` False: read nothing, every
     tensor stays on ``meta`` (a data-free worker, :mod:`compressor.data_free`, reads decoder layers only).
 
     Returns:
@@ -321,7 +324,8 @@ def open_folder(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str |
         return None, f"tensor {checkpoint_name(arch, missing[0])} is not stored under that name in the source shards"
     prefix = arch.layers + "."
     for n in names if outer else []:
-        if not n.startswith(prefix) and not (defer_head and n == f"{arch.lm_head}.weight"):
+        if not n.startswith(prefix) and not (defer_head and n == f"{arch.lm_head}.weight") and not (
+                defer_embedding and not tied and n == f"{arch.embed_tokens}.weight"):
             _load_one(model, ckpt, arch, n, dtype)
     if tied:
         model.tie_weights()

@@ -22,14 +22,15 @@ from .resolve import ModelSource, _block_fp8, check_buildable, load_config, regi
 
 def open_lazy(source: ModelSource, dtype: torch.dtype = torch.float32, tokenizer_dir: str | Path | None = None,
               ckpt: LazyCheckpoint | None = None, defer_head: bool = False, convert_gguf: bool = False,
-              outer: bool = True):
+              outer: bool = True, defer_embedding: bool = False):
     """Build ``(model, tokenizer, checkpoint)`` with decoder layers on ``meta`` and the rest loaded
     (:func:`compressor.source.lazy.open_folder` says what is read and how).
 
     A GGUF file streams from kvq's cache once converted. ``convert_gguf``: a GGUF file not in
     the cache yet is converted whole once (:func:`load_model` stores it there), released, and
     streamed from the cache (when the cache folder is writable; otherwise ``(None, reason)`` as
-    without it). ``outer`` False: the tensors outside the decoder layers stay on ``meta`` too.
+    without it). ``outer`` False: the tensors outside the decoder layers stay on ``meta`` too;
+    ``defer_head`` / ``defer_embedding``: an untied head / embedding does (``open_folder``).
 
     Returns:
         ``(model, tokenizer, checkpoint)``, or ``(None, reason)`` when the source cannot be
@@ -54,7 +55,7 @@ def open_lazy(source: ModelSource, dtype: torch.dtype = torch.float32, tokenizer
         source = ModelSource(source.spec, "hf", cached)
     elif source.kind != "hf":
         return None, f"{source.kind} sources are loaded whole"
-    return open_folder(source, dtype, tokenizer_dir, ckpt, defer_head, outer)
+    return open_folder(source, dtype, tokenizer_dir, ckpt, defer_head, outer, defer_embedding)
 
 
 def meta_skeleton(source: ModelSource):
