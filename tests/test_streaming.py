@@ -79,14 +79,15 @@ def test_embedding_and_head_are_read_again_for_the_write(tmp_path, tokenizer, ti
     assert "model.embed_tokens.weight" in names and ("lm_head.weight" in names) == (not tie)
 
 
-def test_embedding_rows_of_the_calibration_tokens_only(tmp_path, tokenizer, monkeypatch):
-    """A streamed quantize reads only the calibration tokens' rows of an untied embedding before the
-    layers (not the table: Kimi K2's is 4.7 GB of float32 on every rank), and the artifact is the
-    whole-model run's."""
+@pytest.mark.parametrize("tie", [False, True])
+def test_embedding_rows_of_the_calibration_tokens_only(tmp_path, tokenizer, monkeypatch, tie):
+    """A streamed quantize reads only the calibration tokens' rows of the embedding (tied to the head
+    or not) before the layers (not the table: Kimi K2's is 4.7 GB of float32 on every rank), and the
+    artifact is the whole-model run's."""
     import compressor.layer_inputs as li
     from compressor.source.lazy import LazyCheckpoint
 
-    src = make_model_dir(tmp_path / "m", tokenizer, num_hidden_layers=2, tie_word_embeddings=False)
+    src = make_model_dir(tmp_path / "m", tokenizer, num_hidden_layers=2, tie_word_embeddings=tie)
     asked, whole_reads, real_rows, real_get = [], [], li.read_rows, LazyCheckpoint.get
 
     def rows(ckpt, name, index, dtype=torch.float32):

@@ -293,8 +293,8 @@ def open_folder(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str |
     :func:`kept_tensor_names`. ``ckpt`` replaces the folder's default reader (e.g. one that
     dequantizes packed linears: :class:`compressor.commands.kv_only.PackedCheckpoint`).
     ``defer_head``: leave an untied ``lm_head`` on ``meta`` (nothing before the write needs
-    it; :func:`outer_names` / :func:`load_into` read it then); ``defer_embedding`` the same for an
-    untied embedding (the calibration reads only its tokens' rows:
+    it; :func:`outer_names` / :func:`load_into` read it then); ``defer_embedding`` the same for the
+    embedding, and a head tied to it (the calibration reads only its tokens' rows:
     :func:`compressor.layer_inputs.read_rows`). ``outer`` False: read nothing, every
     tensor stays on ``meta`` (a data-free worker, :mod:`compressor.data_free`, reads decoder layers only).
 
@@ -325,7 +325,7 @@ def open_folder(source, dtype: torch.dtype = torch.float32, tokenizer_dir: str |
     prefix = arch.layers + "."
     for n in names if outer else []:
         if not n.startswith(prefix) and not (defer_head and n == f"{arch.lm_head}.weight") and not (
-                defer_embedding and not tied and n == f"{arch.embed_tokens}.weight"):
+                defer_embedding and n == f"{arch.embed_tokens}.weight"):
             _load_one(model, ckpt, arch, n, dtype)
     if tied:
         model.tie_weights()
