@@ -58,10 +58,12 @@ from .source.lazy import ROUTED_EXPERT, layer_names
 __all__ = ["bounds", "budget_groups", "divides", "solve_costs", "writer_cost", "ExpertShare", "GroupMail", "Stash"]
 
 
-#: the relative work of a routed expert: solved from its tokens (GPTQ at Kimi K2's width, 7168 x 2048,
-#: one thread on a 2-core AMD EPYC: about 10 s, and 0.5 s to read it from block-FP8) against one below
-#: ``moe.min_tokens`` (rounded: about 1 s, and the read); measured by py-spy, 2026-12-06
-SOLVED_COST, ROUNDED_COST = 7, 1
+#: the relative work of a routed expert: solved from its tokens (GPTQ at Kimi K2's width, 7168 x 2048, one
+#: thread: about 10.5 s with its read from block-FP8 and its Hessian's share of the pass) against one below
+#: ``moe.min_tokens`` (rounded: about 0.5 s, mostly the read); py-spy of one process on a 2-core Xeon (no AMX),
+#: 2026-12-07 (7 : 1 before, from a 2-core AMD EPYC, cut the blocks one solved expert off the best in one of
+#: two MoE layers, and the other rank waited 19.5 s)
+SOLVED_COST, ROUNDED_COST = 21, 1
 
 
 def bounds(n: int, rank: int, size: int, costs: list[int] | None = None, first_extra: float = 0.0) -> tuple[int, int]:
@@ -90,10 +92,10 @@ def bounds(n: int, rank: int, size: int, costs: list[int] | None = None, first_e
 AWQ_SEARCHED_COST, AWQ_ROUNDED_COST = 10, 3
 
 
-#: rank 0's work for each routed expert another rank solves (receiving its packed group and writing it), in
-#: :data:`SOLVED_COST`'s units: two ranks on a 2-core Xeon (no AMX), GPTQ at Kimi K2's width, 64 experts: with
-#: equal blocks rank 1 waited 19.5 s for rank 0 over two MoE layers (py-spy, 2026-12-07), about 0.3 s an expert
-WRITER_COST = 0.5
+#: rank 0's work for each routed expert another rank owns (receiving its packed group and writing it), in
+#: :data:`SOLVED_COST`'s units: about 0.2 s an expert, from rank 0's receives and writes in py-spy of two ranks
+#: on a 2-core Xeon (no AMX), GPTQ at Kimi K2's width, 64 experts, 2026-12-07
+WRITER_COST = 0.4
 
 
 def writer_cost(n: int, size: int, per_expert: float = WRITER_COST) -> float:

@@ -14,8 +14,9 @@ model loads, as are NVFP4 activations (W4A4) on routed experts that would be rea
 What the plan counts (:func:`estimate`), per phase, besides the process's own
 :data:`compressor.streamed_eval.BASELINE_BYTES`:
 
-- *capture*: the embedding in float32 (layer 0's inputs are made from it; an untied head is read
-  only at the end) and the calibration activations;
+- *capture*: the rows of the embedding the calibration tokens use, in float32 (at most one a token:
+  layer 0's inputs are made from them, :func:`compressor.layer_inputs.compact_embedding`; the table and
+  the head are read only at the end) and the calibration activations;
 - *each decoder layer*: its weights held (the layer whole, or its non-expert part and one group of
   experts), the calibration activations (a layer's inputs and outputs, two copies, or one copy
   when they are spilled to memory-mapped files: :func:`compressor.activations.plan_activations`;
@@ -119,7 +120,7 @@ class QuantizeMemory:
     """A streamed quantize's peak, phase by phase, in bytes (module docstring)."""
 
     layer: LayerHold  #: the decoder layer whose phase holds the most
-    capture: int  #: the embedding in float32, read at the start (layer 0's inputs are made from it)
+    capture: int  #: the calibration tokens' embedding rows in float32 (layer 0's inputs are made from them)
     end: int  #: the tensors outside the layers written at the end
     activations: int  #: calibration activations held in memory (and the token ids)
     budget: int  #: --memory-budget-gib in bytes
@@ -138,7 +139,7 @@ class QuantizeMemory:
         phases = {"layer": self.layer.total, "capture": self.capture, "end": self.end}
         top = max(phases, key=phases.get)
         parts = {"layer": self.layer.describe(),
-                 "capture": f"the embedding in float32 {_gib(self.capture)}, read at the start",
+                 "capture": f"the calibration tokens' embedding rows in float32 {_gib(self.capture)}, at the start",
                  "end": f"the embedding and head {_gib(self.end)} for the artifact's last part, at the end"}
         said = [parts[top]]
         if self.conversion and self.conversion > self.activations + phases[top]:
@@ -284,7 +285,8 @@ def estimate(skeleton, arch, recipe, calib_shape: tuple[int, int] | None, spille
     if recipe.head is not None:
         end += emb * HELD_BYTES_PER_WEIGHT + (HESSIAN_BYTES * hidden * hidden if gptq else 0)
     undivided = [h.index for h in holds if h.per_group is None and h.weights > budget]
-    return QuantizeMemory(max(holds, key=lambda h: h.total), emb * 4, end, activations, budget, memory_budget_gib,
+    rows = min(emb, samples * seqlen * hidden)  # the calibration tokens' rows (layer_inputs.compact_embedding)
+    return QuantizeMemory(max(holds, key=lambda h: h.total), rows * 4, end, activations, budget, memory_budget_gib,
                           undivided,
                           max(grouped, key=lambda h: h.total) if grouped else None)
 
