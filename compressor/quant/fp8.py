@@ -72,6 +72,16 @@ def expand_blocks(t: torch.Tensor, rows: int, cols: int, shape: tuple[int, int])
     return t.repeat_interleave(rows, dim=0)[:n].repeat_interleave(cols, dim=1)[:, :k]
 
 
+def _per_block(x: torch.Tensor, t: torch.Tensor, rows: int, cols: int, op) -> torch.Tensor:
+    """``op(x, t repeated to x's rows x cols blocks)`` for ``x [N, K]`` and ``t`` per block: by broadcasting where
+    the blocks tile ``x`` (no ``[N, K]`` copy of ``t``; the same values, element by element), else through
+    :func:`expand_blocks`."""
+    n, k = x.shape
+    if n % rows == 0 and k % cols == 0:
+        return op(x.view(n // rows, rows, k // cols, cols), t.view(n // rows, 1, k // cols, 1)).view(n, k)
+    return op(x, expand_blocks(t, rows, cols, (n, k)))
+
+
 def block_shape(rows: int, group_size: int, shape: tuple[int, int]) -> tuple[int, int]:
     """``(rows, cols)`` of one scale block of a ``[N, K]`` weight: ``group_size -1`` is the whole row."""
     return rows, shape[1] if group_size in (-1, 0, None) else group_size
@@ -103,7 +113,7 @@ def quantize_weight(w: torch.Tensor, group_size: int, rows: int = 1,
         scale = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
     else:
         scale = clip.float()
-    q = cast_fp8(wf / expand_blocks(scale, r, c, tuple(w.shape)))
+    q = _per_block(wf, scale, r, c, torch.div).clamp_(-FP8_MAX, FP8_MAX).to(FP8)  # cast_fp8, in place
     return q, scale
 
 
@@ -113,7 +123,7 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, group_size: int, row
     """``q * scale`` per block (inverse of :func:`quantize_weight`), float ``[N, K]`` in ``dtype``
     (computed in float32: an exact product of an e4m3 value and a float32 scale)."""
     r, c = block_shape(rows, group_size, tuple(q.shape))
-    return (q.float() * expand_blocks(scale.float(), r, c, tuple(q.shape))).to(dtype)
+    return _per_block(q.float(), scale.float(), r, c, torch.mul).to(dtype)
 
 
 @torch.no_grad()
