@@ -156,6 +156,7 @@ def read_rows(ckpt, name: str, index: torch.Tensor, dtype: torch.dtype = torch.f
     Raises:
         InputError: a row holds NaN or Inf, an index outside the table (named), a truncated shard.
     """
+    from .quant.inplace_linalg import all_finite
     from .source.lazy import _DTYPES
 
     shard, e = getattr(ckpt, "where", {}).get(name, (None, None))
@@ -175,6 +176,6 @@ def read_rows(ckpt, name: str, index: torch.Tensor, dtype: torch.dtype = torch.f
                     raise InputError(f"{shard}: truncated while reading {name}")
         ckpt.bytes_read += raw.numel()
         out = raw.view(stored).reshape(index.numel(), width).to(dtype)
-    if out.is_floating_point() and not bool(torch.isfinite(out).all()):
+    if out.is_floating_point() and not all_finite(out):
         raise InputError(f"source model tensor {name} contains NaN or Inf; refusing to quantize")
     return out
