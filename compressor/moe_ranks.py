@@ -7,8 +7,8 @@ grows with the model -- the routed experts' weights, their Hessians, their solve
 divided: rank ``r`` of ``W`` owns a contiguous block of experts (:func:`bounds`: ``[n r / W, n (r + 1) / W)``,
 or, where the routing is known before the first expert is read -- GPTQ and GPTAQ, AWQ and ``awq-gptq``
 after their observe -- blocks of about equal work, the experts below ``moe.min_tokens`` costing a
-fraction of the others: :func:`solve_costs`) of every streamed MoE layer and alone reads them from the source (in groups
-within ``--memory-budget-gib``), calibrates, solves and packs them
+fraction of the others: :func:`expert_costs`, :func:`solve_costs`) of every streamed MoE layer and alone reads them
+from the source (in groups within ``--memory-budget-gib``), calibrates, solves and packs them
 (:meth:`compressor.quant.algorithms.Algorithm.quantize_expert`, inside
 :func:`compressor.distributed.alone`: no collective). It applies to handlers with
 ``experts_per_rank`` (GPTQ, GPTAQ, RTN, float weights, AWQ, ``awq-gptq``) on a streamed source,
@@ -44,6 +44,14 @@ file system is needed between machines, and the resume checkpoint stays rank 0's
 (``--resume`` with any number of ranks).
 Per-expert figures (errors, damping, the largest activation) reach every rank in expert
 order (:meth:`ExpertShare.merge`).
+
+Lent experts (GPTQ and GPTAQ). One solved expert is about 11 s at Kimi K2's width and a rounded one
+under 1 s, so contiguous blocks end up to a solved expert apart. Cut with rank 0's block at or below
+its share, a heavier later rank lends experts of its block (:func:`lend`) to the lightest rank, which
+reads, solves and packs them as its own and sends their weighted rows back to the block's owner at
+the layer's end (:meth:`ExpertShare.combine`); the owner adds them among its own in expert order, so
+the routed output is still one process's, bit for bit. Rank 0 never lends: it adds its block
+straight into the accumulators.
 """
 
 from __future__ import annotations
@@ -55,58 +63,89 @@ import torch
 from .distributed import alone, broadcast, post, receive, share, wait, world
 from .source.lazy import ROUTED_EXPERT, layer_names
 
-__all__ = ["bounds", "budget_groups", "divides", "solve_costs", "writer_cost", "ExpertShare", "GroupMail", "Stash"]
+__all__ = ["bounds", "budget_groups", "divides", "expert_costs", "lend", "solve_costs", "ExpertShare", "GroupMail",
+           "Sink", "Stash"]
 
 
-#: the relative work of a routed expert: solved from its tokens (GPTQ at Kimi K2's width, 7168 x 2048, one
-#: thread: about 10.5 s with its read from block-FP8 and its Hessian's share of the pass) against one below
-#: ``moe.min_tokens`` (rounded: about 0.5 s, mostly the read); py-spy of one process on a 2-core Xeon (no AMX),
-#: 2026-12-07 (7 : 1 before, from a 2-core AMD EPYC, cut the blocks one solved expert off the best in one of
-#: two MoE layers, and the other rank waited 19.5 s)
-SOLVED_COST, ROUNDED_COST = 21, 1
+#: the work of a routed expert under GPTQ/GPTAQ on the rank that owns it, in seconds (Kimi K2's width, 7168 x
+#: 2048, one thread, both cores busy): ``READ_SECONDS`` every expert (its read from block-FP8, its pack, its
+#: write or post), ``TOKEN_SECONDS`` per routed (token, slot) pair (its rows of the routed output), and either
+#: ``ROUNDED_SECONDS`` (below ``moe.min_tokens``: RTN) or ``SOLVED_SECONDS`` plus ``SOLVED_TOKEN_SECONDS`` per
+#: pair (the Hessian's forward); fitted to py-spy of both ranks of a 2-rank run on a 2-core Xeon (no AMX),
+#: 2026-12-08: contiguous blocks cut on a count of solved and rounded experts left rank 0 waiting 28.8 s
+#: for rank 1 over two MoE layers, which this model predicts (24.6 s) from the layers' routed counts
+READ_SECONDS, TOKEN_SECONDS, ROUNDED_SECONDS, SOLVED_SECONDS, SOLVED_TOKEN_SECONDS = 0.4, 0.001, 0.27, 11.4, 0.0024
 
 
-def bounds(n: int, rank: int, size: int, costs: list[int] | None = None, first_extra: float = 0.0) -> tuple[int, int]:
+def bounds(n: int, rank: int, size: int, costs: list[float] | None = None, below: bool = False) -> tuple[int, int]:
     """The experts ``[lo, hi)`` of ``n`` that rank ``rank`` of ``size`` owns: contiguous blocks in
     rank order, sizes differing by at most one; with ``costs`` (each expert's work, the same list
     on every rank) blocks of about equal work instead, each cut where the running sum comes
-    closest to its share of the total, at least one expert a rank. ``first_extra``: work (in the
-    costs' units) rank 0 does besides its experts' (receiving and writing the other ranks' groups:
-    :func:`writer_cost`), so that its block is that much lighter."""
+    closest to its share of the total (with ``below``: the last cut at or below it, so that
+    rank 0's block is never above its share: :func:`lend` evens out the rest), at least one
+    expert a rank."""
     if costs is None or n < size:
         return n * rank // size, n * (rank + 1) // size
-    total, run, cuts = sum(costs), [0], [0]
+    total, run, cuts = sum(costs), [0.0], [0]
     for c in costs:
         run.append(run[-1] + c)
     for r in range(1, size):
-        target = (total + first_extra) * r / size - first_extra
-        cuts.append(min(range(cuts[-1] + 1, n - size + r + 1), key=lambda c: (abs(run[c] - target), c)))
+        target, allowed = total * r / size, range(cuts[-1] + 1, n - size + r + 1)
+        if below:
+            cuts.append(max([c for c in allowed if run[c] <= target * (1 + 1e-12)], default=allowed[0]))
+        else:
+            cuts.append(min(allowed, key=lambda c: (abs(run[c] - target), c)))
     cuts.append(n)
     return cuts[rank], cuts[rank + 1]
 
 
-#: the same for AWQ and ``awq-gptq`` (``compressor.moe_stream_awq``: split once the observe has routed the tokens):
+def lend(costs: list[float], blocks: list[int], size: int) -> list[int]:
+    """Which rank solves each expert, from ``blocks`` (each expert's block owner, :func:`bounds` with
+    ``below``) and ``costs``: while it lowers the larger of the two loads, the heaviest rank other than
+    rank 0 that can (an expert of its block costing less than the difference) lends one to the lightest
+    rank (the one whose cost comes closest to half their difference, from below if one does; the highest
+    index on a tie). The borrower solves and packs it and sends its rows of the routed output back to
+    the block's owner, which adds them in expert order
+    (:meth:`ExpertShare.combine`): contiguous blocks keep the one-process order of that sum, and
+    lending evens out what one solved expert's granularity leaves (about 11 s here). Rank 0, which
+    adds its block straight into the accumulators, never lends. The same on every rank."""
+    solver, load = list(blocks), [0.0] * size
+    for e, c in enumerate(costs):
+        load[blocks[e]] += c
+    for _ in range(len(costs)):
+        lo = min(range(size), key=lambda r: (load[r], r))
+        for h in sorted(range(1, size), key=lambda r: (-load[r], r)):
+            gap = load[h] - load[lo]
+            movable = [e for e in range(len(costs)) if solver[e] == h and blocks[e] == h and 0 < costs[e] < gap]
+            if movable:
+                e = min(movable, key=lambda e: (costs[e] > gap / 2, abs(costs[e] - gap / 2), -e))
+                solver[e] = lo
+                load[h] -= costs[e]
+                load[lo] += costs[e]
+                break
+        else:
+            break
+    return solver
+
+
+def expert_costs(counts: list[int], cold: set[int]) -> list[float]:
+    """Each routed expert's expected work (seconds, :data:`READ_SECONDS` ...) from its routed (token,
+    slot) ``counts`` and whether it is ``cold`` (below ``moe.min_tokens``: rounded, not solved)."""
+    return [READ_SECONDS + TOKEN_SECONDS * t + (ROUNDED_SECONDS if e in cold else SOLVED_SECONDS
+                                                + SOLVED_TOKEN_SECONDS * t) for e, t in enumerate(counts)]
+
+
+#: the relative work of a routed expert under AWQ and ``awq-gptq`` (``compressor.moe_stream_awq``: split once the
+#: observe has routed the tokens; contiguous blocks, nothing lent):
 #: every expert's gate/up is fake-quantized for each grid candidate and its rows of each candidate's routed part
 #: computed (about 6 s an expert at Kimi K2's width), and one at or above ``moe.min_tokens`` adds its own
 #: ``up -> down`` scale search and its clip searches (about 13 s); py-spy of a 2-rank run, 2026-12-06
 AWQ_SEARCHED_COST, AWQ_ROUNDED_COST = 10, 3
 
 
-#: rank 0's work for each routed expert another rank owns (receiving its packed group and writing it), in
-#: :data:`SOLVED_COST`'s units: about 0.2 s an expert, from rank 0's receives and writes in py-spy of two ranks
-#: on a 2-core Xeon (no AMX), GPTQ at Kimi K2's width, 64 experts, 2026-12-07
-WRITER_COST = 0.4
-
-
-def writer_cost(n: int, size: int, per_expert: float = WRITER_COST) -> float:
-    """Rank 0's extra work in a MoE layer of ``n`` routed experts under ``size`` ranks: ``per_expert``
-    (:data:`WRITER_COST`) for each expert the other ranks own, taken as ``n * (size - 1) / size``."""
-    return per_expert * n * (size - 1) / size if size > 1 else 0.0
-
-
-def solve_costs(n: int, cold: set[int], solved: int = SOLVED_COST, rounded: int = ROUNDED_COST) -> list[int]:
-    """Each of ``n`` experts' relative work: ``solved`` (:data:`SOLVED_COST`), ``rounded``
-    (:data:`ROUNDED_COST`) for the ``cold`` ones."""
+def solve_costs(n: int, cold: set[int], solved: int = AWQ_SEARCHED_COST, rounded: int = AWQ_ROUNDED_COST) -> list[int]:
+    """Each of ``n`` experts' relative work under AWQ: ``solved`` (:data:`AWQ_SEARCHED_COST`), ``rounded``
+    (:data:`AWQ_ROUNDED_COST`) for the ``cold`` ones."""
     return [rounded if e in cold else solved for e in range(n)]
 
 
@@ -163,53 +202,82 @@ def expert_groups(model, arch, i: int, limit: int, bytes_per_weight: int) -> lis
 class Stash:
     """Stands in, on a rank after the first, for one batch's routed-output accumulator ``[N, H]``
     in :func:`compressor.moe_stream.add_expert`: each ``index_add_(0, index, rows)`` call (one
-    expert's weighted rows, experts in ascending order) is kept, ``rows`` copied into
-    :attr:`rows` ``[pairs, H]`` (its expected pairs, preallocated), for :meth:`fold_into`."""
+    expert's weighted rows) is kept, ``rows`` copied into :attr:`rows` ``[pairs, H]`` (its expected
+    pairs, preallocated), with the expert :attr:`expert` names (set by :meth:`ExpertShare.target`),
+    for :meth:`fold_into`; rows another rank computed for an expert of its block arrive by
+    :meth:`insert`."""
 
     def __init__(self, rows: torch.Tensor):
-        self.rows, self.dtype, self._at = rows, rows.dtype, 0
-        self._adds: list[tuple[torch.Tensor, int, int]] = []
+        self.rows, self.dtype, self._at, self.expert = rows, rows.dtype, 0, -1
+        self._adds: list[tuple[int, torch.Tensor, int, int]] = []
 
     def index_add_(self, dim: int, index: torch.Tensor, source: torch.Tensor) -> None:
+        self.insert(self.expert, index, source)
+
+    def insert(self, e: int, index: torch.Tensor, source: torch.Tensor) -> None:
+        """Keep expert ``e``'s rows ``source [n, H]`` for the tokens ``index [n]``."""
         n = index.numel()
         self.rows[self._at:self._at + n].copy_(source)
-        self._adds.append((index, self._at, n))
+        self._adds.append((e, index, self._at, n))
         self._at += n
 
+    def kept(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(expert, index, rows)`` of every call kept, in the order made (rows: views of :attr:`rows`)."""
+        return [(e, index, self.rows[at:at + n]) for e, index, at, n in self._adds]
+
     def fold_into(self, out: torch.Tensor) -> None:
-        """Add the kept rows into ``out`` as the calls would have: same order, same operation."""
-        for index, at, n in self._adds:
+        """Add the kept rows into ``out`` as the calls would have, in ascending expert order (a
+        stable sort: an expert's calls in the order made): the same operations as one process."""
+        for _e, index, at, n in sorted(self._adds, key=lambda a: a[0]):
             out.index_add_(0, index, self.rows[at:at + n])
 
 
+class Sink(list):
+    """What a rank adds its experts' weighted outputs into for one accumulator (:meth:`ExpertShare.sink`):
+    itself a list, one target per batch for the experts of the rank's block (rank 0: the
+    accumulators themselves; a later rank: a :class:`Stash` each); :attr:`lent` one :class:`Stash` per
+    batch for the experts it solves for another rank (:func:`lend`; empty when it borrows none)."""
+
+    def __init__(self, own: list, lent: list):
+        super().__init__(own)
+        self.lent = lent
+
+
 class ExpertShare:
-    """This rank's share of a MoE layer's ``n`` routed experts (:func:`bounds`); the whole
+    """This rank's share of a MoE layer's ``n`` routed experts: a contiguous block (:func:`bounds`) whose
+    routed output it adds, and the experts it reads, solves and packs (:attr:`solver`: its block, or with
+    ``lending`` that block less the experts it lends plus those it borrows: :func:`lend`); the whole
     layer for a single process or a handler that does not divide them (``divided`` False)."""
 
-    def __init__(self, n: int, divided: bool = True, costs: list[int] | None = None, writer: float = 0.0):
+    def __init__(self, n: int, divided: bool = True, costs: list[float] | None = None, lending: bool = False):
         self.rank, self.size = world() if divided else (0, 1)
         self.n, self.costs = n, costs
-        self.extra = writer_cost(n, self.size, writer) if costs is not None else 0.0  # rank 0's: bounds' first_extra
-        self.lo, self.hi = bounds(n, self.rank, self.size, costs, self.extra)
+        lending = lending and costs is not None and self.size > 1
+        cuts = [bounds(n, r, self.size, costs, lending) for r in range(self.size)]
+        self.blocks = [r for r, (lo, hi) in enumerate(cuts) for _ in range(lo, hi)]  # each expert's block owner
+        self.lo, self.hi = cuts[self.rank]
+        self.solver = lend(costs, self.blocks, self.size) if lending else self.blocks  # each expert's solver
+        self.lending = self.solver != self.blocks
 
     @classmethod
-    def of(cls, algorithm, n: int, costs: list[int] | None = None, writer: float = 0.0) -> "ExpertShare":
-        """The share for ``algorithm`` in this run (:func:`divides`); ``costs``: see :func:`bounds`; ``writer``:
-        rank 0's work per expert another rank owns, in the costs' units (:func:`writer_cost`)."""
-        return cls(n, divides(algorithm), costs, writer)
+    def of(cls, algorithm, n: int, costs: list[float] | None = None, lending: bool = False) -> "ExpertShare":
+        """The share for ``algorithm`` in this run (:func:`divides`); ``costs``: see :func:`bounds`; ``lending``:
+        see :func:`lend`."""
+        return cls(n, divides(algorithm), costs, lending)
 
     def owns(self, e: int) -> bool:
-        return self.lo <= e < self.hi
+        """Whether this rank reads, solves and packs expert ``e``."""
+        return self.solver[e] == self.rank
 
-    def of_rank(self, r: int) -> range:
-        """The experts rank ``r`` owns."""
-        return range(*bounds(self.n, r, self.size, self.costs, self.extra))
+    def of_rank(self, r: int) -> list[int]:
+        """The experts rank ``r`` reads, solves and packs, ascending."""
+        return [e for e in range(self.n) if self.solver[e] == r]
 
     def groups(self, experts: dict[int, list[str]], sizes: dict[str, int], budget: int) -> tuple[list, list[int]]:
         """``(this rank's experts in groups, how many groups each rank has)``: each rank's experts
         (``experts``: index -> tensor names; ``sizes``: name -> bytes held), in index order, in groups
         of at most ``budget`` bytes (at least one expert each)."""
-        by_rank = [budget_groups([experts[e] for e in sorted(experts) if e in self.of_rank(r)], sizes, budget)
+        by_rank = [budget_groups([experts[e] for e in self.of_rank(r) if e in experts], sizes, budget)
                    for r in range(self.size)]
         return by_rank[self.rank], [len(g) for g in by_rank]
 
@@ -217,26 +285,48 @@ class ExpertShare:
         """Around an owned expert's step: no collective inside (:func:`compressor.distributed.alone`)."""
         return alone() if self.size > 1 else nullcontext()
 
-    def sink(self, calls: list, outs: list[torch.Tensor], spill=None, tag: str = "") -> list:
+    def sink(self, calls: list, outs: list[torch.Tensor], spill=None, tag: str = "") -> Sink:
         """Where this rank adds its experts' weighted outputs for ``calls`` (``(x [N, H], top_k_index
         [N, k], top_k_weights)`` per batch): ``outs`` itself on the first rank, else a :class:`Stash`
-        per batch sized for the batch's (token, slot) pairs routed to this rank's experts
-        (through ``spill``, tagged ``tag``, when given)."""
-        if self.rank == 0:
-            return outs
-        rows = [torch.zeros(int(((idx >= self.lo) & (idx < self.hi)).sum()), x.shape[-1], dtype=o.dtype,
-                            device=o.device) for (x, idx, _), o in zip(calls, outs)]
-        if spill is not None and rows:
-            rows = spill(rows, f"moe-stash-{tag}")
-        return [Stash(r) for r in rows]
+        per batch sized for the batch's (token, slot) pairs routed to this rank's block; and for the
+        experts it borrows (:func:`lend`) a :class:`Stash` per batch sized for theirs (through
+        ``spill``, tagged ``tag``, when given)."""
+        def stashes(mask, name):
+            rows = [torch.zeros(int(mask(idx).sum()), x.shape[-1], dtype=o.dtype, device=o.device)
+                    for (x, idx, _), o in zip(calls, outs)]
+            return [Stash(r) for r in (spill(rows, name) if spill is not None and rows else rows)]
 
-    def combine(self, outs: list[torch.Tensor], sinks: list) -> None:
+        borrowed = [e for e in self.of_rank(self.rank) if self.blocks[e] != self.rank]
+        lent = stashes(lambda idx: torch.isin(idx, torch.tensor(borrowed, device=idx.device)),
+                       f"moe-lent-{tag}") if borrowed else []
+        if self.rank == 0:
+            return Sink(outs, lent)
+        return Sink(stashes(lambda idx: (idx >= self.lo) & (idx < self.hi), f"moe-stash-{tag}"), lent)
+
+    def target(self, e: int, sink: Sink) -> list:
+        """The per-batch targets expert ``e``'s weighted outputs go to: ``sink``'s own (its block's), or
+        its :attr:`Sink.lent` stashes for an expert of another rank's block; stashes learn ``e``."""
+        out = list(sink) if self.blocks[e] == self.rank else sink.lent
+        for t in out:
+            if isinstance(t, Stash):
+                t.expert = e
+        return out
+
+    def combine(self, outs: list[torch.Tensor], sinks: Sink) -> None:
         """Make ``outs`` (every rank's accumulators for one set of calls, ``sinks`` from :meth:`sink`)
-        the routed output of every expert, added in ascending expert order: rank ``r`` receives
-        the sum of the ranks before it, adds its :class:`Stash` rows and passes it on; the last
-        rank's sum is broadcast to all."""
+        the routed output of every expert, added in ascending expert order: the rows of lent experts
+        first go back to their block's owner (each borrower's to every rank, in rank order); then rank
+        ``r`` receives the sum of the ranks before it, adds its :class:`Stash` rows and passes it on;
+        the last rank's sum is broadcast to all."""
         if self.size == 1:
             return
+        if self.lending:
+            for src in range(self.size):
+                got = share([st.kept() for st in sinks.lent] if src == self.rank else None, src)
+                for j, batch in enumerate(got or []):
+                    for e, index, rows in batch:
+                        if self.blocks[e] == self.rank:
+                            sinks[j].insert(e, index, rows)
         for r in range(self.size):
             if r and self.rank == r:
                 for out, stash in zip(outs, sinks):
@@ -245,12 +335,18 @@ class ExpertShare:
                 broadcast(out, r)
 
     def merge(self, parts: list, peak: float, groups: int) -> tuple[list, float, int]:
-        """Every rank's per-expert ``parts`` (in its experts' order) on every rank, in expert order;
-        the largest ``peak`` and the sum of ``groups`` over the ranks (flat tensors: :func:`share`)."""
+        """Every rank's per-expert ``parts`` (in its experts' order) on every rank, in expert order
+        (with lending, ``parts`` holds one entry per expert this rank solves); the largest ``peak``
+        and the sum of ``groups`` over the ranks (flat tensors: :func:`share`)."""
         if self.size == 1:
             return parts, peak, groups
         got = [share((parts, peak, groups) if src == self.rank else None, src) for src in range(self.size)]
-        return [p for g in got for p in g[0]], max(g[1] for g in got), sum(g[2] for g in got)
+        if self.lending:
+            by_expert = {e: p for r, g in enumerate(got) for e, p in zip(self.of_rank(r), g[0])}
+            merged = [by_expert[e] for e in sorted(by_expert)]
+        else:
+            merged = [p for g in got for p in g[0]]
+        return merged, max(g[1] for g in got), sum(g[2] for g in got)
 
 
 class GroupMail:

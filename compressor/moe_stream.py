@@ -59,7 +59,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from .arch import expert_index, is_expert
-from .moe_ranks import WRITER_COST, ExpertShare, solve_costs
+from .moe_ranks import ExpertShare, expert_costs
 from .quant.layer import LayerOutcome, layer_forward
 from .quant.primitives import abs_max
 
@@ -271,8 +271,7 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
     # blocks of about equal work (AWQ's steps chose theirs after their observe: compressor.moe_stream_awq)
     weighed = share is None and rebalance is not None and not getattr(algorithm, "per_linear", False)
     if share is None:
-        share = ExpertShare.of(algorithm, len(tap.experts), solve_costs(len(tap.experts), cold) if weighed else None,
-                               WRITER_COST)
+        share = ExpertShare.of(algorithm, len(tap.experts), expert_costs(counts, cold) if weighed else None, weighed)
     if weighed and share.size > 1:
         rebalance(share)
     accs = ((calls, routed, ctx.spill), (ref_calls or [], ref_routed, None),
@@ -286,14 +285,14 @@ def quantize_layer_streamed(i: int, layer, hidden: list, kw: dict, ctx, algorith
             move_loaded(expert, device)
             if hasattr(algorithm, "ready_expert"):  # AWQ: the expert's folds, just before its use (one held at a time)
                 algorithm.ready_expert(e)
-            add_expert(expert, e, ref_calls or [], sinks[1])
-            add_expert(expert, e, float_calls or [], sinks[2])
+            add_expert(expert, e, ref_calls or [], share.target(e, sinks[1]))
+            add_expert(expert, e, float_calls or [], share.target(e, sinks[2]))
             rels = [f"{arch.moe.experts}.{e}.{n}" for n, m in expert.named_modules() if isinstance(m, torch.nn.Linear)]
             inputs = [x[torch.where(idx == e)[0]] for x, idx, _ in inputs_from]
             with share.solo():
                 part = algorithm.quantize_expert(i, layer, rels, [x for x in inputs if x.shape[0]], e in cold, ctx)
             parts.append((part.errs, part.figures))
-            add_expert(expert, e, calls, sinks[0], peak)
+            add_expert(expert, e, calls, share.target(e, sinks[0]), peak)
     for (_c, out, _sp), sink in zip(accs, sinks):
         share.combine(out, sink)
     parts, peak[0], n_groups = share.merge(parts, peak[0], n_groups)
