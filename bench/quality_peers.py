@@ -25,7 +25,7 @@ agreement. Rows (``METHODS``, comma separated, default all):
   GPTQ, int4 symmetric in groups of 64 -- the presets' 128 does not divide SmolLM2's 576 -- with fp8
   inputs per token), ``nvfp4a16`` / ``llmc-nvfp4a16`` and ``mxfp4a16`` / ``llmc-mxfp4a16`` (RTN), the same
   with ``-gptq`` (GPTQ on the FP4 grid), and ``nvfp4`` / ``llmc-nvfp4`` (W4A4: FP4 inputs with a static
-  global scale). A run of these rows only writes ``bench/results/quality_peers-<tag>-formats.json``;
+  global scale; ``nvfp4-gptq`` / ``llmc-nvfp4-gptq`` its weights by GPTQ). A run of these rows only writes ``bench/results/quality_peers-<tag>-formats.json``;
 * ``autoround`` -- AutoRound in ``bench/.peers/autoround`` (``bench/peer_autoround.py``;
   ``AR_ITERS``, default 200, AutoRound's default; ``AR_LR``, default AutoRound's own:
   its "light" recipe is ``AR_ITERS=50 AR_LR=5e-3``).
@@ -67,10 +67,12 @@ FP8 = {"fp8": "w8a8-fp8", "fp8-block": "w8a8-fp8-block", "fp8-f32": "w8a8-fp8", 
 #: issue #49's formats: kvq's (recipe, flags), and llm-compressor's (preset, algorithm, weight group size)
 FORMATS = {"w4a8": ("w4a8-gptq", ["--set", "weights.group_size=64"]), "nvfp4a16": ("w4a16-nvfp4", []),
            "nvfp4a16-gptq": ("w4a16-nvfp4-gptq", []), "mxfp4a16": ("w4a16-mxfp4", []),
-           "mxfp4a16-gptq": ("w4a16-mxfp4-gptq", []), "nvfp4": ("w4a4-nvfp4", [])}
+           "mxfp4a16-gptq": ("w4a16-mxfp4-gptq", []), "nvfp4": ("w4a4-nvfp4", []),
+           "nvfp4-gptq": ("w4a4-nvfp4-gptq", [])}
 LLMC_FORMATS = {"llmc-w4a8": ("W4AFP8", "gptq", 64), "llmc-nvfp4a16": ("NVFP4A16", "rtn", None),
                 "llmc-nvfp4a16-gptq": ("NVFP4A16", "gptq", None), "llmc-mxfp4a16": ("MXFP4A16", "rtn", None),
-                "llmc-mxfp4a16-gptq": ("MXFP4A16", "gptq", None), "llmc-nvfp4": ("NVFP4", "rtn", None)}
+                "llmc-mxfp4a16-gptq": ("MXFP4A16", "gptq", None), "llmc-nvfp4": ("NVFP4", "rtn", None),
+                "llmc-nvfp4-gptq": ("NVFP4", "gptq", None)}
 SCHEME_LABEL = {"w4a8": "W4A8 (int4 g64, fp8 inputs)", "nvfp4a16": "NVFP4 W4A16", "mxfp4a16": "MXFP4 W4A16",
                 "nvfp4": "NVFP4 W4A4"}
 METHODS = [m for m in os.environ.get("METHODS", ",".join(ALL)).split(",") if m]
