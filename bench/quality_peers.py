@@ -25,7 +25,8 @@ agreement. Rows (``METHODS``, comma separated, default all):
   GPTQ, int4 symmetric in groups of 64 -- the presets' 128 does not divide SmolLM2's 576 -- with fp8
   inputs per token), ``nvfp4a16`` / ``llmc-nvfp4a16`` and ``mxfp4a16`` / ``llmc-mxfp4a16`` (RTN), the same
   with ``-gptq`` (GPTQ on the FP4 grid), and ``nvfp4`` / ``llmc-nvfp4`` (W4A4: FP4 inputs with a static
-  global scale; ``nvfp4-gptq`` / ``llmc-nvfp4-gptq`` its weights by GPTQ). A run of these rows only writes ``bench/results/quality_peers-<tag>-formats.json``;
+  global scale; ``nvfp4-gptq`` / ``llmc-nvfp4-gptq`` its weights by GPTQ). A run of these rows only writes
+  ``bench/results/quality_peers-<tag>-formats.json``;
 * ``autoround`` -- AutoRound in ``bench/.peers/autoround`` (``bench/peer_autoround.py``;
   ``AR_ITERS``, default 200, AutoRound's default; ``AR_LR``, default AutoRound's own:
   its "light" recipe is ``AR_ITERS=50 AR_LR=5e-3``).

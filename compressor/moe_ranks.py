@@ -251,7 +251,7 @@ class ExpertShare:
 
     def __init__(self, n: int, divided: bool = True, costs: list[float] | None = None, lending: bool = False):
         self.rank, self.size = world() if divided else (0, 1)
-        self.n, self.costs = n, costs
+        self.n = n
         lending = lending and costs is not None and self.size > 1
         cuts = [bounds(n, r, self.size, costs, lending) for r in range(self.size)]
         self.blocks = [r for r, (lo, hi) in enumerate(cuts) for _ in range(lo, hi)]  # each expert's block owner
